@@ -1,0 +1,81 @@
+"""`macd doctor`: what this machine can do as a rollout worker."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tier:
+    """A unified-memory tier and what a worker on it should run."""
+
+    min_gib: int
+    model: str  # largest recommended model size (bf16 plane unless noted)
+    batch: int  # prompts generated together
+    group_size: int
+
+
+TIERS = (
+    Tier(min_gib=0, model="0.5B", batch=4, group_size=8),
+    Tier(min_gib=16, model="1.5B", batch=8, group_size=8),
+    Tier(min_gib=32, model="3B", batch=8, group_size=16),
+    Tier(min_gib=64, model="7B", batch=16, group_size=16),
+    Tier(min_gib=128, model="14B", batch=16, group_size=16),
+)
+
+
+def memory_bytes() -> int:
+    """Physical (unified) memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def tier_for(memory: int) -> Tier:
+    gib = memory / 2**30
+    return [t for t in TIERS if gib >= t.min_gib][-1]
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def report(data_dir: Path) -> list[tuple[str, str, bool]]:
+    """(check, finding, ok) rows."""
+    rows: list[tuple[str, str, bool]] = []
+    py_ok = sys.version_info >= (3, 11)
+    rows.append(("python", f"{platform.python_version()} ({sys.executable})", py_ok))
+    mem = memory_bytes()
+    tier = tier_for(mem)
+    rows.append(
+        (
+            "memory",
+            f"{mem / 2**30:.0f} GiB -> up to {tier.model} models, batch {tier.batch}, group size {tier.group_size}",
+            True,
+        )
+    )
+    for pkg in ("mlx", "mlx-lm"):
+        version = package_version(pkg)
+        fix = "install the worker extra: pip install 'stoa[worker]'"
+        rows.append((pkg, version or f"missing: {fix}", version is not None))
+    probe = data_dir if data_dir.exists() else Path.home()
+    free = shutil.disk_usage(probe).free
+    rows.append(("disk", f"{free / 2**30:.0f} GiB free at {probe} (anchor cache and spool)", free > 20 * 2**30))
+    machine = f"{platform.system()} {platform.machine()}"
+    apple = platform.system() == "Darwin" and platform.machine() == "arm64"
+    rows.append(("platform", machine + ("" if apple else " (not Apple silicon: MLX runs on the CPU)"), True))
+    return rows
+
+
+def main(data_dir: Path) -> int:
+    rows = report(data_dir)
+    for name, finding, ok in rows:
+        print(f"{'ok ' if ok else 'FIX'}  {name:<9} {finding}")
+    return 0 if all(ok for _, _, ok in rows) else 1

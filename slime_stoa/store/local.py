@@ -1,0 +1,293 @@
+"""The local-folder backend (`file://`): the same guarantees as S3 with conditional writes.
+
+- Every write goes to a temp file under `<root>/.stoa-tmp/` and becomes visible in one atomic step
+  (`link` for put-if-absent, which fails if the key exists; `rename` otherwise), so a reader never
+  sees a partial object.
+- Writes to an existing key (plain put and compare-and-swap) hold an exclusive `flock` per key, so
+  across threads and processes exactly one CAS wins.
+- The ETag is an xxh3-128 of the content, kept in an extended attribute of the file when the file
+  system supports it (recomputed from the content otherwise).
+
+Limitation: a key cannot also be the folder of other keys (`a` and `a/b`), unlike in S3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import xxhash
+
+from .base import (
+    GetResult,
+    NotFound,
+    ObjectInfo,
+    Payload,
+    PreconditionFailed,
+    Store,
+    StoreConfigError,
+    StoreError,
+    check_key,
+    check_prefix,
+)
+
+_TMP = ".stoa-tmp"
+_LOCKS = ".stoa-locks"
+_XATTR = "user.stoa.etag"
+_HAS_XATTR = hasattr(os, "setxattr")
+_LIST_PAGE = 1000
+
+
+def _save_etag(path: Path, etag: str) -> None:
+    if _HAS_XATTR:
+        with contextlib.suppress(OSError):
+            os.setxattr(path, _XATTR, etag.encode())
+
+
+def _file_etag(path: Path) -> str:
+    if _HAS_XATTR:
+        with contextlib.suppress(OSError):
+            return os.getxattr(path, _XATTR).decode()
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class LocalStore(Store):
+    def __init__(self, root: Path, *, url: str | None = None, durable: bool = True):
+        self.root = Path(root)
+        self.url = url or f"file://{self.root}"
+        self.durable = durable  # fsync files before they become visible
+
+    # -- paths -------------------------------------------------------------------------------
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def _check_root(self) -> None:
+        if not self.root.is_dir():
+            raise StoreConfigError(
+                f"store folder {self.root} does not exist: create it (mkdir -p {self.root}) "
+                f"or fix the file:// URL"
+            )
+
+    def _lock_path(self, key: str) -> Path:
+        return self.root / _LOCKS / f"{xxhash.xxh3_64_hexdigest(key.encode())}.lock"
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        lock = self._lock_path(key)
+        lock.parent.mkdir(exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    # -- writing -----------------------------------------------------------------------------
+    async def _write_temp(self, data: Payload) -> tuple[Path, str]:
+        """Write the payload to a fresh temp file; returns its path and ETag."""
+        self._check_root()
+        tmp_dir = self.root / _TMP
+        tmp_dir.mkdir(exist_ok=True)
+        tmp = tmp_dir / uuid.uuid4().hex
+        digest = xxhash.xxh3_128()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    digest.update(data)
+                    await asyncio.to_thread(f.write, data)
+                else:
+                    async for chunk in data:
+                        digest.update(chunk)
+                        f.write(chunk)
+                f.flush()
+                if self.durable:
+                    await asyncio.to_thread(os.fsync, f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        etag = digest.hexdigest()
+        _save_etag(tmp, etag)
+        return tmp, etag
+
+    def _prepare_parent(self, path: Path, key: str) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise StoreError(f"cannot write {key!r}: a parent of it is an object in {self.url}") from None
+        if path.is_dir():
+            raise StoreError(f"cannot write {key!r}: it is a folder of other objects in {self.url}")
+
+    async def put(self, key: str, data: Payload, *, if_match: str | None = None) -> str:
+        path = self._path(key)
+        tmp, etag = await self._write_temp(data)
+        try:
+            await asyncio.to_thread(self._replace, tmp, path, key, if_match)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return etag
+
+    def _replace(self, tmp: Path, path: Path, key: str, if_match: str | None) -> None:
+        self._prepare_parent(path, key)
+        with self._locked(key):
+            if if_match is not None:
+                try:
+                    current = _file_etag(path)
+                except FileNotFoundError:
+                    raise PreconditionFailed(f"{key!r} does not exist; cannot replace it by ETag") from None
+                if current != if_match:
+                    raise PreconditionFailed(f"{key!r} changed (ETag {current} != {if_match})")
+            os.replace(tmp, path)
+
+    async def put_if_absent(self, key: str, data: Payload) -> str:
+        path = self._path(key)
+        tmp, etag = await self._write_temp(data)
+        try:
+            await asyncio.to_thread(self._link, tmp, path, key)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return etag
+
+    def _link(self, tmp: Path, path: Path, key: str) -> None:
+        self._prepare_parent(path, key)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise PreconditionFailed(f"{key!r} already exists") from None
+
+    # -- reading -----------------------------------------------------------------------------
+    async def get(
+        self,
+        key: str,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        if_none_match: str | None = None,
+    ) -> GetResult | None:
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError(f"invalid byte range offset={offset} length={length}")
+        path = self._path(key)
+        return await asyncio.to_thread(self._read, path, key, offset, length, if_none_match)
+
+    def _read(
+        self, path: Path, key: str, offset: int, length: int | None, if_none_match: str | None
+    ) -> GetResult | None:
+        self._check_root()
+        try:
+            with open(path, "rb") as f:
+                # The open file keeps this version alive even if it is replaced meanwhile.
+                etag = _etag_of_open(f)
+                if if_none_match is not None and if_none_match == etag:
+                    return None
+                size = os.fstat(f.fileno()).st_size
+                f.seek(offset)
+                data = f.read() if length is None else f.read(length)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFound(f"{key!r} not found in {self.url}") from None
+        return GetResult(data=data, etag=etag, size=size)
+
+    async def head(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        return await asyncio.to_thread(self._stat, path, key)
+
+    def _stat(self, path: Path, key: str) -> ObjectInfo:
+        self._check_root()
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                return ObjectInfo(key=key, size=st.st_size, etag=_etag_of_open(f), last_modified=st.st_mtime)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFound(f"{key!r} not found in {self.url}") from None
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+        check_prefix(prefix)
+        await asyncio.to_thread(self._check_root)
+        keys = _walk(self.root, "", prefix, start_after or "")
+        while True:
+            page = await asyncio.to_thread(_take, keys, _LIST_PAGE)
+            for key in page:
+                try:
+                    yield await asyncio.to_thread(self._stat, self._path(key), key)
+                except NotFound:
+                    continue  # deleted while listing
+            if len(page) < _LIST_PAGE:
+                return
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+        await asyncio.to_thread(self._unlink, path)
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            path.unlink()
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except IsADirectoryError:
+            raise StoreError(f"{path} is a folder of other objects, not an object") from None
+        # Drop folders left empty, so listings stay fast.
+        parent = path.parent
+        while parent != self.root:
+            try:
+                parent.rmdir()
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    break
+                raise
+            parent = parent.parent
+
+
+def _etag_of_open(f) -> str:
+    if _HAS_XATTR:
+        with contextlib.suppress(OSError):
+            return os.getxattr(f.fileno(), _XATTR).decode()
+    digest = xxhash.xxh3_128()
+    pos = f.tell()
+    f.seek(0)
+    while chunk := f.read(8 << 20):
+        digest.update(chunk)
+    f.seek(pos)
+    return digest.hexdigest()
+
+
+def _take(it: Iterator[str], n: int) -> list[str]:
+    out: list[str] = []
+    for item in it:
+        out.append(item)
+        if len(out) == n:
+            break
+    return out
+
+
+def _walk(folder: Path, key_prefix: str, prefix: str, start_after: str) -> Iterator[str]:
+    """Keys under `folder` in lexicographic order, pruning subtrees outside the query."""
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    named = []
+    for entry in entries:
+        if entry.name.startswith(".stoa"):
+            continue
+        is_dir = entry.is_dir(follow_symlinks=False)
+        named.append((key_prefix + entry.name + ("/" if is_dir else ""), is_dir, entry))
+    named.sort(key=lambda item: item[0])
+    for key, is_dir, entry in named:
+        if is_dir:
+            # Every key below starts with `key`: skip the subtree when it cannot match.
+            if not (key.startswith(prefix) or prefix.startswith(key)):
+                continue
+            if start_after > key and not start_after.startswith(key):
+                continue
+            yield from _walk(Path(entry.path), key, prefix, start_after)
+        elif key.startswith(prefix) and key > start_after:
+            yield key

@@ -1,0 +1,80 @@
+"""Shared fixtures: one conformance `store` fixture over both backends.
+
+The S3 backend runs against a real SeaweedFS server started on 127.0.0.1 for the test session.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+# MLX: skip the g++ kernel compile (same results) and keep its cache in a per-session folder.
+os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
+
+from slime_stoa.store import Store, open_store  # noqa: E402
+from slime_stoa.testing.s3server import LocalS3Server  # noqa: E402
+
+BACKENDS = ["file", "s3"]
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[LocalS3Server]:
+    with LocalS3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(s3_server: LocalS3Server) -> str:
+    name = f"stoa-test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(name)
+    return name
+
+
+def s3_url(server: LocalS3Server, bucket: str, prefix: str) -> str:
+    return f"s3://{bucket}/{prefix}?endpoint={server.endpoint_url}"
+
+
+@pytest.fixture
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty store URL of the parametrized backend."""
+    backend = getattr(request, "param", "file")
+    if backend == "file":
+        root = tmp_path / "bucket"
+        root.mkdir()
+        return f"file://{root}"
+    server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    return s3_url(server, bucket, f"t-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def store_env(request: pytest.FixtureRequest, store_url: str) -> dict[str, str]:
+    """Environment holding the credentials for `store_url` (empty for file://)."""
+    if not store_url.startswith("s3://"):
+        return {}
+    server = request.getfixturevalue("s3_server")
+    creds = server.credentials()
+    return {"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
+
+
+@pytest.fixture
+async def store(store_url: str, store_env: dict[str, str]) -> AsyncIterator[Store]:
+    async with open_store(store_url, environ=store_env) as s:
+        yield s
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests that use `store`/`store_url` run once per backend."""
+    if "store_url" in metafunc.fixturenames and "backend_param" not in metafunc.fixturenames:
+        if not any(m.name == "file_only" for m in metafunc.definition.iter_markers()):
+            metafunc.parametrize("store_url", BACKENDS, indirect=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "file_only: run a store test on the local backend only")
+    os.environ.setdefault("TMPDIR", tempfile.gettempdir())
