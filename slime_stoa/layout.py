@@ -2,18 +2,21 @@
 
     runs/<run>/run.json                               run manifest (immutable)
     runs/<run>/current.json                           weight pointer (moves by CAS, only forward)
-    runs/<run>/anchors/<v>/manifest.json              full-state anchor: manifest, written last
-    runs/<run>/anchors/<v>/<file>                     its safetensors shards and HF config files
-    runs/<run>/versions/<v>.json                      version manifest: patches that reach v
-    runs/<run>/patches/<v>/from-<base>.pulse          PULSE patch body base -> v
+    runs/<run>/anchors/<v>-<a>/manifest.json          full-state anchor: manifest, written last
+    runs/<run>/anchors/<v>-<a>/<file>                 its safetensors shards and HF config files
+    runs/<run>/versions/<v>-<a>.json                  version manifest: patches that reach v
+    runs/<run>/patches/<v>-<a>/<kind>-<base>.pulse    PULSE patch body base -> v
     runs/<run>/rollouts/<ts>-<worker>-<seq>.rec       train rollout-group records (immutable)
     runs/<run>/evals/<ts>-<worker>-<seq>.rec          eval rollout-group records (immutable)
     runs/<run>/workers/<worker>.json                  worker heartbeat
     runs/<run>/tasks/<task>/<name>                    task data
     runs/<run>/trainer/<name>                         trainer state (cursors, ledgers)
 
-`<v>` is the version zero-padded to 12 digits and `<ts>` a 13-digit millisecond timestamp, so
-listing order is version order and time order. Rollout keys lead with the time so the trainer
+`<v>` is the version zero-padded to 12 digits, `<a>` the publish attempt (8 hex digits, fresh
+for every publish call) and `<ts>` a 13-digit millisecond timestamp, so listing order is version
+order and time order. Weight objects carry the attempt so that a publisher that crashed or lost
+a race never blocks a version: only the pointer's compare-and-swap decides which attempt became
+version v, and the pointer and every manifest name the exact keys they stand on. Rollout keys lead with the time so the trainer
 finds new records across all workers with one listing from a cursor (cost grows with new
 records, not with the number of workers); within a worker they also sort by sequence.
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _WORKER = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
+_ATTEMPT = re.compile(r"^[0-9a-f]{8}$")
+_VERSIONED = re.compile(r"^(\d{12})-([0-9a-f]{8})$")
 _ROLLOUT_FILE = re.compile(r"^(\d{13})-([a-z0-9][a-z0-9-]{0,47})-(\d{10})\.rec$")
 VERSION_DIGITS = 12
 ROLLOUT_KINDS = {"train": "rollouts", "eval": "evals"}
@@ -53,6 +58,22 @@ def version_str(version: int) -> str:
     if not isinstance(version, int) or version < 0 or version >= 10**VERSION_DIGITS:
         raise ValueError(f"invalid weight version {version!r}")
     return f"{version:0{VERSION_DIGITS}d}"
+
+
+def check_attempt(attempt: str) -> str:
+    if not isinstance(attempt, str) or not _ATTEMPT.match(attempt):
+        raise ValueError(f"invalid publish attempt id {attempt!r}: expected 8 lowercase hex digits")
+    return attempt
+
+
+def versioned(version: int, attempt: str) -> str:
+    """`<v>-<a>`: the name of one publish attempt of a version."""
+    return f"{version_str(version)}-{check_attempt(attempt)}"
+
+
+def parse_versioned(name: str) -> tuple[int, str] | None:
+    match = _VERSIONED.match(name)
+    return (int(match[1]), match[2]) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,44 +110,44 @@ class RunLayout:
     def anchors_prefix(self) -> str:
         return f"{self.root}anchors/"
 
-    def anchor_prefix(self, version: int) -> str:
-        return f"{self.anchors_prefix}{version_str(version)}/"
+    def anchor_prefix(self, version: int, attempt: str) -> str:
+        return f"{self.anchors_prefix}{versioned(version, attempt)}/"
 
-    def anchor_manifest(self, version: int) -> str:
-        return f"{self.anchor_prefix(version)}manifest.json"
+    def anchor_manifest(self, version: int, attempt: str) -> str:
+        return f"{self.anchor_prefix(version, attempt)}manifest.json"
 
-    def anchor_file(self, version: int, name: str) -> str:
-        return f"{self.anchor_prefix(version)}{check_name('file', name)}"
+    def anchor_file(self, version: int, attempt: str, name: str) -> str:
+        return f"{self.anchor_prefix(version, attempt)}{check_name('file', name)}"
 
     @property
     def versions_prefix(self) -> str:
         return f"{self.root}versions/"
 
-    def version_manifest(self, version: int) -> str:
-        return f"{self.versions_prefix}{version_str(version)}.json"
+    def version_manifest(self, version: int, attempt: str) -> str:
+        return f"{self.versions_prefix}{versioned(version, attempt)}.json"
 
-    def parse_version_manifest(self, key: str) -> int | None:
-        """The version of a version-manifest key, or None for any other key."""
-        tail = key.removeprefix(self.versions_prefix)
-        if tail == key or not tail.endswith(".json"):
-            return None
-        digits = tail[: -len(".json")]
-        return int(digits) if len(digits) == VERSION_DIGITS and digits.isdigit() else None
+    def version_manifests_prefix(self, version: int) -> str:
+        """List this prefix to find every attempt's manifest of one version."""
+        return f"{self.versions_prefix}{version_str(version)}-"
 
-    def parse_anchor_manifest(self, key: str) -> int | None:
-        tail = key.removeprefix(self.anchors_prefix)
-        digits, sep, rest = tail.partition("/")
-        if tail == key or rest != "manifest.json" or len(digits) != VERSION_DIGITS or not digits.isdigit():
-            return None
-        return int(digits)
+    @property
+    def patches_prefix(self) -> str:
+        return f"{self.root}patches/"
 
-    def patches_prefix(self, version: int) -> str:
-        return f"{self.root}patches/{version_str(version)}/"
-
-    def patch(self, version: int, base: int) -> str:
+    def patch(self, version: int, attempt: str, kind: str, base: int) -> str:
+        if kind not in ("step", "catchup"):
+            raise ValueError(f"unknown patch kind {kind!r}")
         if base >= version:
             raise ValueError(f"a patch goes forward: base {base} must be below version {version}")
-        return f"{self.patches_prefix(version)}from-{version_str(base)}.pulse"
+        return f"{self.patches_prefix}{versioned(version, attempt)}/{kind}-{version_str(base)}.pulse"
+
+    def weight_object_version(self, key: str) -> tuple[int, str] | None:
+        """(version, attempt) of any anchor, version-manifest or patch key; None otherwise."""
+        for prefix in (self.anchors_prefix, self.versions_prefix, self.patches_prefix):
+            if key.startswith(prefix):
+                head = key[len(prefix) :].split("/", 1)[0].removesuffix(".json")
+                return parse_versioned(head)
+        return None
 
     # -- rollouts ----------------------------------------------------------------------------
     def rollouts_prefix(self, kind: str = "train") -> str:

@@ -11,21 +11,28 @@ def test_keys_are_under_the_run() -> None:
     lay = RunLayout("demo")
     assert lay.run_manifest == "runs/demo/run.json"
     assert lay.pointer == "runs/demo/current.json"
-    assert lay.anchor_manifest(3) == "runs/demo/anchors/000000000003/manifest.json"
-    assert lay.version_manifest(12) == "runs/demo/versions/000000000012.json"
-    assert lay.patch(12, 11) == "runs/demo/patches/000000000012/from-000000000011.pulse"
+    assert lay.anchor_manifest(3, "0badcafe") == "runs/demo/anchors/000000000003-0badcafe/manifest.json"
+    assert lay.version_manifest(12, "0badcafe") == "runs/demo/versions/000000000012-0badcafe.json"
+    assert (
+        lay.patch(12, "0badcafe", "step", 11)
+        == "runs/demo/patches/000000000012-0badcafe/step-000000000011.pulse"
+    )
     assert lay.heartbeat("mac-01") == "runs/demo/workers/mac-01.json"
     assert lay.task_file("gsm8k", "train.jsonl.zst") == "runs/demo/tasks/gsm8k/train.jsonl.zst"
 
 
-def test_version_keys_sort_numerically() -> None:
+def test_version_keys_sort_numerically_and_parse_back() -> None:
     lay = RunLayout("r")
-    keys = [lay.version_manifest(v) for v in (9, 10, 100, 1)]
-    assert sorted(keys) == [lay.version_manifest(v) for v in (1, 9, 10, 100)]
-    assert [lay.parse_version_manifest(k) for k in keys] == [9, 10, 100, 1]
-    assert lay.parse_version_manifest("runs/r/versions/junk.json") is None
-    assert lay.parse_anchor_manifest(lay.anchor_manifest(7)) == 7
-    assert lay.parse_anchor_manifest(lay.anchor_file(7, "model.safetensors")) is None
+    keys = [lay.version_manifest(v, "00000001") for v in (9, 10, 100, 1)]
+    assert sorted(keys) == [lay.version_manifest(v, "00000001") for v in (1, 9, 10, 100)]
+    assert [lay.weight_object_version(k) for k in keys] == [(v, "00000001") for v in (9, 10, 100, 1)]
+    assert lay.version_manifest(9, "abcdef01").startswith(lay.version_manifests_prefix(9))
+    assert lay.weight_object_version(lay.anchor_file(7, "abcdef01", "model.safetensors")) == (7, "abcdef01")
+    assert lay.weight_object_version(lay.patch(7, "abcdef01", "catchup", 2)) == (7, "abcdef01")
+    assert lay.weight_object_version("runs/r/versions/junk.json") is None
+    assert lay.weight_object_version(lay.heartbeat("w")) is None
+    with pytest.raises(ValueError, match="attempt"):
+        lay.version_manifest(1, "XYZ")
 
 
 def test_rollout_keys_sort_by_time_and_parse_back() -> None:
@@ -55,4 +62,4 @@ def test_bad_worker_ids(bad: str) -> None:
 
 def test_patches_go_forward() -> None:
     with pytest.raises(ValueError, match="forward"):
-        RunLayout("r").patch(3, 3)
+        RunLayout("r").patch(3, "00000000", "step", 3)

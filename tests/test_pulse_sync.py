@@ -1,0 +1,309 @@
+"""Publisher and subscriber end to end, on both store backends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from slime_stoa.layout import RunLayout
+from slime_stoa.pulse.digest import state_digest
+from slime_stoa.pulse.manifests import Pointer, VersionManifest
+from slime_stoa.pulse.publisher import PublishConflict, Publisher, PublisherConfig
+from slime_stoa.pulse.subscriber import Subscriber, SyncError
+from slime_stoa.store import Store
+
+RUN = "sync-test"
+
+
+def random_state(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    shapes = {"embed": (64, 32), "layer.0.w": (48, 48), "norm": (100,), "scalar": (), "empty": (0,)}
+    return {name: rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) for name, shape in shapes.items()}
+
+
+def step_state(state: dict[str, np.ndarray], rng: np.random.Generator, density: float = 0.02) -> dict[str, np.ndarray]:
+    new = {name: bits.copy() for name, bits in state.items()}
+    for bits in new.values():
+        flat = bits.reshape(-1)
+        if flat.size:
+            where = rng.random(flat.size) < density
+            flat[where] = rng.integers(0, 1 << 16, size=int(where.sum()), dtype=np.uint16)
+    return new
+
+
+def assert_same(a: dict[str, np.ndarray] | None, b: dict[str, np.ndarray]) -> None:
+    assert a is not None and a.keys() == b.keys()
+    for name in b:
+        assert a[name].shape == b[name].shape and np.array_equal(a[name], b[name]), name
+
+
+async def publish_versions(pub: Publisher, rng: np.random.Generator, n: int, state=None) -> list[dict[str, np.ndarray]]:
+    states = []
+    state = state if state is not None else random_state(rng)
+    for _ in range(n):
+        await pub.publish(state)
+        states.append(state)
+        state = step_state(state, rng)
+    return states
+
+
+async def test_follower_steps_through_every_version(store: Store) -> None:
+    rng = np.random.default_rng(0)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    state = random_state(rng)
+    for v in range(5):
+        result = await pub.publish(state)
+        assert result.version == v and result.anchored == (v == 0)
+        synced = await sub.sync()
+        assert synced is not None and synced.version == v
+        assert synced.path == ("anchor" if v == 0 else "step")
+        assert_same(sub.state, state)
+        assert sub.digest is not None and sub.digest.root() == state_digest(state) == pub.state_digest
+        assert await sub.sync() is None  # unchanged pointer: nothing to do
+        state = step_state(state, rng)
+
+
+async def test_lagging_subscriber_uses_one_catchup_patch(store: Store) -> None:
+    rng = np.random.default_rng(1)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    states += await publish_versions(pub, rng, 5, step_state(states[-1], rng))
+    result = await sub.sync()
+    assert result is not None and result.path == "catchup" and result.version == 6
+    assert_same(sub.state, states[-1])
+
+
+async def test_cold_subscriber_starts_from_the_anchor(store: Store) -> None:
+    rng = np.random.default_rng(2)
+    pub = Publisher(store, RUN)
+    states = await publish_versions(pub, rng, 4)
+    sub = Subscriber(store, RUN)
+    result = await sub.sync()
+    assert result is not None and result.path == "anchor+catchup" and result.version == 3
+    assert_same(sub.state, states[-1])
+
+
+async def test_without_catchup_a_lagger_replays_the_chain(store: Store) -> None:
+    rng = np.random.default_rng(3)
+    pub, sub = Publisher(store, RUN, PublisherConfig(catchup=False)), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    states += await publish_versions(pub, rng, 4, step_state(states[-1], rng))
+    result = await sub.sync()
+    assert result is not None and result.path == "chain"
+    assert_same(sub.state, states[-1])
+
+
+async def test_base_relative_patches(store: Store) -> None:
+    rng = np.random.default_rng(4)
+    pub = Publisher(store, RUN, PublisherConfig(mode="rel"))
+    follower, lagger = Subscriber(store, RUN), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await follower.sync()
+    await lagger.sync()
+    state = states[-1]
+    for _ in range(3):
+        state = step_state(state, rng)
+        await pub.publish(state)
+        result = await follower.sync()
+        assert result is not None and result.path == "step"
+        assert_same(follower.state, state)
+    result = await lagger.sync()
+    assert result is not None and result.path == "catchup"
+    assert_same(lagger.state, state)
+
+
+async def test_no_change_version(store: Store) -> None:
+    rng = np.random.default_rng(5)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    state = random_state(rng)
+    await pub.publish(state)
+    await sub.sync()
+    result = await pub.publish(state)
+    assert result.changed == 0 and result.density == 0.0
+    synced = await sub.sync()
+    assert synced is not None and synced.version == 1 and synced.touched == ()
+    assert_same(sub.state, state)
+
+
+async def _manifest(store: Store, version: int) -> VersionManifest:
+    pointer = Pointer.from_bytes(await store.get_bytes(RunLayout(RUN).pointer))
+    key = pointer.manifest
+    while True:
+        manifest = VersionManifest.from_bytes(await store.get_bytes(key), key)
+        if manifest.version == version:
+            return manifest
+        assert manifest.parent is not None
+        key = manifest.parent.manifest
+
+
+async def test_corrupt_step_patch_falls_back_and_ends_identical(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    rng = np.random.default_rng(6)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 3)
+    await sub.sync()  # at v2
+    await pub.publish(step_state(states[-1], rng))
+    step = (await _manifest(store, 3)).patch("step")
+    assert step is not None
+    body = bytearray(await store.get_bytes(step.key))
+    body[len(body) // 2] ^= 0x40
+    await store.put(step.key, bytes(body))  # tamper with an immutable object
+    before = {k: v.copy() for k, v in sub.state.items()}
+    with caplog.at_level(logging.WARNING, logger="stoa.pulse"):
+        result = await sub.sync()
+    assert result is not None and result.path != "step"
+    assert "via step failed" in caplog.text and "digest" in caplog.text
+    assert sub.digest is not None and sub.digest.root() == pub.state_digest
+    assert not all(np.array_equal(before[k], sub.state[k]) for k in before)
+
+
+async def test_missing_patches_fall_back_to_the_anchor(store: Store) -> None:
+    rng = np.random.default_rng(7)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    states += await publish_versions(pub, rng, 3, step_state(states[-1], rng))
+    manifest = await _manifest(store, 4)
+    for ref in manifest.patches:
+        await store.delete(ref.key)
+    with pytest.raises(SyncError):  # the anchor path needs the catch-up patch too
+        await sub.sync()
+    assert sub.version == 1
+    assert_same(sub.state, states[1])  # untouched
+    states.append(step_state(states[-1], rng))
+    await pub.publish(states[-1])
+    result = await sub.sync()  # the next version is reachable again
+    assert result is not None and result.version == 5
+    assert_same(sub.state, states[-1])
+
+
+async def test_wrong_base_is_detected_and_recovered(store: Store) -> None:
+    rng = np.random.default_rng(8)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    assert sub.state is not None
+    sub.state["norm"][0] ^= 1  # local corruption the subscriber does not know about
+    await pub.publish(step_state(states[-1], rng))
+    result = await sub.sync()
+    assert result is not None and result.path.startswith("anchor")
+    assert sub.digest is not None and sub.digest.root() == pub.state_digest
+
+
+async def test_pointer_ahead_of_its_objects_keeps_the_state(store: Store) -> None:
+    rng = np.random.default_rng(9)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    layout = RunLayout(RUN)
+    got = await store.get(layout.pointer)
+    assert got is not None
+    pointer = Pointer.from_bytes(got.data)
+    ahead = Pointer(
+        run=RUN, version=pointer.version + 1, state_digest="0" * 32,
+        manifest=layout.version_manifest(pointer.version + 1, "deadbeef"), anchor=pointer.anchor, updated_at=0.0,
+    )
+    await store.put(layout.pointer, ahead.to_bytes(), if_match=got.etag)
+    with pytest.raises(SyncError, match="manifest is unreadable"):
+        await sub.sync()
+    assert sub.version == 1
+    assert_same(sub.state, states[-1])
+
+
+async def test_corrupt_anchor_and_patches_leave_the_state_untouched(store: Store) -> None:
+    rng = np.random.default_rng(10)
+    pub = Publisher(store, RUN, PublisherConfig(catchup=False))
+    states = await publish_versions(pub, rng, 3)
+    sub = Subscriber(store, RUN)
+    manifest = await _manifest(store, 2)
+    anchor_prefix = manifest.anchor.manifest.rsplit("/", 1)[0] + "/"
+    async for info in store.list(anchor_prefix):
+        if info.key.endswith(".safetensors"):
+            data = bytearray(await store.get_bytes(info.key))
+            data[-1] ^= 0xFF
+            await store.put(info.key, bytes(data))
+    with pytest.raises(SyncError, match="could not reach weights v2"):
+        await sub.sync()
+    assert sub.state is None and sub.version is None
+
+
+async def test_racing_publishers_one_commit_per_version(store: Store) -> None:
+    rng = np.random.default_rng(11)
+    base = random_state(rng)
+    first = Publisher(store, RUN)
+    await first.publish(base)
+    a, b = Publisher(store, RUN), Publisher(store, RUN)
+    await asyncio.gather(a.open(), b.open())
+    sa, sb = step_state(base, rng), step_state(base, rng)
+    results = await asyncio.gather(a.publish(sa), b.publish(sb), return_exceptions=True)
+    conflicts = [r for r in results if isinstance(r, PublishConflict)]
+    wins = [r for r in results if not isinstance(r, BaseException)]
+    assert len(conflicts) == 1 and len(wins) == 1, results
+    assert "another publisher" in str(conflicts[0])
+    winner_state = sa if not isinstance(results[0], BaseException) else sb
+    sub = Subscriber(store, RUN)
+    result = await sub.sync()
+    assert result is not None and result.version == 1
+    assert_same(sub.state, winner_state)
+
+
+async def test_resumed_publisher_continues_the_chain(store: Store) -> None:
+    rng = np.random.default_rng(12)
+    states = await publish_versions(Publisher(store, RUN), rng, 3)
+    sub = Subscriber(store, RUN)
+    await sub.sync()
+    resumed = Publisher(store, RUN)
+    assert await resumed.open() == 2
+    nxt = step_state(states[-1], rng)
+    result = await resumed.publish(nxt)
+    assert result.version == 3 and not result.anchored
+    synced = await sub.sync()
+    assert synced is not None and synced.path == "step"
+    assert_same(sub.state, nxt)
+    assert (await _manifest(store, 3)).patch("catchup") is not None
+
+
+async def test_anchor_cadence_and_retention(store: Store) -> None:
+    rng = np.random.default_rng(13)
+    pub = Publisher(store, RUN, PublisherConfig(anchor_every=3, retain_anchors=2, anchor_fraction=100.0))
+    states = await publish_versions(pub, rng, 8)
+    layout = RunLayout(RUN)
+    anchors = sorted(
+        {layout.weight_object_version(i.key)[0] async for i in store.list(layout.anchors_prefix)}
+    )
+    assert anchors == [3, 6]  # 0 was deleted when 6 was written
+    versions = sorted({layout.weight_object_version(i.key)[0] async for i in store.list(layout.versions_prefix)})
+    assert versions == list(range(3, 8))
+    sub = Subscriber(store, RUN)
+    result = await sub.sync()
+    assert result is not None and result.version == 7 and result.path == "anchor+step"
+    assert_same(sub.state, states[-1])
+
+
+async def test_anchor_when_patches_outweigh_it(store: Store) -> None:
+    rng = np.random.default_rng(14)
+    pub = Publisher(store, RUN, PublisherConfig(anchor_fraction=0.3))
+    state = random_state(rng)
+    await pub.publish(state)
+    anchored = []
+    for _ in range(6):
+        state = step_state(state, rng, density=0.1)
+        anchored.append((await pub.publish(state)).anchored)
+    assert any(anchored) and not all(anchored)
+
+
+async def test_publish_rejects_a_different_model(store: Store) -> None:
+    rng = np.random.default_rng(15)
+    pub = Publisher(store, RUN)
+    state = random_state(rng)
+    await pub.publish(state)
+    pointer_before = await store.get_bytes(RunLayout(RUN).pointer)
+    bad = dict(state)
+    bad["norm"] = np.zeros(101, dtype=np.uint16)
+    with pytest.raises(ValueError, match="shape"):
+        await pub.publish(bad)
+    assert await store.get_bytes(RunLayout(RUN).pointer) == pointer_before
+    assert pub.version == 0
