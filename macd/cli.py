@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="check Python, MLX, memory and disk, and recommend a model size and batch"
     )
     doctor.add_argument("--data-dir", type=Path, default=default_data_dir(), help="anchor cache and spool folder")
-    doctor.set_defaults(run=lambda args: _doctor(args))
+    doctor.set_defaults(handler=lambda args: _doctor(args))
     return parser
 
 
@@ -40,7 +40,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from slime_stoa.layout import RunLayout
+from slime_stoa.pulse.codec import diff
 from slime_stoa.pulse.digest import state_digest
 from slime_stoa.pulse.manifests import Pointer, VersionManifest
 from slime_stoa.pulse.publisher import PublishConflict, Publisher, PublisherConfig
@@ -59,7 +60,12 @@ async def test_follower_steps_through_every_version(store: Store) -> None:
         synced = await sub.sync()
         assert synced is not None and synced.version == v
         assert synced.path == ("anchor" if v == 0 else "step")
+        if v:
+            expected = {n: idx for n, (idx, _) in diff(previous, state).items()}
+            assert synced.changed is not None and synced.changed.keys() == expected.keys()
+            assert all(np.array_equal(synced.changed[n], expected[n]) for n in expected)
         assert_same(sub.state, state)
+        previous = state
         assert sub.digest is not None and sub.digest.root() == state_digest(state) == pub.state_digest
         assert await sub.sync() is None  # unchanged pointer: nothing to do
         state = step_state(state, rng)

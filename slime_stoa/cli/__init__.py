@@ -1,7 +1,7 @@
 """`stoa`: the operator and trainer-side command line.
 
 Each command group lives in its own module with `add_parser(subparsers)`; the parser stores the
-function to run in `args.run`.
+function to run in `args.handler`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import argparse
 import logging
 import sys
 
-from . import store_cmd
+from . import store_cmd, weights_cmd
 
-GROUPS = (store_cmd,)
+GROUPS = (store_cmd, weights_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return int(args.run(args) or 0)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

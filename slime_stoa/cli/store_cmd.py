@@ -25,12 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     check.add_argument("url", help="store URL, e.g. file:///tmp/stoa-bucket or r2://<account>/<bucket>")
     check.add_argument("--create", action="store_true", help="create a missing local folder")
-    check.set_defaults(run=run_check)
+    check.set_defaults(handler=run_check)
 
     ls = cmds.add_parser("ls", help="list objects under a prefix")
     ls.add_argument("url", help="store URL")
     ls.add_argument("prefix", nargs="?", default="", help="key prefix, e.g. runs/demo/")
-    ls.set_defaults(run=run_ls)
+    ls.set_defaults(handler=run_ls)
 
 
 async def check_store(url: str, *, create: bool = False, out=sys.stdout) -> None:

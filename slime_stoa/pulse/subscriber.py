@@ -57,6 +57,9 @@ class SyncResult:
     bytes: int  # downloaded
     touched: tuple[str, ...]  # tensors whose bits may have changed
     seconds: float
+    # Flat indices written per tensor (sorted, unique); None when the whole state was replaced
+    # (anchor paths). Lets a receiver refresh only what changed, e.g. re-quantize touched groups.
+    changed: Mapping[str, np.ndarray] | None = None
 
 
 @dataclass(slots=True)
@@ -123,13 +126,15 @@ class Subscriber:
         errors = []
         for plan in plans:
             try:
-                touched = await self._execute(plan, target)
+                touched, changed = await self._execute(plan, target)
             except (PatchError, ManifestError, StoreError, SyncError, ValueError) as exc:
                 errors.append(f"{plan.name}: {exc}")
                 log.warning("weights v%d via %s failed (%s); trying the next path", target.version, plan.name, exc)
                 continue
             self.version = target.version
-            return SyncResult(target.version, previous, plan.name, plan.cost, touched, time.perf_counter() - start)
+            return SyncResult(
+                target.version, previous, plan.name, plan.cost, touched, time.perf_counter() - start, changed
+            )
         where = f"v{previous}" if previous is not None else "no weights"
         raise SyncError(
             f"could not reach weights v{target.version} from {where}; keeping the current state. "
@@ -196,19 +201,19 @@ class Subscriber:
         return plan
 
     # -- execution ---------------------------------------------------------------------------
-    async def _execute(self, plan: _Plan, target: VersionManifest) -> tuple[str, ...]:
-        """Run a plan; the subscriber's state changes only if the target digest verifies."""
+    async def _execute(self, plan: _Plan, target: VersionManifest):
+        """Run a plan; the subscriber's state changes only if the target digest verifies.
+
+        Returns (touched names, changed indices per tensor or None for a whole new state)."""
         if plan.anchor is None:
             assert self.state is not None and self.digest is not None
-            touched, self.digest = await self._apply_verified(
-                self.state, self.digest, plan.patches, target.state_digest
-            )
-            return touched
+            logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
+            return _touched(logs), _changed(logs)
         anchor = AnchorManifest.from_bytes(await self.store.get_bytes(plan.anchor), plan.anchor)
         state, digest = await read_anchor(self.store, anchor, concurrency=self.config.concurrency)
         _, digest = await self._apply_verified(state, digest, plan.patches, target.state_digest)
         self.state, self.digest = state, digest
-        return tuple(sorted(state))
+        return tuple(sorted(state)), None
 
     async def _apply_verified(
         self,
@@ -216,7 +221,7 @@ class Subscriber:
         digest: StateDigest,
         patches: list[PatchRef],
         expected: str,
-    ) -> tuple[tuple[str, ...], StateDigest]:
+    ) -> tuple[list[UndoLog], StateDigest]:
         """Apply patches in order and check the digest; on any failure restore the state."""
         if patches and patches[0].base_digest is not None and patches[0].base_digest != digest.root():
             raise SyncError(f"{patches[0].key} needs base {patches[0].base_digest}, we hold {digest.root()}")
@@ -237,7 +242,7 @@ class Subscriber:
             for undo in reversed(logs):
                 undo.rollback(state)
             raise
-        return tuple(sorted(touched)), new_digest
+        return logs, new_digest
 
     async def _fetch_frames(self, ref: PatchRef) -> Mapping[int, bytes]:
         frames = ref.index.frames
@@ -255,3 +260,15 @@ class Subscriber:
             return i, got.data
 
         return dict(await asyncio.gather(*(fetch(i) for i in range(len(frames)))))
+
+
+def _touched(logs: list[UndoLog]) -> tuple[str, ...]:
+    return tuple(sorted({name for undo in logs for name in undo.touched}))
+
+
+def _changed(logs: list[UndoLog]) -> dict[str, np.ndarray]:
+    parts: dict[str, list[np.ndarray]] = {}
+    for undo in logs:
+        for entry in undo.entries:
+            parts.setdefault(entry.name, []).append(entry.indices)
+    return {name: np.unique(np.concatenate(p)) for name, p in parts.items()}

@@ -1,0 +1,32 @@
+"""Options shared by the `stoa` commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        default=os.environ.get("STOA_STORE"),
+        help="bucket URL (file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix); "
+        "default $STOA_STORE",
+    )
+    parser.add_argument("--run", default=os.environ.get("STOA_RUN"), help="run name; default $STOA_RUN")
+
+
+def require_run_options(args: argparse.Namespace) -> tuple[str, str]:
+    if not args.store:
+        raise SystemExit("error: no bucket given: pass --store URL or set STOA_STORE")
+    if not args.run:
+        raise SystemExit("error: no run given: pass --run NAME or set STOA_RUN")
+    return args.store, args.run
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")

@@ -1,0 +1,169 @@
+"""`stoa weights`: seed, inspect, verify and export a run's weights in the bucket."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import sys
+import tempfile
+from pathlib import Path
+
+from ..hf import load_hf_state, save_hf_folder
+from ..pulse.anchor import download_extras
+from ..pulse.history import HistoryError, find_manifest, read_manifest, read_pointer, rebuild, walk_back
+from ..pulse.manifests import AnchorManifest, ManifestError
+from ..pulse.publisher import PublishError, Publisher, PublisherConfig
+from ..store import NotFound, StoreError, open_store
+from .common import add_run_options, human_bytes, require_run_options
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    weights = sub.add_parser("weights", help="seed, inspect, verify and export a run's weights", description=__doc__)
+    cmds = weights.add_subparsers(title="weights commands", metavar="COMMAND", required=True)
+
+    seed = cmds.add_parser("publish-anchor", help="seed a new run from an HF checkpoint folder (version 0)")
+    seed.add_argument("hf_dir", type=Path, help="HF model folder (config.json, *.safetensors, tokenizer files)")
+    add_run_options(seed)
+    seed.set_defaults(handler=_sync(publish_anchor))
+
+    status = cmds.add_parser("status", help="current version and the recent versions' sizes")
+    add_run_options(status)
+    status.add_argument("--last", type=int, default=10, help="how many recent versions to show")
+    status.set_defaults(handler=_sync(show_status))
+
+    verify = cmds.add_parser("verify", help="rebuild the current version from the bucket and check every digest")
+    add_run_options(verify)
+    verify.set_defaults(handler=_sync(verify_run))
+
+    inspect = cmds.add_parser("inspect", help="one version's manifest: patches, frames, densest tensors")
+    add_run_options(inspect)
+    inspect.add_argument("--version", type=int, default=None, help="version (default: current)")
+    inspect.set_defaults(handler=_sync(inspect_version))
+
+    export = cmds.add_parser("export", help="write any version as an HF folder (loads with transformers/mlx-lm)")
+    add_run_options(export)
+    export.add_argument("--version", type=int, default=None, help="version (default: current)")
+    export.add_argument("out_dir", type=Path, help="folder to write")
+    export.set_defaults(handler=_sync(export_version))
+
+
+def _sync(fn):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return asyncio.run(fn(args))
+        except (StoreError, HistoryError, ManifestError, PublishError, ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+async def publish_anchor(args: argparse.Namespace) -> int:
+    url, run = require_run_options(args)
+    state = load_hf_state(args.hf_dir)
+    async with open_store(url) as store:
+        try:
+            pointer = await read_pointer(store, run)
+            print(f"error: run {run!r} already has weights (v{pointer.version}); seed a new run name", file=sys.stderr)
+            return 1
+        except HistoryError:
+            pass
+        result = await Publisher(store, run, PublisherConfig(extras_dir=args.hf_dir)).publish(state)
+    print(
+        f"published anchor v{result.version} of run {run!r}: {len(state)} tensors, "
+        f"{result.elements:,} bf16 weights, {human_bytes(result.anchor_bytes)} in {result.seconds:.1f}s"
+    )
+    return 0
+
+
+async def show_status(args: argparse.Namespace) -> int:
+    url, run = require_run_options(args)
+    async with open_store(url) as store:
+        pointer = await read_pointer(store, run)
+        when = dt.datetime.fromtimestamp(pointer.updated_at).isoformat(timespec="seconds")
+        print(f"run {run}: v{pointer.version}  digest {pointer.state_digest}  anchor v{pointer.anchor.version}  ({when})")
+        head = await read_manifest(store, pointer.manifest)
+        full = 2 * head.elements
+        print(f"model: {head.elements:,} bf16 weights = {human_bytes(full)} per full sync\n")
+        print(f"{'version':>8} {'changed':>12} {'density':>8} {'step patch':>11} {'vs full':>8} {'catch-up':>10}  anchor")
+        async for m in walk_back(store, head, limit=args.last):
+            step, catchup = m.patch("step"), m.patch("catchup")
+            changed = step.count if step else 0
+            density = f"{changed / m.elements:.3%}" if step and m.elements else "-"
+            step_b = human_bytes(step.bytes) if step else "-"
+            ratio = f"{full / step.bytes:.0f}x" if step and step.bytes else "-"
+            cu = human_bytes(catchup.bytes) if catchup else "-"
+            anchored = f"v{m.version} ({human_bytes(m.anchor_bytes)})" if m.anchor.version == m.version else ""
+            print(f"{m.version:>8} {changed:>12,} {density:>8} {step_b:>11} {ratio:>8} {cu:>10}  {anchored}")
+    return 0
+
+
+async def verify_run(args: argparse.Namespace) -> int:
+    url, run = require_run_options(args)
+    problems: list[str] = []
+    async with open_store(url) as store:
+        pointer = await read_pointer(store, run)
+        head = await read_manifest(store, pointer.manifest)
+        if head.state_digest != pointer.state_digest:
+            problems.append("the pointer's digest differs from its manifest's")
+        checked = 0
+        async for m in walk_back(store, head, limit=pointer.version + 1):
+            for ref in m.patches:
+                try:
+                    info = await store.head(ref.key)
+                    if info.size != ref.bytes:
+                        problems.append(f"v{m.version} {ref.kind} patch is {info.size} bytes, manifest says {ref.bytes}")
+                except NotFound:
+                    problems.append(f"v{m.version} {ref.kind} patch {ref.key} is missing")
+            checked += 1
+            if m.anchor.version == m.version:
+                break  # the chain from here on is reachable from this anchor
+        try:
+            rebuilt = await rebuild(store, run, pointer.version)
+            print(f"rebuilt v{pointer.version} via {rebuilt.path}: digest {pointer.state_digest} OK")
+        except HistoryError as exc:
+            problems.append(str(exc))
+    print(f"checked {checked} version manifest(s) back to the latest anchor")
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    print("weights OK" if not problems else f"{len(problems)} problem(s) found")
+    return 0 if not problems else 1
+
+
+async def inspect_version(args: argparse.Namespace) -> int:
+    url, run = require_run_options(args)
+    async with open_store(url) as store:
+        version = args.version if args.version is not None else (await read_pointer(store, run)).version
+        m = await find_manifest(store, run, version)
+        print(f"v{m.version} (attempt {m.attempt})  digest {m.state_digest}")
+        print(f"anchor: v{m.anchor.version} {human_bytes(m.anchor_bytes)}  parent: v{m.parent.version if m.parent else '-'}")
+        for ref in m.patches:
+            print(
+                f"{ref.kind} patch from v{ref.base_min}..v{ref.base_max}: {human_bytes(ref.bytes)}, {ref.count:,} changed, "
+                f"{8 * ref.bytes / max(ref.count, 1):.1f} bits/changed, mode {ref.index.mode}, {len(ref.index.frames)} frame(s)"
+            )
+        step = m.patch("step")
+        if step:
+            counts: dict[str, tuple[int, int]] = {}
+            for frame in step.index.frames:
+                for e in frame.entries:
+                    c, _ = counts.get(e.name, (0, e.size))
+                    counts[e.name] = (c + e.count, e.size)
+            print(f"\n{'tensor':<48} {'changed':>10} {'density':>8}")
+            for name, (c, size) in sorted(counts.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1))[:10]:
+                print(f"{name:<48} {c:>10,} {c / max(size, 1):>8.3%}")
+    return 0
+
+
+async def export_version(args: argparse.Namespace) -> int:
+    url, run = require_run_options(args)
+    async with open_store(url) as store:
+        rebuilt = await rebuild(store, run, args.version)
+        anchor_key = rebuilt.manifest.anchor.manifest
+        anchor = AnchorManifest.from_bytes(await store.get_bytes(anchor_key), anchor_key)
+        with tempfile.TemporaryDirectory() as tmp:
+            await download_extras(store, anchor, Path(tmp))
+            out = save_hf_folder(rebuilt.state, args.out_dir, source_dir=Path(tmp))
+    print(f"exported v{rebuilt.manifest.version} (digest {rebuilt.manifest.state_digest}) to {out}")
+    return 0

@@ -1,0 +1,98 @@
+"""`stoa weights`: seed a run from an HF folder, then status, verify, inspect and export."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slime_stoa.cli import main
+from slime_stoa.hf import load_hf_state
+from slime_stoa.pulse.history import find_manifest
+from slime_stoa.pulse.publisher import Publisher
+from slime_stoa.store import open_store
+from slime_stoa.testing.tiny_model import build_tiny_model
+
+
+def nudge(state: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    new = {k: v.copy() for k, v in state.items()}
+    for bits in new.values():
+        flat = bits.reshape(-1)
+        where = rng.random(flat.size) < 0.01
+        flat[where] ^= 1  # a last-mantissa-bit change, like a tiny optimizer step
+    return new
+
+
+@pytest.fixture
+def seeded_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[dict[str, np.ndarray]]]:
+    model = build_tiny_model(tmp_path / "model")
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    monkeypatch.setenv("STOA_STORE", f"file://{bucket}")
+    monkeypatch.setenv("STOA_RUN", "demo")
+    assert main(["weights", "publish-anchor", str(model)]) == 0
+    states = [load_hf_state(model)]
+
+    async def more() -> None:
+        async with open_store(f"file://{bucket}") as store:
+            pub = Publisher(store, "demo")
+            for seed in range(3):
+                states.append(nudge(states[-1], seed))
+                await pub.publish(states[-1])
+
+    asyncio.run(more())
+    return bucket, states
+
+
+def test_seed_refuses_an_existing_run(seeded_run, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["weights", "publish-anchor", str(tmp_path / "model")]) == 1
+    assert "already has weights (v3)" in capsys.readouterr().err
+
+
+def test_status_verify_inspect(seeded_run, capsys: pytest.CaptureFixture) -> None:
+    assert main(["weights", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "run demo: v3" in out and "v0 (" in out
+    assert main(["weights", "verify"]) == 0
+    assert "weights OK" in capsys.readouterr().out
+    assert main(["weights", "inspect", "--version", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "v2 (attempt" in out and "step patch from v1..v1" in out and "catchup patch from v0..v1" in out
+
+
+def test_verify_reports_a_missing_patch(seeded_run, capsys: pytest.CaptureFixture) -> None:
+    bucket, _ = seeded_run
+
+    async def drop() -> None:
+        async with open_store(f"file://{bucket}") as store:
+            manifest = await find_manifest(store, "demo", 2)
+            await store.delete(manifest.patch("step").key)
+
+    asyncio.run(drop())
+    assert main(["weights", "verify"]) == 1
+    assert "v2 step patch" in capsys.readouterr().out
+
+
+def test_export_any_version_as_a_loadable_hf_folder(seeded_run, tmp_path: Path) -> None:
+    _, states = seeded_run
+    out = tmp_path / "export-v2"
+    assert main(["weights", "export", "--version", "2", str(out)]) == 0
+    exported = load_hf_state(out)
+    assert exported.keys() == states[2].keys()
+    assert all(np.array_equal(exported[k], states[2][k]) for k in exported)
+    assert not all(np.array_equal(exported[k], states[3][k]) for k in exported)
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    name = "model.embed_tokens.weight"
+    bits = model.state_dict()[name].view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bits, states[2][name])
+
+
+def test_missing_options_say_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STOA_STORE", raising=False)
+    with pytest.raises(SystemExit, match="--store"):
+        main(["weights", "status", "--run", "x"])
