@@ -70,11 +70,12 @@ Reductions (`reduce_per_token`), over sequences i = 1..B with valid-token masks 
 Dropped tokens stay in the denominators (they contribute zero, they are not removed), so the gate
 scales the update down instead of re-normalising the surviving tokens up.
 
-Defaults: δ_low = δ_high = 0.2 (the DPPO paper's and prime-rl's default); C = 2 (slime's
-`--tis-clip` default and the truncated-IS mismatch-correction literature: the largest per-token
-weight is twice the on-policy one, so a few rare tokens from a stale worker cannot dominate a
-batch; the trust region, not the weight, controls the step size); c = 3 (the value dual-clip PPO
-proposed, and the usual slime `--eps-clip-c`); no PPO ratio clip.
+Defaults: δ_low = δ_high = 0.2 (prime-rl's default for this gate); C = 2 (slime's `--tis-clip`
+default for truncated importance sampling: the largest per-token weight is twice the on-policy
+one, so a few rare tokens from a stale worker cannot dominate a batch; the trust region, not the
+weight, controls the step size; with the gate on, r > 2 on a kept A > 0 token needs μ < δ, i.e.
+only rare tokens are ever capped); c = 3 (the usual dual-clip PPO setting, arXiv 1912.09729, e.g.
+verl's `clip_ratio_c` default); no PPO ratio clip.
 
 The slime adapter `dppo_loss` (`--loss-type custom_loss --custom-loss-function-path
 slime_stoa.loss.dppo_loss`) computes the current log-probs with slime's own helper and reduces
@@ -200,11 +201,10 @@ class DPPOTerms:
     capped: Tensor  # kept with r > C (weight truncated)
 
 
-def _check_same_shape(**tensors: Tensor) -> torch.Size:
+def _check_same_shape(**tensors: Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"shapes differ: {shapes}")
-    return next(iter(tensors.values())).shape
 
 
 def dppo_terms(
@@ -223,7 +223,7 @@ def dppo_terms(
     valid = mask != 0
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     # Sanitise padding first so no NaN/inf there can reach a product in forward or backward.
-    logp = logp
+    logp = torch.where(valid, logp, zero)
     lp = logp.detach()
     wlp = torch.where(valid, worker_logp.detach().to(lp.dtype), zero)
     adv = torch.where(valid, advantages.detach().to(lp.dtype), zero)
@@ -383,7 +383,8 @@ def response_logprobs(
         if not 0 <= resp < total:
             raise ValueError(f"response_length {resp} needs a prompt: 0 <= it < total_length {total}")
         end += total
-        rows = logits[end - resp - 1 : end - 1].float()
+        rows = logits[end - resp - 1 : end - 1]
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))  # at least float32
         if temperature != 1.0:
             rows = rows / temperature
         targets = toks[total - resp :].to(device=rows.device, dtype=torch.long)
@@ -421,7 +422,9 @@ def config_from_args(args: Any) -> DPPOConfig:
     """
     for flag in _UNSUPPORTED_SLIME_FLAGS:
         if getattr(args, flag, None):
-            raise ValueError(f"slime's --{flag.replace('_', '-')} is not supported by slime_stoa.loss.dppo_loss")
+            raise ValueError(
+                f"slime's --{flag.replace('_', '-')} is not supported by slime_stoa.loss.dppo_loss"
+            )
     per_token = bool(getattr(args, "calculate_per_token_loss", False))
     values: dict[str, Any] = {}
     for name in (
@@ -444,7 +447,7 @@ def config_from_args(args: Any) -> DPPOConfig:
     if config.reduction == "token_mean" and not per_token:
         raise ValueError(
             'dppo_reduction "token_mean" needs --calculate-per-token-loss (slime then normalises '
-            "by the step's token count); without it slime averages per sample: use \"seq_mean\""
+            'by the step\'s token count); without it slime averages per sample: use "seq_mean"'
         )
     if config.reduction in ("seq_mean", "drgrpo") and per_token:
         raise ValueError(
@@ -515,7 +518,9 @@ def slime_loss_and_metrics(
     return loss, {k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}
 
 
-def dppo_loss(args: Any, batch: dict[str, Any], logits: Tensor, sum_of_sample_mean: Callable) -> tuple[Tensor, dict]:
+def dppo_loss(
+    args: Any, batch: dict[str, Any], logits: Tensor, sum_of_sample_mean: Callable
+) -> tuple[Tensor, dict]:
     """slime custom loss: `--loss-type custom_loss --custom-loss-function-path slime_stoa.loss.dppo_loss`.
 
     Called by slime per micro-batch as `fn(args, batch, logits, sum_of_sample_mean)`.
