@@ -1,0 +1,83 @@
+"""The run manifest (`runs/<run>/run.json`): everything a worker needs to join a run.
+
+Written once by the operator (`stoa run create`) with put-if-absent; workers and the trainer
+read it. The model's weights, config and tokenizer come from the run's anchors, so a Mac needs
+nothing but the bucket URL and the run name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+from .layout import RunLayout, check_name
+
+FORMAT = "stoa.run/1"
+PLANES = ("bf16", "int8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunManifest:
+    run: str  # run name
+    model: str  # model reference for people (HF id or path); weights come from the anchors
+    task: str  # task name (see slime_stoa.tasks); its data lives under runs/<run>/tasks/<task>/
+    task_split: str = "train"  # which task file workers draw prompts from
+    plane: str = "bf16"  # what workers serve: "bf16", or "int8" (MLX affine, group size 64)
+    temperature: float = 1.0  # sampling temperature; the trainer's --rollout-temperature must match
+    top_p: float = 1.0  # always 1: the trainer recomputes sampled-token logprobs exactly
+    max_tokens: int = 512  # longest response
+    max_prompt_tokens: int = 1024  # prompts longer than this are skipped by workers
+    group_size: int = 8  # samples per prompt (slime's --n-samples-per-prompt)
+    stop: tuple[str, ...] = ()  # stop sequences besides the tokenizer's end of turn
+    staleness_limit: int = 4  # versions a group may lag behind the trainer when used
+    reuse_limit: int = 1  # times a group may be used while fresh enough
+    vocab_size: int = 0  # model vocabulary (0: taken from the anchor's config)
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        check_name("run", self.run)
+        check_name("task", self.task)
+        check_name("task split", self.task_split)
+        if self.plane not in PLANES:
+            raise ValueError(f"plane must be one of {PLANES}, got {self.plane!r}")
+        if not (math.isfinite(self.temperature) and 0 < self.temperature <= 10):
+            raise ValueError(f"temperature must be in (0, 10], got {self.temperature}")
+        if self.top_p != 1.0:
+            raise ValueError("top_p must be 1.0: the trainer recomputes logprobs of the full distribution")
+        for name in ("max_tokens", "max_prompt_tokens", "group_size", "reuse_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: GRPO compares samples within a group")
+        if self.staleness_limit < 0 or self.vocab_size < 0:
+            raise ValueError("staleness_limit and vocab_size must be >= 0")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a tuple of non-empty strings")
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RunManifest:
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"run manifest is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict) or doc.pop("format", None) != FORMAT:
+            raise ValueError(f"not a {FORMAT} run manifest")
+        known = {f.name for f in fields(cls)}
+        unknown = set(doc) - known
+        if unknown:
+            raise ValueError(f"run manifest has unknown fields {sorted(unknown)} (written by a newer stoa?)")
+        if isinstance(doc.get("stop"), list):
+            doc["stop"] = tuple(doc["stop"])
+        try:
+            return cls(**doc)
+        except TypeError as exc:
+            raise ValueError(f"run manifest: {exc}") from None
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.run)
