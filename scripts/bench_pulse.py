@@ -2,19 +2,23 @@
 
 Workload: Qwen2.5-1.5B tensor shapes (hidden 1536, MLP 8960, 12 query / 2 KV heads of 128, tied
 embeddings), with the number of layers and the vocabulary scaled down together (default 4 of 28
-layers and 4/28 of the 151,936-token vocabulary, ~0.22B parameters; `--layers 28` is the real
-size). fp32 master weights take AdamW steps (betas 0.9/0.999, weight decay 0.01) on noisy
-gradients: each element has a persistent signal plus fresh Gaussian noise every step, and the
-optimizer state starts at its steady state (as deep into a run) rather than at step 1. After
-every step the published state is the round-to-nearest-even bf16 cast of the masters.
+layers and 4/28 of the 151,936-token vocabulary, 0.22B parameters, ~5 GB of RAM; `--quick` keeps
+1 layer, 55M parameters; `--layers 28` is the real size and needs ~40 GB). fp32 master weights
+take AdamW steps (betas 0.9/0.999, weight decay 0.01, lr 1e-6 by default) on noisy gradients:
+each element has a persistent signal (`--snr` times the noise) plus fresh Gaussian noise every
+step, and the optimizer state starts at its steady state, as deep into a run. After every step
+the published state is the round-to-nearest-even bf16 cast of the masters. Caveat: changes here
+accumulate faster with staleness than on real runs (published: ~2.3x the k=1 density at k=32),
+so the k=4 and k=16 rows are denser than real ones.
 
 For k = 1, 4 and 16 versions behind, the patch from version v-k to v is encoded in "abs" mode,
 "rel" mode and a baseline layout (one zstd-1 frame over int32 delta-coded flat indices and raw
 bf16 values, as deployed elsewhere), then decoded and applied in place. The same patch is also
 applied into a state 4x larger (3x extra untouched tensors): receive work must track the patch,
-not the model.
+not the model. A last row measures the synthetic reference step of the research notes (5.1),
+whose published bits per change the layouts can be compared with.
 
-Usage: python scripts/bench_pulse.py [--quick] [--layers N] [--lr LR] [--json PATH]
+Usage: python scripts/bench_pulse.py [--quick] [--layers N] [--lr LR] [--snr S] [--json PATH]
 """
 
 from __future__ import annotations
