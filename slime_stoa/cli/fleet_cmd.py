@@ -1,0 +1,100 @@
+"""`stoa fleet`: one table of the workers of a run, from their heartbeats."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from ..heartbeat import Heartbeat
+from ..layout import RunLayout
+from ..store import Store, StoreError, open_store
+from .common import add_run_options, require_run_options
+
+COLUMNS = ("worker", "name", "status", "tier", "version", "lag", "tok/s", "uploaded", "spool", "last seen", "errors")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    fleet = sub.add_parser("fleet", help="table of a run's workers from their heartbeats", description=__doc__)
+    add_run_options(fleet)
+    fleet.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    fleet.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
+    fleet.set_defaults(handler=_fleet)
+
+
+async def read_heartbeats(store: Store, run: str) -> tuple[list[Heartbeat], int]:
+    """Every parseable heartbeat of the run, and how many objects could not be parsed."""
+    layout = RunLayout(run)
+    keys = [info.key async for info in store.list(layout.workers_prefix) if info.key.endswith(".json")]
+    datas = await asyncio.gather(*(store.get_bytes(k) for k in keys), return_exceptions=True)
+    beats, bad = [], 0
+    for data in datas:
+        try:
+            if isinstance(data, BaseException):
+                raise ValueError(str(data))
+            beats.append(Heartbeat.from_bytes(data))
+        except ValueError:
+            bad += 1
+    return beats, bad
+
+
+def ago(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def fleet_rows(beats: list[Heartbeat], now: float) -> list[tuple[str, ...]]:
+    rows = []
+    for b in sorted(beats, key=lambda b: b.worker_id):
+        lag = b.lag
+        rows.append(
+            (
+                b.worker_id,
+                b.name,
+                b.status,
+                b.tier,
+                "-" if b.version is None else f"v{b.version}",
+                "-" if lag is None else str(lag),
+                f"{b.tokens_per_s:.0f}",
+                str(b.groups_uploaded),
+                str(b.groups_spooled),
+                ago(max(now - b.updated_at, 0.0)),
+                str(b.errors) + (f" ({b.last_error[:40]})" if b.last_error else ""),
+            )
+        )
+    return rows
+
+
+def render(rows: list[tuple[str, ...]]) -> str:
+    table = [COLUMNS, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table)
+
+
+async def _show(url: str, run: str, watch: bool, interval: float) -> None:
+    async with open_store(url) as store:
+        while True:
+            beats, bad = await read_heartbeats(store, run)
+            if watch:
+                print("\033[2J\033[H", end="")
+            print(f"run {run}: {len(beats)} worker(s)" + (f", {bad} unreadable heartbeat(s)" if bad else ""))
+            print(render(fleet_rows(beats, time.time())))
+            if not watch:
+                return
+            await asyncio.sleep(interval)
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    url, run = require_run_options(args)
+    try:
+        asyncio.run(_show(url, run, args.watch, args.interval))
+    except KeyboardInterrupt:
+        return 0
+    except (StoreError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

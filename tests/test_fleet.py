@@ -1,0 +1,56 @@
+"""Heartbeats and the `stoa fleet` table."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from slime_stoa.cli import main
+from slime_stoa.cli.fleet_cmd import fleet_rows
+from slime_stoa.heartbeat import Heartbeat
+from slime_stoa.layout import RunLayout
+from slime_stoa.store import open_store
+
+
+def beat(worker: str, **kw) -> Heartbeat:
+    return Heartbeat(worker_id=worker, name=kw.pop("name", worker), status=kw.pop("status", "generating"), **kw)
+
+
+def test_round_trip_and_lag() -> None:
+    b = beat("mac-1", version=3, pointer_version=5, tokens_per_s=812.5, updated_at=10.0)
+    again = Heartbeat.from_bytes(b.to_bytes())
+    assert again == b and again.lag == 2
+    assert beat("x").lag is None
+
+
+@pytest.mark.parametrize("data", [b"{", b'{"format": "x"}', b'{"format": "stoa.heartbeat/1"}'])
+def test_bad_heartbeats_are_refused(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        Heartbeat.from_bytes(data)
+
+
+def test_rows() -> None:
+    now = time.time()
+    rows = fleet_rows([beat("b-2", updated_at=now - 300, errors=1, last_error="boom"), beat("a-1", version=1, pointer_version=1, updated_at=now - 2)], now)
+    assert [r[0] for r in rows] == ["a-1", "b-2"]
+    assert rows[0][4:6] == ("v1", "0") and rows[0][9] == "2s ago"
+    assert rows[1][9] == "5m ago" and rows[1][10] == "1 (boom)"
+
+
+def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    url = f"file://{tmp_path}"
+    layout = RunLayout("demo")
+
+    async def seed() -> None:
+        async with open_store(url) as store:
+            await store.put(layout.heartbeat("mac-a"), beat("mac-a", name="studio", version=4, pointer_version=5, updated_at=time.time()).to_bytes())
+            await store.put(layout.heartbeat("mac-b"), b"not json")
+
+    asyncio.run(seed())
+    assert main(["fleet", "--store", url, "--run", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "1 worker(s), 1 unreadable heartbeat(s)" in out
+    assert "studio" in out and "v4" in out
