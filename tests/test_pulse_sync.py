@@ -313,3 +313,32 @@ async def test_publish_rejects_a_different_model(store: Store) -> None:
         await pub.publish(bad)
     assert await store.get_bytes(RunLayout(RUN).pointer) == pointer_before
     assert pub.version == 0
+
+
+async def test_multi_frame_patches_arrive_by_ranged_gets(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    import slime_stoa.pulse.subscriber as subscriber_module
+
+    monkeypatch.setattr(subscriber_module, "WHOLE_BODY_BYTES", 0)  # force one ranged GET per frame
+    rng = np.random.default_rng(16)
+    pub = Publisher(store, RUN, PublisherConfig(frame_bytes=256))
+    sub = Subscriber(store, RUN)
+    gets: list[tuple[int, int | None]] = []
+    real_get = store.get
+
+    async def counting_get(key, *, offset=0, length=None, if_none_match=None):
+        if key.endswith(".pulse"):
+            gets.append((offset, length))
+        return await real_get(key, offset=offset, length=length, if_none_match=if_none_match)
+
+    monkeypatch.setattr(store, "get", counting_get)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    states.append(step_state(states[-1], rng, density=0.2))
+    await pub.publish(states[-1])
+    gets.clear()
+    result = await sub.sync()
+    assert result is not None and result.path == "step"
+    manifest = await _manifest(store, 2)
+    frames = manifest.patch("step").index.frames
+    assert len(frames) > 1 and sorted(gets) == sorted((f.offset, f.length) for f in frames)
+    assert_same(sub.state, states[-1])
