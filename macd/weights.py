@@ -1,0 +1,381 @@
+"""The daemon's live MLX weights, refreshed in place from the PULSE bf16 master after each sync.
+
+`LiveWeights` owns an mlx-lm model's parameters on one of two planes:
+
+- ``"bf16"``: the model holds exactly the master's bits. After a sync the touched tensors are
+  replaced whole (one `load_weights` call, then one `mx.eval`).
+- ``"int8"``: Linear/Embedding layers are MLX affine-quantized (8 bits, groups of 64 along the
+  input axis), chosen by mlx-lm's rule: a layer is quantized when it can be (``to_quantized``)
+  and its input size is a multiple of the group size, subject to the model's own
+  ``quant_predicate``; the other tensors (norms, biases, misfit layers) stay bf16. After a sync
+  only the *groups* holding changed elements are re-quantized from the master.
+
+The bf16 master is the subscriber's ``state`` dict (uint16 bit patterns); this class keeps no
+copy of it and is handed it on every call.
+
+Why re-quantizing a subset of groups equals quantizing the whole tensor
+-----------------------------------------------------------------------
+Affine quantization is computed per group: a group's scale and bias come from that group's 64
+values alone (its min and max), and each code from its own value and that scale and bias. With
+``bits * group_size`` a multiple of 32, a group's codes fill whole uint32 words, and with the
+input size a multiple of the group size no group straddles two rows. So ``mx.quantize`` of a
+``(out, in)`` weight is, row-major, the concatenation of the independent per-group results: group
+``g = flat_index // group_size`` owns packed row ``g`` of ``weight.reshape(-1, words)``,
+``scales.reshape(-1)[g]`` and ``biases.reshape(-1)[g]``. Groups whose 64 inputs did not change
+keep their outputs; quantizing a stack of the changed groups (``(n, 64)``) with the same kernel
+yields exactly their rows, which are scattered back. Tests check the result bit for bit against
+quantizing the master from scratch.
+
+Threading: plain synchronous MLX code. Call it only from the thread that owns MLX.
+Load the model with ``mlx_lm.load(path, lazy=True)`` to avoid reading the folder's weights only
+to replace them in `from_state`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+PLANES = ("bf16", "int8")
+INT8_BITS = 8
+INT8_GROUP_SIZE = 64
+TIED_HEAD = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyStats:
+    """What one refresh did."""
+
+    tensors: int  # tensors refreshed (replaced, or with groups re-quantized)
+    groups: int  # quantized groups re-quantized (0 on the bf16 plane)
+    full: bool  # the whole state was installed
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _QuantizedWeight:
+    """A quantized layer's weight, seen from the master as a bf16 tensor."""
+
+    module: str  # the layer's path, e.g. "model.layers.0.mlp.up_proj"
+    shape: tuple[int, ...]  # logical (bf16) shape
+    group_size: int
+    bits: int
+
+    @property
+    def groups(self) -> int:
+        return int(np.prod(self.shape)) // self.group_size
+
+    @property
+    def words(self) -> int:
+        """uint32 words per packed group."""
+        return self.group_size * self.bits // 32
+
+
+class LiveWeights:
+    """An mlx-lm model whose weights follow a bf16 master state (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, plane: str):
+        """Wrap `model` as it is; use `from_state` to install a master into it."""
+        if plane not in PLANES:
+            raise ValueError(f"plane must be one of {PLANES}, got {plane!r}")
+        self.model = model
+        self.plane = plane
+        self._index()
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_state(cls, model: nn.Module, state: Mapping[str, np.ndarray], plane: str) -> LiveWeights:
+        """Install the full bf16 master `state` into `model`, quantizing it for the int8 plane.
+
+        `model` is an mlx-lm model of the same architecture (bf16, or already quantized for
+        int8). Every state tensor must be a model parameter of the same shape (a tied model
+        accepts an ``lm_head.weight`` equal to the embedding) and every parameter must be in the
+        state; ValueError names the first offender and the model is left unchanged.
+        """
+        live = cls(model, plane)
+        live._validate_full(state)
+        if plane == "int8" and not live._quantized:
+            _quantize_structure(model)
+            live._index()
+        live._install(state)
+        return live
+
+    def _index(self) -> None:
+        """Tabulate the model's tensors as the master sees them: name -> logical shape."""
+        modules = dict(self.model.named_modules())
+        params = tree_flatten(self.model.parameters(), destination={})
+        quantized: dict[str, _QuantizedWeight] = {}
+        for path, module in modules.items():
+            if "scales" not in module or not hasattr(module, "bits"):
+                continue
+            if self.plane != "int8":
+                raise ValueError(f"{path} is quantized: the bf16 plane needs a bf16 model")
+            if getattr(module, "mode", "affine") != "affine" or module.get("biases") is None:
+                raise ValueError(f"{path}: only affine quantization (with biases) is supported")
+            weight = module["weight"]
+            logical = (*weight.shape[:-1], weight.shape[-1] * 32 // module.bits)
+            q = _QuantizedWeight(path, logical, module.group_size, module.bits)
+            assert logical[-1] % q.group_size == 0 and (q.group_size * q.bits) % 32 == 0, path
+            quantized[_join(path, "weight")] = q
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, value in params.items():
+            path, _, leaf = name.rpartition(".")
+            if _join(path, "weight") in quantized and leaf in ("scales", "biases"):
+                continue
+            q = quantized.get(name)
+            shapes[name] = q.shape if q else tuple(value.shape)
+        self._modules = modules
+        self._quantized = quantized
+        self._shapes = shapes
+
+    # -- refresh ---------------------------------------------------------------------------
+    def apply(
+        self,
+        state: Mapping[str, np.ndarray],
+        changed: Mapping[str, np.ndarray] | None,
+        touched: Iterable[str],
+    ) -> ApplyStats:
+        """Refresh the model from the master after a sync (`SyncResult.changed` / `.touched`).
+
+        `changed` maps tensor names to the sorted unique flat indices written; None means the whole
+        state was replaced and everything is re-installed. A touched tensor without indices is
+        refreshed whole. ValueError (model unchanged) if a tensor does not fit the model.
+        """
+        start = time.perf_counter()
+        if changed is None:
+            self._validate_full(state)
+            return self._install(state, start)
+        wanted = set(touched) | set(changed)
+        if EMBEDDING in wanted and TIED_HEAD in state and self._is_tied_head(TIED_HEAD):
+            wanted.add(TIED_HEAD)  # the state's head must follow the embedding it is tied to
+        names = sorted(wanted)
+        self._validate(state, names, changed)
+        pairs: list[tuple[str, mx.array]] = []
+        tensors = groups = 0
+        for name in names:
+            indices = changed.get(name)
+            if name not in self._shapes or (indices is not None and indices.size == 0):
+                continue  # a tied head (checked) or nothing written
+            q = self._quantized.get(name)
+            if q is None:
+                pairs.append((name, _bf16(state[name])))
+            elif indices is None or self._modules[q.module]["scales"].dtype != mx.bfloat16:
+                # whole tensor (also when scales of another dtype came with a pre-quantized model)
+                pairs += self._quantize_full(q, state[name])
+                groups += q.groups
+            else:
+                ids = _group_ids(indices, q.group_size)
+                pairs += self._quantize_groups(q, state[name], ids)
+                groups += ids.size
+            tensors += 1
+        self._load(pairs)
+        return ApplyStats(tensors, groups, False, time.perf_counter() - start)
+
+    def install(self, state: Mapping[str, np.ndarray]) -> ApplyStats:
+        """Re-install the whole master (same checks as `from_state`)."""
+        return self.apply(state, None, ())
+
+    def _install(self, state: Mapping[str, np.ndarray], start: float | None = None) -> ApplyStats:
+        """Write every tensor of an already validated state."""
+        start = time.perf_counter() if start is None else start
+        pairs: list[tuple[str, mx.array]] = []
+        groups = 0
+        for name in self._shapes:
+            q = self._quantized.get(name)
+            if q is None:
+                pairs.append((name, _bf16(state[name])))
+            else:
+                pairs += self._quantize_full(q, state[name])
+                groups += q.groups
+        self._load(pairs)
+        return ApplyStats(len(self._shapes), groups, True, time.perf_counter() - start)
+
+    def _quantize_full(self, q: _QuantizedWeight, bits: np.ndarray) -> list[tuple[str, mx.array]]:
+        weight, scales, biases = mx.quantize(_bf16(bits), group_size=q.group_size, bits=q.bits)
+        return _quant_pairs(q, weight, scales, biases)
+
+    def _quantize_groups(
+        self, q: _QuantizedWeight, bits: np.ndarray, ids: np.ndarray
+    ) -> list[tuple[str, mx.array]]:
+        """Re-quantize groups `ids` of the master and scatter them into the layer's arrays."""
+        rows = np.ascontiguousarray(bits.reshape(-1, q.group_size)[ids])
+        packed, scales, biases = mx.quantize(_bf16(rows), group_size=q.group_size, bits=q.bits)
+        layer = self._modules[q.module]
+        at = mx.array(ids.astype(np.int32) if q.groups < 2**31 else ids)
+        return _quant_pairs(
+            q,
+            _scatter(layer["weight"], (q.groups, q.words), at, packed),
+            _scatter(layer["scales"], (q.groups,), at, scales.reshape(-1)),
+            _scatter(layer["biases"], (q.groups,), at, biases.reshape(-1)),
+        )
+
+    def _load(self, pairs: list[tuple[str, mx.array]]) -> None:
+        if pairs:
+            self.model.load_weights(pairs, strict=False)
+            mx.eval([a for _, a in pairs])
+
+    # -- validation ------------------------------------------------------------------------
+    def _validate_full(self, state: Mapping[str, np.ndarray]) -> None:
+        missing = [name for name in self._shapes if name not in state]
+        if missing:
+            raise ValueError(f"{missing[0]}: the model has this parameter but the state lacks it")
+        self._validate(state, list(state), None)
+
+    def _validate(
+        self,
+        state: Mapping[str, np.ndarray],
+        names: Iterable[str],
+        changed: Mapping[str, np.ndarray] | None,
+    ) -> None:
+        """ValueError naming the first tensor that does not fit the model."""
+        for name in names:
+            bits = state.get(name)
+            if bits is None:
+                raise ValueError(f"{name}: touched but not in the state")
+            if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16:
+                got = getattr(bits, "dtype", type(bits).__name__)
+                raise ValueError(f"{name}: expected bf16 bits as a uint16 array, got {got}")
+            indices = changed.get(name) if changed is not None else None
+            if indices is not None and indices.size and not 0 <= indices[0] <= indices[-1] < bits.size:
+                raise ValueError(f"{name}: changed indices outside its {bits.size} elements (or unsorted)")
+            if name not in self._shapes and self._is_tied_head(name):
+                self._check_tied_head(state, changed)
+                continue
+            shape = self._shapes.get(name)
+            if shape is None:
+                raise ValueError(f"{name}: not a parameter of the model")
+            if tuple(bits.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(bits.shape)} does not match the model's {shape}")
+            if name not in self._quantized:
+                dtype = self._param(name).dtype
+                if dtype != mx.bfloat16:
+                    raise ValueError(f"{name}: the model holds {dtype}, the master is bfloat16")
+
+    def _is_tied_head(self, name: str) -> bool:
+        return name == TIED_HEAD and EMBEDDING in self._shapes
+
+    def _check_tied_head(
+        self, state: Mapping[str, np.ndarray], changed: Mapping[str, np.ndarray] | None
+    ) -> None:
+        """A tied model has no head of its own: the state's head must equal the embedding."""
+        head, embed = state[TIED_HEAD], state.get(EMBEDDING)
+        if embed is None or head.shape != embed.shape:
+            raise ValueError(f"{TIED_HEAD}: the model ties it to {EMBEDDING}, which the state lacks or shapes otherwise")
+        if changed is None:
+            same = np.array_equal(head, embed)
+        else:  # only the written elements can have diverged
+            at = np.union1d(changed.get(TIED_HEAD, []), changed.get(EMBEDDING, [])).astype(np.int64)
+            same = np.array_equal(head.reshape(-1)[at], embed.reshape(-1)[at])
+        if not same:
+            raise ValueError(f"{TIED_HEAD}: differs from {EMBEDDING}, but the model ties them")
+
+    def _param(self, name: str) -> mx.array:
+        """The model's array at a dotted parameter name."""
+        node: Any = self.model
+        for part in name.split("."):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        return node
+
+    # -- read back -------------------------------------------------------------------------
+    def mismatches(self, state: Mapping[str, np.ndarray]) -> list[str]:
+        """Names whose model tensors differ from the master's bits (quantized: from quantizing
+        the master from scratch), or that one side lacks. Empty when in sync."""
+        bad = sorted(
+            name for name in state if name not in self._shapes and not self._is_tied_head(name)
+        )
+        if TIED_HEAD in state and self._is_tied_head(TIED_HEAD):
+            if not np.array_equal(state[TIED_HEAD], state.get(EMBEDDING, np.empty(0, np.uint16))):
+                bad.append(TIED_HEAD)
+        for name, shape in self._shapes.items():
+            bits = state.get(name)
+            if bits is None or tuple(bits.shape) != shape:
+                bad.append(name)
+            elif not self._matches(name, bits):
+                bad.append(name)
+        return bad
+
+    def digest_check(self, state: Mapping[str, np.ndarray]) -> bool:
+        """True when the model is bit-identical to (the quantization of) the master `state`."""
+        return not self.mismatches(state)
+
+    def _matches(self, name: str, bits: np.ndarray) -> bool:
+        q = self._quantized.get(name)
+        if q is None:
+            param = self._param(name)
+            return param.dtype == mx.bfloat16 and np.array_equal(bf16_bits(param), bits)
+        expected = dict(self._quantize_full(q, bits))
+        layer = self._modules[q.module]
+        return all(_same_bits(layer[_leaf(key)], value) for key, value in expected.items())
+
+
+# -- helpers -------------------------------------------------------------------------------
+def bf16_bits(a: mx.array) -> np.ndarray:
+    """A bf16 MLX array's bits as a uint16 numpy array."""
+    if a.dtype != mx.bfloat16:
+        raise ValueError(f"expected a bfloat16 array, got {a.dtype}")
+    return np.array(a.view(mx.uint16))
+
+
+def _bf16(bits: np.ndarray) -> mx.array:
+    return mx.array(bits).view(mx.bfloat16)
+
+
+def _group_ids(indices: np.ndarray, group_size: int) -> np.ndarray:
+    """Sorted unique groups of sorted flat indices."""
+    g = np.asarray(indices, dtype=np.int64) // group_size
+    if g.size <= 1:
+        return g
+    return g[np.concatenate(([True], g[1:] != g[:-1]))]
+
+
+def _quant_pairs(
+    q: _QuantizedWeight, weight: mx.array, scales: mx.array, biases: mx.array
+) -> list[tuple[str, mx.array]]:
+    return [(_join(q.module, leaf), a) for leaf, a in (("weight", weight), ("scales", scales), ("biases", biases))]
+
+
+def _scatter(a: mx.array, shape: tuple[int, ...], at: mx.array, rows: mx.array) -> mx.array:
+    """A copy of `a` seen as `shape` with rows `at` replaced (the module keeps `a` until the swap)."""
+    flat = a.reshape(shape)
+    flat[at] = rows
+    return flat.reshape(a.shape)
+
+
+def _same_bits(a: mx.array, b: mx.array) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in (mx.bfloat16, mx.float16):
+        a, b = a.view(mx.uint16), b.view(mx.uint16)
+    elif a.dtype == mx.float32:
+        a, b = a.view(mx.uint32), b.view(mx.uint32)
+    return bool(mx.array_equal(a, b).item())
+
+
+def _quantize_structure(model: nn.Module) -> None:
+    """Swap quantizable layers for affine int8 ones, by mlx-lm's rule (`quantize_model`).
+
+    The new layers' arrays stay unevaluated until `_install` overwrites them."""
+    custom = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> Any:
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % INT8_GROUP_SIZE:
+            return False
+        return custom(path, module) if custom is not None else True
+
+    nn.quantize(model, INT8_GROUP_SIZE, INT8_BITS, mode="affine", class_predicate=predicate)
+
+
+def _join(path: str, leaf: str) -> str:
+    return f"{path}.{leaf}" if path else leaf
+
+
+def _leaf(name: str) -> str:
+    return name.rpartition(".")[2]
