@@ -1,0 +1,275 @@
+"""Rollout generation with MLX: G samples per prompt, with the logprobs the trainer recomputes.
+
+Plain synchronous MLX code; one thread owns MLX and calls in here.
+
+How the recorded logprobs are obtained
+--------------------------------------
+mlx-lm's generation logprobs are ``log_softmax`` of the logits it samples from, taken *before*
+its sampler applies a temperature. So we never give mlx-lm a temperature: the model is wrapped so
+its logits come out as ``float32(logits) / T`` (one batched op per step, unlike a per-sequence
+logits processor, which mlx-lm's batch path applies row by row in Python), and we sample with
+temperature 1 and top_p 1 from those. The logprob mlx-lm reports for the sampled token is then
+exactly ``log_softmax(logits / T)[token]``, computed in float32, which is what the trainer
+recomputes (`teacher_forced_logprobs` is the same computation as one full forward pass).
+
+Batching
+--------
+All B*G sequences run through mlx-lm's `BatchGenerator` (continuous batching; `max_batch`
+bounds how many decode at once). With ``share_prefill`` (the default) each prompt is prefilled
+once and its KV cache handed to the G sequences of its group, so the prompt is not recomputed
+G times.
+
+Stopping
+--------
+* EOS (any of ``tokenizer.eos_token_ids``): finish ``"stop"``. The EOS token *is* kept at the
+  end of ``tokens`` with its logprob (the trainer trains on it: that is how the policy learns to
+  stop), but it is not part of ``text``.
+* A stop string: matched on the decoded text, so it is found however the model happened to
+  tokenize it. ``tokens``/``logprobs`` end with the token that completes the first occurrence;
+  finish ``"stop"``.
+* ``max_tokens`` sampled tokens without either: finish ``"length"``.
+
+``text`` is always ``tokenizer.decode(tokens)`` without a final EOS token, so anyone holding the
+tokens (the trainer) derives the same text. After a stop string it may therefore hold the rest of
+the last token's characters.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How to sample a group. top_p is always 1.0 so the trainer can recompute logprobs."""
+
+    temperature: float
+    max_tokens: int
+    group_size: int
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response.
+
+    `tokens` (int32) are the sampled ids, ending with the EOS token when the model stopped by
+    itself; `logprobs` (float32, same length) is ``log_softmax(logits / T)`` at each sampled
+    token; `finish_reason` is "stop" (EOS or stop string) or "length"; `text` is the decoded
+    tokens without a final EOS.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    text: str
+
+
+class _TemperedModel:
+    """A model whose logits come out as ``float32(logits) / temperature``.
+
+    Everything else (``layers``, ``make_cache``, ...) is the wrapped model's, so mlx-lm builds
+    the same caches for it.
+    """
+
+    def __init__(self, model: Any, temperature: float) -> None:
+        self.model = model
+        self.temperature = temperature
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        return tempered(self.model(inputs, cache=cache, **kwargs), self.temperature)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("model", "temperature"):  # not set yet (e.g. while copying)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+def tempered(logits: mx.array, temperature: float) -> mx.array:
+    """The logits the recorded logprobs are a log_softmax of: float32, divided by T."""
+    return logits.astype(mx.float32) / temperature
+
+
+class _KeyedSampler:
+    """Categorical sampling at temperature 1 from its own PRNG key (global MLX state untouched)."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.key = mx.random.key(secrets.randbits(63) if seed is None else seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs, axis=-1, key=sub)
+
+
+def _as_wrapper(tokenizer: Any) -> TokenizerWrapper:
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+
+
+def _prefill(model: Any, tokens: Sequence[int]) -> list[Any]:
+    """A fresh KV cache holding `tokens`."""
+    cache = make_prompt_cache(model)
+    for start in range(0, len(tokens), PREFILL_STEP):
+        model(mx.array(tokens[start : start + PREFILL_STEP])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+class _StopMatcher:
+    """Finds the first stop string in a growing token list by decoding only its tail."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        # Every token decodes to >= 1 byte, so a stop string of n bytes spans <= n tokens; the
+        # margin covers a partial UTF-8 character at the start of the window.
+        self.window = max((len(s.encode()) for s in self.stop), default=0) + 3
+
+    def hit(self, tokens: list[int]) -> bool:
+        """Whether the text of `tokens` contains a stop string (checked after every token)."""
+        if not self.stop:
+            return False
+        tail = self.tokenizer.decode(tokens[-self.window :])
+        return any(s in tail for s in self.stop)
+
+
+@dataclass
+class _Track:
+    """A sequence being generated."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str | None = None
+    eos: bool = False
+
+
+def _insert_all(
+    gen: BatchGenerator,
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    group_size: int,
+    share_prefill: bool,
+) -> list[int]:
+    """Queue G sequences per prompt; returns their uids, prompt-major."""
+    if not share_prefill:
+        return gen.insert([list(p) for p in prompts for _ in range(group_size)])
+    uids: list[int] = []
+    for p in prompts:
+        cache = _prefill(model, p[:-1])  # merged (copied) into the batch, so shareable
+        uids += gen.insert([[p[-1]]] * group_size, caches=[cache] * group_size)
+    return uids
+
+
+def generate_groups(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    config: SamplingConfig,
+    *,
+    max_batch: int | None = None,
+    share_prefill: bool = True,
+) -> list[list[Completion]]:
+    """Sample `config.group_size` completions for each prompt (token ids), batched.
+
+    Returns one list of G completions per prompt, in prompt order. `max_batch` bounds the
+    number of sequences decoded together (default: all B*G at once). Deterministic for a given
+    `config.seed`, model, prompts and batch settings.
+    """
+    prompts = [[int(t) for t in p] for p in prompts]
+    if any(not p for p in prompts):
+        raise ValueError("prompts must be non-empty")
+    if not prompts:
+        return []
+    tok = _as_wrapper(tokenizer)
+    eos = sorted(tok.eos_token_ids)
+    n = len(prompts) * config.group_size
+    batch = n if max_batch is None else max(1, min(max_batch, n))
+    gen = BatchGenerator(
+        _TemperedModel(model, config.temperature),
+        max_tokens=config.max_tokens,
+        stop_tokens=[[e] for e in eos],
+        sampler=_KeyedSampler(config.seed),
+        completion_batch_size=batch,
+        prefill_batch_size=batch,
+    )
+    try:
+        uids = _insert_all(gen, model, prompts, config.group_size, share_prefill)
+        tracks = _run(gen, {uid: _Track([], []) for uid in uids}, _StopMatcher(tok, config.stop))
+    finally:
+        gen.close()
+    eos_set = set(eos)
+    done = [_completion(tok, tracks[uid], eos_set) for uid in uids]
+    g = config.group_size
+    return [done[i : i + g] for i in range(0, n, g)]
+
+
+def _run(gen: BatchGenerator, tracks: dict[int, _Track], stop: _StopMatcher) -> dict[int, _Track]:
+    """Step the generator until every sequence finished, recording tokens and logprobs."""
+    while responses := gen.next_generated():
+        # One gather for the whole step instead of one sync per sequence.
+        picked = mx.stack([r.logprobs[r.token] for r in responses]).tolist()
+        stopped = []
+        for r, lp in zip(responses, picked):
+            t = tracks[r.uid]
+            t.tokens.append(r.token)
+            t.logprobs.append(lp)
+            if r.finish_reason == "stop":  # mlx-lm's only stop sequences are the EOS tokens
+                t.finish, t.eos = "stop", True
+            elif stop.hit(t.tokens):
+                t.finish = "stop"
+                if r.finish_reason is None:
+                    stopped.append(r.uid)
+            elif r.finish_reason is not None:
+                t.finish = "length"
+        if stopped:
+            gen.remove(stopped)
+    return tracks
+
+
+def _completion(tok: TokenizerWrapper, t: _Track, eos: set[int]) -> Completion:
+    if t.finish is None:
+        raise RuntimeError("generation ended with an unfinished sequence")
+    tokens = np.array(t.tokens, dtype=np.int32)
+    logprobs = np.array(t.logprobs, dtype=np.float32)
+    text_tokens = t.tokens[:-1] if t.eos and t.tokens and t.tokens[-1] in eos else t.tokens
+    return Completion(tokens, logprobs, t.finish, tok.decode(text_tokens))
+
+
+def teacher_forced_logprobs(
+    model: Any,
+    prompt_tokens: Sequence[int],
+    response_tokens: Sequence[int],
+    temperature: float,
+) -> np.ndarray:
+    """``log_softmax(logits / T)`` at each response token, from one forward pass (float32)."""
+    prompt, response = [int(t) for t in prompt_tokens], [int(t) for t in response_tokens]
+    if not prompt:
+        raise ValueError("prompt_tokens must be non-empty")
+    if not response:
+        return np.zeros(0, dtype=np.float32)
+    inputs = mx.array(prompt + response[:-1])[None]
+    logits = tempered(model(inputs)[0, len(prompt) - 1 :], temperature)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logprobs, mx.array(response)[:, None], axis=-1)[:, 0]
+    return np.array(picked, dtype=np.float32)
