@@ -1,0 +1,370 @@
+"""`macd run`: the rollout worker loop.
+
+One thread owns MLX (loading, weight swaps, generation); asyncio owns the network (pointer
+polls, weight downloads, uploads, heartbeats). Between two generation cohorts — never during
+one — the worker polls the weight pointer and, when it moved, applies the patch to the live MLX
+weights in place; the next cohort records the new version. Every finished group is written to
+the on-disk spool first and uploaded from there, so nothing finished is ever lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from slime_stoa.heartbeat import Heartbeat
+from slime_stoa.hf import save_hf_folder
+from slime_stoa.layout import RunLayout
+from slime_stoa.pulse.anchor import download_extras
+from slime_stoa.pulse.manifests import AnchorManifest, Pointer
+from slime_stoa.pulse.subscriber import Subscriber, SyncError
+from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group
+from slime_stoa.run_manifest import RunManifest
+from slime_stoa.store import Store, StoreConfigError, StoreError
+from slime_stoa.tasks import Task, TaskItem, load_task
+
+from .config import DaemonConfig
+from .spool import Spool
+from .uploader import Uploader
+
+log = logging.getLogger("macd")
+T = TypeVar("T")
+
+
+def task_key(manifest: RunManifest) -> str:
+    """The bucket key of the task file workers draw prompts from."""
+    return manifest.layout.task_file(manifest.task, f"{manifest.task_split}.jsonl.zst")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerOptions:
+    """Timing knobs of the loop (the daemon config holds the rest)."""
+
+    heartbeat_s: float = 10.0  # seconds between heartbeat writes
+    idle_poll_s: float = 2.0  # wait between pointer polls while no weights are published yet
+    flush_timeout_s: float = 30.0  # on stop: how long to keep uploading the spool
+    max_cohorts: int | None = None  # stop after this many cohorts (tests, benchmarks)
+    seed: int | None = None  # prompt choice and sampling seed (None: random)
+
+
+class MLXThread:
+    """A daemon thread that runs every MLX call, so MLX state is only touched from one thread.
+
+    A daemon thread (not an executor) so that a stop never waits for a cohort to finish."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="mlx", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, loop, future = job
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put((lambda: fn(*args, **kwargs), loop, future))
+        return await future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def prompt_tokens(tokenizer: Any, task: Task, item: TaskItem) -> list[int]:
+    """The prompt as the model sees it: the chat template when the tokenizer has one."""
+    messages = task.messages(item)
+    if getattr(tokenizer, "chat_template", None):
+        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
+    return list(tokenizer.encode(item.prompt))
+
+
+def build_group(
+    *,
+    manifest: RunManifest,
+    worker_id: str,
+    item: TaskItem,
+    prompt: list[int],
+    completions: list[Any],
+    rewards: list[float],
+    version: int,
+    digest: str,
+    started_at: float,
+    finished_at: float,
+) -> Callable[[int, int], bytes]:
+    """A spool builder: the record's bytes for the seq the spool assigns."""
+    samples = tuple(
+        Sample(response_tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish_reason, reward=float(r))
+        for c, r in zip(completions, rewards, strict=True)
+    )
+    sampling = SamplingParams(
+        temperature=manifest.temperature, top_p=1.0, max_tokens=manifest.max_tokens, stop=manifest.stop
+    )
+
+    def build(seq: int, _timestamp_ms: int) -> bytes:
+        return encode_group(
+            RolloutGroup(
+                kind="train",
+                run=manifest.run,
+                task_id=manifest.task,
+                prompt_index=item.index,
+                prompt_tokens=np.asarray(prompt, dtype=np.int32),
+                samples=samples,
+                weight_version=version,
+                state_digest=digest,
+                sampling=sampling,
+                worker_id=worker_id,
+                seq=seq,
+                started_at=started_at,
+                finished_at=finished_at,
+            )
+        )
+
+    return build
+
+
+class Worker:
+    def __init__(self, config: DaemonConfig, store: Store, options: WorkerOptions = WorkerOptions()):
+        self.config = config
+        self.store = store
+        self.options = options
+        self.layout = RunLayout(config.run)
+        self.mlx = MLXThread()
+        self.beat = Heartbeat(worker_id=config.worker_id, name=config.name, status="starting", started_at=time.time())
+        self.rng = random.Random(options.seed)
+        self.cohorts = 0
+        self.sub: Subscriber | None = None  # exposed for inspection (tests, doctor)
+        self.live: Any = None
+
+    # -- setup -------------------------------------------------------------------------------
+    async def _load_run(self) -> tuple[RunManifest, Task]:
+        manifest = RunManifest.from_bytes(await self.store.get_bytes(self.layout.run_manifest))
+        task = await asyncio.to_thread(load_task, await self.store.get_bytes(task_key(manifest)))
+        if task.name != manifest.task:
+            raise ValueError(f"task file {task_key(manifest)} holds task {task.name!r}, the run says {manifest.task!r}")
+        return manifest, task
+
+    async def _first_sync(self, sub: Subscriber, stop: asyncio.Event) -> bool:
+        """Wait for the run's weights and sync to them; False if stopped first."""
+        while not stop.is_set():
+            try:
+                if await sub.sync() is not None:
+                    return True
+                log.info("waiting for the trainer to publish weights for run %s", self.config.run)
+            except SyncError as exc:
+                self._error(f"weights: {exc}")
+            await _wait(stop, self.options.idle_poll_s)
+        return False
+
+    async def _materialize(self, sub: Subscriber) -> Path:
+        """An HF folder of the synced weights with the anchor's config and tokenizer (for mlx-lm)."""
+        assert sub.state is not None
+        pointer = Pointer.from_bytes(await self.store.get_bytes(self.layout.pointer))
+        anchor_key = pointer.anchor.manifest
+        anchor = AnchorManifest.from_bytes(await self.store.get_bytes(anchor_key), anchor_key)
+        folder = self.config.data_dir / "models" / self.config.run
+        extras = folder / "extras"
+        await download_extras(self.store, anchor, extras)
+        await asyncio.to_thread(save_hf_folder, sub.state, folder, source_dir=extras)
+        return folder
+
+    # -- the loop ----------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> int:
+        """Run until `stop` is set (or max_cohorts); returns the process exit code."""
+        manifest, task = await self._load_run()
+        sub = self.sub = Subscriber(self.store, self.config.run)
+        if not await self._first_sync(sub, stop):
+            return 0
+        folder = await self._materialize(sub)
+        model, tokenizer, live = await self.mlx.run(_load_model, folder, sub.state, manifest.plane)
+        self.live = live
+        self.beat = replace(self.beat, version=sub.version, pointer_version=sub.version, tier=_tier())
+        log.info(
+            "worker %s joined run %s at weights v%d (%s plane, task %s, group size %d, batch %d)",
+            self.config.worker_id, manifest.run, sub.version, manifest.plane, manifest.task,
+            manifest.group_size, self.config.batch,
+        )
+        spool = Spool(
+            self.config.data_dir / "spool" / self.config.run,
+            worker_id=self.config.worker_id,
+            run=self.config.run,
+            max_bytes=self.config.spool_max_mb << 20,
+            max_items=1_000_000,
+        )
+        uploader = Uploader(self.store, spool, concurrency=self.config.transfer_concurrency)
+        stop_uploads = asyncio.Event()
+        upload_task = asyncio.create_task(uploader.run_forever(stop_uploads))
+        beat_task = asyncio.create_task(self._heartbeats(stop, spool, uploader))
+        try:
+            while not stop.is_set() and not upload_task.done():
+                await self._maybe_swap(sub, live)
+                if spool.full:
+                    self.beat = replace(self.beat, status="paused")
+                    await spool.wait_not_full(timeout=self.options.heartbeat_s)
+                    continue
+                await self._cohort(manifest, task, sub, model, tokenizer, spool, stop)
+                if self.options.max_cohorts is not None and self.cohorts >= self.options.max_cohorts:
+                    break
+            if upload_task.done() and upload_task.exception():
+                raise upload_task.exception()  # a configuration error: the user must act
+        finally:
+            self.beat = replace(self.beat, status="stopping")
+            stop_uploads.set()
+            await asyncio.gather(upload_task, return_exceptions=True)
+            left = await uploader.flush(self.options.flush_timeout_s)
+            if left:
+                log.warning("%d group(s) stay in the spool; they upload first on the next start", left)
+            beat_task.cancel()
+            await asyncio.gather(beat_task, return_exceptions=True)
+            self.beat = replace(self.beat, status="stopped", groups_spooled=spool.depth,
+                                groups_uploaded=uploader.stats.uploaded)
+            await self._write_heartbeat()
+            spool.close()
+            self.mlx.close()
+        return 0
+
+    async def _maybe_swap(self, sub: Subscriber, live: Any) -> None:
+        try:
+            result = await sub.sync()
+        except (SyncError, StoreError) as exc:
+            self._error(f"weights: {exc}; serving v{sub.version}")
+            return
+        if result is None:
+            return
+        self.beat = replace(self.beat, status="syncing")
+        stats = await self.mlx.run(live.apply, sub.state, result.changed, result.touched)
+        self.beat = replace(
+            self.beat, version=sub.version, pointer_version=sub.version, swaps=self.beat.swaps + 1,
+            last_swap_s=result.seconds + stats.seconds,
+        )
+        log.info(
+            "weights v%s -> v%d via %s: %.1f KB in %.2fs, swap %.3fs (%d tensors)",
+            result.previous, result.version, result.path, result.bytes / 1e3, result.seconds,
+            stats.seconds, stats.tensors,
+        )
+
+    async def _cohort(self, manifest, task, sub, model, tokenizer, spool, stop) -> None:
+        from .generate import SamplingConfig, generate_groups
+
+        items = self.rng.sample(task.items, min(self.config.batch, len(task.items)))
+        prompts = [(item, prompt_tokens(tokenizer, task, item)) for item in items]
+        prompts = [(i, p) for i, p in prompts if len(p) <= manifest.max_prompt_tokens]
+        if not prompts:
+            raise ValueError(f"every prompt of task {task.name} is longer than max_prompt_tokens")
+        version, digest = sub.version, sub.digest.root()
+        sampling = SamplingConfig(
+            temperature=manifest.temperature, max_tokens=manifest.max_tokens, group_size=manifest.group_size,
+            stop=manifest.stop, seed=None if self.options.seed is None else self.rng.randrange(1 << 30),
+        )
+        self.beat = replace(self.beat, status="generating")
+        started = time.time()
+        gen = asyncio.ensure_future(
+            self.mlx.run(generate_groups, model, tokenizer, [p for _, p in prompts], sampling,
+                         max_batch=self.config.max_decode or None)
+        )
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({gen, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not gen.done():
+            gen.cancel()  # stop generating now; an unfinished cohort is simply dropped
+            return
+        groups = gen.result()
+        finished = time.time()
+        tokens, rewards = 0, []
+        for (item, prompt), completions in zip(prompts, groups, strict=True):
+            scores = [task.reward(c.text, item.label) for c in completions]
+            rewards += scores
+            tokens += sum(len(c.tokens) for c in completions)
+            build = build_group(
+                manifest=manifest, worker_id=self.config.worker_id, item=item, prompt=prompt,
+                completions=completions, rewards=scores, version=version, digest=digest,
+                started_at=started, finished_at=finished,
+            )
+            await asyncio.to_thread(spool.add, build)
+        self.cohorts += 1
+        rate = tokens / max(finished - started, 1e-9)
+        self.beat = replace(self.beat, tokens_per_s=rate, groups_spooled=spool.depth)
+        log.info(
+            "cohort %d: v%d, %d groups, %d tokens, %.0f tok/s, reward mean %.3f",
+            self.cohorts, version, len(groups), tokens, rate, float(np.mean(rewards)) if rewards else 0.0,
+        )
+
+    # -- heartbeats --------------------------------------------------------------------------
+    async def _heartbeats(self, stop: asyncio.Event, spool: Spool, uploader: Uploader) -> None:
+        while True:
+            self.beat = replace(
+                self.beat, groups_spooled=spool.depth, groups_uploaded=uploader.stats.uploaded,
+                memory_gb=_rss_gb(),
+            )
+            await self._write_heartbeat()
+            await _wait(stop, self.options.heartbeat_s)
+
+    async def _write_heartbeat(self) -> None:
+        self.beat = replace(self.beat, updated_at=time.time())
+        try:
+            await self.store.put(self.layout.heartbeat(self.config.worker_id), self.beat.to_bytes())
+        except StoreConfigError:
+            raise
+        except StoreError as exc:
+            log.warning("heartbeat not written: %s", exc)
+
+    def _error(self, message: str) -> None:
+        log.warning(message)
+        self.beat = replace(self.beat, errors=self.beat.errors + 1, last_error=message[:200])
+
+
+def _load_model(folder: Path, state: dict[str, np.ndarray], plane: str) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, LiveWeights) on the MLX thread."""
+    import mlx_lm
+
+    from .weights import LiveWeights
+
+    model, tokenizer = mlx_lm.load(str(folder), lazy=True)
+    live = LiveWeights.from_state(model, state, plane)
+    return model, tokenizer, live
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
+
+
+def _rss_gb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1 << 30) if sys.platform == "darwin" else rss / (1 << 20)
+
+
+def _tier() -> str:
+    from .doctor import memory_bytes
+
+    return f"{memory_bytes() / 2**30:.0f} GiB"

@@ -1,0 +1,85 @@
+"""`macd run`'s worker loop for real: MLX generation, weight hot-swap, spool and upload."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from macd.config import DaemonConfig  # noqa: E402
+from macd.worker import Worker, WorkerOptions  # noqa: E402
+from slime_stoa.hf import load_hf_state  # noqa: E402
+from slime_stoa.layout import RunLayout  # noqa: E402
+from slime_stoa.run_manifest import RunManifest  # noqa: E402
+from slime_stoa.store import Store  # noqa: E402
+from slime_stoa.testing.runs import seed_run, tiny_synthetic_model  # noqa: E402
+from slime_stoa.validate import RecordLimits, load_record  # noqa: E402
+
+RUN = "worker-test"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_synthetic_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def daemon_config(store_url: str, data_dir: Path) -> DaemonConfig:
+    return DaemonConfig(store=store_url, run=RUN, name="test-mac", worker_id="test-mac-0a1b2c", data_dir=data_dir, batch=3)
+
+
+async def records(store: Store) -> list:
+    layout = RunLayout(RUN)
+    limits = RecordLimits(vocab_size=1024, expected_group_size=4)
+    return [load_record(await store.get_bytes(i.key), limits) async for i in store.list(layout.rollouts_prefix())]
+
+
+async def test_worker_generates_uploads_and_hot_swaps(store: Store, store_url: str, model_dir: Path, tmp_path: Path) -> None:
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, temperature=1.0)
+    pub = await seed_run(store, manifest, model_dir, task_count=50)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(max_cohorts=6, seed=1, heartbeat_s=0.5))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    # Publish v1 once the first groups landed.
+    for _ in range(600):
+        if await records(store) or run.done():
+            break
+        await asyncio.sleep(0.1)
+    state = load_hf_state(model_dir)
+    rng = np.random.default_rng(0)
+    for bits in state.values():
+        flat = bits.reshape(-1)
+        flat[rng.random(flat.size) < 0.02] ^= 1
+    await pub.publish(state)
+    assert await asyncio.wait_for(run, 300) == 0
+
+    got = await records(store)
+    assert len(got) == 6 * 3  # every group of every cohort, exactly once
+    assert {g.worker_id for g in got} == {"test-mac-0a1b2c"}
+    assert sorted(g.seq for g in got) == list(range(len(got)))
+    versions = [g.weight_version for g in sorted(got, key=lambda g: g.seq)]
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+    for g in got:
+        assert len(g.samples) == 4 and g.task_id == "synthetic"
+        assert all(s.finish_reason in ("stop", "length") and len(s.response_tokens) <= 6 for s in g.samples)
+    # The live MLX weights are the pointer's version, bit for bit.
+    assert worker.sub is not None and worker.sub.digest.root() == pub.state_digest
+    assert worker.live.digest_check(worker.sub.state)
+    beat = await store.get_bytes(RunLayout(RUN).heartbeat("test-mac-0a1b2c"))
+    assert b'"status":"stopped"' in beat.replace(b" ", b"")
+
+
+async def test_stop_flushes_and_exits_cleanly(store: Store, store_url: str, model_dir: Path, tmp_path: Path) -> None:
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
+    await seed_run(store, manifest, model_dir, task_count=50)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=2))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    while worker.cohorts < 2 and not run.done():
+        await asyncio.sleep(0.05)
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    assert len(await records(store)) == 3 * worker.cohorts
