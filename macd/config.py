@@ -1,0 +1,485 @@
+"""The daemon's configuration: which bucket and run this Mac works for, as whom, and how hard.
+
+`macd join` writes it once; `macd run` (and the launchd agent, which runs `macd run --config
+PATH`) reads it. It is a small TOML file in the user's config folder:
+
+- `$MACD_CONFIG` if set (or `--config PATH` on the command line), else
+- `~/Library/Application Support/stoa/macd.toml` on macOS, else
+- `$XDG_CONFIG_HOME/stoa/macd.toml` (`~/.config/stoa/macd.toml`).
+
+Bucket credentials never go into the TOML: `macd join` writes the ones it was given to a
+separate env file readable by its owner only (mode 0600, the format of
+`slime_stoa.store.credentials`), and the TOML stores that file's path. Every file is written
+atomically (temp file, fsync, rename), so a crash never leaves half a config.
+
+The second half of this module is what joining means for this Mac: what a run asks of it
+(`probe_run`) and how much memory that takes (`estimate_memory`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+import socket
+import sys
+import textwrap
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from slime_stoa.layout import check_name, check_worker_id
+from slime_stoa.store import Credentials, parse_store_url
+from slime_stoa.store.credentials import read_env_file
+
+from .doctor import memory_bytes, tier_for
+
+CONFIG_ENV = "MACD_CONFIG"
+CONFIG_NAME = "macd.toml"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_WORKER_PREFIX_MAX = 41  # 48-character worker ids minus "-" and 6 hex digits
+
+
+class ConfigError(ValueError):
+    """The config file is missing or invalid; the message says how to fix it."""
+
+
+# -- where things live --------------------------------------------------------------------------
+
+
+def default_config_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
+    """The user's config folder for stoa (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    if (platform or sys.platform) == "darwin":
+        return Path("~/Library/Application Support/stoa").expanduser()
+    return Path(env.get("XDG_CONFIG_HOME") or "~/.config").expanduser() / "stoa"
+
+
+def default_config_path(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
+    """`$MACD_CONFIG`, else `macd.toml` in the user's config folder."""
+    env = os.environ if environ is None else environ
+    if env.get(CONFIG_ENV):
+        return Path(env[CONFIG_ENV]).expanduser()
+    return default_config_dir(env, platform) / CONFIG_NAME
+
+
+def default_data_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
+    """Anchor cache and spool: `~/Library/Application Support/stoa` on macOS, XDG data else."""
+    env = os.environ if environ is None else environ
+    if (platform or sys.platform) == "darwin":
+        return Path("~/Library/Application Support/stoa").expanduser()
+    return Path(env.get("XDG_DATA_HOME") or "~/.local/share").expanduser() / "stoa"
+
+
+def credentials_path_for(config_path: Path) -> Path:
+    """Where `macd join` keeps the credentials of the config at `config_path` (beside it)."""
+    return config_path.with_name(f"{config_path.stem}.credentials.env")
+
+
+# -- worker identity ----------------------------------------------------------------------------
+
+
+def default_name() -> str:
+    """This machine's short host name (`mac-mini-3` for `mac-mini-3.local`)."""
+    return socket.gethostname().split(".")[0] or "mac"
+
+
+def worker_prefix(text: str) -> str:
+    """`text` squeezed into what a worker id allows: lowercase letters, digits and '-'."""
+    prefix = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return prefix[:_WORKER_PREFIX_MAX].rstrip("-") or "mac"
+
+
+def new_worker_id(name: str) -> str:
+    """A fresh worker id, `<sanitised name>-<6 random hex digits>`, made once at join."""
+    return check_worker_id(f"{worker_prefix(name)}-{secrets.token_hex(3)}")
+
+
+def check_label(name: str) -> str:
+    """A worker's display name: 1-64 printable characters."""
+    if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.isprintable() or name != name.strip():
+        raise ValueError(f"invalid worker name {name!r}: use 1-64 printable characters, no surrounding spaces")
+    return name
+
+
+# -- the config ---------------------------------------------------------------------------------
+
+
+def _tier_batch() -> int:
+    return tier_for(memory_bytes()).batch
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    """A dataclass field documented in place (the text also heads the key in the TOML file)."""
+    return field(metadata={"doc": text}, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """Everything `macd run` needs besides what the run manifest in the bucket says."""
+
+    store: str = _doc("Bucket URL of the run: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix.")
+    run: str = _doc("Run name: the daemon follows runs/<run>/ in that bucket.")
+    name: str = _doc("Display name of this worker in the fleet table (default: the host name).")
+    worker_id: str = _doc(
+        "Stable id in the bucket's keys (heartbeat, rollout records): made once by `macd join` and "
+        "kept across restarts and re-joins of the same run. 1-48 lowercase letters, digits or '-'."
+    )
+    data_dir: Path = _doc("Folder of the anchor cache and the upload spool (absolute; several GB for big models).")
+    credentials_file: Path | None = _doc(
+        "Env file (mode 0600) with the bucket credentials. Absent: the usual lookup (environment, "
+        "~/.r2env, ~/.config/stoa/credentials.env, $STOA_ENV_FILE).",
+        default=None,
+    )
+    batch: int = _doc(
+        "Prompts generated together, each becoming a group of the run's group size. Default: this "
+        "machine's memory tier (`macd doctor`).",
+        default_factory=_tier_batch,
+    )
+    max_decode: int = _doc("Most sequences decoding at once; 0: batch x group size, all at once.", default=0)
+    transfer_concurrency: int = _doc("Parallel transfers with the bucket (record uploads, weight downloads).", default=4)
+    spool_max_mb: int = _doc(
+        "Most megabytes of finished groups kept on disk while the bucket cannot be reached; "
+        "generation pauses when the spool is full.",
+        default=2048,
+    )
+    log_level: str = _doc("Log level of the daemon: DEBUG, INFO, WARNING or ERROR.", default="INFO")
+
+    def __post_init__(self) -> None:
+        for name in ("store", "run", "worker_id", "log_level"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        parse_store_url(self.store)  # ValueError naming the accepted forms
+        check_name("run", self.run)
+        check_label(self.name)
+        check_worker_id(self.worker_id)
+        if not isinstance(self.data_dir, Path) or not self.data_dir.is_absolute():
+            raise ValueError(f"data_dir must be an absolute path, got {self.data_dir!r}")
+        if self.credentials_file is not None and (
+            not isinstance(self.credentials_file, Path) or not self.credentials_file.is_absolute()
+        ):
+            raise ValueError(f"credentials_file must be an absolute path, got {self.credentials_file!r}")
+        for name, low in (("batch", 1), ("max_decode", 0), ("transfer_concurrency", 1), ("spool_max_mb", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the store needs credentials (s3:// or r2://)."""
+        return not self.store.startswith("file://")
+
+    def same_run(self, store: str, run: str) -> bool:
+        """Whether this config already works for `run` in the bucket at `store`."""
+        return (self.store, self.run) == (store, run)
+
+    # -- TOML ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain TOML values (paths as strings; no credentials_file key when None)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = str(value) if isinstance(value, Path) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> DaemonConfig:
+        """Build from parsed TOML; ValueError naming unknown, missing or bad keys."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; known: {sorted(known)}")
+        missing = sorted(k for k in ("store", "run", "name", "worker_id", "data_dir") if k not in doc)
+        if missing:
+            raise ValueError(f"missing key(s) {missing}")
+        values = dict(doc)
+        for key in ("data_dir", "credentials_file"):
+            if key in values:
+                if not isinstance(values[key], str) or not values[key]:
+                    raise ValueError(f"{key} must be a path string")
+                values[key] = Path(values[key]).expanduser()
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+
+    def to_toml(self) -> str:
+        """The config as TOML, each key preceded by its documentation."""
+        import tomli_w  # worker extra; only needed to write
+
+        lines = [
+            "# macd configuration, written by `macd join`. Edit it, then restart the daemon",
+            "# (`macd start` restarts a running agent). Credentials are not kept here.",
+            "",
+        ]
+        docs = {f.name: f.metadata.get("doc", "") for f in fields(self)}
+        for key, value in self.to_dict().items():
+            lines += [f"# {line}" for line in textwrap.wrap(docs[key], 96)]
+            lines += [tomli_w.dumps({key: value}).rstrip("\n"), ""]
+        return "\n".join(lines)
+
+    @classmethod
+    def from_toml(cls, text: str, where: str = "config") -> DaemonConfig:
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where} is not valid TOML: {exc}") from None
+        try:
+            return cls.from_dict(doc)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    # -- credentials --------------------------------------------------------------------------
+    def read_credentials(self) -> Credentials | None:
+        """The credentials in `credentials_file`, or None to use the usual lookup."""
+        if self.credentials_file is None:
+            return None
+        if not self.credentials_file.exists():
+            raise ConfigError(
+                f"credentials file {self.credentials_file} (named in the config) does not exist: "
+                f"run `macd join` again with the bucket's access keys"
+            )
+        return credentials_from_env(read_env_file(self.credentials_file), str(self.credentials_file))
+
+
+def load_config(path: Path) -> DaemonConfig:
+    """Read the config at `path`; ConfigError saying what to run when it is missing or bad."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no macd config at {path}: run `macd join <bucket-url> --run <run>` first"
+        ) from None
+    return DaemonConfig.from_toml(text, str(path))
+
+
+def save_config(config: DaemonConfig, path: Path) -> Path:
+    """Write the config atomically (mode 0644: it holds no secret)."""
+    atomic_write(path, config.to_toml().encode(), mode=0o644)
+    return path
+
+
+# -- credentials --------------------------------------------------------------------------------
+
+_ID_NAMES = ("STOA_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID", "R2_ACCESS_KEY_ID")
+_SECRET_NAMES = ("STOA_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY", "R2_SECRET_ACCESS_KEY")
+
+
+def credentials_from_env(values: Mapping[str, str], source: str) -> Credentials | None:
+    """Credentials from env-style names (STOA_*, AWS_*, R2_*); None when there are none.
+
+    ValueError when only one half of the key pair is there.
+    """
+    key_id = next((values[n] for n in _ID_NAMES if values.get(n)), None)
+    secret = next((values[n] for n in _SECRET_NAMES if values.get(n)), None)
+    if not key_id and not secret:
+        return None
+    if not (key_id and secret):
+        raise ValueError(f"{source} has only half of the key pair: give both the access key id and the secret")
+    return Credentials(key_id, secret, values.get("AWS_SESSION_TOKEN") or None, source)
+
+
+def credentials_env_text(creds: Credentials) -> str:
+    """The env-file text of `creds` (AWS_* names)."""
+    values = {"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
+    if creds.session_token:
+        values["AWS_SESSION_TOKEN"] = creds.session_token
+    for name, value in values.items():
+        if not value or value != value.strip() or not value.isprintable() or value[0] in "'\"":
+            raise ValueError(f"{name} must be printable, without surrounding spaces or quotes")
+    body = "".join(f"{name}={value}\n" for name, value in values.items())
+    return "# stoa bucket credentials for macd (written by `macd join`); keep this file mode 0600\n" + body
+
+
+def write_credentials(path: Path, creds: Credentials) -> Path:
+    """Write `creds` to an env file only its owner can read (0600), atomically."""
+    atomic_write(path, credentials_env_text(creds).encode(), mode=0o600)
+    return path
+
+
+# -- atomic files -------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int) -> None:
+    """Replace `path` with `data` in one step; the file has `mode` from its first byte on."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # the umask may have taken bits away
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass  # some file systems cannot fsync a folder
+    finally:
+        os.close(dir_fd)
+
+
+# -- joining: what a run asks of this Mac -------------------------------------------------------
+
+#: Bytes per served weight: bf16, or MLX int8 (8 bits plus a bf16 scale and bias per 64 weights).
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0625}
+#: Runtime overhead besides weights and KV cache (Python, MLX, activations), a rough figure.
+OVERHEAD_BYTES = 1 << 30
+#: Share of unified memory macOS lets the GPU wire by default (about 2/3 to 3/4).
+GPU_SHARE = 0.70
+#: Guessed bf16 weights per byte of KV cache per token, when the model config is unknown
+#: (Qwen2.5 0.5B-7B and Llama 3 8B lie between 40k and 130k).
+_KV_GUESS_RATIO = 50_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    """What joining a run means: its manifest and its current weights (when published)."""
+
+    manifest: Any  # slime_stoa.run_manifest.RunManifest
+    version: int | None = None  # current weight version; None before the first publish
+    elements: int | None = None  # bf16 weights in the state
+    kv_bytes_per_token: int | None = None  # from the anchor's config.json, when readable
+
+
+class RunNotFound(LookupError):
+    """The bucket has no `runs/<run>/run.json`."""
+
+
+async def probe_run(store: Any, run: str) -> RunInfo:
+    """Read the run manifest, the pointer and the model config of `run` in `store`.
+
+    Raises RunNotFound when the run does not exist, StoreError when the bucket cannot be used.
+    Missing weights are not an error (the trainer may not have published yet).
+    """
+    from slime_stoa.pulse.history import HistoryError, read_manifest, read_pointer
+    from slime_stoa.run_manifest import RunManifest
+    from slime_stoa.store import NotFound
+
+    try:
+        manifest = RunManifest.from_bytes(await store.get_bytes(manifest_key(run)))
+    except NotFound:
+        raise RunNotFound(run) from None
+    try:
+        pointer = await read_pointer(store, run)
+    except HistoryError:
+        return RunInfo(manifest=manifest)
+    try:
+        elements = (await read_manifest(store, pointer.manifest)).elements
+    except NotFound:  # retention removed it between the two reads: sizes unknown
+        return RunInfo(manifest=manifest, version=pointer.version)
+    return RunInfo(
+        manifest=manifest,
+        version=pointer.version,
+        elements=elements,
+        kv_bytes_per_token=await _kv_bytes_per_token(store, pointer.anchor.manifest),
+    )
+
+
+def manifest_key(run: str) -> str:
+    from slime_stoa.layout import RunLayout
+
+    return RunLayout(run).run_manifest
+
+
+async def _kv_bytes_per_token(store: Any, anchor_manifest_key: str) -> int | None:
+    """KV-cache bytes per token (bf16 K and V of every layer) from the anchor's config.json."""
+    import json
+
+    from slime_stoa.pulse.manifests import AnchorManifest
+
+    try:
+        anchor = AnchorManifest.from_bytes(await store.get_bytes(anchor_manifest_key), anchor_manifest_key)
+        entry = next((f for f in anchor.extras if f.name == "config.json"), None)
+        if entry is None:
+            return None
+        return kv_bytes_per_token(json.loads(await store.get_bytes(entry.key)))
+    except Exception:  # best effort: the estimate falls back to a guess
+        return None
+
+
+def kv_bytes_per_token(config: Mapping[str, Any]) -> int | None:
+    """2 (K, V) x layers x KV heads x head dim x 2 bytes, from an HF config; None if unknown."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return 2 * layers * kv_heads * head_dim * 2
+
+
+def elements_from_model_name(model: str) -> int | None:
+    """A parameter count guessed from a name like `Qwen2.5-1.5B-Instruct`; None if none."""
+    match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)\s*([BbMm])(?![a-zA-Z])", model)
+    if not match:
+        return None
+    return int(float(match[1]) * (1e9 if match[2] in "Bb" else 1e6))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Unified memory a worker needs: weights, KV cache of every sequence at full length, overhead."""
+
+    weights: int
+    kv_cache: int
+    overhead: int = OVERHEAD_BYTES
+    weights_guessed: bool = False  # from the model name, not the published weights
+    kv_guessed: bool = False  # without the model config
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.overhead
+
+    def verdict(self, memory: int) -> str:
+        """'fits', 'tight' or 'too big' against `memory` bytes of unified memory."""
+        usable = GPU_SHARE * memory
+        if self.total <= usable:
+            return "fits"
+        return "tight" if self.total <= 0.85 * memory else "too big"
+
+
+def estimate_memory(
+    *,
+    elements: int,
+    plane: str,
+    sequences: int,
+    tokens_per_sequence: int,
+    kv_bytes_per_token: int | None = None,
+    weights_guessed: bool = False,
+) -> MemoryEstimate:
+    """Memory for serving `elements` weights on `plane` with `sequences` decoding at once."""
+    if plane not in BYTES_PER_WEIGHT:
+        raise ValueError(f"unknown plane {plane!r}; expected one of {sorted(BYTES_PER_WEIGHT)}")
+    if elements < 0 or sequences < 1 or tokens_per_sequence < 1:
+        raise ValueError("elements must be >= 0, sequences and tokens_per_sequence >= 1")
+    per_token = kv_bytes_per_token if kv_bytes_per_token else max(1, elements // _KV_GUESS_RATIO)
+    return MemoryEstimate(
+        weights=math.ceil(elements * BYTES_PER_WEIGHT[plane]),
+        kv_cache=per_token * sequences * tokens_per_sequence,
+        weights_guessed=weights_guessed,
+        kv_guessed=not kv_bytes_per_token,
+    )
+
+
+def decoding_sequences(config: DaemonConfig, group_size: int) -> int:
+    """How many sequences decode at once: batch x group size, capped by max_decode."""
+    full = config.batch * group_size
+    return min(full, config.max_decode) if config.max_decode else full
+
