@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as cfg
+from . import run_cmd
 
 
 def default_data_dir() -> Path:
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--data-dir", type=Path, default=default_data_dir(), help="anchor cache and spool folder")
     doctor.set_defaults(handler=lambda args: _doctor(args))
     _add_join(sub)
-    # `macd run` (the daemon in the foreground) is added here.
+    run_cmd.add_parser(sub, add_config_option)
     _add_service_commands(sub)
     return parser
 
