@@ -29,6 +29,7 @@ from slime_stoa.hf import save_hf_folder
 from slime_stoa.layout import RunLayout
 from slime_stoa.pulse.anchor import download_extras
 from slime_stoa.pulse.manifests import AnchorManifest, Pointer
+from slime_stoa.prompting import prompt_tokens
 from slime_stoa.pulse.subscriber import Subscriber, SyncError
 from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group
 from slime_stoa.run_manifest import RunManifest
@@ -96,15 +97,6 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
         future.set_exception(exc)
     else:
         future.set_result(result)
-
-
-def prompt_tokens(tokenizer: Any, task: Task, item: TaskItem) -> list[int]:
-    """The prompt as the model sees it: the chat template when the tokenizer has one."""
-    messages = task.messages(item)
-    if getattr(tokenizer, "chat_template", None):
-        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
-    return list(tokenizer.encode(item.prompt))
 
 
 def build_group(
@@ -206,7 +198,9 @@ class Worker:
         folder = await self._materialize(sub)
         model, tokenizer, live = await self.mlx.run(_load_model, folder, sub.state, manifest.plane)
         self.live = live
-        self.beat = replace(self.beat, version=sub.version, pointer_version=sub.version, tier=_tier())
+        self.beat = replace(
+            self.beat, version=sub.version, pointer_version=sub.version, tier=_tier(), state_digest=sub.digest.root()
+        )
         log.info(
             "worker %s joined run %s at weights v%d (%s plane, task %s, group size %d, batch %d)",
             self.config.worker_id, manifest.run, sub.version, manifest.plane, manifest.task,
@@ -263,7 +257,7 @@ class Worker:
         stats = await self.mlx.run(live.apply, sub.state, result.changed, result.touched)
         self.beat = replace(
             self.beat, version=sub.version, pointer_version=sub.version, swaps=self.beat.swaps + 1,
-            last_swap_s=result.seconds + stats.seconds,
+            last_swap_s=result.seconds + stats.seconds, state_digest=sub.digest.root(),
         )
         log.info(
             "weights v%s -> v%d via %s: %.1f KB in %.2fs, swap %.3fs (%d tensors)",

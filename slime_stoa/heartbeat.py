@@ -20,6 +20,7 @@ class Heartbeat:
     status: str  # "starting", "syncing", "generating", "paused" (spool full), "stopping"
     tier: str = ""  # memory tier, e.g. "24 GiB"
     version: int | None = None  # weight version held
+    state_digest: str = ""  # state digest of the weights held (verified on every swap)
     pointer_version: int | None = None  # latest version seen in the pointer
     tokens_per_s: float = 0.0  # generation throughput over the last cohort
     groups_uploaded: int = 0
