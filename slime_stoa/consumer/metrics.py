@@ -1,0 +1,89 @@
+"""Counters and per-batch metrics.
+
+The consumer keeps cumulative counters (persisted with its state); a batch reports what changed
+since the previous batch plus statistics of the batch itself. Metric names are full names as
+slime logs them unchanged: `rollout/stoa_*` for the run, `worker/<id>/*` per worker.
+
+Counter names:
+    rejected/<reason>                 records rejected, by reason
+    stale                             groups dropped for lagging more than the staleness limit
+    filtered_all_equal                groups dropped because their rewards were all equal
+    admitted                          groups that entered the pool
+    samples_scored                    samples re-scored
+    reward_disagreements              samples whose worker reward differs from the trainer's
+    groups_used / groups_reused       groups put in batches (reused: not for the first time)
+    late_keys                         keys found behind the cursor by a sweep
+    list_requests / get_requests      store requests
+    worker/<id>/groups                groups of this worker put in batches
+    worker/<id>/reward_disagreements  its samples whose reward disagreed
+    worker/<id>/rejected              its records rejected
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+
+def reject_counter(reason: str) -> str:
+    return f"rejected/{reason}"
+
+
+def worker_counter(worker: str, what: str) -> str:
+    return f"worker/{worker}/{what}"
+
+
+def rejects_by_reason(counters: Mapping[str, int]) -> dict[str, int]:
+    """{reason: count} of the `rejected/<reason>` counters that are non-zero."""
+    prefix = "rejected/"
+    return {k[len(prefix) :]: v for k, v in sorted(counters.items()) if k.startswith(prefix) and v}
+
+
+def delta(now: Mapping[str, int], before: Mapping[str, int]) -> Counter[str]:
+    """What each counter gained since `before` (zero gains left out)."""
+    return Counter({k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)})
+
+
+def batch_metrics(
+    *,
+    gained: Mapping[str, int],
+    lags: Sequence[int],
+    rewards: Sequence[float],
+    workers: Mapping[str, int],
+    wait_s: float,
+    pool: int,
+    pending: int,
+) -> dict[str, float]:
+    """The metrics of one batch: `gained` counters since the last batch, `lags` and `rewards`
+    of the groups (per group, per sample), `workers` (groups per worker in this batch)."""
+    scored = gained.get("samples_scored", 0)
+    rejects = rejects_by_reason(gained)
+    out: dict[str, float] = {
+        "rollout/stoa_groups": float(len(lags)),
+        "rollout/stoa_version_lag_mean": float(sum(lags) / len(lags)) if lags else 0.0,
+        "rollout/stoa_version_lag_max": float(max(lags)) if lags else 0.0,
+        "rollout/stoa_reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0,
+        "rollout/stoa_reused_groups": float(gained.get("groups_reused", 0)),
+        "rollout/stoa_stale_dropped": float(gained.get("stale", 0)),
+        "rollout/stoa_filtered_all_equal": float(gained.get("filtered_all_equal", 0)),
+        "rollout/stoa_rejected": float(sum(rejects.values())),
+        "rollout/stoa_reward_disagreements": float(gained.get("reward_disagreements", 0)),
+        "rollout/stoa_reward_disagreement_rate": (
+            gained.get("reward_disagreements", 0) / scored if scored else 0.0
+        ),
+        "rollout/stoa_late_keys": float(gained.get("late_keys", 0)),
+        "rollout/stoa_list_requests": float(gained.get("list_requests", 0)),
+        "rollout/stoa_get_requests": float(gained.get("get_requests", 0)),
+        "rollout/stoa_wait_s": float(wait_s),
+        "rollout/stoa_pool_groups": float(pool),
+        "rollout/stoa_pending_groups": float(pending),
+        "rollout/stoa_workers": float(len(workers)),
+    }
+    for reason, count in rejects.items():
+        out[f"rollout/stoa_rejected/{reason}"] = float(count)
+    for worker, count in sorted(workers.items()):
+        out[f"worker/{worker}/groups"] = float(count)
+    for key, value in sorted(gained.items()):
+        if key.startswith("worker/") and not key.endswith("/groups"):
+            out[key] = float(value)
+    return out

@@ -1,0 +1,84 @@
+"""A consumed group as training samples: plain field dicts named after slime's `Sample` fields.
+
+Pure and slime-free: the slime layer only turns each dict into `Sample(**fields)` (mapping the
+`status` string to `Sample.Status`), and stoa's own learner reads the same dicts.
+
+Per sample of a group of G (contiguous, in the record's order):
+
+    tokens             prompt tokens + response tokens
+    response_length    number of response tokens
+    response           the decoded completion the reward was computed from
+    prompt, label      the task item's prompt text and label
+    reward             the trainer's recomputed reward (never the worker's)
+    loss_mask          [1] * response_length (every sampled token is trained on)
+    rollout_log_probs  the worker's logprob of each response token at the sampling temperature,
+                       clamped to <= 0 (the validator admits float32 rounding up to +1e-4)
+    status             "truncated" when the sample hit max_tokens (finish_reason "length"),
+                       else "completed"
+    group_index, index the ids the caller passes (slime: from its data source)
+    weight_versions    [str(weight version)] (informational in slime)
+    metadata           stoa_* provenance: worker, weight version, version lag, use, key, worker
+                       reward, task, prompt index, finish reason
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .consumer import ConsumedGroup
+
+STATUS_COMPLETED = "completed"
+STATUS_TRUNCATED = "truncated"
+
+
+def sample_status(finish_reason: str) -> str:
+    return STATUS_TRUNCATED if finish_reason == "length" else STATUS_COMPLETED
+
+
+def sample_fields(
+    group: ConsumedGroup,
+    *,
+    group_index: int | None = None,
+    indices: Sequence[int | None] | None = None,
+) -> list[dict[str, Any]]:
+    """One field dict per sample of `group` (see the module doc). `indices`, when given, holds
+    one sample index per sample."""
+    g = group.group
+    if indices is not None and len(indices) != len(g.samples):
+        raise ValueError(f"{len(indices)} indices for a group of {len(g.samples)} samples")
+    prompt = [int(t) for t in g.prompt_tokens]
+    out = []
+    for i, s in enumerate(g.samples):
+        response = [int(t) for t in s.response_tokens]
+        n = len(response)
+        out.append(
+            {
+                "group_index": group_index,
+                "index": None if indices is None else indices[i],
+                "prompt": group.prompt,
+                "label": group.label,
+                "tokens": prompt + response,
+                "response": group.texts[i],
+                "response_length": n,
+                "reward": float(group.rewards[i]),
+                "loss_mask": [1] * n,
+                "rollout_log_probs": np.minimum(s.logprobs.astype(np.float64), 0.0).tolist(),
+                "status": sample_status(s.finish_reason),
+                "weight_versions": [str(g.weight_version)],
+                "metadata": {
+                    "stoa_worker": g.worker_id,
+                    "stoa_weight_version": g.weight_version,
+                    "stoa_version_lag": group.version_lag,
+                    "stoa_use": group.use,
+                    "stoa_key": group.key,
+                    "stoa_worker_reward": float(s.reward),
+                    "stoa_task": g.task_id,
+                    "stoa_prompt_index": g.prompt_index,
+                    "stoa_finish_reason": s.finish_reason,
+                },
+            }
+        )
+    return out

@@ -1,0 +1,640 @@
+"""The rollout consumer end to end, on both store backends, with records written by the real
+encoder under real layout keys and re-scored with the real synthetic task and a tiny tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import json
+import math
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slime_stoa.consumer import (
+    ConsumerConfig,
+    ConsumerState,
+    ConsumerTimeout,
+    RolloutConsumer,
+    StateConflict,
+    sample_fields,
+)
+from slime_stoa.consumer.counting import CountingStore
+from slime_stoa.consumer.discovery import advance_cursor, cursor_cap, prune_seen
+from slime_stoa.consumer.policy import Candidate, all_equal, select
+from slime_stoa.consumer.scoring import tokenizer_decode
+from slime_stoa.heartbeat import Heartbeat
+from slime_stoa.hf import load_hf_state
+from slime_stoa.layout import RunLayout
+from slime_stoa.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group
+from slime_stoa.run_manifest import RunManifest
+from slime_stoa.store import Store
+from slime_stoa.tasks import generate_items, make_task
+from slime_stoa.testing.tiny_model import IM_END, build_tiny_model
+
+RUN = "consume"
+G = 4
+MAX_TOKENS = 16
+SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, stop=())
+DIGEST = "ab" * 16
+ITEMS = generate_items(32, seed=3)
+FAST = dict(poll_interval_s=0.02, sweep_interval_s=0.2, wait_timeout_s=3.0, progress_interval_s=60.0)
+
+
+# -- fixtures and builders -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    folder: Path
+    tokenizer: Any
+    vocab: int
+    eos: int
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, tokens) -> str:
+        return tokenizer_decode(self.tokenizer)(tokens)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    from tokenizers import Tokenizer
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    return Tiny(folder, tok, vocab, tok.token_to_id(IM_END))
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def setup_run(store: Store, tiny: Tiny, *, staleness: int = 2, reuse: int = 1) -> RunManifest:
+    layout = RunLayout(RUN)
+    manifest = RunManifest(
+        run=RUN, model="tiny", task="synthetic", group_size=G, temperature=1.0, max_tokens=MAX_TOKENS,
+        max_prompt_tokens=64, staleness_limit=staleness, reuse_limit=reuse, vocab_size=tiny.vocab,
+    )
+    await store.put_if_absent(layout.run_manifest, manifest.to_bytes())
+    task = make_task("synthetic", ITEMS)
+    await store.put_if_absent(layout.task_file("synthetic", "train.jsonl.zst"), task.encode())
+    return manifest
+
+
+def make_group(
+    tiny: Tiny,
+    *,
+    worker: str,
+    seq: int,
+    prompt_index: int = 0,
+    answers: list[str] | None = None,
+    weight_version: int = 0,
+    worker_rewards: list[float] | None = None,
+    finish: list[str] | None = None,
+    **overrides: Any,
+) -> RolloutGroup:
+    """A group whose answers default to two right and two wrong (mixed rewards)."""
+    item = ITEMS[prompt_index]
+    wrong = "x" if item.label != "x" else "y"
+    answers = answers if answers is not None else [item.label, wrong, item.label, wrong]
+    finish = finish or ["stop"] * len(answers)
+    samples = []
+    for i, (text, fin) in enumerate(zip(answers, finish, strict=True)):
+        tokens = tiny.encode(text) + ([tiny.eos] if fin == "stop" else [])
+        reward = worker_rewards[i] if worker_rewards else float(text == item.label)
+        samples.append(Sample(response_tokens=tokens, logprobs=[-0.5] * len(tokens), finish_reason=fin, reward=reward))
+    t = time.time()
+    fields: dict[str, Any] = dict(
+        kind="train", run=RUN, task_id="synthetic", prompt_index=prompt_index,
+        prompt_tokens=tiny.encode(item.prompt), samples=tuple(samples), weight_version=weight_version,
+        state_digest=DIGEST, sampling=SAMPLING, worker_id=worker, seq=seq, started_at=t - 1, finished_at=t,
+    )
+    fields.update(overrides)
+    return RolloutGroup(**fields)
+
+
+async def upload(store: Store, group: RolloutGroup, ts_ms: int | None = None, *, worker: str | None = None, seq: int | None = None) -> str:
+    key = RunLayout(RUN).rollout(worker or group.worker_id, now_ms() if ts_ms is None else ts_ms, group.seq if seq is None else seq)
+    await store.put_if_absent(key, encode_group(group))
+    return key
+
+
+def config(store_url: str, **kw: Any) -> ConsumerConfig:
+    return ConsumerConfig(store_url=store_url, run=RUN, **{**FAST, **kw})
+
+
+async def open_consumer(store: Store, tiny: Tiny, store_url: str, *, restore: bool = False, **kw: Any) -> RolloutConsumer:
+    return await RolloutConsumer.open(
+        store, config(store_url, **kw), decode=tiny.decode, eos_ids=frozenset({tiny.eos}), restore=restore
+    )
+
+
+# -- batches -------------------------------------------------------------------------------------
+async def test_batch_across_workers(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    base = now_ms() - 10_000
+    workers = ["mac-a", "mac-b", "mac-c"]
+    for i in range(12):
+        w = workers[i % 3]
+        await upload(store, make_group(tiny, worker=w, seq=i // 3, prompt_index=i), base + i)
+    consumer = await open_consumer(store, tiny, store_url, wait_timeout_s=0.5)
+    first = await consumer.next_batch(6, trainer_version=0)
+    second = await consumer.next_batch(6, trainer_version=0)
+    keys = [g.key for g in first.groups + second.groups]
+    assert len(set(keys)) == 12  # every record exactly once
+    assert {g.worker for g in first.groups} == set(workers)
+    for g in first.groups:
+        assert g.rewards == tuple(float(t == g.label) for t in g.texts) == (1.0, 0.0, 1.0, 0.0)
+        assert g.version_lag == 0 and g.use == 1
+    m = first.metrics
+    assert m["rollout/stoa_groups"] == 6 and m["rollout/stoa_workers"] == 3
+    assert sum(v for k, v in m.items() if k.startswith("worker/") and k.endswith("/groups")) == 6
+    assert m["rollout/stoa_rejected"] == 0 and m["rollout/stoa_reward_mean"] == 0.5
+    with pytest.raises(ConsumerTimeout):
+        await consumer.next_batch(1, trainer_version=0)
+    # A new record lands: the next batch has it.
+    await upload(store, make_group(tiny, worker="mac-d", seq=0, prompt_index=20))
+    consumer.config = dataclasses.replace(consumer.config, wait_timeout_s=5.0)
+    third = await consumer.next_batch(1, trainer_version=0)
+    assert third.groups[0].worker == "mac-d"
+    await consumer.close()
+
+
+async def test_staleness_reuse_and_version_ahead(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny, staleness=2, reuse=2)
+    base = now_ms() - 10_000
+    for v in range(8):  # weight versions 0..7 from one worker; the trainer is at v5
+        await upload(store, make_group(tiny, worker="w", seq=v, prompt_index=v, weight_version=v), base + v)
+    consumer = await open_consumer(store, tiny, store_url, wait_timeout_s=1.0)
+    batch = await consumer.next_batch(4, trainer_version=5)
+    # v0-v2 lag 5..3 > 2: stale. v7 is 2 ahead (slack 1): rejected. v3..v6 (lag 2..-1) usable.
+    assert sorted(g.weight_version for g in batch.groups) == [3, 4, 5, 6]
+    assert [g.weight_version for g in batch.groups] == [3, 4, 5, 6]  # oldest version first
+    assert batch.metrics["rollout/stoa_version_lag_max"] == 2
+    # reuse_limit 2: the same groups once more, now marked as a second use...
+    again = await consumer.next_batch(4, trainer_version=5)
+    assert {g.key for g in again.groups} == {g.key for g in batch.groups} and {g.use for g in again.groups} == {2}
+    assert again.metrics["rollout/stoa_reused_groups"] == 4
+    # ... and never a third time.
+    with pytest.raises(ConsumerTimeout):
+        await consumer.next_batch(1, trainer_version=5)
+    assert consumer.counters["stale"] == 3 and consumer.counters["rejected/version_ahead"] == 1
+    await consumer.close()
+
+
+async def test_pool_groups_expire_when_the_trainer_moves(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny, staleness=1, reuse=3)
+    for v in (0, 1):
+        await upload(store, make_group(tiny, worker="w", seq=v, weight_version=v), now_ms() - 1000 + v)
+    consumer = await open_consumer(store, tiny, store_url, wait_timeout_s=0.5)
+    assert len((await consumer.next_batch(2, trainer_version=1)).groups) == 2
+    batch = await consumer.next_batch(1, trainer_version=2)  # v0 now lags 2 > 1: expired
+    assert batch.groups[0].weight_version == 1 and batch.metrics["rollout/stoa_stale_dropped"] == 1
+    await consumer.close()
+
+
+def test_admission_order_policy() -> None:
+    cands = [Candidate("3-new-old-version", 1, 0), Candidate("1-old-new-version", 5, 0), Candidate("0-used", 0, 1)]
+    assert select(cands, 3, "oldest_version") == ["3-new-old-version", "1-old-new-version", "0-used"]
+    assert select(cands, 2, "fifo") == ["1-old-new-version", "3-new-old-version"]
+    assert all_equal([1.0, 1.0]) and not all_equal([1.0, 0.0]) and all_equal([])
+
+
+def test_cursor_never_passes_the_clock_and_seen_set_is_bounded() -> None:
+    now = 1_700_000_000_000
+    future = f"{now + 3_600_000:013d}-fast-clock-0000000001.rec"
+    assert advance_cursor("", future, now) == cursor_cap(now)
+    past = f"{now - 5:013d}-w-0000000001.rec"
+    assert advance_cursor(cursor_cap(now), past, now) == cursor_cap(now)  # only forward
+    seen = {f"{now - d:013d}-w-{d:010d}.rec" for d in (0, 10, 70_000)}
+    prune_seen(seen, cursor_cap(now), 60_000)
+    assert len(seen) == 2
+
+
+# -- discovery cost ------------------------------------------------------------------------------
+async def test_listing_cost_grows_with_new_records_only(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    base = now_ms() - 20_000
+    await asyncio.gather(*(
+        upload(store, make_group(tiny, worker=f"w{w:02d}", seq=s, prompt_index=(w + s) % 32), base + w * 10 + s)
+        for w in range(30) for s in range(4)
+    ))  # 120 records from 30 workers
+    counting = CountingStore(store)
+    consumer = await open_consumer(counting, tiny, store_url, sweep_interval_s=3600.0)
+    counting.reset()
+    await consumer.next_batch(120, trainer_version=0)
+    assert counting.calls["get"] == 120
+    assert counting.calls["list_pages"] <= 2  # one tail listing of 120 keys (+ at most one empty poll)
+    # Five new records land (among 120 old ones): the next batch lists and downloads those only.
+    t = now_ms() - 100
+    for i in range(5):
+        await upload(store, make_group(tiny, worker="late", seq=i, prompt_index=i), t + i)
+    counting.reset()
+    await consumer.next_batch(5, trainer_version=0)
+    assert counting.calls["get"] == 5
+    assert counting.calls["listed"] == 5
+    assert counting.calls["list_pages"] <= 2
+    # An idle poll with nothing new lists nothing old.
+    counting.reset()
+    consumer.config = dataclasses.replace(consumer.config, wait_timeout_s=0.2)
+    with pytest.raises(ConsumerTimeout):
+        await consumer.next_batch(1, trainer_version=0)
+    assert counting.calls["listed"] == 0 and counting.calls["get"] == 0
+    await consumer.close()
+
+
+async def test_sweep_finds_late_keys_and_future_clocks_do_not_hide_others(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    t = now_ms()
+    await upload(store, make_group(tiny, worker="fast-clock", seq=0), t + 3_600_000)  # an hour ahead
+    await upload(store, make_group(tiny, worker="a", seq=0), t - 1000)
+    consumer = await open_consumer(store, tiny, store_url, skew_window_ms=30_000)
+    got = await consumer.next_batch(2, trainer_version=0)
+    assert {g.worker for g in got.groups} == {"fast-clock", "a"}
+    # A record stamped before the cursor (slow upload) but inside the window: found by a sweep.
+    await upload(store, make_group(tiny, worker="slow", seq=0), t - 5000)
+    # A normal record after the cursor, from another worker: found although a key from the
+    # future was listed (the cursor never passed the clock).
+    await upload(store, make_group(tiny, worker="b", seq=0), now_ms())
+    got = await consumer.next_batch(2, trainer_version=0)
+    assert {g.worker for g in got.groups} == {"slow", "b"}
+    assert consumer.counters["late_keys"] == 1
+    await consumer.close()
+
+
+# -- persistence ---------------------------------------------------------------------------------
+async def test_restart_neither_reconsumes_nor_skips(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny, reuse=2)
+    base = now_ms() - 30_000
+    for i in range(10):
+        await upload(store, make_group(tiny, worker=f"w{i % 2}", seq=i, prompt_index=i), base + i)
+    a = await open_consumer(store, tiny, store_url, download_concurrency=4)
+    used = [g.key for g in (await a.next_batch(3, trainer_version=0)).groups]
+    await a.save_state()
+    snapshot = a.state_dict()
+    assert json.loads(json.dumps(snapshot)) == snapshot  # JSON-serialisable
+    await a.close()
+
+    b = await open_consumer(store, tiny, store_url, restore=True, wait_timeout_s=1.0)
+    assert b.state_dict()["cursor"] == snapshot["cursor"]
+    uses: dict[str, int] = dict.fromkeys(used, 1)
+    while True:
+        try:
+            batch = await b.next_batch(1, trainer_version=0)
+        except ConsumerTimeout:
+            break
+        for g in batch.groups:
+            uses[g.key] = uses.get(g.key, 0) + 1
+    assert len(uses) == 10 and set(uses.values()) == {2}  # every group, each exactly reuse_limit times
+    await b.save_state()
+    # A second trainer that did not resume from the bucket cannot overwrite the state.
+    c = await open_consumer(store, tiny, store_url)
+    with pytest.raises(StateConflict):
+        await c.save_state()
+    await b.close()
+    await c.close()
+
+
+def test_state_json_round_trip_and_rejects_garbage() -> None:
+    state = ConsumerState(
+        run=RUN, cursor="1700000000000-w-0000000001.rec", seen={"1700000000000-w-0000000001.rec"},
+        pending={"1700000000001-w-0000000002.rec": 123}, ledger={"1700000000000-w-0000000001.rec": 1},
+        counters={"rejected/bad_magic": 2}, last_seen={"w": 1700000000001},
+    )
+    assert ConsumerState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    for bad in ({}, {**state.to_json(), "seen": ["../x"]}, {**state.to_json(), "counters": {"a": -1}}):
+        with pytest.raises(ValueError):
+            ConsumerState.from_json(bad)
+
+
+# -- hostile and lying workers -------------------------------------------------------------------
+async def test_hostile_records_are_rejected_and_counted(store: Store, store_url: str, tiny: Tiny) -> None:
+    manifest = await setup_run(store, tiny)
+    layout = RunLayout(RUN)
+    t = now_ms() - 10_000
+    good = encode_group(make_group(tiny, worker="evil", seq=0))
+    bad_token = make_group(tiny, worker="evil", seq=1, prompt_tokens=[tiny.vocab + 5])
+    nan_lp = make_group(tiny, worker="evil", seq=2)
+    s0 = nan_lp.samples[0]
+    nan_lp = dataclasses.replace(nan_lp, samples=(dataclasses.replace(s0, logprobs=[math.nan] * len(s0.logprobs)),) + nan_lp.samples[1:])
+    objects = {
+        layout.rollout("evil", t + 0, 0): b"not a record at all",
+        layout.rollout("evil", t + 1, 1): good[: len(good) // 2],  # truncated
+        layout.rollout("evil", t + 2, 2): encode_group(bad_token),
+        layout.rollout("evil", t + 3, 3): encode_group(nan_lp),
+        layout.rollout("evil", t + 4, 4): good[:8] + bytes(6000),  # oversized (limit below)
+        layout.rollout("evil", t + 5, 5): encode_group(make_group(tiny, worker="someone-else", seq=5)),
+        layout.rollout("evil", t + 6, 6): encode_group(make_group(tiny, worker="evil", seq=6, task_id="gsm8k")),
+        layout.rollout("evil", t + 7, 7): encode_group(make_group(tiny, worker="evil", seq=7, prompt_index=0, samples=())),
+        layout.rollouts_prefix() + "not-a-record-key": b"x",
+    }
+    for key, data in objects.items():
+        await store.put_if_absent(key, data)
+    await upload(store, make_group(tiny, worker="honest", seq=0), t + 100)
+    from slime_stoa.consumer import limits_for_run
+
+    limits = dataclasses.replace(limits_for_run(manifest, vocab_size=tiny.vocab), max_record_bytes=4096)
+    counting = CountingStore(store)
+    consumer = await open_consumer(counting, tiny, store_url, record_limits=limits)
+    counting.reset()
+    batch = await consumer.next_batch(1, trainer_version=0)
+    assert batch.groups[0].worker == "honest"
+    expected = {
+        "bad_magic": 1, "decompress": 1, "token_range": 1, "logprob_not_finite": 1, "too_large": 1,
+        "key_mismatch": 1, "task": 1, "group_size": 1, "bad_key": 1,
+    }
+    got = {k.removeprefix("rejected/"): v for k, v in consumer.counters.items() if k.startswith("rejected/")}
+    assert got == expected
+    assert counting.calls["get"] == 8  # the oversized object was never downloaded
+    assert consumer.counters["worker/evil/rejected"] == 8
+    assert batch.metrics["rollout/stoa_rejected"] == 9
+    assert batch.metrics["rollout/stoa_rejected/too_large"] == 1
+    await consumer.close()
+
+
+async def test_lying_worker_rewards_are_replaced_and_counted(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    item = ITEMS[0]
+    wrong = "x"
+    liar = make_group(tiny, worker="liar", seq=0, answers=[item.label, wrong, wrong, wrong], worker_rewards=[1.0] * 4)
+    await upload(store, liar, now_ms() - 100)
+    await upload(store, make_group(tiny, worker="honest", seq=0, prompt_index=1), now_ms() - 50)
+    consumer = await open_consumer(store, tiny, store_url)
+    batch = await consumer.next_batch(2, trainer_version=0)
+    lied = next(g for g in batch.groups if g.worker == "liar")
+    assert lied.rewards == (1.0, 0.0, 0.0, 0.0)
+    assert [f["reward"] for f in sample_fields(lied)] == [1.0, 0.0, 0.0, 0.0]
+    assert [f["metadata"]["stoa_worker_reward"] for f in sample_fields(lied)] == [1.0] * 4
+    assert batch.metrics["worker/liar/reward_disagreements"] == 3
+    assert "worker/honest/reward_disagreements" not in batch.metrics
+    assert batch.metrics["rollout/stoa_reward_disagreements"] == 3
+    assert batch.metrics["rollout/stoa_reward_disagreement_rate"] == 3 / 8
+    await consumer.close()
+
+
+@pytest.mark.parametrize("filter_on", [True, False])
+async def test_all_equal_groups_filtered_and_counted(store: Store, store_url: str, tiny: Tiny, filter_on: bool) -> None:
+    await setup_run(store, tiny)
+    label = ITEMS[0].label
+    await upload(store, make_group(tiny, worker="w", seq=0, answers=[label] * 4), now_ms() - 300)
+    await upload(store, make_group(tiny, worker="w", seq=1, answers=["x"] * 4), now_ms() - 200)
+    await upload(store, make_group(tiny, worker="w", seq=2), now_ms() - 100)
+    consumer = await open_consumer(store, tiny, store_url, filter_all_equal=filter_on)
+    batch = await consumer.next_batch(1 if filter_on else 3, trainer_version=0)
+    if filter_on:
+        assert batch.groups[0].rewards == (1.0, 0.0, 1.0, 0.0)
+        assert batch.metrics["rollout/stoa_filtered_all_equal"] == 2
+    else:
+        assert batch.metrics["rollout/stoa_filtered_all_equal"] == 0
+    await consumer.close()
+
+
+# -- waiting -------------------------------------------------------------------------------------
+async def test_wait_timeout_names_last_seen_workers_and_rejects(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    layout = RunLayout(RUN)
+    consumer = await open_consumer(store, tiny, store_url, wait_timeout_s=0.3)
+    with pytest.raises(ConsumerTimeout, match="no worker seen"):
+        await consumer.next_batch(2, trainer_version=0)
+    await store.put(layout.heartbeat("mac-heartbeat"), b'{"not": "a heartbeat"}')  # named, not parsed
+    beat = Heartbeat(worker_id="mac-paused", name="desk", status="paused", version=3, pointer_version=5,
+                     groups_spooled=40, errors=1, last_error="upload: 503")
+    await store.put(layout.heartbeat("mac-paused"), beat.to_bytes())
+    await store.put_if_absent(layout.rollout("mac-garbage", now_ms(), 0), b"garbage")
+    with pytest.raises(ConsumerTimeout) as info:
+        await consumer.next_batch(2, trainer_version=0)
+    text = str(info.value)
+    assert "mac-heartbeat" in text and "mac-garbage" in text and "heartbeat" in text
+    assert "mac-paused (heartbeat " in text
+    assert "s ago, paused, v3 of v5, 40 groups spooled, 1 errors, last: upload: 503)" in text
+    assert "bad_magic=1" in text and "have 0" in text
+    assert info.value.rejects == {"bad_magic": 1} and info.value.needed == 2
+    await consumer.close()
+
+
+# -- samples -------------------------------------------------------------------------------------
+async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    item = ITEMS[4]
+    group = make_group(tiny, worker="w", seq=0, prompt_index=4, answers=[item.label, "x", item.label, "12345"],
+                       finish=["stop", "stop", "length", "length"], weight_version=3)
+    key = await upload(store, group)
+    consumer = await open_consumer(store, tiny, store_url)
+    consumed = (await consumer.next_batch(1, trainer_version=4)).groups[0]
+    fields = sample_fields(consumed, group_index=7, indices=[28, 29, 30, 31])
+    assert len(fields) == G
+    prompt = tiny.encode(item.prompt)
+    for i, (f, s) in enumerate(zip(fields, group.samples, strict=True)):
+        response = s.response_tokens.tolist()
+        assert f["group_index"] == 7 and f["index"] == 28 + i  # one group, contiguous
+        assert f["tokens"] == prompt + response
+        assert f["response_length"] == len(response)
+        assert len(f["loss_mask"]) == len(f["rollout_log_probs"]) == f["response_length"]
+        assert f["loss_mask"] == [1] * len(response)
+        assert f["rollout_log_probs"] == [-0.5] * len(response)
+        assert f["status"] == ("truncated" if s.finish_reason == "length" else "completed")
+        assert f["prompt"] == item.prompt and f["label"] == item.label
+        assert isinstance(f["response"], str) and isinstance(f["reward"], float)
+        assert f["weight_versions"] == ["3"]
+        meta = f["metadata"]
+        assert meta["stoa_worker"] == "w" and meta["stoa_weight_version"] == 3 and meta["stoa_version_lag"] == 1
+        assert meta["stoa_key"] == key and meta["stoa_use"] == 1 and meta["stoa_finish_reason"] == s.finish_reason
+    assert [f["reward"] for f in fields] == [1.0, 0.0, 1.0, 0.0]
+    assert fields[0]["response"] == item.label  # the final EOS is not part of the text
+    assert fields[2]["response"] == item.label  # truncated: no EOS to strip
+    with pytest.raises(ValueError):
+        sample_fields(consumed, indices=[1, 2])
+    await consumer.close()
+
+
+def test_sample_fields_clamp_positive_logprobs(tiny: Tiny) -> None:
+    from slime_stoa.consumer import ConsumedGroup
+
+    g = make_group(tiny, worker="w", seq=0)
+    s0 = dataclasses.replace(g.samples[0], logprobs=[5e-5] * len(g.samples[0].logprobs))
+    g = dataclasses.replace(g, samples=(s0,) + g.samples[1:])
+    cg = ConsumedGroup(key="k", group=g, prompt="p", label="l", texts=("",) * G, rewards=(0.0,) * G, version_lag=0, use=1)
+    assert sample_fields(cg)[0]["rollout_log_probs"] == [0.0] * len(s0.logprobs)
+
+
+# -- the run's own tokenizer, from the anchor -----------------------------------------------------
+async def test_open_reads_tokenizer_from_the_anchor(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    publisher = Publisher(store, RUN, PublisherConfig(extras_dir=tiny.folder, catchup=False))
+    await publisher.open()
+    await publisher.publish(load_hf_state(tiny.folder))
+    await upload(store, make_group(tiny, worker="w", seq=0))
+    consumer = await RolloutConsumer.open(store, config(store_url))  # no decoder injected
+    assert tiny.eos in consumer.rescorer.eos_ids
+    batch = await consumer.next_batch(1, trainer_version=0)
+    assert batch.groups[0].rewards == (1.0, 0.0, 1.0, 0.0)
+    await consumer.close()
+
+
+# -- slime glue (slime itself is not installed here: its two types are stood in) -------------------
+def test_config_from_args_names_missing_and_bad_settings() -> None:
+    from slime_stoa.rollout import config_from_args
+
+    with pytest.raises(ValueError, match="stoa_bucket"):
+        config_from_args(types.SimpleNamespace(stoa_run="r"))
+    with pytest.raises(ValueError, match="stoa_run"):
+        config_from_args(types.SimpleNamespace(stoa_bucket="file://bucket-dir"))
+    with pytest.raises(ValueError, match="stoa_staleness_limit"):
+        config_from_args(types.SimpleNamespace(stoa_bucket="file://bucket-dir", stoa_run="r", stoa_staleness_limit="x"))
+    cfg = config_from_args(types.SimpleNamespace(
+        stoa_bucket="file://bucket-dir", stoa_run="r", stoa_staleness_limit=3, stoa_filter_all_equal="false",
+        stoa_wait_timeout_s="12.5", stoa_admission_order="fifo",
+    ))
+    assert (cfg.staleness_limit, cfg.filter_all_equal, cfg.wait_timeout_s, cfg.admission_order) == (3, False, 12.5, "fifo")
+    assert cfg.reuse_limit is None  # the run manifest's
+
+
+def test_evaluation_is_refused_clearly() -> None:
+    from slime_stoa.rollout import EvaluationNotSupported, generate_rollout
+
+    with pytest.raises(EvaluationNotSupported, match="do not set --eval-interval"):
+        generate_rollout(types.SimpleNamespace(), 0, None, evaluation=True)
+
+
+class _StandInSample:
+    """The fields of slime's `Sample` that the glue passes (slime is not installed here)."""
+
+    class Status(enum.Enum):
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+class _DataSource:
+    """slime's data source without --prompt-data: blank samples carrying checkpointed ids."""
+
+    def __init__(self, n_per_prompt: int) -> None:
+        self.n, self.group_index, self.index, self.metadata = n_per_prompt, 0, 0, {}
+
+    def get_samples(self, num: int) -> list[list[Any]]:
+        groups = []
+        for _ in range(num):
+            group = []
+            for _ in range(self.n):
+                group.append(types.SimpleNamespace(prompt="", group_index=self.group_index, index=self.index))
+                self.index += 1
+            self.group_index += 1
+            groups.append(group)
+        return groups
+
+
+@pytest.mark.file_only
+async def test_generate_rollout_end_to_end(store: Store, store_url: str, tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slime_stoa import rollout
+
+    await setup_run(store, tiny)
+    for i in range(6):
+        await upload(store, make_group(tiny, worker=f"w{i % 2}", seq=i, prompt_index=i), now_ms() - 1000 + i)
+    types_mod = types.ModuleType("slime.utils.types")
+    types_mod.Sample = _StandInSample
+    base_mod = types.ModuleType("slime.rollout.base_types")
+    base_mod.RolloutFnTrainOutput = lambda samples, metrics=None: types.SimpleNamespace(samples=samples, metrics=metrics)
+    for name in ("slime", "slime.utils", "slime.rollout"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "slime.utils.types", types_mod)
+    monkeypatch.setitem(sys.modules, "slime.rollout.base_types", base_mod)
+    args = types.SimpleNamespace(
+        stoa_bucket=store_url, stoa_run=RUN, stoa_tokenizer_dir=str(tiny.folder), stoa_poll_interval_s=0.02,
+        stoa_wait_timeout_s=3, rollout_batch_size=3, n_samples_per_prompt=G,
+    )
+    source = _DataSource(G)
+    try:
+        out = await asyncio.to_thread(rollout.generate_rollout, args, 0, source)
+        assert len(out.samples) == 3 and all(len(g) == G for g in out.samples)
+        assert [s.index for g in out.samples for s in g] == list(range(12))
+        assert [g[0].group_index for g in out.samples] == [0, 1, 2]
+        assert out.samples[0][0].status is _StandInSample.Status.COMPLETED
+        assert out.metrics["rollout/stoa_groups"] == 3
+        state = source.metadata[rollout.METADATA_KEY]
+        assert state["run"] == RUN and state["cursor"]
+        # A restarted process resumes from the checkpointed state: the other three groups.
+        await asyncio.to_thread(rollout._SESSION.close)
+        rollout._SESSION = None
+        out2 = await asyncio.to_thread(rollout.generate_rollout, args, 1, source)
+        firsts = {s.metadata["stoa_key"] for g in out.samples for s in g}
+        seconds = {s.metadata["stoa_key"] for g in out2.samples for s in g}
+        assert len(firsts | seconds) == 6 and not firsts & seconds
+        with pytest.raises(ValueError, match="n-samples-per-prompt"):
+            await asyncio.to_thread(
+                rollout.generate_rollout, types.SimpleNamespace(**{**vars(args), "n_samples_per_prompt": 2}), 2, source
+            )
+    finally:
+        if rollout._SESSION is not None:
+            await asyncio.to_thread(rollout._SESSION.close)
+            rollout._SESSION = None
+
+
+def test_no_numpy_arrays_leak_into_fields(tiny: Tiny) -> None:
+    from slime_stoa.consumer import ConsumedGroup
+
+    g = make_group(tiny, worker="w", seq=0)
+    cg = ConsumedGroup(key="k", group=g, prompt="p", label="l", texts=("",) * G, rewards=(0.0,) * G, version_lag=0, use=1)
+    for f in sample_fields(cg):
+        assert all(type(t) is int for t in f["tokens"]) and all(type(x) is float for x in f["rollout_log_probs"])
+        assert not any(isinstance(v, np.ndarray) for v in f.values())
+
+
+# -- background prefetch and flaky stores -----------------------------------------------------------
+async def test_prefetch_downloads_the_next_batch_in_the_background(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny)
+    await upload(store, make_group(tiny, worker="w", seq=0), now_ms() - 500)
+    consumer = await open_consumer(store, tiny, store_url, prefetch_groups=3)
+    await consumer.next_batch(1, trainer_version=0)
+    for i in range(1, 4):
+        await upload(store, make_group(tiny, worker="w", seq=i, prompt_index=i), now_ms() - 400 + i)
+    for _ in range(200):  # the prefetch admits them while the "trainer" is busy
+        if len(consumer.state_dict()["ledger"]) == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert len(consumer.state_dict()["ledger"]) == 3
+    batch = await consumer.next_batch(3, trainer_version=0)
+    assert batch.metrics["rollout/stoa_groups"] == 3 and batch.metrics["rollout/stoa_get_requests"] == 3
+    await consumer.close()
+
+
+class _FlakyStore(CountingStore):
+    """Forwards to a real store, but the first `failures` GETs of each record fail as unavailable."""
+
+    def __init__(self, inner: Store, failures: int) -> None:
+        super().__init__(inner)
+        self.failures = failures
+        self.failed: dict[str, int] = {}
+
+    async def get(self, key: str, **kw: Any):
+        from slime_stoa.store import StoreUnavailable
+
+        if "/rollouts/" in key and self.failed.get(key, 0) < self.failures:
+            self.failed[key] = self.failed.get(key, 0) + 1
+            raise StoreUnavailable(f"{key}: injected failure")
+        return await super().get(key, **kw)
+
+
+@pytest.mark.file_only
+@pytest.mark.parametrize("attempts", [1, 3])
+async def test_download_failures_are_retried_then_rejected(store: Store, store_url: str, tiny: Tiny, attempts: int) -> None:
+    await setup_run(store, tiny)
+    await upload(store, make_group(tiny, worker="w", seq=0), now_ms() - 100)
+    flaky = _FlakyStore(store, failures=2)
+    consumer = await open_consumer(flaky, tiny, store_url, max_download_attempts=attempts, wait_timeout_s=0.5)
+    if attempts == 3:
+        batch = await consumer.next_batch(1, trainer_version=0)
+        assert batch.groups[0].worker == "w" and consumer.counters["get_requests"] == 3
+    else:
+        with pytest.raises(ConsumerTimeout, match="download=1"):
+            await consumer.next_batch(1, trainer_version=0)
+    await consumer.close()
