@@ -58,6 +58,8 @@ class WorkerOptions:
     flush_timeout_s: float = 30.0  # on stop: how long to keep uploading the spool
     max_cohorts: int | None = None  # stop after this many cohorts (tests, benchmarks)
     seed: int | None = None  # prompt choice and sampling seed (None: random)
+    budget_poll_s: float = 0.25  # pointer poll interval while waiting for a new version
+    budget_patience_s: float = 20.0  # after this long without a new version, generate another round
 
 
 class MLXThread:
@@ -153,6 +155,8 @@ class Worker:
         self.beat = Heartbeat(worker_id=config.worker_id, name=config.name, status="starting", started_at=time.time())
         self.rng = random.Random(options.seed)
         self.cohorts = 0
+        self._groups_at: dict[int | None, int] = {}  # groups generated per weight version
+        self._waiting_since: float | None = None
         self.sub: Subscriber | None = None  # exposed for inspection (tests, doctor)
         self.live: Any = None
 
@@ -220,6 +224,12 @@ class Worker:
         try:
             while not stop.is_set() and not upload_task.done():
                 await self._maybe_swap(sub, live)
+                if self._version_budget_spent(manifest, sub):
+                    # Enough groups on this version: wait for the trainer's next one instead of
+                    # producing data that would only go stale.
+                    self.beat = replace(self.beat, status="waiting")
+                    await _wait(stop, self.options.budget_poll_s)
+                    continue
                 if spool.full:
                     self.beat = replace(self.beat, status="paused")
                     await spool.wait_not_full(timeout=self.options.heartbeat_s)
@@ -244,6 +254,24 @@ class Worker:
             spool.close()
             self.mlx.close()
         return 0
+
+    def _version_budget_spent(self, manifest: RunManifest, sub: Subscriber) -> bool:
+        """True while this version's group budget is spent and the trainer may still move on.
+
+        The budget renews after `budget_patience_s` without a new version, so a trainer that
+        filtered many groups (e.g. all-equal rewards) is never starved."""
+        limit = manifest.worker_groups_per_version
+        if not limit or self._groups_at.get(sub.version, 0) < limit:
+            self._waiting_since = None
+            return False
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if now - self._waiting_since >= self.options.budget_patience_s:
+            self._groups_at[sub.version] = 0
+            self._waiting_since = None
+            return False
+        return True
 
     async def _maybe_swap(self, sub: Subscriber, live: Any) -> None:
         try:
@@ -304,6 +332,7 @@ class Worker:
             )
             await asyncio.to_thread(spool.add, build)
         self.cohorts += 1
+        self._groups_at = {version: self._groups_at.get(version, 0) + len(groups)}
         rate = tokens / max(finished - started, 1e-9)
         self.beat = replace(self.beat, tokens_per_s=rate, groups_spooled=spool.depth)
         log.info(

@@ -64,7 +64,9 @@ def group_advantages(rewards: Sequence[float], *, scale: bool, eps: float = 1e-6
 class Learner:
     def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig()):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         torch.manual_seed(config.seed)
         self.config = config
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -33,6 +33,7 @@ class RunManifest:
     stop: tuple[str, ...] = ()  # stop sequences besides the tokenizer's end of turn
     staleness_limit: int = 4  # versions a group may lag behind the trainer when used
     reuse_limit: int = 1  # times a group may be used while fresh enough
+    worker_groups_per_version: int = 0  # a worker pauses after this many groups on one version (0: never)
     vocab_size: int = 0  # model vocabulary (0: taken from the anchor's config)
     created_at: float = field(default_factory=time.time)
 
@@ -51,8 +52,8 @@ class RunManifest:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: GRPO compares samples within a group")
-        if self.staleness_limit < 0 or self.vocab_size < 0:
-            raise ValueError("staleness_limit and vocab_size must be >= 0")
+        if self.staleness_limit < 0 or self.vocab_size < 0 or self.worker_groups_per_version < 0:
+            raise ValueError("staleness_limit, vocab_size and worker_groups_per_version must be >= 0")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a tuple of non-empty strings")
 

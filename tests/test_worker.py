@@ -83,3 +83,26 @@ async def test_stop_flushes_and_exits_cleanly(store: Store, store_url: str, mode
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert len(await records(store)) == 3 * worker.cohorts
+
+
+async def test_worker_waits_for_a_new_version_once_its_budget_is_spent(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, worker_groups_per_version=3)
+    pub = await seed_run(store, manifest, model_dir, task_count=50)
+    options = WorkerOptions(seed=4, budget_patience_s=60.0, heartbeat_s=0.2)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, options)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    while worker.cohorts < 1 and not run.done():
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.5)
+    assert worker.cohorts == 1 and worker.beat.status == "waiting"  # 3 groups = the budget of v0
+    state = load_hf_state(model_dir)
+    state["model.norm.weight"][0] ^= 1
+    await pub.publish(state)
+    while worker.cohorts < 2 and not run.done():
+        await asyncio.sleep(0.05)
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    assert [g.weight_version for g in sorted(await records(store), key=lambda g: g.seq)] == [0] * 3 + [1] * 3
