@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="check Python, MLX, memory and disk, and recommend a model size and batch"
     )
     doctor.add_argument("--data-dir", type=Path, default=default_data_dir(), help="anchor cache and spool folder")
+    add_config_option(doctor)
     doctor.set_defaults(handler=lambda args: _doctor(args))
     _add_join(sub)
     run_cmd.add_parser(sub, add_config_option)
@@ -66,7 +67,7 @@ def config_path(args: argparse.Namespace) -> Path:
 def _doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
-    return doctor.main(args.data_dir)
+    return doctor.main(args.data_dir, config_path(args))
 
 
 def _error(message: str) -> int:

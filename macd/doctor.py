@@ -74,8 +74,39 @@ def report(data_dir: Path) -> list[tuple[str, str, bool]]:
     return rows
 
 
-def main(data_dir: Path) -> int:
+async def bucket_rows(config) -> list[tuple[str, str, bool]]:
+    """Credentials, reachability and latency of the joined run's bucket (one small GET, timed)."""
+    import time
+
+    from slime_stoa.layout import RunLayout
+    from slime_stoa.store import NotFound, StoreError, open_store
+
+    try:
+        async with open_store(config.store, credentials=config.read_credentials()) as store:
+            start = time.perf_counter()
+            try:
+                await store.get(RunLayout(config.run).run_manifest)
+            except NotFound:
+                return [("bucket", f"reachable, but run {config.run!r} is missing: create it with `stoa run create`", False)]
+            latency = 1000 * (time.perf_counter() - start)
+            start = time.perf_counter()
+            await store.get(RunLayout(config.run).run_manifest)
+            latency = min(latency, 1000 * (time.perf_counter() - start))
+    except (StoreError, ValueError) as exc:
+        return [("bucket", f"{config.store}: {exc}", False)]
+    return [("bucket", f"{config.store} run {config.run!r}: credentials ok, {latency:.0f} ms per request", True)]
+
+
+def main(data_dir: Path, config_file: Path | None = None) -> int:
+    import asyncio
+
     rows = report(data_dir)
+    if config_file is not None and config_file.exists():
+        from .config import load_config
+
+        rows += asyncio.run(bucket_rows(load_config(config_file)))
+    else:
+        rows.append(("bucket", "not joined yet: run `macd join <bucket-url> --run <run>`", True))
     for name, finding, ok in rows:
         print(f"{'ok ' if ok else 'FIX'}  {name:<9} {finding}")
     return 0 if all(ok for _, _, ok in rows) else 1

@@ -59,7 +59,7 @@ class WorkerOptions:
     max_cohorts: int | None = None  # stop after this many cohorts (tests, benchmarks)
     seed: int | None = None  # prompt choice and sampling seed (None: random)
     budget_poll_s: float = 0.25  # pointer poll interval while waiting for a new version
-    budget_patience_s: float = 20.0  # after this long without a new version, generate another round
+    budget_patience_s: float = 3.0  # after this long without a new version, generate another round
 
 
 class MLXThread:

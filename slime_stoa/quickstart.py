@@ -47,18 +47,21 @@ class QuickstartConfig:
     store: str | None = None  # bucket URL (default: file://<out>/bucket)
     run: str = "quickstart"  # run name; rerunning the same name resumes it
     model: Path | None = None  # HF/MLX model folder (default: a tiny model built locally)
+    model_hidden: int = 96  # the tiny model's width (when no --model is given)
+    model_layers: int = 3  # the tiny model's depth
     workers: int = 2  # `macd run` processes
     minutes: float = 10.0  # time budget for the RL part
     max_versions: int = 300  # stop after publishing this many versions
     target: float = 0.9  # stop once the last `window` versions' mean reward reaches this
     window: int = 5  # versions averaged for the target and for `reward_last`
-    batch_groups: int = 8  # prompt groups per learner step
+    batch_groups: int = 16  # prompt groups per learner step
     group_size: int = 8  # samples per prompt
     max_tokens: int = 4  # longest response
     temperature: float = 1.0
-    lr: float = 2e-3  # learner AdamW learning rate
+    lr: float = 3e-4  # learner AdamW learning rate (RL)
+    warmup_lr: float = 3e-3  # learning rate of the supervised format warm start
     staleness_limit: int = 2  # versions a group may lag when used
-    warmup_steps: int = 120  # supervised steps on the answer format before RL (new runs only)
+    warmup_steps: int = 150  # supervised steps on the answer format before RL (new runs only)
     worker_batch: int = 4  # prompts per worker cohort
     kill_worker_at: int | None = None  # SIGKILL worker 0 at this version, then restart it (chaos)
     seed: int = 0
@@ -179,9 +182,13 @@ def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig) -> str:
         pairs.append((np.array(tokens), np.array(tokenizer.encode(target, add_special_tokens=False) + [eos])))
     rng = np.random.default_rng(cfg.seed)
     losses = []
+    for group in learner.optimizer.param_groups:
+        group["lr"] = cfg.warmup_lr
     for _ in range(cfg.warmup_steps):
         batch = [pairs[i] for i in rng.choice(len(pairs), size=32, replace=False)]
         losses.append(learner.supervised_step(batch))
+    for group in learner.optimizer.param_groups:
+        group["lr"] = cfg.lr
     return f"supervised warm start on the answer format: {cfg.warmup_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}"
 
 
@@ -247,7 +254,10 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
     async with open_store(url, create=True) as store:
         model_dir = cfg.model or (cfg.out / "model")
         if cfg.model is None and not (model_dir / "config.json").exists():
-            tiny_synthetic_model(model_dir)
+            tiny_synthetic_model(
+                model_dir, hidden_size=cfg.model_hidden, num_layers=cfg.model_layers,
+                intermediate_size=2 * cfg.model_hidden, num_heads=4, num_kv_heads=2,
+            )
             report.note(f"built a tiny Qwen2 model with a tokenizer trained on the task's text: {model_dir}")
         learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
         publisher_cfg = PublisherConfig(extras_dir=model_dir, anchor_every=100)
@@ -261,9 +271,9 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
         manifest = RunManifest(
             run=cfg.run, model=str(model_dir), task="synthetic", group_size=cfg.group_size,
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness_limit=cfg.staleness_limit,
-            # Each worker makes at most 2x its share of a batch per version: enough for the
+            # Each worker makes at most 1.5x its share of a batch per version: some slack for the
             # all-equal filter, never a pile of data that would only go stale.
-            worker_groups_per_version=max(2 * cfg.batch_groups // cfg.workers, cfg.worker_batch),
+            worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
         )
         pub = await seed_run(store, manifest, Path(publisher_cfg.extras_dir), publisher=publisher_cfg)
         if not new_run:

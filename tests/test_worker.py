@@ -106,3 +106,29 @@ async def test_worker_waits_for_a_new_version_once_its_budget_is_spent(
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert [g.weight_version for g in sorted(await records(store), key=lambda g: g.seq)] == [0] * 3 + [1] * 3
+
+
+async def test_a_pointer_to_missing_objects_keeps_the_last_good_version(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    from slime_stoa.pulse.manifests import Pointer
+
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
+    await seed_run(store, manifest, model_dir, task_count=50)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=5, max_cohorts=3))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    while worker.cohorts < 1 and not run.done():
+        await asyncio.sleep(0.05)
+    layout = RunLayout(RUN)
+    got = await store.get(layout.pointer)
+    pointer = Pointer.from_bytes(got.data)
+    broken = Pointer(
+        run=RUN, version=1, state_digest="ab" * 16, manifest=layout.version_manifest(1, "0badf00d"),
+        anchor=pointer.anchor, updated_at=0.0,
+    )
+    await store.put(layout.pointer, broken.to_bytes(), if_match=got.etag)
+    assert await asyncio.wait_for(run, 120) == 0
+    assert worker.sub.version == 0 and worker.live.digest_check(worker.sub.state)
+    assert {g.weight_version for g in await records(store)} == {0}
+    assert worker.beat.errors >= 1 and "manifest is unreadable" in worker.beat.last_error

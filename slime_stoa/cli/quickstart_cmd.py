@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     qs.set_defaults(handler=_quickstart)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     from ..quickstart import QuickstartConfig, run_quickstart
     from ..quickstart_report import ConsoleReport, plot_curve, write_json
@@ -46,6 +51,7 @@ def _quickstart(args: argparse.Namespace) -> int:
 
         logging.getLogger().setLevel(logging.WARNING)
     report = ConsoleReport()
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the workers on SIGTERM too, as on Ctrl-C
     try:
         summary = asyncio.run(run_quickstart(cfg, report))
     except KeyboardInterrupt:
