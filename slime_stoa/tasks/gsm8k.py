@@ -86,8 +86,9 @@ def _boxed(text: str) -> str | None:
         return None
     content = _TEXT_RE.sub(" ", text[start:end])
     content = _FRAC_RE.sub(r"\1/\2", content)
-    for junk in ("\\$", "\\%", "\\,", "\\!", "\\ ", "{", "}"):
-        content = content.replace(junk, " " if junk in ("\\,", "\\ ") else "")
+    content = content.replace("\\ ", " ")  # a LaTeX space separates
+    for junk in ("\\$", "\\%", "\\,", "\\!", "{", "}"):  # "1\\,000" and "1{,}000" are 1000
+        content = content.replace(junk, "")
     return _last(_NUMBER_RE, content)
 
 
