@@ -60,6 +60,8 @@ its store connections.
 
 from __future__ import annotations
 
+from .settings import as_bool, as_float, as_int
+
 import asyncio
 import atexit
 import logging
@@ -89,35 +91,10 @@ class EvaluationNotSupported(NotImplementedError):
 
 
 # -- settings -------------------------------------------------------------------------------------
-def _int(key: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    try:
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be an integer, got {value!r}") from None
 
 
-def _float(key: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a number, got {value!r}") from None
 
 
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
 def _str(key: str, value: Any) -> str:
@@ -128,21 +105,21 @@ def _str(key: str, value: Any) -> str:
 
 # ConsumerConfig field -> parser; the setting is PREFIX + field name.
 CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
-    "staleness_limit": _int,
-    "reuse_limit": _int,
-    "wait_timeout_s": _float,
-    "poll_interval_s": _float,
-    "skew_window_ms": _int,
-    "sweep_interval_s": _float,
-    "download_concurrency": _int,
-    "max_download_attempts": _int,
-    "filter_all_equal": _bool,
-    "reward_tolerance": _float,
+    "staleness_limit": as_int,
+    "reuse_limit": as_int,
+    "wait_timeout_s": as_float,
+    "poll_interval_s": as_float,
+    "skew_window_ms": as_int,
+    "sweep_interval_s": as_float,
+    "download_concurrency": as_int,
+    "max_download_attempts": as_int,
+    "filter_all_equal": as_bool,
+    "reward_tolerance": as_float,
     "admission_order": _str,
-    "max_pool_groups": _int,
-    "prefetch_groups": _int,
-    "version_ahead_slack": _int,
-    "progress_interval_s": _float,
+    "max_pool_groups": as_int,
+    "prefetch_groups": as_int,
+    "version_ahead_slack": as_int,
+    "progress_interval_s": as_float,
 }
 
 
@@ -186,7 +163,7 @@ def tokenizer_dir_from_args(args: Any) -> Path | None:
 
 def state_in_bucket_from_args(args: Any) -> bool:
     value = getattr(args, PREFIX + "state_in_bucket", None)
-    return True if value is None else _bool(PREFIX + "state_in_bucket", value)
+    return True if value is None else as_bool(PREFIX + "state_in_bucket", value)
 
 
 def _positive(args: Any, name: str) -> int:

@@ -38,6 +38,8 @@ reaches the patched branch, and slime's `keep_old_actor` queue is not advanced b
 
 from __future__ import annotations
 
+from .settings import as_bool, as_float, as_int
+
 import asyncio
 import atexit
 import logging
@@ -106,33 +108,10 @@ def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
 
 
 # -- settings ------------------------------------------------------------------------------------
-def _int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{key} must be an integer, got {value!r}") from None
 
 
-def _float(key: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a number, got {value!r}") from None
 
 
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
 def _str(key: str, value: Any) -> str:
@@ -142,7 +121,7 @@ def _str(key: str, value: Any) -> str:
 
 
 def _opt_int(key: str, value: Any) -> int | None:
-    return None if value is None else _int(key, value)
+    return None if value is None else as_int(key, value)
 
 
 def _opt_path(key: str, value: Any) -> Path | None:
@@ -151,15 +130,15 @@ def _opt_path(key: str, value: Any) -> Path | None:
 
 # One parser per PublisherConfig field; the setting is PREFIX + field name.
 CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
-    "anchor_every": _int,
-    "anchor_fraction": _float,
-    "catchup": _bool,
+    "anchor_every": as_int,
+    "anchor_fraction": as_float,
+    "catchup": as_bool,
     "mode": _str,
-    "frame_bytes": _int,
-    "shard_bytes": _int,
-    "retain_anchors": _int,
+    "frame_bytes": as_int,
+    "shard_bytes": as_int,
+    "retain_anchors": as_int,
     "extras_dir": _opt_path,
-    "concurrency": _int,
+    "concurrency": as_int,
     "threads": _opt_int,
 }
 
@@ -204,8 +183,8 @@ def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:
 
 def retry_settings_from_args(args: Any) -> tuple[int, float]:
     """(retries, initial backoff seconds) from `args.stoa_publish_retries` / `stoa_publish_backoff_s`."""
-    retries = _int(f"{PREFIX}publish_retries", getattr(args, f"{PREFIX}publish_retries", DEFAULT_RETRIES))
-    backoff = _float(f"{PREFIX}publish_backoff_s", getattr(args, f"{PREFIX}publish_backoff_s", DEFAULT_BACKOFF_S))
+    retries = as_int(f"{PREFIX}publish_retries", getattr(args, f"{PREFIX}publish_retries", DEFAULT_RETRIES))
+    backoff = as_float(f"{PREFIX}publish_backoff_s", getattr(args, f"{PREFIX}publish_backoff_s", DEFAULT_BACKOFF_S))
     if retries < 0 or backoff < 0:
         raise ValueError(f"{PREFIX}publish_retries and {PREFIX}publish_backoff_s must be >= 0")
     return retries, backoff

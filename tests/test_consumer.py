@@ -205,6 +205,7 @@ def test_admission_order_policy() -> None:
     cands = [Candidate("3-new-old-version", 1, 0), Candidate("1-old-new-version", 5, 0), Candidate("0-used", 0, 1)]
     assert select(cands, 3, "oldest_version") == ["3-new-old-version", "1-old-new-version", "0-used"]
     assert select(cands, 2, "fifo") == ["1-old-new-version", "3-new-old-version"]
+    assert select(cands, 3, "newest_version") == ["1-old-new-version", "3-new-old-version", "0-used"]
     assert all_equal([1.0, 1.0]) and not all_equal([1.0, 0.0]) and all_equal([])
 
 

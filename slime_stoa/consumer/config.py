@@ -16,7 +16,7 @@ from ..records import SamplingParams
 from ..run_manifest import RunManifest
 from ..validate import RecordLimits
 
-ADMISSION_ORDERS = ("oldest_version", "fifo")
+ADMISSION_ORDERS = ("oldest_version", "fifo", "newest_version")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,9 @@ class ConsumerConfig:
     admission_order: str = "oldest_version"
     """Which ready groups a batch takes first, after the least-used ones:
     `oldest_version` (lowest weight version, then key time: groups nearest their staleness limit,
-    such as slow, hard prompts, are used before they expire) or `fifo` (key time only)."""
+    such as slow, hard prompts, are used before they expire), `fifo` (key time only) or
+    `newest_version` (highest weight version first: the most on-policy data when the trainer is
+    faster than its workers, as in the quickstart)."""
     max_pool_groups: int = 4096
     """Backpressure: at most this many groups discovered but not yet used (downloaded or not).
     When full, listing stops and the cursor waits; nothing is dropped because newer groups came."""

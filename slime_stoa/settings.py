@@ -1,0 +1,37 @@
+"""Parsing plugin settings that arrive as loosely typed values (YAML keys set on slime's args)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def as_int(key: str, value: Any) -> int:
+    """An integer (an integral float or a numeric string is fine); ValueError naming `key`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    try:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be an integer, got {value!r}") from None
+
+
+def as_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+
+
+def as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{key} must be true or false, got {value!r}")
