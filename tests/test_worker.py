@@ -132,3 +132,22 @@ async def test_a_pointer_to_missing_objects_keeps_the_last_good_version(
     assert worker.sub.version == 0 and worker.live.digest_check(worker.sub.state)
     assert {g.weight_version for g in await records(store)} == {0}
     assert worker.beat.errors >= 1 and "manifest is unreadable" in worker.beat.last_error
+
+
+async def test_int8_plane_serves_quantized_weights_from_the_bf16_master(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, plane="int8")
+    pub = await seed_run(store, manifest, model_dir, task_count=50)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=6, max_cohorts=3))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    while worker.cohorts < 1 and not run.done():
+        await asyncio.sleep(0.05)
+    state = load_hf_state(model_dir)
+    state["model.layers.0.mlp.up_proj.weight"].reshape(-1)[:100] ^= 1
+    await pub.publish(state)
+    assert await asyncio.wait_for(run, 120) == 0
+    assert worker.live.plane == "int8" and worker.live.digest_check(worker.sub.state)
+    got = await records(store)
+    assert len(got) == 9 and {g.weight_version for g in got} <= {0, 1}
