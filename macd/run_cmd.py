@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 
 from slime_stoa.store import StoreConfigError, StoreError, open_store
 
@@ -26,14 +28,33 @@ def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
     run.set_defaults(handler=handle)
 
 
+STOP_GRACE_S = 50.0  # after a stop signal, exit within this long whatever is still running
+
+
+def _force_exit() -> None:
+    logging.getLogger("macd").warning("still running %.0f s after the stop signal: exiting now "
+                                      "(the spool is crash-safe; it drains on the next start)", STOP_GRACE_S)
+    logging.shutdown()
+    os._exit(0)
+
+
 async def run_daemon(args: argparse.Namespace, config) -> int:
     from .worker import Worker, WorkerOptions
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            # Bounded stop, as launchd expects: a watchdog ends the process if anything hangs.
+            watchdog = threading.Timer(STOP_GRACE_S, _force_exit)
+            watchdog.daemon = True
+            watchdog.start()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    options = WorkerOptions(max_cohorts=args.max_cohorts, seed=args.seed)
+        loop.add_signal_handler(sig, on_signal)
+    options = WorkerOptions(max_cohorts=args.max_cohorts, seed=args.seed, flush_timeout_s=30.0)
     async with open_store(config.store, credentials=config.read_credentials()) as store:
         return await Worker(config, store, options).run(stop)
 

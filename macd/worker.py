@@ -59,7 +59,7 @@ class WorkerOptions:
     max_cohorts: int | None = None  # stop after this many cohorts (tests, benchmarks)
     seed: int | None = None  # prompt choice and sampling seed (None: random)
     budget_poll_s: float = 0.25  # pointer poll interval while waiting for a new version
-    budget_patience_s: float = 3.0  # after this long without a new version, generate another round
+    budget_patience_s: float = 10.0  # after this long without a new version, generate another round
 
 
 class MLXThread:
@@ -88,8 +88,10 @@ class MLXThread:
         self._jobs.put((lambda: fn(*args, **kwargs), loop, future))
         return await future
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop after the job in flight (MLX must not be torn down mid-computation at exit)."""
         self._jobs.put(None)
+        self._thread.join(timeout)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -252,7 +254,7 @@ class Worker:
                                 groups_uploaded=uploader.stats.uploaded)
             await self._write_heartbeat()
             spool.close()
-            self.mlx.close()
+            await asyncio.to_thread(self.mlx.close)
         return 0
 
     def _version_budget_spent(self, manifest: RunManifest, sub: Subscriber) -> bool:

@@ -229,18 +229,12 @@ async def rewards_by_version(store: Store, run: str) -> dict[int, list[float]]:
     return out
 
 
-async def count_lost(store: Store, cfg: QuickstartConfig) -> int:
-    """Groups a worker finished that are not in the bucket: gaps in its sequence numbers, plus
-    anything left in its spool after it stopped."""
-    layout = RunLayout(cfg.run)
-    seqs: dict[str, list[int]] = defaultdict(list)
-    async for info in store.list(layout.rollouts_prefix()):
-        parsed = layout.parse_rollout(info.key)
-        if parsed:
-            seqs[parsed.worker].append(parsed.seq)
-    gaps = sum(max(s) + 1 - len(set(s)) for s in seqs.values() if s)
-    spooled = sum(len(list((cfg.out / "workers").glob(f"worker-{i}/data/spool/{cfg.run}/*.rec"))) for i in range(cfg.workers))
-    return gaps + spooled
+def count_lost(cfg: QuickstartConfig) -> int:
+    """Finished groups that never reached the bucket: what is left in the workers' spools
+    (pending or quarantined) after they stopped. A worker flushes its spool on stop and drains
+    it first on restart, so anything here was lost to the run."""
+    spools = [cfg.out / "workers" / f"worker-{i}" / "data" / "spool" / cfg.run for i in range(cfg.workers)]
+    return sum(len(list(folder.rglob("*.rec"))) for folder in spools if folder.exists())
 
 
 async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
@@ -290,7 +284,11 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
             workers.start(i)
         report.note(f"started {cfg.workers} `macd run` workers (logs in {cfg.out / 'workers'})")
         consumer = await RolloutConsumer.open(
-            store, ConsumerConfig(store_url=url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2),
+            store,
+            ConsumerConfig(
+                store_url=url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
+                admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+            ),
             tokenizer_dir=model_dir,
         )
         deadline = time.time() + cfg.minutes * 60
@@ -337,7 +335,7 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
         for beat in await read_worker_states(store, cfg.run, cfg.workers):
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
-        lost = await count_lost(store, cfg)
+        lost = count_lost(cfg)
         progress.rewards = await rewards_by_version(store, cfg.run)
     patches = [b for v, b in progress.patch_bytes.items()]
     return {
