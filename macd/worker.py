@@ -334,7 +334,11 @@ class Worker:
             )
             await asyncio.to_thread(spool.add, build)
         self.cohorts += 1
-        self._groups_at = {version: self._groups_at.get(version, 0) + len(groups)}
+        # The budget counts groups that carry a GRPO signal (rewards not all equal): the trainer
+        # filters the others, so counting them would starve it.
+        g = manifest.group_size
+        useful = sum(1 for i in range(len(groups)) if len(set(rewards[i * g : (i + 1) * g])) > 1)
+        self._groups_at = {version: self._groups_at.get(version, 0) + useful}
         rate = tokens / max(finished - started, 1e-9)
         self.beat = replace(self.beat, tokens_per_s=rate, groups_spooled=spool.depth)
         log.info(

@@ -33,7 +33,7 @@ class RunManifest:
     stop: tuple[str, ...] = ()  # stop sequences besides the tokenizer's end of turn
     staleness_limit: int = 4  # versions a group may lag behind the trainer when used
     reuse_limit: int = 1  # times a group may be used while fresh enough
-    worker_groups_per_version: int = 0  # a worker pauses after this many groups on one version (0: never)
+    worker_groups_per_version: int = 0  # a worker pauses after this many groups with a GRPO signal on one version (0: never)
     vocab_size: int = 0  # model vocabulary (0: taken from the anchor's config)
     created_at: float = field(default_factory=time.time)
 
