@@ -88,7 +88,7 @@ class MLXThread:
         self._jobs.put((lambda: fn(*args, **kwargs), loop, future))
         return await future
 
-    def close(self, timeout: float = 60.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Stop after the job in flight (MLX must not be torn down mid-computation at exit)."""
         self._jobs.put(None)
         self._thread.join(timeout)

@@ -121,7 +121,7 @@ async def test_a_pointer_to_missing_objects_keeps_the_last_good_version(
 
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
     await seed_run(store, manifest, model_dir, task_count=50)
-    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=5, max_cohorts=3))
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=5))
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run(stop))
     while worker.cohorts < 1 and not run.done():
@@ -134,6 +134,12 @@ async def test_a_pointer_to_missing_objects_keeps_the_last_good_version(
         anchor=pointer.anchor, updated_at=0.0,
     )
     await store.put(layout.pointer, broken.to_bytes(), if_match=got.etag)
+    seen = worker.cohorts
+    for _ in range(1200):  # the worker notices at its next pointer poll and keeps generating
+        if (worker.beat.errors and worker.cohorts > seen + 1) or run.done():
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert worker.sub.version == 0 and worker.live.digest_check(worker.sub.state)
     assert {g.weight_version for g in await records(store)} == {0}
