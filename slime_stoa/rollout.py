@@ -60,7 +60,7 @@ its store connections.
 
 from __future__ import annotations
 
-from .settings import as_bool, as_float, as_int
+from .settings import as_bool, as_float, as_int, check_bucket_and_run
 
 import asyncio
 import atexit
@@ -71,9 +71,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .consumer import Batch, ConsumerConfig, RolloutConsumer, sample_fields
-from .layout import check_name
 from .pulse.history import HistoryError, read_pointer
-from .store import Store, open_store, parse_store_url
+from .store import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +134,7 @@ def config_from_args(args: Any) -> ConsumerConfig:
     """The ConsumerConfig from `args.stoa_*` (see the module doc); ValueError naming a bad setting."""
     if args is None:
         raise ValueError("the stoa rollout function needs slime's args (with stoa_bucket and stoa_run)")
-    url = _required(args, "bucket")
-    try:
-        parse_store_url(url)
-    except ValueError as exc:
-        raise ValueError(f"{PREFIX}bucket: {exc}") from None
-    run = _required(args, "run")
-    try:
-        check_name("run", run)
-    except ValueError as exc:
-        raise ValueError(f"{PREFIX}run: {exc}") from None
+    url, run = check_bucket_and_run(_required(args, "bucket"), _required(args, "run"), prefix=PREFIX)
     fields = {
         name: parse(PREFIX + name, getattr(args, PREFIX + name))
         for name, parse in CONFIG_FIELDS.items()

@@ -35,3 +35,19 @@ def as_bool(key: str, value: Any) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{key} must be true or false, got {value!r}")
+
+
+def check_bucket_and_run(url: str, run: str, *, prefix: str = "stoa_") -> tuple[str, str]:
+    """(url, run) once both parse as a store URL and a run name; ValueError naming the setting."""
+    from .layout import check_name
+    from .store.url import parse_store_url
+
+    try:
+        parse_store_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{prefix}bucket: {exc}") from None
+    try:
+        check_name("run", run)
+    except ValueError as exc:
+        raise ValueError(f"{prefix}run: {exc}") from None
+    return url, run

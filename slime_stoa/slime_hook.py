@@ -38,7 +38,7 @@ reaches the patched branch, and slime's `keep_old_actor` queue is not advanced b
 
 from __future__ import annotations
 
-from .settings import as_bool, as_float, as_int
+from .settings import as_bool, as_float, as_int, check_bucket_and_run
 
 import asyncio
 import atexit
@@ -52,9 +52,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .layout import check_name
 from .pulse.publisher import PublishConflict, PublishError, Publisher, PublisherConfig, PublishResult
-from .store import StoreUnavailable, open_store, parse_store_url
+from .store import StoreUnavailable, open_store
 
 log = logging.getLogger(__name__)
 
@@ -155,16 +154,7 @@ def _required(args: Any, field: str) -> str:
 
 def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:
     """(store URL, run name, PublisherConfig) from `args.stoa_*`; ValueError naming a bad setting."""
-    url = _required(args, "bucket")
-    try:
-        parse_store_url(url)
-    except ValueError as exc:
-        raise ValueError(f"{PREFIX}bucket: {exc}") from None
-    run = _required(args, "run")
-    try:
-        check_name("run", run)
-    except ValueError as exc:
-        raise ValueError(f"{PREFIX}run: {exc}") from None
+    url, run = check_bucket_and_run(_required(args, "bucket"), _required(args, "run"), prefix=PREFIX)
     fields = {
         name: parse(PREFIX + name, getattr(args, PREFIX + name))
         for name, parse in CONFIG_FIELDS.items()
