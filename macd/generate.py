@@ -37,6 +37,7 @@ the last token's characters.
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
+
+
+class GenerationCancelled(Exception):
+    """`generate_groups` was told to stop; its partial cohort is dropped."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,12 +194,14 @@ def generate_groups(
     *,
     max_batch: int | None = None,
     share_prefill: bool = True,
+    cancel: threading.Event | None = None,
 ) -> list[list[Completion]]:
     """Sample `config.group_size` completions for each prompt (token ids), batched.
 
     Returns one list of G completions per prompt, in prompt order. `max_batch` bounds the
     number of sequences decoded together (default: all B*G at once). Deterministic for a given
-    `config.seed`, model, prompts and batch settings.
+    `config.seed`, model, prompts and batch settings. Setting `cancel` (from any thread) ends
+    generation at the next decode step with `GenerationCancelled`.
     """
     prompts = [[int(t) for t in p] for p in prompts]
     if any(not p for p in prompts):
@@ -215,7 +222,7 @@ def generate_groups(
     )
     try:
         uids = _insert_all(gen, model, prompts, config.group_size, share_prefill)
-        tracks = _run(gen, {uid: _Track([], []) for uid in uids}, _StopMatcher(tok, config.stop))
+        tracks = _run(gen, {uid: _Track([], []) for uid in uids}, _StopMatcher(tok, config.stop), cancel)
     finally:
         gen.close()
     eos_set = set(eos)
@@ -224,9 +231,13 @@ def generate_groups(
     return [done[i : i + g] for i in range(0, n, g)]
 
 
-def _run(gen: BatchGenerator, tracks: dict[int, _Track], stop: _StopMatcher) -> dict[int, _Track]:
+def _run(
+    gen: BatchGenerator, tracks: dict[int, _Track], stop: _StopMatcher, cancel: threading.Event | None
+) -> dict[int, _Track]:
     """Step the generator until every sequence finished, recording tokens and logprobs."""
     while responses := gen.next_generated():
+        if cancel is not None and cancel.is_set():
+            raise GenerationCancelled("generation cancelled")
         # One gather for the whole step instead of one sync per sequence.
         picked = mx.stack([r.logprobs[r.token] for r in responses]).tolist()
         stopped = []

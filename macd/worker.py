@@ -56,6 +56,7 @@ class WorkerOptions:
     heartbeat_s: float = 10.0  # seconds between heartbeat writes
     idle_poll_s: float = 2.0  # wait between pointer polls while no weights are published yet
     flush_timeout_s: float = 30.0  # on stop: how long to keep uploading the spool
+    final_beat_timeout_s: float = 10.0  # on stop: how long the last heartbeat write may take
     max_cohorts: int | None = None  # stop after this many cohorts (tests, benchmarks)
     seed: int | None = None  # prompt choice and sampling seed (None: random)
     budget_poll_s: float = 0.25  # pointer poll interval while waiting for a new version
@@ -222,7 +223,8 @@ class Worker:
         uploader = Uploader(self.store, spool, concurrency=self.config.transfer_concurrency)
         stop_uploads = asyncio.Event()
         upload_task = asyncio.create_task(uploader.run_forever(stop_uploads))
-        beat_task = asyncio.create_task(self._heartbeats(stop, spool, uploader))
+        stop_beats = asyncio.Event()
+        beat_task = asyncio.create_task(self._heartbeats(stop_beats, spool, uploader))
         try:
             while not stop.is_set() and not upload_task.done():
                 await self._maybe_swap(sub, live)
@@ -248,11 +250,15 @@ class Worker:
             left = await uploader.flush(self.options.flush_timeout_s)
             if left:
                 log.warning("%d group(s) stay in the spool; they upload first on the next start", left)
-            beat_task.cancel()
-            await asyncio.gather(beat_task, return_exceptions=True)
+            stop_beats.set()
+            await _settle_task(beat_task, self.options.heartbeat_s)
             self.beat = replace(self.beat, status="stopped", groups_spooled=spool.depth,
                                 groups_uploaded=uploader.stats.uploaded)
-            await self._write_heartbeat()
+            try:
+                async with asyncio.timeout(self.options.final_beat_timeout_s):
+                    await self._write_heartbeat()
+            except TimeoutError:
+                log.warning("the final heartbeat was not written in %.0fs", self.options.final_beat_timeout_s)
             spool.close()
             await asyncio.to_thread(self.mlx.close)
         return 0
@@ -310,15 +316,17 @@ class Worker:
         )
         self.beat = replace(self.beat, status="generating")
         started = time.time()
+        cancel = threading.Event()
         gen = asyncio.ensure_future(
             self.mlx.run(generate_groups, model, tokenizer, [p for _, p in prompts], sampling,
-                         max_batch=self.config.max_decode or None)
+                         max_batch=self.config.max_decode or None, cancel=cancel)
         )
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({gen, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if not gen.done():
-            gen.cancel()  # stop generating now; an unfinished cohort is simply dropped
+            cancel.set()  # the MLX thread stops at its next decode step
+            gen.cancel()  # an unfinished cohort is simply dropped
             return
         groups = gen.result()
         finished = time.time()
@@ -348,7 +356,8 @@ class Worker:
 
     # -- heartbeats --------------------------------------------------------------------------
     async def _heartbeats(self, stop: asyncio.Event, spool: Spool, uploader: Uploader) -> None:
-        while True:
+        """Write a heartbeat every `heartbeat_s` until `stop` is set (the final one is run's)."""
+        while not stop.is_set():
             self.beat = replace(
                 self.beat, groups_spooled=spool.depth, groups_uploaded=uploader.stats.uploaded,
                 memory_gb=_rss_gb(),
@@ -382,10 +391,25 @@ def _load_model(folder: Path, state: dict[str, np.ndarray], plane: str) -> tuple
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep up to `seconds`, returning early when `stop` is set.
+
+    `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that
+    arrives just as the awaited event fires, which once left a heartbeat loop spinning forever."""
+    if stop.is_set():
+        return
     try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
+        async with asyncio.timeout(seconds):
+            await stop.wait()
     except TimeoutError:
         pass
+
+
+async def _settle_task(task: asyncio.Task, timeout: float) -> None:
+    """Let `task` end by itself for up to `timeout` seconds, then cancel it and wait."""
+    await asyncio.wait({task}, timeout=timeout)
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _rss_gb() -> float:

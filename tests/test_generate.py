@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import mlx.core as mx  # noqa: E402
 
 from macd.generate import (  # noqa: E402
     Completion,
+    GenerationCancelled,
     SamplingConfig,
     generate_groups,
     teacher_forced_logprobs,
@@ -244,3 +246,30 @@ def test_rejects_bad_input(loaded: tuple[Any, Any]) -> None:
     with pytest.raises(ValueError):
         generate_groups(model, tok, [[]], cfg)
     assert generate_groups(model, tok, [], cfg) == []
+
+
+class _TripsAfter(threading.Event):
+    """An event that sets itself the `n`-th time it is checked (counts the decode steps)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.checks = n, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        if self.checks >= self.n:
+            self.set()
+        return super().is_set()
+
+
+def test_cancel_stops_generation_at_the_next_decode_step(
+    loaded: tuple[Any, Any], prompts: list[list[int]]
+) -> None:
+    model, tok = loaded
+    cfg = SamplingConfig(temperature=1.0, max_tokens=48, group_size=16, seed=3)
+    cancel = _TripsAfter(3)
+    with pytest.raises(GenerationCancelled):
+        generate_groups(model, tok, prompts, cfg, cancel=cancel)
+    assert cancel.checks == 3  # checked once per step, stopped at the step it was set
+    untouched = threading.Event()
+    _check_shapes(generate_groups(model, tok, prompts, cfg, cancel=untouched), len(prompts), cfg)

@@ -163,3 +163,21 @@ async def test_int8_plane_serves_quantized_weights_from_the_bf16_master(
     assert worker.live.plane == "int8" and worker.live.digest_check(worker.sub.state)
     got = await records(store)
     assert len(got) == 9 and {g.weight_version for g in got} <= {0, 1}
+
+
+@pytest.mark.parametrize("ticks", [0, 1, 2, 3])
+async def test_wait_never_swallows_a_cancellation(ticks: int) -> None:
+    """A cancel that lands just as the stop event fires still cancels (a 3.11 wait_for pitfall)."""
+    from macd.worker import _wait
+
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(_wait(stop, 30))
+    await asyncio.sleep(0)
+    stop.set()
+    for _ in range(ticks):
+        await asyncio.sleep(0)
+    if not waiting.cancel():
+        assert waiting.done()  # it returned before the cancel: nothing to swallow
+        return
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
