@@ -59,9 +59,9 @@ class QuickstartConfig:
     max_tokens: int = 4  # longest response
     temperature: float = 1.0
     lr: float = 3e-4  # learner AdamW learning rate (RL)
-    warmup_lr: float = 3e-3  # learning rate of the supervised format warm start
+    warmup_lr: float = 1e-3  # learning rate of the supervised format warm start
     staleness_limit: int = 2  # versions a group may lag when used
-    warmup_steps: int = 150  # supervised steps on the answer format before RL (new runs only)
+    warmup_steps: int = 600  # supervised steps on the answer format before RL (new runs only)
     worker_batch: int = 4  # prompts per worker cohort
     kill_worker_at: int | None = None  # SIGKILL worker 0 at this version, then restart it (chaos)
     seed: int = 0
@@ -81,7 +81,7 @@ class Progress:
 
     started: float = field(default_factory=time.time)
     rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # version -> all rewards
-    batch_rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # trained-on only
+    scored_rewards: list[float] = field(default_factory=list)  # per learner step: every group that arrived
     patch_bytes: dict[int, int] = field(default_factory=dict)  # version -> step patch bytes
     full_bytes: int = 0
     digests: dict[int, str] = field(default_factory=dict)  # version -> published state digest
@@ -169,27 +169,33 @@ def _train_sequences(group: Any) -> list[TrainSequence]:
 
 
 def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig) -> str:
-    """Supervised steps on the answer FORMAT only (a random shown digit), not the rule."""
+    """Supervised steps on the answer FORMAT only (a random shown digit), not the rule.
+
+    Each step draws fresh targets, so the model learns "answer with one of the shown digits and
+    stop" rather than memorising one random digit per prompt."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    task = Synthetic(generate_items(512, seed=cfg.seed + 1))
-    by_prompt = {item.prompt: item for item in task.items}
-    pairs = []
+    items = generate_items(2048, seed=cfg.seed + 1)
+    task = Synthetic(items)
+    prompts = [np.array(prompt_tokens(tokenizer, task, item)) for item in items]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for prompt, target in warmup_pairs(task.items, seed=cfg.seed):
-        tokens = prompt_tokens(tokenizer, task, by_prompt[prompt])
-        pairs.append((np.array(tokens), np.array(tokenizer.encode(target, add_special_tokens=False) + [eos])))
     rng = np.random.default_rng(cfg.seed)
     losses = []
     for group in learner.optimizer.param_groups:
         group["lr"] = cfg.warmup_lr
-    for _ in range(cfg.warmup_steps):
-        batch = [pairs[i] for i in rng.choice(len(pairs), size=32, replace=False)]
+    for step in range(cfg.warmup_steps):
+        picked = rng.choice(len(items), size=32, replace=False)
+        targets = warmup_pairs([items[i] for i in picked], seed=cfg.seed * 1_000_003 + step)
+        batch = [
+            (prompts[i], np.array(tokenizer.encode(target, add_special_tokens=False) + [eos]))
+            for i, (_, target) in zip(picked, targets, strict=True)
+        ]
         losses.append(learner.supervised_step(batch))
     for group in learner.optimizer.param_groups:
         group["lr"] = cfg.lr
-    return f"supervised warm start on the answer format: {cfg.warmup_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}"
+    start, end = np.mean(losses[:10]), np.mean(losses[-10:])
+    return f"supervised warm start on the answer format: {cfg.warmup_steps} steps, loss {start:.2f} -> {end:.2f}"
 
 
 def load_published(learner: Learner, state: dict[str, np.ndarray]) -> None:
@@ -297,9 +303,8 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
             while time.time() < deadline and version - progress.first_version < cfg.max_versions:
                 batch = await consumer.next_batch(cfg.batch_groups, trainer_version=version)
                 groups = [_train_sequences(g) for g in batch.groups]
-                for g in batch.groups:
-                    if g.use == 1:
-                        progress.batch_rewards[g.weight_version].extend(g.rewards)
+                if batch.metrics.get("rollout/stoa_scored_samples"):
+                    progress.scored_rewards.append(batch.metrics["rollout/stoa_scored_reward_mean"])
                 same = [seqs for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
                 if same:
                     flat = [s for seqs in same for s in seqs]
@@ -324,8 +329,8 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
                     workers.start(0)
                     restart_at = None
                     report.note("restarted worker 0")
-                recent = sorted(progress.batch_rewards)[-cfg.window:]
-                if len(recent) >= cfg.window and np.mean([np.mean(progress.batch_rewards[v]) for v in recent]) >= cfg.target:
+                recent = progress.scored_rewards[-cfg.window:]
+                if len(recent) >= cfg.window and np.mean(recent) >= cfg.target:
                     report.note(f"target reward {cfg.target} reached")
                     break
         finally:

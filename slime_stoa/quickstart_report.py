@@ -33,7 +33,7 @@ class ConsoleReport:
         ratio = progress.full_bytes / result.patch_bytes if result.patch_bytes else float("inf")
         cells = (
             f"v{version}",
-            f"{metrics['reward_mean']:.3f}",
+            f"{batch.metrics.get('rollout/stoa_scored_reward_mean', float('nan')):.3f}",
             str(progress.groups_used),
             f"{lag:.2f}",
             f"{result.patch_bytes / 1e3:.1f} KB",

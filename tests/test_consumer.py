@@ -395,6 +395,10 @@ async def test_all_equal_groups_filtered_and_counted(store: Store, store_url: st
         assert batch.metrics["rollout/stoa_filtered_all_equal"] == 2
     else:
         assert batch.metrics["rollout/stoa_filtered_all_equal"] == 0
+    # The scored reward covers every group that arrived, filtered or not: (4 + 0 + 2) / 12.
+    assert batch.metrics["rollout/stoa_scored_samples"] == 12
+    assert batch.metrics["rollout/stoa_scored_reward_mean"] == pytest.approx(0.5)
+    assert batch.metrics["rollout/stoa_reward_mean"] == pytest.approx(0.5)
     await consumer.close()
 
 

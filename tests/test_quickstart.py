@@ -22,8 +22,10 @@ def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) ->
             "--kill-worker-at", "4", "--json", str(summary_path)]
     assert main(args) == 0
     s = json.loads(summary_path.read_text())
-    # Learning: the RL part moves the reward up from the first version's (format-only) level.
-    assert s["reward_last"] > s["reward_first"] + 0.05, s
+    # Learning: the warm start teaches the format only (a random shown digit scores 0.25), and
+    # the RL part takes the reward of every generated group from there to >= 0.6 (measured
+    # ~0.9 after 40 versions).
+    assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.6, s
     assert s["versions"] >= 10
     # Every (worker, version) seen in the heartbeats held the published digest.
     assert s["digests_checked"] >= 4 and s["digest_mismatches"] == 0

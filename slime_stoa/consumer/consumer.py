@@ -140,6 +140,7 @@ class RolloutConsumer:
         self._next_tail = -math.inf
         self._next_sweep = time.monotonic() + config.sweep_interval_s
         self._batch_counters: dict[str, int] = {}
+        self._scored_rewards: list[float] = []  # every group scored since the last batch, unfiltered
         self._prefetch: asyncio.Task[bool] | None = None
         self._etag: str | None = None
         self._logged: dict[str, int] = {}
@@ -324,6 +325,7 @@ class RolloutConsumer:
             return
         if uses is None:  # a restored ledger entry was counted when first admitted
             self._count("samples_scored", len(admitted.rewards))
+            self._scored_rewards.extend(admitted.rewards)
             self._count("reward_disagreements", admitted.disagreements)
             self._count(worker_counter(admitted.worker, "reward_disagreements"), admitted.disagreements)
         lag = policy.version_lag(self._trainer_version, admitted.group.weight_version)
@@ -518,11 +520,13 @@ class RolloutConsumer:
             gained=gained,
             lags=[g.version_lag for g in groups],
             rewards=[r for g in groups for r in g.rewards],
+            scored_rewards=self._scored_rewards,
             workers=per_worker,
             wait_s=wait_s,
             pool=len(self._pool),
             pending=len(self._state.pending) + len(self._restore),
         )
+        self._scored_rewards = []
         log.info(
             "stoa: batch of %d groups from %d worker(s) after %.1f s (version lag mean %.2f, max %d)",
             len(groups), len(per_worker), wait_s,

@@ -49,13 +49,15 @@ def batch_metrics(
     gained: Mapping[str, int],
     lags: Sequence[int],
     rewards: Sequence[float],
+    scored_rewards: Sequence[float] = (),
     workers: Mapping[str, int],
     wait_s: float,
     pool: int,
     pending: int,
 ) -> dict[str, float]:
     """The metrics of one batch: `gained` counters since the last batch, `lags` and `rewards`
-    of the groups (per group, per sample), `workers` (groups per worker in this batch)."""
+    of the groups (per group, per sample), `scored_rewards` of every sample scored since the last
+    batch before any filter (the policy's raw success rate), `workers` (groups per worker)."""
     scored = gained.get("samples_scored", 0)
     rejects = rejects_by_reason(gained)
     out: dict[str, float] = {
@@ -63,6 +65,10 @@ def batch_metrics(
         "rollout/stoa_version_lag_mean": float(sum(lags) / len(lags)) if lags else 0.0,
         "rollout/stoa_version_lag_max": float(max(lags)) if lags else 0.0,
         "rollout/stoa_reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0,
+        "rollout/stoa_scored_reward_mean": (
+            float(sum(scored_rewards) / len(scored_rewards)) if scored_rewards else 0.0
+        ),
+        "rollout/stoa_scored_samples": float(len(scored_rewards)),
         "rollout/stoa_reused_groups": float(gained.get("groups_reused", 0)),
         "rollout/stoa_stale_dropped": float(gained.get("stale", 0)),
         "rollout/stoa_filtered_all_equal": float(gained.get("filtered_all_equal", 0)),
