@@ -16,6 +16,7 @@ module path `slime_stoa.rollout.generate_rollout` works too) and put the setting
     stoa_download_concurrency: 16    # record downloads in flight
     stoa_max_download_attempts: 3
     stoa_filter_all_equal: true      # drop groups whose rewards are all equal (no GRPO signal)
+    stoa_verify_prompts: true        # reject records whose prompt is not their prompt_index's
     stoa_reward_tolerance: 1.0e-6    # worker vs trainer reward gap counted as a disagreement
     stoa_admission_order: oldest_version   # or fifo
     stoa_max_pool_groups: 4096       # backpressure: groups discovered but not yet used
@@ -113,6 +114,7 @@ CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "download_concurrency": as_int,
     "max_download_attempts": as_int,
     "filter_all_equal": as_bool,
+    "verify_prompts": as_bool,
     "reward_tolerance": as_float,
     "admission_order": _str,
     "max_pool_groups": as_int,

@@ -32,6 +32,7 @@ from slime_stoa.consumer.scoring import tokenizer_decode
 from slime_stoa.heartbeat import Heartbeat
 from slime_stoa.hf import load_hf_state
 from slime_stoa.layout import RunLayout
+from slime_stoa.prompting import prompt_tokens
 from slime_stoa.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group
 from slime_stoa.run_manifest import RunManifest
@@ -55,9 +56,14 @@ class Tiny:
     tokenizer: Any
     vocab: int
     eos: int
+    chat: Any  # the transformers tokenizer of the same folder, with the chat template
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
+
+    def prompt(self, item: Any) -> list[int]:
+        """The prompt tokens a worker builds for `item` (the chat template)."""
+        return prompt_tokens(self.chat, make_task("synthetic", ITEMS), item)
 
     def decode(self, tokens) -> str:
         return tokenizer_decode(self.tokenizer)(tokens)
@@ -66,11 +72,12 @@ class Tiny:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
 
     folder = build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    return Tiny(folder, tok, vocab, tok.token_to_id(IM_END))
+    return Tiny(folder, tok, vocab, tok.token_to_id(IM_END), AutoTokenizer.from_pretrained(folder))
 
 
 def now_ms() -> int:
@@ -114,7 +121,7 @@ def make_group(
     t = time.time()
     fields: dict[str, Any] = dict(
         kind="train", run=RUN, task_id="synthetic", prompt_index=prompt_index,
-        prompt_tokens=tiny.encode(item.prompt), samples=tuple(samples), weight_version=weight_version,
+        prompt_tokens=tiny.prompt(item), samples=tuple(samples), weight_version=weight_version,
         state_digest=DIGEST, sampling=SAMPLING, worker_id=worker, seq=seq, started_at=t - 1, finished_at=t,
     )
     fields.update(overrides)
@@ -133,7 +140,8 @@ def config(store_url: str, **kw: Any) -> ConsumerConfig:
 
 async def open_consumer(store: Store, tiny: Tiny, store_url: str, *, restore: bool = False, **kw: Any) -> RolloutConsumer:
     return await RolloutConsumer.open(
-        store, config(store_url, **kw), decode=tiny.decode, eos_ids=frozenset({tiny.eos}), restore=restore
+        store, config(store_url, **kw), decode=tiny.decode, eos_ids=frozenset({tiny.eos}), prompt_of=tiny.prompt,
+        restore=restore,
     )
 
 
@@ -335,6 +343,10 @@ async def test_hostile_records_are_rejected_and_counted(store: Store, store_url:
         layout.rollout("evil", t + 5, 5): encode_group(make_group(tiny, worker="someone-else", seq=5)),
         layout.rollout("evil", t + 6, 6): encode_group(make_group(tiny, worker="evil", seq=6, task_id="gsm8k")),
         layout.rollout("evil", t + 7, 7): encode_group(make_group(tiny, worker="evil", seq=7, prompt_index=0, samples=())),
+        # item 1's label (answers) with item 2's prompt: rewards would teach the wrong mapping
+        layout.rollout("evil", t + 8, 8): encode_group(
+            make_group(tiny, worker="evil", seq=8, prompt_index=1, prompt_tokens=tiny.prompt(ITEMS[2]))
+        ),
         layout.rollouts_prefix() + "not-a-record-key": b"x",
     }
     for key, data in objects.items():
@@ -350,13 +362,13 @@ async def test_hostile_records_are_rejected_and_counted(store: Store, store_url:
     assert batch.groups[0].worker == "honest"
     expected = {
         "bad_magic": 1, "decompress": 1, "token_range": 1, "logprob_not_finite": 1, "too_large": 1,
-        "key_mismatch": 1, "task": 1, "group_size": 1, "bad_key": 1,
+        "key_mismatch": 1, "task": 1, "group_size": 1, "bad_key": 1, "prompt": 1,
     }
     got = {k.removeprefix("rejected/"): v for k, v in consumer.counters.items() if k.startswith("rejected/")}
     assert got == expected
-    assert counting.calls["get"] == 8  # the oversized object was never downloaded
-    assert consumer.counters["worker/evil/rejected"] == 8
-    assert batch.metrics["rollout/stoa_rejected"] == 9
+    assert counting.calls["get"] == 9  # the oversized object was never downloaded
+    assert consumer.counters["worker/evil/rejected"] == 9
+    assert batch.metrics["rollout/stoa_rejected"] == 10
     assert batch.metrics["rollout/stoa_rejected/too_large"] == 1
     await consumer.close()
 
@@ -436,7 +448,7 @@ async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: 
     consumed = (await consumer.next_batch(1, trainer_version=4)).groups[0]
     fields = sample_fields(consumed, group_index=7, indices=[28, 29, 30, 31])
     assert len(fields) == G
-    prompt = tiny.encode(item.prompt)
+    prompt = tiny.prompt(item)
     for i, (f, s) in enumerate(zip(fields, group.samples, strict=True)):
         response = s.response_tokens.tolist()
         assert f["group_index"] == 7 and f["index"] == 28 + i  # one group, contiguous

@@ -20,6 +20,7 @@ CONSUMER_REASONS = frozenset(
         "key_mismatch",  # the record's worker_id / seq / kind differ from its key
         "task",  # the record names another task than the run's
         "prompt_index",  # no task item with the record's prompt_index
+        "prompt",  # prompt_tokens are not the run's prompt for that prompt_index
         "reward",  # the task could not score a sample (decoder or task error, non-finite)
         "version_ahead",  # weight_version further ahead of the trainer than the slack allows
         "missing",  # the object was listed but is gone

@@ -55,6 +55,9 @@ class ConsumerConfig:
 
     filter_all_equal: bool = True
     """Drop (and count) groups whose recomputed rewards are all equal: they carry no GRPO signal."""
+    verify_prompts: bool = True
+    """Reject (as `prompt`) records whose prompt tokens are not the run's prompt for their
+    `prompt_index`, built with the run's tokenizer and chat template (needs transformers)."""
     reward_tolerance: float = 1e-6
     """A worker reward further than this from the trainer's counts as a disagreement."""
 
@@ -108,8 +111,9 @@ class ConsumerConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"ConsumerConfig.{name} must be an int >= {low}, got {value!r}")
-        if not isinstance(self.filter_all_equal, bool):
-            raise ValueError(f"ConsumerConfig.filter_all_equal must be a bool, got {self.filter_all_equal!r}")
+        for name in ("filter_all_equal", "verify_prompts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ConsumerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         tol = self.reward_tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (math.isfinite(tol) and tol >= 0):
             raise ValueError(f"ConsumerConfig.reward_tolerance must be a number >= 0, got {tol!r}")

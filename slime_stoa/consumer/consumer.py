@@ -51,7 +51,7 @@ from .discovery import Discovery, PollResult
 from .metrics import batch_metrics, delta, reject_counter, rejects_by_reason, worker_counter
 from .persistence import read_state, write_state
 from .run_context import open_run_context
-from .scoring import Decode, Rescorer
+from .scoring import Decode, PromptOf, Rescorer
 from .state import ConsumerState, name_worker
 from .workers import SHOWN, describe_workers, heartbeat_summaries, heartbeat_times, newest_first
 
@@ -155,12 +155,15 @@ class RolloutConsumer:
         decode: Decode | None = None,
         eos_ids: frozenset[int] = frozenset(),
         tokenizer_dir: Path | None = None,
+        prompt_of: PromptOf | None = None,
         restore: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> RolloutConsumer:
         """A consumer for `config.run`: reads the run manifest, task and tokenizer (see
         `run_context.open_run_context`), and with `restore` resumes from the bucket's state."""
-        ctx = await open_run_context(store, config, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir)
+        ctx = await open_run_context(
+            store, config, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of
+        )
         consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock)
         if restore:
             await consumer.load_from_bucket()

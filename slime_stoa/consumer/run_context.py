@@ -20,7 +20,7 @@ from ..run_manifest import RunManifest
 from ..store import NotFound, Store
 from ..tasks import Task, load_task
 from .config import ConsumerConfig
-from .scoring import Decode, Rescorer, load_tokenizer, vocab_size_of
+from .scoring import Decode, PromptOf, Rescorer, load_prompt_builder, load_tokenizer, vocab_size_of
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,15 @@ async def open_run_context(
     decode: Decode | None = None,
     eos_ids: frozenset[int] = frozenset(),
     tokenizer_dir: Path | None = None,
+    prompt_of: PromptOf | None = None,
 ) -> RunContext:
     """Read the manifest and task, load the tokenizer, resolve the config.
 
     `decode`: use this decoder (with `eos_ids`) instead of the run's tokenizer; the vocabulary
     then comes from the manifest or `config.record_limits`. `tokenizer_dir`: a local HF folder
-    with `tokenizer.json` to use instead of downloading the anchor's.
+    with `tokenizer.json` to use instead of downloading the anchor's. `prompt_of`: build the
+    expected prompt tokens with this instead of the run's tokenizer (with a custom `decode`,
+    prompts are checked only when it is given).
     """
     manifest = await read_manifest(store, config.run)
     task = await read_task(store, manifest)
@@ -91,6 +94,8 @@ async def open_run_context(
             folder = Path(tempfile.mkdtemp(prefix="stoa-tokenizer-"))
             await download_tokenizer(store, config.run, folder)
         decode, eos_ids = load_tokenizer(folder)
+        if config.verify_prompts and prompt_of is None:
+            prompt_of = load_prompt_builder(folder, task)
         vocab = vocab or vocab_size_of(folder)
     if config.record_limits is not None:
         vocab = config.record_limits.vocab_size
@@ -100,4 +105,4 @@ async def open_run_context(
             f"or give record_limits"
         )
     resolved = config.resolved(manifest, vocab_size=vocab)
-    return RunContext(manifest=manifest, task=task, config=resolved, rescorer=Rescorer(task, decode, eos_ids))
+    return RunContext(manifest=manifest, task=task, config=resolved, rescorer=Rescorer(task, decode, eos_ids, prompt_of))

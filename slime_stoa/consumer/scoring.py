@@ -5,8 +5,13 @@ it (see `macd.generate`): the response tokens decoded with the run's tokenizer, 
 kept, minus one final end-of-sequence token when the sample stopped on it. The reward is the
 run task's pure `reward(text, label)` for the label of the record's `prompt_index`.
 
-The decoder is injectable (`decode(tokens) -> str`): the trainer loads the run's tokenizer from
-the anchor's `tokenizer.json` (`load_tokenizer`), tests pass any tokenizer they like.
+The prompt is checked too: a record's `prompt_tokens` must be exactly the prompt workers build
+for its `prompt_index` (`slime_stoa.prompting.prompt_tokens`, the chat template when the
+tokenizer has one); otherwise a worker could pair one prompt's label with another prompt's text.
+
+The decoder and the prompt builder are injectable (`decode(tokens) -> str`, `prompt_of(item) ->
+tokens`): the trainer loads the run's tokenizer from the anchor's files (`load_tokenizer`,
+`load_prompt_builder`), tests pass any tokenizer they like.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..records import RolloutGroup
@@ -22,6 +27,7 @@ from ..tasks import Task, TaskItem
 from ..validate import RecordRejected
 
 Decode = Callable[[Sequence[int]], str]
+PromptOf = Callable[[TaskItem], Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +45,17 @@ class Rescorer:
     decode: Decode
     eos_ids: frozenset[int] = frozenset()
     """Token ids that end a sequence; one final such token is not part of the text."""
+    prompt_of: PromptOf | None = None
+    """The prompt tokens of a task item, as workers build them; None: prompts are not checked."""
+    _prompts: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+
+    def expected_prompt(self, index: int) -> tuple[int, ...] | None:
+        """The prompt tokens of item `index` (cached), or None when prompts are not checked."""
+        if self.prompt_of is None:
+            return None
+        if index not in self._prompts:
+            self._prompts[index] = tuple(int(t) for t in self.prompt_of(self.task.item(index)))
+        return self._prompts[index]
 
     def completion_text(self, tokens: Sequence[int], finish_reason: str) -> str:
         ids = [int(t) for t in tokens]
@@ -47,8 +64,9 @@ class Rescorer:
         return self.decode(ids)
 
     def score(self, group: RolloutGroup) -> Scored:
-        """Rewards of a validated group; RecordRejected (`task`, `prompt_index`, `reward`) if
-        the record names another task, an item that does not exist, or cannot be scored."""
+        """Rewards of a validated group; RecordRejected (`task`, `prompt_index`, `prompt`,
+        `reward`) if the record names another task or an item that does not exist, carries
+        another prompt than that item's, or cannot be scored."""
         if group.task_id != self.task.name:
             raise RecordRejected("task", f"record is for task {group.task_id!r}, the run's is {self.task.name!r}")
         if not 0 <= group.prompt_index < len(self.task):
@@ -56,6 +74,13 @@ class Rescorer:
                 "prompt_index", f"prompt_index {group.prompt_index} not in [0, {len(self.task)})"
             )
         item = self.task.item(group.prompt_index)
+        expected = self.expected_prompt(group.prompt_index)
+        if expected is not None and tuple(int(t) for t in group.prompt_tokens) != expected:
+            raise RecordRejected(
+                "prompt",
+                f"prompt_tokens ({len(group.prompt_tokens)} tokens) are not the run's prompt for "
+                f"prompt_index {group.prompt_index} ({len(expected)} tokens)",
+            )
         texts, rewards = [], []
         for i, sample in enumerate(group.samples):
             try:
@@ -117,6 +142,23 @@ def load_tokenizer(folder: Path) -> tuple[Decode, frozenset[int]]:
 
     tokenizer = Tokenizer.from_file(str(path))
     return tokenizer_decode(tokenizer), eos_ids_of(folder, tokenizer)
+
+
+def load_prompt_builder(folder: Path, task: Task) -> PromptOf:
+    """`prompt_of` for `task` from an HF tokenizer folder, with the chat template workers apply.
+
+    Needs transformers (the trainer's extra; slime ships it)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ValueError(
+            "checking record prompts needs transformers (pip install transformers); "
+            "or turn the check off with verify_prompts=False (stoa_verify_prompts: false)"
+        ) from exc
+    from ..prompting import prompt_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return lambda item: prompt_tokens(tokenizer, task, item)
 
 
 def _read_json(path: Path) -> dict:

@@ -21,7 +21,9 @@ must show the reward climb from a clear baseline to ~1.0:
   and nothing about which. The digits are distinct, so such a model scores 1/length in
   expectation (`baseline_reward`): 0.25 with the default 4 digits, inside the 0.05-0.3 band
   where most groups of 8 hold both a success and a failure, and far below the ~1.0 of a model
-  that learned the rule. A model that learned only "answer with a digit" scores 0.1.
+  that learned the rule. A model that learned only "answer with a digit" scores 0.1, and RL
+  from there stalls near 0.4 on "always 9": the warm start must teach copying a shown digit
+  (fresh random targets each step, not one memorisable target per prompt).
 - The digits are uniform, so the answers are not: "9" is the answer 40% of the time with 4
   digits. That gives the policy an easy first step ("prefer larger digits") on the way to the
   rule, which a short quickstart run needs; it is also a plateau a badly tuned run can stall on.
