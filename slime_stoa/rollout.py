@@ -13,6 +13,8 @@ module path `slime_stoa.rollout.generate_rollout` works too) and put the setting
     stoa_poll_interval_s: 1.0        # pause between listings while waiting
     stoa_skew_window_ms: 60000       # late keys are still found this far behind the cursor
     stoa_sweep_interval_s: 5.0       # how often that window is listed again
+    stoa_late_window_ms: 1800000     # records uploaded this late (a Mac back online) still count
+    stoa_late_sweep_interval_s: 60   # how often that longer window is listed
     stoa_download_concurrency: 16    # record downloads in flight
     stoa_max_download_attempts: 3
     stoa_filter_all_equal: true      # drop groups whose rewards are all equal (no GRPO signal)
@@ -111,6 +113,8 @@ CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "poll_interval_s": as_float,
     "skew_window_ms": as_int,
     "sweep_interval_s": as_float,
+    "late_window_ms": as_int,
+    "late_sweep_interval_s": as_float,
     "download_concurrency": as_int,
     "max_download_attempts": as_int,
     "filter_all_equal": as_bool,

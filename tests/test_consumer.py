@@ -279,6 +279,30 @@ async def test_sweep_finds_late_keys_and_future_clocks_do_not_hide_others(store:
     await consumer.close()
 
 
+@pytest.mark.parametrize("late_window_ms", [0, 1_200_000])
+async def test_late_sweep_finds_a_backlog_uploaded_long_after_it_was_made(
+    store: Store, store_url: str, tiny: Tiny, late_window_ms: int
+) -> None:
+    await setup_run(store, tiny)
+    await upload(store, make_group(tiny, worker="a", seq=0), now_ms() - 1000)
+    consumer = await open_consumer(
+        store, tiny, store_url, skew_window_ms=30_000, late_window_ms=late_window_ms, late_sweep_interval_s=0.3
+    )
+    await consumer.next_batch(1, trainer_version=0)
+    # A Mac back online after 10 minutes uploads its spool: keys stamped when the groups were
+    # made, far behind the cursor; one beyond even the late window.
+    await upload(store, make_group(tiny, worker="offline", seq=0), now_ms() - 600_000)
+    await upload(store, make_group(tiny, worker="offline", seq=1), now_ms() - 3_600_000)
+    consumer.config = dataclasses.replace(consumer.config, wait_timeout_s=1.5)
+    if late_window_ms:
+        got = await consumer.next_batch(1, trainer_version=0)
+        assert [(g.worker, g.group.seq) for g in got.groups] == [("offline", 0)]
+    with pytest.raises(ConsumerTimeout):
+        await consumer.next_batch(1, trainer_version=0)
+    assert consumer.counters.get("late_keys", 0) == (1 if late_window_ms else 0)
+    await consumer.close()
+
+
 # -- persistence ---------------------------------------------------------------------------------
 async def test_restart_neither_reconsumes_nor_skips(store: Store, store_url: str, tiny: Tiny) -> None:
     await setup_run(store, tiny, reuse=2)

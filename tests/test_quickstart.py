@@ -41,3 +41,58 @@ def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) ->
     assert main(["quickstart", "--out", str(out), "--minutes", "0.3", "--max-versions", "2", "--json", str(summary_path)]) == 0
     again = json.loads(summary_path.read_text())
     assert again["versions"] >= 1 and again["digest_mismatches"] == 0 and again["groups_lost"] == 0
+
+
+def test_ctrl_c_stops_workers_and_learner_cleanly(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) mid-run: exit 130, both workers stop cleanly (their last heartbeat says
+    so) and no `macd run` process is left; the run stays resumable."""
+    import asyncio
+    import queue
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from slime_stoa.quickstart import read_worker_states
+    from slime_stoa.store import open_store
+
+    out = tmp_path / "qs"
+    cmd = [sys.executable, "-m", "slime_stoa.cli", "quickstart", "--out", str(out), "--minutes", "5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen, deadline = [], time.time() + 300
+    try:
+        while time.time() < deadline and not any(re.match(r"\s*v3\s", line) for line in seen):
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                assert proc.poll() is None, "".join(seen)
+        assert any(re.match(r"\s*v3\s", line) for line in seen), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.5)
+    while not lines.empty():
+        seen.append(lines.get())
+    assert "interrupted" in "".join(seen)
+
+    async def beats() -> list:
+        async with open_store(f"file://{out / 'bucket'}") as store:
+            return await read_worker_states(store, "quickstart", 2)
+
+    assert [b.status for b in asyncio.run(beats())] == ["stopped", "stopped"]
+    if Path("/proc").is_dir():
+        workers = str(out / "workers")
+        left = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if workers in cmdline.read_bytes().decode(errors="replace"):
+                    left.append(cmdline.parent.name)
+            except OSError:
+                continue
+        assert not left, f"macd processes left running: {left}"

@@ -43,10 +43,15 @@ class ConsumerConfig:
     per 1,000 new keys)."""
     skew_window_ms: int = 60_000
     """Clock-skew and late-upload window: keys stamped up to this long before the newest key
-    discovered are still found (by a periodic sweep). A record that lands later than this after
-    its key's timestamp is never discovered."""
+    discovered are still found (by a periodic sweep)."""
     sweep_interval_s: float = 5.0
     """How often the window behind the cursor is listed again for late keys."""
+    late_window_ms: int = 1_800_000
+    """The longer window of a rarer deep sweep, for records a worker uploads long after it
+    spooled them (a Mac offline for minutes); a record that lands later than this after its
+    key's timestamp is never discovered. 0: no deep sweep (then `skew_window_ms` is the limit)."""
+    late_sweep_interval_s: float = 60.0
+    """How often the late window is listed (one request per 1,000 keys in it)."""
     download_concurrency: int = 16
     """Record downloads in flight at once."""
     max_download_attempts: int = 3
@@ -94,7 +99,7 @@ class ConsumerConfig:
                 raise ValueError(f"ConsumerConfig.{name} must be an int >= 0 or None, got {value!r}")
         if self.reuse_limit is not None and (not _is_int(self.reuse_limit) or self.reuse_limit < 1):
             raise ValueError(f"ConsumerConfig.reuse_limit must be an int >= 1 or None, got {self.reuse_limit!r}")
-        for name in ("wait_timeout_s", "poll_interval_s", "sweep_interval_s", "progress_interval_s"):
+        for name in ("wait_timeout_s", "poll_interval_s", "sweep_interval_s", "late_sweep_interval_s", "progress_interval_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 math.isfinite(value) and value > 0
@@ -102,6 +107,7 @@ class ConsumerConfig:
                 raise ValueError(f"ConsumerConfig.{name} must be a number > 0, got {value!r}")
         for name, low in (
             ("skew_window_ms", 0),
+            ("late_window_ms", 0),
             ("download_concurrency", 1),
             ("max_download_attempts", 1),
             ("max_pool_groups", 1),

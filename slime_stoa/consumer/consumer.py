@@ -9,7 +9,8 @@ How a batch comes together (all on one event loop):
 
 1. Discovery lists new keys after the cursor (`discovery.Discovery.tail`, one request per
    1,000 new keys, whatever the number of workers) into the pending queue, and now and then
-   sweeps the skew window behind the cursor for late keys. It stops while the pool and the
+   sweeps the skew window behind the cursor for late keys (and, more rarely, the longer late
+   window, for workers that come back online with a spool of old records). It stops while the pool and the
    queue hold `max_pool_groups` (backpressure: the cursor waits, nothing is skipped).
 2. Pending keys are downloaded oldest first, `download_concurrency` at a time, only as many as
    the batch still needs (plus `prefetch_groups` in the background between batches).
@@ -130,7 +131,10 @@ class RolloutConsumer:
         self.layout = RunLayout(config.run)
         self._prefix = self.layout.rollouts_prefix("train")
         self._state = ConsumerState(run=config.run)
-        self._discovery = Discovery(store, self.layout, self._state, window_ms=config.skew_window_ms, clock=clock)
+        self._discovery = Discovery(
+            store, self.layout, self._state, window_ms=config.skew_window_ms,
+            late_window_ms=config.late_window_ms, clock=clock,
+        )
         self._pool: dict[str, _Entry] = {}
         self._restore: dict[str, int] = {}  # ledger entries to download again: name -> uses
         self._inflight: dict[str, asyncio.Task[None]] = {}
@@ -139,6 +143,7 @@ class RolloutConsumer:
         self._expired_at: int | None = None
         self._next_tail = -math.inf
         self._next_sweep = time.monotonic() + config.sweep_interval_s
+        self._next_late_sweep = time.monotonic() + config.late_sweep_interval_s
         self._batch_counters: dict[str, int] = {}
         self._scored_rewards: list[float] = []  # every group scored since the last batch, unfiltered
         self._prefetch: asyncio.Task[bool] | None = None
@@ -368,8 +373,8 @@ class RolloutConsumer:
         self._count_poll(result)
         return len(result.new)
 
-    async def _poll_sweep(self) -> int:
-        result = await self._discovery.sweep()
+    async def _poll_sweep(self, window_ms: int | None = None) -> int:
+        result = await self._discovery.sweep(window_ms)
         self._count_poll(result)
         if result.late:
             log.info("stoa: found %d late record(s) behind the cursor", result.late)
@@ -394,6 +399,11 @@ class RolloutConsumer:
                 self._next_tail = now + cfg.poll_interval_s
                 await self._poll_tail()
                 continue
+            if cfg.late_window_ms and now >= self._next_late_sweep:
+                self._next_late_sweep = now + cfg.late_sweep_interval_s
+                self._next_sweep = now + cfg.sweep_interval_s  # it covers the short window too
+                await self._poll_sweep(cfg.late_window_ms)
+                continue
             if now >= self._next_sweep:
                 self._next_sweep = now + cfg.sweep_interval_s
                 await self._poll_sweep()
@@ -403,6 +413,7 @@ class RolloutConsumer:
             wake = min(
                 self._next_tail if listing_helps else math.inf,
                 self._next_sweep,
+                self._next_late_sweep if cfg.late_window_ms else math.inf,
                 math.inf if deadline is None else deadline,
                 next_log,
             )

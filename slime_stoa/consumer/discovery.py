@@ -11,13 +11,15 @@ Two listings, both plain `list(prefix, start_after=...)`:
   found by the next poll). The cursor then moves to the last key taken, but never past the
   trainer's clock: a worker whose clock runs ahead cannot make the cursor jump over the keys
   of the others.
-- `sweep()`: the window of `window_ms` before the cursor, listed again now and then, for keys
-  that landed late (a slow upload, a worker clock behind). Names already discovered in the
-  window are in `state.seen` and skipped; older names are pruned from it, so memory holds one
-  window of keys.
+- `sweep(window_ms)`: a window before the cursor, listed again now and then, for keys that
+  landed late: often over the short skew window (a slow upload, a worker clock behind), rarely
+  over the long late window (a worker that was offline with a full spool). Names already
+  discovered in the longest window are in `state.seen` and skipped; older names are pruned from
+  it, so memory holds one long window of keys.
 
-A key stamped more than the window before the cursor when it lands is never found: choose the
-window longer than the worst upload delay worth keeping (such a record is usually stale anyway).
+A key stamped more than the longest window before the cursor when it lands is never found:
+choose it longer than the worst upload delay worth keeping (such a record is often stale anyway;
+the staleness rule decides).
 """
 
 from __future__ import annotations
@@ -90,12 +92,14 @@ class Discovery:
         state: ConsumerState,
         *,
         window_ms: int,
+        late_window_ms: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.layout = layout
         self.state = state
         self.window_ms = window_ms
+        self.keep_ms = max(window_ms, late_window_ms)  # how long discovered names are remembered
         self.clock = clock
         self.prefix = layout.rollouts_prefix("train")
         self._bad: set[str] = set()
@@ -141,16 +145,18 @@ class Discovery:
                 if len(result.new) >= capacity:
                     break
         result.requests = pages(result.listed)
-        prune_seen(state.seen, state.cursor, self.window_ms)
+        prune_seen(state.seen, state.cursor, self.keep_ms)
         return result
 
-    async def sweep(self) -> PollResult:
-        """List the window behind the cursor again and take every key not seen yet."""
+    async def sweep(self, window_ms: int | None = None) -> PollResult:
+        """List `window_ms` (default: the skew window, at most the remembered one) behind the
+        cursor again and take every key not seen yet."""
         result = PollResult()
         state = self.state
         if not state.cursor:
             return result  # nothing discovered yet: the tail covers everything
-        start = self.layout.rollout_after(window_floor_ms(state.cursor, self.window_ms))
+        window = min(self.window_ms if window_ms is None else window_ms, self.keep_ms)
+        start = self.layout.rollout_after(window_floor_ms(state.cursor, window))
         listing = self.store.list(self.prefix, start_after=start)
         async with contextlib.aclosing(listing):
             async for info in listing:
@@ -167,5 +173,5 @@ class Discovery:
                 self._take(name, parsed.worker, info.size, result)
                 result.late += 1
         result.requests = pages(result.listed)
-        prune_seen(state.seen, state.cursor, self.window_ms)
+        prune_seen(state.seen, state.cursor, self.keep_ms)
         return result

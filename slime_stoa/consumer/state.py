@@ -5,9 +5,10 @@ so they sort by time and carry their own timestamp.
 
 - `cursor`: the furthest key name discovered (never past the trainer's clock); new keys are
   listed strictly after it.
-- `seen`: names discovered within `skew_window_ms` before the cursor, so the window can be
-  listed again for late keys without taking a key twice. Older names are pruned: memory is
-  bounded by the records landing within one window.
+- `seen`: names discovered within the longest sweep window (`late_window_ms`, or
+  `skew_window_ms` when larger) before the cursor, so the window can be listed again for late
+  keys without taking a key twice. Older names are pruned: memory is bounded by the records
+  landing within one window.
 - `pending`: discovered, not yet downloaded and judged (name -> size from the listing).
 - `ledger`: the reuse ledger, admitted groups still usable (name -> times used).
 - `counters`: cumulative counts (rejects by reason, stale, filtered, per worker, ...).

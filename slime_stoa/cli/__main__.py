@@ -1,0 +1,7 @@
+"""`python -m slime_stoa.cli ...` is `stoa ...`."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
