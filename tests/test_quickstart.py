@@ -96,3 +96,21 @@ def test_ctrl_c_stops_workers_and_learner_cleanly(tmp_path: Path) -> None:
             except OSError:
                 continue
         assert not left, f"macd processes left running: {left}"
+
+
+def test_quickstart_over_a_real_s3_server(
+    tmp_path: Path, s3_server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--store s3://...`: learner, publisher and `macd run` workers all meet in an S3 bucket."""
+    creds = s3_server.credentials()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", creds.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", creds.secret_access_key)
+    url = f"s3://{s3_bucket}/quickstart-{tmp_path.name}?endpoint={s3_server.endpoint_url}"
+    summary_path = tmp_path / "summary.json"
+    args = ["quickstart", "--out", str(tmp_path / "qs"), "--store", url, "--minutes", "2",
+            "--max-versions", "4", "--json", str(summary_path)]
+    assert main(args) == 0
+    s = json.loads(summary_path.read_text())
+    assert s["versions"] == 4 and s["groups_used"] == 4 * 16
+    assert s["digests_checked"] >= 2 and s["digest_mismatches"] == 0 and s["groups_lost"] == 0
+    assert not (tmp_path / "qs" / "bucket").exists()  # nothing went to the local default
