@@ -84,6 +84,7 @@ with slime's `sum_of_sample_mean`; see its docstring for the settings it reads f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -427,16 +428,7 @@ def config_from_args(args: Any) -> DPPOConfig:
             )
     per_token = bool(getattr(args, "calculate_per_token_loss", False))
     values: dict[str, Any] = {}
-    for name in (
-        "delta_low",
-        "delta_high",
-        "ratio_cap",
-        "dual_clip",
-        "eps_clip",
-        "eps_clip_high",
-        "reduction",
-        "drgrpo_max_len",
-    ):
+    for name in (f.name for f in dataclasses.fields(DPPOConfig)):
         value = getattr(args, SLIME_ARG_PREFIX + name, _MISSING)
         if value is not _MISSING:
             values[name] = value

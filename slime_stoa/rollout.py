@@ -63,7 +63,7 @@ its store connections.
 
 from __future__ import annotations
 
-from .settings import as_bool, as_float, as_int, check_bucket_and_run
+from .settings import as_bool, as_float, as_int, check_bucket_and_run, required_setting
 
 import asyncio
 import atexit
@@ -128,19 +128,14 @@ CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
-def _required(args: Any, field: str) -> str:
-    key = PREFIX + field
-    value = getattr(args, key, None)
-    if value is None or value == "":
-        raise ValueError(f"the stoa rollout function needs the setting {key!r} (e.g. in the --custom-config-path YAML)")
-    return _str(key, value)
-
-
 def config_from_args(args: Any) -> ConsumerConfig:
     """The ConsumerConfig from `args.stoa_*` (see the module doc); ValueError naming a bad setting."""
     if args is None:
         raise ValueError("the stoa rollout function needs slime's args (with stoa_bucket and stoa_run)")
-    url, run = check_bucket_and_run(_required(args, "bucket"), _required(args, "run"), prefix=PREFIX)
+    url, run = check_bucket_and_run(
+        *(required_setting(args, PREFIX + name, needed_by="the stoa rollout function") for name in ("bucket", "run")),
+        prefix=PREFIX,
+    )
     fields = {
         name: parse(PREFIX + name, getattr(args, PREFIX + name))
         for name, parse in CONFIG_FIELDS.items()

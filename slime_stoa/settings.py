@@ -37,6 +37,16 @@ def as_bool(key: str, value: Any) -> bool:
     raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
+def required_setting(args: Any, key: str, *, needed_by: str) -> str:
+    """The non-empty string setting `args.<key>`; ValueError saying `needed_by` needs it."""
+    value = getattr(args, key, None)
+    if value is None or value == "":
+        raise ValueError(f"{needed_by} needs the setting {key!r} (e.g. in the --custom-config-path YAML)")
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
 def check_bucket_and_run(url: str, run: str, *, prefix: str = "stoa_") -> tuple[str, str]:
     """(url, run) once both parse as a store URL and a run name; ValueError naming the setting."""
     from .layout import check_name

@@ -38,7 +38,7 @@ reaches the patched branch, and slime's `keep_old_actor` queue is not advanced b
 
 from __future__ import annotations
 
-from .settings import as_bool, as_float, as_int, check_bucket_and_run
+from .settings import as_bool, as_float, as_int, check_bucket_and_run, required_setting
 
 import asyncio
 import atexit
@@ -142,19 +142,12 @@ CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
-def _required(args: Any, field: str) -> str:
-    key = PREFIX + field
-    value = getattr(args, key, None)
-    if value is None or value == "":
-        raise ValueError(
-            f"stoa weight publishing needs the setting {key!r} (e.g. in the --custom-config-path YAML)"
-        )
-    return _str(key, value)
-
-
 def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:
     """(store URL, run name, PublisherConfig) from `args.stoa_*`; ValueError naming a bad setting."""
-    url, run = check_bucket_and_run(_required(args, "bucket"), _required(args, "run"), prefix=PREFIX)
+    url, run = check_bucket_and_run(
+        *(required_setting(args, PREFIX + name, needed_by="stoa weight publishing") for name in ("bucket", "run")),
+        prefix=PREFIX,
+    )
     fields = {
         name: parse(PREFIX + name, getattr(args, PREFIX + name))
         for name, parse in CONFIG_FIELDS.items()
