@@ -119,7 +119,7 @@ def _add_join(sub: argparse._SubParsersAction) -> None:
 
 
 def _join(args: argparse.Namespace) -> int:
-    from slime_stoa.store import StoreError
+    from slime_stoa.protocol.store import StoreError
 
     try:
         return _do_join(args)
@@ -128,8 +128,8 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _do_join(args: argparse.Namespace) -> int:
-    from slime_stoa.layout import check_name
-    from slime_stoa.store import parse_store_url
+    from slime_stoa.protocol.layout import check_name
+    from slime_stoa.protocol.store import parse_store_url
 
     path = config_path(args)
     location = parse_store_url(args.url)
@@ -185,7 +185,11 @@ def _join_credentials(
     Order: flags, stdin, --credentials-file, the environment, the previous config's file;
     none of them: the usual lookup at run time (~/.r2env, ...).
     """
-    from slime_stoa.store.credentials import Credentials, parse_env_file, read_env_file
+    from slime_stoa.protocol.store.credentials import (
+        Credentials,
+        parse_env_file,
+        read_env_file,
+    )
 
     given = args.access_key_id or args.secret_access_key or args.credentials_stdin or args.credentials_file
     if not remote:
@@ -236,7 +240,7 @@ def _secret_from_env_or_prompt() -> str:
 
 def _check_run(config: cfg.DaemonConfig, creds: Any) -> cfg.RunInfo | int:
     """Probe the bucket and the run; an exit status with the error printed when they are not usable."""
-    from slime_stoa.store import open_store
+    from slime_stoa.protocol.store import open_store
 
     async def probe() -> cfg.RunInfo:
         async with open_store(config.store, credentials=creds) as store:
@@ -313,7 +317,7 @@ def _plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> lis
     )
     if verdict != "fits":
         lines.append(
-            f"               lower `batch` (or set `max_decode`) in the config, or serve an int8 run"
+            "               lower `batch` (or set `max_decode`) in the config, or serve an int8 run"
         )
     return lines
 
@@ -500,9 +504,9 @@ def _print_config_and_heartbeat(path: Path) -> None:
 
 def _heartbeat_text(config: cfg.DaemonConfig, timeout_s: float = 10.0) -> str:
     """The worker's last heartbeat in the bucket, in one line (or why there is none)."""
-    from slime_stoa.heartbeat import Heartbeat
-    from slime_stoa.layout import RunLayout
-    from slime_stoa.store import NotFound, StoreError, open_store
+    from slime_stoa.protocol.heartbeat import Heartbeat
+    from slime_stoa.protocol.layout import RunLayout
+    from slime_stoa.protocol.store import NotFound, StoreError, open_store
 
     async def read() -> bytes:
         async with open_store(config.store, credentials=config.read_credentials()) as store:

@@ -9,7 +9,7 @@ PATH`) reads it. It is a small TOML file in the user's config folder:
 
 Bucket credentials never go into the TOML: `macd join` writes the ones it was given to a
 separate env file readable by its owner only (mode 0600, the format of
-`slime_stoa.store.credentials`), and the TOML stores that file's path. Every file is written
+`slime_stoa.protocol.store.credentials`), and the TOML stores that file's path. Every file is written
 atomically (temp file, fsync, rename), so a crash never leaves half a config.
 
 The second half of this module is what joining means for this Mac: what a run asks of it
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from slime_stoa.layout import check_name, check_worker_id
-from slime_stoa.store import Credentials, parse_store_url
-from slime_stoa.store.credentials import read_env_file
+from slime_stoa.protocol.layout import check_name, check_worker_id
+from slime_stoa.protocol.store import Credentials, parse_store_url
+from slime_stoa.protocol.store.credentials import read_env_file
 
 from .doctor import memory_bytes, tier_for
 
@@ -350,7 +350,7 @@ _KV_GUESS_RATIO = 50_000
 class RunInfo:
     """What joining a run means: its manifest and its current weights (when published)."""
 
-    manifest: Any  # slime_stoa.run_manifest.RunManifest
+    manifest: Any  # slime_stoa.protocol.run_manifest.RunManifest
     version: int | None = None  # current weight version; None before the first publish
     elements: int | None = None  # bf16 weights in the state
     kv_bytes_per_token: int | None = None  # from the anchor's config.json, when readable
@@ -366,9 +366,13 @@ async def probe_run(store: Any, run: str) -> RunInfo:
     Raises RunNotFound when the run does not exist, StoreError when the bucket cannot be used.
     Missing weights are not an error (the trainer may not have published yet).
     """
-    from slime_stoa.pulse.history import HistoryError, read_manifest, read_pointer
-    from slime_stoa.run_manifest import RunManifest
-    from slime_stoa.store import NotFound
+    from slime_stoa.protocol.pulse.history import (
+        HistoryError,
+        read_manifest,
+        read_pointer,
+    )
+    from slime_stoa.protocol.run_manifest import RunManifest
+    from slime_stoa.protocol.store import NotFound
 
     try:
         manifest = RunManifest.from_bytes(await store.get_bytes(manifest_key(run)))
@@ -391,7 +395,7 @@ async def probe_run(store: Any, run: str) -> RunInfo:
 
 
 def manifest_key(run: str) -> str:
-    from slime_stoa.layout import RunLayout
+    from slime_stoa.protocol.layout import RunLayout
 
     return RunLayout(run).run_manifest
 
@@ -400,7 +404,7 @@ async def _kv_bytes_per_token(store: Any, anchor_manifest_key: str) -> int | Non
     """KV-cache bytes per token (bf16 K and V of every layer) from the anchor's config.json."""
     import json
 
-    from slime_stoa.pulse.manifests import AnchorManifest
+    from slime_stoa.protocol.pulse.manifests import AnchorManifest
 
     try:
         anchor = AnchorManifest.from_bytes(await store.get_bytes(anchor_manifest_key), anchor_manifest_key)

@@ -78,8 +78,8 @@ async def bucket_rows(config) -> list[tuple[str, str, bool]]:
     """Credentials, reachability and latency of the joined run's bucket (one small GET, timed)."""
     import time
 
-    from slime_stoa.layout import RunLayout
-    from slime_stoa.store import NotFound, StoreError, open_store
+    from slime_stoa.protocol.layout import RunLayout
+    from slime_stoa.protocol.store import NotFound, StoreError, open_store
 
     try:
         async with open_store(config.store, credentials=config.read_credentials()) as store:

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from slime_stoa.store import StoreConfigError, StoreError, open_store
+from slime_stoa.protocol.store import StoreConfigError, StoreError, open_store
 
 
 def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:

@@ -44,8 +44,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from slime_stoa.layout import ROLLOUT_KINDS, RunLayout, check_worker_id
-from slime_stoa.records import DEFAULT_MAX_RECORD_BYTES, RecordError, decode_group
+from slime_stoa.protocol.layout import ROLLOUT_KINDS, RunLayout, check_worker_id
+from slime_stoa.protocol.records import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RecordError,
+    decode_group,
+)
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from slime_stoa.store import (
+from slime_stoa.protocol.store import (
     NotFound,
     PreconditionFailed,
     Store,
@@ -39,7 +39,7 @@ from slime_stoa.store import (
     StoreError,
     StoreUnavailable,
 )
-from slime_stoa.store.retry import describe_error
+from slime_stoa.protocol.store.retry import describe_error
 
 from .spool import Spool, SpoolEntry
 

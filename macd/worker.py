@@ -24,17 +24,22 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from slime_stoa.heartbeat import Heartbeat
-from slime_stoa.hf import save_hf_folder
-from slime_stoa.layout import RunLayout
-from slime_stoa.pulse.anchor import download_extras
-from slime_stoa.pulse.manifests import AnchorManifest, Pointer
-from slime_stoa.prompting import prompt_tokens
-from slime_stoa.pulse.subscriber import Subscriber, SyncError
-from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group
-from slime_stoa.run_manifest import RunManifest
-from slime_stoa.store import Store, StoreConfigError, StoreError
+from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.hf.folders import save_hf_folder
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.anchor import download_extras
+from slime_stoa.protocol.pulse.manifests import AnchorManifest, Pointer
+from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncError
+from slime_stoa.protocol.records import (
+    RolloutGroup,
+    Sample,
+    SamplingParams,
+    encode_group,
+)
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.tasks import Task, TaskItem, load_task
+from slime_stoa.tasks.prompting import prompt_tokens
 
 from .config import DaemonConfig
 from .spool import Spool

@@ -4,7 +4,7 @@ Workload: a simulated fleet of W workers (10, 100 and 1000 by default) of a run 
 the synthetic one, groups of 8 samples (48 prompt tokens; half the responses are the right or a
 wrong answer and stop, half are 64 random tokens cut at max_tokens), so every group has mixed
 rewards. Records are written by the real encoder under real layout keys, concurrently and
-untimed; the consumer (`slime_stoa.consumer.RolloutConsumer`, default settings) then assembles
+untimed; the consumer (`slime_stoa.trainer.consumer.RolloutConsumer`, default settings) then assembles
 batches of 256 groups, validating and re-scoring every record with the tiny test tokenizer. Its
 store is wrapped in a counting proxy, so every request it makes is counted (a listing counts
 one request per 1,000 keys).
@@ -38,16 +38,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime_stoa.consumer import ConsumerConfig, RolloutConsumer  # noqa: E402
-from slime_stoa.consumer.counting import CountingStore  # noqa: E402
-from slime_stoa.consumer.scoring import tokenizer_decode  # noqa: E402
-from slime_stoa.layout import RunLayout  # noqa: E402
-from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group  # noqa: E402
-from slime_stoa.run_manifest import RunManifest  # noqa: E402
-from slime_stoa.store import Store  # noqa: E402
+from slime_stoa.protocol.layout import RunLayout  # noqa: E402
+from slime_stoa.protocol.records import (  # noqa: E402
+    RolloutGroup,
+    Sample,
+    SamplingParams,
+    encode_group,
+)
+from slime_stoa.protocol.run_manifest import RunManifest  # noqa: E402
+from slime_stoa.protocol.store import Store  # noqa: E402
+from slime_stoa.quickstart.tiny_model import IM_END, build_tiny_model  # noqa: E402
 from slime_stoa.tasks import generate_items, make_task  # noqa: E402
 from slime_stoa.testing.s3server import LocalS3Server  # noqa: E402
-from slime_stoa.testing.tiny_model import IM_END, build_tiny_model  # noqa: E402
+from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer  # noqa: E402
+from slime_stoa.trainer.consumer.counting import CountingStore  # noqa: E402
+from slime_stoa.trainer.consumer.scoring import tokenizer_decode  # noqa: E402
 
 RUN = "bench"
 G = 8

@@ -36,16 +36,16 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime_stoa.pulse.apply import apply_patch  # noqa: E402
-from slime_stoa.pulse.codec import (  # noqa: E402
+from slime_stoa.protocol.pulse.apply import apply_patch  # noqa: E402
+from slime_stoa.protocol.pulse.codec import (  # noqa: E402
     Delta,
     bf16_bits_to_float32,
     diff,
     float32_to_bf16_bits,
     rel_codes,
 )
-from slime_stoa.pulse.digest import state_digest  # noqa: E402
-from slime_stoa.pulse.frames import PatchIndex, encode_patch, frame_slice  # noqa: E402
+from slime_stoa.protocol.pulse.digest import state_digest  # noqa: E402
+from slime_stoa.protocol.pulse.frames import PatchIndex, encode_patch, frame_slice  # noqa: E402
 
 State = dict[str, np.ndarray]
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 1536, 8960, 12, 2, 128, 151936, 28

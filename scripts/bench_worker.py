@@ -101,7 +101,7 @@ def _sgemm_gflops() -> float:
 
 def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     """`n` distinct GSM8K-like chat prompts of ~100 tokens."""
-    from slime_stoa.testing.tiny_model import default_corpus
+    from slime_stoa.quickstart.tiny_model import default_corpus
 
     lines = default_corpus()
     prompts = []
@@ -219,7 +219,7 @@ def bench_patch(path: Path, density: float, repeats: int) -> tuple[float, int]:
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from slime_stoa.hf import load_hf_state
+    from slime_stoa.protocol.hf.folders import load_hf_state
 
     model, _ = mlx_lm.load(str(path))
     state = load_hf_state(path)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     import mlx_lm
 
-    from slime_stoa.testing.tiny_model import build_tiny_model
+    from slime_stoa.quickstart.tiny_model import build_tiny_model
 
     size = QUICK_MODEL_SIZE if args.quick else MODEL_SIZE
     n_prompts = args.prompts or (2 if args.quick else 4)

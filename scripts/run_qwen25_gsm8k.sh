@@ -3,8 +3,8 @@
 #
 # slime starts no SGLang engines (--rollout-num-gpus 0): the rollout groups come from the bucket,
 # where stoa's Mac workers put them (slime_stoa.generate_rollout), the loss is stoa's DPPO loss
-# (slime_stoa.loss.dppo_loss), and after every training step the patched update_weights
-# publishes the new weights to the bucket (slime_stoa.slime_hook, switched on by
+# (slime_stoa.dppo_loss), and after every training step the patched update_weights
+# publishes the new weights to the bucket (slime_stoa.trainer.slime.publish, switched on by
 # `stoa_publish: true` in the custom-config YAML this script writes).
 #
 # Steps: write the custom-config YAML; check stoa's slime patch (scripts/apply_slime_patches.py
@@ -152,7 +152,7 @@ ROLLOUT_ARGS=(
 LOSS_ARGS=(
   --advantage-estimator grpo
   --loss-type custom_loss
-  --custom-loss-function-path slime_stoa.loss.dppo_loss
+  --custom-loss-function-path slime_stoa.dppo_loss
   --use-rollout-logprobs
   --calculate-per-token-loss
   --entropy-coef 0.0
@@ -218,7 +218,7 @@ yaml_str() {  # a YAML double-quoted scalar
 }
 
 custom_config() {
-  echo "# written by $PROG; keys documented in slime_stoa/rollout.py, slime_stoa/slime_hook.py, slime_stoa/loss.py"
+  echo "# written by $PROG; keys documented in slime_stoa/trainer/slime/rollout.py, slime_stoa/trainer/slime/publish.py, slime_stoa/trainer/slime/loss.py"
   echo "stoa_publish: true"
   echo "stoa_bucket: $(yaml_str "$STOA_STORE")"
   echo "stoa_run: $(yaml_str "$STOA_RUN")"

@@ -17,7 +17,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from slime_stoa.consumer import (
+from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.hf.folders import load_hf_state
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.records import (
+    RolloutGroup,
+    Sample,
+    SamplingParams,
+    encode_group,
+)
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import Store
+from slime_stoa.quickstart.tiny_model import IM_END, build_tiny_model
+from slime_stoa.tasks import generate_items, make_task
+from slime_stoa.tasks.prompting import prompt_tokens
+from slime_stoa.trainer.consumer import (
     ConsumerConfig,
     ConsumerState,
     ConsumerTimeout,
@@ -25,20 +40,10 @@ from slime_stoa.consumer import (
     StateConflict,
     sample_fields,
 )
-from slime_stoa.consumer.counting import CountingStore
-from slime_stoa.consumer.discovery import advance_cursor, cursor_cap, prune_seen
-from slime_stoa.consumer.policy import Candidate, all_equal, select
-from slime_stoa.consumer.scoring import tokenizer_decode
-from slime_stoa.heartbeat import Heartbeat
-from slime_stoa.hf import load_hf_state
-from slime_stoa.layout import RunLayout
-from slime_stoa.prompting import prompt_tokens
-from slime_stoa.pulse.publisher import Publisher, PublisherConfig
-from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group
-from slime_stoa.run_manifest import RunManifest
-from slime_stoa.store import Store
-from slime_stoa.tasks import generate_items, make_task
-from slime_stoa.testing.tiny_model import IM_END, build_tiny_model
+from slime_stoa.trainer.consumer.counting import CountingStore
+from slime_stoa.trainer.consumer.discovery import advance_cursor, cursor_cap, prune_seen
+from slime_stoa.trainer.consumer.policy import Candidate, all_equal, select
+from slime_stoa.trainer.consumer.scoring import tokenizer_decode
 
 RUN = "consume"
 G = 4
@@ -376,7 +381,7 @@ async def test_hostile_records_are_rejected_and_counted(store: Store, store_url:
     for key, data in objects.items():
         await store.put_if_absent(key, data)
     await upload(store, make_group(tiny, worker="honest", seq=0), t + 100)
-    from slime_stoa.consumer import limits_for_run
+    from slime_stoa.trainer.consumer import limits_for_run
 
     limits = dataclasses.replace(limits_for_run(manifest, vocab_size=tiny.vocab), max_record_bytes=4096)
     counting = CountingStore(store)
@@ -497,7 +502,7 @@ async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: 
 
 
 def test_sample_fields_clamp_positive_logprobs(tiny: Tiny) -> None:
-    from slime_stoa.consumer import ConsumedGroup
+    from slime_stoa.trainer.consumer import ConsumedGroup
 
     g = make_group(tiny, worker="w", seq=0)
     s0 = dataclasses.replace(g.samples[0], logprobs=[5e-5] * len(g.samples[0].logprobs))
@@ -522,7 +527,7 @@ async def test_open_reads_tokenizer_from_the_anchor(store: Store, store_url: str
 
 # -- slime glue (slime itself is not installed here: its two types are stood in) -------------------
 def test_config_from_args_names_missing_and_bad_settings() -> None:
-    from slime_stoa.rollout import config_from_args
+    from slime_stoa.trainer.slime.rollout import config_from_args
 
     with pytest.raises(ValueError, match="stoa_bucket"):
         config_from_args(types.SimpleNamespace(stoa_run="r"))
@@ -539,7 +544,10 @@ def test_config_from_args_names_missing_and_bad_settings() -> None:
 
 
 def test_evaluation_is_refused_clearly() -> None:
-    from slime_stoa.rollout import EvaluationNotSupported, generate_rollout
+    from slime_stoa.trainer.slime.rollout import (
+        EvaluationNotSupported,
+        generate_rollout,
+    )
 
     with pytest.raises(EvaluationNotSupported, match="do not set --eval-interval"):
         generate_rollout(types.SimpleNamespace(), 0, None, evaluation=True)
@@ -576,7 +584,7 @@ class _DataSource:
 
 @pytest.mark.file_only
 async def test_generate_rollout_end_to_end(store: Store, store_url: str, tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    from slime_stoa import rollout
+    from slime_stoa.trainer.slime import rollout
 
     await setup_run(store, tiny)
     for i in range(6):
@@ -621,7 +629,7 @@ async def test_generate_rollout_end_to_end(store: Store, store_url: str, tiny: T
 
 
 def test_no_numpy_arrays_leak_into_fields(tiny: Tiny) -> None:
-    from slime_stoa.consumer import ConsumedGroup
+    from slime_stoa.trainer.consumer import ConsumedGroup
 
     g = make_group(tiny, worker="w", seq=0)
     cg = ConsumedGroup(key="k", group=g, prompt="p", label="l", texts=("",) * G, rewards=(0.0,) * G, version_lag=0, use=1)
@@ -657,7 +665,7 @@ class _FlakyStore(CountingStore):
         self.failed: dict[str, int] = {}
 
     async def get(self, key: str, **kw: Any):
-        from slime_stoa.store import StoreUnavailable
+        from slime_stoa.protocol.store import StoreUnavailable
 
         if "/rollouts/" in key and self.failed.get(key, 0) < self.failures:
             self.failed[key] = self.failed.get(key, 0) + 1

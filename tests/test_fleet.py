@@ -10,9 +10,9 @@ import pytest
 
 from slime_stoa.cli import main
 from slime_stoa.cli.fleet_cmd import fleet_rows
-from slime_stoa.heartbeat import Heartbeat
-from slime_stoa.layout import RunLayout
-from slime_stoa.store import open_store
+from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import open_store
 
 
 def beat(worker: str, **kw) -> Heartbeat:

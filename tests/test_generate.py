@@ -23,7 +23,7 @@ from macd.generate import (  # noqa: E402
     generate_groups,
     teacher_forced_logprobs,
 )
-from slime_stoa.testing.tiny_model import build_tiny_model  # noqa: E402
+from slime_stoa.quickstart.tiny_model import build_tiny_model  # noqa: E402
 
 # Tolerances (absolute, on logprobs in nats):
 # - recorded vs teacher forcing, same MLX model: the batched, cached decode and one full forward

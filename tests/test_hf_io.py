@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slime_stoa.hf import (
+from slime_stoa.protocol.hf.folders import (
     INDEX_NAME,
     bf16_bits_to_f32,
     f32_to_bf16_bits,
@@ -26,14 +26,14 @@ from slime_stoa.hf import (
     load_hf_state,
     save_hf_folder,
 )
-from slime_stoa.safetensors_io import (
+from slime_stoa.protocol.hf.safetensors_io import (
     MAX_HEADER_BYTES,
     read_header,
     read_safetensors,
     safetensors_bytes,
     write_safetensors,
 )
-from slime_stoa.testing.tiny_model import CHAT_TEMPLATE, build_tiny_model
+from slime_stoa.quickstart.tiny_model import CHAT_TEMPLATE, build_tiny_model
 
 # bf16 bit patterns that a float round trip could mangle: ±0, ±inf, quiet/signalling NaNs with
 # payloads, subnormals, the extremes of the normal range.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime_stoa.layout import RolloutKey, RunLayout
+from slime_stoa.protocol.layout import RolloutKey, RunLayout
 
 
 def test_keys_are_under_the_run() -> None:

@@ -10,9 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from slime_stoa.hf import load_hf_state  # noqa: E402
-from slime_stoa.learner import Learner, LearnerConfig, TrainSequence, group_advantages  # noqa: E402
-from slime_stoa.testing.tiny_model import build_tiny_model  # noqa: E402
+from slime_stoa.protocol.hf.folders import load_hf_state  # noqa: E402
+from slime_stoa.quickstart.tiny_model import build_tiny_model  # noqa: E402
+from slime_stoa.trainer.learner import (  # noqa: E402
+    Learner,
+    LearnerConfig,
+    TrainSequence,
+    group_advantages,
+)
 
 
 @pytest.fixture(scope="module")

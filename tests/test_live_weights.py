@@ -17,11 +17,14 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.utils import load_model, quantize_model  # noqa: E402
 
 from macd.weights import ApplyStats, LiveWeights  # noqa: E402
-from slime_stoa.hf import f32_to_bf16_bits, load_hf_state, save_hf_folder  # noqa: E402
-from slime_stoa.pulse.publisher import Publisher  # noqa: E402
-from slime_stoa.pulse.subscriber import Subscriber, SyncResult  # noqa: E402
-from slime_stoa.store import open_store  # noqa: E402
-from slime_stoa.testing.tiny_model import build_tiny_model  # noqa: E402
+from slime_stoa.protocol.hf.folders import (  # noqa: E402
+    load_hf_state,
+    save_hf_folder,
+)
+from slime_stoa.protocol.pulse.publisher import Publisher  # noqa: E402
+from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncResult  # noqa: E402
+from slime_stoa.protocol.store import open_store  # noqa: E402
+from slime_stoa.quickstart.tiny_model import build_tiny_model  # noqa: E402
 
 RUN = "live-weights"
 GROUP = 64

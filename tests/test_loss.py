@@ -10,15 +10,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slime_stoa.loss import (  # noqa: E402
+from slime_stoa.trainer.loss import (  # noqa: E402
     DPPOConfig,
-    config_from_args,
     dppo_policy_loss,
     dppo_terms,
     reduce_per_token,
     response_logprobs,
     slime_loss_and_metrics,
 )
+from slime_stoa.trainer.slime.loss import config_from_args  # noqa: E402
 
 F64 = torch.float64
 

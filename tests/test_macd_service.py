@@ -19,7 +19,7 @@ from macd import config as cfg
 from macd import service
 from macd.cli import main as macd
 from slime_stoa.cli import main as stoa
-from slime_stoa.layout import check_worker_id
+from slime_stoa.protocol.layout import check_worker_id
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "provision_fleet.sh"
@@ -185,7 +185,7 @@ def test_join_missing_bucket(home: Path, tmp_path: Path, capsys) -> None:
 
 
 def test_join_with_published_weights(bucket: str, tmp_path: Path, monkeypatch, capsys) -> None:
-    from slime_stoa.testing.tiny_model import build_tiny_model
+    from slime_stoa.quickstart.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model")
     monkeypatch.setenv("STOA_STORE", bucket)

@@ -18,18 +18,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slime_stoa import preflight
 from slime_stoa.cli import preflight_cmd
 from slime_stoa.cli.task_cmd import put_task_objects, task_objects
-from slime_stoa.preflight import FIX, OK, WARN, Finding, inspect_store, run_checks
-from slime_stoa.pulse.publisher import Publisher, PublisherConfig
-from slime_stoa.run_manifest import RunManifest
-from slime_stoa.store import open_store
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import open_store
+from slime_stoa.trainer.slime import preflight
+from slime_stoa.trainer.slime.preflight import (
+    FIX,
+    OK,
+    WARN,
+    Finding,
+    inspect_store,
+    run_checks,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "run_qwen25_gsm8k.sh"
 RUN = "demo"
-ROLLOUT_FN = "slime_stoa.rollout.generate_rollout"  # the module path; the launch script uses STOA_FN
+ROLLOUT_FN = "slime_stoa.trainer.slime.rollout.generate_rollout"  # the module path; the launch script uses STOA_FN
 STOA_FN = preflight.STOA_ROLLOUT_FUNCTION
 SLIME_DEFAULT = preflight.SLIME_DEFAULT_ROLLOUT_FUNCTION
 
@@ -100,7 +107,7 @@ def good_flags(config: Path, save: Path) -> list[str]:
         "--rollout-max-response-len", "256",
         "--num-rollout", "10",
         "--loss-type", "custom_loss",
-        "--custom-loss-function-path", "slime_stoa.loss.dppo_loss",
+        "--custom-loss-function-path", "slime_stoa.dppo_loss",
         "--use-rollout-logprobs",
         "--calculate-per-token-loss",
         "--advantage-estimator", "grpo",
@@ -111,7 +118,8 @@ def good_flags(config: Path, save: Path) -> list[str]:
 
 def patched_slime(root: Path, *, applied: bool = True) -> Path:
     """A stand-in slime checkout: the patched file holds the old side of stoa's patch."""
-    aps = preflight.load_patch_script()
+    from slime_stoa.trainer.slime import patching as aps
+
     (patch,) = aps.load_patches(sorted(aps.PATCH_DIR.glob(aps.PATCH_GLOB)))
     for fp in patch.files:
         target = root / fp.path
@@ -230,9 +238,9 @@ def test_slime_args_file(setup: Setup, tmp_path: Path, capsys: pytest.CaptureFix
         (["--n-samples-per-prompt", "8"], "n-samples-per-prompt", "set --n-samples-per-prompt 4"),
         (["--rollout-max-response-len", "128"], "rollout-max-response-len", "set --rollout-max-response-len 256"),
         (["--rollout-function-path", "slime_stoa.nope.fn"], "rollout-function-path", "import module 'slime_stoa.nope'"),
-        (["--rollout-function-path", "slime_stoa.rollout.nope"], "rollout-function-path", "has no attribute 'nope'"),
+        (["--rollout-function-path", "slime_stoa.trainer.slime.rollout.nope"], "rollout-function-path", "has no attribute 'nope'"),
         (["--rollout-function-path", SLIME_DEFAULT], "rollout-function-path", f"add --rollout-function-path {STOA_FN}"),
-        (["--custom-loss-function-path", "slime_stoa.loss.nope"], "custom-loss-function-path", "no attribute 'nope'"),
+        (["--custom-loss-function-path", "slime_stoa.trainer.slime.loss.nope"], "custom-loss-function-path", "no attribute 'nope'"),
         (["--loss-type", "policy_loss"], "loss-type", "set --loss-type custom_loss"),
         (["--advantage-estimator", "ppo"], "advantage-estimator", "use --advantage-estimator grpo"),
         (["--global-batch-size", "24"], "global-batch-size", "does not divide the 32 samples"),
@@ -258,7 +266,7 @@ def test_missing_flags(setup: Setup) -> None:
     assert_fix(setup.findings(drop=("--rollout-batch-size",)), "rollout-batch-size", "set it")
     assert_fix(setup.findings(drop=("--num-rollout",)), "num-rollout", "--num-rollout 500")
     assert_fix(
-        setup.findings(drop=("--custom-loss-function-path",)), "custom-loss-function-path", "slime_stoa.loss.dppo_loss"
+        setup.findings(drop=("--custom-loss-function-path",)), "custom-loss-function-path", "slime_stoa.dppo_loss"
     )
     assert_fix(setup.findings(drop=("--custom-config-path",)), "custom-config", "--custom-config-path FILE")
     ok_flags = setup.findings(drop=("--global-batch-size",), extra=["--num-steps-per-rollout", "4"])
@@ -318,14 +326,6 @@ def test_store_urls_compare_once_parsed() -> None:
     assert preflight.same_store("s3://bkt/p/?endpoint=http://h:1", "s3://bkt/p?endpoint=http://h:1")
     assert not preflight.same_store("s3://bkt/p?endpoint=http://h:1", "s3://bkt/q?endpoint=http://h:1")
     assert not preflight.same_store(None, "file:///data/bucket")
-
-
-def test_the_dppo_field_list_matches_the_loss() -> None:
-    import dataclasses
-
-    from slime_stoa.loss import DPPOConfig
-
-    assert set(preflight.DPPO_FIELDS) == {f.name for f in dataclasses.fields(DPPOConfig)}
 
 
 # -- the bucket ------------------------------------------------------------------------------------
@@ -410,7 +410,7 @@ def test_the_dry_run_prints_the_launch(tmp_path: Path) -> None:
     out, flags, yaml_text = dry_run(tmp_path, STOA_STORE="file:///b", STOA_RUN="r1")
     for needle in (
         "--rollout-num-gpus 0", "--rollout-function-path slime_stoa.generate_rollout",
-        "--loss-type custom_loss", "--custom-loss-function-path slime_stoa.loss.dppo_loss",
+        "--loss-type custom_loss", "--custom-loss-function-path slime_stoa.dppo_loss",
         "--advantage-estimator grpo", "--use-rollout-logprobs", "--n-samples-per-prompt 8",
         "--rollout-temperature 1.0", "--rollout-max-response-len 1024", "--rollout-batch-size 32",
         "--global-batch-size 256", "--lr 1e-6", "--hf-checkpoint /root/Qwen2.5-1.5B-Instruct",

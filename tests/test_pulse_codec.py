@@ -12,8 +12,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_stoa.pulse.apply import UndoLog, apply_patch
-from slime_stoa.pulse.codec import (
+from slime_stoa.protocol.pulse.apply import UndoLog, apply_patch
+from slime_stoa.protocol.pulse.codec import (
     PatchCorrupt,
     PatchError,
     bf16_bits_to_float32,
@@ -25,8 +25,8 @@ from slime_stoa.pulse.codec import (
     rel_codes,
     shapes_of,
 )
-from slime_stoa.pulse.digest import StateDigest, state_digest, tensor_digest
-from slime_stoa.pulse.frames import (
+from slime_stoa.protocol.pulse.digest import StateDigest, state_digest, tensor_digest
+from slime_stoa.protocol.pulse.frames import (
     PatchIndex,
     decode_frame,
     encode_delta,

@@ -8,13 +8,17 @@ import logging
 import numpy as np
 import pytest
 
-from slime_stoa.layout import RunLayout
-from slime_stoa.pulse.codec import diff
-from slime_stoa.pulse.digest import state_digest
-from slime_stoa.pulse.manifests import Pointer, VersionManifest
-from slime_stoa.pulse.publisher import PublishConflict, Publisher, PublisherConfig
-from slime_stoa.pulse.subscriber import Subscriber, SyncError
-from slime_stoa.store import Store
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.codec import diff
+from slime_stoa.protocol.pulse.digest import state_digest
+from slime_stoa.protocol.pulse.manifests import Pointer, VersionManifest
+from slime_stoa.protocol.pulse.publisher import (
+    PublishConflict,
+    Publisher,
+    PublisherConfig,
+)
+from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncError
+from slime_stoa.protocol.store import Store
 
 RUN = "sync-test"
 
@@ -316,7 +320,7 @@ async def test_publish_rejects_a_different_model(store: Store) -> None:
 
 
 async def test_multi_frame_patches_arrive_by_ranged_gets(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    import slime_stoa.pulse.subscriber as subscriber_module
+    import slime_stoa.protocol.pulse.subscriber as subscriber_module
 
     monkeypatch.setattr(subscriber_module, "WHOLE_BODY_BYTES", 0)  # force one ranged GET per frame
     rng = np.random.default_rng(16)

@@ -55,8 +55,8 @@ def test_ctrl_c_stops_workers_and_learner_cleanly(tmp_path: Path) -> None:
     import threading
     import time
 
-    from slime_stoa.quickstart import read_worker_states
-    from slime_stoa.store import open_store
+    from slime_stoa.protocol.store import open_store
+    from slime_stoa.quickstart.run import read_worker_states
 
     out = tmp_path / "qs"
     cmd = [sys.executable, "-m", "slime_stoa.cli", "quickstart", "--out", str(out), "--minutes", "5"]

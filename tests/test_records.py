@@ -15,7 +15,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slime_stoa.records import (
+from slime_stoa.protocol.records import (
     DECODE_REASONS,
     FORMAT,
     MAGIC,
@@ -28,7 +28,7 @@ from slime_stoa.records import (
     encode_payload,
     frame_payload,
 )
-from slime_stoa.validate import (
+from slime_stoa.protocol.validate import (
     REJECT_REASONS,
     VALIDATION_REASONS,
     RecordLimits,

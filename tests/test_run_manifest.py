@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from slime_stoa.cli import main
-from slime_stoa.run_manifest import RunManifest
+from slime_stoa.protocol.run_manifest import RunManifest
 
 
 def test_round_trip() -> None:

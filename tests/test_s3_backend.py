@@ -16,10 +16,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from slime_stoa.store.base import NotFound, PreconditionFailed, StoreConfigError, StoreUnavailable
-from slime_stoa.store.credentials import Credentials
-from slime_stoa.store.retry import RetryPolicy, with_retries
-from slime_stoa.store.s3 import S3Store
+from slime_stoa.protocol.store.base import (
+    NotFound,
+    PreconditionFailed,
+    StoreConfigError,
+    StoreUnavailable,
+)
+from slime_stoa.protocol.store.credentials import Credentials
+from slime_stoa.protocol.store.retry import RetryPolicy, with_retries
+from slime_stoa.protocol.store.s3 import S3Store
 from slime_stoa.testing.s3server import LocalS3Server, free_ports, random_bucket_name
 
 MiB = 1 << 20

@@ -19,33 +19,28 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slime_stoa import slime_hook  # noqa: E402
-from slime_stoa.pulse.publisher import PublishConflict, PublishError, PublisherConfig  # noqa: E402
-from slime_stoa.pulse.subscriber import Subscriber  # noqa: E402
-from slime_stoa.slime_hook import (  # noqa: E402
+from slime_stoa.protocol.pulse.publisher import (  # noqa: E402
+    PublishConflict,
+    PublisherConfig,
+    PublishError,
+)
+from slime_stoa.protocol.pulse.subscriber import Subscriber  # noqa: E402
+from slime_stoa.protocol.store import StoreUnavailable, open_store  # noqa: E402
+from slime_stoa.trainer.slime import patching as aps  # noqa: E402
+from slime_stoa.trainer.slime import publish as slime_hook  # noqa: E402
+from slime_stoa.trainer.slime.publish import (  # noqa: E402
     SyncPublisher,
     call_with_retries,
     chunks_to_state,
     publisher_config_from_args,
     retry_settings_from_args,
 )
-from slime_stoa.store import StoreUnavailable, open_store  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PATCH = REPO / "patches" / "slime_publish_weights.patch"
 TARGET = "slime/backends/megatron_utils/actor.py"
 
 
-def load_apply_script():
-    spec = importlib.util.spec_from_file_location("apply_slime_patches", REPO / "scripts" / "apply_slime_patches.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-aps = load_apply_script()
 
 
 # -- chunks_to_state ------------------------------------------------------------------------------
@@ -362,7 +357,7 @@ def test_apply_script_applies_once_and_reports(tmp_path: Path, capsys: pytest.Ca
     code, out = run_script(capsys, str(tmp_path))
     assert code == 0 and f"patched {TARGET}" in out
     patched = target.read_text()
-    assert "from slime_stoa.slime_hook import publish_weights" in patched and "stoa-patch: publish_weights" in patched
+    assert "from slime_stoa import publish_weights" in patched and "stoa-patch: publish_weights" in patched
     compile(patched, str(target), "exec")
     assert len(patched.splitlines()) == len(original.splitlines()) + 5
 
@@ -403,3 +398,29 @@ def test_apply_script_keeps_crlf_line_ends(tmp_path: Path, capsys: pytest.Captur
     assert run_script(capsys, str(tmp_path))[0] == 0
     data = target.read_bytes()
     assert b"stoa-patch" in data and data.count(b"\n") == data.count(b"\r\n")
+
+
+def test_the_names_slime_is_given_resolve_to_stoas_functions() -> None:
+    """The patch imports `slime_stoa.publish_weights`; launch scripts name the rollout function and
+    the loss by their public paths (and the loss by its 0.1 path too)."""
+    import slime_stoa
+    from slime_stoa.loss import dppo_loss as old_loss_path
+    from slime_stoa.trainer.slime.loss import dppo_loss
+    from slime_stoa.trainer.slime.rollout import generate_rollout
+
+    assert slime_stoa.publish_weights is slime_hook.publish_weights
+    assert slime_stoa.generate_rollout is generate_rollout
+    assert slime_stoa.dppo_loss is dppo_loss is old_loss_path
+    with pytest.raises(AttributeError):
+        slime_stoa.no_such_entry_point  # noqa: B018
+
+
+def test_the_script_in_scripts_is_the_patching_main(tmp_path: Path) -> None:
+    import subprocess
+
+    synthetic_slime(tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "apply_slime_patches.py"), str(tmp_path), "--check"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1 and "not applied" in done.stdout, done.stderr

@@ -23,11 +23,17 @@ import pytest
 
 from macd.spool import Spool, SpoolError
 from macd.uploader import Uploader
-from slime_stoa.layout import RunLayout
-from slime_stoa.records import RolloutGroup, Sample, SamplingParams, decode_group, encode_group
-from slime_stoa.store import Store, StoreConfigError, open_store
-from slime_stoa.store.retry import RetryPolicy
-from slime_stoa.store.s3 import S3Store
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.records import (
+    RolloutGroup,
+    Sample,
+    SamplingParams,
+    decode_group,
+    encode_group,
+)
+from slime_stoa.protocol.store import Store, StoreConfigError, open_store
+from slime_stoa.protocol.store.retry import RetryPolicy
+from slime_stoa.protocol.store.s3 import S3Store
 from slime_stoa.testing.s3server import LOOPBACK, LocalS3Server, free_ports
 
 RUN = "spool-test"
@@ -379,8 +385,8 @@ WORKER_SCRIPT = textwrap.dedent(
 
     from macd.spool import Spool
     from macd.uploader import Uploader
-    from slime_stoa.records import RolloutGroup, Sample, SamplingParams, encode_group
-    from slime_stoa.store import open_store
+    from slime_stoa.protocol.records import RolloutGroup, Sample, SamplingParams, encode_group
+    from slime_stoa.protocol.store import open_store
 
     folder, url, run, worker, target, logs = sys.argv[1:7]
     target, logs = int(target), Path(logs)

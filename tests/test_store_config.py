@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from slime_stoa.store import StoreConfigError, open_store, parse_store_url
-from slime_stoa.store.credentials import load_credentials, parse_env_file, require_credentials
+from slime_stoa.protocol.store import StoreConfigError, open_store, parse_store_url
+from slime_stoa.protocol.store.credentials import (
+    load_credentials,
+    parse_env_file,
+    require_credentials,
+)
 
 ACCOUNT = "0123456789abcdef0123456789abcdef"
 
@@ -99,7 +103,7 @@ def test_missing_credentials_say_how_to_set_them(tmp_path: Path) -> None:
 
 def test_store_import_is_light() -> None:
     code = (
-        "import sys, slime_stoa.store, slime_stoa.layout;"
+        "import sys, slime_stoa.protocol.store, slime_stoa.protocol.layout;"
         "heavy = [m for m in ('torch', 'mlx', 'slime', 'aiobotocore', 'transformers') if m in sys.modules];"
         "print(heavy); sys.exit(1 if heavy else 0)"
     )

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from slime_stoa.store import NotFound, PreconditionFailed, Store, StoreConfigError, open_store
+from slime_stoa.protocol.store import (
+    NotFound,
+    PreconditionFailed,
+    Store,
+    StoreConfigError,
+    open_store,
+)
 
 
 async def keys_of(store: Store, prefix: str = "", start_after: str | None = None) -> list[str]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from slime_stoa.cli import main
-from slime_stoa.layout import RunLayout
-from slime_stoa.store import open_store
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import open_store
 from slime_stoa.tasks import load_task
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from slime_stoa.cli import main
-from slime_stoa.hf import load_hf_state
-from slime_stoa.pulse.history import find_manifest
-from slime_stoa.pulse.publisher import Publisher
-from slime_stoa.store import open_store
-from slime_stoa.testing.tiny_model import build_tiny_model
+from slime_stoa.protocol.hf.folders import load_hf_state
+from slime_stoa.protocol.pulse.history import find_manifest
+from slime_stoa.protocol.pulse.publisher import Publisher
+from slime_stoa.protocol.store import open_store
+from slime_stoa.quickstart.tiny_model import build_tiny_model
 
 
 def nudge(state: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:

@@ -12,12 +12,12 @@ pytest.importorskip("mlx_lm")
 
 from macd.config import DaemonConfig  # noqa: E402
 from macd.worker import Worker, WorkerOptions  # noqa: E402
-from slime_stoa.hf import load_hf_state  # noqa: E402
-from slime_stoa.layout import RunLayout  # noqa: E402
-from slime_stoa.run_manifest import RunManifest  # noqa: E402
-from slime_stoa.store import Store  # noqa: E402
-from slime_stoa.testing.runs import seed_run, tiny_synthetic_model  # noqa: E402
-from slime_stoa.validate import RecordLimits, load_record  # noqa: E402
+from slime_stoa.protocol.hf.folders import load_hf_state  # noqa: E402
+from slime_stoa.protocol.layout import RunLayout  # noqa: E402
+from slime_stoa.protocol.run_manifest import RunManifest  # noqa: E402
+from slime_stoa.protocol.store import Store  # noqa: E402
+from slime_stoa.protocol.validate import RecordLimits, load_record  # noqa: E402
+from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model  # noqa: E402
 
 RUN = "worker-test"
 
@@ -117,7 +117,7 @@ async def test_worker_waits_for_a_new_version_once_its_budget_is_spent(
 async def test_a_pointer_to_missing_objects_keeps_the_last_good_version(
     store: Store, store_url: str, model_dir: Path, tmp_path: Path
 ) -> None:
-    from slime_stoa.pulse.manifests import Pointer
+    from slime_stoa.protocol.pulse.manifests import Pointer
 
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
     await seed_run(store, manifest, model_dir, task_count=50)

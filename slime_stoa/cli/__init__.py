@@ -10,7 +10,15 @@ import argparse
 import logging
 import sys
 
-from . import fleet_cmd, preflight_cmd, quickstart_cmd, run_cmd, store_cmd, task_cmd, weights_cmd
+from . import (
+    fleet_cmd,
+    preflight_cmd,
+    quickstart_cmd,
+    run_cmd,
+    store_cmd,
+    task_cmd,
+    weights_cmd,
+)
 
 GROUPS = (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd)
 

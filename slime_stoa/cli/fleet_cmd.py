@@ -7,9 +7,10 @@ import asyncio
 import sys
 import time
 
-from ..heartbeat import Heartbeat
-from ..layout import RunLayout
-from ..store import Store, StoreError, open_store
+from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import Store, StoreError, open_store
+
 from .common import add_run_options, require_run_options
 
 COLUMNS = ("worker", "name", "status", "tier", "version", "lag", "tok/s", "uploaded", "spool", "last seen", "errors")

@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Any
 
-from .. import preflight
+from slime_stoa.trainer.slime import preflight
+
 from .common import add_run_options, require_run_options
 
 SLIME_ARGS = "slime_args"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import sys
 from pathlib import Path
 
 
@@ -38,8 +37,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    from ..quickstart import QuickstartConfig, run_quickstart
-    from ..quickstart_report import ConsoleReport, plot_curve, write_json
+    from slime_stoa.quickstart.report import ConsoleReport, plot_curve, write_json
+    from slime_stoa.quickstart.run import QuickstartConfig, run_quickstart
 
     cfg = QuickstartConfig(
         out=args.out, store=args.store, run=args.run, model=args.model, workers=args.workers,

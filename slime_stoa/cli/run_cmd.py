@@ -6,8 +6,13 @@ import argparse
 import asyncio
 import sys
 
-from ..run_manifest import PLANES, RunManifest
-from ..store import NotFound, PreconditionFailed, StoreError, open_store
+from slime_stoa.protocol.run_manifest import PLANES, RunManifest
+from slime_stoa.protocol.store import (
+    NotFound,
+    PreconditionFailed,
+    StoreError,
+    open_store,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,7 +70,7 @@ async def create_run(url: str, manifest: RunManifest) -> None:
 
 
 async def read_run(url: str, run: str) -> RunManifest:
-    from ..layout import RunLayout
+    from slime_stoa.protocol.layout import RunLayout
 
     async with open_store(url) as store:
         try:

@@ -8,7 +8,12 @@ import sys
 import time
 import uuid
 
-from ..store import NotFound, PreconditionFailed, StoreError, open_store
+from slime_stoa.protocol.store import (
+    NotFound,
+    PreconditionFailed,
+    StoreError,
+    open_store,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -7,9 +7,10 @@ import asyncio
 import sys
 from pathlib import Path
 
-from ..layout import RunLayout
-from ..store import PreconditionFailed, Store, StoreError, open_store
-from ..tasks import TASKS, encode_task_data, generate_items, load_gsm8k_jsonl
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError, open_store
+from slime_stoa.tasks import TASKS, encode_task_data, generate_items, load_gsm8k_jsonl
+
 from .common import add_run_options, require_run_options
 
 

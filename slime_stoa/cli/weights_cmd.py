@@ -9,12 +9,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..hf import load_hf_state, save_hf_folder
-from ..pulse.anchor import download_extras
-from ..pulse.history import HistoryError, find_manifest, read_manifest, read_pointer, rebuild, walk_back
-from ..pulse.manifests import AnchorManifest, ManifestError
-from ..pulse.publisher import PublishError, Publisher, PublisherConfig
-from ..store import NotFound, StoreError, open_store
+from slime_stoa.protocol.hf.folders import load_hf_state, save_hf_folder
+from slime_stoa.protocol.pulse.anchor import download_extras
+from slime_stoa.protocol.pulse.history import (
+    HistoryError,
+    find_manifest,
+    read_manifest,
+    read_pointer,
+    rebuild,
+    walk_back,
+)
+from slime_stoa.protocol.pulse.manifests import AnchorManifest, ManifestError
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError
+from slime_stoa.protocol.store import NotFound, StoreError, open_store
+
 from .common import add_run_options, human_bytes, require_run_options
 
 

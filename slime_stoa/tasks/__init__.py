@@ -20,7 +20,12 @@ from slime_stoa.tasks.base import (
     decode_task_data,
     encode_task_data,
 )
-from slime_stoa.tasks.gsm8k import GSM8K, answers_equal, extract_answer, load_gsm8k_jsonl
+from slime_stoa.tasks.gsm8k import (
+    GSM8K,
+    answers_equal,
+    extract_answer,
+    load_gsm8k_jsonl,
+)
 from slime_stoa.tasks.synthetic import Synthetic, generate_items, warmup_pairs
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (GSM8K, Synthetic)}

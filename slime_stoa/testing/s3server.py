@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from slime_stoa.store.credentials import Credentials
+from slime_stoa.protocol.store.credentials import Credentials
 
 LOOPBACK = "127.0.0.1"
 _PORT_NAMES = (
@@ -301,7 +301,7 @@ class LocalS3Server:
 
     def store(self, bucket: str, prefix: str = "", **options: Any) -> Any:
         """An S3Store on `bucket`/`prefix` with this server's credentials (options: S3Store's)."""
-        from slime_stoa.store.s3 import S3Store
+        from slime_stoa.protocol.store.s3 import S3Store
 
         return S3Store(
             bucket=bucket,

@@ -1,0 +1,1 @@
+"""Hugging Face model folders: safetensors reading and writing, shards, config files."""

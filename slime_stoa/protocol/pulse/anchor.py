@@ -1,0 +1,143 @@
+"""Full-state anchors: bf16 safetensors shards plus HF config files, then a manifest.
+
+An anchor folder in the bucket is a loadable HF checkpoint (shards named as HF does, an index
+when there are several, config and tokenizer files), and its manifest — written last — lists
+every file with its size and xxh3-128 digest and the state digest of the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from slime_stoa.protocol.hf.folders import INDEX_NAME, WEIGHTS_NAME, plan_shards
+from slime_stoa.protocol.hf.safetensors_io import read_safetensors, safetensors_bytes
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import Store
+
+from .codec import PatchCorrupt
+from .digest import StateDigest
+from .manifests import AnchorFile, AnchorManifest
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [WEIGHTS_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def anchor_files(
+    state: Mapping[str, np.ndarray], *, shard_bytes: int, extras: Sequence[Path] = ()
+) -> list[tuple[str, bytes, bool]]:
+    """(file name, bytes, is_weights) of an anchor: shards, an index if sharded, extra files."""
+    shards = plan_shards(state, shard_bytes)
+    names = shard_names(len(shards))
+    files = [
+        (name, safetensors_bytes({k: state[k] for k in keys}, metadata={"format": "pt"}), True)
+        for name, keys in zip(names, shards, strict=True)
+    ]
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": int(sum(a.nbytes for a in state.values()))},
+            "weight_map": {k: name for name, keys in zip(names, shards, strict=True) for k in keys},
+        }
+        files.append((INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode(), False))
+    for path in extras:
+        if path.name not in (WEIGHTS_NAME, INDEX_NAME):
+            files.append((path.name, path.read_bytes(), False))
+    return files
+
+
+async def write_anchor(
+    store: Store,
+    layout: RunLayout,
+    *,
+    version: int,
+    attempt: str,
+    state: Mapping[str, np.ndarray],
+    state_digest: str,
+    extras: Sequence[Path] = (),
+    shard_bytes: int = 1 << 30,
+    concurrency: int = 4,
+) -> tuple[str, AnchorManifest]:
+    """Upload an anchor (files first, manifest last); returns the manifest key and manifest."""
+    files = await asyncio.to_thread(anchor_files, state, shard_bytes=shard_bytes, extras=extras)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def upload(name: str, data: bytes) -> AnchorFile:
+        key = layout.anchor_file(version, attempt, name)
+        async with limit:
+            await store.put_if_absent(key, data)
+        return AnchorFile(name=name, key=key, bytes=len(data), xxh3=xxhash.xxh3_128_hexdigest(data))
+
+    uploaded = await asyncio.gather(*(upload(name, data) for name, data, _ in files))
+    weights = tuple(f for f, (_, _, is_w) in zip(uploaded, files, strict=True) if is_w)
+    extras_out = tuple(f for f, (_, _, is_w) in zip(uploaded, files, strict=True) if not is_w)
+    manifest = AnchorManifest(
+        run=layout.run,
+        version=version,
+        attempt=attempt,
+        state_digest=state_digest,
+        weights=weights,
+        extras=extras_out,
+        created_at=time.time(),
+    )
+    key = layout.anchor_manifest(version, attempt)
+    await store.put_if_absent(key, manifest.to_bytes())
+    return key, manifest
+
+
+async def fetch_verified(store: Store, file: AnchorFile) -> bytes:
+    """An anchor file's bytes, checked against its manifest entry (PatchCorrupt otherwise)."""
+    data = await store.get_bytes(file.key)
+    if len(data) != file.bytes or xxhash.xxh3_128_hexdigest(data) != file.xxh3:
+        raise PatchCorrupt(f"anchor file {file.key} does not match its manifest (size or digest)")
+    return data
+
+
+async def read_anchor(
+    store: Store, manifest: AnchorManifest, *, concurrency: int = 4
+) -> tuple[dict[str, np.ndarray], StateDigest]:
+    """Download and verify an anchor's weights; returns the bf16 state and its digest."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def load(file: AnchorFile) -> dict[str, tuple[str, np.ndarray]]:
+        async with limit:
+            data = await fetch_verified(store, file)
+        try:
+            return await asyncio.to_thread(read_safetensors, data)
+        except ValueError as exc:
+            raise PatchCorrupt(f"anchor file {file.key}: {exc}") from None
+
+    state: dict[str, np.ndarray] = {}
+    for tensors in await asyncio.gather(*(load(f) for f in manifest.weights)):
+        for name, (dtype, array) in tensors.items():
+            if dtype != "BF16":
+                raise PatchCorrupt(f"anchor tensor {name!r} is {dtype}, expected BF16")
+            state[name] = array.view(np.uint16)  # fresh, writable, C-ordered (0-d stays 0-d)
+    digest = await asyncio.to_thread(StateDigest.of, state)
+    if digest.root() != manifest.state_digest:
+        raise PatchCorrupt(
+            f"anchor v{manifest.version}: state digest {digest.root()} != {manifest.state_digest} in its manifest"
+        )
+    return state, digest
+
+
+async def download_extras(store: Store, manifest: AnchorManifest, folder: Path) -> list[Path]:
+    """Write an anchor's config/tokenizer files into `folder` (verified); returns their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for file in manifest.extras:
+        if file.name == INDEX_NAME:
+            continue
+        data = await fetch_verified(store, file)
+        path = folder / file.name
+        path.write_bytes(data)
+        paths.append(path)
+    return paths

@@ -1,0 +1,327 @@
+"""The trainer side of the weight plane: publish each new bf16 state as a PULSE patch.
+
+`publish(state)` diffs the state against the last *published* baseline and writes, in order:
+the patch objects (a `step` patch from the previous version and, optionally, a `catchup` patch
+that is valid on any state since the last anchor), a full anchor when the policy asks for one,
+the version manifest, and finally moves `current.json` by compare-and-swap. Every object is
+written with put-if-absent under keys that carry a fresh attempt id, so a crashed or losing
+publisher never blocks a version; only the pointer's CAS decides. The baseline advances only
+after the pointer moved. A second publisher racing on the same run loses the CAS and gets a
+`PublishConflict`; its objects are unreferenced and nothing it wrote is visible to readers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from slime_stoa.protocol.hf.folders import hf_config_files
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreError
+
+from .anchor import write_anchor
+from .codec import Delta, check_bits, diff, merge_deltas, shapes_of
+from .digest import StateDigest
+from .frames import MODES, decode_frame, encode_delta
+from .manifests import PatchRef, Pointer, Ref, VersionManifest
+from .subscriber import Subscriber
+
+log = logging.getLogger("stoa.pulse")
+
+
+class PublishError(Exception):
+    """A publish failed; the pointer did not move and the baseline is unchanged."""
+
+
+class PublishConflict(PublishError):
+    """Another publisher moved the run's pointer first."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublisherConfig:
+    """How the trainer publishes weights (one per run)."""
+
+    anchor_every: int = 50  # write a full anchor at least every this many versions
+    anchor_fraction: float = 0.5  # ... or once step patches since the last anchor exceed this share of it
+    catchup: bool = True  # publish a merged catch-up patch each version, so laggers download one patch
+    mode: str = "abs"  # step patches: "abs" (new bits) or "rel" (smaller, valid only on the exact base)
+    frame_bytes: int = 16 << 20  # target uncompressed bytes per independently compressed frame
+    shard_bytes: int = 1 << 30  # anchor safetensors shard size
+    retain_anchors: int = 2  # keep this many anchors and everything after the oldest (0: keep all)
+    extras_dir: Path | None = None  # HF folder whose config and tokenizer files ship with anchors
+    concurrency: int = 8  # uploads in flight
+    threads: int | None = None  # compression threads (None: one per CPU)
+
+    def __post_init__(self) -> None:
+        if self.anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1, got {self.anchor_every}")
+        if not 0 < self.anchor_fraction:
+            raise ValueError(f"anchor_fraction must be positive, got {self.anchor_fraction}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.retain_anchors < 0:
+            raise ValueError("retain_anchors must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    version: int
+    anchored: bool
+    changed: int  # elements whose bits changed since the previous version
+    elements: int
+    patch_bytes: int  # the step patch (what an up-to-date worker downloads)
+    catchup_bytes: int
+    anchor_bytes: int  # written this version (0 if none)
+    seconds: float
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+    @property
+    def full_bytes(self) -> int:
+        return 2 * self.elements
+
+
+def new_attempt() -> str:
+    return secrets.token_hex(4)
+
+
+def patch_delta(index, body: bytes) -> Delta:
+    """Decode a whole absolute-valued patch body back into a delta."""
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for i, frame in enumerate(index.frames):
+        chunk = body[frame.offset : frame.offset + frame.length]
+        for name, indices, values in decode_frame(index, i, chunk):
+            parts.setdefault(name, []).append((indices, values))
+    return {name: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps])) for name, ps in parts.items()}
+
+
+class Publisher:
+    def __init__(self, store: Store, run: str, config: PublisherConfig = PublisherConfig()):
+        self.store = store
+        self.layout = RunLayout(run)
+        self.config = config
+        self.version: int | None = None
+        self._baseline: dict[str, np.ndarray] = {}
+        self._digest: StateDigest | None = None
+        self._etag: str | None = None
+        self._manifest: VersionManifest | None = None
+        self._union: Delta = {}
+        self._force_anchor = False
+        self._opened = False
+
+    @property
+    def state_digest(self) -> str | None:
+        return self._digest.root() if self._digest else None
+
+    async def open(self) -> int | None:
+        """Resume from the run's pointer (baseline = the published state); None for a new run."""
+        self._opened = True
+        try:
+            got = await self.store.get(self.layout.pointer)
+        except NotFound:
+            return None
+        assert got is not None
+        pointer = Pointer.from_bytes(got.data, self.layout.pointer)
+        sub = Subscriber(self.store, self.layout.run)
+        manifest = await sub.manifest(pointer.manifest)
+        await sub.sync_to(manifest)
+        assert sub.state is not None
+        self._baseline, self._digest = sub.state, sub.digest
+        self.version, self._etag, self._manifest = pointer.version, got.etag, manifest
+        self._union = {}
+        if self.config.catchup and manifest.anchor.version < manifest.version:
+            catchup = manifest.patch("catchup")
+            source = catchup or manifest.patch("step")
+            if source is not None and source.index.mode == "abs" and source.covers(manifest.anchor.version):
+                self._union = patch_delta(source.index, await self.store.get_bytes(source.key))
+            else:
+                self._force_anchor = True
+        log.info("publisher resumed run %s at v%d", self.layout.run, self.version)
+        return self.version
+
+    async def publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
+        """Publish `state` (bf16 bits as uint16 arrays) as the next version."""
+        if not self._opened:
+            await self.open()
+        state = {name: check_bits(name, bits) for name, bits in state.items()}
+        if self.version is None:
+            return await self._publish_first(state)
+        try:
+            return await self._publish_next(state)
+        except PreconditionFailed as exc:
+            raise PublishConflict(
+                f"another publisher wrote v{self.version + 1} of run {self.layout.run!r} first ({exc}); "
+                f"only one trainer may publish a run — stop the other one, or restart this one to resume from the bucket"
+            ) from None
+        except StoreError as exc:
+            raise PublishError(f"publishing v{self.version + 1} failed, the pointer did not move: {exc}") from exc
+
+    # -- the two kinds of publish -----------------------------------------------------------
+    async def _publish_first(self, state: dict[str, np.ndarray]) -> PublishResult:
+        start = time.perf_counter()
+        attempt = new_attempt()
+        digest = await asyncio.to_thread(StateDigest.of, state)
+        anchor_key, anchor = await self._write_anchor(0, attempt, state, digest.root())
+        manifest = VersionManifest(
+            run=self.layout.run,
+            version=0,
+            attempt=attempt,
+            state_digest=digest.root(),
+            parent=None,
+            anchor=Ref(version=0, manifest=anchor_key, state_digest=digest.root()),
+            anchor_bytes=anchor.total_bytes,
+            since_anchor_bytes=0,
+            patches=(),
+            elements=_elements(state),
+            created_at=time.time(),
+        )
+        try:
+            await self._commit(manifest, create=True)
+        except PreconditionFailed as exc:
+            raise PublishConflict(f"run {self.layout.run!r} already has published weights ({exc})") from None
+        self._baseline = {name: bits.copy() for name, bits in state.items()}
+        self._digest, self._union, self._force_anchor = digest, {}, False
+        return PublishResult(0, True, 0, manifest.elements, 0, 0, anchor.total_bytes, time.perf_counter() - start)
+
+    async def _publish_next(self, state: dict[str, np.ndarray]) -> PublishResult:
+        start = time.perf_counter()
+        assert self._manifest is not None and self._digest is not None and self.version is not None
+        cfg, prev = self.config, self._manifest
+        v, attempt = self.version + 1, new_attempt()
+        delta = await asyncio.to_thread(diff, self._baseline, state)
+        shapes = shapes_of(state)
+        digest = await asyncio.to_thread(self._digest.update, state, delta.keys())
+        step_index, step_body = await asyncio.to_thread(
+            encode_delta, delta, shapes, base=self._baseline, mode=cfg.mode,
+            frame_bytes=cfg.frame_bytes, threads=cfg.threads,
+        )
+        since = prev.since_anchor_bytes + len(step_body)
+        anchored = (
+            self._force_anchor
+            or v - prev.anchor.version >= cfg.anchor_every
+            or since > cfg.anchor_fraction * prev.anchor_bytes
+        )
+        step = PatchRef(
+            kind="step", key=self.layout.patch(v, attempt, "step", v - 1), bytes=len(step_body),
+            count=step_index.count, base_min=v - 1, base_max=v - 1, base_digest=self._digest.root(),
+            index=step_index,
+        )
+        uploads = [(step.key, step_body)]
+        patches = [step]
+        union = merge_deltas([self._union, delta]) if cfg.catchup else {}
+        if cfg.catchup and prev.anchor.version < v - 1:
+            cu_index, cu_body = await asyncio.to_thread(
+                encode_delta, union, shapes, mode="abs", frame_bytes=cfg.frame_bytes, threads=cfg.threads
+            )
+            a = prev.anchor.version
+            patches.append(
+                PatchRef(
+                    kind="catchup", key=self.layout.patch(v, attempt, "catchup", a), bytes=len(cu_body),
+                    count=cu_index.count, base_min=a, base_max=v - 1, base_digest=None, index=cu_index,
+                )
+            )
+            uploads.append((patches[-1].key, cu_body))
+        await self._upload(uploads)
+        anchor_ref, anchor_bytes, written = prev.anchor, prev.anchor_bytes, 0
+        if anchored:
+            key, anchor = await self._write_anchor(v, attempt, state, digest.root())
+            anchor_ref, anchor_bytes, written = Ref(version=v, manifest=key, state_digest=digest.root()), anchor.total_bytes, anchor.total_bytes
+        manifest = VersionManifest(
+            run=self.layout.run,
+            version=v,
+            attempt=attempt,
+            state_digest=digest.root(),
+            parent=Ref(version=prev.version, manifest=self.layout.version_manifest(prev.version, prev.attempt),
+                       state_digest=prev.state_digest),
+            anchor=anchor_ref,
+            anchor_bytes=anchor_bytes,
+            since_anchor_bytes=0 if anchored else since,
+            patches=tuple(patches),
+            elements=prev.elements,
+            created_at=time.time(),
+        )
+        await self._commit(manifest, create=False)
+        # Committed: only now does the baseline advance (in place, proportional to the patch).
+        for name, (indices, values) in delta.items():
+            self._baseline[name].reshape(-1)[indices] = values
+        self._digest = digest
+        self._union = {} if anchored else union
+        self._force_anchor = False
+        if anchored and cfg.retain_anchors:
+            await self._retain()
+        catchup_bytes = patches[1].bytes if len(patches) > 1 else 0
+        return PublishResult(
+            v, anchored, step.count, manifest.elements, step.bytes, catchup_bytes, written, time.perf_counter() - start
+        )
+
+    # -- helpers ------------------------------------------------------------------------------
+    async def _upload(self, objects: list[tuple[str, bytes]]) -> None:
+        limit = asyncio.Semaphore(self.config.concurrency)
+
+        async def put(key: str, data: bytes) -> None:
+            async with limit:
+                await self.store.put_if_absent(key, data)
+
+        await asyncio.gather(*(put(k, d) for k, d in objects))
+
+    async def _write_anchor(self, version: int, attempt: str, state, digest: str):
+        extras = hf_config_files(self.config.extras_dir) if self.config.extras_dir else []
+        return await write_anchor(
+            self.store, self.layout, version=version, attempt=attempt, state=state, state_digest=digest,
+            extras=extras, shard_bytes=self.config.shard_bytes, concurrency=self.config.concurrency,
+        )
+
+    async def _commit(self, manifest: VersionManifest, *, create: bool) -> None:
+        """Write the manifest, then move the pointer (create it for the first version)."""
+        key = self.layout.version_manifest(manifest.version, manifest.attempt)
+        await self.store.put_if_absent(key, manifest.to_bytes())
+        pointer = Pointer(
+            run=self.layout.run, version=manifest.version, state_digest=manifest.state_digest,
+            manifest=key, anchor=manifest.anchor, updated_at=time.time(),
+        )
+        etag = None if create else self._etag
+        self._etag = await self.store.cas(self.layout.pointer, pointer.to_bytes(), etag)
+        self.version, self._manifest = manifest.version, manifest
+
+    async def _retain(self) -> None:
+        """Delete weight objects older than the oldest anchor kept (best effort)."""
+        try:
+            anchors = sorted(
+                {
+                    parsed[0]
+                    async for info in self.store.list(self.layout.anchors_prefix)
+                    if info.key.endswith("/manifest.json")
+                    and (parsed := self.layout.weight_object_version(info.key)) is not None
+                    and parsed[0] <= (self.version or 0)
+                }
+            )
+            if len(anchors) <= self.config.retain_anchors:
+                return
+            keep_from = anchors[-self.config.retain_anchors]
+            doomed = []
+            for prefix in (self.layout.versions_prefix, self.layout.patches_prefix, self.layout.anchors_prefix):
+                async for info in self.store.list(prefix):
+                    parsed = self.layout.weight_object_version(info.key)
+                    if parsed is not None and parsed[0] < keep_from:
+                        doomed.append(info.key)
+            # Manifests first, so no reader finds a manifest whose patches are gone.
+            doomed.sort(key=lambda k: (not k.startswith(self.layout.versions_prefix), k))
+            for key in doomed:
+                await self.store.delete(key)
+            if doomed:
+                log.info("retention: deleted %d objects older than anchor v%d", len(doomed), keep_from)
+        except StoreError as exc:
+            log.warning("retention skipped: %s", exc)
+
+
+def _elements(state: Mapping[str, np.ndarray]) -> int:
+    return int(sum(bits.size for bits in state.values()))

@@ -1,0 +1,102 @@
+"""What `stoa quickstart` shows: live progress lines, the summary, the learning-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+COLUMNS = ("version", "reward", "groups", "lag", "patch", "vs full", "changed", "workers", "lp gap")
+WIDTHS = (7, 6, 6, 4, 9, 7, 7, 7, 7)
+
+
+class ConsoleReport:
+    """Prints one line per published version under a header, with rich."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console()
+        self._header = False
+
+    def note(self, text: str) -> None:
+        self.console.print(f"[bold cyan]stoa[/] {text}")
+
+    def version(self, version: int, metrics: dict, batch: Any, result: Any, progress: Any, alive: int) -> None:
+        if not self._header:
+            self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, WIDTHS)), style="bold")
+            self._header = True
+        lag = batch.metrics.get("rollout/stoa_version_lag_mean", float("nan"))
+        gap = progress.gaps[-1] if progress.gaps else float("nan")
+        ratio = progress.full_bytes / result.patch_bytes if result.patch_bytes else float("inf")
+        cells = (
+            f"v{version}",
+            f"{batch.metrics.get('rollout/stoa_scored_reward_mean', float('nan')):.3f}",
+            str(progress.groups_used),
+            f"{lag:.2f}",
+            f"{result.patch_bytes / 1e3:.1f} KB",
+            f"{ratio:.1f}x",
+            f"{result.density:.1%}",
+            str(alive),
+            f"{gap:.0e}",
+        )
+        self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS)))
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        table = Table(title="stoa quickstart summary", show_header=False)
+        rows = [
+            ("reward, first RL version", f"{summary['reward_first']:.3f}"),
+            ("reward, last versions", f"{summary['reward_last']:.3f}"),
+            ("versions published", str(summary["versions"])),
+            ("groups used / lost", f"{summary['groups_used']} / {summary['groups_lost']}"),
+            ("worker digests checked / mismatched", f"{summary['digests_checked']} / {summary['digest_mismatches']}"),
+            ("mean |learner - worker| logprob", f"{summary['mean_abs_logprob_gap']:.2e}"),
+            ("patch bytes per version (mean)", f"{summary['patch_bytes_mean'] / 1e3:.1f} KB"),
+            ("full bf16 sync", f"{summary['full_bytes'] / 1e3:.1f} KB"),
+            ("seconds", f"{summary['seconds']:.0f}"),
+        ]
+        for k, v in rows:
+            table.add_row(k, v)
+        self.console.print(table)
+
+
+def write_json(summary: dict[str, Any], path: Path) -> None:
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        return x
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean(summary), indent=2, sort_keys=True) + "\n")
+
+
+def plot_curve(summary: dict[str, Any], path: Path) -> Path:
+    """Reward vs weight version, and patch size vs version beside the full-sync size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rewards = {int(k): v for k, v in summary["reward_by_version"].items() if v is not None}
+    patches = {int(k): v for k, v in summary["patch_bytes_by_version"].items()}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    top.plot(list(rewards), list(rewards.values()), marker=".", color="tab:blue")
+    top.set_ylabel("mean reward of groups\ngenerated at this version")
+    top.set_ylim(-0.02, 1.02)
+    top.grid(alpha=0.3)
+    top.set_title("stoa quickstart: GRPO on the synthetic task")
+    bottom.bar(list(patches), [b / 1e3 for b in patches.values()], color="tab:orange", label="PULSE patch")
+    bottom.axhline(summary["full_bytes"] / 1e3, color="gray", linestyle="--", label="full bf16 sync")
+    bottom.set_ylabel("KB per version")
+    bottom.set_xlabel("weight version")
+    bottom.legend(loc="upper right")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,364 @@
+"""`stoa quickstart`: the whole loop on one machine, for real.
+
+A local bucket, a small model, N `macd run` worker processes (MLX) and a learner that is the
+trainer side without Megatron: the same consumer as `generate_rollout` (staleness and reuse rules
+included), the same DPPO loss, the same PULSE publisher. The reward of the synthetic task climbs
+while every version reaches the workers as a patch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.hf.folders import (
+    bf16_bits_to_f32,
+    save_hf_folder,
+)
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.history import rebuild
+from slime_stoa.protocol.pulse.publisher import PublisherConfig
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import NotFound, Store, open_store
+from slime_stoa.tasks import Synthetic, generate_items, warmup_pairs
+from slime_stoa.tasks.prompting import prompt_tokens
+from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
+from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
+from slime_stoa.trainer.loss import DPPOConfig
+
+from .seeding import seed_run, tiny_synthetic_model
+
+log = logging.getLogger("stoa.quickstart")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuickstartConfig:
+    """Everything `stoa quickstart` does, field by field."""
+
+    out: Path = Path("stoa-quickstart")  # run folder: bucket, model, worker data, logs, report
+    store: str | None = None  # bucket URL (default: file://<out>/bucket)
+    run: str = "quickstart"  # run name; rerunning the same name resumes it
+    model: Path | None = None  # HF/MLX model folder (default: a tiny model built locally)
+    model_hidden: int = 96  # the tiny model's width (when no --model is given)
+    model_layers: int = 3  # the tiny model's depth
+    workers: int = 2  # `macd run` processes
+    minutes: float = 10.0  # time budget for the RL part
+    max_versions: int = 300  # stop after publishing this many versions
+    target: float = 0.9  # stop once the last `window` versions' mean reward reaches this
+    window: int = 5  # versions averaged for the target and for `reward_last`
+    batch_groups: int = 16  # prompt groups per learner step
+    group_size: int = 8  # samples per prompt
+    max_tokens: int = 4  # longest response
+    temperature: float = 1.0
+    lr: float = 3e-4  # learner AdamW learning rate (RL)
+    warmup_lr: float = 1e-3  # learning rate of the supervised format warm start
+    staleness_limit: int = 2  # versions a group may lag when used
+    warmup_steps: int = 600  # supervised steps on the answer format before RL (new runs only)
+    worker_batch: int = 4  # prompts per worker cohort
+    kill_worker_at: int | None = None  # SIGKILL worker 0 at this version, then restart it (chaos)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.batch_groups < 1 or self.minutes <= 0:
+            raise ValueError("workers and batch_groups must be >= 1 and minutes > 0")
+
+    @property
+    def store_url(self) -> str:
+        return self.store or f"file://{(self.out / 'bucket').resolve()}"
+
+
+@dataclass
+class Progress:
+    """What the run has done so far (the summary is made from it)."""
+
+    started: float = field(default_factory=time.time)
+    rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # version -> all rewards
+    scored_rewards: list[float] = field(default_factory=list)  # per learner step: every group that arrived
+    patch_bytes: dict[int, int] = field(default_factory=dict)  # version -> step patch bytes
+    full_bytes: int = 0
+    digests: dict[int, str] = field(default_factory=dict)  # version -> published state digest
+    seen_states: dict[tuple[str, int], str] = field(default_factory=dict)  # (worker, version) -> digest
+    gaps: list[float] = field(default_factory=list)  # |learner - worker| logprob, same version
+    groups_used: int = 0
+    first_version: int = 0
+    last_version: int = 0
+    warm_start: str = ""
+
+    def version_reward(self, v: int) -> float | None:
+        r = self.rewards.get(v)
+        return float(np.mean(r)) if r else None
+
+    def reward_first(self) -> float:
+        for v in sorted(self.rewards):
+            if v >= self.first_version:
+                return float(np.mean(self.rewards[v]))
+        return float("nan")
+
+    def reward_last(self, window: int) -> float:
+        versions = sorted(self.rewards)[-window:]
+        return float(np.mean([np.mean(self.rewards[v]) for v in versions])) if versions else float("nan")
+
+    def digest_mismatches(self) -> int:
+        return sum(1 for (_, v), d in self.seen_states.items() if v in self.digests and self.digests[v] != d)
+
+
+class WorkerProcesses:
+    """The `macd run` processes of the quickstart, each with its own config, data and log."""
+
+    def __init__(self, cfg: QuickstartConfig, url: str):
+        self.cfg, self.url = cfg, url
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def _config_path(self, i: int) -> Path:
+        return (self.cfg.out / "workers" / f"worker-{i}" / "macd.toml").resolve()
+
+    def write_configs(self) -> None:
+        from macd.config import DaemonConfig, save_config
+
+        for i in range(self.cfg.workers):
+            folder = self._config_path(i).parent
+            folder.mkdir(parents=True, exist_ok=True)
+            config = DaemonConfig(
+                store=self.url, run=self.cfg.run, name=f"worker-{i}", worker_id=f"quickstart-{i}",
+                data_dir=folder / "data", batch=self.cfg.worker_batch,
+            )
+            save_config(config, self._config_path(i))
+
+    def start(self, i: int) -> None:
+        log_file = open(self._config_path(i).parent / "macd.log", "ab")  # noqa: SIM115 (lives with the process)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.procs[i] = subprocess.Popen(
+            [sys.executable, "-m", "macd", "run", "--config", str(self._config_path(i)), "--seed", str(self.cfg.seed + i)],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+
+    def alive(self) -> int:
+        return sum(p.poll() is None for p in self.procs.values())
+
+    def stop(self, timeout: float = 60.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _train_sequences(group: Any) -> list[TrainSequence]:
+    g = group.group
+    return [
+        TrainSequence(g.prompt_tokens, s.response_tokens, s.logprobs, float(r))
+        for s, r in zip(g.samples, group.rewards, strict=True)
+    ]
+
+
+def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig) -> str:
+    """Supervised steps on the answer FORMAT only (a random shown digit), not the rule.
+
+    Each step draws fresh targets, so the model learns "answer with one of the shown digits and
+    stop" rather than memorising one random digit per prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    items = generate_items(2048, seed=cfg.seed + 1)
+    task = Synthetic(items)
+    prompts = [np.array(prompt_tokens(tokenizer, task, item)) for item in items]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rng = np.random.default_rng(cfg.seed)
+    losses = []
+    for group in learner.optimizer.param_groups:
+        group["lr"] = cfg.warmup_lr
+    for step in range(cfg.warmup_steps):
+        picked = rng.choice(len(items), size=32, replace=False)
+        targets = warmup_pairs([items[i] for i in picked], seed=cfg.seed * 1_000_003 + step)
+        batch = [
+            (prompts[i], np.array(tokenizer.encode(target, add_special_tokens=False) + [eos]))
+            for i, (_, target) in zip(picked, targets, strict=True)
+        ]
+        losses.append(learner.supervised_step(batch))
+    for group in learner.optimizer.param_groups:
+        group["lr"] = cfg.lr
+    start, end = np.mean(losses[:10]), np.mean(losses[-10:])
+    return f"supervised warm start on the answer format: {cfg.warmup_steps} steps, loss {start:.2f} -> {end:.2f}"
+
+
+def load_published(learner: Learner, state: dict[str, np.ndarray]) -> None:
+    """Put published bf16 weights into the learner's float32 master (resume)."""
+    import torch
+
+    params = dict(learner.model.named_parameters())
+    with torch.no_grad():
+        for name, bits in state.items():
+            params[name].copy_(torch.from_numpy(bf16_bits_to_f32(bits)))
+
+
+async def read_worker_states(store: Store, run: str, workers: int) -> list[Heartbeat]:
+    layout = RunLayout(run)
+    beats = []
+    for i in range(workers):
+        try:
+            beats.append(Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(f"quickstart-{i}"))))
+        except (NotFound, ValueError):
+            continue
+    return beats
+
+
+async def rewards_by_version(store: Store, run: str) -> dict[int, list[float]]:
+    """Every sample reward of every group in the bucket, by the weight version it was drawn
+    from — all groups, including those the trainer filtered (an unbiased learning curve)."""
+    from slime_stoa.protocol.records import RecordError, decode_group
+
+    layout = RunLayout(run)
+    out: dict[int, list[float]] = defaultdict(list)
+    async for info in store.list(layout.rollouts_prefix()):
+        try:
+            group = decode_group(await store.get_bytes(info.key))
+        except RecordError:
+            continue
+        out[group.weight_version].extend(s.reward for s in group.samples)
+    return out
+
+
+def count_lost(cfg: QuickstartConfig) -> int:
+    """Finished groups that never reached the bucket: what is left in the workers' spools
+    (pending or quarantined) after they stopped. A worker flushes its spool on stop and drains
+    it first on restart, so anything here was lost to the run."""
+    spools = [cfg.out / "workers" / f"worker-{i}" / "data" / "spool" / cfg.run for i in range(cfg.workers)]
+    return sum(len(list(folder.rglob("*.rec"))) for folder in spools if folder.exists())
+
+
+async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
+    """Run the loop; `report` gets progress calls (see quickstart_report.ConsoleReport)."""
+    import torch
+
+    torch.set_num_threads(1)  # leave the other core(s) to the MLX workers
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    url = cfg.store_url
+    progress = Progress()
+    async with open_store(url, create=True) as store:
+        model_dir = cfg.model or (cfg.out / "model")
+        if cfg.model is None and not (model_dir / "config.json").exists():
+            tiny_synthetic_model(
+                model_dir, hidden_size=cfg.model_hidden, num_layers=cfg.model_layers,
+                intermediate_size=2 * cfg.model_hidden, num_heads=4, num_kv_heads=2,
+            )
+            report.note(f"built a tiny Qwen2 model with a tokenizer trained on the task's text: {model_dir}")
+        learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
+        publisher_cfg = PublisherConfig(extras_dir=model_dir, anchor_every=100)
+        new_run = not await store.exists(RunLayout(cfg.run).pointer)
+        if new_run:
+            progress.warm_start = warm_start(learner, model_dir, cfg)
+            report.note(progress.warm_start)
+            warm_dir = cfg.out / "warm-start"
+            save_hf_folder(learner.bf16_state(), warm_dir, source_dir=model_dir)
+            publisher_cfg = PublisherConfig(extras_dir=warm_dir, anchor_every=100)
+        manifest = RunManifest(
+            run=cfg.run, model=str(model_dir), task="synthetic", group_size=cfg.group_size,
+            max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness_limit=cfg.staleness_limit,
+            # Each worker makes at most 1.5x its share of a batch per version: some slack for the
+            # all-equal filter, never a pile of data that would only go stale.
+            worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
+        )
+        pub = await seed_run(store, manifest, Path(publisher_cfg.extras_dir), publisher=publisher_cfg)
+        if not new_run:
+            rebuilt = await rebuild(store, cfg.run)
+            load_published(learner, rebuilt.state)
+            report.note(f"resumed run {cfg.run!r} at weights v{pub.version} from {url}")
+        version = pub.version or 0
+        progress.first_version = progress.last_version = version
+        progress.digests[version] = pub.state_digest or ""
+        progress.full_bytes = 2 * sum(b.size for b in learner.bf16_state().values())
+        workers = WorkerProcesses(cfg, url)
+        workers.write_configs()
+        for i in range(cfg.workers):
+            workers.start(i)
+        report.note(f"started {cfg.workers} `macd run` workers (logs in {cfg.out / 'workers'})")
+        consumer = await RolloutConsumer.open(
+            store,
+            ConsumerConfig(
+                store_url=url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
+                admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+            ),
+            tokenizer_dir=model_dir,
+        )
+        deadline = time.time() + cfg.minutes * 60
+        restart_at: float | None = None
+        try:
+            while time.time() < deadline and version - progress.first_version < cfg.max_versions:
+                batch = await consumer.next_batch(cfg.batch_groups, trainer_version=version)
+                groups = [_train_sequences(g) for g in batch.groups]
+                if batch.metrics.get("rollout/stoa_scored_samples"):
+                    progress.scored_rewards.append(batch.metrics["rollout/stoa_scored_reward_mean"])
+                same = [seqs for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
+                if same:
+                    flat = [s for seqs in same for s in seqs]
+                    for s, lp in zip(flat, learner.logprobs(flat), strict=True):
+                        progress.gaps.append(float(np.mean(np.abs(lp - s.worker_logprobs))))
+                metrics = learner.step(groups)
+                result = await pub.publish(learner.bf16_state())
+                version = result.version
+                progress.last_version = version
+                progress.groups_used += len(batch.groups)
+                progress.patch_bytes[version] = result.patch_bytes
+                progress.digests[version] = pub.state_digest or ""
+                for beat in await read_worker_states(store, cfg.run, cfg.workers):
+                    if beat.version is not None and beat.state_digest:
+                        progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+                report.version(version, metrics, batch, result, progress, workers.alive())
+                if cfg.kill_worker_at is not None and version == cfg.kill_worker_at:
+                    workers.kill(0)
+                    report.note(f"killed worker 0 with SIGKILL at v{version}; restarting it in 5 s")
+                    restart_at = time.time() + 5
+                if restart_at is not None and time.time() >= restart_at:
+                    workers.start(0)
+                    restart_at = None
+                    report.note("restarted worker 0")
+                recent = progress.scored_rewards[-cfg.window:]
+                if len(recent) >= cfg.window and np.mean(recent) >= cfg.target:
+                    report.note(f"target reward {cfg.target} reached")
+                    break
+        finally:
+            await consumer.close()
+            workers.stop()
+            await consumer.save_state()
+        for beat in await read_worker_states(store, cfg.run, cfg.workers):
+            if beat.version is not None and beat.state_digest:
+                progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+        lost = count_lost(cfg)
+        progress.rewards = await rewards_by_version(store, cfg.run)
+    patches = [b for v, b in progress.patch_bytes.items()]
+    return {
+        "reward_first": progress.reward_first(),
+        "reward_last": progress.reward_last(cfg.window),
+        "versions": progress.last_version - progress.first_version,
+        "digest_mismatches": progress.digest_mismatches(),
+        "digests_checked": len(progress.seen_states),
+        "mean_abs_logprob_gap": float(np.mean(progress.gaps)) if progress.gaps else float("nan"),
+        "groups_used": progress.groups_used,
+        "groups_lost": lost,
+        "patch_bytes_mean": float(np.mean(patches)) if patches else 0.0,
+        "full_bytes": progress.full_bytes,
+        "seconds": time.time() - progress.started,
+        "warm_start": progress.warm_start,
+        "reward_by_version": {v: progress.version_reward(v) for v in sorted(progress.rewards)},
+        "patch_bytes_by_version": progress.patch_bytes,
+    }

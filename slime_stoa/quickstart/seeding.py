@@ -1,0 +1,49 @@
+"""Seed a complete run in a store for tests and the quickstart: model, manifest, task, anchor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slime_stoa.cli.task_cmd import put_task_objects, task_objects
+from slime_stoa.protocol.hf.folders import load_hf_state
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import PreconditionFailed, Store
+from slime_stoa.tasks import generate_items
+
+from .tiny_model import build_tiny_model
+
+
+def synthetic_texts(count: int = 2000, seed: int = 0) -> list[str]:
+    """Text of the synthetic task to train the tiny tokenizer on (prompts and answers)."""
+    items = generate_items(count, seed=seed)
+    return [f"{i.prompt} {i.label}" for i in items] + [i.prompt for i in items]
+
+
+async def seed_run(
+    store: Store,
+    manifest: RunManifest,
+    model_dir: Path,
+    *,
+    task_count: int = 2000,
+    publisher: PublisherConfig | None = None,
+) -> Publisher:
+    """Write run.json, the synthetic task and anchor v0 of `model_dir`; returns the publisher.
+
+    A run that already exists is resumed: the publisher continues from the bucket."""
+    try:
+        await store.put_if_absent(RunLayout(manifest.run).run_manifest, manifest.to_bytes())
+    except PreconditionFailed:
+        pass
+    objects = task_objects(manifest.task, [], split=manifest.task_split, count=task_count, seed=0, limit=None)
+    await put_task_objects(store, manifest.run, manifest.task, objects)
+    pub = Publisher(store, manifest.run, publisher or PublisherConfig(extras_dir=model_dir))
+    if await pub.open() is None:
+        await pub.publish(load_hf_state(model_dir))
+    return pub
+
+
+def tiny_synthetic_model(folder: Path, **kwargs) -> Path:
+    """A tiny Qwen2 whose tokenizer was trained on the synthetic task's text."""
+    return build_tiny_model(folder, texts=synthetic_texts(), **kwargs)

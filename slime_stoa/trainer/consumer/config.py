@@ -1,0 +1,173 @@
+"""`ConsumerConfig`: every knob of the rollout consumer, typed, frozen and checked.
+
+Two fields may be left unset (`None`) and are then taken from the run manifest when the consumer
+opens the run (`resolved`): the staleness and reuse limits, and the record limits (vocabulary,
+group size, lengths, sampling parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from slime_stoa.protocol.layout import check_name
+from slime_stoa.protocol.records import SamplingParams
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.validate import RecordLimits
+
+ADMISSION_ORDERS = ("oldest_version", "fifo", "newest_version")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerConfig:
+    """How the trainer reads rollout groups from a run's bucket."""
+
+    store_url: str
+    """The bucket: `file:///dir`, `s3://bucket/prefix?endpoint=...` or `r2://<account>/<bucket>/prefix`."""
+    run: str
+    """The run name (`runs/<run>/` in the bucket)."""
+
+    staleness_limit: int | None = None
+    """Most weight versions a group may lag behind the trainer when it is used
+    (lag = trainer version - record weight_version); a group that lags more is dropped and counted.
+    None: the run manifest's `staleness_limit`."""
+    reuse_limit: int | None = None
+    """Most batches one group may appear in (each time only while it is fresh enough); 1 = use once.
+    None: the run manifest's `reuse_limit`."""
+
+    wait_timeout_s: float = 1800.0
+    """How long `next_batch` waits for enough groups before raising `ConsumerTimeout`."""
+    poll_interval_s: float = 1.0
+    """Pause between two listings of new records while waiting (one listing costs one request
+    per 1,000 new keys)."""
+    skew_window_ms: int = 60_000
+    """Clock-skew and late-upload window: keys stamped up to this long before the newest key
+    discovered are still found (by a periodic sweep)."""
+    sweep_interval_s: float = 5.0
+    """How often the window behind the cursor is listed again for late keys."""
+    late_window_ms: int = 1_800_000
+    """The longer window of a rarer deep sweep, for records a worker uploads long after it
+    spooled them (a Mac offline for minutes); a record that lands later than this after its
+    key's timestamp is never discovered. 0: no deep sweep (then `skew_window_ms` is the limit)."""
+    late_sweep_interval_s: float = 60.0
+    """How often the late window is listed (one request per 1,000 keys in it)."""
+    download_concurrency: int = 16
+    """Record downloads in flight at once."""
+    max_download_attempts: int = 3
+    """Attempts to fetch one record when the store fails (the store retries each attempt itself);
+    after the last the record is rejected as `download`."""
+
+    filter_all_equal: bool = True
+    """Drop (and count) groups whose recomputed rewards are all equal: they carry no GRPO signal."""
+    verify_prompts: bool = True
+    """Reject (as `prompt`) records whose prompt tokens are not the run's prompt for their
+    `prompt_index`, built with the run's tokenizer and chat template (needs transformers)."""
+    reward_tolerance: float = 1e-6
+    """A worker reward further than this from the trainer's counts as a disagreement."""
+
+    admission_order: str = "oldest_version"
+    """Which ready groups a batch takes first, after the least-used ones:
+    `oldest_version` (lowest weight version, then key time: groups nearest their staleness limit,
+    such as slow, hard prompts, are used before they expire), `fifo` (key time only) or
+    `newest_version` (highest weight version first: the most on-policy data when the trainer is
+    faster than its workers, as in the quickstart)."""
+    max_pool_groups: int = 4096
+    """Backpressure: at most this many groups discovered but not yet used (downloaded or not).
+    When full, listing stops and the cursor waits; nothing is dropped because newer groups came."""
+    prefetch_groups: int = 0
+    """After a batch, keep downloading in the background until this many groups are ready for
+    the next one (0: download only on demand)."""
+    version_ahead_slack: int = 1
+    """A record may claim a weight version at most this far ahead of the trainer version passed
+    to `next_batch` (a version published during the wait); further ahead is rejected as
+    `version_ahead`."""
+    progress_interval_s: float = 30.0
+    """How often a waiting `next_batch` logs its progress."""
+
+    record_limits: RecordLimits | None = None
+    """What a record must satisfy (see `slime_stoa.protocol.validate`). None: derived from the run
+    manifest (vocabulary, group size, prompt and response lengths, sampling parameters)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store_url, str) or "://" not in self.store_url:
+            raise ValueError(f"ConsumerConfig.store_url must be a store URL, got {self.store_url!r}")
+        check_name("run", self.run)
+        for name in ("staleness_limit",):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"ConsumerConfig.{name} must be an int >= 0 or None, got {value!r}")
+        if self.reuse_limit is not None and (not _is_int(self.reuse_limit) or self.reuse_limit < 1):
+            raise ValueError(f"ConsumerConfig.reuse_limit must be an int >= 1 or None, got {self.reuse_limit!r}")
+        for name in ("wait_timeout_s", "poll_interval_s", "sweep_interval_s", "late_sweep_interval_s", "progress_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"ConsumerConfig.{name} must be a number > 0, got {value!r}")
+        for name, low in (
+            ("skew_window_ms", 0),
+            ("late_window_ms", 0),
+            ("download_concurrency", 1),
+            ("max_download_attempts", 1),
+            ("max_pool_groups", 1),
+            ("prefetch_groups", 0),
+            ("version_ahead_slack", 0),
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"ConsumerConfig.{name} must be an int >= {low}, got {value!r}")
+        for name in ("filter_all_equal", "verify_prompts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ConsumerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        tol = self.reward_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (math.isfinite(tol) and tol >= 0):
+            raise ValueError(f"ConsumerConfig.reward_tolerance must be a number >= 0, got {tol!r}")
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise ValueError(
+                f"ConsumerConfig.admission_order must be one of {ADMISSION_ORDERS}, got {self.admission_order!r}"
+            )
+        if self.record_limits is not None and not isinstance(self.record_limits, RecordLimits):
+            raise ValueError("ConsumerConfig.record_limits must be a RecordLimits or None")
+
+    @property
+    def is_resolved(self) -> bool:
+        """True when no field is left to the run manifest."""
+        return None not in (self.staleness_limit, self.reuse_limit, self.record_limits)
+
+    def resolved(self, manifest: RunManifest, *, vocab_size: int) -> ConsumerConfig:
+        """A copy with every unset field taken from the run manifest (`vocab_size`: the model's)."""
+        if manifest.run != self.run:
+            raise ValueError(f"run manifest is for run {manifest.run!r}, the consumer reads {self.run!r}")
+        return dataclasses.replace(
+            self,
+            staleness_limit=manifest.staleness_limit if self.staleness_limit is None else self.staleness_limit,
+            reuse_limit=manifest.reuse_limit if self.reuse_limit is None else self.reuse_limit,
+            record_limits=self.record_limits or limits_for_run(manifest, vocab_size=vocab_size),
+        )
+
+
+def limits_for_run(manifest: RunManifest, *, vocab_size: int) -> RecordLimits:
+    """The record limits a run's manifest implies: train records of exactly G samples, from this
+    run, drawn with the manifest's sampling parameters, within its prompt and response lengths."""
+    if not _is_int(vocab_size) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+    return RecordLimits(
+        vocab_size=vocab_size,
+        max_samples=max(64, manifest.group_size),
+        expected_group_size=manifest.group_size,
+        max_prompt_tokens=manifest.max_prompt_tokens,
+        max_response_tokens=manifest.max_tokens,
+        allowed_kinds=frozenset({"train"}),
+        expected_run=manifest.run,
+        expected_sampling=SamplingParams(
+            temperature=manifest.temperature,
+            top_p=manifest.top_p,
+            max_tokens=manifest.max_tokens,
+            stop=manifest.stop,
+        ),
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

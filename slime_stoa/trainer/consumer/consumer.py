@@ -1,0 +1,574 @@
+"""`RolloutConsumer`: assemble batches of validated, re-scored, fresh rollout groups.
+
+    consumer = await RolloutConsumer.open(store, ConsumerConfig(store_url=url, run="demo"))
+    batch = await consumer.next_batch(256, trainer_version=7)
+    ... train on batch.groups; log batch.metrics ...
+    await consumer.save_state()
+
+How a batch comes together (all on one event loop):
+
+1. Discovery lists new keys after the cursor (`discovery.Discovery.tail`, one request per
+   1,000 new keys, whatever the number of workers) into the pending queue, and now and then
+   sweeps the skew window behind the cursor for late keys (and, more rarely, the longer late
+   window, for workers that come back online with a spool of old records). It stops while the pool and the
+   queue hold `max_pool_groups` (backpressure: the cursor waits, nothing is skipped).
+2. Pending keys are downloaded oldest first, `download_concurrency` at a time, only as many as
+   the batch still needs (plus `prefetch_groups` in the background between batches).
+3. Each record is judged (`admission.judge_record`: decode, validate against the run's limits,
+   key match, reward re-computed from the text and the label). A reject is counted by reason
+   and never raised. The trainer's rewards replace the worker's; disagreements are counted per
+   worker. Then the policies (`policy`): too far ahead -> rejected; too stale -> dropped;
+   all-equal rewards -> filtered (if configured); else the group joins the pool.
+4. When the pool holds enough groups, the batch takes them in admission order; a group is used
+   at most `reuse_limit` times, each time only while fresh enough.
+
+`next_batch` waits at most `wait_timeout_s`, then raises `ConsumerTimeout` naming the workers
+last seen and the rejects by reason. The state (`state_dict()`, JSON) holds the cursor, the keys
+seen within the window, the pending queue and the reuse ledger: a trainer restarted from it
+neither re-consumes nor skips a group (groups in the ledger are downloaded again).
+Not thread-safe: call every method from the loop that runs the consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.records import RolloutGroup
+from slime_stoa.protocol.store import NotFound, Store, StoreError
+from slime_stoa.protocol.validate import RecordRejected
+
+from . import policy
+from .admission import Admitted, judge_record
+from .config import ConsumerConfig
+from .discovery import Discovery, PollResult
+from .metrics import (
+    batch_metrics,
+    delta,
+    reject_counter,
+    rejects_by_reason,
+    worker_counter,
+)
+from .persistence import read_state, write_state
+from .run_context import open_run_context
+from .scoring import Decode, PromptOf, Rescorer
+from .state import ConsumerState, name_worker
+from .workers import (
+    SHOWN,
+    describe_workers,
+    heartbeat_summaries,
+    heartbeat_times,
+    newest_first,
+)
+
+log = logging.getLogger(__name__)
+
+LOUD_REJECTS = 10  # rejects logged as warnings per reason; later ones every 1,000th
+
+
+class ConsumerTimeout(TimeoutError):
+    """`next_batch` waited `wait_timeout_s` without getting enough groups."""
+
+    def __init__(self, message: str, *, needed: int, ready: int, rejects: dict[str, int]) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.ready = ready
+        self.rejects = rejects
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumedGroup:
+    """One group of a batch, ready to train on."""
+
+    key: str  # the record's object key
+    group: RolloutGroup
+    prompt: str  # the task item's prompt text
+    label: str  # the task item's label
+    texts: tuple[str, ...]  # decoded completions
+    rewards: tuple[float, ...]  # the trainer's rewards (the worker's are in group.samples)
+    version_lag: int  # trainer version - weight version when this batch was made
+    use: int  # 1 the first time this group is used, 2 the second, ...
+
+    @property
+    def worker(self) -> str:
+        return self.group.worker_id
+
+    @property
+    def weight_version(self) -> int:
+        return self.group.weight_version
+
+
+@dataclass(frozen=True)
+class Batch:
+    groups: tuple[ConsumedGroup, ...]
+    metrics: dict[str, float]
+    trainer_version: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    admitted: Admitted
+    uses: int
+
+
+class _Retry(Exception):
+    """A download failed and stays queued for another attempt."""
+
+
+class RolloutConsumer:
+    def __init__(
+        self,
+        store: Store,
+        config: ConsumerConfig,
+        *,
+        rescorer: Rescorer,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not config.is_resolved:
+            raise ValueError(
+                "RolloutConsumer needs a resolved config (staleness_limit, reuse_limit and "
+                "record_limits set): use RolloutConsumer.open or ConsumerConfig.resolved"
+            )
+        self.store = store
+        self.config = config
+        self.rescorer = rescorer
+        self.clock = clock
+        self.layout = RunLayout(config.run)
+        self._prefix = self.layout.rollouts_prefix("train")
+        self._state = ConsumerState(run=config.run)
+        self._discovery = Discovery(
+            store, self.layout, self._state, window_ms=config.skew_window_ms,
+            late_window_ms=config.late_window_ms, clock=clock,
+        )
+        self._pool: dict[str, _Entry] = {}
+        self._restore: dict[str, int] = {}  # ledger entries to download again: name -> uses
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._attempts: dict[str, int] = {}
+        self._trainer_version = 0
+        self._expired_at: int | None = None
+        self._next_tail = -math.inf
+        self._next_sweep = time.monotonic() + config.sweep_interval_s
+        self._next_late_sweep = time.monotonic() + config.late_sweep_interval_s
+        self._batch_counters: dict[str, int] = {}
+        self._scored_rewards: list[float] = []  # every group scored since the last batch, unfiltered
+        self._prefetch: asyncio.Task[bool] | None = None
+        self._etag: str | None = None
+        self._logged: dict[str, int] = {}
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    async def open(
+        cls,
+        store: Store,
+        config: ConsumerConfig,
+        *,
+        decode: Decode | None = None,
+        eos_ids: frozenset[int] = frozenset(),
+        tokenizer_dir: Path | None = None,
+        prompt_of: PromptOf | None = None,
+        restore: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> RolloutConsumer:
+        """A consumer for `config.run`: reads the run manifest, task and tokenizer (see
+        `run_context.open_run_context`), and with `restore` resumes from the bucket's state."""
+        ctx = await open_run_context(
+            store, config, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of
+        )
+        consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock)
+        if restore:
+            await consumer.load_from_bucket()
+        return consumer
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters (see `metrics`); a copy."""
+        return dict(self._state.counters)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consumer's state as JSON-serialisable data (see `state.ConsumerState`)."""
+        ledger = {name: e.uses for name, e in self._pool.items()}
+        ledger.update(self._restore)
+        s = self._state
+        snapshot = ConsumerState(
+            run=s.run,
+            cursor=s.cursor,
+            seen=set(s.seen),
+            pending=dict(s.pending),
+            ledger=ledger,
+            counters=dict(s.counters),
+            last_seen=dict(s.last_seen),
+        )
+        return snapshot.to_json()
+
+    def load_state_dict(self, doc: dict[str, Any]) -> None:
+        """Resume from `state_dict()` output. Only before the first batch (nothing in flight)."""
+        if self._inflight or self._pool or self._prefetch is not None:
+            raise RuntimeError("load_state_dict must be called before the consumer's first batch")
+        state = ConsumerState.from_json(doc)
+        if state.run != self.config.run:
+            raise ValueError(f"consumer state is for run {state.run!r}, this consumer reads {self.config.run!r}")
+        self._restore = dict(state.ledger)
+        state.ledger = {}
+        self._state = state
+        self._discovery.state = state
+        self._batch_counters = dict(state.counters)
+
+    async def load_from_bucket(self, *, apply: bool = True) -> bool:
+        """Read the bucket's saved state (remembering its ETag for the next `save_state`) and,
+        with `apply`, resume from it. True if the bucket had one."""
+        state, etag = await read_state(self.store, self.config.run)
+        self._etag = etag
+        if state is None:
+            return False
+        if apply:
+            self.load_state_dict(state.to_json())
+        return True
+
+    async def save_state(self) -> None:
+        """Write `state_dict()` to `runs/<run>/trainer/consumer.json` by compare-and-swap
+        (`StateConflict` if another trainer wrote it since we last read or wrote it)."""
+        state = ConsumerState.from_json(self.state_dict())
+        self._etag = await write_state(self.store, state, self._etag)
+
+    # -- counting ------------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            counters = self._state.counters
+            counters[name] = counters.get(name, 0) + n
+
+    def _reject(self, name: str, reason: str, detail: str) -> None:
+        worker = name_worker(name)
+        self._count(reject_counter(reason))
+        self._count(worker_counter(worker, "rejected"))
+        seen = self._logged[reason] = self._logged.get(reason, 0) + 1
+        if seen <= LOUD_REJECTS or seen % 1000 == 0:
+            log.warning("stoa: rejected %s (%s, %d so far): %s", self._prefix + name, reason, seen, detail)
+
+    def _count_poll(self, result: PollResult) -> None:
+        self._count("list_requests", result.requests)
+        self._count("late_keys", result.late)
+        self._count(reject_counter("bad_key"), result.bad)
+
+    # -- downloads and admission ---------------------------------------------------------------
+    def _queued(self) -> int:
+        """Keys waiting for a download (not in flight)."""
+        return len(self._restore) + len(self._state.pending) - len(self._inflight)
+
+    def _launch(self, want: int) -> None:
+        """Start downloads, oldest key first (ledger entries before new ones)."""
+        slots = min(self.config.download_concurrency, want) - len(self._inflight)
+        if slots <= 0:
+            return
+        restore = [n for n in sorted(self._restore) if n not in self._inflight][:slots]
+        slots -= len(restore)
+        fresh = heapq.nsmallest(slots + len(self._inflight), self._state.pending) if slots > 0 else []
+        fresh = [n for n in fresh if n not in self._inflight][:slots]
+        for name in restore:
+            self._start(name, None, self._restore[name])
+        for name in fresh:
+            self._start(name, self._state.pending[name], None)
+
+    def _start(self, name: str, size: int | None, uses: int | None) -> None:
+        self._inflight[name] = asyncio.create_task(self._download(name, size, uses), name=f"stoa-get-{name}")
+
+    def _forget(self, name: str) -> None:
+        self._state.pending.pop(name, None)
+        self._restore.pop(name, None)
+        self._attempts.pop(name, None)
+
+    async def _fetch(self, name: str, size: int | None) -> bytes:
+        limit = self.config.record_limits.max_record_bytes  # type: ignore[union-attr]
+        if size is not None and size > limit:
+            raise RecordRejected("too_large", f"object is {size} bytes, limit {limit}")
+        if size == 0:
+            return b""
+        key = self._prefix + name
+        self._count("get_requests")
+        try:
+            # Size unknown (an old state): read at most one byte past the limit.
+            result = await self.store.get(key, length=None if size is not None else limit + 1)
+        except NotFound:
+            raise RecordRejected("missing", "listed, then gone (deleted by retention?)") from None
+        except StoreError as exc:
+            attempts = self._attempts[name] = self._attempts.get(name, 0) + 1
+            if attempts >= self.config.max_download_attempts:
+                raise RecordRejected("download", f"{attempts} attempts failed; last: {exc}") from None
+            log.warning("stoa: download of %s failed (attempt %d), will retry: %s", key, attempts, exc)
+            raise _Retry from None
+        assert result is not None
+        if result.size > limit:
+            raise RecordRejected("too_large", f"object is {result.size} bytes, limit {limit}")
+        return result.data
+
+    async def _download(self, name: str, size: int | None, uses: int | None) -> None:
+        try:
+            data = await self._fetch(name, size)
+        except _Retry:
+            return
+        except RecordRejected as exc:
+            self._forget(name)
+            self._reject(name, exc.reason, exc.detail)
+            return
+        finally:
+            self._inflight.pop(name, None)
+        self._judge(name, data, uses)
+
+    def _judge(self, name: str, data: bytes, uses: int | None) -> None:
+        """Admit, drop or reject one downloaded record (synchronous: no await in here)."""
+        self._forget(name)
+        key = self.layout.parse_rollout(self._prefix + name)
+        assert key is not None  # discovery only queues valid record keys
+        try:
+            admitted = judge_record(
+                name,
+                data,
+                key=key,
+                limits=self.config.record_limits,  # type: ignore[arg-type]
+                rescorer=self.rescorer,
+                reward_tolerance=self.config.reward_tolerance,
+                now=self.clock(),
+            )
+        except RecordRejected as exc:
+            self._reject(name, exc.reason, exc.detail)
+            return
+        except Exception as exc:  # a bug: keep consuming, but say so loudly
+            log.exception("stoa: unexpected error judging %s", self._prefix + name)
+            self._reject(name, "internal", f"{type(exc).__name__}: {exc}")
+            return
+        if uses is None:  # a restored ledger entry was counted when first admitted
+            self._count("samples_scored", len(admitted.rewards))
+            self._scored_rewards.extend(admitted.rewards)
+            self._count("reward_disagreements", admitted.disagreements)
+            self._count(worker_counter(admitted.worker, "reward_disagreements"), admitted.disagreements)
+        lag = policy.version_lag(self._trainer_version, admitted.group.weight_version)
+        if policy.is_ahead(lag, self.config.version_ahead_slack):
+            self._reject(
+                name,
+                "version_ahead",
+                f"weight_version {admitted.group.weight_version}, trainer at v{self._trainer_version}",
+            )
+        elif policy.is_stale(lag, self.config.staleness_limit):  # type: ignore[arg-type]
+            self._count("stale")
+        elif uses is None and self.config.filter_all_equal and policy.all_equal(admitted.rewards):
+            self._count("filtered_all_equal")
+        else:
+            self._pool[name] = _Entry(admitted, uses or 0)
+            if uses is None:
+                self._count("admitted")
+
+    def _expire(self) -> None:
+        """Drop pool groups that became too stale for the trainer's version (when it moved)."""
+        if self._expired_at == self._trainer_version:
+            return
+        self._expired_at = self._trainer_version
+        limit: int = self.config.staleness_limit  # type: ignore[assignment]
+        for name, entry in list(self._pool.items()):
+            lag = policy.version_lag(self._trainer_version, entry.admitted.group.weight_version)
+            if policy.is_stale(lag, limit):
+                del self._pool[name]
+                self._count("stale")
+
+    # -- discovery -----------------------------------------------------------------------------
+    def _capacity(self) -> int:
+        return self.config.max_pool_groups - len(self._pool) - len(self._state.pending) - len(self._restore)
+
+    async def _poll_tail(self) -> int:
+        result = await self._discovery.tail(self._capacity())
+        self._count_poll(result)
+        return len(result.new)
+
+    async def _poll_sweep(self, window_ms: int | None = None) -> int:
+        result = await self._discovery.sweep(window_ms)
+        self._count_poll(result)
+        if result.late:
+            log.info("stoa: found %d late record(s) behind the cursor", result.late)
+        return len(result.new)
+
+    # -- the wait ------------------------------------------------------------------------------
+    async def _fill(self, target: int, deadline: float | None) -> bool:
+        """Discover, download and judge until the pool holds `target` groups (True), or until
+        `deadline` (monotonic seconds) passes (False)."""
+        cfg = self.config
+        next_log = time.monotonic() + cfg.progress_interval_s
+        while True:
+            self._expire()
+            need = target - len(self._pool)
+            if need <= 0:
+                return True
+            self._launch(need)
+            now = time.monotonic()
+            # List again only when the queue cannot cover the need and there is room for more.
+            listing_helps = self._queued() < need - len(self._inflight) and self._capacity() > 0
+            if listing_helps and now >= self._next_tail:
+                self._next_tail = now + cfg.poll_interval_s
+                await self._poll_tail()
+                continue
+            if cfg.late_window_ms and now >= self._next_late_sweep:
+                self._next_late_sweep = now + cfg.late_sweep_interval_s
+                self._next_sweep = now + cfg.sweep_interval_s  # it covers the short window too
+                await self._poll_sweep(cfg.late_window_ms)
+                continue
+            if now >= self._next_sweep:
+                self._next_sweep = now + cfg.sweep_interval_s
+                await self._poll_sweep()
+                continue
+            if deadline is not None and now >= deadline:
+                return False
+            wake = min(
+                self._next_tail if listing_helps else math.inf,
+                self._next_sweep,
+                self._next_late_sweep if cfg.late_window_ms else math.inf,
+                math.inf if deadline is None else deadline,
+                next_log,
+            )
+            timeout = max(wake - now, 0.0)
+            if self._inflight:
+                await asyncio.wait(set(self._inflight.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(timeout)
+            if time.monotonic() >= next_log:
+                next_log = time.monotonic() + cfg.progress_interval_s
+                if deadline is not None:  # the background prefetch waits quietly
+                    log.info("stoa: %s", self._progress(target))
+
+    def _progress(self, target: int) -> str:
+        rejects = rejects_by_reason(self._state.counters)
+        reject_text = ", ".join(f"{r}={c}" for r, c in rejects.items()) or "none"
+        newest = max(self._state.last_seen.items(), key=lambda kv: kv[1], default=None)
+        seen = (
+            f"newest record from {newest[0]} {max(self.clock() - newest[1] / 1000, 0):.0f} s ago"
+            if newest
+            else "no record discovered yet"
+        )
+        return (
+            f"waiting for {target} groups of run {self.config.run!r} (trainer v{self._trainer_version}): "
+            f"{len(self._pool)} ready, {len(self._inflight)} downloading, {self._queued()} queued; "
+            f"rejected so far: {reject_text}; {seen}"
+        )
+
+    async def _stop_prefetch(self) -> None:
+        task, self._prefetch = self._prefetch, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:  # the next batch tries again
+            exc = task.exception()
+            log.warning("stoa: background prefetch failed: %s: %s", type(exc).__name__, exc)
+
+    async def _timeout_error(self, needed: int, waited: float) -> ConsumerTimeout:
+        heartbeats, error = await heartbeat_times(self.store, self.config.run)
+        recent = [w for w in newest_first(self._state.last_seen, heartbeats)[:SHOWN] if w in heartbeats]
+        summaries = await heartbeat_summaries(self.store, self.config.run, recent)
+        workers = describe_workers(
+            self._state.last_seen, heartbeats, now=self.clock(), heartbeat_error=error, summaries=summaries
+        )
+        counters = self._state.counters
+        rejects = rejects_by_reason(counters)
+        reject_text = (
+            f"{sum(rejects.values())} record(s) rejected ({', '.join(f'{r}={c}' for r, c in rejects.items())})"
+            if rejects
+            else "no record rejected"
+        )
+        message = (
+            f"stoa: waited {waited:.0f} s for {needed} rollout groups of run {self.config.run!r} in "
+            f"{self.store.url} and have {len(self._pool)} (trainer at v{self._trainer_version}, "
+            f"staleness limit {self.config.staleness_limit}). {workers}. Since start: {reject_text}; "
+            f"{counters.get('stale', 0)} group(s) dropped as stale; "
+            f"{counters.get('filtered_all_equal', 0)} filtered for all-equal rewards."
+        )
+        return ConsumerTimeout(message, needed=needed, ready=len(self._pool), rejects=rejects)
+
+    # -- batches -------------------------------------------------------------------------------
+    def _take(self, n: int) -> list[ConsumedGroup]:
+        candidates = (
+            policy.Candidate(name, e.admitted.group.weight_version, e.uses) for name, e in self._pool.items()
+        )
+        out = []
+        for name in policy.select(candidates, n, self.config.admission_order):
+            entry = self._pool[name]
+            entry.uses += 1
+            if not policy.can_reuse(entry.uses, self.config.reuse_limit):  # type: ignore[arg-type]
+                del self._pool[name]
+            a = entry.admitted
+            out.append(
+                ConsumedGroup(
+                    key=self._prefix + name,
+                    group=a.group,
+                    prompt=a.prompt,
+                    label=a.label,
+                    texts=a.texts,
+                    rewards=a.rewards,
+                    version_lag=policy.version_lag(self._trainer_version, a.group.weight_version),
+                    use=entry.uses,
+                )
+            )
+            self._count("groups_used")
+            self._count("groups_reused", int(entry.uses > 1))
+            self._count(worker_counter(a.worker, "groups"))
+        return out
+
+    async def next_batch(self, n_groups: int, *, trainer_version: int) -> Batch:
+        """Wait until `n_groups` usable groups are ready and return them with the batch metrics.
+
+        `trainer_version`: the trainer's latest published weight version (staleness is measured
+        against it). Raises `ConsumerTimeout` after `wait_timeout_s`.
+        """
+        if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
+            raise ValueError(f"n_groups must be an int >= 1, got {n_groups!r}")
+        if n_groups > self.config.max_pool_groups:
+            raise ValueError(
+                f"n_groups {n_groups} exceeds max_pool_groups {self.config.max_pool_groups}: raise max_pool_groups"
+            )
+        if isinstance(trainer_version, bool) or not isinstance(trainer_version, int) or trainer_version < 0:
+            raise ValueError(f"trainer_version must be an int >= 0, got {trainer_version!r}")
+        await self._stop_prefetch()
+        self._trainer_version = trainer_version
+        start = time.monotonic()
+        if not await self._fill(n_groups, start + self.config.wait_timeout_s):
+            raise await self._timeout_error(n_groups, time.monotonic() - start)
+        wait_s = time.monotonic() - start
+        groups = self._take(n_groups)
+        gained = delta(self._state.counters, self._batch_counters)
+        self._batch_counters = dict(self._state.counters)
+        per_worker: dict[str, int] = {}
+        for g in groups:
+            per_worker[g.worker] = per_worker.get(g.worker, 0) + 1
+        metrics = batch_metrics(
+            gained=gained,
+            lags=[g.version_lag for g in groups],
+            rewards=[r for g in groups for r in g.rewards],
+            scored_rewards=self._scored_rewards,
+            workers=per_worker,
+            wait_s=wait_s,
+            pool=len(self._pool),
+            pending=len(self._state.pending) + len(self._restore),
+        )
+        self._scored_rewards = []
+        log.info(
+            "stoa: batch of %d groups from %d worker(s) after %.1f s (version lag mean %.2f, max %d)",
+            len(groups), len(per_worker), wait_s,
+            metrics["rollout/stoa_version_lag_mean"], int(metrics["rollout/stoa_version_lag_max"]),
+        )
+        if self.config.prefetch_groups > 0:
+            self._prefetch = asyncio.create_task(self._fill(self.config.prefetch_groups, None))
+        return Batch(groups=tuple(groups), metrics=metrics, trainer_version=trainer_version)
+
+    async def close(self) -> None:
+        """Stop background work (the prefetch and downloads in flight). The store stays open."""
+        await self._stop_prefetch()
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._inflight.clear()

@@ -1,0 +1,116 @@
+"""What the consumer needs from the run before it can judge a record: the run manifest, the
+task data (prompts and labels) and the tokenizer (to decode completions), all from the bucket.
+
+The tokenizer comes from the run's latest anchor (`tokenizer.json` among its extras, with
+`config.json` for the vocabulary and the end-of-sequence ids), unless a `decode` function is
+injected (tests) or a local folder is given.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.anchor import download_extras
+from slime_stoa.protocol.pulse.history import read_pointer
+from slime_stoa.protocol.pulse.manifests import AnchorManifest
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import NotFound, Store
+from slime_stoa.tasks import Task, load_task
+
+from .config import ConsumerConfig
+from .scoring import (
+    Decode,
+    PromptOf,
+    Rescorer,
+    load_prompt_builder,
+    load_tokenizer,
+    vocab_size_of,
+)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    manifest: RunManifest
+    task: Task
+    config: ConsumerConfig  # resolved: every limit filled in
+    rescorer: Rescorer
+
+
+async def read_manifest(store: Store, run: str) -> RunManifest:
+    key = RunLayout(run).run_manifest
+    try:
+        data = await store.get_bytes(key)
+    except NotFound:
+        raise ValueError(f"run {run!r} has no run manifest ({key}) in {store.url}: create the run first") from None
+    manifest = RunManifest.from_bytes(data)
+    if manifest.run != run:
+        raise ValueError(f"{key} in {store.url} describes run {manifest.run!r}, not {run!r}")
+    return manifest
+
+
+def task_data_key(manifest: RunManifest) -> str:
+    return RunLayout(manifest.run).task_file(manifest.task, f"{manifest.task_split}.jsonl.zst")
+
+
+async def read_task(store: Store, manifest: RunManifest) -> Task:
+    key = task_data_key(manifest)
+    try:
+        data = await store.get_bytes(key)
+    except NotFound:
+        raise ValueError(f"run {manifest.run!r} has no task data at {key} in {store.url}") from None
+    task = load_task(data)
+    if task.name != manifest.task:
+        raise ValueError(f"{key} holds task {task.name!r}; the run manifest says {manifest.task!r}")
+    return task
+
+
+async def download_tokenizer(store: Store, run: str, folder: Path) -> Path:
+    """Write the latest anchor's config and tokenizer files into `folder`; returns `folder`."""
+    pointer = await read_pointer(store, run)
+    key = pointer.anchor.manifest
+    manifest = AnchorManifest.from_bytes(await store.get_bytes(key), key)
+    await download_extras(store, manifest, folder)
+    return folder
+
+
+async def open_run_context(
+    store: Store,
+    config: ConsumerConfig,
+    *,
+    decode: Decode | None = None,
+    eos_ids: frozenset[int] = frozenset(),
+    tokenizer_dir: Path | None = None,
+    prompt_of: PromptOf | None = None,
+) -> RunContext:
+    """Read the manifest and task, load the tokenizer, resolve the config.
+
+    `decode`: use this decoder (with `eos_ids`) instead of the run's tokenizer; the vocabulary
+    then comes from the manifest or `config.record_limits`. `tokenizer_dir`: a local HF folder
+    with `tokenizer.json` to use instead of downloading the anchor's. `prompt_of`: build the
+    expected prompt tokens with this instead of the run's tokenizer (with a custom `decode`,
+    prompts are checked only when it is given).
+    """
+    manifest = await read_manifest(store, config.run)
+    task = await read_task(store, manifest)
+    vocab = manifest.vocab_size or None
+    if decode is None:
+        folder = tokenizer_dir
+        if folder is None:
+            folder = Path(tempfile.mkdtemp(prefix="stoa-tokenizer-"))
+            await download_tokenizer(store, config.run, folder)
+        decode, eos_ids = load_tokenizer(folder)
+        if config.verify_prompts and prompt_of is None:
+            prompt_of = load_prompt_builder(folder, task)
+        vocab = vocab or vocab_size_of(folder)
+    if config.record_limits is not None:
+        vocab = config.record_limits.vocab_size
+    if not vocab:
+        raise ValueError(
+            f"the vocabulary size of run {config.run!r} is unknown: set vocab_size in its manifest, "
+            f"or give record_limits"
+        )
+    resolved = config.resolved(manifest, vocab_size=vocab)
+    return RunContext(manifest=manifest, task=task, config=resolved, rescorer=Rescorer(task, decode, eos_ids, prompt_of))

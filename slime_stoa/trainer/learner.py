@@ -1,0 +1,186 @@
+"""A small PyTorch learner: stoa's trainer side without Megatron (quickstart, CPU tests).
+
+It keeps float32 master weights but always *acts* with their bf16 rounding — exactly the weights
+it publishes and the workers serve — by a straight-through forward: the forward pass sees
+bf16(master), the gradient flows to the master. So the trainer-vs-worker logprob gap on the same
+version measures only numerics, not precision.
+
+Loss: GRPO advantages per prompt group (optionally std-scaled), the DPPO loss of
+`slime_stoa.trainer.loss` on the worker logprobs, AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from slime_stoa.protocol.hf.folders import f32_to_bf16_bits, load_hf_state
+
+from .loss import DPPOConfig, dppo_policy_loss, reduce_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """Optimisation settings of the CPU learner."""
+
+    lr: float = 3e-4  # AdamW learning rate
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    temperature: float = 1.0  # the run's sampling temperature (logprobs are tempered)
+    scale_rewards: bool = True  # GRPO: divide advantages by the group's std (False: Dr.GRPO)
+    dppo: DPPOConfig = field(default_factory=DPPOConfig)
+    micro_batch: int = 32  # sequences per forward pass
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and self.temperature > 0 and self.micro_batch >= 1):
+            raise ValueError("lr and temperature must be positive and micro_batch >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSequence:
+    """One sample of a prompt group, as the learner needs it."""
+
+    prompt: np.ndarray  # int token ids
+    response: np.ndarray  # int token ids
+    worker_logprobs: np.ndarray  # float32, one per response token
+    reward: float  # the trainer's recomputed reward
+
+
+def group_advantages(rewards: Sequence[float], *, scale: bool, eps: float = 1e-6) -> np.ndarray:
+    """GRPO advantages of one group: reward minus the group mean, optionally over the std."""
+    r = np.asarray(rewards, dtype=np.float64)
+    adv = r - r.mean()
+    if scale:
+        adv = adv / (r.std() + eps)
+    return adv.astype(np.float32)
+
+
+class Learner:
+    def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig()):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        # The published tensor set is the checkpoint's (tied heads are not duplicated).
+        self.names = list(load_hf_state(model_dir).keys())
+        params = dict(self.model.named_parameters())
+        missing = [n for n in self.names if n not in params]
+        if missing:
+            raise ValueError(f"checkpoint tensors not found among the model's parameters: {missing[:5]}")
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+
+    # -- weights -----------------------------------------------------------------------------
+    def bf16_state(self) -> dict[str, np.ndarray]:
+        """The policy's weights as bf16 bits (what gets published)."""
+        params = dict(self.model.named_parameters())
+        return {n: f32_to_bf16_bits(params[n].detach().cpu().numpy()) for n in self.names}
+
+    def _acting_params(self) -> dict[str, torch.Tensor]:
+        """bf16-rounded parameters whose gradient flows to the float32 master (straight-through)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            rounded = p.detach().to(torch.bfloat16).to(torch.float32)
+            out[name] = p + (rounded - p.detach())
+        return out
+
+    # -- forward -----------------------------------------------------------------------------
+    def _response_logprobs(self, seqs: Sequence[TrainSequence], params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Tempered logprobs of each response token under `params` (one tensor per sequence)."""
+        lengths = [len(s.prompt) + len(s.response) for s in seqs]
+        width = max(lengths)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens = np.concatenate([s.prompt, s.response]).astype(np.int64)
+            ids[i, : len(tokens)] = torch.from_numpy(tokens)
+            mask[i, : len(tokens)] = 1
+        logits = functional_call(self.model, params, (ids,), {"attention_mask": mask}).logits
+        logp = torch.log_softmax(logits.float() / self.config.temperature, dim=-1)
+        out = []
+        for i, s in enumerate(seqs):
+            p, r = len(s.prompt), len(s.response)
+            # logits at position t predict token t + 1
+            rows = logp[i, p - 1 : p + r - 1]
+            out.append(rows.gather(1, ids[i, p : p + r].unsqueeze(1)).squeeze(1))
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, seqs: Sequence[TrainSequence]) -> list[np.ndarray]:
+        """The current policy's tempered logprobs of each response (for the logprob-gap check)."""
+        params = {k: v.detach() for k, v in self._acting_params().items()}
+        out: list[np.ndarray] = []
+        for start in range(0, len(seqs), self.config.micro_batch):
+            out += [t.numpy() for t in self._response_logprobs(seqs[start : start + self.config.micro_batch], params)]
+        return out
+
+    # -- training ----------------------------------------------------------------------------
+    def step(self, groups: Sequence[Sequence[TrainSequence]]) -> dict[str, float]:
+        """One optimizer step on a batch of prompt groups; returns scalar metrics."""
+        cfg = self.config
+        seqs = [s for g in groups for s in g]
+        advantages = np.concatenate([group_advantages([s.reward for s in g], scale=cfg.scale_rewards) for g in groups])
+        total_tokens = sum(len(s.response) for s in seqs)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        for start in range(0, len(seqs), cfg.micro_batch):
+            chunk = seqs[start : start + cfg.micro_batch]
+            logps = self._response_logprobs(chunk, self._acting_params())
+            lengths = [len(s.response) for s in chunk]
+            logp = torch.cat(logps)
+            worker = torch.from_numpy(np.concatenate([s.worker_logprobs for s in chunk]).astype(np.float32))
+            adv = torch.from_numpy(
+                np.repeat(advantages[start : start + len(chunk)], lengths).astype(np.float32)
+            )
+            mask = torch.ones_like(logp)
+            per_token, metrics = dppo_policy_loss(logp, worker, adv, mask, cfg.dppo)
+            # token_mean over the whole batch: scale each chunk's sum by the batch's token count
+            if cfg.dppo.reduction == "token_mean":
+                loss = per_token.sum() / max(total_tokens, 1)
+            else:
+                loss = reduce_per_token(
+                    per_token, mask, lengths, reduction=cfg.dppo.reduction, drgrpo_max_len=cfg.dppo.drgrpo_max_len
+                ) * (len(chunk) / len(seqs))
+            loss.backward()
+            loss_total += float(loss.detach())
+            weight = sum(lengths) / max(total_tokens, 1)
+            for k, v in metrics.items():
+                if k != "tokens":
+                    sums[k] = sums.get(k, 0.0) + float(v.detach()) * weight
+        grad_norm = (
+            float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)) if cfg.grad_clip else 0.0
+        )
+        self.optimizer.step()
+        rewards = [s.reward for s in seqs]
+        return {
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "reward_mean": float(np.mean(rewards)),
+            "tokens": float(total_tokens),
+            **sums,
+        }
+
+    def supervised_step(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+        """One cross-entropy step on (prompt, target) token pairs — the optional format warm start."""
+        seqs = [TrainSequence(p, t, np.zeros(len(t), np.float32), 0.0) for p, t in pairs]
+        self.optimizer.zero_grad(set_to_none=True)
+        logps = self._response_logprobs(seqs, self._acting_params())
+        loss = -torch.cat(logps).mean()
+        loss.backward()
+        if self.config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        return float(loss.detach())

@@ -1,0 +1,813 @@
+"""Preflight: check a slime launch against its stoa run before a GPU is touched.
+
+`stoa preflight --store URL --run RUN [slime flags...]` (see `cli/preflight_cmd.py`) reads the
+bucket, the slime flags it cares about and the `--custom-config-path` YAML, and reports one
+`Finding` per check: `ok`, `warn` (works, but probably not what you want) or `fix` (the run
+would fail or train on the wrong data; the message says exactly what to change).
+
+Everything here is a small function. The bucket is read once (`inspect_store`, async) into a
+`StoreFacts`; every other check is a pure function of the parsed flags, the YAML, the facts and
+the run manifest:
+
+    flags, unknown = parse_slime_args(argv)           # tolerant: unknown slime flags are kept aside
+    config = load_custom_config(flags.custom_config_path)
+    args = effective_args(flags, config)              # the YAML overrides flags, as in slime
+    facts = asyncio.run(inspect_store(url, run))
+    findings = [*check_store(facts), *check_flags(args, facts.manifest, config), ...]
+
+The flag rules follow slime's `slime/utils/arguments.py` (`slime_validate_args`) and its DP
+schedule (`slime/utils/dp_schedule.py`): a training step takes `--global-batch-size` samples,
+`--num-steps-per-rollout k` means `global_batch_size = rollout_batch_size *
+n_samples_per_prompt // k`, and samples that do not fill a whole step are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import math
+import shlex
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import NotFound, StoreError, open_store, parse_store_url
+from slime_stoa.trainer.loss_config import DPPOConfig
+
+Config = Mapping[str, Any] | None  # the custom-config YAML, if read
+
+OK, WARN, FIX = "ok", "warn", "fix"
+STATUSES = (OK, WARN, FIX)
+
+STOA_ROLLOUT_FUNCTION = "slime_stoa.generate_rollout"
+STOA_LOSS_FUNCTION = "slime_stoa.dppo_loss"
+SLIME_DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The outcome of one check."""
+
+    check: str  # short name, e.g. "rollout-temperature"
+    status: str  # OK, WARN or FIX
+    message: str  # what was found and, unless OK, exactly what to change
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FIX
+
+
+def ok(check: str, message: str) -> Finding:
+    return Finding(check, OK, message)
+
+
+def warn(check: str, message: str) -> Finding:
+    return Finding(check, WARN, message)
+
+
+def fix(check: str, message: str) -> Finding:
+    return Finding(check, FIX, message)
+
+
+# -- slime flags ----------------------------------------------------------------------------------
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def slime_flag_parser() -> argparse.ArgumentParser:
+    """A parser for the slime flags preflight reads, with slime's types and defaults at HEAD."""
+    p = argparse.ArgumentParser(prog="slime", add_help=False, allow_abbrev=False)
+    add = p.add_argument
+    add("--rollout-num-gpus", type=int, default=None)
+    add("--colocate", action="store_true", default=False)
+    add("--debug-train-only", action="store_true", default=False)
+    add("--debug-rollout-only", action="store_true", default=False)
+    add("--rollout-function-path", default=SLIME_DEFAULT_ROLLOUT_FUNCTION)
+    add("--rollout-temperature", type=float, default=1.0)
+    add("--rollout-top-p", type=float, default=1.0)
+    add("--rollout-max-response-len", type=int, default=None)
+    add("--rollout-batch-size", type=int, default=None)
+    add("--n-samples-per-prompt", type=int, default=1)
+    add("--global-batch-size", type=int, default=None)
+    add("--num-steps-per-rollout", type=int, default=None)
+    add("--num-rollout", type=int, default=None)
+    add("--num-epoch", type=int, default=None)
+    add("--loss-type", default="policy_loss")
+    add("--custom-loss-function-path", default=None)
+    add("--advantage-estimator", default="grpo")
+    add("--use-rollout-logprobs", action="store_true", default=False)
+    add("--calculate-per-token-loss", action="store_true", default=False)
+    add("--use-kl-loss", action="store_true", default=False)
+    add("--use-tis", action="store_true", default=False)
+    add("--use-opsm", action="store_true", default=False)
+    add("--custom-pg-loss-reducer-function-path", default=None)
+    add("--custom-config-path", default=None)
+    add("--eval-interval", type=int, default=None)
+    add("--prompt-data", default=None)
+    add("--disable-rollout-global-dataset", action="store_false", dest="rollout_global_dataset")
+    add("--hf-checkpoint", default=None)
+    add("--save", default=None)
+    add("--load", default=None)
+    return p
+
+
+def parse_slime_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(the flags preflight reads, every other token). Unknown flags are tolerated; a bare `--`
+    is dropped. ValueError for a known flag with a bad value (e.g. `--rollout-batch-size x`)."""
+    tokens = [t for t in argv if t != "--"]
+    parser = slime_flag_parser()
+
+    def error(message: str) -> None:  # argparse would exit; raise instead
+        raise ValueError(f"slime flags: {message}")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser.parse_known_args(tokens)
+
+
+def read_args_file(path: str | Path) -> list[str]:
+    """Slime flags from a file: shell words (quotes allowed), `#` comments, any line breaks
+    (a backslash at the end of a line continues it, as in a shell script)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the slime args file {path}: {exc}") from None
+    try:
+        return shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise ValueError(f"slime args file {path}: {exc}") from None
+
+
+def load_custom_config(path: str | Path) -> dict[str, Any]:
+    """The `--custom-config-path` YAML as slime reads it (`yaml.safe_load`; empty file = {})."""
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError("reading the custom-config YAML needs PyYAML: pip install pyyaml") from None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the --custom-config-path file {path}: {exc}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--custom-config-path file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ValueError(f"--custom-config-path file {path} must be a mapping of setting names to values")
+    return data
+
+
+def effective_args(flags: argparse.Namespace, config: Mapping[str, Any]) -> argparse.Namespace:
+    """slime's view: the flags, then every YAML key set as an attribute (the YAML wins)."""
+    return argparse.Namespace(**{**vars(flags), **config})
+
+
+def _shown(value: Any) -> str:
+    """A setting's value in a message ("unset" for None)."""
+    return "unset" if value is None else repr(value)
+
+
+def _src(config: Config, name: str) -> str:
+    """How to name a setting in a message: the YAML key if the YAML sets it, else the flag."""
+    return f"the custom-config key {name}" if config and name in config else _flag(name)
+
+
+# -- importable functions ---------------------------------------------------------------------------
+def load_function(path: str) -> Callable[..., Any]:
+    """Import `pkg.mod.fn` as slime's `load_function` does: split at the last dot, import the
+    module, take the attribute. ValueError saying what failed."""
+    if not isinstance(path, str) or "." not in path.strip("."):
+        raise ValueError(f"{path!r} is not a dotted path like pkg.module.function")
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import error, or anything the module raises while loading
+        raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    try:
+        fn = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(fn):
+        raise ValueError(f"{path!r} is not callable")
+    return fn
+
+
+def _same_function(path: str, reference: str) -> bool:
+    """Whether `path` names the same object as `reference` (both importable)."""
+    try:
+        return load_function(path) is load_function(reference)
+    except ValueError:
+        return False
+
+
+# -- flag checks (pure) -----------------------------------------------------------------------------
+def check_rollout_gpus(args: argparse.Namespace) -> list[Finding]:
+    """No SGLang engines (`--rollout-num-gpus 0`), not colocated, no debug-only mode."""
+    out: list[Finding] = []
+    n = getattr(args, "rollout_num_gpus", None)
+    if n == 0:
+        out.append(ok("rollout-num-gpus", "--rollout-num-gpus 0: no SGLang engines, rollouts come from the bucket"))
+    else:
+        out.append(
+            fix(
+                "rollout-num-gpus",
+                f"--rollout-num-gpus is {_shown(n)}: add --rollout-num-gpus 0 "
+                "(the Macs generate; slime must start no SGLang engines)",
+            )
+        )
+    if getattr(args, "colocate", False):
+        out.append(fix("colocate", "--colocate is set: remove it (there is no inference engine to share GPUs with)"))
+    for name in ("debug_train_only", "debug_rollout_only"):
+        if getattr(args, name, False):
+            out.append(
+                fix(
+                    name.replace("_", "-"),
+                    f"{_flag(name)} is set: remove it (slime then skips update_weights, so no weights are published)",
+                )
+            )
+    return out
+
+
+def check_temperature(args: argparse.Namespace, manifest: RunManifest, config: Config = None) -> Finding:
+    """The trainer recomputes log-probs at `--rollout-temperature`: it must be the workers'."""
+    t = getattr(args, "rollout_temperature", 1.0)
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isclose(t, manifest.temperature, rel_tol=1e-9):
+        return ok("rollout-temperature", f"--rollout-temperature {t:g} equals run {manifest.run}'s temperature")
+    return fix(
+        "rollout-temperature",
+        f"{_src(config, 'rollout_temperature')} is {t!r} but run {manifest.run!r} samples at temperature "
+        f"{manifest.temperature:g}: set --rollout-temperature {manifest.temperature:g}",
+    )
+
+
+def check_top_p(args: argparse.Namespace, config: Config = None) -> Finding:
+    """Workers sample the full distribution (top_p = 1); slime must not truncate it."""
+    p = getattr(args, "rollout_top_p", 1.0)
+    if p == 1.0:
+        return ok("rollout-top-p", "--rollout-top-p is 1.0 (full distribution, as the workers sample)")
+    return fix(
+        "rollout-top-p",
+        f"{_src(config, 'rollout_top_p')} is {p!r}: set --rollout-top-p 1.0 (stoa workers sample with top_p = 1, "
+        "and the trainer must compute log-probs over the full distribution)",
+    )
+
+
+def check_group_size(args: argparse.Namespace, manifest: RunManifest, config: Config = None) -> Finding:
+    """`--n-samples-per-prompt` is the run's group size (GRPO groups stay whole)."""
+    n = getattr(args, "n_samples_per_prompt", 1)
+    if n == manifest.group_size:
+        return ok("n-samples-per-prompt", f"--n-samples-per-prompt {n} equals run {manifest.run}'s group size")
+    return fix(
+        "n-samples-per-prompt",
+        f"{_src(config, 'n_samples_per_prompt')} is {n!r} but run {manifest.run!r} has groups of "
+        f"{manifest.group_size}: set --n-samples-per-prompt {manifest.group_size}",
+    )
+
+
+def check_max_response_len(args: argparse.Namespace, manifest: RunManifest, config: Config = None) -> Finding:
+    """`--rollout-max-response-len` covers the longest response a worker may send."""
+    n = getattr(args, "rollout_max_response_len", None)
+    if isinstance(n, int) and n >= manifest.max_tokens:
+        return ok("rollout-max-response-len", f"--rollout-max-response-len {n} >= run max_tokens {manifest.max_tokens}")
+    got = _shown(n)
+    return fix(
+        "rollout-max-response-len",
+        f"{_src(config, 'rollout_max_response_len')} is {got} but run {manifest.run!r} allows responses of "
+        f"{manifest.max_tokens} tokens: set --rollout-max-response-len {manifest.max_tokens}",
+    )
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_batch_sizes(args: argparse.Namespace) -> Finding:
+    """`--rollout-batch-size` x `--n-samples-per-prompt` against `--global-batch-size` /
+    `--num-steps-per-rollout`, with slime's rules at HEAD."""
+    rbs = getattr(args, "rollout_batch_size", None)
+    n = getattr(args, "n_samples_per_prompt", 1)
+    gbs = getattr(args, "global_batch_size", None)
+    k = getattr(args, "num_steps_per_rollout", None)
+    check = "global-batch-size"
+    if not _positive_int(rbs):
+        return fix(
+            "rollout-batch-size", f"--rollout-batch-size is {_shown(rbs)}: set it to the prompt groups per rollout"
+        )
+    if not _positive_int(n):
+        return fix("n-samples-per-prompt", f"--n-samples-per-prompt is {n!r}: set it to the run's group size")
+    total = rbs * n
+    per_rollout = f"the {total} samples of a rollout (rollout-batch-size {rbs} x n-samples-per-prompt {n})"
+    if k is not None:
+        if not _positive_int(k):
+            return fix(check, f"--num-steps-per-rollout is {k!r}: set it to an integer >= 1")
+        if total % k:
+            return fix(check, f"--num-steps-per-rollout {k} does not divide {per_rollout}: pick a divisor of {total}")
+        if gbs is not None and gbs != total // k:
+            return fix(
+                check,
+                f"--global-batch-size {gbs} contradicts --num-steps-per-rollout {k} ({total} // {k} = {total // k}; "
+                f"slime asserts they agree): drop --global-batch-size or set it to {total // k}",
+            )
+        gbs = total // k
+    if gbs is None:
+        return fix(
+            check,
+            "neither --global-batch-size nor --num-steps-per-rollout is set (Megatron's default, micro-batch x DP, "
+            f"would take many optimizer steps per rollout): add --global-batch-size {total} (one step per rollout)",
+        )
+    if not _positive_int(gbs):
+        return fix(check, f"--global-batch-size is {gbs!r}: set it to an integer >= 1, e.g. {total}")
+    if gbs > total:
+        return fix(
+            check,
+            f"--global-batch-size {gbs} exceeds {per_rollout} and slime fails at the first step: "
+            f"set --global-batch-size {total}",
+        )
+    if total % gbs:
+        return fix(
+            check,
+            f"--global-batch-size {gbs} does not divide {per_rollout}: slime would drop the last {total % gbs} "
+            f"samples of every rollout; set --global-batch-size {total} or another divisor of {total}",
+        )
+    return ok(check, f"{total} samples per rollout = {total // gbs} optimizer step(s) of {gbs}")
+
+
+def check_schedule(args: argparse.Namespace) -> list[Finding]:
+    """`--num-rollout` set; no evaluation; no prompt data; the global dataset (and so the
+    consumer's cursor in slime's checkpoints) kept on; checkpoints saved."""
+    out: list[Finding] = []
+    num_rollout = getattr(args, "num_rollout", None)
+    if _positive_int(num_rollout):
+        out.append(ok("num-rollout", f"--num-rollout {num_rollout}"))
+    else:
+        out.append(
+            fix(
+                "num-rollout",
+                f"--num-rollout is {_shown(num_rollout)}: set it (e.g. --num-rollout 500); "
+                "--num-epoch needs --prompt-data, which stoa does not use",
+            )
+        )
+    if getattr(args, "eval_interval", None) is not None:
+        out.append(
+            fix(
+                "eval-interval",
+                "--eval-interval is set: remove it (stoa's rollout function serves training batches only)",
+            )
+        )
+    if getattr(args, "prompt_data", None):
+        out.append(warn("prompt-data", "--prompt-data is set but ignored (prompts come from the bucket): remove it"))
+    if not getattr(args, "rollout_global_dataset", True):
+        out.append(
+            warn(
+                "rollout-global-dataset",
+                "--disable-rollout-global-dataset is set: slime then never saves its data source, so the consumer's "
+                "cursor is not in the checkpoints (it resumes from the bucket copy, if any); remove the flag",
+            )
+        )
+    if not getattr(args, "save", None):
+        out.append(warn("save", "--save is not set: no checkpoints, so a restart starts over from the initial weights"))
+    return out
+
+
+def check_rollout_function(args: argparse.Namespace, config: Config = None) -> Finding:
+    """`--rollout-function-path` importable here, and not slime's SGLang default."""
+    path = getattr(args, "rollout_function_path", SLIME_DEFAULT_ROLLOUT_FUNCTION)
+    check = "rollout-function-path"
+    if path == SLIME_DEFAULT_ROLLOUT_FUNCTION:
+        message = "--rollout-function-path is slime's SGLang default: "
+        message += f"add --rollout-function-path {STOA_ROLLOUT_FUNCTION}"
+        return fix(check, message)
+    try:
+        load_function(path)
+    except ValueError as exc:
+        instead = "" if path == STOA_ROLLOUT_FUNCTION else f", or use --rollout-function-path {STOA_ROLLOUT_FUNCTION}"
+        return fix(
+            check,
+            f"{_src(config, 'rollout_function_path')} {path!r} does not import here ({exc}): install stoa in this "
+            f"environment (pip install -e <stoa checkout>){instead}",
+        )
+    return ok(check, f"--rollout-function-path {path} imports")
+
+
+def check_loss(args: argparse.Namespace, config: Config = None) -> list[Finding]:
+    """`--loss-type custom_loss` with an importable `--custom-loss-function-path`; estimator and
+    log-prob flags that suit it."""
+    out: list[Finding] = []
+    loss_type = getattr(args, "loss_type", "policy_loss")
+    if loss_type == "custom_loss":
+        out.append(ok("loss-type", "--loss-type custom_loss"))
+    else:
+        out.append(fix("loss-type", f"{_src(config, 'loss_type')} is {loss_type!r}: set --loss-type custom_loss"))
+    path = getattr(args, "custom_loss_function_path", None)
+    check = "custom-loss-function-path"
+    if not path:
+        message = f"--custom-loss-function-path is not set: add --custom-loss-function-path {STOA_LOSS_FUNCTION}"
+        out.append(fix(check, message))
+    else:
+        try:
+            load_function(path)
+            out.append(ok(check, f"--custom-loss-function-path {path} imports"))
+        except ValueError as exc:
+            instead = "" if path == STOA_LOSS_FUNCTION else f", or use --custom-loss-function-path {STOA_LOSS_FUNCTION}"
+            out.append(
+                fix(
+                    check,
+                    f"--custom-loss-function-path {path!r} does not import here ({exc}): install stoa's trainer extras "
+                    f"(pip install -e '<stoa checkout>[trainer]'){instead}",
+                )
+            )
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    if estimator == "grpo":
+        out.append(ok("advantage-estimator", "--advantage-estimator grpo"))
+    elif estimator == "ppo":
+        out.append(
+            fix(
+                "advantage-estimator",
+                "--advantage-estimator ppo trains a critic, whose path never publishes weights: "
+                "use --advantage-estimator grpo",
+            )
+        )
+    else:
+        out.append(
+            warn(
+                "advantage-estimator",
+                f"--advantage-estimator {estimator}: stoa's groups are built for grpo; use --advantage-estimator grpo "
+                "unless you mean it",
+            )
+        )
+    if not getattr(args, "use_rollout_logprobs", False):
+        out.append(
+            warn(
+                "use-rollout-logprobs",
+                "--use-rollout-logprobs is not set: slime recomputes old log-probs the DPPO loss never reads "
+                "(an extra forward pass per rollout); add --use-rollout-logprobs",
+            )
+        )
+    return out
+
+
+def check_custom_config(
+    args: argparse.Namespace,
+    config: Config,
+    *,
+    store_url: str,
+    run: str,
+    config_error: str | None = None,
+) -> list[Finding]:
+    """The YAML exists and names this bucket and run, with publishing on; no unknown stoa_* or
+    dppo_* keys (a typo would be ignored silently)."""
+    path = getattr(args, "custom_config_path", None)
+    if not path:
+        return [
+            fix(
+                "custom-config",
+                "--custom-config-path is not set: write a YAML with stoa_publish: true, stoa_bucket and stoa_run "
+                "(see docs/slime.md) and pass --custom-config-path FILE",
+            )
+        ]
+    if config is None:
+        return [fix("custom-config", config_error or f"cannot read {path}")]
+    out: list[Finding] = []
+    bucket = config.get("stoa_bucket")
+    if bucket is None:
+        out.append(fix("stoa-bucket", f"{path} has no stoa_bucket: add `stoa_bucket: {store_url}`"))
+    elif not same_store(bucket, store_url):
+        message = f"{path} has stoa_bucket {bucket!r}, not {store_url!r}: set `stoa_bucket: {store_url}`"
+        out.append(fix("stoa-bucket", message))
+    else:
+        out.append(ok("stoa-bucket", f"stoa_bucket is {store_url}"))
+    got_run = config.get("stoa_run")
+    if got_run != run:
+        out.append(fix("stoa-run", f"{path} has stoa_run {got_run!r}, not {run!r}: set `stoa_run: {run}`"))
+    else:
+        out.append(ok("stoa-run", f"stoa_run is {run}"))
+    publish = config.get("stoa_publish")
+    if publish is True:
+        out.append(ok("stoa-publish", "stoa_publish: true (the patched update_weights publishes to the bucket)"))
+    else:
+        out.append(
+            fix(
+                "stoa-publish",
+                f"{path} has stoa_publish {publish!r}: set `stoa_publish: true` (a YAML boolean), "
+                "or slime publishes nothing",
+            )
+        )
+    known = known_settings()
+    unknown = sorted(k for k in config if k.startswith(("stoa_", "dppo_")) and k not in known)
+    if unknown:
+        out.append(
+            fix(
+                "custom-config-keys",
+                f"{path} has unknown settings (a typo is ignored silently): "
+                + "; ".join(_did_you_mean(k, known) for k in unknown)
+                + ". Fix or remove them (docs/slime.md lists the settings)",
+            )
+        )
+    return out
+
+
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key
+
+
+def same_store(a: Any, b: str) -> bool:
+    """Whether two store URLs name the same place (equal strings, or equal once parsed)."""
+    if not isinstance(a, str):
+        return False
+    if a == b:
+        return True
+    try:
+        la, lb = parse_store_url(a, {}), parse_store_url(b, {})
+    except ValueError:
+        return False
+    return dataclasses.replace(la, url="") == dataclasses.replace(lb, url="")
+
+
+def known_settings() -> frozenset[str]:
+    """Every stoa_* and dppo_* key some stoa module reads from slime's args."""
+    from . import loss, rollout
+    from . import publish as slime_hook
+
+    names = {f"stoa_{n}" for n in ("bucket", "run", "tokenizer_dir", "state_in_bucket")}
+    names |= {"stoa_" + n for n in rollout.CONFIG_FIELDS}
+    names |= {"stoa_" + n for n in slime_hook.CONFIG_FIELDS}
+    names |= {"stoa_publish", "stoa_publish_retries", "stoa_publish_backoff_s"}
+    names |= {loss.SLIME_ARG_PREFIX + f.name for f in dataclasses.fields(DPPOConfig)}
+    return frozenset(names)
+
+
+def check_settings(args: argparse.Namespace) -> list[Finding]:
+    """The stoa_* and dppo_* values parse the way the trainer's modules will parse them."""
+    out: list[Finding] = []
+    rollout_path = getattr(args, "rollout_function_path", SLIME_DEFAULT_ROLLOUT_FUNCTION)
+    is_stoa_rollout = rollout_path != SLIME_DEFAULT_ROLLOUT_FUNCTION and _same_function(
+        rollout_path, "slime_stoa.trainer.slime.rollout.generate_rollout"
+    )
+    if is_stoa_rollout:
+        from . import rollout
+
+        try:
+            rollout.config_from_args(args)
+            rollout.tokenizer_dir_from_args(args)
+            rollout.state_in_bucket_from_args(args)
+            out.append(ok("rollout-settings", "the rollout function's stoa_* settings parse"))
+        except ValueError as exc:
+            out.append(fix("rollout-settings", f"rollout function settings: {exc}"))
+    if getattr(args, "stoa_publish", None) is True:
+        from . import publish as slime_hook
+
+        try:
+            slime_hook.publisher_config_from_args(args)
+            slime_hook.retry_settings_from_args(args)
+            out.append(ok("publisher-settings", "the publisher's stoa_* settings parse"))
+        except ValueError as exc:
+            out.append(fix("publisher-settings", f"weight publishing settings: {exc}"))
+    loss_path = getattr(args, "custom_loss_function_path", None)
+    is_stoa_loss = bool(loss_path) and _same_function(loss_path, STOA_LOSS_FUNCTION)
+    if getattr(args, "loss_type", None) == "custom_loss" and is_stoa_loss:
+        from . import loss
+
+        try:
+            cfg = loss.config_from_args(args)
+            out.append(ok("dppo-settings", f"DPPO loss settings parse (reduction {cfg.reduction})"))
+        except (TypeError, ValueError) as exc:
+            out.append(fix("dppo-settings", f"DPPO loss settings: {exc}"))
+    return out
+
+
+def check_tokenizer(args: argparse.Namespace, facts: StoreFacts) -> Finding | None:
+    """The rollout function can load the run's tokenizer (stoa_tokenizer_dir, else the anchor's)."""
+    folder = getattr(args, "stoa_tokenizer_dir", None)
+    if folder:
+        if (Path(str(folder)).expanduser() / "tokenizer.json").is_file():
+            return ok("tokenizer", f"stoa_tokenizer_dir {folder} has tokenizer.json")
+        return fix("tokenizer", f"stoa_tokenizer_dir {folder} has no tokenizer.json: point it at the model's HF folder")
+    if facts.pointer_version is None or facts.anchor_extras is None:
+        return None  # reported by the pointer check
+    if "tokenizer.json" in facts.anchor_extras:
+        return ok("tokenizer", f"the run's anchor v{facts.anchor_version} ships tokenizer.json")
+    return fix(
+        "tokenizer",
+        f"the run's anchor v{facts.anchor_version} has no tokenizer.json (the trainer decodes completions with it): "
+        "set stoa_tokenizer_dir to the model's HF folder in the custom-config YAML",
+    )
+
+
+def check_flags(args: argparse.Namespace, manifest: RunManifest | None, config: Config = None) -> list[Finding]:
+    """Every slime-flag check; those that need the run manifest only when it was read."""
+    out = check_rollout_gpus(args)
+    if manifest is not None:
+        out += [
+            check_temperature(args, manifest, config),
+            check_group_size(args, manifest, config),
+            check_max_response_len(args, manifest, config),
+        ]
+    out.append(check_top_p(args, config))
+    out.append(check_batch_sizes(args))
+    out += check_schedule(args)
+    out.append(check_rollout_function(args, config))
+    out += check_loss(args, config)
+    return out
+
+
+# -- the bucket -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoreFacts:
+    """What preflight read from the bucket (`inspect_store`)."""
+
+    url: str
+    run: str
+    error: str | None = None  # the bucket could not be opened or read at all
+    manifest: RunManifest | None = None
+    manifest_error: str | None = None  # missing or invalid run manifest
+    task_key: str | None = None  # where the run's task data should be
+    task_present: bool = False
+    pointer_version: int | None = None  # None: no published weights
+    pointer_error: str | None = None
+    anchor_version: int | None = None
+    anchor_extras: tuple[str, ...] | None = None  # file names beside the anchor's weights
+
+
+async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None = None) -> StoreFacts:
+    """Read the run's manifest, task data key, pointer and anchor manifest; never raises for
+    store trouble (it lands in the facts)."""
+    from slime_stoa.protocol.pulse.manifests import (
+        AnchorManifest,
+        ManifestError,
+        Pointer,
+    )
+
+    layout = RunLayout(run)
+    try:
+        store = open_store(url, environ=environ)
+    except (StoreError, ValueError) as exc:
+        return StoreFacts(url, run, error=str(exc))
+    async with store:
+        try:
+            raw = await store.get_bytes(layout.run_manifest)
+        except NotFound:
+            return StoreFacts(url, run, manifest_error=f"{layout.run_manifest} does not exist")
+        except StoreError as exc:
+            return StoreFacts(url, run, error=str(exc))
+        facts: dict[str, Any] = {}
+        try:
+            manifest = RunManifest.from_bytes(raw)
+            if manifest.run != run:
+                raise ValueError(f"it describes run {manifest.run!r}")
+            facts["manifest"] = manifest
+        except ValueError as exc:
+            return StoreFacts(url, run, manifest_error=f"{layout.run_manifest} is invalid: {exc}")
+        try:
+            task_key = layout.task_file(manifest.task, f"{manifest.task_split}.jsonl.zst")
+            facts["task_key"] = task_key
+            facts["task_present"] = await store.exists(task_key)
+            try:
+                pointer = Pointer.from_bytes(await store.get_bytes(layout.pointer), layout.pointer)
+            except NotFound:
+                return StoreFacts(url, run, **facts)
+            facts["pointer_version"] = pointer.version
+            facts["anchor_version"] = pointer.anchor.version
+            anchor = AnchorManifest.from_bytes(await store.get_bytes(pointer.anchor.manifest), pointer.anchor.manifest)
+            facts["anchor_extras"] = tuple(f.name for f in anchor.extras)
+        except (StoreError, ManifestError, ValueError) as exc:
+            facts["pointer_error"] = str(exc)
+        return StoreFacts(url, run, **facts)
+
+
+def check_store(facts: StoreFacts) -> list[Finding]:
+    """Bucket reachable, run manifest, task data, published weights."""
+    url, run = facts.url, facts.run
+    if facts.error is not None:
+        return [fix("bucket", f"cannot read {url}: {facts.error}")]
+    out = [ok("bucket", f"{url} is reachable")]
+    if facts.manifest is None:
+        out.append(
+            fix(
+                "run-manifest",
+                f"run {run!r} has no usable manifest ({facts.manifest_error}): create it with "
+                f"`stoa run create {url} --run {run} --model MODEL --task gsm8k ...`",
+            )
+        )
+        return out
+    m = facts.manifest
+    out.append(
+        ok(
+            "run-manifest",
+            f"run {run}: task {m.task}, group size {m.group_size}, temperature {m.temperature:g}, "
+            f"max_tokens {m.max_tokens}",
+        )
+    )
+    if facts.task_present:
+        out.append(ok("task-data", f"{facts.task_key} exists"))
+    else:
+        out.append(
+            fix(
+                "task-data",
+                f"{facts.task_key} is missing: run "
+                f"`stoa task prepare {m.task} <{m.task_split}.jsonl> --store {url} --run {run}`",
+            )
+        )
+    if facts.pointer_error is not None:
+        out.append(
+            fix(
+                "weights",
+                f"the run's published weights cannot be read ({facts.pointer_error}): check with "
+                f"`stoa weights verify --store {url} --run {run}`",
+            )
+        )
+    elif facts.pointer_version is None:
+        out.append(
+            fix(
+                "weights",
+                f"run {run!r} has no published weights: seed it with "
+                f"`stoa weights publish-anchor HF_DIR --store {url} --run {run}` (HF_DIR: the model slime starts from)",
+            )
+        )
+    else:
+        out.append(ok("weights", f"weights published: v{facts.pointer_version} (anchor v{facts.anchor_version})"))
+    return out
+
+
+# -- the slime checkout -----------------------------------------------------------------------------
+def check_patch(slime_dir: str | Path | None) -> Finding:
+    """stoa's slime patches are applied in the checkout at `slime_dir`."""
+    check = "slime-patch"
+    if not slime_dir:
+        return warn(check, "no --slime-dir given: the slime patch was not checked (pass --slime-dir or set SLIME_DIR)")
+    root = Path(slime_dir)
+    if not root.is_dir():
+        return fix(check, f"slime checkout {root} is not a folder: pass the root of the slime checkout as --slime-dir")
+    from . import patching as aps
+
+    try:
+        paths = sorted(aps.PATCH_DIR.glob(aps.PATCH_GLOB))
+        if not paths:
+            return fix(check, f"no patches found in {aps.PATCH_DIR}")
+        statuses = [(p, aps.patch_status(root, p)) for p in aps.load_patches(paths)]
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        return fix(check, str(exc))
+    apply_cmd = f"python scripts/apply_slime_patches.py {root}"
+    bad = [f"{p.name}: {s.message}" for p, s in statuses if s.state == aps.NOT_APPLICABLE]
+    if bad:
+        return fix(check, "a stoa patch does not fit this slime checkout: " + " ".join(bad))
+    pending = [p.name for p, s in statuses if s.state == aps.NOT_APPLIED]
+    if pending:
+        return fix(check, f"{', '.join(pending)} not applied to {root}: run `{apply_cmd}` (from the stoa checkout)")
+    return ok(check, f"stoa's slime patches are applied in {root}")
+
+
+# -- everything -------------------------------------------------------------------------------------
+def run_checks(
+    store_url: str,
+    run: str,
+    slime_argv: Sequence[str],
+    *,
+    slime_dir: str | Path | None = None,
+    facts: StoreFacts,
+) -> list[Finding]:
+    """Every check, given what was read from the bucket (`inspect_store`)."""
+    try:
+        flags, _unknown = parse_slime_args(slime_argv)
+    except ValueError as exc:
+        return [*check_store(facts), fix("slime-flags", str(exc))]
+    config: dict[str, Any] | None = None
+    config_error = None
+    if flags.custom_config_path:
+        try:
+            config = load_custom_config(flags.custom_config_path)
+        except ValueError as exc:
+            config_error = str(exc)
+    args = effective_args(flags, config or {})
+    out = [*check_store(facts), *check_flags(args, facts.manifest, config)]
+    out += check_custom_config(args, config, store_url=store_url, run=run, config_error=config_error)
+    out += check_settings(args)
+    tokenizer = check_tokenizer(args, facts)
+    if tokenizer is not None:
+        out.append(tokenizer)
+    out.append(check_patch(slime_dir))
+    return out
+
+
+def failed(findings: Iterable[Finding]) -> bool:
+    return any(f.failed for f in findings)
+
+
+def format_findings(findings: Sequence[Finding]) -> str:
+    """One line per finding (`ok`, `warn`, `FIX`) and a summary line."""
+    labels = {OK: "ok  ", WARN: "warn", FIX: "FIX "}
+    width = max((len(f.check) for f in findings), default=0)
+    lines = [f"{labels[f.status]}  {f.check:<{width}}  {f.message}" for f in findings]
+    counts = {s: sum(f.status == s for f in findings) for s in STATUSES}
+    verdict = "ready to launch" if not counts[FIX] else "fix the FIX lines, then run preflight again"
+    lines.append(f"{len(findings)} checks: {counts[OK]} ok, {counts[WARN]} warnings, {counts[FIX]} to fix; {verdict}")
+    return "\n".join(lines)

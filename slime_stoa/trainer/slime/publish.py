@@ -1,0 +1,430 @@
+"""Trainer-side glue: publish slime's weights as a PULSE version after every `update_weights`.
+
+With `--rollout-num-gpus 0` slime starts no SGLang engines and `MegatronTrainRayActor.update_weights`
+returns early. `patches/slime_publish_weights.patch` (applied with
+`scripts/apply_slime_patches.py`) makes that branch call `publish_weights(self, args)` instead
+when `args.stoa_publish` is true. slime calls `update_weights` once before its train loop (the
+first call of a new run writes the anchor v0) and once after every rollout's training.
+
+Settings are attributes of slime's `args`, normally from the `--custom-config-path` YAML (slime
+sets every key of that file on `args`, in every process):
+
+    stoa_publish: true                     # read by the patch: publish instead of skipping
+    stoa_bucket: s3://bucket/prefix?endpoint=https://host   # required: store URL (file://, s3://, r2://)
+    stoa_run: my-run                       # required: run name in the bucket
+    # optional, PublisherConfig fields (defaults in slime_stoa.protocol.pulse.publisher):
+    stoa_anchor_every: 50                  # full anchor at least every this many versions
+    stoa_anchor_fraction: 0.5              # ... or once patches since the anchor exceed this share
+    stoa_catchup: true                     # merged catch-up patch for lagging workers
+    stoa_mode: abs                         # step patches: abs or rel
+    stoa_frame_bytes: 16777216             # bytes per compressed frame
+    stoa_shard_bytes: 1073741824           # anchor safetensors shard size
+    stoa_retain_anchors: 2                 # anchors kept in the bucket (0: all)
+    stoa_extras_dir: /path/to/hf           # config/tokenizer shipped with anchors
+                                           #   (default: --hf-checkpoint if it is a local folder;
+                                           #    "" to ship none)
+    stoa_concurrency: 8                    # uploads in flight
+    stoa_threads: null                     # compression threads (null: one per CPU)
+    # retries of a failed publish (store errors; never a conflict with another publisher):
+    stoa_publish_retries: 3
+    stoa_publish_backoff_s: 2.0            # doubled after each failed attempt
+
+Store credentials come from the environment as for every stoa store URL.
+
+Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
+float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
+reaches the patched branch, and slime's `keep_old_actor` queue is not advanced by a publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from slime_stoa.protocol.pulse.publisher import (
+    PublishConflict,
+    Publisher,
+    PublisherConfig,
+    PublishError,
+    PublishResult,
+)
+from slime_stoa.protocol.store import StoreUnavailable, open_store
+
+from .settings import as_bool, as_float, as_int, check_bucket_and_run, required_setting
+
+log = logging.getLogger(__name__)
+
+PREFIX = "stoa_"
+DEFAULT_RETRIES = 3
+DEFAULT_BACKOFF_S = 2.0
+MiB = 1 << 20
+
+T = TypeVar("T")
+NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor) pairs: one slime chunk
+
+
+# -- tensors -> bf16 bits ------------------------------------------------------------------------
+def tensor_bits(name: str, tensor: Any) -> np.ndarray:
+    """A torch tensor's bf16 bit patterns as a new uint16 numpy array on the CPU.
+
+    bf16 tensors keep their bits exactly; float16/float32/float64 tensors are cast to bf16 (round
+    to nearest even, torch's cast). The result never shares memory with `tensor`.
+    """
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError(
+            f"tensor {name!r} has dtype {tensor.dtype}; stoa publishes bf16 weights only "
+            f"(quantized or integer tensors are not supported)"
+        )
+    bits = tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16)
+    return bits.to("cpu", copy=True).numpy().view(np.uint16)
+
+
+def add_chunk(state: dict[str, np.ndarray], chunk: NamedTensors) -> None:
+    """Add one chunk of (HF name, tensor) pairs to `state` as bf16 bits; ValueError on a duplicate."""
+    for name, tensor in chunk:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"invalid tensor name {name!r}")
+        if name in state:
+            raise ValueError(f"duplicate HF tensor {name!r} in slime's weight chunks")
+        state[name] = tensor_bits(name, tensor)
+
+
+def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
+    """slime's HF weight chunks -> {name: uint16 bf16 bits}; ValueError if empty or inconsistent."""
+    state: dict[str, np.ndarray] = {}
+    for chunk in chunks:
+        add_chunk(state, chunk)
+    if not state:
+        raise ValueError("slime produced no weight tensors")
+    return state
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+
+
+
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+def _opt_int(key: str, value: Any) -> int | None:
+    return None if value is None else as_int(key, value)
+
+
+def _opt_path(key: str, value: Any) -> Path | None:
+    return Path(_str(key, value)).expanduser() if value else None
+
+
+# One parser per PublisherConfig field; the setting is PREFIX + field name.
+CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "anchor_every": as_int,
+    "anchor_fraction": as_float,
+    "catchup": as_bool,
+    "mode": _str,
+    "frame_bytes": as_int,
+    "shard_bytes": as_int,
+    "retain_anchors": as_int,
+    "extras_dir": _opt_path,
+    "concurrency": as_int,
+    "threads": _opt_int,
+}
+
+
+def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:
+    """(store URL, run name, PublisherConfig) from `args.stoa_*`; ValueError naming a bad setting."""
+    url, run = check_bucket_and_run(
+        *(required_setting(args, PREFIX + name, needed_by="stoa weight publishing") for name in ("bucket", "run")),
+        prefix=PREFIX,
+    )
+    fields = {
+        name: parse(PREFIX + name, getattr(args, PREFIX + name))
+        for name, parse in CONFIG_FIELDS.items()
+        if hasattr(args, PREFIX + name)
+    }
+    if not hasattr(args, PREFIX + "extras_dir"):
+        hf = getattr(args, "hf_checkpoint", None)
+        if isinstance(hf, str) and Path(hf).is_dir():
+            fields["extras_dir"] = Path(hf)
+    try:
+        config = PublisherConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"invalid stoa publisher settings: {exc}") from None
+    return url, run, config
+
+
+def retry_settings_from_args(args: Any) -> tuple[int, float]:
+    """(retries, initial backoff seconds) from `args.stoa_publish_retries` / `stoa_publish_backoff_s`."""
+    retries = as_int(f"{PREFIX}publish_retries", getattr(args, f"{PREFIX}publish_retries", DEFAULT_RETRIES))
+    backoff = as_float(f"{PREFIX}publish_backoff_s", getattr(args, f"{PREFIX}publish_backoff_s", DEFAULT_BACKOFF_S))
+    if retries < 0 or backoff < 0:
+        raise ValueError(f"{PREFIX}publish_retries and {PREFIX}publish_backoff_s must be >= 0")
+    return retries, backoff
+
+
+def call_with_retries(
+    fn: Callable[[], T], *, retries: int, backoff_s: float, what: str, sleep: Callable[[float], None] = time.sleep
+) -> T:
+    """Call `fn`, retrying `PublishError` and `StoreUnavailable` up to `retries` times.
+
+    The delay starts at `backoff_s` and doubles. A `PublishConflict` (another publisher owns the
+    run) is raised at once; after the last attempt a `PublishError` says how many were made.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except PublishConflict:
+            raise
+        except (PublishError, StoreUnavailable) as exc:
+            if attempt > retries:
+                raise PublishError(
+                    f"{what} failed after {attempt} attempt(s); the pointer did not move. Last error: {exc}"
+                ) from exc
+            delay = backoff_s * 2 ** (attempt - 1)
+            log.warning("stoa: %s: attempt %d failed (%s); retrying in %.1fs", what, attempt, exc, delay)
+            sleep(delay)
+
+
+# -- a Publisher for synchronous callers ---------------------------------------------------------
+class SyncPublisher:
+    """A `Publisher` running on its own event-loop thread, callable from synchronous code.
+
+    The store is opened from `url` on that loop, so its connections live on one loop for the
+    whole run. `publish` retries store failures (`PublishError`, `StoreUnavailable`) up to
+    `retries` times with exponential backoff; a `PublishConflict` (another publisher owns the
+    run) is raised at once. A failed publish never moves the pointer nor the baseline.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        config: PublisherConfig = PublisherConfig(),
+        *,
+        retries: int = DEFAULT_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        environ: Mapping[str, str] | None = None,
+        create: bool = False,
+    ) -> None:
+        if retries < 0 or backoff_s < 0:
+            raise ValueError("retries and backoff_s must be >= 0")
+        self.url, self.run, self.config = url, run, config
+        self.retries, self.backoff_s = retries, backoff_s
+        self._publisher: Publisher | None = None
+        self._lock = threading.RLock()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"stoa-publisher-{run}", daemon=True)
+        self._thread.start()
+        try:
+            self._store = self._call(self._open_store(environ, create))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    async def _open_store(self, environ: Mapping[str, str] | None, create: bool):
+        return open_store(self.url, environ=environ, create=create)
+
+    def _call(self, coro):
+        """Run a coroutine on the publisher's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def version(self) -> int | None:
+        """The last published version (None before `open` or for a new run)."""
+        return self._publisher.version if self._publisher else None
+
+    def open(self) -> int | None:
+        """Resume from the run's pointer (once); the published version, None for a new run."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SyncPublisher is closed")
+            if self._publisher is None:
+                publisher = Publisher(self._store, self.run, self.config)
+                version = self._call(publisher.open())
+                self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
+                where = f"resuming after v{version}" if version is not None else "new run"
+                log.info("stoa: publishing weights to run %s at %s (%s)", self.run, self.url, where)
+            return self._publisher.version
+
+    def publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
+        """Publish `state` (uint16 bf16 bits) as the next version, retrying store failures."""
+
+        def attempt() -> PublishResult:
+            self.open()
+            assert self._publisher is not None
+            return self._call(self._publisher.publish(state))
+
+        with self._lock:
+            return call_with_retries(
+                attempt, retries=self.retries, backoff_s=self.backoff_s,
+                what=f"publishing weights to run {self.run!r} at {self.url}",
+            )
+
+    def close(self) -> None:
+        """Close the store and stop the loop thread (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._call(self._store.close())
+            finally:
+                self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_PUBLISHER: SyncPublisher | None = None
+
+
+def get_publisher(args: Any) -> SyncPublisher:
+    """The process-wide SyncPublisher, created from `args.stoa_*` on first use."""
+    global _PUBLISHER
+    if _PUBLISHER is None:
+        url, run, config = publisher_config_from_args(args)
+        retries, backoff = retry_settings_from_args(args)
+        _PUBLISHER = SyncPublisher(url, run, config, retries=retries, backoff_s=backoff)
+        atexit.register(_PUBLISHER.close)
+    return _PUBLISHER
+
+
+# -- the slime hook ------------------------------------------------------------------------------
+def publish_weights(actor: Any, args: Any) -> PublishResult | None:
+    """Publish the actor's current weights (called by the patched `update_weights` on every rank).
+
+    Every rank iterates slime's collective HF weight iterator; rank 0 keeps the bf16 bits and
+    publishes them, then the outcome is broadcast on slime's Gloo group, which also synchronises
+    the ranks as slime's own weight updaters do with a Gloo barrier. A failure on rank 0 is raised
+    on every rank. Returns the PublishResult on rank 0, None elsewhere.
+    """
+    import torch.distributed as dist
+    from slime.utils.distributed_utils import get_gloo_group
+
+    # Same args on every rank: a bad setting fails everywhere, before any collective starts.
+    publisher_config_from_args(args)
+    retry_settings_from_args(args)
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    state, error = gather_state(actor, args, keep=rank == 0)
+    gathered = time.perf_counter()
+    result: PublishResult | None = None
+    if rank == 0 and error is None:
+        try:
+            result = get_publisher(args).publish(state)
+        except Exception as exc:  # reported to every rank below
+            error = exc
+    del state
+    outcome: list[str | None] = [f"{type(error).__name__}: {error}" if error is not None else None]
+    dist.broadcast_object_list(outcome, src=0, group=get_gloo_group())
+    if error is not None:
+        raise error
+    if outcome[0] is not None:
+        raise RuntimeError(f"stoa: rank 0 failed to publish the weights: {outcome[0]}")
+    if result is not None:
+        log.info(format_result(result, gather_s=gathered - start))
+    return result
+
+
+def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.ndarray], Exception | None]:
+    """Iterate slime's HF weight chunks (collective); where `keep`, collect them as bf16 bits.
+
+    A conversion error is returned, not raised, after the iteration finished, so that no rank
+    leaves the collective early. Mirrors slime's engine path for `--offload-train`: the process
+    groups are reloaded around the gather and the memory saver is bypassed.
+    """
+    import torch
+    from slime.utils import accelerator
+
+    offload = bool(getattr(args, "offload_train", False))
+    guard: Any = nullcontext()
+    if offload:
+        from slime.utils.reloadable_process_group import (
+            destroy_process_groups,
+            reload_process_groups,
+        )
+        from torch_memory_saver import torch_memory_saver
+
+        reload_process_groups()
+        guard = torch_memory_saver.disable()
+    state: dict[str, np.ndarray] = {}
+    error: Exception | None = None
+    try:
+        with guard, torch.no_grad():
+            chunks = hf_weight_iterator(actor, args).get_hf_weight_chunks(
+                actor.weights_backuper.get("actor"),  # slime's CPU copy, refreshed after each train
+                progress_desc="stoa: gather weights",
+                should_convert_chunk=lambda _idx: keep,  # HF conversion (and its state) on rank 0 only
+            )
+            for chunk in chunks:
+                if keep and error is None:
+                    try:
+                        add_chunk(state, chunk)
+                    except Exception as exc:
+                        error = exc
+                del chunk
+        accelerator.empty_cache()
+    finally:
+        if offload:
+            destroy_process_groups()
+    if keep and error is None and not state:
+        error = ValueError("slime produced no weight tensors")
+    return state, error
+
+
+def hf_weight_iterator(actor: Any, args: Any) -> Any:
+    """slime's HfWeightIteratorDirect for this actor (built once: building it is a collective)."""
+    iterator = getattr(actor, "_stoa_hf_iterator", None)
+    if iterator is None:
+        from slime.backends.megatron_utils.update_weight.hf_weight_iterator_direct import (
+            HfWeightIteratorDirect,
+        )
+
+        model_name = getattr(args, "model_name", None) or type(actor.hf_config).__name__.lower()
+        iterator = HfWeightIteratorDirect(
+            args=args,
+            model=actor.model,
+            model_name=model_name,
+            quantization_config=None,  # always bf16: stoa's weight plane carries bf16 bits
+            transform_ue8m0=False,
+        )
+        actor._stoa_hf_iterator = iterator
+    return iterator
+
+
+def format_result(result: PublishResult, *, gather_s: float = 0.0) -> str:
+    """One log line per published version."""
+    return (
+        f"stoa: published weights v{result.version} anchored={result.anchored} "
+        f"density={result.density:.6f} patch={result.patch_bytes / MiB:.2f}MiB "
+        f"catchup={result.catchup_bytes / MiB:.2f}MiB anchor={result.anchor_bytes / MiB:.2f}MiB "
+        f"full={result.full_bytes / MiB:.2f}MiB gather={gather_s:.1f}s publish={result.seconds:.1f}s"
+    )
