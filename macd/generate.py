@@ -241,7 +241,7 @@ def _run(
         # One gather for the whole step instead of one sync per sequence.
         picked = mx.stack([r.logprobs[r.token] for r in responses]).tolist()
         stopped = []
-        for r, lp in zip(responses, picked):
+        for r, lp in zip(responses, picked, strict=False):
             t = tracks[r.uid]
             t.tokens.append(r.token)
             t.logprobs.append(lp)

@@ -210,7 +210,7 @@ class Uploader:
             except (StoreUnavailable, OSError, TimeoutError) as exc:  # the store (or disk) is down
                 state.failed = True
                 self._note_failure(entry, exc)
-            except Exception as exc:  # noqa: BLE001 - this entry's own trouble; never drop it
+            except Exception as exc:
                 self._hold(entry)
                 self._note_failure(entry, exc)
             finally:

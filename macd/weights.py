@@ -296,9 +296,7 @@ class LiveWeights:
                 bad.append(TIED_HEAD)
         for name, shape in self._shapes.items():
             bits = state.get(name)
-            if bits is None or tuple(bits.shape) != shape:
-                bad.append(name)
-            elif not self._matches(name, bits):
+            if bits is None or tuple(bits.shape) != shape or not self._matches(name, bits):
                 bad.append(name)
         return bad
 

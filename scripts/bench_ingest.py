@@ -38,21 +38,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime_stoa.protocol.layout import RunLayout  # noqa: E402
-from slime_stoa.protocol.records import (  # noqa: E402
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.records import (
     RolloutGroup,
     Sample,
     SamplingParams,
     encode_group,
 )
-from slime_stoa.protocol.run_manifest import RunManifest  # noqa: E402
-from slime_stoa.protocol.store import Store  # noqa: E402
-from slime_stoa.quickstart.tiny_model import IM_END, build_tiny_model  # noqa: E402
-from slime_stoa.tasks import generate_items, make_task  # noqa: E402
-from slime_stoa.testing.s3server import LocalS3Server  # noqa: E402
-from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer  # noqa: E402
-from slime_stoa.trainer.consumer.counting import CountingStore  # noqa: E402
-from slime_stoa.trainer.consumer.scoring import tokenizer_decode  # noqa: E402
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import Store
+from slime_stoa.quickstart.tiny_model import IM_END, build_tiny_model
+from slime_stoa.tasks import generate_items, make_task
+from slime_stoa.testing.s3server import LocalS3Server
+from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
+from slime_stoa.trainer.consumer.counting import CountingStore
+from slime_stoa.trainer.consumer.scoring import tokenizer_decode
 
 RUN = "bench"
 G = 8

@@ -36,16 +36,16 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime_stoa.protocol.pulse.apply import apply_patch  # noqa: E402
-from slime_stoa.protocol.pulse.codec import (  # noqa: E402
+from slime_stoa.protocol.pulse.apply import apply_patch
+from slime_stoa.protocol.pulse.codec import (
     Delta,
     bf16_bits_to_float32,
     diff,
     float32_to_bf16_bits,
     rel_codes,
 )
-from slime_stoa.protocol.pulse.digest import state_digest  # noqa: E402
-from slime_stoa.protocol.pulse.frames import PatchIndex, encode_patch, frame_slice  # noqa: E402
+from slime_stoa.protocol.pulse.digest import state_digest
+from slime_stoa.protocol.pulse.frames import PatchIndex, encode_patch, frame_slice
 
 State = dict[str, np.ndarray]
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 1536, 8960, 12, 2, 128, 151936, 28
@@ -131,7 +131,7 @@ def simulate(shapes, steps: int, keep: set[int], lr: float, snr: float, seed: in
     rng = np.random.default_rng(seed)
     masters = init_masters(shapes, rng)
     optims = {name: AdamW(w, rng, snr) for name, w in masters.items()}
-    snap = lambda: {n: float32_to_bf16_bits(w) for n, w in masters.items()}  # noqa: E731
+    snap = lambda: {n: float32_to_bf16_bits(w) for n, w in masters.items()}
     versions = {0: snap()} if 0 in keep else {}
     for step in range(1, steps + 1):
         for opt in optims.values():
@@ -277,9 +277,9 @@ def print_table(rows: list[dict]) -> None:
              for r in rows]
     heads = [head for _, head, *_ in COLUMNS]
     widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(heads)]
-    print("  ".join(h.rjust(w) for h, w in zip(heads, widths)))
+    print("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=False)))
     for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=False)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ import pytest
 # MLX: skip the g++ kernel compile (same results) and keep its cache in a per-session folder.
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 
-from slime_stoa.protocol.store import Store, open_store  # noqa: E402
-from slime_stoa.testing.s3server import LocalS3Server  # noqa: E402
+from slime_stoa.protocol.store import Store, open_store
+from slime_stoa.testing.s3server import LocalS3Server
 
 BACKENDS = ["file", "s3"]
 

@@ -14,16 +14,16 @@ os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 mlx_lm = pytest.importorskip("mlx_lm")
 pytest.importorskip("tokenizers")
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-from macd.generate import (  # noqa: E402
+from macd.generate import (
     Completion,
     GenerationCancelled,
     SamplingConfig,
     generate_groups,
     teacher_forced_logprobs,
 )
-from slime_stoa.quickstart.tiny_model import build_tiny_model  # noqa: E402
+from slime_stoa.quickstart.tiny_model import build_tiny_model
 
 # Tolerances (absolute, on logprobs in nats):
 # - recorded vs teacher forcing, same MLX model: the batched, cached decode and one full forward
@@ -138,11 +138,11 @@ def test_seed_determinism(loaded: tuple[Any, Any], prompts: list[list[int]]) -> 
         return [c for g in generate_groups(model, tok, prompts, cfg) for c in g]
 
     a, b, other = run(11), run(11), run(12)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         np.testing.assert_array_equal(x.tokens, y.tokens)
         np.testing.assert_array_equal(x.logprobs, y.logprobs)
         assert (x.finish_reason, x.text) == (y.finish_reason, y.text)
-    assert any(not np.array_equal(x.tokens, y.tokens) for x, y in zip(a, other))
+    assert any(not np.array_equal(x.tokens, y.tokens) for x, y in zip(a, other, strict=False))
     # The G samples of a group are not copies of each other.
     assert len({x.tokens.tobytes() for x in a[:4]}) > 1
 
@@ -165,7 +165,7 @@ def test_recorded_logprobs_match_teacher_forcing(
         model32, tok, prompts, cfg, share_prefill=share_prefill, max_batch=max_batch
     )
     _check_shapes(groups, len(prompts), cfg)
-    for prompt, group in zip(prompts, groups):
+    for prompt, group in zip(prompts, groups, strict=False):
         for c in group:
             ref = teacher_forced_logprobs(model32, prompt, c.tokens, temperature)
             np.testing.assert_allclose(c.logprobs, ref, rtol=0, atol=RECORDED_VS_TEACHER_ATOL)
@@ -178,7 +178,7 @@ def test_recorded_logprobs_match_teacher_forcing_bf16(
     model, tok = loaded
     cfg = SamplingConfig(temperature=0.9, max_tokens=16, group_size=2, seed=2)
     groups = generate_groups(model, tok, prompts, cfg)
-    for prompt, group in zip(prompts, groups):
+    for prompt, group in zip(prompts, groups, strict=False):
         for c in group:
             ref = teacher_forced_logprobs(model, prompt, c.tokens, cfg.temperature)
             # bf16 activations: measured equal here, but a batched and a full pass may round

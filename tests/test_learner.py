@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from slime_stoa.protocol.hf.folders import load_hf_state  # noqa: E402
-from slime_stoa.quickstart.tiny_model import build_tiny_model  # noqa: E402
-from slime_stoa.trainer.learner import (  # noqa: E402
+from slime_stoa.protocol.hf.folders import load_hf_state
+from slime_stoa.quickstart.tiny_model import build_tiny_model
+from slime_stoa.trainer.learner import (
     Learner,
     LearnerConfig,
     TrainSequence,

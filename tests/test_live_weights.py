@@ -12,19 +12,19 @@ os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 mlx_lm = pytest.importorskip("mlx_lm")
 pytest.importorskip("tokenizers")
 
-import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.utils import load_model, quantize_model  # noqa: E402
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model, quantize_model
 
-from macd.weights import ApplyStats, LiveWeights  # noqa: E402
-from slime_stoa.protocol.hf.folders import (  # noqa: E402
+from macd.weights import ApplyStats, LiveWeights
+from slime_stoa.protocol.hf.folders import (
     load_hf_state,
     save_hf_folder,
 )
-from slime_stoa.protocol.pulse.publisher import Publisher  # noqa: E402
-from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncResult  # noqa: E402
-from slime_stoa.protocol.store import open_store  # noqa: E402
-from slime_stoa.quickstart.tiny_model import build_tiny_model  # noqa: E402
+from slime_stoa.protocol.pulse.publisher import Publisher
+from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncResult
+from slime_stoa.protocol.store import open_store
+from slime_stoa.quickstart.tiny_model import build_tiny_model
 
 RUN = "live-weights"
 GROUP = 64

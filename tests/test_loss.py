@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slime_stoa.trainer.loss import (  # noqa: E402
+from slime_stoa.trainer.loss import (
     DPPOConfig,
     dppo_policy_loss,
     dppo_terms,
@@ -18,7 +18,7 @@ from slime_stoa.trainer.loss import (  # noqa: E402
     response_logprobs,
     slime_loss_and_metrics,
 )
-from slime_stoa.trainer.slime.loss import config_from_args  # noqa: E402
+from slime_stoa.trainer.slime.loss import config_from_args
 
 F64 = torch.float64
 

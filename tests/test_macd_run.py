@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from slime_stoa.protocol.layout import RunLayout  # noqa: E402
-from slime_stoa.protocol.run_manifest import RunManifest  # noqa: E402
-from slime_stoa.protocol.store import open_store  # noqa: E402
-from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model  # noqa: E402
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import open_store
+from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
 
 RUN = "macd-run"
 

@@ -215,9 +215,9 @@ def test_merged_patch_equals_applying_the_chain(mode):
     chain = [random_state(rng)]
     for density in (0.05, 0.2, 0.0, 0.05):
         chain.append(mutate(rng, chain[-1], density))
-    deltas = [diff(a, b) for a, b in zip(chain, chain[1:])]
+    deltas = [diff(a, b) for a, b in zip(chain, chain[1:], strict=False)]
     replayed = copy_state(chain[0])
-    for a, b in zip(chain, chain[1:]):
+    for a, b in zip(chain, chain[1:], strict=False):
         index, body = encode_patch(a, b)
         apply_patch(replayed, index, all_frames(index, body))
     index, body = encode_delta(merge_deltas(deltas), shapes_of(chain[-1]), base=chain[0], mode=mode,

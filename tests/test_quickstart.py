@@ -12,7 +12,7 @@ pytest.importorskip("mlx_lm")
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-from slime_stoa.cli import main  # noqa: E402
+from slime_stoa.cli import main
 
 
 def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) -> None:

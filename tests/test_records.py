@@ -578,7 +578,7 @@ def test_reasons_survive_pickling() -> None:
     e = pickle.loads(pickle.dumps(RecordRejected("token_range", "samples[1] = 1000")))
     assert (type(e), e.reason, e.detail) == (RecordRejected, "token_range", "samples[1] = 1000")
     assert str(e) == "token_range: samples[1] = 1000"
-    assert DECODE_REASONS & VALIDATION_REASONS == {"group_size", "schema_version"}
+    assert {"group_size", "schema_version"} == DECODE_REASONS & VALIDATION_REASONS
 
 
 @pytest.mark.parametrize(

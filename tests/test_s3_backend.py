@@ -84,7 +84,7 @@ async def test_with_retries_retries_only_retryable_errors() -> None:
         return "ok"
 
     policy = RetryPolicy(attempts=3, base_delay=0.0, max_delay=0.0)
-    retry_timeouts = lambda exc: isinstance(exc, TimeoutError)  # noqa: E731
+    retry_timeouts = lambda exc: isinstance(exc, TimeoutError)
     assert await with_retries(flaky, policy=policy, is_retryable=retry_timeouts, describe="op") == "ok"
 
     async def failing() -> None:
@@ -290,7 +290,7 @@ async def test_list_pages_in_key_order_relative_to_prefix(s3store: S3Store) -> N
     assert after == sorted(keys)[2:]
     assert [i.key async for i in s3store.list("rollouts/w1/", start_after="rollouts/")] == sorted(keys)[3:]
     assert [i.key async for i in s3store.list("rollouts/w0/", start_after="rollouts/w1")] == []
-    info = [i async for i in s3store.list("rollouts/w1/0002")][0]
+    (info,) = [i async for i in s3store.list("rollouts/w1/0002")]
     assert info.size == len(keys[-1]) and info.etag == (await s3store.head(keys[-1])).etag
     await s3store.delete("other/x")
     await s3store.delete("other/x")  # deleting a missing key is fine

@@ -19,16 +19,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slime_stoa.protocol.pulse.publisher import (  # noqa: E402
+from slime_stoa.protocol.pulse.publisher import (
     PublishConflict,
     PublisherConfig,
     PublishError,
 )
-from slime_stoa.protocol.pulse.subscriber import Subscriber  # noqa: E402
-from slime_stoa.protocol.store import StoreUnavailable, open_store  # noqa: E402
-from slime_stoa.trainer.slime import patching as aps  # noqa: E402
-from slime_stoa.trainer.slime import publish as slime_hook  # noqa: E402
-from slime_stoa.trainer.slime.publish import (  # noqa: E402
+from slime_stoa.protocol.pulse.subscriber import Subscriber
+from slime_stoa.protocol.store import StoreUnavailable, open_store
+from slime_stoa.trainer.slime import patching as aps
+from slime_stoa.trainer.slime import publish as slime_hook
+from slime_stoa.trainer.slime.publish import (
     SyncPublisher,
     call_with_retries,
     chunks_to_state,
@@ -412,7 +412,7 @@ def test_the_names_slime_is_given_resolve_to_stoas_functions() -> None:
     assert slime_stoa.generate_rollout is generate_rollout
     assert slime_stoa.dppo_loss is dppo_loss is old_loss_path
     with pytest.raises(AttributeError):
-        slime_stoa.no_such_entry_point  # noqa: B018
+        slime_stoa.no_such_entry_point
 
 
 def test_the_script_in_scripts_is_the_patching_main(tmp_path: Path) -> None:

@@ -483,7 +483,7 @@ async def test_kill_9_at_random_moments_loses_and_duplicates_nothing(
     per_seq = Counter(p.seq for p in parsed if p)
     assert max(per_seq.values()) == 1, "a record landed under two keys"
     assert set(spooled) <= set(per_seq) <= set(reserved)
-    for key, p in zip(keys, parsed):
+    for key, p in zip(keys, parsed, strict=False):
         assert p is not None and decode_group(await store.get_bytes(key)).seq == p.seq
 
     with open_spool(tmp_path / "spool") as spool:

@@ -201,7 +201,7 @@ def test_gsm8k_files_load(name: str, count: int) -> None:
     rows = _rows(name)
     assert len(items) == len(rows) == count
     assert [it.index for it in items] == list(range(count))
-    for item, row in zip(items, rows):
+    for item, row in zip(items, rows, strict=False):
         assert item.prompt == row["question"].strip()
         assert parse_number(item.label) is not None, item
         assert "," not in item.label
@@ -215,13 +215,13 @@ def test_reference_solutions_score_one() -> None:
     task = GSM8K(items)
     rows = _rows("train.jsonl")
     failures = [
-        it.index for it, row in zip(items, rows) if task.reward(row["answer"], it.label) != 1.0
+        it.index for it, row in zip(items, rows, strict=False) if task.reward(row["answer"], it.label) != 1.0
     ]
     assert failures == []
     # and a shifted label scores 0 for every item
     wrong = [
         it.index
-        for it, row in zip(items, rows)
+        for it, row in zip(items, rows, strict=False)
         if task.reward(row["answer"], str(parse_number(it.label) + 1)) != 0.0
     ]
     assert wrong == []
@@ -367,7 +367,7 @@ def test_warmup_pairs_teach_format_only() -> None:
     assert pairs == warmup_pairs(items, seed=0)
     task = Synthetic(items)
     hits = 0
-    for item, (prompt, target) in zip(items, pairs):
+    for item, (prompt, target) in zip(items, pairs, strict=False):
         assert prompt == item.prompt
         _, digits = parse_prompt(prompt)
         assert int(target) in digits  # the right format: one of the shown digits

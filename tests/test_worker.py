@@ -10,14 +10,14 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from macd.config import DaemonConfig  # noqa: E402
-from macd.worker import Worker, WorkerOptions  # noqa: E402
-from slime_stoa.protocol.hf.folders import load_hf_state  # noqa: E402
-from slime_stoa.protocol.layout import RunLayout  # noqa: E402
-from slime_stoa.protocol.run_manifest import RunManifest  # noqa: E402
-from slime_stoa.protocol.store import Store  # noqa: E402
-from slime_stoa.protocol.validate import RecordLimits, load_record  # noqa: E402
-from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model  # noqa: E402
+from macd.config import DaemonConfig
+from macd.worker import Worker, WorkerOptions
+from slime_stoa.protocol.hf.folders import load_hf_state
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import Store
+from slime_stoa.protocol.validate import RecordLimits, load_record
+from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
 
 RUN = "worker-test"
 

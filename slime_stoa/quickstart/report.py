@@ -26,7 +26,7 @@ class ConsoleReport:
 
     def version(self, version: int, metrics: dict, batch: Any, result: Any, progress: Any, alive: int) -> None:
         if not self._header:
-            self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, WIDTHS)), style="bold")
+            self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, WIDTHS, strict=False)), style="bold")
             self._header = True
         lag = batch.metrics.get("rollout/stoa_version_lag_mean", float("nan"))
         gap = progress.gaps[-1] if progress.gaps else float("nan")
@@ -42,7 +42,7 @@ class ConsoleReport:
             str(alive),
             f"{gap:.0e}",
         )
-        self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS)))
+        self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=False)))
 
     def summary(self, summary: dict[str, Any]) -> None:
         table = Table(title="stoa quickstart summary", show_header=False)

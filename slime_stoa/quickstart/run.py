@@ -136,7 +136,7 @@ class WorkerProcesses:
             save_config(config, self._config_path(i))
 
     def start(self, i: int) -> None:
-        log_file = open(self._config_path(i).parent / "macd.log", "ab")  # noqa: SIM115 (lives with the process)
+        log_file = open(self._config_path(i).parent / "macd.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.procs[i] = subprocess.Popen(
             [sys.executable, "-m", "macd", "run", "--config", str(self._config_path(i)), "--seed", str(self.cfg.seed + i)],

@@ -149,7 +149,7 @@ class LocalS3Server:
         config = self._dir / "s3.json"
         config.write_text(json.dumps(self._identity_config()))
         config.chmod(0o600)
-        self._ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+        self._ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=False))
         self.endpoint_url = f"http://{LOOPBACK}:{self._ports['s3.port']}"
         self.command = self._command(weed, config)
         self._log = open(self._dir / "weed.log", "wb")
@@ -222,7 +222,7 @@ class LocalS3Server:
             try:
                 client.list_buckets()
                 return
-            except Exception as exc:  # noqa: BLE001 - not up yet
+            except Exception as exc:
                 last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.1)
         raise S3ServerError(

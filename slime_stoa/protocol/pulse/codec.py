@@ -110,7 +110,7 @@ def diff(base: State, new: State, *, threads: int | None = 1) -> Delta:
     else:
         with ThreadPoolExecutor(workers) as pool:
             entries = list(pool.map(one, names))
-    return {name: entry for name, entry in zip(names, entries) if entry[0].size}
+    return {name: entry for name, entry in zip(names, entries, strict=False) if entry[0].size}
 
 
 def check_entry(

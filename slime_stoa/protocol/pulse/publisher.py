@@ -62,7 +62,7 @@ class PublisherConfig:
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {self.anchor_every}")
-        if not 0 < self.anchor_fraction:
+        if not self.anchor_fraction > 0:
             raise ValueError(f"anchor_fraction must be positive, got {self.anchor_fraction}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")

@@ -76,7 +76,7 @@ async def with_retries(
         attempt += 1
         try:
             return await op()
-        except Exception as exc:  # noqa: BLE001 - classified just below
+        except Exception as exc:
             if not is_retryable(exc):
                 raise
             delay = next(delays, None)

@@ -420,7 +420,7 @@ class S3Store(Store):
         if if_none_match:
             params["IfNoneMatch"] = _quote(if_none_match)
 
-        async def fetch(client: Any) -> GetResult | None | bool:
+        async def fetch(client: Any) -> GetResult | bool | None:
             try:
                 resp = await client.get_object(**params)
             except ClientError as exc:
@@ -654,7 +654,7 @@ class S3Store(Store):
                 key,
                 lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id),
             )
-        except Exception as exc:  # noqa: BLE001 - never mask the error that made us abort
+        except Exception as exc:
             log.warning("could not abort the multipart upload of %r in %s: %s", key, self.url, exc)
 
 

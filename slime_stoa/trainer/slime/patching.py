@@ -243,7 +243,7 @@ def patch_status(root: Path, patch: Patch) -> Status:
         return Status(APPLIED)
     if states == {NOT_APPLIED}:
         return Status(NOT_APPLIED)
-    done = [fp.path for fp, s in zip(patch.files, statuses) if s.state == APPLIED]
+    done = [fp.path for fp, s in zip(patch.files, statuses, strict=False) if s.state == APPLIED]
     return Status(
         NOT_APPLICABLE,
         f"{patch.name} is only partly applied (already patched: {', '.join(done)}). Restore those "
@@ -258,7 +258,7 @@ def patched_text(lines: list[str], newline: str, hunks: list[Hunk], final_newlin
     if positions is None:
         raise ValueError("the patch context does not match")
     out = list(lines)
-    for at, hunk in sorted(zip(positions, hunks), key=lambda p: p[0], reverse=True):
+    for at, hunk in sorted(zip(positions, hunks, strict=False), key=lambda p: p[0], reverse=True):
         out[at : at + len(hunk.old)] = hunk.new
     return newline.join(out) + (newline if final_newline else "")
 
