@@ -111,7 +111,7 @@ class LiveWeights:
     def _index(self) -> None:
         """Tabulate the model's tensors as the master sees them: name -> logical shape."""
         modules = dict(self.model.named_modules())
-        params = tree_flatten(self.model.parameters(), destination={})
+        params: dict[str, Any] = tree_flatten(self.model.parameters(), destination={})  # type: ignore[assignment]
         quantized: dict[str, _QuantizedWeight] = {}
         for path, module in modules.items():
             if "scales" not in module or not hasattr(module, "bits"):
@@ -130,8 +130,8 @@ class LiveWeights:
             path, _, leaf = name.rpartition(".")
             if _join(path, "weight") in quantized and leaf in ("scales", "biases"):
                 continue
-            q = quantized.get(name)
-            shapes[name] = q.shape if q else tuple(value.shape)
+            found = quantized.get(name)
+            shapes[name] = found.shape if found else tuple(value.shape)
         self._modules = modules
         self._quantized = quantized
         self._shapes = shapes

@@ -49,7 +49,7 @@ def ago(seconds: float) -> str:
 
 
 def fleet_rows(beats: list[Heartbeat], now: float) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for b in sorted(beats, key=lambda b: b.worker_id):
         lag = b.lag
         rows.append(

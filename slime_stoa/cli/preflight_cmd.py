@@ -28,7 +28,9 @@ class _TolerantParser(argparse.ArgumentParser):
     """A sub-command parser that keeps every token it does not know in `args.slime_args`, so the
     top-level `parse_args` sees no unrecognised arguments."""
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(  # type: ignore[override]  # typeshed overloads it on the namespace type
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, rest = super().parse_known_args(args, namespace)
         setattr(parsed, SLIME_ARGS, [*getattr(parsed, SLIME_ARGS, []), *rest])
         return parsed, []

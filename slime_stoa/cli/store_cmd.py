@@ -7,6 +7,7 @@ import asyncio
 import sys
 import time
 import uuid
+from typing import TextIO
 
 from slime_stoa.protocol.store import (
     NotFound,
@@ -38,8 +39,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(handler=run_ls)
 
 
-async def check_store(url: str, *, create: bool = False, out=sys.stdout) -> None:
-    """Run the probe sequence; raises StoreError (or AssertionError on broken semantics)."""
+class StoreCheckFailed(Exception):
+    """The store answered, but not with the semantics stoa relies on."""
+
+
+def _expect(ok: bool, problem: str) -> None:
+    """A check of the remote store's behaviour: an exception, not an `assert` (kept under -O)."""
+    if not ok:
+        raise StoreCheckFailed(problem)
+
+
+async def check_store(url: str, *, create: bool = False, out: TextIO | None = None) -> None:
+    """Run the probe sequence; raises StoreError (or StoreCheckFailed on broken semantics)."""
+    out = out or sys.stdout
     base = f"stoa-check/{uuid.uuid4().hex[:12]}"
     async with open_store(url, create=create) as store:
 
@@ -56,7 +68,7 @@ async def check_store(url: str, *, create: bool = False, out=sys.stdout) -> None
             except PreconditionFailed:
                 print(f"  {name:<38} ok  {1000 * (time.perf_counter() - start):7.1f} ms", file=out)
                 return
-            raise AssertionError(problem)
+            raise StoreCheckFailed(problem)
 
         print(f"checking {url}", file=out, flush=True)
         payload = uuid.uuid4().bytes * 64
@@ -67,11 +79,11 @@ async def check_store(url: str, *, create: bool = False, out=sys.stdout) -> None
             "the store accepted a second put-if-absent: If-None-Match is not honoured",
         )
         got = await step("get", store.get(f"{base}/object"))
-        assert got is not None and got.data == payload, "read back different bytes"
+        _expect(got is not None and got.data == payload, "read back different bytes")
         unchanged = await step("conditional get (must be unchanged)", store.get(f"{base}/object", if_none_match=etag))
-        assert unchanged is None, "conditional get returned data for an unchanged object"
+        _expect(unchanged is None, "conditional get returned data for an unchanged object")
         part = await step("ranged get", store.get(f"{base}/object", offset=16, length=32))
-        assert part is not None and part.data == payload[16:48], "ranged get returned the wrong bytes"
+        _expect(part is not None and part.data == payload[16:48], "ranged get returned the wrong bytes")
         pointer = await step("create pointer", store.cas(f"{base}/pointer", b"1", None))
         await step("compare-and-swap pointer", store.cas(f"{base}/pointer", b"2", pointer))
         await refused(
@@ -80,14 +92,15 @@ async def check_store(url: str, *, create: bool = False, out=sys.stdout) -> None
             "a stale compare-and-swap succeeded: If-Match is not honoured",
         )
         keys = await step("list", _keys(store, f"{base}/"))
-        assert keys == [f"{base}/object", f"{base}/pointer"], f"listing returned {keys}"
+        _expect(keys == [f"{base}/object", f"{base}/pointer"], f"listing returned {keys}")
         for key in keys:
             await step(f"delete {key.rsplit('/', 1)[1]}", store.delete(key))
         try:
             await store.head(f"{base}/object")
-            raise AssertionError("a deleted object is still there")
         except NotFound:
             pass
+        else:
+            raise StoreCheckFailed("a deleted object is still there")
     print("store OK: stoa can use it", file=out)
 
 
@@ -98,7 +111,7 @@ async def _keys(store, prefix: str) -> list[str]:
 def run_check(args: argparse.Namespace) -> int:
     try:
         asyncio.run(check_store(args.url, create=args.create))
-    except (StoreError, ValueError, AssertionError) as exc:
+    except (StoreError, ValueError, StoreCheckFailed) as exc:
         sys.stdout.flush()
         print(f"store check FAILED: {exc}", file=sys.stderr)
         return 1

@@ -61,8 +61,8 @@ def _number_text(m: re.Match[str]) -> str:
 
 def _last(pattern: re.Pattern[str], text: str) -> str | None:
     last = None
-    for last in pattern.finditer(text):
-        pass
+    for match in pattern.finditer(text):
+        last = match
     return None if last is None else _number_text(last)
 
 
@@ -167,6 +167,8 @@ def load_gsm8k_jsonl(path: str | Path, *, limit: int | None = None) -> tuple[Tas
                 question, answer = row.get("question"), row.get("answer")
                 if not isinstance(question, str) or not question.strip():
                     raise ValueError('"question" must be a non-empty string')
+                if not isinstance(answer, str):
+                    raise ValueError('"answer" must be a string')
                 label = parse_label(answer)
             except ValueError as e:
                 raise ValueError(f"{path}:{lineno}: bad GSM8K line: {e}") from None

@@ -292,12 +292,13 @@ def _build_frame(pieces: list[_Piece], mode: str, level: int) -> tuple[bytes, li
     for piece in pieces:
         values = piece.values
         if mode == "rel":
+            assert piece.base is not None  # rel pieces are built with their base
             values = rel_codes(piece.base[piece.indices], values)
         width, high, parts = encode_entry(piece.indices, values)
         entries.append(EntryInfo(piece.name, piece.shape, piece.indices.size, width, high))
         sections.append(parts)
     raw = np.concatenate([parts[k] for k in range(4) for parts in sections])
-    blob = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
+    blob = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw.data)
     return blob, entries
 
 

@@ -96,8 +96,11 @@ class PatchRef:
         base_digest = doc.get("base_digest")
         if base_digest is not None:
             base_digest = _digest(doc, "base_digest", where)
+        index_doc = doc.get("index")
+        if not isinstance(index_doc, dict):
+            raise ManifestError(f"{where}.index: not a JSON object")
         try:
-            index = PatchIndex.from_json(doc.get("index"))
+            index = PatchIndex.from_json(index_doc)
         except Exception as exc:  # PatchCorrupt, or anything a hostile document triggers
             raise ManifestError(f"{where}.index: {exc}") from None
         ref = cls(

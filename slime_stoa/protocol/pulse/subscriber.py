@@ -192,8 +192,8 @@ class Subscriber:
         catchup = target.patch("catchup")
         if catchup and catchup.covers(a.version):
             plan.name, plan.patches = "anchor+catchup", [catchup]
-        elif target.version - a.version == 1 and target.patch("step"):
-            plan.name, plan.patches = "anchor+step", [target.patch("step")]
+        elif target.version - a.version == 1 and (step := target.patch("step")):
+            plan.name, plan.patches = "anchor+step", [step]
         else:
             plan.name, plan.patches = "anchor+chain", await self._chain(target, a.version) or []
             if not plan.patches:

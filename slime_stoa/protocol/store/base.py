@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable
 from dataclasses import dataclass
 
 Payload = bytes | bytearray | memoryview | AsyncIterable[bytes]
@@ -116,14 +116,14 @@ class Store(abc.ABC):
         """Size and ETag of an object; raises NotFound when missing."""
 
     @abc.abstractmethod
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
         """Objects whose key starts with `prefix`, in key order, strictly after `start_after`."""
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Remove an object. Deleting a missing key is not an error."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - a no-op unless the backend holds connections
         """Release connections."""
 
     async def __aenter__(self) -> Store:

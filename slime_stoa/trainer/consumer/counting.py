@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from slime_stoa.protocol.store import GetResult, ObjectInfo, Store
 from slime_stoa.protocol.store.base import Payload
@@ -53,7 +53,7 @@ class CountingStore(Store):
         self.calls["delete"] += 1
         await self.inner.delete(key)
 
-    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
         self.calls["list"] += 1
         n = 0
         listing = self.inner.list(prefix, start_after=start_after)

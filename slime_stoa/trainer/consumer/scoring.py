@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.validate import RecordRejected
 from slime_stoa.tasks import Task, TaskItem
@@ -57,7 +59,7 @@ class Rescorer:
             self._prompts[index] = tuple(int(t) for t in self.prompt_of(self.task.item(index)))
         return self._prompts[index]
 
-    def completion_text(self, tokens: Sequence[int], finish_reason: str) -> str:
+    def completion_text(self, tokens: Sequence[int] | np.ndarray, finish_reason: str) -> str:
         ids = [int(t) for t in tokens]
         if finish_reason == "stop" and ids and ids[-1] in self.eos_ids:
             ids.pop()

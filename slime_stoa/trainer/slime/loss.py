@@ -120,6 +120,7 @@ def dppo_loss(
     ]
     pg_reducer = sum_of_sample_mean
     if config.reduction == "drgrpo":
+        assert config.drgrpo_max_len is not None  # DPPOConfig requires it for "drgrpo"
         denom = logits.new_tensor(float(config.drgrpo_max_len))
         pg_reducer = get_sum_of_sample_mean(
             total_lengths, response_lengths, batch["loss_masks"], [denom] * len(total_lengths), False

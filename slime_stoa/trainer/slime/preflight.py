@@ -33,7 +33,7 @@ import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeGuard
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest
@@ -127,7 +127,7 @@ def parse_slime_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]
     tokens = [t for t in argv if t != "--"]
     parser = slime_flag_parser()
 
-    def error(message: str) -> None:  # argparse would exit; raise instead
+    def error(message: str) -> NoReturn:  # argparse would exit; raise instead
         raise ValueError(f"slime flags: {message}")
 
     parser.error = error  # type: ignore[method-assign]
@@ -286,7 +286,7 @@ def check_max_response_len(args: argparse.Namespace, manifest: RunManifest, conf
     )
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
@@ -573,7 +573,7 @@ def check_settings(args: argparse.Namespace) -> list[Finding]:
         except ValueError as exc:
             out.append(fix("publisher-settings", f"weight publishing settings: {exc}"))
     loss_path = getattr(args, "custom_loss_function_path", None)
-    is_stoa_loss = bool(loss_path) and _same_function(loss_path, STOA_LOSS_FUNCTION)
+    is_stoa_loss = isinstance(loss_path, str) and bool(loss_path) and _same_function(loss_path, STOA_LOSS_FUNCTION)
     if getattr(args, "loss_type", None) == "custom_loss" and is_stoa_loss:
         from . import loss
 

@@ -1,0 +1,52 @@
+"""`stoa store check`: passes on both real backends, and fails on a store that breaks stoa's
+semantics even under `python -O` (the checks are exceptions, not asserts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slime_stoa.cli import main
+
+
+def test_store_check_passes_on_a_real_store(
+    store_url: str, store_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, value in store_env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["store", "check", store_url]) == 0
+    out = capsys.readouterr().out
+    assert "put-if-absent again (refused)" in out and "store OK" in out
+
+
+# A local store whose put-if-absent overwrites (If-None-Match ignored), checked with -O.
+_BROKEN = textwrap.dedent(
+    """
+    import argparse, pathlib, sys
+    from slime_stoa.cli import store_cmd
+    from slime_stoa.protocol.store.local import LocalStore
+
+    class Overwriting(LocalStore):
+        async def put_if_absent(self, key, data):
+            return await self.put(key, data)
+
+    store_cmd.open_store = lambda url, create=False: Overwriting(pathlib.Path(sys.argv[1]))
+    sys.exit(store_cmd.run_check(argparse.Namespace(url="file://" + sys.argv[1], create=False)))
+    """
+)
+
+
+@pytest.mark.file_only
+def test_store_check_fails_under_python_O_on_broken_semantics(tmp_path: Path) -> None:
+    root = tmp_path / "bucket"
+    root.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", _BROKEN, str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "store check FAILED" in done.stderr and "If-None-Match is not honoured" in done.stderr
+    assert "Traceback" not in done.stderr
