@@ -535,13 +535,10 @@ def same_store(a: Any, b: str) -> bool:
 
 def known_settings() -> frozenset[str]:
     """Every stoa_* and dppo_* key some stoa module reads from slime's args."""
-    from . import loss, rollout
-    from . import publish as slime_hook
+    from . import loss, publish, rollout
 
-    names = {f"stoa_{n}" for n in ("bucket", "run", "tokenizer_dir", "state_in_bucket")}
-    names |= {"stoa_" + n for n in rollout.CONFIG_FIELDS}
-    names |= {"stoa_" + n for n in slime_hook.CONFIG_FIELDS}
-    names |= {"stoa_publish", "stoa_publish_retries", "stoa_publish_backoff_s"}
+    names = {rollout.PREFIX + n for n in (*rollout.CONFIG_FIELDS, *rollout.OTHER_SETTINGS)}
+    names |= {publish.PREFIX + n for n in (*publish.CONFIG_FIELDS, *publish.OTHER_SETTINGS)}
     names |= {loss.SLIME_ARG_PREFIX + f.name for f in dataclasses.fields(DPPOConfig)}
     return frozenset(names)
 
@@ -564,11 +561,11 @@ def check_settings(args: argparse.Namespace) -> list[Finding]:
         except ValueError as exc:
             out.append(fix("rollout-settings", f"rollout function settings: {exc}"))
     if getattr(args, "stoa_publish", None) is True:
-        from . import publish as slime_hook
+        from . import publish
 
         try:
-            slime_hook.publisher_config_from_args(args)
-            slime_hook.retry_settings_from_args(args)
+            publish.publisher_config_from_args(args)
+            publish.retry_settings_from_args(args)
             out.append(ok("publisher-settings", "the publisher's stoa_* settings parse"))
         except ValueError as exc:
             out.append(fix("publisher-settings", f"weight publishing settings: {exc}"))

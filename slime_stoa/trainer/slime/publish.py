@@ -59,7 +59,7 @@ from slime_stoa.protocol.pulse.publisher import (
 )
 from slime_stoa.protocol.store import StoreUnavailable, open_store
 
-from .settings import as_bool, as_float, as_int, check_bucket_and_run, required_setting
+from .settings import as_float, as_int, check_bucket_and_run, field_parsers, required_setting
 
 log = logging.getLogger(__name__)
 
@@ -119,33 +119,10 @@ def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
 
 
 
-def _str(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{key} must be a string, got {value!r}")
-    return value
-
-
-def _opt_int(key: str, value: Any) -> int | None:
-    return None if value is None else as_int(key, value)
-
-
-def _opt_path(key: str, value: Any) -> Path | None:
-    return Path(_str(key, value)).expanduser() if value else None
-
-
-# One parser per PublisherConfig field; the setting is PREFIX + field name.
-CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
-    "anchor_every": as_int,
-    "anchor_fraction": as_float,
-    "catchup": as_bool,
-    "mode": _str,
-    "frame_bytes": as_int,
-    "shard_bytes": as_int,
-    "retain_anchors": as_int,
-    "extras_dir": _opt_path,
-    "concurrency": as_int,
-    "threads": _opt_int,
-}
+# One parser per PublisherConfig field (by the field's type); the setting is PREFIX + field name.
+CONFIG_FIELDS = field_parsers(PublisherConfig)
+# The settings read besides those (PREFIX + name); `stoa_publish` itself is read by the patch.
+OTHER_SETTINGS = ("bucket", "run", "publish", "publish_retries", "publish_backoff_s")
 
 
 def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:

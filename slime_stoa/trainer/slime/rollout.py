@@ -67,7 +67,7 @@ import asyncio
 import atexit
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -80,7 +80,7 @@ from slime_stoa.trainer.consumer import (
     sample_fields,
 )
 
-from .settings import as_bool, as_float, as_int, check_bucket_and_run, required_setting
+from .settings import as_bool, as_path, check_bucket_and_run, field_parsers, required_setting
 
 log = logging.getLogger(__name__)
 
@@ -104,33 +104,10 @@ class EvaluationNotSupported(NotImplementedError):
 
 
 
-def _str(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
-    return value
-
-
-# ConsumerConfig field -> parser; the setting is PREFIX + field name.
-CONFIG_FIELDS: dict[str, Callable[[str, Any], Any]] = {
-    "staleness_limit": as_int,
-    "reuse_limit": as_int,
-    "wait_timeout_s": as_float,
-    "poll_interval_s": as_float,
-    "skew_window_ms": as_int,
-    "sweep_interval_s": as_float,
-    "late_window_ms": as_int,
-    "late_sweep_interval_s": as_float,
-    "download_concurrency": as_int,
-    "max_download_attempts": as_int,
-    "filter_all_equal": as_bool,
-    "verify_prompts": as_bool,
-    "reward_tolerance": as_float,
-    "admission_order": _str,
-    "max_pool_groups": as_int,
-    "prefetch_groups": as_int,
-    "version_ahead_slack": as_int,
-    "progress_interval_s": as_float,
-}
+# ConsumerConfig field -> parser (by the field's type); the setting is PREFIX + field name.
+CONFIG_FIELDS = field_parsers(ConsumerConfig, exclude=("store_url", "run", "record_limits"))
+# The settings read besides those (PREFIX + name).
+OTHER_SETTINGS = ("bucket", "run", "tokenizer_dir", "state_in_bucket")
 
 
 def config_from_args(args: Any) -> ConsumerConfig:
@@ -154,7 +131,7 @@ def config_from_args(args: Any) -> ConsumerConfig:
 
 def tokenizer_dir_from_args(args: Any) -> Path | None:
     value = getattr(args, PREFIX + "tokenizer_dir", None)
-    return Path(_str(PREFIX + "tokenizer_dir", value)).expanduser() if value else None
+    return as_path(PREFIX + "tokenizer_dir", value) if value else None
 
 
 def state_in_bucket_from_args(args: Any) -> bool:

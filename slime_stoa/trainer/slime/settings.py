@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Collection
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+Parser = Callable[[str, Any], Any]
 
 
 def as_int(key: str, value: Any) -> int:
@@ -61,3 +67,47 @@ def check_bucket_and_run(url: str, run: str, *, prefix: str = "stoa_") -> tuple[
     except ValueError as exc:
         raise ValueError(f"{prefix}run: {exc}") from None
     return url, run
+
+
+def as_str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def as_path(key: str, value: Any) -> Path:
+    return Path(as_str(key, value)).expanduser()
+
+
+def _optional(parse: Parser) -> Parser:
+    """`parse`, except that None (YAML null) or an empty string means None."""
+    return lambda key, value: None if value is None or value == "" else parse(key, value)
+
+
+def _parser_for(hint: Any) -> Parser | None:
+    if hint in _PARSERS:
+        return _PARSERS[hint]
+    if get_origin(hint) is Literal:
+        return as_str  # the config's own __post_init__ names the allowed choices
+    args = get_args(hint)
+    if get_origin(hint) in (Union, UnionType) and len(args) == 2 and type(None) in args:
+        inner = _parser_for(next(a for a in args if a is not type(None)))
+        return _optional(inner) if inner else None
+    return None
+
+
+def field_parsers(cls: type, *, exclude: Collection[str] = ()) -> dict[str, Parser]:
+    """One setting parser per field of the config dataclass `cls` (minus `exclude`), chosen by the
+    field's type, so a new config field is a new plugin setting with nothing else to edit."""
+    hints = get_type_hints(cls)
+    parsers: dict[str, Parser] = {}
+    for field in dataclasses.fields(cls):
+        if field.name in exclude:
+            continue
+        parse = _parser_for(hints[field.name])
+        assert parse is not None, f"{cls.__name__}.{field.name}: no setting parser for {hints[field.name]!r}"
+        parsers[field.name] = parse
+    return parsers
+
+
+_PARSERS: dict[Any, Parser] = {int: as_int, float: as_float, bool: as_bool, str: as_str, Path: as_path}
