@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # provision_fleet.sh: install stoa's rollout daemon (macd) on a list of Macs over SSH.
 #
-# For each host: create a venv, pip install stoa, `macd join` the run, `macd install`,
+# For each host: create a venv, pip install stoa's wheel (or --package), `macd join` the run, `macd install`,
 # `macd start`. Re-running it is safe: the venv is reused, the package upgraded, and `macd join`
 # keeps each Mac's worker id.
 #
@@ -33,8 +33,11 @@ required:
   --run RUN                 run name (created with \`stoa run create\`)
 
 options:
-  --package SPEC            what to pip install (default: stoa[worker])
-  --wheel PATH              copy this local wheel to each Mac and install it (with [worker])
+  --wheel PATH              copy this local wheel to each Mac and install it (with [worker]);
+                            build it from a checkout: pip wheel --no-deps -w dist .
+  --package SPEC            or: what to pip install instead, e.g. "slime-stoa[worker]" once
+                            published, or "git+https://...#egg=slime-stoa[worker]"
+  (one of --wheel and --package is required)
   --python PYTHON           Python 3.11+ on the Macs to make the venv with (default: python3)
   --remote-dir DIR          folder on each Mac, relative to its home (default: .stoa)
   --credentials-file FILE   env file with AWS_ACCESS_KEY_ID=/AWS_SECRET_ACCESS_KEY= lines
@@ -76,7 +79,7 @@ shjoin() {
 
 # -- arguments --------------------------------------------------------------------------------
 
-BUCKET="" RUN="" PACKAGE="stoa[worker]" WHEEL="" PYTHON="python3" REMOTE_DIR=".stoa"
+BUCKET="" RUN="" PACKAGE="" WHEEL="" PYTHON="python3" REMOTE_DIR=".stoa"
 CRED_FILE="" PARALLEL=1 DRY_RUN=0 HOSTS_FILE=""
 
 need_value() {
@@ -109,6 +112,8 @@ fi
 [ -n "$HOSTS_FILE" ] || usage_error "no hosts file given"
 [ -n "$BUCKET" ] || usage_error "--bucket URL is required"
 [ -n "$RUN" ] || usage_error "--run RUN is required"
+[ -n "$WHEEL" ] || [ -n "$PACKAGE" ] || usage_error "say what to install: --wheel PATH (build one with \`pip wheel --no-deps -w dist .\` in a stoa checkout) or --package SPEC"
+[ -z "$WHEEL" ] || [ -z "$PACKAGE" ] || usage_error "--wheel and --package exclude each other"
 case $PARALLEL in ''|*[!0-9]*|0) usage_error "--parallel needs a positive integer, got '$PARALLEL'" ;; esac
 case $REMOTE_DIR in /*|\~*|*..*) usage_error "--remote-dir must be relative to the remote home, without '..'" ;; esac
 [ -f "$HOSTS_FILE" ] || fail "hosts file $HOSTS_FILE does not exist (expected lines \"user@host [name]\")"

@@ -169,6 +169,29 @@ def test_rejoin_keeps_the_worker_id(bucket: str, tmp_path: Path, capsys) -> None
     assert cfg.load_config(path).worker_id != first.worker_id
 
 
+def test_join_with_a_fixed_worker_id(bucket: str, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "macd.toml"
+    assert join(bucket, path, "--worker-id", "slot-7", "--name", "Slot 7") == 0
+    assert "worker slot-7 (new id)" in capsys.readouterr().out
+    assert cfg.load_config(path).worker_id == "slot-7"
+    assert join(bucket, path, "--worker-id", "slot-7", "--no-check") == 0
+    assert "worker slot-7 (same id as before)" in capsys.readouterr().out
+    assert join(bucket, path) == 0  # without the flag a re-join keeps it too
+    assert cfg.load_config(path).worker_id == "slot-7"
+
+
+def test_join_rejects_a_bad_worker_id_in_one_line(home: Path, tmp_path: Path) -> None:
+    path = tmp_path / "macd.toml"
+    done = subprocess.run(
+        [sys.executable, "-m", "macd", "join", f"file://{tmp_path}", "--run", "demo", "--config", str(path),
+         "--worker-id", "Not_An_Id", "--no-check"],
+        capture_output=True, text=True, env=os.environ, cwd=REPO, timeout=60,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("error: invalid worker id 'Not_An_Id'") and done.stderr.count("\n") == 1
+    assert "Traceback" not in done.stderr and not path.exists()
+
+
 def test_join_missing_run(bucket: str, tmp_path: Path, capsys) -> None:
     path = tmp_path / "macd.toml"
     assert macd(["join", bucket, "--run", "nope", "--config", str(path)]) == 1
@@ -399,7 +422,7 @@ def test_script_dry_run(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("# the fleet\nadmin@10.0.0.5 mac-a\n\n  admin@mac-b.local   # no name\n")
     url = "r2://0123456789abcdef0123456789abcdef/stoa-runs"
-    done = run_script("--bucket", url, "--run", "demo", "--dry-run", str(hosts),
+    done = run_script("--bucket", url, "--run", "demo", "--package", "slime-stoa[worker]", "--dry-run", str(hosts),
                       env={"AWS_ACCESS_KEY_ID": "AKIAFLEET", "AWS_SECRET_ACCESS_KEY": SECRET})
     assert done.returncode == 0, done.stderr
     assert SECRET not in done.stdout + done.stderr and "AKIAFLEET" not in done.stdout
@@ -415,11 +438,18 @@ def test_script_dry_run(tmp_path: Path) -> None:
             remote.append(shlex.split(words[ssh + 6]))
         assert len(remote) == 5
         assert remote[0][-4:] == ["python3", "-m", "venv", ".stoa/venv"]
-        assert remote[1][-1] == "stoa[worker]"
+        assert remote[1][-1] == "slime-stoa[worker]"
         assert remote[2] == [".stoa/venv/bin/macd", "join", url, "--run", "demo", *name, "--credentials-stdin"]
         assert remote[3:] == [[".stoa/venv/bin/macd", "install"], [".stoa/venv/bin/macd", "start"]]
         join_line = block.splitlines()[3]
         assert join_line.startswith("printf ") and '"$AWS_SECRET_ACCESS_KEY" | ssh' in join_line
+
+
+def test_script_needs_a_wheel_or_a_package(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("me@m1\n")
+    done = run_script("--bucket", "s3://b/p", "--run", "demo", "--dry-run", str(hosts))
+    assert done.returncode == 2 and "pip wheel --no-deps -w dist ." in done.stderr, done.stderr
 
 
 def test_script_dry_run_with_wheel_and_credentials_file(tmp_path: Path) -> None:
@@ -445,13 +475,14 @@ def test_script_usage_errors(tmp_path: Path) -> None:
     assert done.returncode == 2 and "--run RUN is required" in done.stderr
     done = run_script("--bucket", "s3://b", "--run", "r", "--bogus", "x")
     assert done.returncode == 2 and "unknown option --bogus" in done.stderr
-    done = run_script("--bucket", "s3://b", "--run", "r", "--dry-run", str(tmp_path / "missing"))
+    pkg = ("--package", "slime-stoa[worker]")
+    done = run_script("--bucket", "s3://b", "--run", "r", *pkg, "--dry-run", str(tmp_path / "missing"))
     assert done.returncode == 1 and "hosts file" in done.stderr and "does not exist" in done.stderr
     empty = tmp_path / "empty"
     empty.write_text("# nobody\n")
-    done = run_script("--bucket", "s3://b", "--run", "r", "--dry-run", str(empty))
+    done = run_script("--bucket", "s3://b", "--run", "r", *pkg, "--dry-run", str(empty))
     assert done.returncode == 1 and "no hosts in" in done.stderr
     bad = tmp_path / "bad"
     bad.write_text("a@b name extra\n")
-    done = run_script("--bucket", "s3://b", "--run", "r", "--dry-run", str(bad))
+    done = run_script("--bucket", "s3://b", "--run", "r", *pkg, "--dry-run", str(bad))
     assert done.returncode == 1 and "line 1" in done.stderr
