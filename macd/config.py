@@ -31,9 +31,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import check_name, check_worker_id
+from slime_stoa.protocol.run_manifest import Plane, read_run_manifest
+from slime_stoa.protocol.run_manifest import RunNotFound as RunNotFound  # probe_run raises it
 from slime_stoa.protocol.store import Credentials, parse_store_url
-from slime_stoa.protocol.store.credentials import read_env_file
+from slime_stoa.protocol.store.credentials import credentials_in, read_env_file
 
 from .doctor import memory_bytes, tier_for
 
@@ -128,8 +131,8 @@ class DaemonConfig:
         "Stable id in the bucket's keys (heartbeat, rollout records): made once by `macd join` and "
         "kept across restarts and re-joins of the same run. 1-48 lowercase letters, digits or '-'."
     )
-    data_dir: Path = _doc("Folder of the anchor cache and the upload spool (absolute; several GB for big models).")
-    credentials_file: Path | None = _doc(
+    data_dir: Path = _doc("Folder of the anchor cache and the upload spool (absolute; several GB for big models).")  # noqa: RUF009
+    credentials_file: Path | None = _doc(  # noqa: RUF009
         "Env file (mode 0600) with the bucket credentials. Absent: the usual lookup (environment, "
         "~/.r2env, ~/.config/stoa/credentials.env, $STOA_ENV_FILE).",
         default=None,
@@ -261,28 +264,18 @@ def load_config(path: Path) -> DaemonConfig:
 
 def save_config(config: DaemonConfig, path: Path) -> Path:
     """Write the config atomically (mode 0644: it holds no secret)."""
-    atomic_write(path, config.to_toml().encode(), mode=0o644)
+    atomic_write(path, config.to_toml().encode(), mode=0o644, parents_mode=0o700)
     return path
 
 
 # -- credentials --------------------------------------------------------------------------------
-
-_ID_NAMES = ("STOA_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID", "R2_ACCESS_KEY_ID")
-_SECRET_NAMES = ("STOA_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY", "R2_SECRET_ACCESS_KEY")
-
 
 def credentials_from_env(values: Mapping[str, str], source: str) -> Credentials | None:
     """Credentials from env-style names (STOA_*, AWS_*, R2_*); None when there are none.
 
     ValueError when only one half of the key pair is there.
     """
-    key_id = next((values[n] for n in _ID_NAMES if values.get(n)), None)
-    secret = next((values[n] for n in _SECRET_NAMES if values.get(n)), None)
-    if not key_id and not secret:
-        return None
-    if not (key_id and secret):
-        raise ValueError(f"{source} has only half of the key pair: give both the access key id and the secret")
-    return Credentials(key_id, secret, values.get("AWS_SESSION_TOKEN") or None, source)
+    return credentials_in(values, source, strict=True)
 
 
 def credentials_env_text(creds: Credentials) -> str:
@@ -299,44 +292,14 @@ def credentials_env_text(creds: Credentials) -> str:
 
 def write_credentials(path: Path, creds: Credentials) -> Path:
     """Write `creds` to an env file only its owner can read (0600), atomically."""
-    atomic_write(path, credentials_env_text(creds).encode(), mode=0o600)
+    atomic_write(path, credentials_env_text(creds).encode(), mode=0o600, parents_mode=0o700)
     return path
-
-
-# -- atomic files -------------------------------------------------------------------------------
-
-
-def atomic_write(path: Path, data: bytes, *, mode: int) -> None:
-    """Replace `path` with `data` in one step; the file has `mode` from its first byte on."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        try:
-            os.fchmod(fd, mode)  # the umask may have taken bits away
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass  # some file systems cannot fsync a folder
-    finally:
-        os.close(dir_fd)
 
 
 # -- joining: what a run asks of this Mac -------------------------------------------------------
 
 #: Bytes per served weight: bf16, or MLX int8 (8 bits plus a bf16 scale and bias per 64 weights).
-BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0625}
+BYTES_PER_WEIGHT: dict[Plane, float] = {"bf16": 2.0, "int8": 1.0625}
 #: Runtime overhead besides weights and KV cache (Python, MLX, activations), a rough figure.
 OVERHEAD_BYTES = 1 << 30
 #: Share of unified memory macOS lets the GPU wire by default (about 2/3 to 3/4).
@@ -356,31 +319,19 @@ class RunInfo:
     kv_bytes_per_token: int | None = None  # from the anchor's config.json, when readable
 
 
-class RunNotFound(LookupError):
-    """The bucket has no `runs/<run>/run.json`."""
-
-
 async def probe_run(store: Any, run: str) -> RunInfo:
     """Read the run manifest, the pointer and the model config of `run` in `store`.
 
     Raises RunNotFound when the run does not exist, StoreError when the bucket cannot be used.
     Missing weights are not an error (the trainer may not have published yet).
     """
-    from slime_stoa.protocol.pulse.history import (
-        HistoryError,
-        read_manifest,
-        read_pointer,
-    )
-    from slime_stoa.protocol.run_manifest import RunManifest
+    from slime_stoa.protocol.pulse.history import NotPublished, read_manifest, read_pointer
     from slime_stoa.protocol.store import NotFound
 
-    try:
-        manifest = RunManifest.from_bytes(await store.get_bytes(manifest_key(run)))
-    except NotFound:
-        raise RunNotFound(run) from None
+    manifest = await read_run_manifest(store, run)
     try:
         pointer = await read_pointer(store, run)
-    except HistoryError:
+    except NotPublished:
         return RunInfo(manifest=manifest)
     try:
         elements = (await read_manifest(store, pointer.manifest)).elements
@@ -394,20 +345,14 @@ async def probe_run(store: Any, run: str) -> RunInfo:
     )
 
 
-def manifest_key(run: str) -> str:
-    from slime_stoa.protocol.layout import RunLayout
-
-    return RunLayout(run).run_manifest
-
-
 async def _kv_bytes_per_token(store: Any, anchor_manifest_key: str) -> int | None:
     """KV-cache bytes per token (bf16 K and V of every layer) from the anchor's config.json."""
     import json
 
-    from slime_stoa.protocol.pulse.manifests import AnchorManifest
+    from slime_stoa.protocol.pulse.history import read_anchor_manifest
 
     try:
-        anchor = AnchorManifest.from_bytes(await store.get_bytes(anchor_manifest_key), anchor_manifest_key)
+        anchor = await read_anchor_manifest(store, anchor_manifest_key)
         entry = next((f for f in anchor.extras if f.name == "config.json"), None)
         if entry is None:
             return None
@@ -418,7 +363,8 @@ async def _kv_bytes_per_token(store: Any, anchor_manifest_key: str) -> int | Non
 
 def kv_bytes_per_token(config: Mapping[str, Any]) -> int | None:
     """2 (K, V) x layers x KV heads x head dim x 2 bytes, from an HF config; None if unknown."""
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    text = config.get("text_config")
+    cfg: Mapping[str, Any] = text if isinstance(text, Mapping) else config
     try:
         layers = int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])
@@ -462,7 +408,7 @@ class MemoryEstimate:
 def estimate_memory(
     *,
     elements: int,
-    plane: str,
+    plane: Plane,
     sequences: int,
     tokens_per_sequence: int,
     kv_bytes_per_token: int | None = None,

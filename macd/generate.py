@@ -40,15 +40,24 @@ import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
+
+
+def load_model(folder: Path | str) -> tuple[Any, Any]:
+    """(model, tokenizer) of an HF/MLX model folder, loaded lazily: the weights are only read
+    when first used (the worker overwrites them with the synced state before that)."""
+    loaded = mlx_lm.load(str(folder), lazy=True)  # (model, tokenizer) without return_config
+    return loaded[0], loaded[1]
 
 
 class GenerationCancelled(Exception):
@@ -136,7 +145,7 @@ def _prefill(model: Any, tokens: Sequence[int]) -> list[Any]:
     """A fresh KV cache holding `tokens`."""
     cache = make_prompt_cache(model)
     for start in range(0, len(tokens), PREFILL_STEP):
-        model(mx.array(tokens[start : start + PREFILL_STEP])[None], cache=cache)
+        model(mx.array(list(tokens[start : start + PREFILL_STEP]))[None], cache=cache)
         mx.eval([c.state for c in cache])
     return cache
 
@@ -213,7 +222,7 @@ def generate_groups(
     n = len(prompts) * config.group_size
     batch = n if max_batch is None else max(1, min(max_batch, n))
     gen = BatchGenerator(
-        _TemperedModel(model, config.temperature),
+        _TemperedModel(model, config.temperature),  # type: ignore[arg-type]  # a callable wrapper is all it needs
         max_tokens=config.max_tokens,
         stop_tokens=[[e] for e in eos],
         sampler=_KeyedSampler(config.seed),
@@ -239,7 +248,7 @@ def _run(
         if cancel is not None and cancel.is_set():
             raise GenerationCancelled("generation cancelled")
         # One gather for the whole step instead of one sync per sequence.
-        picked = mx.stack([r.logprobs[r.token] for r in responses]).tolist()
+        picked: list[float] = mx.stack([r.logprobs[r.token] for r in responses]).tolist()  # type: ignore[assignment]
         stopped = []
         for r, lp in zip(responses, picked, strict=False):
             t = tracks[r.uid]

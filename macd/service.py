@@ -258,13 +258,13 @@ class Launchctl:
 
 def write_plist(agent: Agent, plist: dict[str, Any]) -> bool:
     """Write the agent's plist atomically; True when it changed."""
-    from .config import atomic_write
+    from slime_stoa.protocol.fsutil import atomic_write
 
     data = plist_bytes(plist)
     if agent.plist.exists() and agent.plist.read_bytes() == data:
         return False
     agent.log.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(agent.plist, data, mode=0o644)
+    atomic_write(agent.plist, data, mode=0o644, parents_mode=0o700)
     return True
 
 

@@ -37,13 +37,13 @@ import json
 import logging
 import os
 import re
-import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from slime_stoa.protocol.fsutil import atomic_write, fsync_dir
 from slime_stoa.protocol.layout import ROLLOUT_KINDS, RunLayout, check_worker_id
 from slime_stoa.protocol.records import (
     DEFAULT_MAX_RECORD_BYTES,
@@ -66,51 +66,6 @@ _ENTRY = re.compile(
 
 class SpoolError(Exception):
     """The spool cannot be used (locked by another process, corrupt counter, bad record)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# durable file helpers
-
-
-def _fsync_fd(fd: int) -> None:
-    """Flush a file to stable storage (F_FULLFSYNC on macOS, where plain fsync is not enough)."""
-    full = getattr(fcntl, "F_FULLFSYNC", None)
-    if full is not None:
-        try:
-            fcntl.fcntl(fd, full)
-            return
-        except OSError:
-            pass  # not supported by this file system: fall back
-    os.fsync(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make renames and creations inside `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        _fsync_fd(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(folder: Path, name: str, data: bytes) -> Path:
-    """Write `folder/name` so that a crash leaves either the old file or the complete new one."""
-    tmp = folder / f"{TMP_PREFIX}{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        _fsync_fd(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    target = folder / name
-    os.replace(tmp, target)
-    _fsync_dir(folder)
-    return target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +270,7 @@ class Spool:
                 raise SpoolError(f"spool {self.folder}: sequence numbers exhausted")
             ts = max(int(self.clock() * 1000), last_ms)
             state = json.dumps({"next_seq": seq + 1, "last_ms": ts}).encode()
-            _write_atomic(self.folder, STATE_FILE, state)  # durable before the seq is used
+            atomic_write(self.folder / STATE_FILE, state, tmp_prefix=TMP_PREFIX)  # durable before the seq is used
             with self._cond:
                 self._next_seq, self._last_ms = seq + 1, ts
         return Reservation(run=self.run, worker=self.worker_id, kind=kind, seq=seq, timestamp_ms=ts)
@@ -333,7 +288,7 @@ class Spool:
                 raise SpoolError(f"reservation seq {reservation.seq} was already committed")
         if self.verify:
             self._check_record(reservation, data)
-        path = _write_atomic(self.folder, reservation.file_name, data)
+        path = atomic_write(self.folder / reservation.file_name, data, tmp_prefix=TMP_PREFIX)
         entry = SpoolEntry(
             path=path,
             run=reservation.run,
@@ -391,8 +346,8 @@ class Spool:
         with contextlib.suppress(FileNotFoundError):
             os.replace(entry.path, target)
             (self.quarantine_folder / f"{entry.name}.why").write_text(reason + "\n")
-            _fsync_dir(self.quarantine_folder)
-            _fsync_dir(self.folder)
+            fsync_dir(self.quarantine_folder)
+            fsync_dir(self.folder)
         self._forget(entry)
         return target
 

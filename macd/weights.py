@@ -43,7 +43,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-PLANES = ("bf16", "int8")
+from slime_stoa.protocol.run_manifest import PLANES, Plane
+
 INT8_BITS = 8
 INT8_GROUP_SIZE = 64
 TIED_HEAD = "lm_head.weight"
@@ -82,7 +83,7 @@ class _QuantizedWeight:
 class LiveWeights:
     """An mlx-lm model whose weights follow a bf16 master state (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, plane: str):
+    def __init__(self, model: nn.Module, plane: Plane):
         """Wrap `model` as it is; use `from_state` to install a master into it."""
         if plane not in PLANES:
             raise ValueError(f"plane must be one of {PLANES}, got {plane!r}")
@@ -92,7 +93,7 @@ class LiveWeights:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_state(cls, model: nn.Module, state: Mapping[str, np.ndarray], plane: str) -> LiveWeights:
+    def from_state(cls, model: nn.Module, state: Mapping[str, np.ndarray], plane: Plane) -> LiveWeights:
         """Install the full bf16 master `state` into `model`, quantizing it for the int8 plane.
 
         `model` is an mlx-lm model of the same architecture (bf16, or already quantized for
@@ -291,9 +292,9 @@ class LiveWeights:
         bad = sorted(
             name for name in state if name not in self._shapes and not self._is_tied_head(name)
         )
-        if TIED_HEAD in state and self._is_tied_head(TIED_HEAD):
-            if not np.array_equal(state[TIED_HEAD], state.get(EMBEDDING, np.empty(0, np.uint16))):
-                bad.append(TIED_HEAD)
+        tied = TIED_HEAD in state and self._is_tied_head(TIED_HEAD)
+        if tied and not np.array_equal(state[TIED_HEAD], state.get(EMBEDDING, np.empty(0, np.uint16))):
+            bad.append(TIED_HEAD)
         for name, shape in self._shapes.items():
             bits = state.get(name)
             if bits is None or tuple(bits.shape) != shape or not self._matches(name, bits):

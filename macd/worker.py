@@ -28,7 +28,7 @@ from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.hf.folders import save_hf_folder
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.anchor import download_extras
-from slime_stoa.protocol.pulse.manifests import AnchorManifest, Pointer
+from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
 from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncError
 from slime_stoa.protocol.records import (
     RolloutGroup,
@@ -36,7 +36,7 @@ from slime_stoa.protocol.records import (
     SamplingParams,
     encode_group,
 )
-from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.run_manifest import Plane, RunManifest, read_run_manifest
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.tasks import Task, TaskItem, load_task
 from slime_stoa.tasks.prompting import prompt_tokens
@@ -51,7 +51,7 @@ T = TypeVar("T")
 
 def task_key(manifest: RunManifest) -> str:
     """The bucket key of the task file workers draw prompts from."""
-    return manifest.layout.task_file(manifest.task, f"{manifest.task_split}.jsonl.zst")
+    return manifest.layout.task_data(manifest.task, manifest.task_split)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +170,7 @@ class Worker:
 
     # -- setup -------------------------------------------------------------------------------
     async def _load_run(self) -> tuple[RunManifest, Task]:
-        manifest = RunManifest.from_bytes(await self.store.get_bytes(self.layout.run_manifest))
+        manifest = await read_run_manifest(self.store, self.config.run)
         task = await asyncio.to_thread(load_task, await self.store.get_bytes(task_key(manifest)))
         if task.name != manifest.task:
             raise ValueError(f"task file {task_key(manifest)} holds task {task.name!r}, the run says {manifest.task!r}")
@@ -191,9 +191,8 @@ class Worker:
     async def _materialize(self, sub: Subscriber) -> Path:
         """An HF folder of the synced weights with the anchor's config and tokenizer (for mlx-lm)."""
         assert sub.state is not None
-        pointer = Pointer.from_bytes(await self.store.get_bytes(self.layout.pointer))
-        anchor_key = pointer.anchor.manifest
-        anchor = AnchorManifest.from_bytes(await self.store.get_bytes(anchor_key), anchor_key)
+        pointer = await read_pointer(self.store, self.config.run)
+        anchor = await read_anchor_manifest(self.store, pointer.anchor.manifest)
         folder = self.config.data_dir / "models" / self.config.run
         extras = folder / "extras"
         await download_extras(self.store, anchor, extras)
@@ -210,6 +209,7 @@ class Worker:
         folder = await self._materialize(sub)
         model, tokenizer, live = await self.mlx.run(_load_model, folder, sub.state, manifest.plane)
         self.live = live
+        assert sub.digest is not None  # a first sync leaves a verified state and its digest
         self.beat = replace(
             self.beat, version=sub.version, pointer_version=sub.version, tier=_tier(), state_digest=sub.digest.root()
         )
@@ -246,8 +246,9 @@ class Worker:
                 await self._cohort(manifest, task, sub, model, tokenizer, spool, stop)
                 if self.options.max_cohorts is not None and self.cohorts >= self.options.max_cohorts:
                     break
-            if upload_task.done() and upload_task.exception():
-                raise upload_task.exception()  # a configuration error: the user must act
+            upload_error = upload_task.exception() if upload_task.done() else None
+            if upload_error is not None:
+                raise upload_error  # a configuration error: the user must act
         finally:
             self.beat = replace(self.beat, status="stopping")
             stop_uploads.set()
@@ -258,7 +259,7 @@ class Worker:
             stop_beats.set()
             await _settle_task(beat_task, self.options.heartbeat_s)
             self.beat = replace(self.beat, status="stopped", groups_spooled=spool.depth,
-                                groups_uploaded=uploader.stats.uploaded)
+                                groups_quarantined=len(spool.quarantined()), groups_uploaded=uploader.stats.uploaded)
             try:
                 async with asyncio.timeout(self.options.final_beat_timeout_s):
                     await self._write_heartbeat()
@@ -296,6 +297,7 @@ class Worker:
             return
         self.beat = replace(self.beat, status="syncing")
         stats = await self.mlx.run(live.apply, sub.state, result.changed, result.touched)
+        assert sub.digest is not None  # a successful sync leaves a verified state and its digest
         self.beat = replace(
             self.beat, version=sub.version, pointer_version=sub.version, swaps=self.beat.swaps + 1,
             last_swap_s=result.seconds + stats.seconds, state_digest=sub.digest.root(),
@@ -322,8 +324,9 @@ class Worker:
         self.beat = replace(self.beat, status="generating")
         started = time.time()
         cancel = threading.Event()
+        token_lists = [p for _, p in prompts]
         gen = asyncio.ensure_future(
-            self.mlx.run(generate_groups, model, tokenizer, [p for _, p in prompts], sampling,
+            self.mlx.run(generate_groups, model, tokenizer, token_lists, sampling,
                          max_batch=self.config.max_decode or None, cancel=cancel)
         )
         stopped = asyncio.ensure_future(stop.wait())
@@ -364,8 +367,8 @@ class Worker:
         """Write a heartbeat every `heartbeat_s` until `stop` is set (the final one is run's)."""
         while not stop.is_set():
             self.beat = replace(
-                self.beat, groups_spooled=spool.depth, groups_uploaded=uploader.stats.uploaded,
-                memory_gb=_rss_gb(),
+                self.beat, groups_spooled=spool.depth, groups_quarantined=len(spool.quarantined()),
+                groups_uploaded=uploader.stats.uploaded, memory_gb=_rss_gb(),
             )
             await self._write_heartbeat()
             await _wait(stop, self.options.heartbeat_s)
@@ -384,13 +387,12 @@ class Worker:
         self.beat = replace(self.beat, errors=self.beat.errors + 1, last_error=message[:200])
 
 
-def _load_model(folder: Path, state: dict[str, np.ndarray], plane: str) -> tuple[Any, Any, Any]:
+def _load_model(folder: Path, state: dict[str, np.ndarray], plane: Plane) -> tuple[Any, Any, Any]:
     """(model, tokenizer, LiveWeights) on the MLX thread."""
-    import mlx_lm
-
+    from .generate import load_model
     from .weights import LiveWeights
 
-    model, tokenizer = mlx_lm.load(str(folder), lazy=True)
+    model, tokenizer = load_model(folder)
     live = LiveWeights.from_state(model, state, plane)
     return model, tokenizer, live
 

@@ -123,7 +123,7 @@ async def setup_run(store: Store, vocab: int) -> None:
         max_prompt_tokens=256, vocab_size=vocab, staleness_limit=4, reuse_limit=1,
     )
     await store.put_if_absent(layout.run_manifest, manifest.to_bytes())
-    await store.put_if_absent(layout.task_file("synthetic", "train.jsonl.zst"), make_task("synthetic", ITEMS).encode())
+    await store.put_if_absent(layout.task_data("synthetic", "train"), make_task("synthetic", ITEMS).encode())
 
 
 async def timed_batch(consumer: RolloutConsumer, counting: CountingStore, n: int) -> tuple[float, dict[str, int]]:

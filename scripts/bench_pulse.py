@@ -131,7 +131,10 @@ def simulate(shapes, steps: int, keep: set[int], lr: float, snr: float, seed: in
     rng = np.random.default_rng(seed)
     masters = init_masters(shapes, rng)
     optims = {name: AdamW(w, rng, snr) for name, w in masters.items()}
-    snap = lambda: {n: float32_to_bf16_bits(w) for n, w in masters.items()}
+
+    def snap() -> State:
+        return {n: float32_to_bf16_bits(w) for n, w in masters.items()}
+
     versions = {0: snap()} if 0 in keep else {}
     for step in range(1, steps + 1):
         for opt in optims.values():
@@ -204,8 +207,8 @@ def run_case(label: str, base: State, new: State, repeat: int) -> dict:
     row: dict = {"case": label, "state_mb": state_bytes / 1e6, "changed": changed,
                  "density": changed / elements, "abs_floor_bits": abs_floor, "rel_floor_bits": rel_floor}
     for mode in ("abs", "rel"):
-        enc_s, (index, body) = timed(lambda: encode_patch(base, new, mode=mode, threads=1), repeat)
-        enc_mt_s, (index_mt, body_mt) = timed(lambda: encode_patch(base, new, mode=mode), repeat)
+        enc_s, (index, body) = timed(lambda mode=mode: encode_patch(base, new, mode=mode, threads=1), repeat)
+        enc_mt_s, (index_mt, body_mt) = timed(lambda mode=mode: encode_patch(base, new, mode=mode), repeat)
         assert body_mt == body and index_mt == index, "encoding must not depend on threads"
         size = len(body) + len(json.dumps(index.to_json(), separators=(",", ":")))
         work = {n: a.copy() for n, a in base.items()}
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     versions = simulate(shapes, head, {head - k for k in lags} | {head}, args.lr, args.snr, args.seed)
     print(f"simulated {head} AdamW steps in {time.perf_counter() - start:.1f} s")
 
-    hash_s, _ = timed(lambda: state_digest(versions[head]), repeat)
+    # Bind the state now: `versions` is deleted below to free memory before the synthetic case.
+    hash_s, _ = timed(lambda state=versions[head]: state_digest(state), repeat)
     rows = [run_case(f"adam k={k}", versions[head - k], versions[head], repeat) for k in lags]
     del versions
     synth = run_case("synthetic", *synthetic_step(1 if args.quick else 3, 1.2e-6, args.seed), repeat)

@@ -5,11 +5,15 @@ The S3 backend runs against a real SeaweedFS server started on 127.0.0.1 for the
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import tempfile
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -20,6 +24,66 @@ from slime_stoa.protocol.store import Store, open_store
 from slime_stoa.testing.s3server import LocalS3Server
 
 BACKENDS = ["file", "s3"]
+T = TypeVar("T")
+
+
+# -- waiting on observed state ----------------------------------------------------------------------
+# Tests wait for what they can observe (a counter, a key in the bucket, a status), never for a fixed
+# time: a sleep is too short on a loaded machine and, before an "it did not happen" assert, proves
+# nothing when the code under test has not even run yet.
+
+
+def _timed_out(timeout: float, message: str | Callable[[], str]) -> AssertionError:
+    what = message() if callable(message) else message
+    return AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    message: str | Callable[[], str] = "the condition",
+) -> T:
+    """Poll `predicate()` until it returns something truthy and return that; AssertionError after
+    `timeout` seconds. `message` (a string, or a function called on failure to describe the state
+    seen) names what was awaited."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() >= deadline:
+            raise _timed_out(timeout, message)
+        time.sleep(interval)
+    return value
+
+
+async def async_wait_until(
+    predicate: Callable[[], Any | Awaitable[Any]],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    message: str | Callable[[], str] = "the condition",
+) -> Any:
+    """`wait_until` for async tests: sleeps without blocking the event loop, and `predicate` may be
+    a coroutine function (e.g. one that lists the bucket)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(timeout, message)
+        await asyncio.sleep(interval)
+
+
+def random_seed(name: str = "STOA_TEST_SEED") -> int:
+    """The seed of a randomised test: `$STOA_TEST_SEED` if set (to replay a failure), else a fresh
+    one. It is printed (pytest shows it with a failure) and the test should name it in its asserts."""
+    raw = os.environ.get(name)
+    seed = int(raw) if raw else int.from_bytes(os.urandom(4), "little")
+    print(f"{name}={seed}")
+    return seed
 
 
 @pytest.fixture(scope="session")
@@ -70,9 +134,12 @@ async def store(store_url: str, store_env: dict[str, str]) -> AsyncIterator[Stor
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Tests that use `store`/`store_url` run once per backend."""
-    if "store_url" in metafunc.fixturenames and "backend_param" not in metafunc.fixturenames:
-        if not any(m.name == "file_only" for m in metafunc.definition.iter_markers()):
-            metafunc.parametrize("store_url", BACKENDS, indirect=True)
+    if (
+        "store_url" in metafunc.fixturenames
+        and "backend_param" not in metafunc.fixturenames
+        and not any(m.name == "file_only" for m in metafunc.definition.iter_markers())
+    ):
+        metafunc.parametrize("store_url", BACKENDS, indirect=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

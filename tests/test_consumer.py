@@ -44,6 +44,7 @@ from slime_stoa.trainer.consumer.counting import CountingStore
 from slime_stoa.trainer.consumer.discovery import advance_cursor, cursor_cap, prune_seen
 from slime_stoa.trainer.consumer.policy import Candidate, all_equal, select
 from slime_stoa.trainer.consumer.scoring import tokenizer_decode
+from tests.conftest import async_wait_until
 
 RUN = "consume"
 G = 4
@@ -646,11 +647,12 @@ async def test_prefetch_downloads_the_next_batch_in_the_background(store: Store,
     await consumer.next_batch(1, trainer_version=0)
     for i in range(1, 4):
         await upload(store, make_group(tiny, worker="w", seq=i, prompt_index=i), now_ms() - 400 + i)
-    for _ in range(200):  # the prefetch admits them while the "trainer" is busy
-        if len(consumer.state_dict()["ledger"]) == 3:
-            break
-        await asyncio.sleep(0.02)
-    assert len(consumer.state_dict()["ledger"]) == 3
+    # The prefetch admits them while the "trainer" is busy.
+    await async_wait_until(
+        lambda: len(consumer.state_dict()["ledger"]) == 3,
+        timeout=30,
+        message=lambda: f"3 groups in the ledger (have {len(consumer.state_dict()['ledger'])})",
+    )
     batch = await consumer.next_batch(3, trainer_version=0)
     assert batch.metrics["rollout/stoa_groups"] == 3 and batch.metrics["rollout/stoa_get_requests"] == 3
     await consumer.close()

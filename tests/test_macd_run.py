@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import open_store
 from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
+from tests.conftest import wait_until
 
 RUN = "macd-run"
 
@@ -49,9 +49,9 @@ def test_kill_and_restart_loses_and_doubles_nothing(tmp_path: Path) -> None:
     assert "synthetic" in out
 
     worker = macd("run", "--seed", "3", env=env)
-    deadline = time.time() + 180
-    while len(asyncio.run(keys(url))) < 4 and time.time() < deadline and worker.poll() is None:
-        time.sleep(0.2)
+    wait_until(lambda: len(asyncio.run(keys(url))) >= 4 or worker.poll() is not None, timeout=180, interval=0.2,
+               message="four records in the bucket")
+    assert worker.poll() is None, "the worker exited before the kill"
     worker.send_signal(signal.SIGKILL)
     worker.wait(timeout=30)
     before = asyncio.run(keys(url))
@@ -85,9 +85,8 @@ def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     env = {**os.environ, "MACD_CONFIG": str(tmp_path / "macd.toml"), "MLX_DISABLE_COMPILE": "1"}
     assert macd("join", url, "--run", RUN, "--data-dir", str(tmp_path / "data"), "--batch", "2", env=env).wait(120) == 0
     worker = macd("run", env=env)
-    deadline = time.time() + 180
-    while not asyncio.run(keys(url)) and time.time() < deadline and worker.poll() is None:
-        time.sleep(0.2)
+    wait_until(lambda: asyncio.run(keys(url)) or worker.poll() is not None, timeout=180, interval=0.2,
+               message="a first record in the bucket")
     worker.send_signal(signal.SIGTERM)
     try:
         out, _ = worker.communicate(timeout=90)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import pickle
@@ -215,9 +216,9 @@ def test_merged_patch_equals_applying_the_chain(mode):
     chain = [random_state(rng)]
     for density in (0.05, 0.2, 0.0, 0.05):
         chain.append(mutate(rng, chain[-1], density))
-    deltas = [diff(a, b) for a, b in zip(chain, chain[1:], strict=False)]
+    deltas = [diff(a, b) for a, b in itertools.pairwise(chain)]
     replayed = copy_state(chain[0])
-    for a, b in zip(chain, chain[1:], strict=False):
+    for a, b in itertools.pairwise(chain):
         index, body = encode_patch(a, b)
         apply_patch(replayed, index, all_frames(index, body))
     index, body = encode_delta(merge_deltas(deltas), shapes_of(chain[-1]), base=chain[0], mode=mode,
@@ -372,7 +373,7 @@ def test_index_out_of_range_is_corrupt_and_rolled_back():
     state = copy_state(base)
     state["b"] = state["b"][:50].copy()
     before = copy_state(state)
-    with pytest.raises(PatchCorrupt, match="frame 2, tensor 'b'.*out of range"):
+    with pytest.raises(PatchCorrupt, match=r"frame 2, tensor 'b'.*out of range"):
         apply_patch(state, lying, frames)
     assert_same(state, before)
 

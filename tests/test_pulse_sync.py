@@ -58,13 +58,14 @@ async def test_follower_steps_through_every_version(store: Store) -> None:
     rng = np.random.default_rng(0)
     pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
     state = random_state(rng)
+    previous: dict[str, np.ndarray] | None = None  # the state of version v - 1
     for v in range(5):
         result = await pub.publish(state)
         assert result.version == v and result.anchored == (v == 0)
         synced = await sub.sync()
         assert synced is not None and synced.version == v
         assert synced.path == ("anchor" if v == 0 else "step")
-        if v:
+        if previous is not None:
             expected = {n: idx for n, (idx, _) in diff(previous, state).items()}
             assert synced.changed is not None and synced.changed.keys() == expected.keys()
             assert all(np.array_equal(synced.changed[n], expected[n]) for n in expected)
@@ -226,7 +227,7 @@ async def test_pointer_ahead_of_its_objects_keeps_the_state(store: Store) -> Non
 async def test_corrupt_anchor_and_patches_leave_the_state_untouched(store: Store) -> None:
     rng = np.random.default_rng(10)
     pub = Publisher(store, RUN, PublisherConfig(catchup=False))
-    states = await publish_versions(pub, rng, 3)
+    await publish_versions(pub, rng, 3)
     sub = Subscriber(store, RUN)
     manifest = await _manifest(store, 2)
     anchor_prefix = manifest.anchor.manifest.rsplit("/", 1)[0] + "/"

@@ -62,7 +62,8 @@ def test_ctrl_c_stops_workers_and_learner_cleanly(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "slime_stoa.cli", "quickstart", "--out", str(out), "--minutes", "5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+    reader.start()
     seen, deadline = [], time.time() + 300
     try:
         while time.time() < deadline and not any(re.match(r"\s*v3\s", line) for line in seen):
@@ -76,7 +77,7 @@ def test_ctrl_c_stops_workers_and_learner_cleanly(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(0.5)
+    reader.join(timeout=30)  # it ends at the end of the output
     while not lines.empty():
         seen.append(lines.get())
     assert "interrupted" in "".join(seen)

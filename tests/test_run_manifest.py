@@ -34,7 +34,7 @@ def test_bad_settings_are_refused(changes: dict, message: str) -> None:
 def test_from_bytes_rejects_foreign_documents() -> None:
     with pytest.raises(ValueError, match="not valid JSON"):
         RunManifest.from_bytes(b"{")
-    with pytest.raises(ValueError, match="stoa.run/1"):
+    with pytest.raises(ValueError, match=r"stoa\.run/1"):
         RunManifest.from_bytes(b'{"format": "other"}')
     doc = RunManifest(run="r", model="m", task="t").to_bytes().replace(b'"model"', b'"colour": 1, "model"')
     with pytest.raises(ValueError, match="unknown fields"):

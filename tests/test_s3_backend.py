@@ -84,13 +84,16 @@ async def test_with_retries_retries_only_retryable_errors() -> None:
         return "ok"
 
     policy = RetryPolicy(attempts=3, base_delay=0.0, max_delay=0.0)
-    retry_timeouts = lambda exc: isinstance(exc, TimeoutError)
+
+    def retry_timeouts(exc: BaseException) -> bool:
+        return isinstance(exc, TimeoutError)
+
     assert await with_retries(flaky, policy=policy, is_retryable=retry_timeouts, describe="op") == "ok"
 
     async def failing() -> None:
         raise TimeoutError("still slow")
 
-    with pytest.raises(StoreUnavailable, match="GET x failed after 3 attempts.*still slow.*check it"):
+    with pytest.raises(StoreUnavailable, match=r"GET x failed after 3 attempts.*still slow.*check it"):
         await with_retries(
             failing, policy=policy, is_retryable=retry_timeouts, describe="GET x", advice=lambda e: "check it"
         )

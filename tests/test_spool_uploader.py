@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from slime_stoa.protocol.store import Store, StoreConfigError, open_store
 from slime_stoa.protocol.store.retry import RetryPolicy
 from slime_stoa.protocol.store.s3 import S3Store
 from slime_stoa.testing.s3server import LOOPBACK, LocalS3Server, free_ports
+from tests.conftest import async_wait_until, random_seed
 
 RUN = "spool-test"
 WORKER = "mac-07"
@@ -83,13 +83,6 @@ def fast_uploader(store: Store, spool: Spool, **kw: object) -> Uploader:
 
 async def bucket_keys(store: Store, kind: str = "train") -> list[str]:
     return [info.key async for info in store.list(LAYOUT.rollouts_prefix(kind))]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -283,12 +276,12 @@ async def test_unreachable_store_keeps_entries_until_it_is_back(
         uploader = fast_uploader(down, spool)
         stop = asyncio.Event()
         task = asyncio.create_task(uploader.run_forever(stop))
-        await wait_until(lambda: uploader.stats.retries >= 3)
+        await async_wait_until(lambda: uploader.stats.retries >= 3)
         assert await uploader.flush(0.3) == 5  # SIGTERM during the outage: nothing lost
         assert spool.depth == 5 and await bucket_keys(direct) == []
         assert "StoreUnavailable" in (uploader.stats.last_error or "")
         await gate.open()  # the network is back
-        await wait_until(lambda: spool.depth == 0)
+        await async_wait_until(lambda: spool.depth == 0)
         stop.set()
         await task
         assert await bucket_keys(direct) == [e.key for e in entries]
@@ -320,11 +313,11 @@ async def test_an_entry_the_store_rejects_is_held_back_not_blocking(tmp_path: Pa
         uploader = fast_uploader(store, spool)
         stop = asyncio.Event()
         task = asyncio.create_task(uploader.run_forever(stop))
-        await wait_until(lambda: spool.depth == 1)
+        await async_wait_until(lambda: spool.depth == 1)
         assert await bucket_keys(store) == [e.key for e in good]
         assert [e.name for e in spool.pending()] == [bad.name] and uploader.stats.held == 1
         await store.delete(blocker)  # fixed: the held entry goes up on a later retry
-        await wait_until(lambda: spool.depth == 0)
+        await async_wait_until(lambda: spool.depth == 0)
         stop.set()
         await task
         assert await bucket_keys(store, "eval") == [bad.key] and uploader.stats.held == 0
@@ -347,7 +340,11 @@ async def test_full_spool_pauses_until_the_uploader_frees_room(store: Store, tmp
         assert spool.full and spool.add(builder()).seq == 3  # a finished group is never refused
         assert await spool.wait_not_full(timeout=0.1) is False
         waiter = asyncio.create_task(spool.wait_not_full())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the waiter runs up to its wait (no thread or timer involved)
+        assert not waiter.done()
+        spool.add(builder())  # a change that leaves the spool full wakes it, and it waits on
+        for _ in range(3):  # the change callback, the wake-up, the re-check
+            await asyncio.sleep(0)
         assert not waiter.done()
         await Uploader(store, spool).drain()
         assert await asyncio.wait_for(waiter, 5) is True and not spool.full
@@ -367,7 +364,7 @@ async def test_producer_thread_and_uploader_share_a_bounded_spool(store: Store, 
                 depths.append(spool.depth)
 
         await asyncio.to_thread(produce)
-        await wait_until(lambda: spool.depth == 0)
+        await async_wait_until(lambda: spool.depth == 0)
         stop.set()
         await task
         assert max(depths) <= 3
@@ -457,7 +454,8 @@ async def test_kill_9_at_random_moments_loses_and_duplicates_nothing(
     rounds = 5 if store_url.startswith("file://") else 3  # an S3 client starts slower
     args = [str(tmp_path / "spool"), store_url, RUN, WORKER, "", str(logs)]
     env = {**os.environ, **store_env, "PYTHONPATH": str(REPO)}
-    rng = random.Random()
+    seed = random_seed()  # STOA_TEST_SEED=<seed> replays the kill moments
+    rng, replay = random.Random(seed), f"(replay: STOA_TEST_SEED={seed})"
     killed = 0
     args[4] = str(10**6)  # killed rounds never reach their target
     for _ in range(rounds):
@@ -470,23 +468,23 @@ async def test_kill_9_at_random_moments_loses_and_duplicates_nothing(
     args[4] = str(target)  # the clean run spools a few more, then drains and exits
     proc = await _start_worker(script, args, env)
     out, _ = await asyncio.wait_for(asyncio.to_thread(proc.communicate), 120)
-    assert proc.returncode == 0 and out.startswith("done 0 "), out
-    assert killed == rounds  # every kill hit a running worker
+    assert proc.returncode == 0 and out.startswith("done 0 "), f"{replay}\n{out}"
+    assert killed == rounds, replay  # every kill hit a running worker
 
     reserved, spooled = _lines(logs / "reserved"), _lines(logs / "spooled")
-    assert len(reserved) == len(set(reserved)), "a seq was handed out twice"
-    assert len(spooled) == target and set(spooled) <= set(reserved)
+    assert len(reserved) == len(set(reserved)), f"a seq was handed out twice {replay}"
+    assert len(spooled) == target and set(spooled) <= set(reserved), replay
 
     keys = [info.key async for info in store.list(LAYOUT.root)]
     parsed = [LAYOUT.parse_rollout(k) for k in keys]
-    assert all(p is not None and p.worker == WORKER and p.kind == "train" for p in parsed), keys
+    assert all(p is not None and p.worker == WORKER and p.kind == "train" for p in parsed), (replay, keys)
     per_seq = Counter(p.seq for p in parsed if p)
-    assert max(per_seq.values()) == 1, "a record landed under two keys"
-    assert set(spooled) <= set(per_seq) <= set(reserved)
+    assert max(per_seq.values()) == 1, f"a record landed under two keys {replay}"
+    assert set(spooled) <= set(per_seq) <= set(reserved), replay
     for key, p in zip(keys, parsed, strict=False):
-        assert p is not None and decode_group(await store.get_bytes(key)).seq == p.seq
+        assert p is not None and decode_group(await store.get_bytes(key)).seq == p.seq, (replay, key)
 
     with open_spool(tmp_path / "spool") as spool:
-        assert spool.depth == 0 and spool.quarantined() == []
-    assert json.loads(out.split(" ", 2)[2])["quarantined"] == 0
+        assert spool.depth == 0 and spool.quarantined() == [], replay
+    assert json.loads(out.split(" ", 2)[2])["quarantined"] == 0, replay
 

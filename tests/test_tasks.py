@@ -417,7 +417,7 @@ def test_make_task_registry() -> None:
         task.item(-1)
     with pytest.raises(ValueError, match="unknown task"):
         make_task("nope", items, {})
-    with pytest.raises(ValueError, match="indices must be 0..n-1"):
+    with pytest.raises(ValueError, match=r"indices must be 0\.\.n-1"):
         make_task("synthetic", items[1:], {})
     with pytest.raises(ValueError, match="system_prompt"):
         make_task("gsm8k", [], {"system_prompt": 3})

@@ -18,6 +18,8 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.validate import RecordLimits, load_record
 from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
+from slime_stoa.trainer.consumer.counting import CountingStore
+from tests.conftest import async_wait_until
 
 RUN = "worker-test"
 
@@ -37,27 +39,45 @@ async def records(store: Store) -> list:
     return [load_record(await store.get_bytes(i.key), limits) async for i in store.list(layout.rollouts_prefix())]
 
 
+class PointerPolls(CountingStore):
+    """Forwards to a real store and counts the worker's pointer polls: each is one turn of its loop,
+    a chance to start a cohort."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.polls = 0
+
+    async def get(self, key: str, **kw):  # type: ignore[override]
+        if key == RunLayout(RUN).pointer:
+            self.polls += 1
+        return await super().get(key, **kw)
+
+
 async def test_worker_generates_uploads_and_hot_swaps(store: Store, store_url: str, model_dir: Path, tmp_path: Path) -> None:
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, temperature=1.0)
     pub = await seed_run(store, manifest, model_dir, task_count=50)
-    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(max_cohorts=6, seed=1, heartbeat_s=0.5))
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=1, heartbeat_s=0.5))
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run(stop))
-    # Publish v1 once the first groups landed.
-    for _ in range(600):
-        if await records(store) or run.done():
-            break
-        await asyncio.sleep(0.1)
+
+    async def landed(version: int) -> bool:
+        return run.done() or any(g.weight_version == version for g in await records(store))
+
+    # Publish v1 once the first groups landed; stop once groups made at v1 landed too.
+    await async_wait_until(lambda: landed(0), timeout=300, interval=0.1, message="a v0 group in the bucket")
+    assert not run.done(), run
     state = load_hf_state(model_dir)
     rng = np.random.default_rng(0)
     for bits in state.values():
         flat = bits.reshape(-1)
         flat[rng.random(flat.size) < 0.02] ^= 1
     await pub.publish(state)
+    await async_wait_until(lambda: landed(1), timeout=300, interval=0.1, message="a v1 group in the bucket")
+    stop.set()
     assert await asyncio.wait_for(run, 300) == 0
 
     got = await records(store)
-    assert len(got) == 6 * 3  # every group of every cohort, exactly once
+    assert len(got) == worker.cohorts * 3  # every group of every cohort, exactly once
     assert {g.worker_id for g in got} == {"test-mac-0a1b2c"}
     assert sorted(g.seq for g in got) == list(range(len(got)))
     versions = [g.weight_version for g in sorted(got, key=lambda g: g.seq)]
@@ -78,8 +98,7 @@ async def test_stop_flushes_and_exits_cleanly(store: Store, store_url: str, mode
     worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=2))
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run(stop))
-    while worker.cohorts < 2 and not run.done():
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: worker.cohorts >= 2 or run.done(), timeout=120, message="two cohorts")
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert len(await records(store)) == 3 * worker.cohorts
@@ -91,24 +110,24 @@ async def test_worker_waits_for_a_new_version_once_its_budget_is_spent(
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, worker_groups_per_version=1)
     pub = await seed_run(store, manifest, model_dir, task_count=50)
     options = WorkerOptions(seed=4, budget_patience_s=60.0, heartbeat_s=0.2)
-    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, options)
+    polled = PointerPolls(store)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), polled, options)
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run(stop))
-    for _ in range(1200):  # until one group with a reward signal was made at v0
-        if worker.beat.status == "waiting" or run.done():
-            break
-        await asyncio.sleep(0.05)
-    cohorts = worker.cohorts
-    await asyncio.sleep(1.0)
-    assert worker.beat.status == "waiting" and worker.cohorts == cohorts  # budget spent: no new cohort
+    # Until one group with a reward signal was made at v0.
+    await async_wait_until(lambda: worker.beat.status == "waiting" or run.done(), timeout=120, message="status waiting")
+    assert not run.done(), run
+    cohorts, polls = worker.cohorts, polled.polls
+    # Budget spent: three more turns of the loop (three pointer polls), and no new cohort.
+    await async_wait_until(lambda: polled.polls >= polls + 3 or run.done(), timeout=30, message="three pointer polls")
+    assert worker.beat.status == "waiting" and worker.cohorts == cohorts
     v0 = await records(store)
     assert v0 and {g.weight_version for g in v0} == {0}
     assert any(len({s.reward for s in g.samples}) > 1 for g in v0)  # the budget counts signal groups
     state = load_hf_state(model_dir)
     state["model.norm.weight"][0] ^= 1
     await pub.publish(state)
-    while worker.cohorts == cohorts and not run.done():
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: worker.cohorts > cohorts or run.done(), timeout=120, message="a cohort at v1")
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert max(g.weight_version for g in await records(store)) == 1
@@ -124,8 +143,7 @@ async def test_a_pointer_to_missing_objects_keeps_the_last_good_version(
     worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=5))
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run(stop))
-    while worker.cohorts < 1 and not run.done():
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: worker.cohorts >= 1 or run.done(), timeout=120, message="a first cohort")
     layout = RunLayout(RUN)
     got = await store.get(layout.pointer)
     pointer = Pointer.from_bytes(got.data)
@@ -135,10 +153,12 @@ async def test_a_pointer_to_missing_objects_keeps_the_last_good_version(
     )
     await store.put(layout.pointer, broken.to_bytes(), if_match=got.etag)
     seen = worker.cohorts
-    for _ in range(1200):  # the worker notices at its next pointer poll and keeps generating
-        if (worker.beat.errors and worker.cohorts > seen + 1) or run.done():
-            break
-        await asyncio.sleep(0.05)
+    # The worker notices at its next pointer poll and keeps generating.
+    await async_wait_until(
+        lambda: (worker.beat.errors and worker.cohorts > seen + 1) or run.done(),
+        timeout=60,
+        message=lambda: f"an error and two more cohorts (errors {worker.beat.errors}, cohorts {worker.cohorts - seen})",
+    )
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert worker.sub.version == 0 and worker.live.digest_check(worker.sub.state)
@@ -151,18 +171,47 @@ async def test_int8_plane_serves_quantized_weights_from_the_bf16_master(
 ) -> None:
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, plane="int8")
     pub = await seed_run(store, manifest, model_dir, task_count=50)
-    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=6, max_cohorts=3))
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=6))
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run(stop))
-    while worker.cohorts < 1 and not run.done():
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: worker.cohorts >= 1 or run.done(), timeout=120, message="a first cohort")
     state = load_hf_state(model_dir)
     state["model.layers.0.mlp.up_proj.weight"].reshape(-1)[:100] ^= 1
     await pub.publish(state)
+    # Stop once the int8 weights were swapped to v1 and a cohort was made with them.
+    await async_wait_until(lambda: worker.beat.swaps >= 1 or run.done(), timeout=120, message="the swap to v1")
+    swapped_at = worker.cohorts
+    await async_wait_until(lambda: worker.cohorts > swapped_at or run.done(), timeout=120, message="a cohort at v1")
+    stop.set()
     assert await asyncio.wait_for(run, 120) == 0
+    assert worker.sub.version == 1
     assert worker.live.plane == "int8" and worker.live.digest_check(worker.sub.state)
     got = await records(store)
-    assert len(got) == 9 and {g.weight_version for g in got} <= {0, 1}
+    assert len(got) == 3 * worker.cohorts and {g.weight_version for g in got} == {0, 1}
+
+
+async def test_heartbeat_reports_quarantined_groups(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """A group set aside in the spool for good shows in the heartbeat, the final one included
+    (the quickstart counts lost groups from it); old heartbeats without the field still parse."""
+    from macd.spool import Spool
+    from slime_stoa.protocol.heartbeat import Heartbeat
+
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
+    await seed_run(store, manifest, model_dir, task_count=50)
+    config = daemon_config(store_url, tmp_path / "data")
+    spool = Spool(config.data_dir / "spool" / RUN, worker_id=config.worker_id, run=RUN,
+                  max_bytes=1 << 20, max_items=10, verify=False)
+    spool.quarantine(spool.add(b"not a record"), "test: the key held other bytes")
+    spool.close()
+    worker = Worker(config, store, WorkerOptions(seed=7, max_cohorts=1))
+    assert await asyncio.wait_for(worker.run(asyncio.Event()), 120) == 0
+    data = await store.get_bytes(RunLayout(RUN).heartbeat(config.worker_id))
+    beat = Heartbeat.from_bytes(data)
+    assert (beat.status, beat.groups_spooled, beat.groups_quarantined, beat.groups_uploaded) == ("stopped", 0, 1, 3)
+    old = data.replace(b'"groups_quarantined": 1, ', b"")
+    assert b"groups_quarantined" not in old and Heartbeat.from_bytes(old).groups_quarantined == 0
 
 
 @pytest.mark.parametrize("ticks", [0, 1, 2, 3])

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 from pathlib import Path
+from typing import get_args, get_type_hints
+
+from slime_stoa.quickstart.config import QuickstartConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,18 +22,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "trains until the reward target or the time limit. Rerun with the same --out to resume."
         ),
     )
-    qs.add_argument("--out", type=Path, default=Path("stoa-quickstart"), help="run folder (bucket, logs, report)")
-    qs.add_argument("--store", default=None, help="bucket URL (default: file://<out>/bucket)")
-    qs.add_argument("--run", default="quickstart", help="run name")
-    qs.add_argument("--model", type=Path, default=None, help="HF/MLX model folder (default: a tiny model)")
-    qs.add_argument("--workers", type=int, default=2, help="macd worker processes")
-    qs.add_argument("--minutes", type=float, default=10.0, help="time budget of the RL part")
-    qs.add_argument("--max-versions", type=int, default=300, help="stop after this many versions")
-    qs.add_argument("--target", type=float, default=0.9, help="stop once the recent mean reward reaches this")
-    qs.add_argument("--kill-worker-at", type=int, default=None, help="SIGKILL worker 0 at this version, then restart it")
+    add_config_options(qs)
     qs.add_argument("--json", type=Path, default=None, help="write the machine-readable summary here")
-    qs.add_argument("--seed", type=int, default=0)
     qs.set_defaults(handler=_quickstart)
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One option per QuickstartConfig field, with its type, default and help."""
+    hints = get_type_hints(QuickstartConfig)
+    for f in dataclasses.fields(QuickstartConfig):
+        kind = next((a for a in get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        default = f.default
+        shown = "" if default is None else f" (default: {default})"
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=kind, default=default, help=f.metadata["help"] + shown
+        )
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -38,13 +45,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _quickstart(args: argparse.Namespace) -> int:
     from slime_stoa.quickstart.report import ConsoleReport, plot_curve, write_json
-    from slime_stoa.quickstart.run import QuickstartConfig, run_quickstart
+    from slime_stoa.quickstart.run import run_quickstart
 
-    cfg = QuickstartConfig(
-        out=args.out, store=args.store, run=args.run, model=args.model, workers=args.workers,
-        minutes=args.minutes, max_versions=args.max_versions, target=args.target,
-        kill_worker_at=args.kill_worker_at, seed=args.seed,
-    )
+    cfg = QuickstartConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuickstartConfig)})
     if not args.verbose:  # the progress table says it all; keep library chatter for -v
         import logging
 

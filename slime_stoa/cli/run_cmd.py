@@ -6,9 +6,8 @@ import argparse
 import asyncio
 import sys
 
-from slime_stoa.protocol.run_manifest import PLANES, RunManifest
+from slime_stoa.protocol.run_manifest import PLANES, RunManifest, read_run_manifest
 from slime_stoa.protocol.store import (
-    NotFound,
     PreconditionFailed,
     StoreError,
     open_store,
@@ -70,13 +69,8 @@ async def create_run(url: str, manifest: RunManifest) -> None:
 
 
 async def read_run(url: str, run: str) -> RunManifest:
-    from slime_stoa.protocol.layout import RunLayout
-
     async with open_store(url) as store:
-        try:
-            return RunManifest.from_bytes(await store.get_bytes(RunLayout(run).run_manifest))
-        except NotFound:
-            raise ValueError(f"run {run!r} does not exist in {url}: create it with `stoa run create`") from None
+        return await read_run_manifest(store, run)  # RunNotFound is a ValueError
 
 
 def _run_create(args: argparse.Namespace) -> int:

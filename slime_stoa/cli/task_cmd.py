@@ -57,7 +57,7 @@ async def put_task_objects(store: Store, run: str, task: str, objects: dict[str,
     layout = RunLayout(run)
     written = []
     for split, data in objects.items():
-        key = layout.task_file(task, f"{split}.jsonl.zst")
+        key = layout.task_data(task, split)
         try:
             await store.put_if_absent(key, data)
         except PreconditionFailed:

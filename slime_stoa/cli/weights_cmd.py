@@ -13,13 +13,15 @@ from slime_stoa.protocol.hf.folders import load_hf_state, save_hf_folder
 from slime_stoa.protocol.pulse.anchor import download_extras
 from slime_stoa.protocol.pulse.history import (
     HistoryError,
+    NotPublished,
     find_manifest,
+    read_anchor_manifest,
     read_manifest,
     read_pointer,
     rebuild,
     walk_back,
 )
-from slime_stoa.protocol.pulse.manifests import AnchorManifest, ManifestError
+from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError
 from slime_stoa.protocol.store import NotFound, StoreError, open_store
 
@@ -75,7 +77,7 @@ async def publish_anchor(args: argparse.Namespace) -> int:
             pointer = await read_pointer(store, run)
             print(f"error: run {run!r} already has weights (v{pointer.version}); seed a new run name", file=sys.stderr)
             return 1
-        except HistoryError:
+        except NotPublished:
             pass
         result = await Publisher(store, run, PublisherConfig(extras_dir=args.hf_dir)).publish(state)
     print(
@@ -168,8 +170,7 @@ async def export_version(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     async with open_store(url) as store:
         rebuilt = await rebuild(store, run, args.version)
-        anchor_key = rebuilt.manifest.anchor.manifest
-        anchor = AnchorManifest.from_bytes(await store.get_bytes(anchor_key), anchor_key)
+        anchor = await read_anchor_manifest(store, rebuilt.manifest.anchor.manifest)
         with tempfile.TemporaryDirectory() as tmp:
             await download_extras(store, anchor, Path(tmp))
             out = save_hf_folder(rebuilt.state, args.out_dir, source_dir=Path(tmp))

@@ -25,6 +25,7 @@ class Heartbeat:
     tokens_per_s: float = 0.0  # generation throughput over the last cohort
     groups_uploaded: int = 0
     groups_spooled: int = 0  # waiting in the local spool
+    groups_quarantined: int = 0  # set aside in the local spool, never to upload (their key held other bytes)
     swaps: int = 0
     last_swap_s: float = 0.0
     errors: int = 0

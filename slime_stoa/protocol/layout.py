@@ -9,7 +9,7 @@
     runs/<run>/rollouts/<ts>-<worker>-<seq>.rec       train rollout-group records (immutable)
     runs/<run>/evals/<ts>-<worker>-<seq>.rec          eval rollout-group records (immutable)
     runs/<run>/workers/<worker>.json                  worker heartbeat
-    runs/<run>/tasks/<task>/<name>                    task data
+    runs/<run>/tasks/<task>/<split>.jsonl.zst         task data of one split (`task_data`)
     runs/<run>/trainer/<name>                         trainer state (cursors, ledgers)
 
 `<v>` is the version zero-padded to 12 digits, `<a>` the publish attempt (8 hex digits, fresh
@@ -188,6 +188,10 @@ class RunLayout:
 
     def task_file(self, task: str, name: str) -> str:
         return f"{self.task_prefix(task)}{check_name('file', name)}"
+
+    def task_data(self, task: str, split: str) -> str:
+        """The task data of one split (`stoa task prepare` writes it, workers draw prompts from it)."""
+        return self.task_file(task, f"{check_name('task split', split)}.jsonl.zst")
 
     def trainer_file(self, name: str) -> str:
         return f"{self.root}trainer/{check_name('file', name)}"

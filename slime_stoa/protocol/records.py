@@ -9,9 +9,10 @@ Wire format (format 1):
 
     MAGIC (7 bytes) | FORMAT (1 byte) | one zstd frame (content size and checksum present)
 
-The frame holds one msgpack map (see `_WireGroup`). Token ids travel as raw little-endian int32
-bytes and logprobs as raw little-endian float32 bytes, so every float32 bit pattern (-0.0,
-subnormals, NaN payloads) round-trips exactly.
+The frame holds one msgpack map: the fields of `RolloutGroup` in order, its samples and sampling
+parameters as nested maps (see "Wire types"). Token ids travel as raw little-endian int32 bytes
+and logprobs as raw little-endian float32 bytes, so every float32 bit pattern (-0.0, subnormals,
+NaN payloads) round-trips exactly.
 
 `decode_group` trusts nothing: any malformed input raises `RecordError` with a stable `reason`
 code, and memory stays within a small multiple of `max_bytes` (the decompressed size is checked
@@ -23,8 +24,11 @@ Decoding checks structure only; value checks (vocabulary, finite logprobs, limit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from types import GenericAlias
+from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 import msgspec
 import numpy as np
@@ -131,6 +135,12 @@ def as_logprob_array(value: Any, name: str = "logprobs") -> np.ndarray:
     return _frozen(a, np.dtype(np.float32))
 
 
+#: Token ids in memory: a read-only int32 array; on the wire, its little-endian int32 bytes.
+TokenArray = Annotated[np.ndarray, _TOKEN_WIRE]
+#: Logprobs in memory: a read-only float32 array; on the wire, its little-endian float32 bytes.
+LogprobArray = Annotated[np.ndarray, _LOGPROB_WIRE]
+
+
 def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equality (so -0.0 != 0.0 and a NaN equals the same NaN)."""
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
@@ -138,6 +148,19 @@ def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _same_float(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return _same_array(a, b)
+    if isinstance(a, float) and isinstance(b, float):
+        return _same_float(a, b)
+    return bool(a == b)
+
+
+def _same_fields(a: Any, b: Any) -> bool:
+    """Field-by-field equality of two records' parts: arrays bitwise, floats NaN-equal."""
+    return all(_same_value(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -161,12 +184,7 @@ class SamplingParams:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SamplingParams):
             return NotImplemented
-        return (
-            _same_float(self.temperature, other.temperature)
-            and _same_float(self.top_p, other.top_p)
-            and self.max_tokens == other.max_tokens
-            and self.stop == other.stop
-        )
+        return _same_fields(self, other)
 
     def __hash__(self) -> int:
         return hash((self.max_tokens, self.stop))  # consistent with NaN-equal floats
@@ -176,8 +194,8 @@ class SamplingParams:
 class Sample:
     """One sampled response. `logprobs[i]` is the logprob of `response_tokens[i]`."""
 
-    response_tokens: np.ndarray  # int32 [n], read-only
-    logprobs: np.ndarray  # float32 [n], read-only, at the sampling temperature
+    response_tokens: TokenArray  # int32 [n], read-only
+    logprobs: LogprobArray  # float32 [n], read-only, at the sampling temperature
     finish_reason: str  # "stop" | "length" (checked by the validator)
     reward: float  # the worker's reward; the trainer recomputes its own
 
@@ -192,12 +210,7 @@ class Sample:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
-        return (
-            _same_array(self.response_tokens, other.response_tokens)
-            and _same_array(self.logprobs, other.logprobs)
-            and self.finish_reason == other.finish_reason
-            and _same_float(self.reward, other.reward)
-        )
+        return _same_fields(self, other)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -209,7 +222,7 @@ class RolloutGroup:
     run: str  # run name
     task_id: str  # the task (dataset) the prompt came from
     prompt_index: int  # index of the prompt within the task
-    prompt_tokens: np.ndarray  # int32 [p], read-only
+    prompt_tokens: TokenArray  # int32 [p], read-only
     samples: tuple[Sample, ...]  # the G samples
     weight_version: int  # weight version the samples were drawn from
     state_digest: str  # hex digest of that weight state
@@ -239,92 +252,81 @@ class RolloutGroup:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutGroup):
             return NotImplemented
-        plain = [f for f in self.__dataclass_fields__ if f not in _SPECIAL_EQ]
-        return (
-            _same_array(self.prompt_tokens, other.prompt_tokens)
-            and _same_float(self.started_at, other.started_at)
-            and _same_float(self.finished_at, other.finished_at)
-            and all(getattr(self, f) == getattr(other, f) for f in plain)
-        )
-
-
-_SPECIAL_EQ = frozenset({"prompt_tokens", "started_at", "finished_at"})
+        return _same_fields(self, other)
 
 
 # ---------------------------------------------------------------------------------------------
-# Wire types (msgpack map layout). Field names are the map keys.
+# Wire types (msgpack map layout), derived from the in-memory types: one map per dataclass, its
+# fields the map keys in field order. ints travel as int64, arrays (`TokenArray`, `LogprobArray`)
+# as their little-endian bytes, tuples as arrays, nested dataclasses as nested maps.
 
 Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
 
 
-class _WireSampling(msgspec.Struct, forbid_unknown_fields=True):
-    temperature: float
-    top_p: float
-    max_tokens: Int64
-    stop: list[str]
+@dataclass(frozen=True, slots=True)
+class _Codec:
+    """How one in-memory type travels: its msgspec wire type and the two conversions."""
+
+    wire: Any
+    to_wire: Callable[[Any], Any]
+    from_wire: Callable[[Any, str], Any]  # (wire value, field path for error messages)
 
 
-class _WireSample(msgspec.Struct, forbid_unknown_fields=True):
-    response_tokens: bytes  # int32 little-endian
-    logprobs: bytes  # float32 little-endian
-    finish_reason: str
-    reward: float
+def _same(value: Any) -> Any:
+    return value
 
 
-class _WireGroup(msgspec.Struct, forbid_unknown_fields=True):
-    schema_version: Int64
-    kind: str
-    run: str
-    task_id: str
-    prompt_index: Int64
-    prompt_tokens: bytes  # int32 little-endian
-    samples: list[_WireSample]
-    weight_version: Int64
-    state_digest: str
-    sampling: _WireSampling
-    worker_id: str
-    seq: Int64
-    started_at: float
-    finished_at: float
+def _kept(value: Any, where: str) -> Any:
+    return value
 
 
-class _WireVersion(msgspec.Struct):  # any map with a schema_version; other fields ignored
-    schema_version: Int64
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(_WireGroup)
-_VERSION_DECODER = msgspec.msgpack.Decoder(_WireVersion)
-
-
-def _to_wire(g: RolloutGroup) -> _WireGroup:
-    s = g.sampling
-    return _WireGroup(
-        schema_version=g.schema_version,
-        kind=g.kind,
-        run=g.run,
-        task_id=g.task_id,
-        prompt_index=g.prompt_index,
-        prompt_tokens=g.prompt_tokens.astype(_TOKEN_WIRE).tobytes(),
-        samples=[
-            _WireSample(
-                response_tokens=x.response_tokens.astype(_TOKEN_WIRE).tobytes(),
-                logprobs=x.logprobs.astype(_LOGPROB_WIRE).tobytes(),
-                finish_reason=x.finish_reason,
-                reward=x.reward,
-            )
-            for x in g.samples
-        ],
-        weight_version=g.weight_version,
-        state_digest=g.state_digest,
-        sampling=_WireSampling(
-            temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=list(s.stop)
-        ),
-        worker_id=g.worker_id,
-        seq=g.seq,
-        started_at=g.started_at,
-        finished_at=g.finished_at,
+def _array_codec(dtype: np.dtype) -> _Codec:
+    return _Codec(
+        bytes,
+        lambda a: a.astype(dtype).tobytes(),
+        lambda raw, where: _wire_array(raw, dtype, where),
     )
+
+
+def _tuple_codec(item: _Codec) -> _Codec:
+    return _Codec(
+        GenericAlias(list, (item.wire,)),  # list[item.wire], built at run time
+        lambda xs: [item.to_wire(x) for x in xs],
+        lambda xs, where: tuple(item.from_wire(x, f"{where}[{i}]") for i, x in enumerate(xs)),
+    )
+
+
+def _struct_codec(cls: type) -> _Codec:
+    hints = get_type_hints(cls, include_extras=True)
+    parts = [(f.name, _codec(hints[f.name])) for f in fields(cls)]
+    wire = msgspec.defstruct(
+        f"_Wire{cls.__name__}", [(name, c.wire) for name, c in parts], forbid_unknown_fields=True
+    )
+
+    def to_wire(obj: Any) -> Any:
+        return wire(*[c.to_wire(getattr(obj, name)) for name, c in parts])
+
+    def from_wire(w: Any, where: str) -> Any:
+        prefix = f"{where}." if where else ""
+        return cls(**{name: c.from_wire(getattr(w, name), prefix + name) for name, c in parts})
+
+    return _Codec(wire, to_wire, from_wire)
+
+
+def _codec(hint: Any) -> _Codec:
+    if get_origin(hint) is Annotated:
+        base, dtype = get_args(hint)[:2]
+        if base is np.ndarray and isinstance(dtype, np.dtype):
+            return _array_codec(dtype)
+    if hint is int:
+        return _Codec(Int64, _same, _kept)
+    if hint in (float, str):
+        return _Codec(hint, _same, _kept)
+    if get_origin(hint) is tuple and len(get_args(hint)) == 2 and get_args(hint)[1] is Ellipsis:
+        return _tuple_codec(_codec(get_args(hint)[0]))
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _struct_codec(hint)
+    raise TypeError(f"no wire form for {hint!r}")
 
 
 def _wire_array(raw: bytes, dtype: np.dtype, name: str) -> np.ndarray:
@@ -333,35 +335,16 @@ def _wire_array(raw: bytes, dtype: np.dtype, name: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)  # read-only view; the Sample converts if not native
 
 
-def _from_wire(w: _WireGroup) -> RolloutGroup:
-    samples = tuple(
-        Sample(
-            response_tokens=_wire_array(x.response_tokens, _TOKEN_WIRE, f"samples[{i}].tokens"),
-            logprobs=_wire_array(x.logprobs, _LOGPROB_WIRE, f"samples[{i}].logprobs"),
-            finish_reason=x.finish_reason,
-            reward=x.reward,
-        )
-        for i, x in enumerate(w.samples)
-    )
-    s = w.sampling
-    return RolloutGroup(
-        schema_version=w.schema_version,
-        kind=w.kind,
-        run=w.run,
-        task_id=w.task_id,
-        prompt_index=w.prompt_index,
-        prompt_tokens=_wire_array(w.prompt_tokens, _TOKEN_WIRE, "prompt_tokens"),
-        samples=samples,
-        weight_version=w.weight_version,
-        state_digest=w.state_digest,
-        sampling=SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=tuple(s.stop)
-        ),
-        worker_id=w.worker_id,
-        seq=w.seq,
-        started_at=w.started_at,
-        finished_at=w.finished_at,
-    )
+_GROUP = _struct_codec(RolloutGroup)
+
+
+class _WireVersion(msgspec.Struct):  # any map with a schema_version; other fields ignored
+    schema_version: Int64
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(_GROUP.wire)
+_VERSION_DECODER = msgspec.msgpack.Decoder(_WireVersion)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +353,7 @@ def _from_wire(w: _WireGroup) -> RolloutGroup:
 
 def encode_payload(group: RolloutGroup) -> bytes:
     """The uncompressed msgpack payload of `group` (no header)."""
-    return _ENCODER.encode(_to_wire(group))
+    return _ENCODER.encode(_GROUP.to_wire(group))
 
 
 def frame_payload(payload: bytes) -> bytes:
@@ -447,7 +430,7 @@ def decode_payload(payload: bytes, *, max_samples: int | None = None) -> Rollout
         # Checked before building arrays: a payload of empty samples inflates ~4x when built.
         raise RecordError("group_size", f"{len(wire.samples)} samples, limit {max_samples}")
     try:
-        return _from_wire(wire)
+        return _GROUP.from_wire(wire, "")
     except (TypeError, ValueError) as e:
         raise RecordError("schema", str(e)) from None
 

@@ -11,11 +11,15 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
+from typing import Literal, get_args
 
 from .layout import RunLayout, check_name
+from .store import NotFound, Store
 
 FORMAT = "stoa.run/1"
-PLANES = ("bf16", "int8")
+#: What workers serve: bf16 weights, or MLX int8 (affine, group size 64) made from them.
+Plane = Literal["bf16", "int8"]
+PLANES: tuple[Plane, ...] = get_args(Plane)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +28,7 @@ class RunManifest:
     model: str  # model reference for people (HF id or path); weights come from the anchors
     task: str  # task name (see slime_stoa.tasks); its data lives under runs/<run>/tasks/<task>/
     task_split: str = "train"  # which task file workers draw prompts from
-    plane: str = "bf16"  # what workers serve: "bf16", or "int8" (MLX affine, group size 64)
+    plane: Plane = "bf16"  # what workers serve: "bf16", or "int8" (MLX affine, group size 64)
     temperature: float = 1.0  # sampling temperature; the trainer's --rollout-temperature must match
     top_p: float = 1.0  # always 1: the trainer recomputes sampled-token logprobs exactly
     max_tokens: int = 512  # longest response
@@ -82,3 +86,29 @@ class RunManifest:
     @property
     def layout(self) -> RunLayout:
         return RunLayout(self.run)
+
+
+class RunNotFound(LookupError, ValueError):
+    """The bucket has no manifest for the run: it was never created (or the name is wrong)."""
+
+
+async def read_run_manifest(store: Store, run: str) -> RunManifest:
+    """The manifest of `run` in `store` (`runs/<run>/run.json`): the one reader of it.
+
+    RunNotFound when the run does not exist; ValueError when the manifest does not parse or
+    describes another run; StoreError when the bucket cannot be read.
+    """
+    key = RunLayout(run).run_manifest
+    try:
+        data = await store.get_bytes(key)
+    except NotFound:
+        raise RunNotFound(
+            f"run {run!r} does not exist in {store.url} (no {key}): create it with `stoa run create`"
+        ) from None
+    try:
+        manifest = RunManifest.from_bytes(data)
+    except ValueError as exc:
+        raise ValueError(f"{key} in {store.url} is invalid: {exc}") from None
+    if manifest.run != run:
+        raise ValueError(f"{key} in {store.url} describes run {manifest.run!r}, not {run!r}")
+    return manifest

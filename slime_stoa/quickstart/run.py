@@ -37,45 +37,10 @@ from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
 
+from .config import QuickstartConfig
 from .seeding import seed_run, tiny_synthetic_model
 
 log = logging.getLogger("stoa.quickstart")
-
-
-@dataclass(frozen=True, kw_only=True)
-class QuickstartConfig:
-    """Everything `stoa quickstart` does, field by field."""
-
-    out: Path = Path("stoa-quickstart")  # run folder: bucket, model, worker data, logs, report
-    store: str | None = None  # bucket URL (default: file://<out>/bucket)
-    run: str = "quickstart"  # run name; rerunning the same name resumes it
-    model: Path | None = None  # HF/MLX model folder (default: a tiny model built locally)
-    model_hidden: int = 96  # the tiny model's width (when no --model is given)
-    model_layers: int = 3  # the tiny model's depth
-    workers: int = 2  # `macd run` processes
-    minutes: float = 10.0  # time budget for the RL part
-    max_versions: int = 300  # stop after publishing this many versions
-    target: float = 0.9  # stop once the last `window` versions' mean reward reaches this
-    window: int = 5  # versions averaged for the target and for `reward_last`
-    batch_groups: int = 16  # prompt groups per learner step
-    group_size: int = 8  # samples per prompt
-    max_tokens: int = 4  # longest response
-    temperature: float = 1.0
-    lr: float = 3e-4  # learner AdamW learning rate (RL)
-    warmup_lr: float = 1e-3  # learning rate of the supervised format warm start
-    staleness_limit: int = 2  # versions a group may lag when used
-    warmup_steps: int = 600  # supervised steps on the answer format before RL (new runs only)
-    worker_batch: int = 4  # prompts per worker cohort
-    kill_worker_at: int | None = None  # SIGKILL worker 0 at this version, then restart it (chaos)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.batch_groups < 1 or self.minutes <= 0:
-            raise ValueError("workers and batch_groups must be >= 1 and minutes > 0")
-
-    @property
-    def store_url(self) -> str:
-        return self.store or f"file://{(self.out / 'bucket').resolve()}"
 
 
 @dataclass
@@ -113,8 +78,15 @@ class Progress:
         return sum(1 for (_, v), d in self.seen_states.items() if v in self.digests and self.digests[v] != d)
 
 
+def worker_id(i: int) -> str:
+    """The fixed worker id of the quickstart's worker `i` (the same on every rerun)."""
+    return f"quickstart-{i}"
+
+
 class WorkerProcesses:
-    """The `macd run` processes of the quickstart, each with its own config, data and log."""
+    """The quickstart's workers, driven only through the `macd` command line, as on a Mac:
+    `macd join` writes each one's config, `macd run` runs it; each has its own config, data and
+    log under `<out>/workers/worker-<i>/`."""
 
     def __init__(self, cfg: QuickstartConfig, url: str):
         self.cfg, self.url = cfg, url
@@ -124,24 +96,29 @@ class WorkerProcesses:
         return (self.cfg.out / "workers" / f"worker-{i}" / "macd.toml").resolve()
 
     def write_configs(self) -> None:
-        from macd.config import DaemonConfig, save_config
-
+        """`macd join --no-check` for each worker, with a fixed `--worker-id` so that a rerun
+        resumes the same workers (and drains their spools); RuntimeError with macd's message
+        when a join fails."""
         for i in range(self.cfg.workers):
             folder = self._config_path(i).parent
             folder.mkdir(parents=True, exist_ok=True)
-            config = DaemonConfig(
-                store=self.url, run=self.cfg.run, name=f"worker-{i}", worker_id=f"quickstart-{i}",
-                data_dir=folder / "data", batch=self.cfg.worker_batch,
-            )
-            save_config(config, self._config_path(i))
+            cmd = [
+                sys.executable, "-m", "macd", "join", self.url, "--run", self.cfg.run,
+                "--name", f"worker-{i}", "--worker-id", worker_id(i), "--config", str(self._config_path(i)),
+                "--data-dir", str(folder / "data"), "--batch", str(self.cfg.worker_batch), "--no-check",
+            ]
+            done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"`macd join` for worker {i} failed: {done.stderr.strip() or done.stdout.strip()}")
 
     def start(self, i: int) -> None:
-        log_file = open(self._config_path(i).parent / "macd.log", "ab")
+        """`macd run` for worker `i`, its output appended to its macd.log."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.procs[i] = subprocess.Popen(
-            [sys.executable, "-m", "macd", "run", "--config", str(self._config_path(i)), "--seed", str(self.cfg.seed + i)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+        with open(self._config_path(i).parent / "macd.log", "ab") as log_file:  # the child keeps its own copy
+            self.procs[i] = subprocess.Popen(
+                [sys.executable, "-m", "macd", "run", "--config", str(self._config_path(i)), "--seed", str(self.cfg.seed + i)],
+                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
 
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)
@@ -212,11 +189,13 @@ def load_published(learner: Learner, state: dict[str, np.ndarray]) -> None:
 
 
 async def read_worker_states(store: Store, run: str, workers: int) -> list[Heartbeat]:
+    """The latest heartbeat of each of the quickstart's `workers` (their ids are fixed, see
+    `worker_id`); a worker that has written none yet is left out."""
     layout = RunLayout(run)
     beats = []
     for i in range(workers):
         try:
-            beats.append(Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(f"quickstart-{i}"))))
+            beats.append(Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(worker_id(i)))))
         except (NotFound, ValueError):
             continue
     return beats
@@ -238,12 +217,17 @@ async def rewards_by_version(store: Store, run: str) -> dict[int, list[float]]:
     return out
 
 
-def count_lost(cfg: QuickstartConfig) -> int:
-    """Finished groups that never reached the bucket: what is left in the workers' spools
-    (pending or quarantined) after they stopped. A worker flushes its spool on stop and drains
-    it first on restart, so anything here was lost to the run."""
-    spools = [cfg.out / "workers" / f"worker-{i}" / "data" / "spool" / cfg.run for i in range(cfg.workers)]
-    return sum(len(list(folder.rglob("*.rec"))) for folder in spools if folder.exists())
+def count_lost(beats: list[Heartbeat]) -> int:
+    """Finished groups that never reached the bucket, as the workers themselves report them.
+
+    Called with the workers' heartbeats read after they stopped. On stop a worker flushes its
+    spool, then writes a final heartbeat (status "stopped") saying what is left there: groups
+    still waiting (`groups_spooled`) and groups set aside for good because their key held other
+    bytes (`groups_quarantined`). A restarted worker drains its spool first, so whatever a
+    stopped worker reports was lost to this run. A worker killed before its final heartbeat is
+    counted from its last regular one (written every few seconds); one that never wrote a
+    heartbeat never got as far as generating."""
+    return sum(beat.groups_spooled + beat.groups_quarantined for beat in beats)
 
 
 async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
@@ -278,7 +262,8 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
             # all-equal filter, never a pile of data that would only go stale.
             worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
         )
-        pub = await seed_run(store, manifest, Path(publisher_cfg.extras_dir), publisher=publisher_cfg)
+        assert publisher_cfg.extras_dir is not None  # set to the model folder above
+        pub = await seed_run(store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg)
         if not new_run:
             rebuilt = await rebuild(store, cfg.run)
             load_published(learner, rebuilt.state)
@@ -340,10 +325,11 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
             await consumer.close()
             workers.stop()
             await consumer.save_state()
-        for beat in await read_worker_states(store, cfg.run, cfg.workers):
+        final_beats = await read_worker_states(store, cfg.run, cfg.workers)
+        for beat in final_beats:
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
-        lost = count_lost(cfg)
+        lost = count_lost(final_beats)
         progress.rewards = await rewards_by_version(store, cfg.run)
     patches = [b for v, b in progress.patch_bytes.items()]
     return {

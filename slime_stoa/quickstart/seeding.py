@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from slime_stoa.cli.task_cmd import put_task_objects, task_objects
@@ -32,10 +33,8 @@ async def seed_run(
     """Write run.json, the synthetic task and anchor v0 of `model_dir`; returns the publisher.
 
     A run that already exists is resumed: the publisher continues from the bucket."""
-    try:
+    with contextlib.suppress(PreconditionFailed):
         await store.put_if_absent(RunLayout(manifest.run).run_manifest, manifest.to_bytes())
-    except PreconditionFailed:
-        pass
     objects = task_objects(manifest.task, [], split=manifest.task_split, count=task_count, seed=0, limit=None)
     await put_task_objects(store, manifest.run, manifest.task, objects)
     pub = Publisher(store, manifest.run, publisher or PublisherConfig(extras_dir=model_dir))

@@ -152,7 +152,8 @@ class LocalS3Server:
         self._ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=False))
         self.endpoint_url = f"http://{LOOPBACK}:{self._ports['s3.port']}"
         self.command = self._command(weed, config)
-        self._log = open(self._dir / "weed.log", "wb")
+        # The server's log stays open for the life of the process; stop() closes it.
+        self._log = open(self._dir / "weed.log", "wb")  # noqa: SIM115 - closed in stop()
         started = time.monotonic()
         self._proc = subprocess.Popen(
             self.command,

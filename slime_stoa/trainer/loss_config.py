@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 Reduction = Literal["token_mean", "seq_mean", "drgrpo"]
-REDUCTIONS: tuple[str, ...] = get_args(Reduction)
+REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
 
 
 def real_number(name: str, value: object) -> float:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
+from slime_stoa.protocol.fsutil import atomic_file, atomic_write
 from slime_stoa.protocol.hf.safetensors_io import (
     FILE_MODE,
     read_safetensors,
@@ -182,28 +182,12 @@ def _is_weight_file(name: str) -> bool:
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(dst, mode=FILE_MODE, durable=False) as f, open(src, "rb") as source:
+        shutil.copyfileobj(source, f, 8 << 20)
 
 
 def _write_json_atomic(path: Path, obj: object) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), FILE_MODE)
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, (json.dumps(obj, indent=2) + "\n").encode(), mode=FILE_MODE, durable=False)
 
 
 def save_hf_folder(

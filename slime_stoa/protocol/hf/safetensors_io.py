@@ -18,13 +18,14 @@ import json
 import math
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+
+from slime_stoa.protocol.fsutil import atomic_file
 
 #: safetensors dtype name -> numpy storage dtype (little-endian). BF16 and the fp8 formats are
 #: stored as unsigned integers holding their bit patterns.
@@ -185,7 +186,7 @@ def _le_bytes(arr: np.ndarray) -> np.ndarray:
 def _write_to(f: BinaryIO, header: bytes, arrays: list[np.ndarray]) -> None:
     f.write(header)
     for arr in arrays:
-        f.write(memoryview(_le_bytes(arr)))
+        f.write(_le_bytes(arr).data)
 
 
 def safetensors_bytes(
@@ -215,17 +216,8 @@ def write_safetensors(
     """
     path = Path(path)
     header, arrays = _plan(tensors, dtypes, metadata)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), FILE_MODE)  # mkstemp creates 0600
-            _write_to(f, header, arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, mode=FILE_MODE) as f:
+        _write_to(f, header, arrays)
     return path
 
 
@@ -364,7 +356,7 @@ def read_safetensors(src: Source) -> dict[str, tuple[str, np.ndarray]]:
         for t in header.tensors:
             arr = np.empty(t.shape, DTYPES[t.dtype])
             f.seek(header.data_start + t.begin)
-            buf = memoryview(arr.reshape(-1).view(np.uint8))
+            buf = arr.reshape(-1).view(np.uint8).data
             if f.readinto(buf) != len(buf):
                 raise ValueError(f"safetensors file {src} changed while being read")
             out[t.name] = (t.dtype, _native(arr))

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import xxhash
@@ -49,7 +49,9 @@ from .codec import (
 )
 
 FORMAT = "stoa-pulse/1"
-MODES = ("abs", "rel")
+#: How a patch carries values: the new bits ("abs") or codes relative to the exact base ("rel").
+Mode = Literal["abs", "rel"]
+MODES: tuple[Mode, ...] = get_args(Mode)
 
 
 class DecodedEntry(NamedTuple):
@@ -102,7 +104,7 @@ class PatchIndex:
     the base state digest before applying it (and the target digest after).
     """
 
-    mode: str
+    mode: Mode
     frames: tuple[FrameInfo, ...]
     format: str = FORMAT
 
@@ -286,7 +288,7 @@ def _plan_frames(pieces: list[_Piece], frame_bytes: int) -> list[list[_Piece]]:
     return frames
 
 
-def _build_frame(pieces: list[_Piece], mode: str, level: int) -> tuple[bytes, list[EntryInfo]]:
+def _build_frame(pieces: list[_Piece], mode: Mode, level: int) -> tuple[bytes, list[EntryInfo]]:
     """Serialise and compress one frame; return the compressed bytes and its entries."""
     entries, sections = [], []
     for piece in pieces:
@@ -307,7 +309,7 @@ def encode_delta(
     shapes: Mapping[str, tuple[int, ...]],
     *,
     base: State | None = None,
-    mode: str = "abs",
+    mode: Mode = "abs",
     frame_bytes: int = 16 << 20,
     level: int = 1,
     threads: int | None = None,
@@ -347,7 +349,7 @@ def encode_patch(
     base: State,
     new: State,
     *,
-    mode: str = "abs",
+    mode: Mode = "abs",
     frame_bytes: int = 16 << 20,
     level: int = 1,
     threads: int | None = None,

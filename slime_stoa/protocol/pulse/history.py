@@ -1,4 +1,6 @@
-"""Reading a run's weight history: find any version's manifest, walk the chain, rebuild a state."""
+"""Reading a run's weight plane: one reader per document (the pointer, version manifests,
+anchor manifests), then the history built on them: find any version's manifest, walk the
+chain, rebuild a state."""
 
 from __future__ import annotations
 
@@ -9,24 +11,53 @@ import numpy as np
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import NotFound, Store, StoreError
 
-from .manifests import ManifestError, Pointer, VersionManifest
-from .subscriber import Subscriber, SyncError
+from .manifests import AnchorManifest, ManifestError, Pointer, VersionManifest
 
 
 class HistoryError(Exception):
     """The requested version cannot be found or rebuilt."""
 
 
-async def read_pointer(store: Store, run: str) -> Pointer:
-    layout = RunLayout(run)
+class NotPublished(HistoryError):
+    """The run has no pointer: the trainer has not published weights for it yet."""
+
+
+# -- the documents: every reader of the bucket parses them here -----------------------------------
+
+
+async def read_pointer_etag(store: Store, run: str, *, if_none_match: str | None = None) -> tuple[Pointer, str] | None:
+    """The run's pointer and its ETag, or None when its ETag is still `if_none_match`.
+
+    NotPublished when the run has no pointer; ManifestError when it does not parse.
+    """
+    key = RunLayout(run).pointer
     try:
-        return Pointer.from_bytes(await store.get_bytes(layout.pointer), layout.pointer)
+        got = await store.get(key, if_none_match=if_none_match)
     except NotFound:
-        raise HistoryError(f"run {run!r} has no published weights in {store.url}") from None
+        raise NotPublished(f"run {run!r} has no published weights in {store.url}") from None
+    if got is None:
+        return None
+    return Pointer.from_bytes(got.data, key), got.etag
+
+
+async def read_pointer(store: Store, run: str) -> Pointer:
+    """The run's pointer (current version); NotPublished when it has none, ManifestError when bad."""
+    found = await read_pointer_etag(store, run)
+    assert found is not None  # an unconditional read always returns the object
+    return found[0]
 
 
 async def read_manifest(store: Store, key: str) -> VersionManifest:
+    """The version manifest at `key`; NotFound when it is gone (retention), ManifestError when bad."""
     return VersionManifest.from_bytes(await store.get_bytes(key), key)
+
+
+async def read_anchor_manifest(store: Store, key: str) -> AnchorManifest:
+    """The anchor manifest at `key`; NotFound when it is gone (retention), ManifestError when bad."""
+    return AnchorManifest.from_bytes(await store.get_bytes(key), key)
+
+
+# -- history --------------------------------------------------------------------------------------
 
 
 async def walk_back(store: Store, start: VersionManifest, *, limit: int):
@@ -74,6 +105,8 @@ class Rebuilt:
 
 async def rebuild(store: Store, run: str, version: int | None = None) -> Rebuilt:
     """Reconstruct a version's verified bf16 state from the bucket (the current one by default)."""
+    from .subscriber import Subscriber, SyncError  # the subscriber reads documents with the readers above
+
     try:
         if version is None:
             version = (await read_pointer(store, run)).version

@@ -24,12 +24,13 @@ import numpy as np
 
 from slime_stoa.protocol.hf.folders import hf_config_files
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreError
+from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError
 
 from .anchor import write_anchor
 from .codec import Delta, check_bits, diff, merge_deltas, shapes_of
 from .digest import StateDigest
-from .frames import MODES, decode_frame, encode_delta
+from .frames import MODES, Mode, decode_frame, encode_delta
+from .history import NotPublished, read_pointer_etag
 from .manifests import PatchRef, Pointer, Ref, VersionManifest
 from .subscriber import Subscriber
 
@@ -51,7 +52,7 @@ class PublisherConfig:
     anchor_every: int = 50  # write a full anchor at least every this many versions
     anchor_fraction: float = 0.5  # ... or once step patches since the last anchor exceed this share of it
     catchup: bool = True  # publish a merged catch-up patch each version, so laggers download one patch
-    mode: str = "abs"  # step patches: "abs" (new bits) or "rel" (smaller, valid only on the exact base)
+    mode: Mode = "abs"  # step patches: "abs" (new bits) or "rel" (smaller, valid only on the exact base)
     frame_bytes: int = 16 << 20  # target uncompressed bytes per independently compressed frame
     shard_bytes: int = 1 << 30  # anchor safetensors shard size
     retain_anchors: int = 2  # keep this many anchors and everything after the oldest (0: keep all)
@@ -126,17 +127,17 @@ class Publisher:
         """Resume from the run's pointer (baseline = the published state); None for a new run."""
         self._opened = True
         try:
-            got = await self.store.get(self.layout.pointer)
-        except NotFound:
+            found = await read_pointer_etag(self.store, self.layout.run)
+        except NotPublished:
             return None
-        assert got is not None
-        pointer = Pointer.from_bytes(got.data, self.layout.pointer)
+        assert found is not None
+        pointer, etag = found
         sub = Subscriber(self.store, self.layout.run)
         manifest = await sub.manifest(pointer.manifest)
         await sub.sync_to(manifest)
         assert sub.state is not None
         self._baseline, self._digest = sub.state, sub.digest
-        self.version, self._etag, self._manifest = pointer.version, got.etag, manifest
+        self.version, self._etag, self._manifest = pointer.version, etag, manifest
         self._union = {}
         if self.config.catchup and manifest.anchor.version < manifest.version:
             catchup = manifest.patch("catchup")

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import NotFound, Store, StoreError
+from slime_stoa.protocol.store import Store, StoreError
 
 from .anchor import read_anchor
 from .apply import UndoLog, apply_patch
 from .codec import PatchError
 from .digest import StateDigest
-from .manifests import AnchorManifest, ManifestError, PatchRef, Pointer, VersionManifest
+from .history import NotPublished, read_anchor_manifest, read_manifest, read_pointer_etag
+from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
 
 log = logging.getLogger("stoa.pulse")
 
@@ -88,13 +89,12 @@ class Subscriber:
     async def poll(self) -> Pointer | None:
         """The pointer if it changed since the last poll (one conditional GET), else None."""
         try:
-            got = await self.store.get(self.layout.pointer, if_none_match=self._etag)
-        except NotFound:
+            found = await read_pointer_etag(self.store, self.layout.run, if_none_match=self._etag)
+        except NotPublished:
             return None
-        if got is None:
+        if found is None:
             return None
-        pointer = Pointer.from_bytes(got.data, self.layout.pointer)
-        self._etag = got.etag
+        pointer, self._etag = found
         return pointer
 
     async def sync(self) -> SyncResult | None:
@@ -145,7 +145,7 @@ class Subscriber:
     async def manifest(self, key: str) -> VersionManifest:
         cached = self._manifests.get(key)
         if cached is None:
-            cached = VersionManifest.from_bytes(await self.store.get_bytes(key), key)
+            cached = await read_manifest(self.store, key)
             self._manifests[key] = cached
         return cached
 
@@ -210,7 +210,7 @@ class Subscriber:
             assert self.state is not None and self.digest is not None
             logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
             return _touched(logs), _changed(logs)
-        anchor = AnchorManifest.from_bytes(await self.store.get_bytes(plan.anchor), plan.anchor)
+        anchor = await read_anchor_manifest(self.store, plan.anchor)
         state, digest = await read_anchor(self.store, anchor, concurrency=self.config.concurrency)
         _, digest = await self._apply_verified(state, digest, plan.patches, target.state_digest)
         self.state, self.digest = state, digest

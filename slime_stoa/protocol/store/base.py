@@ -79,6 +79,12 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_range(offset: int, length: int | None) -> None:
+    """A byte range of `get`: offset >= 0 and, if given, length >= 0."""
+    if offset < 0 or (length is not None and length < 0):
+        raise ValueError(f"invalid byte range offset={offset} length={length}")
+
+
 class Store(abc.ABC):
     """Async object store. Use as `async with open_store(url) as store:`."""
 

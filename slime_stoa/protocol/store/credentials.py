@@ -21,8 +21,10 @@ from pathlib import Path
 
 from .base import StoreConfigError
 
-_ID_NAMES = ("STOA_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID", "R2_ACCESS_KEY_ID")
-_SECRET_NAMES = ("STOA_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY", "R2_SECRET_ACCESS_KEY")
+#: The names of the access key id and of the secret, in the order they are looked up.
+ID_NAMES = ("STOA_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID", "R2_ACCESS_KEY_ID")
+SECRET_NAMES = ("STOA_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY", "R2_SECRET_ACCESS_KEY")
+SESSION_TOKEN_NAME = "AWS_SESSION_TOKEN"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,21 @@ def _pick(values: Mapping[str, str], names: tuple[str, ...]) -> str | None:
     return None
 
 
+def credentials_in(values: Mapping[str, str], source: str, *, strict: bool = False) -> Credentials | None:
+    """The credentials named in env-style `values` (an environment, a parsed env file).
+
+    The first of `ID_NAMES` and of `SECRET_NAMES` that is set wins, plus `AWS_SESSION_TOKEN`;
+    `source` says where they came from in messages. None when `values` holds no complete key
+    pair; with `strict`, ValueError when it holds only one half of it.
+    """
+    key_id, secret = _pick(values, ID_NAMES), _pick(values, SECRET_NAMES)
+    if key_id and secret:
+        return Credentials(key_id, secret, values.get(SESSION_TOKEN_NAME) or None, source)
+    if strict and (key_id or secret):
+        raise ValueError(f"{source} has only half of the key pair: give both the access key id and the secret")
+    return None
+
+
 def default_env_file(scheme: str, environ: Mapping[str, str]) -> Path:
     if environ.get("STOA_ENV_FILE"):
         return Path(environ["STOA_ENV_FILE"]).expanduser()
@@ -87,22 +104,21 @@ def default_env_file(scheme: str, environ: Mapping[str, str]) -> Path:
 def load_credentials(scheme: str, environ: Mapping[str, str] | None = None) -> Credentials | None:
     """Credentials for an `s3`/`r2` store, or None when none are configured anywhere."""
     env = os.environ if environ is None else environ
-    key_id, secret = _pick(env, _ID_NAMES), _pick(env, _SECRET_NAMES)
-    if key_id and secret:
-        return Credentials(key_id, secret, env.get("AWS_SESSION_TOKEN") or None, "environment")
+    creds = credentials_in(env, "environment")
+    if creds is not None:
+        return creds
     path = default_env_file(scheme, env)
     if not path.exists():
         if env.get("STOA_ENV_FILE"):
             raise StoreConfigError(f"STOA_ENV_FILE points to {path}, which does not exist")
         return None
-    values = read_env_file(path)
-    key_id, secret = _pick(values, _ID_NAMES), _pick(values, _SECRET_NAMES)
-    if not (key_id and secret):
+    creds = credentials_in(read_env_file(path), str(path))
+    if creds is None:
         raise StoreConfigError(
             f"credentials file {path} must set an access key id and a secret access key "
             f"(e.g. AWS_ACCESS_KEY_ID=... and AWS_SECRET_ACCESS_KEY=...)"
         )
-    return Credentials(key_id, secret, values.get("AWS_SESSION_TOKEN") or None, str(path))
+    return creds
 
 
 def require_credentials(scheme: str, url: str, environ: Mapping[str, str] | None = None) -> Credentials:

@@ -19,10 +19,12 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 
 import xxhash
+
+from slime_stoa.protocol.fsutil import fsync_file
 
 from .base import (
     GetResult,
@@ -35,6 +37,7 @@ from .base import (
     StoreError,
     check_key,
     check_prefix,
+    check_range,
 )
 
 _TMP = ".stoa-tmp"
@@ -112,7 +115,7 @@ class LocalStore(Store):
                         f.write(chunk)
                 f.flush()
                 if self.durable:
-                    await asyncio.to_thread(os.fsync, f.fileno())
+                    await asyncio.to_thread(fsync_file, f.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -174,8 +177,7 @@ class LocalStore(Store):
         length: int | None = None,
         if_none_match: str | None = None,
     ) -> GetResult | None:
-        if offset < 0 or (length is not None and length < 0):
-            raise ValueError(f"invalid byte range offset={offset} length={length}")
+        check_range(offset, length)
         path = self._path(key)
         return await asyncio.to_thread(self._read, path, key, offset, length, if_none_match)
 
@@ -209,7 +211,7 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise NotFound(f"{key!r} not found in {self.url}") from None
 
-    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
         check_prefix(prefix)
         await asyncio.to_thread(self._check_root)
         keys = _walk(self.root, "", prefix, start_after or "")

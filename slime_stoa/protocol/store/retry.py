@@ -2,7 +2,8 @@
 
 Only errors the caller marks as retryable are retried (throttling, 5xx, timeouts, dropped
 connections); anything else surfaces at once. After the last attempt the failure becomes
-`StoreUnavailable`, whose message names the operation and the last underlying error.
+`StoreUnavailable` (or the caller's error type), whose message names the operation and the last
+underlying error. This is the one retry loop of stoa: other layers give it their own policy.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
-    """`attempts` tries in all; before try n+1 sleep uniform(0, min(max_delay, base_delay * 2**n))."""
+    """`attempts` tries in all; before try n+1 sleep uniform(0, min(max_delay, base_delay * 2**n)).
+
+    With `jitter=False` the sleep is that cap itself (a fixed doubling backoff).
+    """
 
     attempts: int = 6
     base_delay: float = 0.1
     max_delay: float = 5.0
+    jitter: bool = True
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -40,7 +45,7 @@ class RetryPolicy:
         draw = rng or random.Random()
         for retry in range(self.attempts - 1):
             cap = min(self.max_delay, self.base_delay * 2.0**retry)
-            yield draw.uniform(0.0, cap)
+            yield draw.uniform(0.0, cap) if self.jitter else cap
 
     def worst_case_seconds(self) -> float:
         """An upper bound on the total sleep (not counting the attempts themselves)."""
@@ -62,12 +67,15 @@ async def with_retries(
     advice: Callable[[BaseException], str] | None = None,
     rng: random.Random | None = None,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    on_retry: Callable[[BaseException, int, float], object] | None = None,
+    gave_up: Callable[[str], Exception] = StoreUnavailable,
 ) -> T:
     """Run `op()` until it succeeds, fails with a non-retryable error, or attempts run out.
 
     `describe` names the operation for the final message ("GET key at endpoint"); `advice`, given
     the last error, adds what the user could do about it. Error texts must not hold secrets: the
-    ones botocore and aiohttp produce do not.
+    ones botocore and aiohttp produce do not. `on_retry(error, attempt, delay)` is called before
+    each sleep (to log it); `gave_up(message)` makes the final error (`StoreUnavailable`).
     """
     started = time.monotonic()
     delays = policy.delays(rng)
@@ -81,18 +89,21 @@ async def with_retries(
                 raise
             delay = next(delays, None)
             if delay is None:
-                raise _gave_up(exc, attempt, time.monotonic() - started, describe, advice) from exc
+                message = _gave_up_message(exc, attempt, time.monotonic() - started, describe, advice)
+                raise gave_up(message) from exc
+            if on_retry is not None:
+                on_retry(exc, attempt, delay)
         await sleep(delay)
 
 
-def _gave_up(
+def _gave_up_message(
     exc: BaseException,
     attempts: int,
     elapsed: float,
     describe: str,
     advice: Callable[[BaseException], str] | None,
-) -> StoreUnavailable:
+) -> str:
     tried = f"{attempts} attempt{'s' if attempts != 1 else ''} over {elapsed:.1f}s"
     message = f"{describe} failed after {tried}; last error: {describe_error(exc)}"
     hint = advice(exc) if advice else ""
-    return StoreUnavailable(f"{message}. {hint}" if hint else message)
+    return f"{message}. {hint}" if hint else message

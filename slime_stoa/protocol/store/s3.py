@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins  # `list` is also a method of S3Store
 import hashlib
 import logging
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ from .base import (
     StoreError,
     check_key,
     check_prefix,
+    check_range,
 )
 from .credentials import Credentials, default_env_file
 from .retry import RetryPolicy, with_retries
@@ -408,8 +410,7 @@ class S3Store(Store):
         length: int | None = None,
         if_none_match: str | None = None,
     ) -> GetResult | None:
-        if offset < 0 or (length is not None and length < 0):
-            raise ValueError(f"invalid byte range offset={offset} length={length}")
+        check_range(offset, length)
         full = self._full(key)
         if length == 0:
             return await self._empty_read(key, offset, if_none_match)
@@ -457,7 +458,7 @@ class S3Store(Store):
             last_modified=modified.timestamp() if modified else None,
         )
 
-    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
         check_prefix(prefix)
         full_prefix = self._root + prefix
         params: dict[str, Any] = {
@@ -473,7 +474,7 @@ class S3Store(Store):
                 return  # every key with the prefix sorts before `start_after`
             # else `start_after` sorts before every key with the prefix: no cutoff needed
         while True:
-            page = await self._call("LIST", prefix or None, lambda c, p=dict(params): c.list_objects_v2(**p))
+            page = await self._call("LIST", prefix or None, _list_objects_v2(dict(params)))
             for obj in page.get("Contents", ()):
                 yield self._info(obj)
             token = page.get("NextContinuationToken")
@@ -582,9 +583,9 @@ class S3Store(Store):
 
     async def _upload_parts(
         self, key: str, full: str, upload_id: str, blocks: AsyncIterator[bytes]
-    ) -> list[_Part]:
+    ) -> builtins.list[_Part]:
         """Upload blocks as parts, at most `max_concurrency` in flight (and in memory)."""
-        done: list[_Part] = []
+        done: builtins.list[_Part] = []
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def upload(number: int, block: bytes) -> None:
@@ -628,7 +629,7 @@ class S3Store(Store):
         return _Part(number=number, etag=etag, md5=digest)
 
     async def _complete(
-        self, key: str, full: str, upload_id: str, parts: list[_Part], conditions: dict[str, str]
+        self, key: str, full: str, upload_id: str, parts: builtins.list[_Part], conditions: dict[str, str]
     ) -> str:
         manifest = {"Parts": [{"PartNumber": p.number, "ETag": _quote(p.etag)} for p in parts]}
 
@@ -666,3 +667,8 @@ def _total_size(resp: dict[str, Any], read: int) -> int:
         if total.isdigit():
             return int(total)
     return int(resp.get("ContentLength", read))
+
+
+def _list_objects_v2(params: dict[str, Any]) -> Callable[[Any], Awaitable[Any]]:
+    """One ListObjectsV2 page request, bound to its own copy of the parameters."""
+    return lambda client: client.list_objects_v2(**params)

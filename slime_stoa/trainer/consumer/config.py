@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.records import SamplingParams
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.validate import RecordLimits
 
-ADMISSION_ORDERS = ("oldest_version", "fifo", "newest_version")
+AdmissionOrder = Literal["oldest_version", "fifo", "newest_version"]
+ADMISSION_ORDERS: tuple[AdmissionOrder, ...] = get_args(AdmissionOrder)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,7 @@ class ConsumerConfig:
     reward_tolerance: float = 1e-6
     """A worker reward further than this from the trainer's counts as a disagreement."""
 
-    admission_order: str = "oldest_version"
+    admission_order: AdmissionOrder = "oldest_version"
     """Which ready groups a batch takes first, after the least-used ones:
     `oldest_version` (lowest weight version, then key time: groups nearest their staleness limit,
     such as slow, hard prompts, are used before they expire), `fifo` (key time only) or

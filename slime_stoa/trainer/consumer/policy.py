@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .config import ADMISSION_ORDERS
+from .config import ADMISSION_ORDERS, AdmissionOrder
 
 
 def version_lag(trainer_version: int, weight_version: int) -> int:
@@ -60,7 +60,7 @@ class Candidate:
     uses: int
 
 
-def admission_key(c: Candidate, order: str) -> tuple:
+def admission_key(c: Candidate, order: AdmissionOrder) -> tuple:
     if order == "oldest_version":
         return (c.uses, c.weight_version, c.name)
     if order == "fifo":
@@ -70,7 +70,7 @@ def admission_key(c: Candidate, order: str) -> tuple:
     raise ValueError(f"unknown admission order {order!r}; expected one of {ADMISSION_ORDERS}")
 
 
-def select(candidates: Iterable[Candidate], n: int, order: str) -> list[str]:
+def select(candidates: Iterable[Candidate], n: int, order: AdmissionOrder) -> list[str]:
     """Names of the `n` groups a batch takes (fewer if there are fewer), in admission order."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")

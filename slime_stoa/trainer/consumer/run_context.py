@@ -14,9 +14,8 @@ from pathlib import Path
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.anchor import download_extras
-from slime_stoa.protocol.pulse.history import read_pointer
-from slime_stoa.protocol.pulse.manifests import AnchorManifest
-from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
+from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.tasks import Task, load_task
 
@@ -39,20 +38,8 @@ class RunContext:
     rescorer: Rescorer
 
 
-async def read_manifest(store: Store, run: str) -> RunManifest:
-    key = RunLayout(run).run_manifest
-    try:
-        data = await store.get_bytes(key)
-    except NotFound:
-        raise ValueError(f"run {run!r} has no run manifest ({key}) in {store.url}: create the run first") from None
-    manifest = RunManifest.from_bytes(data)
-    if manifest.run != run:
-        raise ValueError(f"{key} in {store.url} describes run {manifest.run!r}, not {run!r}")
-    return manifest
-
-
 def task_data_key(manifest: RunManifest) -> str:
-    return RunLayout(manifest.run).task_file(manifest.task, f"{manifest.task_split}.jsonl.zst")
+    return RunLayout(manifest.run).task_data(manifest.task, manifest.task_split)
 
 
 async def read_task(store: Store, manifest: RunManifest) -> Task:
@@ -70,8 +57,7 @@ async def read_task(store: Store, manifest: RunManifest) -> Task:
 async def download_tokenizer(store: Store, run: str, folder: Path) -> Path:
     """Write the latest anchor's config and tokenizer files into `folder`; returns `folder`."""
     pointer = await read_pointer(store, run)
-    key = pointer.anchor.manifest
-    manifest = AnchorManifest.from_bytes(await store.get_bytes(key), key)
+    manifest = await read_anchor_manifest(store, pointer.anchor.manifest)
     await download_extras(store, manifest, folder)
     return folder
 
@@ -93,7 +79,7 @@ async def open_run_context(
     expected prompt tokens with this instead of the run's tokenizer (with a custom `decode`,
     prompts are checked only when it is given).
     """
-    manifest = await read_manifest(store, config.run)
+    manifest = await read_run_manifest(store, config.run)
     task = await read_task(store, manifest)
     vocab = manifest.vocab_size or None
     if decode is None:

@@ -32,13 +32,13 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+from slime_stoa.protocol.fsutil import atomic_write
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # the stoa checkout: slime_stoa/trainer/slime/ is 3 below
 PATCH_DIR = REPO_ROOT / "patches"
@@ -264,15 +264,8 @@ def patched_text(lines: list[str], newline: str, hunks: list[Hunk], final_newlin
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.chmod(tmp, path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Replace `path` with `text` (UTF-8, newlines as given), keeping the file's permissions."""
+    atomic_write(path, text.encode("utf-8"), mode=path.stat().st_mode & 0o7777, durable=False)
 
 
 def apply_patch(root: Path, patch: Patch) -> None:

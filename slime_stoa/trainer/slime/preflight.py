@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeGuard
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.run_manifest import RunManifest
-from slime_stoa.protocol.store import NotFound, StoreError, open_store, parse_store_url
+from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
+from slime_stoa.protocol.store import StoreError, open_store, parse_store_url
 from slime_stoa.trainer.loss_config import DPPOConfig
 
 Config = Mapping[str, Any] | None  # the custom-config YAML, if read
@@ -638,11 +638,8 @@ class StoreFacts:
 async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None = None) -> StoreFacts:
     """Read the run's manifest, task data key, pointer and anchor manifest; never raises for
     store trouble (it lands in the facts)."""
-    from slime_stoa.protocol.pulse.manifests import (
-        AnchorManifest,
-        ManifestError,
-        Pointer,
-    )
+    from slime_stoa.protocol.pulse.history import NotPublished, read_anchor_manifest, read_pointer
+    from slime_stoa.protocol.pulse.manifests import ManifestError
 
     layout = RunLayout(run)
     try:
@@ -651,30 +648,25 @@ async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None
         return StoreFacts(url, run, error=str(exc))
     async with store:
         try:
-            raw = await store.get_bytes(layout.run_manifest)
-        except NotFound:
+            manifest = await read_run_manifest(store, run)
+        except RunNotFound:
             return StoreFacts(url, run, manifest_error=f"{layout.run_manifest} does not exist")
         except StoreError as exc:
             return StoreFacts(url, run, error=str(exc))
-        facts: dict[str, Any] = {}
-        try:
-            manifest = RunManifest.from_bytes(raw)
-            if manifest.run != run:
-                raise ValueError(f"it describes run {manifest.run!r}")
-            facts["manifest"] = manifest
         except ValueError as exc:
-            return StoreFacts(url, run, manifest_error=f"{layout.run_manifest} is invalid: {exc}")
+            return StoreFacts(url, run, manifest_error=str(exc))
+        facts: dict[str, Any] = {"manifest": manifest}
         try:
-            task_key = layout.task_file(manifest.task, f"{manifest.task_split}.jsonl.zst")
+            task_key = layout.task_data(manifest.task, manifest.task_split)
             facts["task_key"] = task_key
             facts["task_present"] = await store.exists(task_key)
             try:
-                pointer = Pointer.from_bytes(await store.get_bytes(layout.pointer), layout.pointer)
-            except NotFound:
+                pointer = await read_pointer(store, run)
+            except NotPublished:
                 return StoreFacts(url, run, **facts)
             facts["pointer_version"] = pointer.version
             facts["anchor_version"] = pointer.anchor.version
-            anchor = AnchorManifest.from_bytes(await store.get_bytes(pointer.anchor.manifest), pointer.anchor.manifest)
+            anchor = await read_anchor_manifest(store, pointer.anchor.manifest)
             facts["anchor_extras"] = tuple(f.name for f in anchor.extras)
         except (StoreError, ManifestError, ValueError) as exc:
             facts["pointer_error"] = str(exc)

@@ -39,11 +39,11 @@ reaches the patched branch, and slime's `keep_old_actor` queue is not advanced b
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,8 +57,10 @@ from slime_stoa.protocol.pulse.publisher import (
     PublishError,
     PublishResult,
 )
-from slime_stoa.protocol.store import StoreUnavailable, open_store
+from slime_stoa.protocol.store import Store, StoreUnavailable, open_store
+from slime_stoa.protocol.store.retry import RetryPolicy, with_retries
 
+from ..loop_thread import LoopThread
 from .settings import as_float, as_int, check_bucket_and_run, field_parsers, required_setting
 
 log = logging.getLogger(__name__)
@@ -156,29 +158,38 @@ def retry_settings_from_args(args: Any) -> tuple[int, float]:
     return retries, backoff
 
 
-def call_with_retries(
-    fn: Callable[[], T], *, retries: int, backoff_s: float, what: str, sleep: Callable[[float], None] = time.sleep
-) -> T:
-    """Call `fn`, retrying `PublishError` and `StoreUnavailable` up to `retries` times.
+def _is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, (PublishError, StoreUnavailable)) and not isinstance(exc, PublishConflict)
 
-    The delay starts at `backoff_s` and doubles. A `PublishConflict` (another publisher owns the
-    run) is raised at once; after the last attempt a `PublishError` says how many were made.
+
+async def publish_with_retries(
+    op: Callable[[], Awaitable[T]],
+    *,
+    retries: int,
+    backoff_s: float,
+    what: str,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+) -> T:
+    """Await `op()`, retrying `PublishError` and `StoreUnavailable` up to `retries` times.
+
+    The delay starts at `backoff_s` and doubles (no jitter: one publisher per run). A
+    `PublishConflict` (another publisher owns the run) is raised at once; after the last attempt
+    a `PublishError` says how many were made.
     """
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except PublishConflict:
-            raise
-        except (PublishError, StoreUnavailable) as exc:
-            if attempt > retries:
-                raise PublishError(
-                    f"{what} failed after {attempt} attempt(s); the pointer did not move. Last error: {exc}"
-                ) from exc
-            delay = backoff_s * 2 ** (attempt - 1)
-            log.warning("stoa: %s: attempt %d failed (%s); retrying in %.1fs", what, attempt, exc, delay)
-            sleep(delay)
+
+    def note(exc: BaseException, attempt: int, delay: float) -> None:
+        log.warning("stoa: %s: attempt %d failed (%s); retrying in %.1fs", what, attempt, exc, delay)
+
+    return await with_retries(
+        op,
+        policy=RetryPolicy(attempts=retries + 1, base_delay=backoff_s, max_delay=math.inf, jitter=False),
+        is_retryable=_is_retryable,
+        describe=what,
+        advice=lambda exc: "The pointer did not move.",
+        sleep=sleep,
+        on_retry=note,
+        gave_up=PublishError,
+    )
 
 
 # -- a Publisher for synchronous callers ---------------------------------------------------------
@@ -207,23 +218,22 @@ class SyncPublisher:
         self.url, self.run, self.config = url, run, config
         self.retries, self.backoff_s = retries, backoff_s
         self._publisher: Publisher | None = None
+        self._store: Store | None = None
         self._lock = threading.RLock()
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"stoa-publisher-{run}", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread(f"stoa-publisher-{run}", on_close=self._aclose)
         try:
-            self._store = self._call(self._open_store(environ, create))
+            self._store = self._loop.call(self._open_store(environ, create))
         except BaseException:
-            self._stop_loop()
+            self._loop.close()
             raise
 
-    async def _open_store(self, environ: Mapping[str, str] | None, create: bool):
+    async def _open_store(self, environ: Mapping[str, str] | None, create: bool) -> Store:
         return open_store(self.url, environ=environ, create=create)
 
-    def _call(self, coro):
-        """Run a coroutine on the publisher's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    async def _aclose(self) -> None:
+        if self._store is not None:
+            await self._store.close()
 
     @property
     def version(self) -> int | None:
@@ -233,45 +243,46 @@ class SyncPublisher:
     def open(self) -> int | None:
         """Resume from the run's pointer (once); the published version, None for a new run."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("SyncPublisher is closed")
-            if self._publisher is None:
-                publisher = Publisher(self._store, self.run, self.config)
-                version = self._call(publisher.open())
-                self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
-                where = f"resuming after v{version}" if version is not None else "new run"
-                log.info("stoa: publishing weights to run %s at %s (%s)", self.run, self.url, where)
-            return self._publisher.version
+            self._check_open()
+            return self._loop.call(self._open())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SyncPublisher is closed")
+
+    async def _open(self) -> int | None:
+        # Runs on the loop while the caller holds `_lock`.
+        if self._publisher is None:
+            assert self._store is not None
+            publisher = Publisher(self._store, self.run, self.config)
+            version = await publisher.open()
+            self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
+            where = f"resuming after v{version}" if version is not None else "new run"
+            log.info("stoa: publishing weights to run %s at %s (%s)", self.run, self.url, where)
+        return self._publisher.version
 
     def publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
         """Publish `state` (uint16 bf16 bits) as the next version, retrying store failures."""
 
-        def attempt() -> PublishResult:
-            self.open()
+        async def attempt() -> PublishResult:
+            await self._open()
             assert self._publisher is not None
-            return self._call(self._publisher.publish(state))
+            return await self._publisher.publish(state)
 
         with self._lock:
-            return call_with_retries(
-                attempt, retries=self.retries, backoff_s=self.backoff_s,
-                what=f"publishing weights to run {self.run!r} at {self.url}",
+            self._check_open()
+            return self._loop.call(
+                publish_with_retries(
+                    attempt, retries=self.retries, backoff_s=self.backoff_s,
+                    what=f"publishing weights to run {self.run!r} at {self.url}",
+                )
             )
 
     def close(self) -> None:
-        """Close the store and stop the loop thread (idempotent)."""
+        """Close the store and stop the loop thread (idempotent; also at exit)."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            try:
-                self._call(self._store.close())
-            finally:
-                self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+            self._loop.close()
 
     def __enter__(self) -> SyncPublisher:
         return self
@@ -289,8 +300,7 @@ def get_publisher(args: Any) -> SyncPublisher:
     if _PUBLISHER is None:
         url, run, config = publisher_config_from_args(args)
         retries, backoff = retry_settings_from_args(args)
-        _PUBLISHER = SyncPublisher(url, run, config, retries=retries, backoff_s=backoff)
-        atexit.register(_PUBLISHER.close)
+        _PUBLISHER = SyncPublisher(url, run, config, retries=retries, backoff_s=backoff)  # closed at exit
     return _PUBLISHER
 
 

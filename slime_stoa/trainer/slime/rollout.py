@@ -63,15 +63,13 @@ its store connections.
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import logging
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from slime_stoa.protocol.pulse.history import HistoryError, read_pointer
+from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
 from slime_stoa.protocol.store import Store, open_store
 from slime_stoa.trainer.consumer import (
     Batch,
@@ -80,6 +78,7 @@ from slime_stoa.trainer.consumer import (
     sample_fields,
 )
 
+from ..loop_thread import LoopThread
 from .settings import as_bool, as_path, check_bucket_and_run, field_parsers, required_setting
 
 log = logging.getLogger(__name__)
@@ -154,9 +153,7 @@ class _Session:
         self.config = config
         self.state_in_bucket = state_in_bucket
         self.resumed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"stoa-consumer-{config.run}", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread(f"stoa-consumer-{config.run}", on_close=self._aclose)
         self.store: Store | None = None
         try:
             self.store = self.call(self._open_store())
@@ -172,7 +169,7 @@ class _Session:
         return open_store(self.config.store_url)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._loop.call(coro)
 
     def resume(self, checkpoint_state: Any) -> str:
         """Resume once: from the checkpoint's state if it has one for this run, else from the
@@ -194,7 +191,7 @@ class _Session:
         assert self.store is not None
         try:
             version = (await read_pointer(self.store, self.config.run)).version
-        except HistoryError:
+        except NotPublished:
             version = 0  # nothing published yet
         batch = await self.consumer.next_batch(n, trainer_version=version)
         if self.state_in_bucket:
@@ -204,20 +201,15 @@ class _Session:
     def batch(self, n: int) -> tuple[Batch, dict[str, Any]]:
         return self.call(self._batch(n))
 
+    async def _aclose(self) -> None:
+        if getattr(self, "consumer", None) is not None:
+            await self.consumer.close()
+        if self.store is not None:
+            await self.store.close()
+
     def close(self) -> None:
-        if not self._thread.is_alive():
-            return
-        try:
-            if getattr(self, "consumer", None) is not None:
-                self.call(self.consumer.close())
-            if self.store is not None:
-                self.call(self.store.close())
-        except Exception as exc:  # closing at exit: report, never raise
-            log.warning("stoa: closing the rollout consumer: %s", exc)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+        """Close the consumer and the store, then stop the loop thread (idempotent; also at exit)."""
+        self._loop.close()
 
 
 _SESSION: _Session | None = None
@@ -235,7 +227,6 @@ def _session(config: ConsumerConfig, args: Any) -> _Session:
             _SESSION = _Session(
                 config, tokenizer_dir=tokenizer_dir_from_args(args), state_in_bucket=state_in_bucket_from_args(args)
             )
-            atexit.register(_SESSION.close)
         return _SESSION
 
 

@@ -1,0 +1,287 @@
+"""`macd join`: point this Mac at a run — write the config, check the bucket and the run, and say
+what this Mac will do (model, task, batch, memory)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import config as cfg
+
+
+def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
+    join = sub.add_parser(
+        "join",
+        help="point this Mac at a run: write the config, check the bucket and the run",
+        description=(
+            "Write macd's config for a run, check that the bucket is reachable and the run exists, "
+            "and show what this Mac will do. Credentials (from the flags, stdin or the environment) "
+            "go to a separate env file only you can read, never into the config."
+        ),
+    )
+    join.add_argument(
+        "url",
+        metavar="BUCKET_URL",
+        help="bucket URL: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix",
+    )
+    join.add_argument("--run", required=True, help="run name (created by the operator with `stoa run create`)")
+    join.add_argument("--name", help="this worker's name in the fleet table (default: the host name)")
+    join.add_argument(
+        "--worker-id",
+        help="this worker's id in the bucket's keys, 1-48 lowercase letters, digits or '-' (default: "
+        "kept when re-joining the same run, else made from the name); two workers must never share one",
+    )
+    join.add_argument("--access-key-id", help="bucket access key id (default: from the environment)")
+    join.add_argument(
+        "--secret-access-key",
+        help="bucket secret key; visible to other users in `ps` and kept in shell history: prefer "
+        "AWS_SECRET_ACCESS_KEY in the environment, --credentials-stdin, or the prompt",
+    )
+    join.add_argument(
+        "--credentials-stdin",
+        action="store_true",
+        help="read KEY=VALUE lines (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) from stdin",
+    )
+    join.add_argument(
+        "--credentials-file",
+        type=Path,
+        help="use this existing env file (mode 0600) instead of writing one",
+    )
+    add_config_option(join)
+    join.add_argument("--data-dir", type=Path, help="anchor cache and spool folder (default: the user's data folder)")
+    join.add_argument("--batch", type=int, help="prompts generated together (default: this machine's memory tier)")
+    join.add_argument("--no-check", action="store_true", help="write the config without contacting the bucket")
+    join.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from slime_stoa.protocol.store import StoreError
+
+    from .cli import error
+
+    try:
+        return _do_join(args)
+    except (ValueError, StoreError) as exc:
+        return error(str(exc))
+
+
+def _do_join(args: argparse.Namespace) -> int:
+    from slime_stoa.protocol.layout import check_name, check_worker_id
+    from slime_stoa.protocol.store import parse_store_url
+
+    from .cli import config_path
+
+    path = config_path(args)
+    location = parse_store_url(args.url)
+    check_name("run", args.run)
+    if args.worker_id is not None:
+        check_worker_id(args.worker_id)
+    old = _previous_config(path)
+    creds, credentials_file = _join_credentials(args, old, path, remote=location.scheme != "file")
+    name = cfg.check_label(args.name or (old.name if old else cfg.default_name()))
+    if args.worker_id is not None:
+        worker_id = args.worker_id
+        keep_id = old is not None and old.worker_id == worker_id
+    else:
+        keep_id = old is not None and old.same_run(args.url, args.run)
+        worker_id = old.worker_id if keep_id and old else cfg.new_worker_id(name)
+    data_dir = args.data_dir or (old.data_dir if old else cfg.default_data_dir())
+    knobs: dict[str, Any] = {}
+    if old is not None:
+        knobs = {k: getattr(old, k) for k in ("batch", "max_decode", "transfer_concurrency", "spool_max_mb", "log_level")}
+    if args.batch is not None:
+        knobs["batch"] = args.batch
+    config = cfg.DaemonConfig(
+        store=args.url,
+        run=args.run,
+        name=name,
+        worker_id=worker_id,
+        data_dir=Path(os.path.abspath(data_dir.expanduser())),
+        credentials_file=credentials_file,
+        **knobs,
+    )
+    info: cfg.RunInfo | None = None
+    if not args.no_check:
+        checked = _check_run(config, creds if creds is not None else config.read_credentials())
+        if isinstance(checked, int):
+            return checked
+        info = checked
+    if creds is not None and credentials_file is not None:
+        cfg.write_credentials(credentials_file, creds)
+    cfg.save_config(config, path)
+    for line in join_report(config, path, info, kept_id=keep_id, creds_written=creds is not None):
+        print(line)
+    return 0
+
+
+def _previous_config(path: Path) -> cfg.DaemonConfig | None:
+    """The config already at `path`, if any and valid (a broken one is replaced, with a warning)."""
+    if not path.exists():
+        return None
+    try:
+        return cfg.load_config(path)
+    except ValueError as exc:
+        print(f"warning: replacing the invalid config: {exc}", file=sys.stderr)
+        return None
+
+
+def _join_credentials(
+    args: argparse.Namespace, old: cfg.DaemonConfig | None, path: Path, *, remote: bool
+) -> tuple[Any, Path | None]:
+    """(credentials to write or None, credentials file for the config).
+
+    Order: flags, stdin, --credentials-file, the environment, the previous config's file;
+    none of them: the usual lookup at run time (~/.r2env, ...).
+    """
+    from slime_stoa.protocol.store.credentials import (
+        Credentials,
+        credentials_in,
+        parse_env_file,
+        read_env_file,
+    )
+
+    given = args.access_key_id or args.secret_access_key or args.credentials_stdin or args.credentials_file
+    if not remote:
+        if given:
+            print("note: file:// buckets need no credentials; ignoring the ones given", file=sys.stderr)
+        return None, None
+    if args.access_key_id or args.secret_access_key:
+        if not args.access_key_id:
+            raise ValueError("--secret-access-key needs --access-key-id")
+        secret = args.secret_access_key or _secret_from_env_or_prompt()
+        return Credentials(args.access_key_id, secret, None, "the command line"), cfg.credentials_path_for(path)
+    if args.credentials_stdin:
+        try:
+            values = parse_env_file(sys.stdin.read())
+        except ValueError as exc:
+            raise ValueError(f"credentials on stdin: {exc}") from None
+        creds = credentials_in(values, "stdin", strict=True)
+        if creds is None:
+            raise ValueError("no credentials on stdin: expected AWS_ACCESS_KEY_ID=... and AWS_SECRET_ACCESS_KEY=... lines")
+        return creds, cfg.credentials_path_for(path)
+    if args.credentials_file:
+        file = Path(os.path.abspath(args.credentials_file.expanduser()))
+        if not file.exists():
+            raise ValueError(f"credentials file {file} does not exist")
+        if credentials_in(read_env_file(file), str(file), strict=True) is None:
+            raise ValueError(f"credentials file {file} holds no AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        return None, file
+    env_creds = credentials_in(os.environ, "the environment", strict=True)
+    if env_creds is not None:
+        return env_creds, cfg.credentials_path_for(path)
+    if old is not None and old.credentials_file is not None and old.credentials_file.exists():
+        return None, old.credentials_file
+    return None, None
+
+
+def _secret_from_env_or_prompt() -> str:
+    """The secret for `--access-key-id`: from the environment (under the store's names, see
+    `slime_stoa.protocol.store.credentials`), else asked for in a terminal."""
+    from slime_stoa.protocol.store.credentials import SECRET_NAMES
+
+    for name in SECRET_NAMES:
+        if os.environ.get(name):
+            return os.environ[name]
+    if sys.stdin.isatty():
+        secret = getpass.getpass("secret access key: ")
+        if secret:
+            return secret
+    raise ValueError(
+        "no secret access key: set AWS_SECRET_ACCESS_KEY, use --credentials-stdin, or run in a terminal to be asked"
+    )
+
+
+def _check_run(config: cfg.DaemonConfig, creds: Any) -> cfg.RunInfo | int:
+    """Probe the bucket and the run; an exit status with the error printed when they are not usable."""
+    from slime_stoa.protocol.store import open_store
+
+    from .cli import error
+
+    async def probe() -> cfg.RunInfo:
+        async with open_store(config.store, credentials=creds) as store:
+            return await cfg.probe_run(store, config.run)
+
+    try:
+        return asyncio.run(probe())
+    except cfg.RunNotFound:
+        return error(
+            f"run {config.run!r} does not exist in {config.store}: create it with "
+            f"`stoa run create {config.store} --run {config.run} --model <model> --task <task>` "
+            f"(or check the run name)"
+        )
+
+
+def join_report(
+    config: cfg.DaemonConfig, path: Path, info: cfg.RunInfo | None, *, kept_id: bool, creds_written: bool
+) -> list[str]:
+    """What join did and what this Mac will do."""
+    from .doctor import memory_bytes
+
+    who = f"worker {config.worker_id} ({'same id as before' if kept_id else 'new id'}), name {config.name!r}"
+    lines = [f"joined run {config.run!r} in {config.store} as {who}", f"  config       {path}"]
+    if config.credentials_file is not None:
+        how = "written, mode 0600" if creds_written else "kept"
+        lines.append(f"  credentials  {config.credentials_file} ({how})")
+    lines.append(f"  data         {config.data_dir}")
+    if info is None:
+        lines.append("  (bucket not checked: --no-check)")
+    else:
+        lines += plan_lines(config, info, memory_bytes())
+    suffix = "" if path == cfg.default_config_path() else f" --config {path}"
+    lines += [
+        "",
+        f"next: macd install{suffix} && macd start    (or `macd run{suffix}` in the foreground)",
+    ]
+    return lines
+
+
+def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list[str]:
+    """What this Mac will generate for the run, and whether it fits in `memory` bytes."""
+    m = info.manifest
+    sequences = cfg.decoding_sequences(config, m.group_size)
+    lines = [
+        "this Mac will generate:",
+        f"  model        {m.model} ({m.plane} plane)",
+        f"  task         {m.task} (split {m.task_split})",
+        f"  group size   {m.group_size} samples per prompt, temperature {m.temperature}, up to {m.max_tokens} tokens",
+        f"  batch        {config.batch} prompts at once ({sequences} sequences decoding)",
+    ]
+    elements, guessed = info.elements, False
+    if info.version is None:
+        lines.append("  weights      none published yet: the worker waits for the trainer's first anchor")
+        elements, guessed = cfg.elements_from_model_name(m.model), True
+    elif info.elements is None:
+        lines.append(f"  weights      v{info.version}")
+    else:
+        lines.append(f"  weights      v{info.version} ({info.elements:,} weights)")
+    if elements is None:
+        lines.append(f"  memory       unknown until the weights' size is known ({memory / 2**30:.0f} GiB here)")
+        return lines
+    est = cfg.estimate_memory(
+        elements=elements,
+        plane=m.plane,
+        sequences=sequences,
+        tokens_per_sequence=m.max_prompt_tokens + m.max_tokens,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        weights_guessed=guessed,
+    )
+    verdict = est.verdict(memory)
+    lines.append(
+        f"  memory       ~{_gib(est.weights)} weights{' (guessed from the model name)' if guessed else ''}"
+        f" + ~{_gib(est.kv_cache)} KV cache{' (guess)' if est.kv_guessed else ''} + {_gib(est.overhead)} runtime"
+        f" = ~{_gib(est.total)} of {_gib(memory)} here: {verdict}"
+    )
+    if verdict != "fits":
+        lines.append(
+            "               lower `batch` (or set `max_decode`) in the config, or serve an int8 run"
+        )
+    return lines
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MiB"

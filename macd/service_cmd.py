@@ -1,0 +1,247 @@
+"""`macd install | uninstall | start | stop | status | logs`: the launchd agent that runs
+`macd run --config PATH` at login (see `macd.service` for the plist and the launchctl calls)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import config as cfg
+
+
+def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
+    specs = [
+        ("install", "write the launchd agent (runs `macd run` at login, restarts it if it crashes)", _install),
+        ("uninstall", "stop the agent and remove it", _uninstall),
+        ("start", "start the agent now (restart it when running, e.g. after a config change)", _start),
+        ("stop", "stop the agent (SIGTERM: the spool is flushed) and keep it stopped across logins", _stop),
+        ("status", "the agent's state, pid and last exit code, the last heartbeat and log lines", _status),
+    ]
+    for name, help_text, handler in specs:
+        cmd = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        _add_agent_options(cmd)
+        cmd.add_argument("--dry-run", action="store_true", help="print the launchctl commands instead of running them")
+        if name in ("install", "status"):
+            add_config_option(cmd)
+        if name == "install":
+            cmd.add_argument(
+                "--background",
+                action="store_true",
+                help="yield to a person using this Mac (ProcessType Background: low priority, slower rollouts)",
+            )
+        cmd.set_defaults(handler=handler)
+    logs = sub.add_parser("logs", help="print the agent's log (-f: keep following it)")
+    logs.add_argument("--instance", help="name of a second agent on this Mac (label dev.stoa.macd.<instance>)")
+    logs.add_argument("-n", "--lines", type=int, default=50, help="how many last lines to print")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (Ctrl-C stops)")
+    logs.set_defaults(handler=_logs)
+
+
+def _add_agent_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--instance", help="name of a second agent on this Mac (label dev.stoa.macd.<instance>)")
+    cmd.add_argument(
+        "--domain",
+        choices=("auto", "gui", "user"),
+        default="auto",
+        help="launchd domain: gui/<uid> (logged in at the screen) or user/<uid> (e.g. over SSH); "
+        "auto picks gui when you own the console",
+    )
+
+
+def _service_call(fn):
+    """Run a service handler; launchd and config errors become `error: ...` and exit 1."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from .cli import error
+        from .service import ServiceError
+
+        try:
+            return fn(args)
+        except (ServiceError, ValueError, OSError) as exc:
+            return error(str(exc))
+
+    return handler
+
+
+def _agent(args: argparse.Namespace):
+    from . import service
+
+    return service.agent_for(args.instance, domain_kind=args.domain)
+
+
+@_service_call
+def _install(args: argparse.Namespace) -> int:
+    from . import service
+    from .cli import config_path
+
+    launchctl = service.Launchctl(dry_run=args.dry_run)
+    launchctl.require()
+    path = config_path(args)
+    config = cfg.load_config(path)
+    agent = _agent(args)
+    plist = service.build_plist(
+        label=agent.label,
+        config_path=path,
+        python=sys.executable,
+        working_dir=config.data_dir,
+        log_file=agent.log,
+        process_type="Background" if args.background else service.DEFAULT_PROCESS_TYPE,
+    )
+    if not args.dry_run:
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+    outcome = service.install(agent, plist, launchctl)
+    if args.dry_run:
+        print("# then `macd start` runs:")
+        service.start(agent, launchctl)
+        return 0
+    print(f"{agent.label}: {agent.plist} {outcome}; it runs `macd run --config {path}` at login")
+    print(f"log: {agent.log}")
+    print("next: macd start" if outcome != "reloaded" else "the running agent was reloaded with the new settings")
+    return 0
+
+
+@_service_call
+def _start(args: argparse.Namespace) -> int:
+    from . import service
+
+    agent = _agent(args)
+    outcome = service.start(agent, service.Launchctl(dry_run=args.dry_run))
+    if not args.dry_run:
+        print(f"{agent.label} {outcome}; see `macd status` and `macd logs -f`")
+    return 0
+
+
+@_service_call
+def _stop(args: argparse.Namespace) -> int:
+    from . import service
+
+    agent = _agent(args)
+    was_running = service.stop(agent, service.Launchctl(dry_run=args.dry_run))
+    if not args.dry_run:
+        print(f"{agent.label} {'stopped' if was_running else 'was not running'}; it stays stopped until `macd start`")
+    return 0
+
+
+@_service_call
+def _uninstall(args: argparse.Namespace) -> int:
+    from . import service
+
+    agent = _agent(args)
+    existed = service.uninstall(agent, service.Launchctl(dry_run=args.dry_run))
+    if not args.dry_run:
+        print(f"{agent.label} removed ({agent.plist})" if existed else f"{agent.label} was not installed")
+        print(f"the config, credentials, data and log ({agent.log}) are kept")
+    return 0
+
+
+@_service_call
+def _status(args: argparse.Namespace) -> int:
+    """Exit 0 when the agent runs, 3 when it does not, 1 when launchd cannot be asked."""
+    from . import service
+    from .cli import config_path
+
+    agent = _agent(args)
+    launchctl = service.Launchctl(dry_run=args.dry_run)
+    rc = 0
+    try:
+        state = service.status(agent, launchctl)
+    except (service.ServiceError, ValueError) as exc:
+        print(f"agent      {exc}")
+        state, rc = None, 1
+    if args.dry_run:
+        return 0
+    if state is not None:
+        print(f"agent      {agent.service}")
+        print(f"plist      {agent.plist} ({'installed' if agent.plist.exists() else 'not installed: run `macd install`'})")
+        print(f"state      {_state_text(state)}")
+        rc = 0 if state.running else 3
+    _print_config_and_heartbeat(config_path(args))
+    _print_log_tail(agent.log, 10)
+    return rc
+
+
+def _state_text(state: Any) -> str:
+    if not state.loaded:
+        return "not loaded (stopped): `macd start` starts it"
+    parts = [state.state or "unknown"]
+    if state.pid is not None:
+        parts.append(f"pid {state.pid}")
+    if state.last_exit is not None:
+        parts.append(f"last exit code {state.last_exit}")
+    if state.last_signal:
+        parts.append(f"last signal {state.last_signal}")
+    if state.runs is not None:
+        parts.append(f"{state.runs} run(s)")
+    return ", ".join(parts)
+
+
+def _print_config_and_heartbeat(path: Path) -> None:
+    try:
+        config = cfg.load_config(path)
+    except ValueError as exc:
+        print(f"config     {exc}")
+        return
+    print(f"config     {path}: run {config.run} in {config.store}, worker {config.worker_id} ({config.name})")
+    print(f"heartbeat  {heartbeat_text(config)}")
+
+
+def heartbeat_text(config: cfg.DaemonConfig, timeout_s: float = 10.0) -> str:
+    """The worker's last heartbeat in the bucket, in one line (or why there is none)."""
+    from slime_stoa.protocol.heartbeat import Heartbeat
+    from slime_stoa.protocol.layout import RunLayout
+    from slime_stoa.protocol.store import NotFound, StoreError, open_store
+
+    async def read() -> bytes:
+        async with open_store(config.store, credentials=config.read_credentials()) as store:
+            return await store.get_bytes(RunLayout(config.run).heartbeat(config.worker_id))
+
+    try:
+        beat = Heartbeat.from_bytes(asyncio.run(asyncio.wait_for(read(), timeout_s)))
+    except NotFound:
+        return "none yet in the bucket"
+    except (StoreError, ValueError, OSError, TimeoutError) as exc:
+        return f"unavailable ({str(exc) or 'timed out'})"
+    age = time.time() - beat.updated_at
+    version = "no weights" if beat.version is None else f"v{beat.version}"
+    text = f"{age:.0f} s ago: {beat.status}, {version}, {beat.tokens_per_s:.0f} tok/s"
+    text += f", {beat.groups_uploaded} groups uploaded"
+    if beat.groups_spooled:
+        text += f", {beat.groups_spooled} spooled"
+    if beat.errors:
+        text += f", {beat.errors} errors (last: {beat.last_error})"
+    return text
+
+
+def _print_log_tail(log: Path, count: int) -> None:
+    from .service import tail_lines
+
+    if not log.exists():
+        print(f"log        {log} (none yet)")
+        return
+    print(f"log        {log}, last lines:")
+    for line in tail_lines(log, count):
+        print(f"  {line}")
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from . import service
+    from .cli import error
+
+    log = service.log_path(service.label_for(args.instance))
+    if not log.exists():
+        return error(
+            f"no log at {log} yet: the agent writes it once started (`macd start`); "
+            f"`macd run` logs to the terminal"
+        )
+    for line in service.tail_lines(log, args.lines):
+        print(line)
+    if args.follow:
+        sys.stdout.flush()
+        with contextlib.suppress(KeyboardInterrupt):
+            service.follow(log)
+    return 0

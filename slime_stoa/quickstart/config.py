@@ -1,0 +1,51 @@
+"""What `stoa quickstart` does, field by field (torch-free, so `stoa --help` stays fast).
+
+Every field is a command-line option of `stoa quickstart` (`--max-versions` for `max_versions`),
+with the default and the help text given here: `slime_stoa/cli/quickstart_cmd.py` builds its
+parser from these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _knob(default: Any, help: str) -> Any:
+    """A field with its command-line help."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuickstartConfig:
+    out: Path = _knob(Path("stoa-quickstart"), "run folder: bucket, model, worker data, logs, report")
+    store: str | None = _knob(None, "bucket URL (default: file://<out>/bucket)")
+    run: str = _knob("quickstart", "run name; rerunning the same name resumes it")
+    model: Path | None = _knob(None, "HF/MLX model folder (default: a tiny model built locally)")
+    model_hidden: int = _knob(96, "the tiny model's width (when no --model is given)")
+    model_layers: int = _knob(3, "the tiny model's depth")
+    workers: int = _knob(2, "`macd run` worker processes")
+    minutes: float = _knob(10.0, "time budget of the RL part")
+    max_versions: int = _knob(300, "stop after publishing this many versions")
+    target: float = _knob(0.9, "stop once the last --window versions' mean reward reaches this")
+    window: int = _knob(5, "versions averaged for the target and for the last-versions reward")
+    batch_groups: int = _knob(16, "prompt groups per learner step")
+    group_size: int = _knob(8, "samples per prompt")
+    max_tokens: int = _knob(4, "longest response, in tokens")
+    temperature: float = _knob(1.0, "sampling temperature of the workers")
+    lr: float = _knob(3e-4, "learner AdamW learning rate (RL)")
+    warmup_lr: float = _knob(1e-3, "learning rate of the supervised format warm start")
+    staleness_limit: int = _knob(2, "versions a group may lag when used")
+    warmup_steps: int = _knob(600, "supervised steps on the answer format before RL (new runs only)")
+    worker_batch: int = _knob(4, "prompts per worker cohort")
+    kill_worker_at: int | None = _knob(None, "SIGKILL worker 0 at this version, then restart it")
+    seed: int = _knob(0, "seed of the model, the prompts and the workers")
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.batch_groups < 1 or self.minutes <= 0:
+            raise ValueError("workers and batch_groups must be >= 1 and minutes > 0")
+
+    @property
+    def store_url(self) -> str:
+        return self.store or f"file://{(self.out / 'bucket').resolve()}"
