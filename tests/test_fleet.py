@@ -12,6 +12,7 @@ from slime_stoa.cli import main
 from slime_stoa.cli.fleet_cmd import fleet_rows
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import open_store
 
 
@@ -46,6 +47,8 @@ def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
     async def seed() -> None:
         async with open_store(url) as store:
+            manifest = RunManifest(run="demo", model="m", task="synthetic")
+            await store.put(layout.run_manifest, manifest.to_bytes())
             await store.put(layout.heartbeat("mac-a"), beat("mac-a", name="studio", version=4, pointer_version=5, updated_at=time.time()).to_bytes())
             await store.put(layout.heartbeat("mac-b"), b"not json")
 

@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except BrokenPipeError:  # `stoa ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,14 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=os.environ.get("STOA_RUN"), help="run name; default $STOA_RUN")
 
 
+def os_error_text(exc: OSError) -> str:
+    """`PATH: no such file or directory`, not `[Errno 2] No such file or directory: 'PATH'`."""
+    if exc.filename is None or not exc.strerror:
+        return str(exc)
+    where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else str(exc.filename)
+    return f"{where}: {exc.strerror[0].lower()}{exc.strerror[1:]}"
+
+
 def require_run_options(args: argparse.Namespace) -> tuple[str, str]:
     if not args.store:
         raise SystemExit("error: no bucket given: pass --store URL or set STOA_STORE")

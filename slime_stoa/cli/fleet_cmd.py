@@ -9,6 +9,7 @@ import time
 
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.store import Store, StoreError, open_store
 
 from .common import add_run_options, require_run_options
@@ -78,6 +79,7 @@ def render(rows: list[tuple[str, ...]]) -> str:
 
 async def _show(url: str, run: str, watch: bool, interval: float) -> None:
     async with open_store(url) as store:
+        await read_run_manifest(store, run)  # a misspelled run is an error, not "0 workers"
         while True:
             beats, bad = await read_heartbeats(store, run)
             if watch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from slime_stoa.protocol.run_manifest import PLANES, RunManifest, read_run_manifest
@@ -12,6 +13,9 @@ from slime_stoa.protocol.store import (
     StoreError,
     open_store,
 )
+from slime_stoa.tasks import TASKS
+
+from .common import add_run_options, require_run_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,8 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write a run's manifest: model, task, sampling and limits",
         description="Write runs/<run>/run.json. Workers read everything they need from it.",
     )
-    create.add_argument("store", help="bucket URL, e.g. file:///tmp/bucket or r2://<account>/<bucket>")
-    create.add_argument("--run", required=True, help="run name")
+    add_store_options(create)
     create.add_argument("--model", required=True, help="model reference for people (HF id or folder)")
     create.add_argument("--task", required=True, help="task name, e.g. gsm8k or synthetic")
     create.add_argument("--task-split", default="train", help="task file workers draw prompts from")
@@ -40,12 +43,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     create.set_defaults(handler=_run_create)
 
     show = cmds.add_parser("show", help="print a run's manifest")
-    show.add_argument("store", help="bucket URL")
-    show.add_argument("--run", required=True, help="run name")
+    add_store_options(show)
     show.set_defaults(handler=_run_show)
 
 
+def add_store_options(parser: argparse.ArgumentParser) -> None:
+    """`--store` and `--run` as in every stoa command (the store may also come first, as in 0.1)."""
+    parser.add_argument("legacy_store", nargs="?", metavar="STORE", help=argparse.SUPPRESS)
+    add_run_options(parser)
+
+
+def _store_and_run(args: argparse.Namespace) -> tuple[str, str]:
+    if args.legacy_store:
+        if args.store and args.store != args.legacy_store and args.store != os.environ.get("STOA_STORE"):
+            raise ValueError(f"two buckets given ({args.legacy_store} and --store {args.store}): pass one")
+        args.store = args.legacy_store
+    return require_run_options(args)
+
+
 def manifest_from_args(args: argparse.Namespace) -> RunManifest:
+    if args.task not in TASKS:
+        raise ValueError(f"unknown task {args.task!r}: choose one of {', '.join(sorted(TASKS))}")
     return RunManifest(
         run=args.run,
         model=args.model,
@@ -75,6 +93,7 @@ async def read_run(url: str, run: str) -> RunManifest:
 
 def _run_create(args: argparse.Namespace) -> int:
     try:
+        _store_and_run(args)
         manifest = manifest_from_args(args)
         asyncio.run(create_run(args.store, manifest))
     except PreconditionFailed:
@@ -90,7 +109,7 @@ def _run_create(args: argparse.Namespace) -> int:
 
 def _run_show(args: argparse.Namespace) -> int:
     try:
-        manifest = asyncio.run(read_run(args.store, args.run))
+        manifest = asyncio.run(read_run(*_store_and_run(args)))
     except (StoreError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

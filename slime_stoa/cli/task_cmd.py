@@ -11,7 +11,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError, open_store
 from slime_stoa.tasks import TASKS, encode_task_data, generate_items, load_gsm8k_jsonl
 
-from .common import add_run_options, require_run_options
+from .common import add_run_options, os_error_text, require_run_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,7 +77,10 @@ def _prepare(args: argparse.Namespace) -> int:
     try:
         objects = task_objects(args.task, args.files, split=args.split, count=args.count, seed=args.seed, limit=args.limit)
         keys = asyncio.run(_put(url, run, args.task, objects))
-    except (StoreError, ValueError, OSError) as exc:
+    except OSError as exc:
+        print(f"error: {os_error_text(exc)}", file=sys.stderr)
+        return 1
+    except (StoreError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for key, data in zip(keys, objects.values(), strict=True):

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from slime_stoa.protocol.hf.folders import load_hf_state, save_hf_folder
+from slime_stoa.protocol.layout import RunLayout, parse_versioned
 from slime_stoa.protocol.pulse.anchor import download_extras
 from slime_stoa.protocol.pulse.history import (
     HistoryError,
@@ -23,9 +24,9 @@ from slime_stoa.protocol.pulse.history import (
 )
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError
-from slime_stoa.protocol.store import NotFound, StoreError, open_store
+from slime_stoa.protocol.store import NotFound, Store, StoreError, open_store
 
-from .common import add_run_options, human_bytes, require_run_options
+from .common import add_run_options, human_bytes, os_error_text, require_run_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +63,10 @@ def _sync(fn):
     def run(args: argparse.Namespace) -> int:
         try:
             return asyncio.run(fn(args))
-        except (StoreError, HistoryError, ManifestError, PublishError, ValueError, OSError) as exc:
+        except OSError as exc:
+            print(f"error: {os_error_text(exc)}", file=sys.stderr)
+            return 1
+        except (StoreError, HistoryError, ManifestError, PublishError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
 
@@ -71,6 +75,8 @@ def _sync(fn):
 
 async def publish_anchor(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
+    if not args.hf_dir.is_dir():
+        raise ValueError(f"model folder {args.hf_dir} does not exist: pass the HF checkpoint folder to seed the run from")
     state = load_hf_state(args.hf_dir)
     async with open_store(url) as store:
         try:
@@ -169,10 +175,29 @@ async def inspect_version(args: argparse.Namespace) -> int:
 async def export_version(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     async with open_store(url) as store:
-        rebuilt = await rebuild(store, run, args.version)
+        try:
+            rebuilt = await rebuild(store, run, args.version)
+        except HistoryError as exc:
+            if isinstance(exc, NotPublished):
+                raise
+            raise HistoryError(f"{exc}; {await exportable_versions(store, run)}") from None
         anchor = await read_anchor_manifest(store, rebuilt.manifest.anchor.manifest)
         with tempfile.TemporaryDirectory() as tmp:
             await download_extras(store, anchor, Path(tmp))
             out = save_hf_folder(rebuilt.state, args.out_dir, source_dir=Path(tmp))
     print(f"exported v{rebuilt.manifest.version} (digest {rebuilt.manifest.state_digest}) to {out}")
     return 0
+
+
+async def exportable_versions(store: Store, run: str) -> str:
+    """Which versions the bucket can still rebuild: from the oldest anchor kept to the pointer
+    (the publisher keeps its last `retain_anchors` anchors and every version after the oldest)."""
+    pointer = await read_pointer(store, run)
+    layout = RunLayout(run)
+    kept = [
+        parsed[0]
+        async for info in store.list(layout.anchors_prefix)
+        if info.key.endswith("/manifest.json") and (parsed := parse_versioned(info.key.split("/")[-2]))
+    ]
+    oldest = min((v for v in kept if v <= pointer.version), default=pointer.version)
+    return f"the versions that can be exported are v{oldest}..v{pointer.version}"
