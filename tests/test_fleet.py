@@ -39,6 +39,16 @@ def test_rows() -> None:
     assert [r[0] for r in rows] == ["a-1", "b-2"]
     assert rows[0][4:6] == ("v1", "0") and rows[0][9] == "2s ago"
     assert rows[1][9] == "5m ago" and rows[1][10] == "1 (boom)"
+    assert rows[1][2] == "silent"  # no heartbeat for 5 minutes: not running, whatever it said last
+
+
+def test_a_stopped_worker_shows_as_stopped_without_lag() -> None:
+    now = time.time()
+    stopped = beat("a-1", status="stopped", version=2, pointer_version=2, updated_at=now - 3600)
+    running = beat("b-2", version=5, pointer_version=5, updated_at=now - 1)
+    rows = fleet_rows([stopped, running], now, pointer_version=7)
+    assert rows[0][2:6] == ("stopped", "", "v2", "-")  # not "lag 0" at an old version
+    assert rows[1][2] == "generating" and rows[1][5] == "2"  # lag against the run's current version
 
 
 def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -55,5 +65,5 @@ def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     asyncio.run(seed())
     assert main(["fleet", "--store", url, "--run", "demo"]) == 0
     out = capsys.readouterr().out
-    assert "1 worker(s), 1 unreadable heartbeat(s)" in out
+    assert "run demo no weights published yet: 1 worker(s), 1 running, 1 unreadable heartbeat(s)" in out
     assert "studio" in out and "v4" in out

@@ -9,6 +9,8 @@ import time
 
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
+from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.store import Store, StoreError, open_store
 
@@ -49,15 +51,32 @@ def ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def fleet_rows(beats: list[Heartbeat], now: float) -> list[tuple[str, ...]]:
+# A worker rewrites its heartbeat every ~10 s; one silent for this long is not running any more.
+SILENT_AFTER_S = 60.0
+
+
+def shown_status(beat: Heartbeat, now: float) -> str:
+    """The status as of `now`: a heartbeat that stopped coming means the worker is gone, whatever
+    its last heartbeat said (a crash or a kill writes no final "stopped")."""
+    if beat.status != "stopped" and now - beat.updated_at > SILENT_AFTER_S:
+        return "silent"
+    return beat.status
+
+
+def fleet_rows(beats: list[Heartbeat], now: float, pointer_version: int | None = None) -> list[tuple[str, ...]]:
+    """One row per worker; `lag` is against the run's current version when given, and only for
+    workers still running (a stopped worker's version is history, not lag)."""
     rows: list[tuple[str, ...]] = []
     for b in sorted(beats, key=lambda b: b.worker_id):
-        lag = b.lag
+        status = shown_status(b, now)
+        head = b.pointer_version if pointer_version is None else pointer_version
+        running = status not in ("stopped", "silent")
+        lag = None if not running or b.version is None or head is None else max(head - b.version, 0)
         rows.append(
             (
                 b.worker_id,
                 b.name,
-                b.status,
+                status,
                 b.tier,
                 "-" if b.version is None else f"v{b.version}",
                 "-" if lag is None else str(lag),
@@ -82,10 +101,18 @@ async def _show(url: str, run: str, watch: bool, interval: float) -> None:
         await read_run_manifest(store, run)  # a misspelled run is an error, not "0 workers"
         while True:
             beats, bad = await read_heartbeats(store, run)
+            try:
+                head: int | None = (await read_pointer(store, run)).version
+            except (NotPublished, ManifestError):
+                head = None
+            now = time.time()
             if watch:
                 print("\033[2J\033[H", end="")
-            print(f"run {run}: {len(beats)} worker(s)" + (f", {bad} unreadable heartbeat(s)" if bad else ""))
-            print(render(fleet_rows(beats, time.time())))
+            at = "no weights published yet" if head is None else f"at v{head}"
+            running = sum(shown_status(b, now) not in ("stopped", "silent") for b in beats)
+            print(f"run {run} {at}: {len(beats)} worker(s), {running} running"
+                  + (f", {bad} unreadable heartbeat(s)" if bad else ""))
+            print(render(fleet_rows(beats, now, head)))
             if not watch:
                 return
             await asyncio.sleep(interval)
