@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from slime_stoa.protocol.store import StoreConfigError, StoreError, open_store
 
@@ -25,10 +26,34 @@ def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
     add_config_option(run)
     run.add_argument("--max-cohorts", type=int, default=None, help="stop after this many cohorts")
     run.add_argument("--seed", type=int, default=None, help="prompt choice and sampling seed")
+    run.add_argument(
+        "--parent-pid",
+        type=_pid,
+        default=None,
+        metavar="PID",
+        help="stop cleanly (flush uploads, final heartbeat) as soon as process PID is gone, "
+        "e.g. the program that started this worker (checked every second)",
+    )
+    run.add_argument(
+        "--lock-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="if another macd still holds this worker's spool, wait up to this long for it to stop "
+        "(default 0: fail at once, naming its pid)",
+    )
     run.set_defaults(handler=handle)
 
 
+def _pid(text: str) -> int:
+    pid = int(text)
+    if pid < 1:
+        raise argparse.ArgumentTypeError(f"not a process id: {text}")
+    return pid
+
+
 STOP_GRACE_S = 50.0  # after a stop signal, exit within this long whatever is still running
+PARENT_POLL_S = 1.0  # how often --parent-pid is checked
 
 
 def _force_exit() -> None:
@@ -36,6 +61,37 @@ def _force_exit() -> None:
                                       "(the spool is crash-safe; it drains on the next start)", STOP_GRACE_S)
     logging.shutdown()
     os._exit(0)
+
+
+def parent_alive(pid: int, direct: bool) -> bool:
+    """Whether process `pid` still runs. `direct`: it is our parent, so its death shows at once
+    as a new parent pid (even while it is an unreaped zombie, which `kill(pid, 0)` still finds)."""
+    if direct:
+        return os.getppid() == pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
+
+
+async def watch_parent(
+    pid: int, stop: asyncio.Event, on_gone: Callable[[], None], interval: float = PARENT_POLL_S
+) -> None:
+    """Call `on_gone()` once process `pid` is gone (checked every `interval` s) or return at `stop`."""
+    direct = os.getppid() == pid
+    while not stop.is_set():
+        if not parent_alive(pid, direct):
+            logging.getLogger("macd").warning("parent process %d is gone: stopping", pid)
+            on_gone()
+            return
+        try:
+            async with asyncio.timeout(interval):
+                await stop.wait()
+        except TimeoutError:
+            pass
 
 
 async def run_daemon(args: argparse.Namespace, config) -> int:
@@ -54,14 +110,25 @@ async def run_daemon(args: argparse.Namespace, config) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    options = WorkerOptions(max_cohorts=args.max_cohorts, seed=args.seed, flush_timeout_s=30.0)
-    async with open_store(config.store, credentials=config.read_credentials()) as store:
-        return await Worker(config, store, options).run(stop)
+    watcher = None
+    if args.parent_pid is not None:
+        watcher = asyncio.create_task(watch_parent(args.parent_pid, stop, on_signal))
+    options = WorkerOptions(
+        max_cohorts=args.max_cohorts, seed=args.seed, flush_timeout_s=30.0, lock_wait_s=max(args.lock_wait, 0.0)
+    )
+    try:
+        async with open_store(config.store, credentials=config.read_credentials()) as store:
+            return await Worker(config, store, options).run(stop)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
 
 def handle(args: argparse.Namespace) -> int:
     from . import config as cfg
     from .cli import config_path
+    from .spool import SpoolError
 
     try:
         config = cfg.load_config(config_path(args))
@@ -77,6 +144,6 @@ def handle(args: argparse.Namespace) -> int:
     except StoreConfigError as exc:
         logging.getLogger("macd").error("%s", exc)
         return 2  # launchd restarts a failed daemon; a config error needs a person: say so
-    except (StoreError, ValueError) as exc:
+    except (StoreError, SpoolError, ValueError) as exc:
         logging.getLogger("macd").error("%s", exc)
         return 1

@@ -7,7 +7,7 @@ twice under two keys.
 
 Folder layout:
 
-    <folder>/.lock                                        flock: one process per spool
+    <folder>/.lock                                        flock: one process per spool (holds its pid)
     <folder>/state.json                                   {"next_seq": n, "last_ms": t}
     <folder>/<seq>+<ts>+<kind>+<worker>+<run>.rec          one entry: the record's exact bytes
     <folder>/quarantine/<same name>(.why)                 entries whose key holds other bytes
@@ -22,6 +22,9 @@ Guarantees:
   there is either nothing or the complete record. Leftover temp files are removed on open.
 - The entry's file name holds every part of its key, so nothing else is needed to upload it.
 - A finished group is never refused: `full` only tells the producer to pause generation.
+- One process per spool: an exclusive `flock` on `.lock`, which names the holder's pid. The
+  kernel releases a flock when its process dies, however it dies, so a lock left by a dead
+  process is simply taken over; a live holder is named in the error (`SpoolLocked`).
 
 Thread safety: one producer thread calling `add`/`reserve`/`commit` and an asyncio uploader
 calling `pending`/`remove`/`quarantine` may share a spool. Change listeners (`subscribe`) are
@@ -66,6 +69,57 @@ _ENTRY = re.compile(
 
 class SpoolError(Exception):
     """The spool cannot be used (locked by another process, corrupt counter, bad record)."""
+
+
+class SpoolLocked(SpoolError):
+    """Another live process (`pid`, None if it did not say) holds the spool's lock."""
+
+    def __init__(self, folder: Path, pid: int | None) -> None:
+        self.folder = folder
+        self.pid = pid
+        if pid == os.getpid():
+            text = f"spool {folder} is in use by another Spool object of this process (pid {pid}); close it first"
+        elif pid is not None:
+            text = (
+                f"spool {folder} is in use by macd pid {pid}, which is still running: stop it first "
+                f"(`macd stop`, or `kill {pid}`); two workers on one spool would hand out the same sequence numbers"
+            )
+        else:
+            text = (
+                f"spool {folder} is in use by another process (its lock names no pid): stop the other "
+                f"`macd run` first (`macd stop`); two workers on one spool would hand out the same sequence numbers"
+            )
+        super().__init__(text)
+
+
+def lock_holder(folder: str | os.PathLike[str]) -> int | None:
+    """The pid of the live process holding the spool lock of `folder`, or None when it is free.
+
+    (A lock held by a process of unknown pid reads as -1.)"""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _read_pid(fd)
+            return -1 if pid is None else pid
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_pid(fd: int) -> int | None:
+    """The pid written in a lock file, None if it holds none."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,15 +249,26 @@ class Spool:
             raise
 
     def _take_lock(self) -> None:
+        """Take the spool's flock and write our pid into it; SpoolLocked naming a live holder.
+
+        A lock file naming a process that is gone is a stale lock: its flock went with its
+        process, so it is taken over here (and said so)."""
         fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = _read_pid(fd)
             os.close(fd)
-            raise SpoolError(
-                f"spool {self.folder} is in use by another macd (or another Spool object); "
-                f"stop it first: two writers would hand out the same sequence numbers"
-            ) from None
+            raise SpoolLocked(self.folder, holder) from None
+        try:
+            previous = _read_pid(fd)
+            if previous is not None and previous != os.getpid():
+                log.info("spool: taking over the lock of pid %d, which no longer holds it", previous)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
 
     def _remove_temp_files(self) -> None:
@@ -250,6 +315,8 @@ class Spool:
         """Release the spool's lock (entries stay on disk)."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # released cleanly: no pid left behind to take over
             os.close(fd)
 
     def __enter__(self) -> Spool:

@@ -5,12 +5,21 @@ polls, weight downloads, uploads, heartbeats). Between two generation cohorts �
 one — the worker polls the weight pointer and, when it moved, applies the patch to the live MLX
 weights in place; the next cohort records the new version. Every finished group is written to
 the on-disk spool first and uploaded from there, so nothing finished is ever lost.
+
+The worker outlives whatever the bucket does. A malformed or unreadable object (the run
+manifest, the task file, the pointer, a version or anchor manifest, a patch) is reported — the
+log and the heartbeat's `errors`/`last_error` — and skipped: before the first weights the worker
+keeps retrying; after, it keeps generating with its last verified weights and moves on at the
+first good pointer. A store outage of any length only delays uploads: groups wait in the spool,
+which drains when the store is back. Only a configuration error (`StoreConfigError`: credentials,
+bucket) stops it, since retrying cannot fix that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import random
 import resource
@@ -28,7 +37,7 @@ from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.hf.folders import save_hf_folder
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.anchor import download_extras
-from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
+from slime_stoa.protocol.pulse.history import read_anchor_manifest
 from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncError
 from slime_stoa.protocol.records import (
     RolloutGroup,
@@ -38,11 +47,12 @@ from slime_stoa.protocol.records import (
 )
 from slime_stoa.protocol.run_manifest import Plane, RunManifest, read_run_manifest
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
+from slime_stoa.protocol.store.retry import describe_error
 from slime_stoa.tasks import Task, TaskItem, load_task
 from slime_stoa.tasks.prompting import prompt_tokens
 
 from .config import DaemonConfig
-from .spool import Spool
+from .spool import Spool, SpoolLocked
 from .uploader import Uploader
 
 log = logging.getLogger("macd")
@@ -66,6 +76,9 @@ class WorkerOptions:
     seed: int | None = None  # prompt choice and sampling seed (None: random)
     budget_poll_s: float = 0.25  # pointer poll interval while waiting for a new version
     budget_patience_s: float = 10.0  # after this long without a new version, generate another round
+    setup_retry_max_s: float = 30.0  # longest wait between two tries to read the run and its weights
+    lock_wait_s: float = 0.0  # spool in use by a live process: wait this long for it to stop, then fail
+    repeat_log_s: float = 60.0  # the same error again within this long is counted, not logged again
 
 
 class MLXThread:
@@ -165,6 +178,7 @@ class Worker:
         self.cohorts = 0
         self._groups_at: dict[int | None, int] = {}  # groups generated per weight version
         self._waiting_since: float | None = None
+        self._logged: dict[str, float] = {}  # error message -> when it was last logged (monotonic)
         self.sub: Subscriber | None = None  # exposed for inspection (tests, doctor)
         self.live: Any = None
 
@@ -177,75 +191,102 @@ class Worker:
         return manifest, task
 
     async def _first_sync(self, sub: Subscriber, stop: asyncio.Event) -> bool:
-        """Wait for the run's weights and sync to them; False if stopped first."""
+        """Wait for the run's weights and sync to them; False if stopped first.
+
+        A malformed or unreadable pointer or manifest, or a store outage, is reported and the
+        pointer polled again."""
         while not stop.is_set():
             try:
-                if await sub.sync() is not None:
-                    return True
-                log.info("waiting for the trainer to publish weights for run %s", self.config.run)
-            except SyncError as exc:
+                await sub.sync()
+            except StoreConfigError:
+                raise
+            except (SyncError, StoreError) as exc:
                 self._error(f"weights: {exc}")
+            else:
+                if sub.state is None:
+                    log.info("waiting for the trainer to publish weights for run %s", self.config.run)
+            if sub.state is not None:
+                return True
             await _wait(stop, self.options.idle_poll_s)
         return False
 
     async def _materialize(self, sub: Subscriber) -> Path:
         """An HF folder of the synced weights with the anchor's config and tokenizer (for mlx-lm)."""
-        assert sub.state is not None
-        pointer = await read_pointer(self.store, self.config.run)
-        anchor = await read_anchor_manifest(self.store, pointer.anchor.manifest)
+        assert sub.state is not None and sub.current is not None
+        anchor = await read_anchor_manifest(self.store, sub.current.anchor.manifest)
         folder = self.config.data_dir / "models" / self.config.run
         extras = folder / "extras"
         await download_extras(self.store, anchor, extras)
         await asyncio.to_thread(save_hf_folder, sub.state, folder, source_dir=extras)
         return folder
 
+    async def _open_spool(self, stop: asyncio.Event) -> Spool | None:
+        """This worker's spool; while a live process holds it, wait up to `lock_wait_s` for it to
+        stop, then raise `SpoolLocked` (naming it). None if stopped while waiting."""
+        deadline = time.monotonic() + self.options.lock_wait_s
+        said = False
+        while True:
+            try:
+                return Spool(
+                    self.config.data_dir / "spool" / self.config.run,
+                    worker_id=self.config.worker_id,
+                    run=self.config.run,
+                    max_bytes=self.config.spool_max_mb << 20,
+                    max_items=1_000_000,
+                )
+            except SpoolLocked as exc:
+                if time.monotonic() >= deadline or exc.pid == os.getpid():
+                    raise
+                if not said:
+                    log.warning("%s; waiting up to %.0f s for it to stop", exc, self.options.lock_wait_s)
+                    said = True
+            await _wait(stop, 0.25)
+            if stop.is_set():
+                return None
+
+    async def _setup(self, stop: asyncio.Event, upload_task: asyncio.Task) -> tuple[RunManifest, Task, Any, Any] | None:
+        """Read the run and its task, sync the weights and load the model; retried (each failure
+        reported) until it works. None if stopped first (or the uploader failed)."""
+        delay = self.options.idle_poll_s
+        loaded: tuple[RunManifest, Task] | None = None
+        while not stop.is_set() and not upload_task.done():
+            try:
+                if loaded is None:
+                    loaded = await self._load_run()
+                manifest, task = loaded
+                sub = self.sub = self.sub or Subscriber(self.store, self.config.run)
+                if not await self._first_sync(sub, stop):
+                    return None
+                folder = await self._materialize(sub)
+                model, tokenizer, self.live = await self.mlx.run(_load_model, folder, sub.state, manifest.plane)
+                return manifest, task, model, tokenizer
+            except StoreConfigError:
+                raise
+            except Exception as exc:  # malformed or missing objects, a store outage, a model mlx-lm refuses
+                what = "run" if loaded is None else "weights"
+                self._error(f"{what}: {describe_error(exc)}; retrying in {delay:.0f} s")
+            await _wait(stop, delay)
+            delay = min(2 * delay, self.options.setup_retry_max_s)
+        return None
+
     # -- the loop ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:
-        """Run until `stop` is set (or max_cohorts); returns the process exit code."""
-        manifest, task = await self._load_run()
-        sub = self.sub = Subscriber(self.store, self.config.run)
-        if not await self._first_sync(sub, stop):
+        """Run until `stop` is set (or max_cohorts); returns the process exit code.
+
+        Raises `SpoolLocked` when another live macd holds this worker's spool, and
+        `StoreConfigError` when the store's configuration is wrong."""
+        spool = await self._open_spool(stop)
+        if spool is None:
             return 0
-        folder = await self._materialize(sub)
-        model, tokenizer, live = await self.mlx.run(_load_model, folder, sub.state, manifest.plane)
-        self.live = live
-        assert sub.digest is not None  # a first sync leaves a verified state and its digest
-        self.beat = replace(
-            self.beat, version=sub.version, pointer_version=sub.version, tier=_tier(), state_digest=sub.digest.root()
-        )
-        log.info(
-            "worker %s joined run %s at weights v%d (%s plane, task %s, group size %d, batch %d)",
-            self.config.worker_id, manifest.run, sub.version, manifest.plane, manifest.task,
-            manifest.group_size, self.config.batch,
-        )
-        spool = Spool(
-            self.config.data_dir / "spool" / self.config.run,
-            worker_id=self.config.worker_id,
-            run=self.config.run,
-            max_bytes=self.config.spool_max_mb << 20,
-            max_items=1_000_000,
-        )
         uploader = Uploader(self.store, spool, concurrency=self.config.transfer_concurrency)
         stop_uploads = asyncio.Event()
-        upload_task = asyncio.create_task(uploader.run_forever(stop_uploads))
+        upload_task = asyncio.create_task(uploader.run_forever(stop_uploads))  # drains what a last run left
         stop_beats = asyncio.Event()
         beat_task = asyncio.create_task(self._heartbeats(stop_beats, spool, uploader))
         try:
-            while not stop.is_set() and not upload_task.done():
-                await self._maybe_swap(sub, live)
-                if self._version_budget_spent(manifest, sub):
-                    # Enough groups on this version: wait for the trainer's next one instead of
-                    # producing data that would only go stale.
-                    self.beat = replace(self.beat, status="waiting")
-                    await _wait(stop, self.options.budget_poll_s)
-                    continue
-                if spool.full:
-                    self.beat = replace(self.beat, status="paused")
-                    await spool.wait_not_full(timeout=self.options.heartbeat_s)
-                    continue
-                await self._cohort(manifest, task, sub, model, tokenizer, spool, stop)
-                if self.options.max_cohorts is not None and self.cohorts >= self.options.max_cohorts:
-                    break
+            ready = await self._setup(stop, upload_task)
+            if ready is not None:
+                await self._generate(ready, spool, upload_task, stop)
             upload_error = upload_task.exception() if upload_task.done() else None
             if upload_error is not None:
                 raise upload_error  # a configuration error: the user must act
@@ -269,6 +310,37 @@ class Worker:
             await asyncio.to_thread(self.mlx.close)
         return 0
 
+    async def _generate(
+        self, ready: tuple[RunManifest, Task, Any, Any], spool: Spool, upload_task: asyncio.Task, stop: asyncio.Event
+    ) -> None:
+        """Cohort after cohort until `stop` (or max_cohorts, or an upload configuration error)."""
+        manifest, task, model, tokenizer = ready
+        sub, live = self.sub, self.live
+        assert sub is not None and sub.digest is not None  # a first sync leaves a verified state and its digest
+        self.beat = replace(
+            self.beat, version=sub.version, pointer_version=sub.version, tier=_tier(), state_digest=sub.digest.root()
+        )
+        log.info(
+            "worker %s joined run %s at weights v%d (%s plane, task %s, group size %d, batch %d)",
+            self.config.worker_id, manifest.run, sub.version, manifest.plane, manifest.task,
+            manifest.group_size, self.config.batch,
+        )
+        while not stop.is_set() and not upload_task.done():
+            await self._maybe_swap(sub, live)
+            if self._version_budget_spent(manifest, sub):
+                # Enough groups on this version: wait for the trainer's next one instead of
+                # producing data that would only go stale.
+                self.beat = replace(self.beat, status="waiting")
+                await _wait(stop, self.options.budget_poll_s)
+                continue
+            if spool.full:
+                self.beat = replace(self.beat, status="paused")
+                await spool.wait_not_full(timeout=self.options.heartbeat_s)
+                continue
+            await self._cohort(manifest, task, sub, model, tokenizer, spool, stop)
+            if self.options.max_cohorts is not None and self.cohorts >= self.options.max_cohorts:
+                break
+
     def _version_budget_spent(self, manifest: RunManifest, sub: Subscriber) -> bool:
         """True while this version's group budget is spent and the trainer may still move on.
 
@@ -290,8 +362,15 @@ class Worker:
     async def _maybe_swap(self, sub: Subscriber, live: Any) -> None:
         try:
             result = await sub.sync()
-        except (SyncError, StoreError) as exc:
-            self._error(f"weights: {exc}; serving v{sub.version}")
+        except SyncError as exc:  # the subscriber's state is still the last verified one (it says so)
+            self._error(f"weights: {exc}")
+            return
+        except StoreError as exc:
+            self._error(f"weights: {describe_error(exc)}; serving v{sub.version}")
+            return
+        except Exception as exc:  # never leave a bad object in the bucket to stop generation
+            log.exception("unexpected error syncing weights")
+            self._error(f"weights: {describe_error(exc)}; serving v{sub.version}")
             return
         if result is None:
             return
@@ -383,8 +462,17 @@ class Worker:
             log.warning("heartbeat not written: %s", exc)
 
     def _error(self, message: str) -> None:
-        log.warning(message)
-        self.beat = replace(self.beat, errors=self.beat.errors + 1, last_error=message[:200])
+        """Count an error in the heartbeat (`errors`, `last_error`) and log it; the same message
+        again within `repeat_log_s` is counted but logged only at debug level."""
+        now = time.monotonic()
+        last = self._logged.get(message)
+        if last is None or now - last >= self.options.repeat_log_s:
+            self._logged = {m: t for m, t in self._logged.items() if now - t < self.options.repeat_log_s}
+            self._logged[message] = now
+            log.warning("%s", message)
+        else:
+            log.debug("%s", message)
+        self.beat = replace(self.beat, errors=self.beat.errors + 1, last_error=message[:500])
 
 
 def _load_model(folder: Path, state: dict[str, np.ndarray], plane: Plane) -> tuple[Any, Any, Any]:

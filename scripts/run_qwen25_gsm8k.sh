@@ -140,6 +140,7 @@ CKPT_ARGS=(
 ROLLOUT_ARGS=(
   --rollout-num-gpus 0
   --rollout-function-path slime_stoa.generate_rollout
+  --data-source-path slime_stoa.StoaDataSource
   --num-rollout "$NUM_ROLLOUT"
   --rollout-batch-size "$ROLLOUT_BATCH_SIZE"
   --n-samples-per-prompt "$GROUP_SIZE"

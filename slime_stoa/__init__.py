@@ -7,9 +7,10 @@ meeting only in an S3-compatible bucket.
     quickstart/ the whole loop on one machine
     cli/        the `stoa` command
 
-The three names slime is given are attributes of this package, imported on first use:
-`slime_stoa.generate_rollout` (`--rollout-function-path`), `slime_stoa.dppo_loss`
-(`--custom-loss-function-path`) and `slime_stoa.publish_weights` (called by stoa's slime patch).
+The names slime is given are attributes of this package, imported on first use:
+`slime_stoa.generate_rollout` (`--rollout-function-path`), `slime_stoa.StoaDataSource`
+(`--data-source-path`), `slime_stoa.dppo_loss` (`--custom-loss-function-path`) and
+`slime_stoa.publish_weights` (called by stoa's slime patch).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 _ENTRY_POINTS = {
     "generate_rollout": "slime_stoa.trainer.slime.rollout",
+    "StoaDataSource": "slime_stoa.trainer.slime.data_source",
     "dppo_loss": "slime_stoa.trainer.slime.loss",
     "publish_weights": "slime_stoa.trainer.slime.publish",
 }

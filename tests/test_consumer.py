@@ -11,6 +11,7 @@ import math
 import sys
 import time
 import types
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +121,13 @@ def make_group(
     answers = answers if answers is not None else [item.label, wrong, item.label, wrong]
     finish = finish or ["stop"] * len(answers)
     samples = []
+    # Each (worker, seq) gets its own logprobs, as real sampling would: the consumer refuses a
+    # second record with the same prompt and samples as a replay.
+    lp = -0.5 - 1e-3 * seq - 1e-6 * (zlib.crc32(worker.encode()) % 1000)
     for i, (text, fin) in enumerate(zip(answers, finish, strict=True)):
         tokens = tiny.encode(text) + ([tiny.eos] if fin == "stop" else [])
         reward = worker_rewards[i] if worker_rewards else float(text == item.label)
-        samples.append(Sample(response_tokens=tokens, logprobs=[-0.5] * len(tokens), finish_reason=fin, reward=reward))
+        samples.append(Sample(response_tokens=tokens, logprobs=[lp] * len(tokens), finish_reason=fin, reward=reward))
     t = time.time()
     fields: dict[str, Any] = dict(
         kind="train", run=RUN, task_id="synthetic", prompt_index=prompt_index,
@@ -473,6 +477,11 @@ async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: 
     item = ITEMS[4]
     group = make_group(tiny, worker="w", seq=0, prompt_index=4, answers=[item.label, "x", item.label, "12345"],
                        finish=["stop", "stop", "length", "length"], weight_version=3)
+    # A "length" sample is cut at exactly max_tokens, as a worker cuts it (a shorter one is refused).
+    cut = [(tiny.encode(text) * MAX_TOKENS)[:MAX_TOKENS] for text in (item.label, "12345")]
+    group = dataclasses.replace(group, samples=(*group.samples[:2], *(
+        dataclasses.replace(group.samples[2 + i], response_tokens=t, logprobs=[-0.5] * MAX_TOKENS, reward=0.0)
+        for i, t in enumerate(cut))))
     key = await upload(store, group)
     consumer = await open_consumer(store, tiny, store_url)
     consumed = (await consumer.next_batch(1, trainer_version=4)).groups[0]
@@ -486,7 +495,7 @@ async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: 
         assert f["response_length"] == len(response)
         assert len(f["loss_mask"]) == len(f["rollout_log_probs"]) == f["response_length"]
         assert f["loss_mask"] == [1] * len(response)
-        assert f["rollout_log_probs"] == [-0.5] * len(response)
+        assert f["rollout_log_probs"] == [float(x) for x in s.logprobs]
         assert f["status"] == ("truncated" if s.finish_reason == "length" else "completed")
         assert f["prompt"] == item.prompt and f["label"] == item.label
         assert isinstance(f["response"], str) and isinstance(f["reward"], float)
@@ -494,9 +503,9 @@ async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: 
         meta = f["metadata"]
         assert meta["stoa_worker"] == "w" and meta["stoa_weight_version"] == 3 and meta["stoa_version_lag"] == 1
         assert meta["stoa_key"] == key and meta["stoa_use"] == 1 and meta["stoa_finish_reason"] == s.finish_reason
-    assert [f["reward"] for f in fields] == [1.0, 0.0, 1.0, 0.0]
+    assert [f["reward"] for f in fields] == [1.0, 0.0, 0.0, 0.0]
     assert fields[0]["response"] == item.label  # the final EOS is not part of the text
-    assert fields[2]["response"] == item.label  # truncated: no EOS to strip
+    assert fields[2]["response"] == tiny.decode(cut[0])  # truncated: no EOS to strip
     with pytest.raises(ValueError):
         sample_fields(consumed, indices=[1, 2])
     await consumer.close()

@@ -99,6 +99,7 @@ def good_flags(config: Path, save: Path) -> list[str]:
     return [
         "--rollout-num-gpus", "0",
         "--rollout-function-path", ROLLOUT_FN,
+        "--data-source-path", "slime_stoa.StoaDataSource",
         "--rollout-batch-size", "8",
         "--n-samples-per-prompt", "4",
         "--global-batch-size", "32",
@@ -189,7 +190,7 @@ def test_a_consistent_setup_passes_every_check(setup: Setup) -> None:
         "bucket", "run-manifest", "task-data", "weights", "tokenizer", "rollout-num-gpus", "rollout-temperature",
         "rollout-top-p", "n-samples-per-prompt", "rollout-max-response-len", "global-batch-size",
         "rollout-function-path", "loss-type", "custom-loss-function-path", "stoa-bucket", "stoa-run",
-        "stoa-publish", "rollout-settings", "publisher-settings", "dppo-settings", "slime-patch",
+        "stoa-publish", "rollout-settings", "publisher-settings", "dppo-settings", "slime-patch", "data-source-path",
     ):  # fmt: skip
         assert expected in checks
     assert "0 to fix; ready to launch" in preflight.format_findings(findings)
@@ -310,6 +311,30 @@ def test_yaml_must_name_this_bucket_and_run_with_publishing_on(setup: Setup) -> 
     assert_fix(
         setup.findings(settings={**good, "dppo_reduction": "seq_mean"}), "dppo-settings", "--calculate-per-token-loss"
     )
+
+
+def test_missing_stoa_publish_and_the_liveness_settings(setup: Setup) -> None:
+    good = good_settings(setup.url)
+    no_publish = {k: v for k, v in good.items() if k != "stoa_publish"}
+    findings = setup.findings(settings=no_publish)
+    assert_fix(findings, "stoa-publish", "has no stoa_publish", "stoa_publish: true", "pointer does not move")
+    assert "check-publishing" not in by_check(findings)  # on by default: nothing to say
+    off = setup.findings(settings={**good, "stoa_check_publishing": False, "stoa_publish_grace_s": 30})
+    assert by_check(off)["check-publishing"].status == WARN and "train_async.py" in by_check(off)["check-publishing"].message
+    assert not preflight.failed(off)
+    assert_fix(setup.findings(settings={**good, "stoa_publish_grace_s": -1}), "rollout-settings", "stoa_publish_grace_s")
+    assert_fix(setup.findings(settings={**good, "stoa_check_publishing": "maybe"}), "rollout-settings", "stoa_check_publishing")
+
+
+def test_the_data_source_check(setup: Setup) -> None:
+    assert by_check(setup.findings())["data-source-path"].status == OK
+    default = by_check(setup.findings(drop=("--data-source-path",)))["data-source-path"]
+    assert default.status == WARN and "--data-source-path slime_stoa.StoaDataSource" in default.message
+    long_name = ["--data-source-path", "slime_stoa.trainer.slime.data_source.StoaDataSource"]
+    assert by_check(setup.findings(long_name))["data-source-path"].status == OK
+    assert_fix(setup.findings(["--data-source-path", "no.such.Source"]), "data-source-path", "does not import")
+    other = by_check(setup.findings(["--data-source-path", "argparse.Namespace"]))["data-source-path"]
+    assert other.status == WARN and "is not stoa's" in other.message
 
 
 def test_yaml_keys_override_flags_as_in_slime(setup: Setup) -> None:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
 from slime_stoa.cli import main
+from tests.conftest import wait_until
 
 
 def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) -> None:
@@ -43,60 +52,159 @@ def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) ->
     assert again["versions"] >= 1 and again["digest_mismatches"] == 0 and again["groups_lost"] == 0
 
 
-def test_ctrl_c_stops_workers_and_learner_cleanly(tmp_path: Path) -> None:
-    """SIGINT (Ctrl-C) mid-run: exit 130, both workers stop cleanly (their last heartbeat says
-    so) and no `macd run` process is left; the run stays resumable."""
-    import asyncio
-    import queue
-    import re
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
+class Quickstart:
+    """`stoa quickstart` as a real process: its output read line by line, its workers found."""
 
+    def __init__(self, out: Path, *args: str, verbose: bool = False) -> None:
+        self.out = out
+        cmd = [sys.executable, "-m", "slime_stoa.cli", *(["-v"] if verbose else []), "quickstart", "--out", str(out), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def text(self) -> str:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return "".join(self.seen)
+
+    def wait_for_line(self, pattern: str, timeout: float = 300) -> None:
+        """Until a line matches `pattern` (the process must still be running)."""
+
+        def found() -> bool:
+            assert self.proc.poll() is None or not self.lines.empty(), self.text()
+            self.text()
+            return any(re.search(pattern, line) for line in self.seen)
+
+        wait_until(found, timeout=timeout, interval=0.05, message=lambda: f"{pattern!r} in\n{self.text()}")
+        assert self.proc.poll() is None, self.text()
+
+    def finish(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=30)  # it ends at the end of the output
+        return self.text()
+
+    def workers(self) -> list[int]:
+        """Pids of the `macd run` processes of this run folder (from /proc; none elsewhere)."""
+        folder = str(self.out / "workers")
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                text = cmdline.read_bytes().decode(errors="replace")
+                stat = (cmdline.parent / "stat").read_text()
+            except OSError:
+                continue
+            if folder in text and "\0run\0" in text and stat.rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(cmdline.parent.name))
+        return found
+
+
+def beats(out: Path) -> list:
     from slime_stoa.protocol.store import open_store
     from slime_stoa.quickstart.run import read_worker_states
 
-    out = tmp_path / "qs"
-    cmd = [sys.executable, "-m", "slime_stoa.cli", "quickstart", "--out", str(out), "--minutes", "5"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
-    reader.start()
-    seen, deadline = [], time.time() + 300
-    try:
-        while time.time() < deadline and not any(re.match(r"\s*v3\s", line) for line in seen):
-            try:
-                seen.append(lines.get(timeout=1))
-            except queue.Empty:
-                assert proc.poll() is None, "".join(seen)
-        assert any(re.match(r"\s*v3\s", line) for line in seen), "".join(seen)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=30)  # it ends at the end of the output
-    while not lines.empty():
-        seen.append(lines.get())
-    assert "interrupted" in "".join(seen)
-
-    async def beats() -> list:
+    async def read() -> list:
         async with open_store(f"file://{out / 'bucket'}") as store:
             return await read_worker_states(store, "quickstart", 2)
 
-    assert [b.status for b in asyncio.run(beats())] == ["stopped", "stopped"]
-    if Path("/proc").is_dir():
-        workers = str(out / "workers")
-        left = []
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                if workers in cmdline.read_bytes().decode(errors="replace"):
-                    left.append(cmdline.parent.name)
-            except OSError:
-                continue
-        assert not left, f"macd processes left running: {left}"
+    return asyncio.run(read())
+
+
+def consumer_state(out: Path) -> dict:
+    return json.loads((out / "bucket" / "runs" / "quickstart" / "trainer" / "consumer.json").read_bytes())
+
+
+def pointer_version(out: Path) -> int:
+    return json.loads((out / "bucket" / "runs" / "quickstart" / "current.json").read_bytes())["version"]
+
+
+HAS_PROC = Path("/proc/self/cmdline").exists()  # where the tests can list processes
+linux_only = pytest.mark.skipif(not HAS_PROC, reason="finds processes in /proc")
+
+# The run cannot end by itself before the signal: an unreachable target, plenty of time and versions.
+ENDLESS = ["--minutes", "10", "--max-versions", "1000", "--target", "2"]
+
+
+def test_ctrl_c_stops_workers_and_learner_cleanly(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) mid-run: exit 130, both workers stop cleanly (their last heartbeat says
+    so) and no `macd run` process is left; the run stays resumable."""
+    out = tmp_path / "qs"
+    qs = Quickstart(out, *ENDLESS, "--warmup-steps", "100")
+    try:
+        qs.wait_for_line(r"^\s*v3\s")
+        assert len(qs.workers()) == 2 or not HAS_PROC, qs.text()
+        qs.proc.send_signal(signal.SIGINT)
+        assert qs.proc.wait(timeout=60) == 130, qs.text()
+    finally:
+        text = qs.finish()
+    assert "interrupted" in text
+    assert [b.status for b in beats(out)] == ["stopped", "stopped"]
+    assert not qs.workers(), f"macd processes left running: {qs.workers()}"
+
+
+def test_ctrl_c_during_the_warm_start_exits_at_once(tmp_path: Path) -> None:
+    """The warm start is a long synchronous loop: a Ctrl-C there still stops the run within a
+    few seconds, with exit 130 and no worker started or left."""
+    out = tmp_path / "qs"
+    qs = Quickstart(out, *ENDLESS, "--warmup-steps", "1000000", verbose=True)
+    try:
+        qs.wait_for_line(r"supervised warm start on the answer format: 1000000 steps")
+        qs.proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        assert qs.proc.wait(timeout=30) == 130, qs.text()
+        took = time.monotonic() - sent
+    finally:
+        text = qs.finish()
+    assert took < 10, f"{took:.1f} s after SIGINT\n{text}"
+    assert "interrupted" in text and "Traceback" not in text, text
+    assert not qs.workers() and not (out / "workers").exists()
+
+
+@linux_only
+def test_a_sigkilled_quickstart_leaves_no_workers_and_resumes_exactly(tmp_path: Path) -> None:
+    """SIGKILL of the quickstart mid-run (no cleanup at all): its `macd run` workers notice and
+    stop within seconds; the consumer state in the bucket already accounts for every batch the
+    learner took, so the rerun resumes with nothing used twice."""
+    out = tmp_path / "qs"
+    qs = Quickstart(out, *ENDLESS, "--warmup-steps", "50")
+    try:
+        qs.wait_for_line(r"^\s*v3\s")
+        workers = qs.workers()
+        assert len(workers) == 2, qs.text()
+        qs.proc.send_signal(signal.SIGKILL)
+        assert qs.proc.wait(timeout=30) == -signal.SIGKILL
+        killed = time.monotonic()
+        wait_until(lambda: not qs.workers(), timeout=20, interval=0.1,
+                   message=lambda: f"the orphaned workers {qs.workers()} to exit")
+        print(f"workers gone {time.monotonic() - killed:.1f} s after the SIGKILL")
+    finally:
+        qs.finish()
+    assert [b.status for b in beats(out)] == ["stopped", "stopped"]  # they stopped cleanly
+    batch = 16
+    version, counters = pointer_version(out), consumer_state(out)["counters"]
+    # Saved after every batch taken, before training on it: the bucket holds the state of the
+    # last published step, or of the one taken after it.
+    assert version >= 3 and batch * version <= counters["groups_used"] <= batch * (version + 1), counters
+    assert counters.get("groups_reused", 0) == 0  # reuse limit 1
+    summary = tmp_path / "again.json"
+    assert main(["quickstart", "--out", str(out), "--minutes", "2", "--max-versions", "2", "--warmup-steps", "50",
+                 "--json", str(summary)]) == 0
+    again = json.loads(summary.read_text())
+    assert again["versions"] == 2 and again["groups_lost"] == 0 and again["digest_mismatches"] == 0
+    after, counters_after = pointer_version(out), consumer_state(out)["counters"]
+    assert after == version + 2
+    assert batch * after <= counters_after["groups_used"] <= batch * (after + 1), counters_after
+    assert counters_after["groups_used"] >= counters["groups_used"] + 2 * batch
+    assert counters_after.get("groups_reused", 0) == 0
+    assert not qs.workers()  # the rerun stopped its workers too
 
 
 def test_quickstart_over_a_real_s3_server(

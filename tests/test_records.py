@@ -533,6 +533,14 @@ HOSTILE: list[tuple[str, RolloutGroup, str]] = [
     ("finish reason", replace_sample(finish_reason="eos"), "bad_finish_reason"),
     ("nan reward", replace_sample(reward=float("nan")), "reward_not_finite"),
     ("inf reward", replace_sample(reward=float("inf")), "reward_not_finite"),
+    ("run not a layout name", make_group(run="run 1"), "identifier"),
+    ("task id with a path", make_group(task_id="../gsm8k"), "identifier"),
+    ("worker id upper case", make_group(worker_id="Mac-01"), "identifier"),
+    ("worker id a device name", make_group(worker_id="nul"), "identifier"),
+    ("version beyond a key", make_group(weight_version=10**12), "counter"),
+    ("seq beyond a key", make_group(seq=10**10), "counter"),
+    ("length below max_tokens", replace_sample(finish_reason="length"), "finish_mismatch"),
+    ("logprob below the default floor", replace_sample(logprobs=[-0.1, -100.5, -0.3]), "logprob_too_small"),
 ]
 
 
@@ -566,6 +574,27 @@ def test_optional_limits_are_enforced(limits: RecordLimits, reason: str) -> None
     assert load_record(VALID, dataclasses.replace(LIMITS, expected_sampling=SAMPLING), now=NOW)
 
 
+def test_finish_reasons_follow_the_worker() -> None:
+    """"length" only at exactly max_tokens; "stop" at any length up to it."""
+    at_limit = dict(response_tokens=[1] * SAMPLING.max_tokens, logprobs=[-1.0] * SAMPLING.max_tokens)
+    for finish in ("length", "stop"):
+        validate_group(replace_sample(finish_reason=finish, **at_limit), LIMITS, now=NOW)
+    validate_group(replace_sample(finish_reason="stop", response_tokens=[1], logprobs=[-1.0]), LIMITS, now=NOW)
+    with pytest.raises(RecordRejected, match="finish_mismatch"):
+        validate_group(replace_sample(finish_reason="length", response_tokens=[1] * 15, logprobs=[-1.0] * 15),
+                       LIMITS, now=NOW)
+
+
+def test_logprob_floor_defaults_to_minus_100_and_can_be_lifted() -> None:
+    assert LIMITS.min_logprob == -100.0
+    low = replace_sample(logprobs=[-0.1, -99.9, -0.3])
+    validate_group(low, LIMITS, now=NOW)
+    lower = replace_sample(logprobs=[-0.1, -1e30, -0.3])
+    validate_group(lower, dataclasses.replace(LIMITS, min_logprob=None), now=NOW)
+    with pytest.raises(RecordRejected, match="logprob_too_small"):
+        validate_group(lower, LIMITS, now=NOW)
+
+
 def test_load_record_wraps_decode_errors() -> None:
     with pytest.raises(RecordRejected) as info:
         load_record(b"junk", LIMITS, now=NOW)
@@ -590,6 +619,9 @@ def test_reasons_survive_pickling() -> None:
         dict(vocab_size=10, max_samples=4, expected_group_size=5),
         dict(vocab_size=10, logprob_tolerance=-1.0),
         dict(vocab_size=10, max_record_bytes=0),
+        dict(vocab_size=10, min_logprob=0.0),
+        dict(vocab_size=10, min_logprob=float("-inf")),
+        dict(vocab_size=10, min_logprob=float("nan")),
     ],
 )
 def test_limits_reject_nonsense(kw: dict[str, Any]) -> None:

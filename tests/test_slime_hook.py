@@ -149,14 +149,8 @@ def test_config_reads_every_publisher_field(tmp_path: Path) -> None:
         retry_settings_from_args(Namespace(stoa_publish_retries=-1))
 
 
-def test_retries_store_failures_but_never_a_conflict() -> None:
+def test_waits_out_outages_retries_other_failures_but_never_a_conflict() -> None:
     calls, sleeps = [], []
-
-    async def flaky() -> str:
-        calls.append(1)
-        if len(calls) < 3:
-            raise PublishError("boom") if len(calls) == 1 else StoreUnavailable("down")
-        return "ok"
 
     async def sleep(delay: float) -> None:
         sleeps.append(delay)
@@ -164,12 +158,30 @@ def test_retries_store_failures_but_never_a_conflict() -> None:
     def retried(op, retries: int, backoff_s: float):
         return asyncio.run(publish_with_retries(op, retries=retries, backoff_s=backoff_s, what="x", sleep=sleep))
 
-    assert retried(flaky, 2, 0.5) == "ok"
-    assert sleeps == [0.5, 1.0]
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise PublishError("boom")
+        return "ok"
 
+    assert retried(flaky, 2, 0.5) == "ok"
+    assert sleeps == [0.5, 1.0]  # doubling, no jitter
     calls.clear()
     with pytest.raises(PublishError, match="x failed after 2 attempt"):
         retried(flaky, 1, 0)
+
+    async def long_outage() -> str:  # far more failed tries than `retries`: the outage is waited out
+        calls.append(1)
+        if len(calls) <= 40 and len(calls) % 2:
+            raise StoreUnavailable("down")
+        if len(calls) <= 40:  # as the publisher reports it: wrapped, with the outage as the cause
+            raise PublishError("store down") from StoreUnavailable("down")
+        return "ok"
+
+    calls.clear()
+    sleeps.clear()
+    assert retried(long_outage, 1, 0) == "ok" and len(calls) == 41
+    assert len(sleeps) == 40 and max(sleeps) <= 30.0  # backoff with jitter, capped
 
     async def conflict() -> None:
         calls.append(1)

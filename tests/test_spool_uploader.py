@@ -142,6 +142,61 @@ def test_one_process_per_spool(spool: Spool) -> None:
         open_spool(spool.folder)
 
 
+HOLD_SPOOL = f"""
+import sys, time
+from macd.spool import Spool
+spool = Spool(sys.argv[1], worker_id={WORKER!r}, run={RUN!r}, max_bytes=1 << 20, max_items=10)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_spool(folder: Path) -> subprocess.Popen:
+    """Another process holding the spool at `folder` (it says so once it does)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_SPOOL, str(folder)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_spool_held_by_a_live_process_names_it_and_what_to_do(tmp_path: Path) -> None:
+    from macd.spool import SpoolLocked, lock_holder
+
+    folder = tmp_path / "spool"
+    holder = hold_spool(folder)
+    try:
+        assert lock_holder(folder) == holder.pid
+        with pytest.raises(SpoolLocked) as raised:
+            open_spool(folder)
+        message = str(raised.value)
+        assert raised.value.pid == holder.pid and "\n" not in message
+        assert f"macd pid {holder.pid}, which is still running" in message
+        assert "`macd stop`" in message and f"`kill {holder.pid}`" in message
+        assert holder.poll() is None  # nobody touched it
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from macd.spool import LOCK_FILE, lock_holder
+
+    folder = tmp_path / "spool"
+    holder = hold_spool(folder)
+    holder.send_signal(signal.SIGKILL)  # no chance to clean up
+    holder.wait()
+    assert (folder / LOCK_FILE).read_text().strip() == str(holder.pid)  # the lock file still names it
+    assert lock_holder(folder) is None  # but the kernel released its lock with it
+    with caplog.at_level("INFO", logger="macd.spool"), open_spool(folder) as spool:
+        assert spool.add(builder()).seq == 0
+        assert (folder / LOCK_FILE).read_text().strip() == str(os.getpid())
+        assert lock_holder(folder) == os.getpid()
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text
+    assert (folder / LOCK_FILE).read_text() == ""  # a clean close leaves no pid behind
+    assert lock_holder(folder) is None
+    with open_spool(folder) as again:
+        assert again.depth == 1 and again.next_seq() == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # uploads
 

@@ -230,3 +230,152 @@ async def test_wait_never_swallows_a_cancellation(ticks: int) -> None:
         return
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+# -- malformed objects and outages: reported, skipped, never fatal ----------------------------------
+
+
+async def test_a_malformed_pointer_mid_run_keeps_the_last_good_version_until_a_good_one(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """Garbage in current.json while the worker runs: it says so once (log and heartbeat), keeps
+    generating with v0, and moves to v1 as soon as a good pointer names it."""
+    from slime_stoa.protocol.heartbeat import Heartbeat
+    from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
+    await seed_run(store, manifest, model_dir, task_count=50)
+    config = daemon_config(store_url, tmp_path / "data")
+    worker = Worker(config, store, WorkerOptions(seed=8, heartbeat_s=0.3))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    await async_wait_until(lambda: worker.cohorts >= 1 or run.done(), timeout=120, message="a first cohort")
+    layout = RunLayout(RUN)
+    good = await store.get(layout.pointer)
+    assert good is not None
+    bad_etag = await store.put(layout.pointer, b'{"format": "stoa.pointer/1", "version": "soon"', if_match=good.etag)
+    seen = worker.cohorts
+    await async_wait_until(
+        lambda: (worker.beat.errors and worker.cohorts >= seen + 2) or run.done(),
+        timeout=120,
+        message=lambda: f"an error and two more cohorts (errors {worker.beat.errors}, cohorts {worker.cohorts - seen})",
+    )
+    assert not run.done(), run
+    assert worker.beat.errors == 1  # reported once, not at every poll
+    assert "malformed pointer" in worker.beat.last_error and "keeping weights v0" in worker.beat.last_error
+    assert worker.sub is not None and worker.sub.version == 0
+
+    async def beat_says_so() -> bool:
+        beat = Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(config.worker_id)))
+        return beat.errors >= 1 and "malformed pointer" in beat.last_error
+
+    await async_wait_until(beat_says_so, timeout=30, message="the error in the worker's heartbeat")
+    # A good pointer again, then v1: the worker follows.
+    await store.put(layout.pointer, good.data, if_match=bad_etag)
+    pub = Publisher(store, RUN, PublisherConfig(extras_dir=model_dir))
+    assert await pub.open() == 0
+    state = load_hf_state(model_dir)
+    state["model.norm.weight"][:4] ^= 1
+    await pub.publish(state)
+
+    async def v1_landed() -> bool:
+        return run.done() or any(g.weight_version == 1 for g in await records(store))
+
+    await async_wait_until(v1_landed, timeout=120, interval=0.1, message="a v1 group in the bucket")
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    assert worker.sub.version == 1 and worker.sub.digest.root() == pub.state_digest
+    assert worker.live.digest_check(worker.sub.state)
+    versions = [g.weight_version for g in sorted(await records(store), key=lambda g: g.seq)]
+    assert versions == sorted(versions) and versions.count(0) >= seen + 2 and versions[-1] == 1
+
+
+async def test_a_malformed_run_manifest_at_start_is_reported_until_a_good_one(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """A run.json that does not parse: the worker does not exit; it reports it in its heartbeat
+    (written from the start) and joins once the manifest is good."""
+    from slime_stoa.protocol.heartbeat import Heartbeat
+
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
+    await seed_run(store, manifest, model_dir, task_count=50)
+    layout = RunLayout(RUN)
+    good = await store.get_bytes(layout.run_manifest)
+    await store.put(layout.run_manifest, good[: len(good) // 2])
+    config = daemon_config(store_url, tmp_path / "data")
+    worker = Worker(config, store, WorkerOptions(seed=9, heartbeat_s=0.2, idle_poll_s=0.2, setup_retry_max_s=0.5))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+
+    async def reported() -> bool:
+        if run.done():
+            return True
+        try:
+            beat = Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(config.worker_id)))
+        except Exception:
+            return False
+        return beat.status == "starting" and beat.errors >= 1 and beat.last_error.startswith("run:")
+
+    await async_wait_until(reported, timeout=60, message="the run manifest's error in the heartbeat")
+    assert not run.done(), run
+    await store.put(layout.run_manifest, good)
+    await async_wait_until(lambda: worker.cohorts >= 1 or run.done(), timeout=120, message="a first cohort")
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    assert worker.cohorts >= 1 and len(await records(store)) == 3 * worker.cohorts
+
+
+async def test_a_store_outage_mid_run_only_delays_uploads(
+    s3_server, s3_bucket: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """The network to the bucket goes away while the worker runs: it keeps generating into its
+    spool (pointer polls and heartbeats fail, and are reported), and the spool drains once the
+    bucket is reachable again."""
+    import random as stdlib_random
+
+    from slime_stoa.protocol.store.retry import RetryPolicy
+    from slime_stoa.protocol.store.s3 import S3Store
+    from tests.test_spool_uploader import TcpGate
+
+    prefix = f"outage-{stdlib_random.randrange(1 << 30):x}"
+    gate = TcpGate(s3_server.endpoint_url)
+    await gate.open()
+    url = f"s3://{s3_bucket}/{prefix}?endpoint={gate.url}"
+    through_gate = S3Store(
+        bucket=s3_bucket, prefix=prefix, endpoint_url=gate.url, region=s3_server.region,
+        credentials=s3_server.credentials(), url=url,
+        retry=RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.02), connect_timeout=1,
+    )
+    async with through_gate, s3_server.store(s3_bucket, prefix) as direct:
+        manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6)
+        await seed_run(direct, manifest, model_dir, task_count=50)
+        worker = Worker(daemon_config(url, tmp_path / "data"), through_gate, WorkerOptions(seed=10, heartbeat_s=0.3))
+        stop = asyncio.Event()
+        run = asyncio.create_task(worker.run(stop))
+        try:
+            await async_wait_until(lambda: worker.cohorts >= 1 or run.done(), timeout=120, message="a first cohort")
+            await gate.close()  # the bucket is unreachable from here on
+            seen = worker.cohorts
+            spool = tmp_path / "data" / "spool" / RUN
+
+            def spooled() -> int:
+                return len(list(spool.glob("*.rec")))
+
+            await async_wait_until(
+                lambda: (worker.cohorts >= seen + 3 and worker.beat.errors and spooled() >= 6) or run.done(),
+                timeout=120,
+                message=lambda: f"three cohorts spooled during the outage (cohorts {worker.cohorts - seen}, "
+                f"errors {worker.beat.errors}, spooled {spooled()})",
+            )
+            assert not run.done(), run
+            assert "StoreUnavailable" in worker.beat.last_error
+            await gate.open()  # back
+            await async_wait_until(lambda: spooled() == 0 or run.done(), timeout=120, message="the spool drained")
+        finally:
+            stop.set()
+            code = await asyncio.wait_for(run, 120)
+            await gate.close()
+        assert code == 0
+        got = await records(direct)
+        assert len(got) == 3 * worker.cohorts  # every group, generated online or offline, once
+        assert sorted(g.seq for g in got) == list(range(len(got)))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import signal
 from pathlib import Path
-from typing import get_args, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 from slime_stoa.quickstart.config import QuickstartConfig
+
+INTERRUPTED = 130  # the exit status after Ctrl-C or SIGTERM (the run resumes on a rerun)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,13 +40,37 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _quickstart(args: argparse.Namespace) -> int:
-    from slime_stoa.quickstart.report import ConsoleReport, plot_curve, write_json
-    from slime_stoa.quickstart.run import run_quickstart
+    from slime_stoa.quickstart.interrupt import Interrupt, Interrupted
+
+    interrupt = Interrupt()  # Ctrl-C and SIGTERM: stop at the next safe point, workers included
+    try:
+        with interrupt.installed():
+            summary, report, cfg = _run(args, interrupt)
+            interrupt.check()  # a signal after the run's last check still means "interrupted"
+    except (Interrupted, KeyboardInterrupt):
+        from slime_stoa.quickstart.report import ConsoleReport
+
+        ConsoleReport().note("interrupted: workers stopped; rerun the same command to resume")
+        return INTERRUPTED
+    from slime_stoa.quickstart.report import plot_curve, write_json
+
+    try:
+        report.summary(summary)
+        png = plot_curve(summary, cfg.out / "learning_curve.png")
+        write_json(summary, cfg.out / "summary.json")
+        if args.json:
+            write_json(summary, args.json)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    report.note(f"learning curve: {png}; summary: {cfg.out / 'summary.json'}")
+    return 0
+
+
+def _run(args: argparse.Namespace, interrupt: Any) -> tuple[dict[str, Any], Any, QuickstartConfig]:
+    """The run itself: (summary, report, config); `Interrupted` when a stop signal came."""
+    from slime_stoa.quickstart.report import ConsoleReport
+    from slime_stoa.quickstart.run import run_quickstart  # torch: the slow import, under the handler
 
     cfg = QuickstartConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuickstartConfig)})
     if not args.verbose:  # the progress table says it all; keep library chatter for -v
@@ -53,18 +78,5 @@ def _quickstart(args: argparse.Namespace) -> int:
 
         logging.getLogger().setLevel(logging.WARNING)
     report = ConsoleReport()
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the workers on SIGTERM too, as on Ctrl-C
-    try:
-        summary = asyncio.run(run_quickstart(cfg, report))
-    except KeyboardInterrupt:
-        report.note("interrupted: workers stopped; rerun the same command to resume")
-        return 130
-    report.summary(summary)
-    png = plot_curve(summary, cfg.out / "learning_curve.png")
-    write_json(summary, cfg.out / "summary.json")
-    if args.json:
-        write_json(summary, args.json)
-    report.note(f"learning curve: {png}; summary: {cfg.out / 'summary.json'}")
-    return 0
-
-
+    interrupt.check()
+    return asyncio.run(run_quickstart(cfg, report, interrupt)), report, cfg

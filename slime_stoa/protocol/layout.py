@@ -19,6 +19,14 @@ a race never blocks a version: only the pointer's compare-and-swap decides which
 version v, and the pointer and every manifest name the exact keys they stand on. Rollout keys lead with the time so the trainer
 finds new records across all workers with one listing from a cursor (cost grows with new
 records, not with the number of workers); within a worker they also sort by sequence.
+
+Names (`check_name`, `check_worker_id`) are the one grammar for everything that becomes a key
+segment or a local file name: run, task, split and file names are 1-64 of `[A-Za-z0-9._-]`,
+starting with a letter or digit, not ending with '.', and not a Windows device name; worker ids
+are 1-48 of `[a-z0-9-]`, starting with a letter or digit. Every name read back from the bucket
+(a manifest's keys and file names, a heartbeat's worker id, a record's run and worker) is checked
+against it before use, and the `parse_*` methods give back a key's parts only for keys this
+layout could have built.
 """
 
 from __future__ import annotations
@@ -26,42 +34,70 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_WORKER = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
-_ATTEMPT = re.compile(r"^[0-9a-f]{8}$")
-_VERSIONED = re.compile(r"^(\d{12})-([0-9a-f]{8})$")
-_ROLLOUT_FILE = re.compile(r"^(\d{13})-([a-z0-9][a-z0-9-]{0,47})-(\d{10})\.rec$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_WORKER = re.compile(r"[a-z0-9][a-z0-9-]{0,47}")
+_ATTEMPT = re.compile(r"[0-9a-f]{8}")
+_VERSIONED = re.compile(r"(\d{12})-([0-9a-f]{8})")
+_ROLLOUT_FILE = re.compile(r"(\d{13})-([a-z0-9][a-z0-9-]{0,47})-(\d{10})\.rec")
+_PATCH_FILE = re.compile(r"(step|catchup)-(\d{12})\.pulse")
+#: Names Windows reserves for devices, with or without an extension ("NUL", "con.txt"): a file of
+#: that name cannot be created or read there, so no key or file name may be one.
+_DEVICE = re.compile(r"(con|prn|aux|nul|com[0-9]|lpt[0-9])(\..*)?", re.IGNORECASE)
 VERSION_DIGITS = 12
+SEQ_DIGITS = 10
 ROLLOUT_KINDS = {"train": "rollouts", "eval": "evals"}
+
+# Every pattern above is matched with `fullmatch`: `re.match` with `$` also accepts a name that ends
+# with a newline ("run\n"), which a key, a path or a log line must never carry.
 
 
 def check_name(kind: str, name: str) -> str:
-    """Validate a run, task or file name used inside keys."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    """Validate a run, task or file name used inside keys and as a local file name.
+
+    The grammar: 1-64 of `[A-Za-z0-9._-]`, starting with a letter or digit, not ending with a
+    dot, and not a Windows device name. Such a name is one safe path component everywhere: no
+    separator (`/`, `\\`), no `.` or `..`, no NUL or other control character, no space, no
+    look-alike of any of them (only ASCII is allowed), nothing a file system rewrites.
+    """
+    if (
+        not isinstance(name, str)
+        or not _NAME.fullmatch(name)
+        or name.endswith(".")
+        or _DEVICE.fullmatch(name)
+    ):
         raise ValueError(
             f"invalid {kind} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
-            f"starting with a letter or digit"
+            f"starting with a letter or digit, not ending with '.', not a device name (con, nul, ...)"
         )
     return name
 
 
 def check_worker_id(worker: str) -> str:
-    if not isinstance(worker, str) or not _WORKER.match(worker):
+    """Validate a worker id: 1-48 of `[a-z0-9-]`, starting with a letter or digit, not a device name."""
+    if not isinstance(worker, str) or not _WORKER.fullmatch(worker) or _DEVICE.fullmatch(worker):
         raise ValueError(
             f"invalid worker id {worker!r}: use 1-48 lowercase letters, digits or '-', "
-            f"starting with a letter or digit"
+            f"starting with a letter or digit (not a device name such as 'con' or 'nul')"
         )
     return worker
 
 
+def _is_name(name: str) -> bool:
+    try:
+        check_name("file", name)
+    except ValueError:
+        return False
+    return True
+
+
 def version_str(version: int) -> str:
-    if not isinstance(version, int) or version < 0 or version >= 10**VERSION_DIGITS:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0 or version >= 10**VERSION_DIGITS:
         raise ValueError(f"invalid weight version {version!r}")
     return f"{version:0{VERSION_DIGITS}d}"
 
 
 def check_attempt(attempt: str) -> str:
-    if not isinstance(attempt, str) or not _ATTEMPT.match(attempt):
+    if not isinstance(attempt, str) or not _ATTEMPT.fullmatch(attempt):
         raise ValueError(f"invalid publish attempt id {attempt!r}: expected 8 lowercase hex digits")
     return attempt
 
@@ -72,7 +108,7 @@ def versioned(version: int, attempt: str) -> str:
 
 
 def parse_versioned(name: str) -> tuple[int, str] | None:
-    match = _VERSIONED.match(name)
+    match = _VERSIONED.fullmatch(name) if isinstance(name, str) else None
     return (int(match[1]), match[2]) if match else None
 
 
@@ -141,6 +177,40 @@ class RunLayout:
             raise ValueError(f"a patch goes forward: base {base} must be below version {version}")
         return f"{self.patches_prefix}{versioned(version, attempt)}/{kind}-{version_str(base)}.pulse"
 
+    # -- reading weight keys back (every key a pointer or manifest names is checked with these) --
+    def parse_version_manifest(self, key: str) -> tuple[int, str] | None:
+        """(version, attempt) of a version-manifest key of this run; None for any other key."""
+        if not isinstance(key, str) or not key.startswith(self.versions_prefix) or not key.endswith(".json"):
+            return None
+        return parse_versioned(key[len(self.versions_prefix) : -len(".json")])
+
+    def parse_anchor_file(self, key: str) -> tuple[int, str, str] | None:
+        """(version, attempt, file name) of a key inside an anchor folder of this run (the manifest
+        included); None for any other key, or a file name outside the name grammar."""
+        if not isinstance(key, str) or not key.startswith(self.anchors_prefix):
+            return None
+        head, sep, name = key[len(self.anchors_prefix) :].partition("/")
+        parsed = parse_versioned(head)
+        if parsed is None or not sep or not _is_name(name):
+            return None
+        return parsed[0], parsed[1], name
+
+    def parse_anchor_manifest(self, key: str) -> tuple[int, str] | None:
+        """(version, attempt) of an anchor-manifest key of this run; None for any other key."""
+        parsed = self.parse_anchor_file(key)
+        return parsed[:2] if parsed is not None and parsed[2] == "manifest.json" else None
+
+    def parse_patch(self, key: str) -> tuple[int, str, str, int] | None:
+        """(version, attempt, kind, base) of a patch key of this run; None for any other key."""
+        if not isinstance(key, str) or not key.startswith(self.patches_prefix):
+            return None
+        head, sep, tail = key[len(self.patches_prefix) :].partition("/")
+        parsed = parse_versioned(head)
+        match = _PATCH_FILE.fullmatch(tail) if sep else None
+        if parsed is None or match is None:
+            return None
+        return parsed[0], parsed[1], match[1], int(match[2])
+
     def weight_object_version(self, key: str) -> tuple[int, str] | None:
         """(version, attempt) of any anchor, version-manifest or patch key; None otherwise."""
         for prefix in (self.anchors_prefix, self.versions_prefix, self.patches_prefix):
@@ -157,7 +227,7 @@ class RunLayout:
 
     def rollout(self, worker: str, timestamp_ms: int, seq: int, kind: str = "train") -> str:
         check_worker_id(worker)
-        if not 0 <= timestamp_ms < 10**13 or not 0 <= seq < 10**10:
+        if not 0 <= timestamp_ms < 10**13 or not 0 <= seq < 10**SEQ_DIGITS:
             raise ValueError(f"rollout timestamp {timestamp_ms} or sequence {seq} out of range")
         return f"{self.rollouts_prefix(kind)}{timestamp_ms:013d}-{worker}-{seq:010d}.rec"
 
@@ -170,8 +240,8 @@ class RunLayout:
         for kind in ROLLOUT_KINDS:
             prefix = self.rollouts_prefix(kind)
             if key.startswith(prefix):
-                match = _ROLLOUT_FILE.match(key[len(prefix) :])
-                if match:
+                match = _ROLLOUT_FILE.fullmatch(key[len(prefix) :])
+                if match and not _DEVICE.fullmatch(match[2]):
                     return RolloutKey(kind, int(match[1]), match[2], int(match[3]))
         return None
 

@@ -15,9 +15,14 @@ and logprobs as raw little-endian float32 bytes, so every float32 bit pattern (-
 NaN payloads) round-trips exactly.
 
 `decode_group` trusts nothing: any malformed input raises `RecordError` with a stable `reason`
-code, and memory stays within a small multiple of `max_bytes` (the decompressed size is checked
-against the frame header before anything is allocated, and the frame must decompress to exactly
-that size).
+code (and nothing else: no `RecursionError`, no `MemoryError` from a declared length), and memory
+stays within a small multiple of `max_bytes` (the decompressed size is checked against the frame
+header before anything is allocated, and the frame must decompress to exactly that size). The
+frame must carry its checksum and need no dictionary. The payload must be the canonical encoding
+of its fields (the one `encode_payload` writes): a map with a duplicate key, reordered keys or a
+non-minimal encoding is refused, so a record has exactly one byte form. Nesting is bounded by the
+schema: the typed decoder refuses a value of the wrong type where it starts, however deep it
+goes.
 Decoding checks structure only; value checks (vocabulary, finite logprobs, limits) are
 `slime_stoa.protocol.validate`'s job.
 """
@@ -25,6 +30,7 @@ Decoding checks structure only; value checks (vocabulary, finite logprobs, limit
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from types import GenericAlias
@@ -40,6 +46,7 @@ FORMAT = 1
 HEADER_LEN = len(MAGIC) + 1
 ZSTD_LEVEL = 3
 DEFAULT_MAX_RECORD_BYTES = 32 * 1024 * 1024  # cap on the object and on its decompressed payload
+_MAX_WINDOW = 1 << 27  # zstd's own default limit, checked before the decompressor sees the frame
 
 KINDS = ("train", "eval")
 FINISH_REASONS = ("stop", "length")
@@ -51,8 +58,8 @@ DECODE_REASONS = frozenset(
         "bad_magic",  # not a stoa rollout-group record
         "bad_format",  # right magic, unknown format byte
         "too_large",  # object or declared decompressed size over max_bytes
-        "decompress",  # corrupt, truncated or trailing zstd data, or no content size
-        "msgpack",  # payload is not exactly one well-formed msgpack value
+        "decompress",  # corrupt, truncated or trailing zstd data, no content size or checksum, a dictionary
+        "msgpack",  # payload is not exactly one well-formed msgpack value in canonical form (duplicate keys)
         "type",  # field missing, unknown, out of int64 range or of the wrong type
         "schema",  # types fine but structurally inconsistent (e.g. token bytes not a multiple of 4)
         "group_size",  # more samples than the decoder's max_samples (same code as the validator's)
@@ -338,13 +345,8 @@ def _wire_array(raw: bytes, dtype: np.dtype, name: str) -> np.ndarray:
 _GROUP = _struct_codec(RolloutGroup)
 
 
-class _WireVersion(msgspec.Struct):  # any map with a schema_version; other fields ignored
-    schema_version: Int64
-
-
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(_GROUP.wire)
-_VERSION_DECODER = msgspec.msgpack.Decoder(_WireVersion)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +398,10 @@ def unframe(data: bytes | bytearray | memoryview, *, max_bytes: int) -> bytes:
         raise RecordError("too_large", f"declares {size} decompressed bytes, limit {max_bytes}")
     if params.dict_id:
         raise RecordError("decompress", "frame needs a dictionary")
+    if not params.has_checksum:
+        raise RecordError("decompress", "frame has no checksum")
+    if params.window_size > _MAX_WINDOW:
+        raise RecordError("decompress", f"frame window {params.window_size} over {_MAX_WINDOW}")
     try:
         # With a declared content size, the output buffer is exactly that size; a frame that
         # produces more or less, or bytes after the frame, is an error.
@@ -411,28 +417,134 @@ def unframe(data: bytes | bytearray | memoryview, *, max_bytes: int) -> bytes:
 
 def _type_reason(payload: bytes) -> str:
     """"schema_version" when a mistyped payload declares another schema (its layout may differ)."""
+    version = _peek_schema_version(payload)
+    return "type" if version is None or version == SCHEMA_VERSION else "schema_version"
+
+
+#: Deepest msgpack nesting walked when looking for `schema_version` (the schema's is 4: the record
+#: map, the samples array, a sample map, its values). The typed decoder itself never descends
+#: below the schema: a value of the wrong type is refused where it starts.
+MAX_DEPTH = 8
+_PEEK_ITEMS = 1 << 16  # most items walked before giving up
+
+# msgpack type bytes (besides the fix ranges): kind and big-endian length/value format, or size.
+_SIZED = {
+    0xC4: ("bin", ">B"), 0xC5: ("bin", ">H"), 0xC6: ("bin", ">I"),
+    0xC7: ("ext", ">B"), 0xC8: ("ext", ">H"), 0xC9: ("ext", ">I"),
+    0xCC: ("int", ">B"), 0xCD: ("int", ">H"), 0xCE: ("int", ">I"), 0xCF: ("int", ">Q"),
+    0xD0: ("int", ">b"), 0xD1: ("int", ">h"), 0xD2: ("int", ">i"), 0xD3: ("int", ">q"),
+    0xD9: ("str", ">B"), 0xDA: ("str", ">H"), 0xDB: ("str", ">I"),
+    0xDC: ("array", ">H"), 0xDD: ("array", ">I"),
+    0xDE: ("map", ">H"), 0xDF: ("map", ">I"),
+}  # fmt: skip
+_FIXED = {0xCA: 4, 0xCB: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}  # floats, fixext (with type)
+
+
+def _peek_schema_version(payload: bytes) -> int | None:
+    """The integer `schema_version` of a top-level msgpack map, or None.
+
+    A bounded walk (no recursion, at most `MAX_DEPTH` levels and `_PEEK_ITEMS` items): the
+    payload already failed typed decoding, so it may be anything, e.g. a value nested a million
+    levels deep that msgspec would only skip by recursing."""
+    buf = memoryview(payload)
     try:
-        version = _VERSION_DECODER.decode(payload).schema_version
-    except msgspec.MsgspecError:
-        return "type"
-    return "type" if version == SCHEMA_VERSION else "schema_version"
+        pos, (kind, count) = _header(buf, 0)
+        if kind != "map":
+            return None
+        for _ in range(min(count, _PEEK_ITEMS)):
+            key_pos = pos
+            pos, (key_kind, key_len) = _header(buf, pos)
+            if key_kind == "str" and bytes(buf[pos : pos + key_len]) == b"schema_version":
+                _, (value_kind, value) = _header(buf, pos + key_len)
+                return value if value_kind == "int" else None
+            pos = _skip(buf, _skip(buf, key_pos))  # the key, then its value
+    except (IndexError, ValueError, struct.error):
+        return None
+    return None
+
+
+def _header(buf: memoryview, pos: int) -> tuple[int, tuple[str, int]]:
+    """(position after the header, (kind, n)) of the msgpack item at `pos`: n is the length of a
+    str/bin/ext, the item count of an array/map, the value of an int, 0 for anything else."""
+    b = buf[pos]
+    if b <= 0x7F:
+        return pos + 1, ("int", b)
+    if b <= 0x8F:
+        return pos + 1, ("map", b & 0x0F)
+    if b <= 0x9F:
+        return pos + 1, ("array", b & 0x0F)
+    if b <= 0xBF:
+        return pos + 1, ("str", b & 0x1F)
+    if b >= 0xE0:
+        return pos + 1, ("int", b - 0x100)
+    if b in (0xC0, 0xC2, 0xC3):  # nil, false, true
+        return pos + 1, ("atom", 0)
+    if b in _SIZED:
+        kind, fmt = _SIZED[b]
+        (n,) = struct.unpack_from(fmt, buf, pos + 1)
+        return pos + 1 + struct.calcsize(fmt), (kind, n)
+    if b in _FIXED:
+        return pos + 1 + _FIXED[b], ("atom", 0)
+    raise ValueError(f"byte 0x{b:02x} starts no msgpack item")
+
+
+def _skip(buf: memoryview, pos: int) -> int:
+    """The position after the msgpack item at `pos` (iterative, bounded depth and item count)."""
+    left = [1]  # items still to read at each open level
+    items = 0
+    while left:
+        if left[-1] == 0:
+            left.pop()
+            continue
+        left[-1] -= 1
+        items += 1
+        if items > _PEEK_ITEMS:
+            raise ValueError("too many items")
+        pos, (kind, n) = _header(buf, pos)
+        if kind in ("str", "bin"):
+            pos += n
+        elif kind == "ext":
+            pos += 1 + n
+        elif kind in ("array", "map"):
+            if len(left) >= MAX_DEPTH:
+                raise ValueError("nested too deep")
+            left.append(2 * n if kind == "map" else n)
+        if pos > len(buf):
+            raise ValueError("truncated")
+    return pos
 
 
 def decode_payload(payload: bytes, *, max_samples: int | None = None) -> RolloutGroup:
-    """Decode an msgpack payload into a RolloutGroup (structure only, values unchecked)."""
+    """Decode an msgpack payload into a RolloutGroup (structure only, values unchecked).
+
+    The payload must be exactly the canonical encoding of its fields, the one `encode_payload`
+    writes (msgspec's: keys in field order, each once, minimal int, str, bin, array and map
+    headers, float64 floats). So a map with a duplicate key (which msgspec alone would read as
+    its last value), reordered keys, an int where a float belongs or a float32 are refused
+    ("msgpack"), and a record has exactly one byte form."""
     try:
         wire = _DECODER.decode(payload)
     except msgspec.ValidationError as e:
         raise RecordError(_type_reason(payload), str(e)) from None
     except msgspec.DecodeError as e:
         raise RecordError("msgpack", str(e)) from None
+    except RecursionError:  # not expected: the typed decoder never skips a value
+        raise RecordError("msgpack", "nested too deep") from None
     if max_samples is not None and len(wire.samples) > max_samples:
         # Checked before building arrays: a payload of empty samples inflates ~4x when built.
         raise RecordError("group_size", f"{len(wire.samples)} samples, limit {max_samples}")
+    if _ENCODER.encode(wire) != payload:
+        raise RecordError(
+            "msgpack",
+            "not the canonical encoding of its fields (a duplicate or reordered key, an int for a "
+            "float, a float32, or a non-minimal header)",
+        )
     try:
         return _GROUP.from_wire(wire, "")
-    except (TypeError, ValueError) as e:
-        raise RecordError("schema", str(e)) from None
+    except RecordError:
+        raise
+    except Exception as e:  # TypeError / ValueError from the constructors; anything else alike
+        raise RecordError("schema", f"{type(e).__name__}: {e}") from None
 
 
 def decode_group(

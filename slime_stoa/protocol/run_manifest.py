@@ -15,11 +15,20 @@ from typing import Literal, get_args
 
 from .layout import RunLayout, check_name
 from .store import NotFound, Store
+from .strict_json import load_json
 
 FORMAT = "stoa.run/1"
 #: What workers serve: bf16 weights, or MLX int8 (affine, group size 64) made from them.
 Plane = Literal["bf16", "int8"]
 PLANES: tuple[Plane, ...] = get_args(Plane)
+MAX_MODEL_CHARS = 512
+MAX_STOP = 16  # the trainer's RecordLimits.max_stop_sequences default
+MAX_STOP_CHARS = 256
+MAX_COUNT = 2**31 - 1  # every integer field (tokens, group sizes, limits) fits in int32
+_INT_FIELDS = (
+    "max_tokens", "max_prompt_tokens", "group_size", "staleness_limit", "reuse_limit",
+    "worker_groups_per_version", "vocab_size",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,24 +51,42 @@ class RunManifest:
     created_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
+        # Every field is read from the bucket, which any worker's token can write: check types
+        # strictly (no bool for an int, no NaN), then values. Names used in keys follow the layout
+        # grammar (`check_name`).
         check_name("run", self.run)
         check_name("task", self.task)
         check_name("task split", self.task_split)
-        if self.plane not in PLANES:
+        if not isinstance(self.model, str) or not 0 < len(self.model) <= MAX_MODEL_CHARS or not self.model.isprintable():
+            raise ValueError(f"model must be 1-{MAX_MODEL_CHARS} printable characters, got {self.model!r:.80}")
+        if not isinstance(self.plane, str) or self.plane not in PLANES:
             raise ValueError(f"plane must be one of {PLANES}, got {self.plane!r}")
-        if not (math.isfinite(self.temperature) and 0 < self.temperature <= 10):
+        for name in ("temperature", "top_p", "created_at"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not 0 < self.temperature <= 10:
             raise ValueError(f"temperature must be in (0, 10], got {self.temperature}")
         if self.top_p != 1.0:
             raise ValueError("top_p must be 1.0: the trainer recomputes logprobs of the full distribution")
         for name in ("max_tokens", "max_prompt_tokens", "group_size", "reuse_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in _INT_FIELDS:
+            if getattr(self, name) > MAX_COUNT:
+                raise ValueError(f"{name} must be <= {MAX_COUNT}, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: GRPO compares samples within a group")
         if self.staleness_limit < 0 or self.vocab_size < 0 or self.worker_groups_per_version < 0:
             raise ValueError("staleness_limit, vocab_size and worker_groups_per_version must be >= 0")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a tuple of non-empty strings")
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True).encode()
@@ -67,8 +94,8 @@ class RunManifest:
     @classmethod
     def from_bytes(cls, data: bytes) -> RunManifest:
         try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+            doc = load_json(data)
+        except ValueError as exc:
             raise ValueError(f"run manifest is not valid JSON: {exc}") from None
         if not isinstance(doc, dict) or doc.pop("format", None) != FORMAT:
             raise ValueError(f"not a {FORMAT} run manifest")

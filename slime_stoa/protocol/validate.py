@@ -9,7 +9,15 @@ Logprob tolerance: a sampled token's logprob is <= 0 mathematically, but a worke
 log-softmax can round to a tiny positive value (its error is a few ulps of the largest logit,
 ~1e-6 for logits around 30). `RecordLimits.logprob_tolerance` (default 1e-4) admits such values;
 anything above it is rejected as "logprob_positive". The validator never modifies a record, so a
-consumer that needs probabilities <= 1 should clamp with `min(logprob, 0)`.
+consumer that needs probabilities <= 1 should clamp with `min(logprob, 0)`. Below, a logprob
+under `RecordLimits.min_logprob` (default -100) is "logprob_too_small": no sampler draws a token
+that unlikely.
+
+Finish reasons follow the worker's generation (`macd.generate`): "length" only for a response of
+exactly `sampling.max_tokens` tokens ("finish_mismatch" otherwise); "stop" for one that ended on
+an EOS token or a stop string, at any length up to the limit. Whether a "stop" at the limit really
+ends on a stop token (and a "length" does not) needs the tokenizer: the trainer's re-scoring
+checks that (`slime_stoa.trainer.consumer.scoring`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from slime_stoa.protocol.layout import SEQ_DIGITS, VERSION_DIGITS, check_name, check_worker_id
 from slime_stoa.protocol.records import (
     DECODE_REASONS,
     DEFAULT_MAX_RECORD_BYTES,
@@ -40,9 +49,9 @@ VALIDATION_REASONS = frozenset(
         "schema_version",  # schema_version is not SCHEMA_VERSION
         "kind",  # kind not in limits.allowed_kinds
         "run",  # run differs from limits.expected_run
-        "identifier",  # run / task_id / worker_id empty, too long or not printable
+        "identifier",  # run / task_id not a layout name, worker_id not a layout worker id (check_name)
         "state_digest",  # not a lowercase hex string of 16..128 characters
-        "counter",  # prompt_index / weight_version / seq negative
+        "counter",  # prompt_index / weight_version / seq negative, or beyond what a key can hold
         "sampling",  # sampling params out of range or different from limits.expected_sampling
         "timestamps",  # non-finite, before min_timestamp, reversed, too long, or in the future
         "prompt_length",  # prompt empty or longer than max_prompt_tokens
@@ -53,8 +62,9 @@ VALIDATION_REASONS = frozenset(
         "length_mismatch",  # len(logprobs) != len(response_tokens)
         "logprob_not_finite",  # a NaN or infinite logprob
         "logprob_positive",  # a logprob above logprob_tolerance
-        "logprob_too_small",  # a logprob below min_logprob (when set)
+        "logprob_too_small",  # a logprob below min_logprob (default -100: a sampled token is never that unlikely)
         "bad_finish_reason",  # finish_reason not in FINISH_REASONS
+        "finish_mismatch",  # "length" on a response shorter than sampling.max_tokens
         "reward_not_finite",  # NaN or infinite reward
     }
 )
@@ -93,8 +103,10 @@ class RecordLimits:
     """When set, the record's sampling params must equal it (the run manifest's)."""
     logprob_tolerance: float = 1e-4
     """Largest logprob accepted (float32 rounding slack above 0; see the module doc)."""
-    min_logprob: float | None = None
-    """When set, smallest logprob accepted (a sampled token far below it is implausible)."""
+    min_logprob: float | None = -100.0
+    """Smallest logprob accepted (None: no floor). A sampled token's logprob is that of a token the
+    worker actually drew: at -100 its probability is e^-100, which no sampler ever draws, so a
+    lower value is a fabricated record (and a huge importance weight in the loss)."""
     max_id_chars: int = 256
     """Longest run / task_id / worker_id string."""
     max_stop_sequences: int = 16
@@ -122,6 +134,9 @@ class RecordLimits:
             raise ValueError("RecordLimits.logprob_tolerance must be >= 0")
         if self.max_stop_sequences < 0:
             raise ValueError("RecordLimits.max_stop_sequences must be >= 0")
+        floor = self.min_logprob
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not (math.isfinite(floor) and floor < 0)):
+            raise ValueError("RecordLimits.min_logprob must be a finite number < 0, or None")
 
 
 def _short(x: object, n: int = 60) -> str:
@@ -133,6 +148,14 @@ def _check_identifier(name: str, value: str, limits: RecordLimits) -> None:
     if not value or len(value) > limits.max_id_chars or not value.isprintable():
         detail = f"{name} {_short(value)}: want 1..{limits.max_id_chars} printable characters"
         raise RecordRejected("identifier", detail)
+    # The same grammar as in keys: a record's names end up in keys, counters and logs.
+    try:
+        if name == "worker_id":
+            check_worker_id(value)
+        else:
+            check_name(name, value)
+    except ValueError as exc:
+        raise RecordRejected("identifier", str(exc)) from None
 
 
 def _check_header(g: RolloutGroup, limits: RecordLimits) -> None:
@@ -150,6 +173,8 @@ def _check_header(g: RolloutGroup, limits: RecordLimits) -> None:
     for name in ("prompt_index", "weight_version", "seq"):
         if getattr(g, name) < 0:
             raise RecordRejected("counter", f"{name} is {getattr(g, name)}")
+    if g.weight_version >= 10**VERSION_DIGITS or g.seq >= 10**SEQ_DIGITS:
+        raise RecordRejected("counter", f"weight_version {g.weight_version} or seq {g.seq} too large for a key")
 
 
 def _sampling_problem(s: SamplingParams, limits: RecordLimits) -> str | None:
@@ -228,6 +253,11 @@ def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits) -> N
         raise RecordRejected("length_mismatch", detail)
     if s.finish_reason not in FINISH_REASONS:
         raise RecordRejected("bad_finish_reason", f"samples[{i}]: {_short(s.finish_reason)}")
+    if s.finish_reason == "length" and n != max_tokens:
+        # A worker reports "length" only for a response cut at exactly sampling.max_tokens
+        # (macd.generate: an EOS or a stop string at that token makes it "stop").
+        detail = f"samples[{i}]: 'length' after {n} tokens, max_tokens is {max_tokens}"
+        raise RecordRejected("finish_mismatch", detail)
     if not math.isfinite(s.reward):
         raise RecordRejected("reward_not_finite", f"samples[{i}]: {s.reward}")
     _check_token_range(s.response_tokens, limits.vocab_size, f"samples[{i}].response_tokens")

@@ -4,10 +4,18 @@ A local bucket, a small model, N `macd run` worker processes (MLX) and a learner
 trainer side without Megatron: the same consumer as `generate_rollout` (staleness and reuse rules
 included), the same DPPO loss, the same PULSE publisher. The reward of the synthetic task climbs
 while every version reaches the workers as a patch.
+
+Stopping and resuming: Ctrl-C (or SIGTERM) is honoured within a few seconds in every phase (see
+`interrupt`) and stops the workers and the learner cleanly. Each worker runs with
+`--parent-pid`, so even a SIGKILLed quickstart leaves no `macd run` behind. The consumer's state
+goes to the bucket after every batch is taken, before the step trains on it, and the learner's
+float32 weights and optimizer state to `<out>/learner.pt` after every publish (both atomic), so a
+rerun after any kind of stop resumes where the bucket says: no group is used, or counted, twice.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
@@ -15,12 +23,14 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.hf.folders import (
     bf16_bits_to_f32,
@@ -28,7 +38,7 @@ from slime_stoa.protocol.hf.folders import (
 )
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import rebuild
-from slime_stoa.protocol.pulse.publisher import PublisherConfig
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import NotFound, Store, open_store
 from slime_stoa.tasks import Synthetic, generate_items, warmup_pairs
@@ -38,9 +48,14 @@ from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
 
 from .config import QuickstartConfig
+from .interrupt import Interrupt
 from .seeding import seed_run, tiny_synthetic_model
 
 log = logging.getLogger("stoa.quickstart")
+
+LEARNER_FILE = "learner.pt"  # in the run folder: the learner's float32 weights and optimizer state
+LEARNER_FORMAT = "stoa.quickstart-learner/1"
+LOCK_WAIT_S = 60  # a rerun's worker waits this long for its predecessor to release its spool
 
 
 @dataclass
@@ -95,11 +110,12 @@ class WorkerProcesses:
     def _config_path(self, i: int) -> Path:
         return (self.cfg.out / "workers" / f"worker-{i}" / "macd.toml").resolve()
 
-    def write_configs(self) -> None:
+    def write_configs(self, check: Callable[[], None] = lambda: None) -> None:
         """`macd join --no-check` for each worker, with a fixed `--worker-id` so that a rerun
         resumes the same workers (and drains their spools); RuntimeError with macd's message
-        when a join fails."""
+        when a join fails. `check()` runs before each join (it raises to stop)."""
         for i in range(self.cfg.workers):
+            check()
             folder = self._config_path(i).parent
             folder.mkdir(parents=True, exist_ok=True)
             cmd = [
@@ -109,15 +125,24 @@ class WorkerProcesses:
             ]
             done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
             if done.returncode != 0:
+                check()  # a Ctrl-C at the terminal reaches the join too: that is a stop, not a failure
                 raise RuntimeError(f"`macd join` for worker {i} failed: {done.stderr.strip() or done.stdout.strip()}")
 
     def start(self, i: int) -> None:
-        """`macd run` for worker `i`, its output appended to its macd.log."""
+        """`macd run` for worker `i`, its output appended to its macd.log.
+
+        Its own session (a Ctrl-C at the terminal reaches only the quickstart, which stops the
+        workers in order), and `--parent-pid` so that it stops by itself when the quickstart
+        is gone, however it went (SIGKILL included). `--lock-wait`: the worker of a rerun
+        waits for its predecessor, still flushing its spool, to let go of it."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd = [
+            sys.executable, "-m", "macd", "run", "--config", str(self._config_path(i)), "--seed", str(self.cfg.seed + i),
+            "--parent-pid", str(os.getpid()), "--lock-wait", str(LOCK_WAIT_S),
+        ]
         with open(self._config_path(i).parent / "macd.log", "ab") as log_file:  # the child keeps its own copy
             self.procs[i] = subprocess.Popen(
-                [sys.executable, "-m", "macd", "run", "--config", str(self._config_path(i)), "--seed", str(self.cfg.seed + i)],
-                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
 
     def kill(self, i: int) -> None:
@@ -128,16 +153,25 @@ class WorkerProcesses:
         return sum(p.poll() is None for p in self.procs.values())
 
     def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM every worker (each flushes its spool and writes a final heartbeat) and wait;
+        SIGKILL what is left after `timeout`, or at once on a second Ctrl-C (the spool is
+        crash-safe: a killed worker's groups upload on its next start)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.time() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        try:
+            for p in self.procs.values():
+                try:
+                    p.wait(max(deadline - time.time(), 0.1))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        except BaseException:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+            raise
 
 
 def _train_sequences(group: Any) -> list[TrainSequence]:
@@ -148,12 +182,15 @@ def _train_sequences(group: Any) -> list[TrainSequence]:
     ]
 
 
-def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig) -> str:
+def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig, interrupt: Interrupt | None = None) -> str:
     """Supervised steps on the answer FORMAT only (a random shown digit), not the rule.
 
     Each step draws fresh targets, so the model learns "answer with one of the shown digits and
-    stop" rather than memorising one random digit per prompt."""
+    stop" rather than memorising one random digit per prompt. `interrupt` is checked before
+    every step (`Interrupted`)."""
     from transformers import AutoTokenizer
+
+    log.info("supervised warm start on the answer format: %d steps", cfg.warmup_steps)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     items = generate_items(2048, seed=cfg.seed + 1)
@@ -165,6 +202,8 @@ def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig) -> str:
     for group in learner.optimizer.param_groups:
         group["lr"] = cfg.warmup_lr
     for step in range(cfg.warmup_steps):
+        if interrupt is not None:
+            interrupt.check()
         picked = rng.choice(len(items), size=32, replace=False)
         targets = warmup_pairs([items[i] for i in picked], seed=cfg.seed * 1_000_003 + step)
         batch = [
@@ -176,6 +215,46 @@ def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig) -> str:
         group["lr"] = cfg.lr
     start, end = np.mean(losses[:10]), np.mean(losses[-10:])
     return f"supervised warm start on the answer format: {cfg.warmup_steps} steps, loss {start:.2f} -> {end:.2f}"
+
+
+def save_learner(learner: Learner, path: Path, *, run: str, version: int, state_digest: str) -> None:
+    """The learner's float32 weights and optimizer state after publishing `version` (atomic)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "format": LEARNER_FORMAT, "run": run, "version": version, "state_digest": state_digest,
+            "model": learner.model.state_dict(), "optimizer": learner.optimizer.state_dict(),
+        },
+        buffer,
+    )
+    atomic_write(path, buffer.getvalue())
+
+
+def load_learner(learner: Learner, path: Path, *, run: str, version: int, state_digest: str, lr: float) -> bool:
+    """Resume the learner exactly from `save_learner`'s file when it holds the published
+    `version` (same digest); False (learner untouched) when it is missing, stale or unreadable."""
+    import torch
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return False
+    except Exception as exc:  # a damaged file only costs the optimizer state: say so, go on
+        log.warning("ignoring %s: %s", path, exc)
+        return False
+    if not isinstance(saved, dict) or saved.get("format") != LEARNER_FORMAT:
+        log.warning("ignoring %s: not a %s file", path, LEARNER_FORMAT)
+        return False
+    if (saved.get("run"), saved.get("version"), saved.get("state_digest")) != (run, version, state_digest):
+        log.info("%s is of v%s, the bucket is at v%d: resuming from the published weights", path, saved.get("version"), version)
+        return False
+    learner.model.load_state_dict(saved["model"])
+    learner.optimizer.load_state_dict(saved["optimizer"])
+    for group in learner.optimizer.param_groups:
+        group["lr"] = lr  # this run's --lr, not the saved one
+    return True
 
 
 def load_published(learner: Learner, state: dict[str, np.ndarray]) -> None:
@@ -230,10 +309,73 @@ def count_lost(beats: list[Heartbeat]) -> int:
     return sum(beat.groups_spooled + beat.groups_quarantined for beat in beats)
 
 
-async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
-    """Run the loop; `report` gets progress calls (see quickstart_report.ConsoleReport)."""
+async def train(
+    cfg: QuickstartConfig,
+    store: Store,
+    consumer: RolloutConsumer,
+    learner: Learner,
+    pub: Publisher,
+    workers: WorkerProcesses,
+    progress: Progress,
+    report: Any,
+    stop: Interrupt,
+    version: int,
+    learner_file: Path,
+) -> None:
+    """Learner steps until the target reward, the time limit or the version limit.
+
+    Each step: take a batch (a stop signal cuts the wait short), save the consumer's state
+    (the batch counts as used from here on: a crash after this point loses it rather than
+    using it twice), train, publish, save the learner. The stop flag is checked between steps,
+    never between taking a batch and publishing what was learnt from it."""
+    deadline = time.time() + cfg.minutes * 60
+    restart_at: float | None = None
+    while time.time() < deadline and version - progress.first_version < cfg.max_versions:
+        batch = await stop.race(consumer.next_batch(cfg.batch_groups, trainer_version=version))
+        await consumer.save_state()
+        groups = [_train_sequences(g) for g in batch.groups]
+        if batch.metrics.get("rollout/stoa_scored_samples"):
+            progress.scored_rewards.append(batch.metrics["rollout/stoa_scored_reward_mean"])
+        same = [seqs for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
+        if same:
+            flat = [s for seqs in same for s in seqs]
+            for s, lp in zip(flat, learner.logprobs(flat), strict=True):
+                progress.gaps.append(float(np.mean(np.abs(lp - s.worker_logprobs))))
+        metrics = learner.step(groups)
+        result = await pub.publish(learner.bf16_state())
+        version = result.version
+        save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=pub.state_digest or "")
+        progress.last_version = version
+        progress.groups_used += len(batch.groups)
+        progress.patch_bytes[version] = result.patch_bytes
+        progress.digests[version] = pub.state_digest or ""
+        for beat in await read_worker_states(store, cfg.run, cfg.workers):
+            if beat.version is not None and beat.state_digest:
+                progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+        report.version(version, metrics, batch, result, progress, workers.alive())
+        if cfg.kill_worker_at is not None and version == cfg.kill_worker_at:
+            workers.kill(0)
+            report.note(f"killed worker 0 with SIGKILL at v{version}; restarting it in 5 s")
+            restart_at = time.time() + 5
+        if restart_at is not None and time.time() >= restart_at:
+            workers.start(0)
+            restart_at = None
+            report.note("restarted worker 0")
+        recent = progress.scored_rewards[-cfg.window:]
+        if len(recent) >= cfg.window and np.mean(recent) >= cfg.target:
+            report.note(f"target reward {cfg.target} reached")
+            break
+        stop.check()
+
+
+async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrupt | None = None) -> dict[str, Any]:
+    """Run the loop; `report` gets progress calls (see quickstart_report.ConsoleReport).
+
+    `interrupt` (a stop flag the caller routes Ctrl-C/SIGTERM to) is checked between steps of
+    every phase; when it is raised the run stops cleanly and `Interrupted` propagates."""
     import torch
 
+    stop = interrupt or Interrupt()
     torch.set_num_threads(1)  # leave the other core(s) to the MLX workers
     cfg.out.mkdir(parents=True, exist_ok=True)
     url = cfg.store_url
@@ -246,11 +388,13 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
                 intermediate_size=2 * cfg.model_hidden, num_heads=4, num_kv_heads=2,
             )
             report.note(f"built a tiny Qwen2 model with a tokenizer trained on the task's text: {model_dir}")
+        stop.check()
         learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
+        stop.check()
         publisher_cfg = PublisherConfig(extras_dir=model_dir, anchor_every=100)
-        new_run = not await store.exists(RunLayout(cfg.run).pointer)
+        new_run = not await stop.race(store.exists(RunLayout(cfg.run).pointer))
         if new_run:
-            progress.warm_start = warm_start(learner, model_dir, cfg)
+            progress.warm_start = warm_start(learner, model_dir, cfg, stop)
             report.note(progress.warm_start)
             warm_dir = cfg.out / "warm-start"
             save_hf_folder(learner.bf16_state(), warm_dir, source_dir=model_dir)
@@ -263,74 +407,51 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any) -> dict[str, Any]:
             worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
         )
         assert publisher_cfg.extras_dir is not None  # set to the model folder above
-        pub = await seed_run(store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg)
-        if not new_run:
-            rebuilt = await rebuild(store, cfg.run)
+        pub = await stop.race(seed_run(store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg))
+        learner_file = cfg.out / LEARNER_FILE
+        version, digest = pub.version or 0, pub.state_digest or ""
+        if new_run:
+            save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest)
+        elif load_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest, lr=cfg.lr):
+            report.note(f"resumed run {cfg.run!r} at weights v{version} from {url} (with the learner's optimizer state)")
+        else:
+            rebuilt = await stop.race(rebuild(store, cfg.run))
             load_published(learner, rebuilt.state)
-            report.note(f"resumed run {cfg.run!r} at weights v{pub.version} from {url}")
-        version = pub.version or 0
+            report.note(f"resumed run {cfg.run!r} at weights v{version} from {url}")
         progress.first_version = progress.last_version = version
         progress.digests[version] = pub.state_digest or ""
         progress.full_bytes = 2 * sum(b.size for b in learner.bf16_state().values())
         workers = WorkerProcesses(cfg, url)
-        workers.write_configs()
-        for i in range(cfg.workers):
-            workers.start(i)
-        report.note(f"started {cfg.workers} `macd run` workers (logs in {cfg.out / 'workers'})")
-        consumer = await RolloutConsumer.open(
-            store,
-            ConsumerConfig(
-                store_url=url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
-                admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
-            ),
-            tokenizer_dir=model_dir,
-        )
-        deadline = time.time() + cfg.minutes * 60
-        restart_at: float | None = None
+        consumer: RolloutConsumer | None = None
         try:
-            while time.time() < deadline and version - progress.first_version < cfg.max_versions:
-                batch = await consumer.next_batch(cfg.batch_groups, trainer_version=version)
-                groups = [_train_sequences(g) for g in batch.groups]
-                if batch.metrics.get("rollout/stoa_scored_samples"):
-                    progress.scored_rewards.append(batch.metrics["rollout/stoa_scored_reward_mean"])
-                same = [seqs for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
-                if same:
-                    flat = [s for seqs in same for s in seqs]
-                    for s, lp in zip(flat, learner.logprobs(flat), strict=True):
-                        progress.gaps.append(float(np.mean(np.abs(lp - s.worker_logprobs))))
-                metrics = learner.step(groups)
-                result = await pub.publish(learner.bf16_state())
-                version = result.version
-                progress.last_version = version
-                progress.groups_used += len(batch.groups)
-                progress.patch_bytes[version] = result.patch_bytes
-                progress.digests[version] = pub.state_digest or ""
-                for beat in await read_worker_states(store, cfg.run, cfg.workers):
-                    if beat.version is not None and beat.state_digest:
-                        progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
-                report.version(version, metrics, batch, result, progress, workers.alive())
-                if cfg.kill_worker_at is not None and version == cfg.kill_worker_at:
-                    workers.kill(0)
-                    report.note(f"killed worker 0 with SIGKILL at v{version}; restarting it in 5 s")
-                    restart_at = time.time() + 5
-                if restart_at is not None and time.time() >= restart_at:
-                    workers.start(0)
-                    restart_at = None
-                    report.note("restarted worker 0")
-                recent = progress.scored_rewards[-cfg.window:]
-                if len(recent) >= cfg.window and np.mean(recent) >= cfg.target:
-                    report.note(f"target reward {cfg.target} reached")
-                    break
+            workers.write_configs(stop.check)
+            for i in range(cfg.workers):
+                stop.check()
+                workers.start(i)
+            report.note(f"started {cfg.workers} `macd run` workers (logs in {cfg.out / 'workers'})")
+            consumer = await stop.race(
+                RolloutConsumer.open(
+                    store,
+                    ConsumerConfig(
+                        store_url=url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
+                        admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+                    ),
+                    tokenizer_dir=model_dir,
+                )
+            )
+            await train(cfg, store, consumer, learner, pub, workers, progress, report, stop, version, learner_file)
         finally:
-            await consumer.close()
+            if consumer is not None:
+                await consumer.close()
             workers.stop()
-            await consumer.save_state()
+            if consumer is not None:
+                await consumer.save_state()
         final_beats = await read_worker_states(store, cfg.run, cfg.workers)
         for beat in final_beats:
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
         lost = count_lost(final_beats)
-        progress.rewards = await rewards_by_version(store, cfg.run)
+        progress.rewards = await stop.race(rewards_by_version(store, cfg.run))
     patches = [b for v, b in progress.patch_bytes.items()]
     return {
         "reward_first": progress.reward_first(),

@@ -24,6 +24,7 @@ from slime_stoa.protocol.hf.safetensors_io import (
     read_safetensors,
     write_safetensors,
 )
+from slime_stoa.protocol.layout import check_name
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -86,6 +87,25 @@ def _to_bf16_bits(name: str, dtype: str, arr: np.ndarray) -> np.ndarray:
     )
 
 
+# ----------------------------------------------------------------------------- file names
+
+
+def safe_child(folder: str | os.PathLike[str], name: str) -> Path:
+    """`folder / name`, for a `name` that is one safe path component staying inside `folder`.
+
+    The name must follow the layout's file-name grammar (`check_name`: ASCII letters, digits,
+    `.`, `_`, `-`; no separator, no `.`/`..`, no NUL, no device name), and the resolved path must
+    lie directly inside the resolved folder. ValueError otherwise. This is the defence at the
+    write site; names from the bucket are also checked where they are parsed.
+    """
+    check_name("file", name)
+    base = Path(folder).resolve()
+    path = base / name
+    if path.parent != base or os.path.isabs(name):
+        raise ValueError(f"file name {name!r} would leave the folder {base}")
+    return path
+
+
 # ----------------------------------------------------------------------------------- loading
 
 
@@ -103,11 +123,13 @@ def _weight_files(model_dir: Path) -> list[Path]:
         raise ValueError(f"{index} is not a valid safetensors index ({e})") from None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index}: weight_map must be a non-empty object")
+    if not all(isinstance(name, str) for name in weight_map.values()):
+        raise ValueError(f"{index}: shard names must be strings")
     files = sorted(set(weight_map.values()))
-    for name in files:
-        if not isinstance(name, str) or Path(name).name != name:
-            raise ValueError(f"{index}: shard name {name!r} must be a plain file name")
-    return [model_dir / name for name in files]
+    try:
+        return [safe_child(model_dir, name) for name in files]
+    except ValueError as exc:
+        raise ValueError(f"{index}: shard name must be a plain file name ({exc})") from None
 
 
 def load_hf_state(model_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
@@ -214,7 +236,7 @@ def save_hf_folder(
         if not (src / "config.json").is_file():
             raise ValueError(f"source_dir {src} has no config.json to copy")
         for path in hf_config_files(src):
-            dst = out / path.name
+            dst = safe_child(out, path.name)
             if not (dst.exists() and dst.samefile(path)):
                 _copy_atomic(path, dst)
     shards = plan_shards(state, shard_bytes)

@@ -16,14 +16,15 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from slime_stoa.protocol.hf.folders import INDEX_NAME, WEIGHTS_NAME, plan_shards
-from slime_stoa.protocol.hf.safetensors_io import read_safetensors, safetensors_bytes
+from slime_stoa.protocol.fsutil import atomic_write
+from slime_stoa.protocol.hf.folders import INDEX_NAME, WEIGHTS_NAME, plan_shards, safe_child
+from slime_stoa.protocol.hf.safetensors_io import FILE_MODE, read_safetensors, safetensors_bytes
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store
 
 from .codec import PatchCorrupt
 from .digest import StateDigest
-from .manifests import AnchorFile, AnchorManifest
+from .manifests import AnchorFile, AnchorManifest, ManifestError
 
 
 def shard_names(count: int) -> list[str]:
@@ -130,14 +131,24 @@ async def read_anchor(
 
 
 async def download_extras(store: Store, manifest: AnchorManifest, folder: Path) -> list[Path]:
-    """Write an anchor's config/tokenizer files into `folder` (verified); returns their paths."""
+    """Write an anchor's config/tokenizer files into `folder` (verified); returns their paths.
+
+    Every file lands directly inside `folder` and nowhere else: its name must be one safe path
+    component (ManifestError otherwise, before anything is fetched), and each file is written to
+    a temp file and renamed into place, so a symlink already at that name is replaced, never
+    followed."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
+    targets = []
     for file in manifest.extras:
         if file.name == INDEX_NAME:
             continue
+        try:
+            targets.append((file, safe_child(folder, file.name)))
+        except ValueError as exc:
+            raise ManifestError(f"anchor v{manifest.version} extra file: {exc}") from None
+    paths = []
+    for file, path in targets:
         data = await fetch_verified(store, file)
-        path = folder / file.name
-        path.write_bytes(data)
+        await asyncio.to_thread(atomic_write, path, data, mode=FILE_MODE, durable=False)
         paths.append(path)
     return paths

@@ -28,7 +28,8 @@ class NotPublished(HistoryError):
 async def read_pointer_etag(store: Store, run: str, *, if_none_match: str | None = None) -> tuple[Pointer, str] | None:
     """The run's pointer and its ETag, or None when its ETag is still `if_none_match`.
 
-    NotPublished when the run has no pointer; ManifestError when it does not parse.
+    NotPublished when the run has no pointer; ManifestError when it does not parse or names
+    another run.
     """
     key = RunLayout(run).pointer
     try:
@@ -37,7 +38,7 @@ async def read_pointer_etag(store: Store, run: str, *, if_none_match: str | None
         raise NotPublished(f"run {run!r} has no published weights in {store.url}") from None
     if got is None:
         return None
-    return Pointer.from_bytes(got.data, key), got.etag
+    return Pointer.from_bytes(got.data, key, run=run), got.etag
 
 
 async def read_pointer(store: Store, run: str) -> Pointer:
@@ -48,13 +49,15 @@ async def read_pointer(store: Store, run: str) -> Pointer:
 
 
 async def read_manifest(store: Store, key: str) -> VersionManifest:
-    """The version manifest at `key`; NotFound when it is gone (retention), ManifestError when bad."""
-    return VersionManifest.from_bytes(await store.get_bytes(key), key)
+    """The version manifest at `key`; NotFound when it is gone (retention), ManifestError when bad
+    or when it is not the manifest that belongs at `key` (another run, version or attempt)."""
+    return VersionManifest.from_bytes(await store.get_bytes(key), key, key=key)
 
 
 async def read_anchor_manifest(store: Store, key: str) -> AnchorManifest:
-    """The anchor manifest at `key`; NotFound when it is gone (retention), ManifestError when bad."""
-    return AnchorManifest.from_bytes(await store.get_bytes(key), key)
+    """The anchor manifest at `key`; NotFound when it is gone (retention), ManifestError when bad
+    or when it is not the manifest that belongs at `key` (another run, version or attempt)."""
+    return AnchorManifest.from_bytes(await store.get_bytes(key), key, key=key)
 
 
 # -- history --------------------------------------------------------------------------------------
@@ -74,6 +77,19 @@ async def walk_back(store: Store, start: VersionManifest, *, limit: int):
             manifest = await read_manifest(store, manifest.parent.manifest)
         except NotFound:
             return
+
+
+async def published_digests(store: Store, run: str, *, depth: int) -> dict[int, str]:
+    """{version: state digest} of the pointer's version and the `depth - 1` before it on the
+    committed chain (fewer when older manifests are gone): what a record may claim
+    (`slime_stoa.trainer.consumer.admission.check_published`). Empty when nothing is published.
+    One GET for the pointer and one per manifest; ManifestError when a manifest is malformed."""
+    try:
+        pointer = await read_pointer(store, run)
+    except NotPublished:
+        return {}
+    start = await read_manifest(store, pointer.manifest)
+    return {m.version: m.state_digest async for m in walk_back(store, start, limit=depth)}
 
 
 async def find_manifest(store: Store, run: str, version: int) -> VersionManifest:

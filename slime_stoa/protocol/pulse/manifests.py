@@ -9,22 +9,39 @@ never a crash further down.
   last anchor), which is valid on ANY state from `base_min` to `base_max`. It also names the
   latest anchor at or below its version, and its parent version's manifest (the chain).
 - An anchor manifest lists the safetensors shards and HF config files of a full state.
+
+Nothing read from the bucket is trusted (every worker's token can write there), so parsing checks
+every name and key against the layout grammar before anything uses it: the run name, the attempt,
+and every key a document names must be exactly the layout's key for what it claims to be, inside
+the document's own run (`runs/<run>/...`): a pointer names a version manifest of its version, a
+version manifest names its own patches and its parent's and anchor's manifests, an anchor
+manifest names files of its own folder whose names are single safe path components. Readers
+that know where a document came from pass it (`Pointer.from_bytes(run=...)`,
+`VersionManifest.from_bytes(key=...)`, `AnchorManifest.from_bytes(key=...)`) and the document must
+then be the one that belongs there.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from slime_stoa.protocol.hf.folders import WEIGHTS_NAME
+from slime_stoa.protocol.layout import RunLayout, check_attempt, check_name, version_str
+from slime_stoa.protocol.strict_json import load_json
 
 from .frames import PatchIndex
 
 POINTER_FORMAT = "stoa.pointer/1"
 VERSION_FORMAT = "stoa.version/1"
 ANCHOR_FORMAT = "stoa.anchor/1"
-_HEX = re.compile(r"^[0-9a-f]{16,128}$")
+_HEX = re.compile(r"[0-9a-f]{16,128}")
+ANCHOR_MANIFEST_NAME = "manifest.json"
+_SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 
 
 class ManifestError(ValueError):
@@ -53,16 +70,23 @@ class Pointer:
         return _dump({"format": POINTER_FORMAT, **asdict(self)})
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str = "pointer") -> Pointer:
+    def from_bytes(cls, data: bytes, where: str = "pointer", *, run: str | None = None) -> Pointer:
+        """Parse a pointer; ManifestError if malformed. With `run`, it must be that run's."""
         doc = _load(data, POINTER_FORMAT, where)
-        return cls(
-            run=_str(doc, "run", where),
-            version=_int(doc, "version", where),
+        pointer = cls(
+            run=_run(doc, where),
+            version=_version(doc, "version", where),
             state_digest=_digest(doc, "state_digest", where),
             manifest=_str(doc, "manifest", where),
             anchor=_ref(doc.get("anchor"), f"{where}.anchor"),
             updated_at=_float(doc, "updated_at", where),
         )
+        if run is not None and pointer.run != run:
+            raise ManifestError(f"{where}: names run {pointer.run!r}, not {run!r}")
+        layout = RunLayout(pointer.run)
+        _check_version_key(layout, pointer.manifest, pointer.version, f"{where}.manifest")
+        _check_anchor_ref(layout, pointer.anchor, pointer.version, f"{where}.anchor")
+        return pointer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,8 +132,8 @@ class PatchRef:
             key=_str(doc, "key", where),
             bytes=_int(doc, "bytes", where),
             count=_int(doc, "count", where),
-            base_min=_int(doc, "base_min", where),
-            base_max=_int(doc, "base_max", where),
+            base_min=_version(doc, "base_min", where),
+            base_max=_version(doc, "base_max", where),
             base_digest=base_digest,
             index=index,
         )
@@ -151,15 +175,18 @@ class VersionManifest:
         return _dump(doc)
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> VersionManifest:
+    def from_bytes(cls, data: bytes, where: str, *, key: str | None = None) -> VersionManifest:
+        """Parse a version manifest; ManifestError if malformed or if it names a key outside
+        its run or other than the layout's. With `key` (where it was read from), the manifest
+        must be the one that belongs at that key (same run, version and attempt)."""
         doc = _load(data, VERSION_FORMAT, where)
         patches = doc.get("patches")
         if not isinstance(patches, list) or len(patches) > 8:
             raise ManifestError(f"{where}: 'patches' must be a short list")
         manifest = cls(
-            run=_str(doc, "run", where),
-            version=_int(doc, "version", where),
-            attempt=_str(doc, "attempt", where),
+            run=_run(doc, where),
+            version=_version(doc, "version", where),
+            attempt=_attempt(doc, where),
             state_digest=_digest(doc, "state_digest", where),
             parent=None if doc.get("parent") is None else _ref(doc["parent"], f"{where}.parent"),
             anchor=_ref(doc.get("anchor"), f"{where}.anchor"),
@@ -169,11 +196,25 @@ class VersionManifest:
             elements=_int(doc, "elements", where),
             created_at=_float(doc, "created_at", where),
         )
-        for p in manifest.patches:
+        layout = RunLayout(manifest.run)
+        if key is not None:
+            _check_location(layout.parse_version_manifest(key), manifest, key, where)
+        kinds = [p.kind for p in manifest.patches]
+        if len(set(kinds)) != len(kinds):
+            raise ManifestError(f"{where}: more than one patch of a kind")
+        for i, p in enumerate(manifest.patches):
             if p.base_max >= manifest.version:
                 raise ManifestError(f"{where}: patch {p.key} does not go forward")
-        if manifest.anchor.version > manifest.version:
-            raise ManifestError(f"{where}: anchor {manifest.anchor.version} is ahead of the version")
+            if p.kind == "step" and p.base_min != manifest.version - 1:
+                raise ManifestError(f"{where}: the step patch must start at v{manifest.version - 1}")
+            expected = layout.patch(manifest.version, manifest.attempt, p.kind, p.base_min)
+            if p.key != expected:
+                raise ManifestError(f"{where}.patches[{i}]: key {p.key!r:.200} is not this version's {p.kind} patch {expected}")
+        if manifest.parent is not None:
+            if manifest.parent.version != manifest.version - 1:
+                raise ManifestError(f"{where}: parent v{manifest.parent.version} is not v{manifest.version - 1}")
+            _check_version_key(layout, manifest.parent.manifest, manifest.parent.version, f"{where}.parent")
+        _check_anchor_ref(layout, manifest.anchor, manifest.version, f"{where}.anchor")
         return manifest
 
 
@@ -207,17 +248,70 @@ class AnchorManifest:
         return _dump(doc)
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> AnchorManifest:
+    def from_bytes(cls, data: bytes, where: str, *, key: str | None = None) -> AnchorManifest:
+        """Parse an anchor manifest; ManifestError if malformed, if a file name is not a single
+        safe path component (the layout's file-name grammar), or if a file's key is not that
+        name inside this anchor's folder. With `key` (where it was read from), the manifest must
+        be the one that belongs at that key (same run, version and attempt)."""
         doc = _load(data, ANCHOR_FORMAT, where)
-        return cls(
-            run=_str(doc, "run", where),
-            version=_int(doc, "version", where),
-            attempt=_str(doc, "attempt", where),
+        manifest = cls(
+            run=_run(doc, where),
+            version=_version(doc, "version", where),
+            attempt=_attempt(doc, where),
             state_digest=_digest(doc, "state_digest", where),
             weights=_files(doc.get("weights"), f"{where}.weights"),
             extras=_files(doc.get("extras"), f"{where}.extras"),
             created_at=_float(doc, "created_at", where),
         )
+        layout = RunLayout(manifest.run)
+        if key is not None:
+            _check_location(layout.parse_anchor_manifest(key), manifest, key, where)
+        if not manifest.weights:
+            raise ManifestError(f"{where}: an anchor needs at least one weights file")
+        seen: set[str] = set()
+        for group, files in (("weights", manifest.weights), ("extras", manifest.extras)):
+            for i, f in enumerate(files):
+                at = f"{where}.{group}[{i}]"
+                try:
+                    expected = layout.anchor_file(manifest.version, manifest.attempt, f.name)
+                except ValueError as exc:
+                    raise ManifestError(f"{at}: {exc}") from None
+                if f.key != expected:
+                    raise ManifestError(f"{at}: key {f.key!r:.200} is not {expected}")
+                folded = f.name.lower()  # case-insensitive file systems (macOS) would merge these
+                if folded in seen or f.name == ANCHOR_MANIFEST_NAME:
+                    raise ManifestError(f"{at}: file name {f.name!r} repeated or reserved")
+                seen.add(folded)
+                if group == "weights" and not (f.name == WEIGHTS_NAME or _SHARD.fullmatch(f.name)):
+                    raise ManifestError(f"{at}: {f.name!r} is not a safetensors shard name")
+                if group == "extras" and (f.name == WEIGHTS_NAME or _SHARD.fullmatch(f.name)):
+                    raise ManifestError(f"{at}: {f.name!r} is a weights file listed as an extra")
+        return manifest
+
+
+# -- names and keys ---------------------------------------------------------------------------------
+
+
+def _check_location(parsed: tuple[int, str] | None, doc: VersionManifest | AnchorManifest, key: str, where: str) -> None:
+    """A document read from `key` must be the document that belongs there."""
+    if not isinstance(key, str) or not key.startswith(RunLayout(doc.run).root) or parsed != (doc.version, doc.attempt):
+        raise ManifestError(
+            f"{where}: the manifest of run {doc.run!r} v{doc.version} attempt {doc.attempt} does not belong at {key!r:.200}"
+        )
+
+
+def _check_version_key(layout: RunLayout, key: str, version: int, where: str) -> None:
+    parsed = layout.parse_version_manifest(key)
+    if parsed is None or parsed[0] != version:
+        raise ManifestError(f"{where}: {key!r:.200} is not a v{version} manifest key of run {layout.run!r}")
+
+
+def _check_anchor_ref(layout: RunLayout, ref: Ref, version: int, where: str) -> None:
+    if ref.version > version:
+        raise ManifestError(f"{where}: anchor v{ref.version} is ahead of v{version}")
+    parsed = layout.parse_anchor_manifest(ref.manifest)
+    if parsed is None or parsed[0] != ref.version:
+        raise ManifestError(f"{where}: {ref.manifest!r:.200} is not a v{ref.version} anchor manifest key of run {layout.run!r}")
 
 
 # -- strict JSON helpers --------------------------------------------------------------------------
@@ -229,8 +323,8 @@ def _dump(doc: Mapping[str, Any]) -> bytes:
 
 def _load(data: bytes, fmt: str, where: str) -> dict[str, Any]:
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+        doc = load_json(data)
+    except ValueError as exc:
         raise ManifestError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         raise ManifestError(f"{where}: expected a {fmt} document")
@@ -251,16 +345,41 @@ def _int(doc: Mapping[str, Any], key: str, where: str) -> int:
     return value
 
 
+def _version(doc: Mapping[str, Any], key: str, where: str) -> int:
+    value = _int(doc, key, where)
+    try:
+        version_str(value)
+    except ValueError:
+        raise ManifestError(f"{where}: '{key}' {value} is not a weight version") from None
+    return value
+
+
+def _run(doc: Mapping[str, Any], where: str) -> str:
+    value = doc.get("run")
+    try:
+        return check_name("run", value)  # type: ignore[arg-type]  # checked: anything else raises
+    except ValueError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+
+
+def _attempt(doc: Mapping[str, Any], where: str) -> str:
+    value = doc.get("attempt")
+    try:
+        return check_attempt(value)  # type: ignore[arg-type]  # checked: anything else raises
+    except ValueError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+
+
 def _float(doc: Mapping[str, Any], key: str, where: str) -> float:
     value = doc.get(key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ManifestError(f"{where}: '{key}' must be a number")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ManifestError(f"{where}: '{key}' must be a finite number")
     return float(value)
 
 
 def _digest(doc: Mapping[str, Any], key: str, where: str) -> str:
     value = doc.get(key)
-    if not isinstance(value, str) or not _HEX.match(value):
+    if not isinstance(value, str) or not _HEX.fullmatch(value):
         raise ManifestError(f"{where}: '{key}' must be a hex digest")
     return value
 
@@ -269,7 +388,7 @@ def _ref(doc: Any, where: str) -> Ref:
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: expected an object")
     return Ref(
-        version=_int(doc, "version", where),
+        version=_version(doc, "version", where),
         manifest=_str(doc, "manifest", where),
         state_digest=_digest(doc, "state_digest", where),
     )
@@ -282,9 +401,14 @@ def _files(docs: Any, where: str) -> tuple[AnchorFile, ...]:
     for i, doc in enumerate(docs):
         if not isinstance(doc, dict):
             raise ManifestError(f"{where}[{i}]: expected an object")
+        name = _str(doc, "name", f"{where}[{i}]")
+        try:
+            check_name("file", name)  # one safe path component: it becomes a local file name
+        except ValueError as exc:
+            raise ManifestError(f"{where}[{i}]: {exc}") from None
         out.append(
             AnchorFile(
-                name=_str(doc, "name", f"{where}[{i}]"),
+                name=name,
                 key=_str(doc, "key", f"{where}[{i}]"),
                 bytes=_int(doc, "bytes", f"{where}[{i}]"),
                 xxh3=_digest(doc, "xxh3", f"{where}[{i}]"),

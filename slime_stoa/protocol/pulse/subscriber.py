@@ -12,6 +12,11 @@ It tries them cheapest first. Frames come in with concurrent ranged GETs, are ve
 their digests and applied in place with an undo log; the final state digest must equal the
 manifest's. Any failure (bad digest, missing object, base mismatch) rolls the state back exactly,
 is logged, and the next path is tried. The state is never left at an unverified version.
+
+Nothing malformed in the bucket escapes as anything but `SyncError` (the state stays at its last
+verified version): a pointer that does not parse (or names another run) is skipped until its ETag
+changes, so a reader reports it once and recovers at the first good pointer; a pointer whose
+manifest is unreadable is retried at the next poll (the manifest may be on its way).
 """
 
 from __future__ import annotations
@@ -25,13 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import Store, StoreError
+from slime_stoa.protocol.store import NotFound, Store, StoreError
 
 from .anchor import read_anchor
 from .apply import UndoLog, apply_patch
 from .codec import PatchError
 from .digest import StateDigest
-from .history import NotPublished, read_anchor_manifest, read_manifest, read_pointer_etag
+from .history import read_anchor_manifest, read_manifest
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
 
 log = logging.getLogger("stoa.pulse")
@@ -82,19 +87,31 @@ class Subscriber:
         self.state: dict[str, np.ndarray] | None = None
         self.version: int | None = None
         self.digest: StateDigest | None = None
+        self.current: VersionManifest | None = None  # the manifest of `version`
         self._etag: str | None = None
         self._manifests: dict[str, VersionManifest] = {}
 
     # -- public ------------------------------------------------------------------------------
     async def poll(self) -> Pointer | None:
-        """The pointer if it changed since the last poll (one conditional GET), else None."""
+        """The pointer if it changed since the last poll (one conditional GET), else None.
+
+        SyncError when the pointer is malformed or names another run; that object is then
+        skipped (the next poll is a 304 until the pointer changes)."""
+        key = self.layout.pointer
         try:
-            found = await read_pointer_etag(self.store, self.layout.run, if_none_match=self._etag)
-        except NotPublished:
+            got = await self.store.get(key, if_none_match=self._etag)
+        except NotFound:
+            return None  # nothing published yet
+        if got is None:
             return None
-        if found is None:
-            return None
-        pointer, self._etag = found
+        try:
+            pointer = Pointer.from_bytes(got.data, key)
+            if pointer.run != self.layout.run:
+                raise ManifestError(f"{key} names run {pointer.run!r}, not {self.layout.run!r}")
+        except ManifestError as exc:
+            self._etag = got.etag  # the same bytes will not parse any better: wait for new ones
+            raise SyncError(f"malformed pointer: {exc}; {self._keeping()}") from None
+        self._etag = got.etag
         return pointer
 
     async def sync(self) -> SyncResult | None:
@@ -110,10 +127,16 @@ class Subscriber:
         try:
             try:
                 manifest = await self.manifest(pointer.manifest)
-            except (StoreError, ManifestError) as exc:
-                raise SyncError(f"pointer names v{pointer.version} but its manifest is unreadable: {exc}") from None
-            if manifest.version != pointer.version or manifest.state_digest != pointer.state_digest:
-                raise SyncError(f"manifest {pointer.manifest} does not match the pointer")
+            except (StoreError, ValueError) as exc:  # ManifestError, or a key the store refuses
+                raise SyncError(
+                    f"pointer names v{pointer.version} but its manifest is unreadable: {exc}; {self._keeping()}"
+                ) from None
+            if (
+                manifest.run != self.layout.run
+                or manifest.version != pointer.version
+                or manifest.state_digest != pointer.state_digest
+            ):
+                raise SyncError(f"manifest {pointer.manifest} does not match the pointer; {self._keeping()}")
             return await self.sync_to(manifest)
         except BaseException:
             self._etag = etag  # retry this pointer on the next poll
@@ -132,7 +155,12 @@ class Subscriber:
                 errors.append(f"{plan.name}: {exc}")
                 log.warning("weights v%d via %s failed (%s); trying the next path", target.version, plan.name, exc)
                 continue
+            except Exception as exc:  # malformed input found a path the checks above missed
+                errors.append(f"{plan.name}: {type(exc).__name__}: {exc}")
+                log.exception("weights v%d via %s failed unexpectedly; trying the next path", target.version, plan.name)
+                continue
             self.version = target.version
+            self.current = target
             return SyncResult(
                 target.version, previous, plan.name, plan.cost, touched, time.perf_counter() - start, changed
             )
@@ -141,6 +169,9 @@ class Subscriber:
             f"could not reach weights v{target.version} from {where}; keeping the current state. "
             + "; ".join(errors or ["no path available"])
         )
+
+    def _keeping(self) -> str:
+        return f"keeping weights v{self.version}" if self.version is not None else "no weights yet"
 
     async def manifest(self, key: str) -> VersionManifest:
         cached = self._manifests.get(key)
@@ -179,7 +210,7 @@ class Subscriber:
                 if manifest.parent.version == base:
                     break
                 manifest = await self.manifest(manifest.parent.manifest)
-        except (StoreError, ManifestError) as exc:
+        except (StoreError, ValueError) as exc:  # ManifestError, or a key the store refuses
             log.info("chain to v%d unavailable: %s", target.version, exc)
             return None
         return chain[::-1]

@@ -1,12 +1,15 @@
-"""Judging one downloaded record: decode, validate, match its key, re-score. Pure.
+"""Judging one downloaded record: decode, validate, match its key and the published weights,
+refuse replays, re-score.
 
 `judge_record` either returns an `Admitted` group or raises `RecordRejected` with a stable
 reason: the validator's (`slime_stoa.protocol.validate.REJECT_REASONS`) or one of `CONSUMER_REASONS`.
-Nothing a worker uploads can make it raise anything else.
+Nothing a worker uploads can make it raise anything else. It is pure except for the optional
+replay ledger, which it updates when it admits a record.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from slime_stoa.protocol.layout import RolloutKey
@@ -19,6 +22,7 @@ from slime_stoa.protocol.validate import (
 )
 
 from .scoring import Rescorer
+from .state import ReplayLedger
 
 CONSUMER_REASONS = frozenset(
     {
@@ -29,6 +33,9 @@ CONSUMER_REASONS = frozenset(
         "prompt",  # prompt_tokens are not the run's prompt for that prompt_index
         "reward",  # the task could not score a sample (decoder or task error, non-finite)
         "version_ahead",  # weight_version further ahead of the trainer than the slack allows
+        "version",  # weight_version is not a version the trainer published (`check_published`)
+        "digest",  # state_digest is not the published state digest of that version
+        "duplicate",  # a replay: same content, or same worker and seq, as an earlier record under another key
         "missing",  # the object was listed but is gone
         "download",  # the store kept failing for this object
         "internal",  # an unexpected error while judging (a bug; logged with its traceback)
@@ -64,6 +71,20 @@ def check_key(group: RolloutGroup, key: RolloutKey) -> None:
         )
 
 
+def check_published(group: RolloutGroup, published: Mapping[int, str]) -> None:
+    """The record's weights must be weights the trainer published: `published` maps each
+    published version to its state digest (from the version manifests). RecordRejected
+    "version" for a version not in it, "digest" for another state digest than that version's."""
+    digest = published.get(group.weight_version)
+    if digest is None:
+        raise RecordRejected("version", f"weight_version {group.weight_version} was never published (or is not known yet)")
+    if group.state_digest != digest:
+        raise RecordRejected(
+            "digest",
+            f"state_digest {group.state_digest[:40]} is not v{group.weight_version}'s published {digest[:40]}",
+        )
+
+
 def judge_record(
     name: str,
     data: bytes,
@@ -73,16 +94,30 @@ def judge_record(
     rescorer: Rescorer,
     reward_tolerance: float,
     now: float | None = None,
+    published: Mapping[int, str] | None = None,
+    replay: ReplayLedger | None = None,
 ) -> Admitted:
-    """Decode, validate and re-score one record; RecordRejected if it fails any check."""
+    """Decode, validate and re-score one record; RecordRejected if it fails any check.
+
+    `published` (version -> state digest of every version the trainer published that a record
+    may still claim): when given, the record's weight version and digest must be in it
+    (`check_published`). `replay`: when given, a record whose content or (worker, seq) was
+    already admitted under another key is refused as "duplicate", and an admitted record is
+    added to it."""
     group = load_record(data, limits, now=now)
     check_key(group, key)
+    if published is not None:
+        check_published(group, published)
+    if replay is not None:
+        replay.check(group, name)
     scored = rescorer.score(group)
     disagreements = sum(
         1
         for sample, reward in zip(group.samples, scored.rewards, strict=True)
         if abs(sample.reward - reward) > reward_tolerance
     )
+    if replay is not None:
+        replay.add(group, name)
     return Admitted(
         name=name,
         group=group,

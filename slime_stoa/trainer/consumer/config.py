@@ -38,8 +38,10 @@ class ConsumerConfig:
     """Most batches one group may appear in (each time only while it is fresh enough); 1 = use once.
     None: the run manifest's `reuse_limit`."""
 
-    wait_timeout_s: float = 1800.0
-    """How long `next_batch` waits for enough groups before raising `ConsumerTimeout`."""
+    wait_timeout_s: float | None = None
+    """How long `next_batch` waits for enough groups before raising `ConsumerTimeout`.
+    None (the default): as long as it takes (a quiet fleet is a condition that heals: Macs come
+    back), logging its progress every `progress_interval_s`."""
     poll_interval_s: float = 1.0
     """Pause between two listings of new records while waiting (one listing costs one request
     per 1,000 new keys)."""
@@ -57,8 +59,9 @@ class ConsumerConfig:
     download_concurrency: int = 16
     """Record downloads in flight at once."""
     max_download_attempts: int = 3
-    """Attempts to fetch one record when the store fails (the store retries each attempt itself);
-    after the last the record is rejected as `download`."""
+    """Attempts to fetch one record when the store fails for it while answering other calls (the
+    store retries each attempt itself); after the last the record is rejected as `download`.
+    Tries that fail during an outage (the store answers nothing) do not count: the downloads wait."""
 
     filter_all_equal: bool = True
     """Drop (and count) groups whose recomputed rewards are all equal: they carry no GRPO signal."""
@@ -84,8 +87,13 @@ class ConsumerConfig:
     """A record may claim a weight version at most this far ahead of the trainer version passed
     to `next_batch` (a version published during the wait); further ahead is rejected as
     `version_ahead`."""
-    progress_interval_s: float = 30.0
-    """How often a waiting `next_batch` logs its progress."""
+    progress_interval_s: float = 60.0
+    """How often a waiting `next_batch` logs its progress (what it has, what it needs), and how
+    often a store outage is logged again (with the error) while the consumer waits it out."""
+    store_retry_max_delay_s: float = 30.0
+    """Longest pause between two tries of a store call during an outage. The consumer waits out
+    an outage of any length (pointer reads, listings, record downloads, its state) with a
+    jittered backoff doubling from 0.5 s to this; a `StoreConfigError` fails at once."""
 
     record_limits: RecordLimits | None = None
     """What a record must satisfy (see `slime_stoa.protocol.validate`). None: derived from the run
@@ -101,12 +109,16 @@ class ConsumerConfig:
                 raise ValueError(f"ConsumerConfig.{name} must be an int >= 0 or None, got {value!r}")
         if self.reuse_limit is not None and (not _is_int(self.reuse_limit) or self.reuse_limit < 1):
             raise ValueError(f"ConsumerConfig.reuse_limit must be an int >= 1 or None, got {self.reuse_limit!r}")
-        for name in ("wait_timeout_s", "poll_interval_s", "sweep_interval_s", "late_sweep_interval_s", "progress_interval_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and value > 0
-            ):
-                raise ValueError(f"ConsumerConfig.{name} must be a number > 0, got {value!r}")
+        if self.wait_timeout_s is not None:
+            _check_positive("wait_timeout_s", self.wait_timeout_s, "or None")
+        for name in (
+            "poll_interval_s",
+            "sweep_interval_s",
+            "late_sweep_interval_s",
+            "progress_interval_s",
+            "store_retry_max_delay_s",
+        ):
+            _check_positive(name, getattr(self, name))
         for name, low in (
             ("skew_window_ms", 0),
             ("late_window_ms", 0),
@@ -169,6 +181,11 @@ def limits_for_run(manifest: RunManifest, *, vocab_size: int) -> RecordLimits:
             stop=manifest.stop,
         ),
     )
+
+
+def _check_positive(name: str, value: object, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"ConsumerConfig.{name} must be a number > 0{' ' + extra if extra else ''}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -22,11 +22,23 @@ How a batch comes together (all on one event loop):
 4. When the pool holds enough groups, the batch takes them in admission order; a group is used
    at most `reuse_limit` times, each time only while fresh enough.
 
-`next_batch` waits at most `wait_timeout_s`, then raises `ConsumerTimeout` naming the workers
-last seen and the rejects by reason. The state (`state_dict()`, JSON) holds the cursor, the keys
-seen within the window, the pending queue and the reuse ledger: a trainer restarted from it
-neither re-consumes nor skips a group (groups in the ledger are downloaded again).
-Not thread-safe: call every method from the loop that runs the consumer.
+`next_batch` waits as long as it takes by default, logging what it has and what it needs every
+`progress_interval_s`; with `wait_timeout_s` set it raises `ConsumerTimeout` after that long,
+naming the workers last seen and the rejects by reason.
+
+Store outages. Every store call the loop depends on (listings, record downloads, the state in
+the bucket, opening the run) waits out an outage of any length (`retry.through_outages`: the
+error logged when it starts and then every `progress_interval_s`, a jittered backoff capped at
+`store_retry_max_delay_s`) and carries on by itself when the store answers. A record download
+that fails as unavailable asks the store a cheap question (HEAD of the pointer, one probe shared
+by every download): if the store does not answer, the downloads wait without counting the try;
+if it does, only that object fails and the try counts towards `max_download_attempts`. A
+`StoreConfigError` (credentials, bucket) is raised at once.
+
+The state (`state_dict()`, JSON) holds the cursor, the keys seen within the window, the pending
+queue and the reuse ledger: a trainer restarted from it neither re-consumes nor skips a group
+(groups in the ledger are downloaded again). Not thread-safe: call every method from the loop
+that runs the consumer.
 """
 
 from __future__ import annotations
@@ -36,14 +48,15 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.records import RolloutGroup
-from slime_stoa.protocol.store import NotFound, Store, StoreError
+from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreError, StoreUnavailable
+from slime_stoa.protocol.store.retry import outage_policy, through_outages
 from slime_stoa.protocol.validate import RecordRejected
 
 from . import policy
@@ -57,7 +70,7 @@ from .metrics import (
     rejects_by_reason,
     worker_counter,
 )
-from .persistence import read_state, write_state
+from .persistence import read_state, write_state_retried
 from .run_context import open_run_context
 from .scoring import Decode, PromptOf, Rescorer
 from .state import ConsumerState, name_worker
@@ -70,12 +83,13 @@ from .workers import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LOUD_REJECTS = 10  # rejects logged as warnings per reason; later ones every 1,000th
 
 
 class ConsumerTimeout(TimeoutError):
-    """`next_batch` waited `wait_timeout_s` without getting enough groups."""
+    """`next_batch` waited `wait_timeout_s` (when set) without getting enough groups."""
 
     def __init__(self, message: str, *, needed: int, ready: int, rejects: dict[str, int]) -> None:
         super().__init__(message)
@@ -123,6 +137,10 @@ class _Retry(Exception):
     """A download failed and stays queued for another attempt."""
 
 
+class _StoreWasDown(Exception):
+    """A download failed during an outage that is now over: try it again at once, uncounted."""
+
+
 class RolloutConsumer:
     def __init__(
         self,
@@ -162,6 +180,8 @@ class RolloutConsumer:
         self._prefetch: asyncio.Task[bool] | None = None
         self._etag: str | None = None
         self._logged: dict[str, int] = {}
+        self._probe: asyncio.Task[bool] | None = None  # the shared "is the store down?" question
+        self._fatal: StoreConfigError | None = None  # a download met a config error: raise it
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -178,14 +198,45 @@ class RolloutConsumer:
         clock: Callable[[], float] = time.time,
     ) -> RolloutConsumer:
         """A consumer for `config.run`: reads the run manifest, task and tokenizer (see
-        `run_context.open_run_context`), and with `restore` resumes from the bucket's state."""
-        ctx = await open_run_context(
-            store, config, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of
+        `run_context.open_run_context`; through store outages), and with `restore` resumes from
+        the bucket's state."""
+        ctx = await patiently(
+            config,
+            lambda: open_run_context(
+                store, config, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of
+            ),
+            f"opening run {config.run!r} in {store.url}",
         )
         consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock)
         if restore:
             await consumer.load_from_bucket()
         return consumer
+
+    # -- store calls through outages --------------------------------------------------------------
+    async def patiently(self, op: Callable[[], Awaitable[T]], describe: str) -> T:
+        """`op()`, waiting out a store outage of any length (see the module doc)."""
+        return await patiently(self.config, op, describe, on_outage=lambda _exc: self._count("store_outage_retries"))
+
+    async def _store_was_down(self) -> bool:
+        """After a record GET failed as unavailable: wait until the store answers a cheap probe
+        (one probe shared by every download). True if it did not answer at first (an outage)."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._run_probe(), name="stoa-store-probe")
+        return await asyncio.shield(self._probe)
+
+    async def _run_probe(self) -> bool:
+        down = False
+
+        async def probe() -> bool:
+            nonlocal down
+            try:
+                return await self.store.exists(self.layout.pointer)
+            except StoreUnavailable:
+                down = True
+                raise
+
+        await self.patiently(probe, f"record downloads from {self.store.url}")
+        return down
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -206,6 +257,7 @@ class RolloutConsumer:
             ledger=ledger,
             counters=dict(s.counters),
             last_seen=dict(s.last_seen),
+            replay=s.replay,
         )
         return snapshot.to_json()
 
@@ -222,22 +274,36 @@ class RolloutConsumer:
         self._discovery.state = state
         self._batch_counters = dict(state.counters)
 
+    async def bucket_state(self) -> dict[str, Any] | None:
+        """The bucket's saved state (`state_dict()` form), or None; remembers its ETag for the
+        next `save_state`. Waits out store outages."""
+        state, etag = await self.patiently(
+            lambda: read_state(self.store, self.config.run), f"reading the consumer state of run {self.config.run!r}"
+        )
+        self._etag = etag
+        return None if state is None else state.to_json()
+
     async def load_from_bucket(self, *, apply: bool = True) -> bool:
         """Read the bucket's saved state (remembering its ETag for the next `save_state`) and,
-        with `apply`, resume from it. True if the bucket had one."""
-        state, etag = await read_state(self.store, self.config.run)
-        self._etag = etag
+        with `apply`, resume from it. True if the bucket had one. Waits out store outages."""
+        state = await self.bucket_state()
         if state is None:
             return False
         if apply:
-            self.load_state_dict(state.to_json())
+            self.load_state_dict(state)
         return True
 
-    async def save_state(self) -> None:
-        """Write `state_dict()` to `runs/<run>/trainer/consumer.json` by compare-and-swap
-        (`StateConflict` if another trainer wrote it since we last read or wrote it)."""
-        state = ConsumerState.from_json(self.state_dict())
-        self._etag = await write_state(self.store, state, self._etag)
+    async def save_state(self, snapshot: dict[str, Any] | None = None) -> None:
+        """Write `snapshot` (default: `state_dict()` now) to `runs/<run>/trainer/consumer.json` by
+        compare-and-swap (`StateConflict` if another trainer wrote it since we last read or wrote
+        it). Waits out store outages."""
+        state = ConsumerState.from_json(self.state_dict() if snapshot is None else snapshot)
+        self._etag = await write_state_retried(
+            self.store,
+            state,
+            self._etag,
+            retry=lambda attempt: self.patiently(attempt, f"saving the consumer state of run {self.config.run!r}"),
+        )
 
     # -- counting ------------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -294,25 +360,43 @@ class RolloutConsumer:
         key = self._prefix + name
         self._count("get_requests")
         try:
-            # Size unknown (an old state): read at most one byte past the limit.
-            result = await self.store.get(key, length=None if size is not None else limit + 1)
+            # Never more than one byte past the limit, even if the object grew since it was listed.
+            result = await self.store.get(key, length=limit + 1)
         except NotFound:
             raise RecordRejected("missing", "listed, then gone (deleted by retention?)") from None
+        except StoreConfigError:
+            raise  # credentials, bucket: fatal for the whole consumer (see _download)
+        except StoreUnavailable as exc:
+            if await self._store_was_down():
+                raise _StoreWasDown from None
+            self._count_failed_attempt(name, key, exc)
         except StoreError as exc:
-            attempts = self._attempts[name] = self._attempts.get(name, 0) + 1
-            if attempts >= self.config.max_download_attempts:
-                raise RecordRejected("download", f"{attempts} attempts failed; last: {exc}") from None
-            log.warning("stoa: download of %s failed (attempt %d), will retry: %s", key, attempts, exc)
-            raise _Retry from None
+            self._count_failed_attempt(name, key, exc)
         assert result is not None
         if result.size > limit:
             raise RecordRejected("too_large", f"object is {result.size} bytes, limit {limit}")
         return result.data
 
+    def _count_failed_attempt(self, name: str, key: str, exc: StoreError) -> NoReturn:
+        """Raise `_Retry`, or reject the record once it failed `max_download_attempts` times."""
+        attempts = self._attempts[name] = self._attempts.get(name, 0) + 1
+        if attempts >= self.config.max_download_attempts:
+            raise RecordRejected("download", f"{attempts} attempts failed; last: {exc}") from None
+        log.warning("stoa: download of %s failed (attempt %d), will retry: %s", key, attempts, exc)
+        raise _Retry from None
+
     async def _download(self, name: str, size: int | None, uses: int | None) -> None:
         try:
-            data = await self._fetch(name, size)
+            while True:
+                try:
+                    data = await self._fetch(name, size)
+                    break
+                except _StoreWasDown:
+                    continue  # the outage is over: again, at once
         except _Retry:
+            return
+        except StoreConfigError as exc:  # the key stays queued; next_batch raises this
+            self._fatal = exc
             return
         except RecordRejected as exc:
             self._forget(name)
@@ -336,6 +420,7 @@ class RolloutConsumer:
                 rescorer=self.rescorer,
                 reward_tolerance=self.config.reward_tolerance,
                 now=self.clock(),
+                replay=self._state.replay,
             )
         except RecordRejected as exc:
             self._reject(name, exc.reason, exc.detail)
@@ -382,24 +467,32 @@ class RolloutConsumer:
         return self.config.max_pool_groups - len(self._pool) - len(self._state.pending) - len(self._restore)
 
     async def _poll_tail(self) -> int:
-        result = await self._discovery.tail(self._capacity())
+        result = await self.patiently(
+            lambda: self._discovery.tail(self._capacity()), f"listing new records of run {self.config.run!r}"
+        )
         self._count_poll(result)
         return len(result.new)
 
     async def _poll_sweep(self, window_ms: int | None = None) -> int:
-        result = await self._discovery.sweep(window_ms)
+        result = await self.patiently(
+            lambda: self._discovery.sweep(window_ms), f"listing late records of run {self.config.run!r}"
+        )
         self._count_poll(result)
         if result.late:
             log.info("stoa: found %d late record(s) behind the cursor", result.late)
         return len(result.new)
 
     # -- the wait ------------------------------------------------------------------------------
-    async def _fill(self, target: int, deadline: float | None) -> bool:
+    async def _fill(self, target: int, deadline: float | None, *, quiet: bool = False) -> bool:
         """Discover, download and judge until the pool holds `target` groups (True), or until
-        `deadline` (monotonic seconds) passes (False)."""
+        `deadline` (monotonic seconds; None: no limit) passes (False). Progress is logged every
+        `progress_interval_s` unless `quiet` (the background prefetch)."""
         cfg = self.config
-        next_log = time.monotonic() + cfg.progress_interval_s
+        started = time.monotonic()
+        next_log = started + cfg.progress_interval_s
         while True:
+            if self._fatal is not None:
+                raise self._fatal
             self._expire()
             need = target - len(self._pool)
             if need <= 0:
@@ -437,10 +530,10 @@ class RolloutConsumer:
                 await asyncio.sleep(timeout)
             if time.monotonic() >= next_log:
                 next_log = time.monotonic() + cfg.progress_interval_s
-                if deadline is not None:  # the background prefetch waits quietly
-                    log.info("stoa: %s", self._progress(target))
+                if not quiet:
+                    log.info("stoa: %s", self._progress(target, time.monotonic() - started))
 
-    def _progress(self, target: int) -> str:
+    def _progress(self, target: int, waited: float) -> str:
         rejects = rejects_by_reason(self._state.counters)
         reject_text = ", ".join(f"{r}={c}" for r, c in rejects.items()) or "none"
         newest = max(self._state.last_seen.items(), key=lambda kv: kv[1], default=None)
@@ -450,8 +543,8 @@ class RolloutConsumer:
             else "no record discovered yet"
         )
         return (
-            f"waiting for {target} groups of run {self.config.run!r} (trainer v{self._trainer_version}): "
-            f"{len(self._pool)} ready, {len(self._inflight)} downloading, {self._queued()} queued; "
+            f"waited {waited:.0f} s for {target} groups of run {self.config.run!r} (trainer v{self._trainer_version}): "
+            f"have {len(self._pool)} of {target} ready, {len(self._inflight)} downloading, {self._queued()} queued; "
             f"rejected so far: {reject_text}; {seen}"
         )
 
@@ -521,7 +614,8 @@ class RolloutConsumer:
         """Wait until `n_groups` usable groups are ready and return them with the batch metrics.
 
         `trainer_version`: the trainer's latest published weight version (staleness is measured
-        against it). Raises `ConsumerTimeout` after `wait_timeout_s`.
+        against it). Waits as long as it takes, or raises `ConsumerTimeout` after `wait_timeout_s`
+        when that is set.
         """
         if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
             raise ValueError(f"n_groups must be an int >= 1, got {n_groups!r}")
@@ -534,7 +628,8 @@ class RolloutConsumer:
         await self._stop_prefetch()
         self._trainer_version = trainer_version
         start = time.monotonic()
-        if not await self._fill(n_groups, start + self.config.wait_timeout_s):
+        timeout = self.config.wait_timeout_s
+        if not await self._fill(n_groups, None if timeout is None else start + timeout):
             raise await self._timeout_error(n_groups, time.monotonic() - start)
         wait_s = time.monotonic() - start
         groups = self._take(n_groups)
@@ -553,6 +648,7 @@ class RolloutConsumer:
             pool=len(self._pool),
             pending=len(self._state.pending) + len(self._restore),
         )
+        metrics["rollout/stoa_store_outage_retries"] = float(gained.get("store_outage_retries", 0))
         self._scored_rewards = []
         log.info(
             "stoa: batch of %d groups from %d worker(s) after %.1f s (version lag mean %.2f, max %d)",
@@ -560,15 +656,36 @@ class RolloutConsumer:
             metrics["rollout/stoa_version_lag_mean"], int(metrics["rollout/stoa_version_lag_max"]),
         )
         if self.config.prefetch_groups > 0:
-            self._prefetch = asyncio.create_task(self._fill(self.config.prefetch_groups, None))
+            self._prefetch = asyncio.create_task(self._fill(self.config.prefetch_groups, None, quiet=True))
         return Batch(groups=tuple(groups), metrics=metrics, trainer_version=trainer_version)
 
     async def close(self) -> None:
         """Stop background work (the prefetch and downloads in flight). The store stays open."""
         await self._stop_prefetch()
-        tasks = list(self._inflight.values())
+        tasks: list[asyncio.Task[Any]] = list(self._inflight.values())
+        if self._probe is not None:
+            tasks.append(self._probe)
+            self._probe = None
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
         self._inflight.clear()
+
+
+async def patiently(
+    config: ConsumerConfig,
+    op: Callable[[], Awaitable[T]],
+    describe: str,
+    *,
+    on_outage: Callable[[BaseException], object] | None = None,
+) -> T:
+    """`op()` through store outages of any length, with `config`'s backoff cap and log interval."""
+    return await through_outages(
+        op,
+        describe=describe,
+        policy=outage_policy(config.store_retry_max_delay_s),
+        log_interval_s=config.progress_interval_s,
+        logger=log,
+        on_outage=on_outage,
+    )

@@ -3,14 +3,19 @@
 One trainer consumes a run. Its state object is created with put-if-absent and then replaced
 only if its ETag did not move since this trainer read or wrote it; a second trainer (or a stale
 one) gets `StateConflict` instead of silently forking the cursors.
+
+`write_state_retried` is the write that outlasts a store outage: a retry after a try whose
+answer was lost (the write may have landed) that then meets a "conflict" checks whether the
+bucket holds exactly this state, i.e. our own earlier try, and takes it as done.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store
+from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
 
 from .state import ConsumerState
 
@@ -55,3 +60,33 @@ async def write_state(store: Store, state: ConsumerState, etag: str | None) -> s
             f"trainer is consuming run {state.run!r} (stop it), or restart this one to resume "
             f"from the bucket's state"
         ) from None
+
+
+async def write_state_retried(
+    store: Store,
+    state: ConsumerState,
+    etag: str | None,
+    *,
+    retry: Callable[[Callable[[], Awaitable[str]]], Awaitable[str]],
+) -> str:
+    """`write_state`, with each try run by `retry` (e.g. `through_outages`); returns the new ETag.
+
+    A `StateConflict` after a try failed as `StoreUnavailable` is checked: if the bucket holds
+    exactly `state`, that try landed and its answer was lost, so the write is done."""
+    ambiguous = False
+
+    async def attempt() -> str:
+        nonlocal ambiguous
+        try:
+            return await write_state(store, state, etag)
+        except StoreUnavailable:
+            ambiguous = True
+            raise
+        except StateConflict:
+            if ambiguous:
+                current, current_etag = await read_state(store, state.run)
+                if current == state and current_etag is not None:
+                    return current_etag
+            raise
+
+    return await retry(attempt)

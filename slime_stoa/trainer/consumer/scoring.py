@@ -65,10 +65,31 @@ class Rescorer:
             ids.pop()
         return self.decode(ids)
 
+    def finish_problem(
+        self, tokens: Sequence[int] | np.ndarray, finish_reason: str, text: str, group: RolloutGroup
+    ) -> str | None:
+        """Why a sample's finish reason contradicts its tokens, or None.
+
+        The worker's rules (`macd.generate`): "stop" when it drew an EOS token (kept as the last
+        token) or completed a stop string; "length" when it drew `max_tokens` tokens without
+        either. The validator already refused "length" below the limit; here, with the
+        tokenizer: a "stop" at the limit must end on an EOS token or hold a stop string, and a
+        "length" must do neither. Skipped when the EOS ids are unknown (empty)."""
+        if not self.eos_ids or len(tokens) == 0:
+            return None
+        ends_on_eos = int(tokens[-1]) in self.eos_ids
+        has_stop = any(s in text for s in group.sampling.stop)
+        if finish_reason == "length" and (ends_on_eos or has_stop):
+            return "'length', but it ends on an EOS token or holds a stop string"
+        if finish_reason == "stop" and len(tokens) >= group.sampling.max_tokens and not (ends_on_eos or has_stop):
+            return "'stop' at max_tokens without an EOS token or a stop string"
+        return None
+
     def score(self, group: RolloutGroup) -> Scored:
         """Rewards of a validated group; RecordRejected (`task`, `prompt_index`, `prompt`,
-        `reward`) if the record names another task or an item that does not exist, carries
-        another prompt than that item's, or cannot be scored."""
+        `reward`, `finish_mismatch`) if the record names another task or an item that does not
+        exist, carries another prompt than that item's, cannot be scored, or gives a finish
+        reason its tokens contradict (`finish_problem`)."""
         if group.task_id != self.task.name:
             raise RecordRejected("task", f"record is for task {group.task_id!r}, the run's is {self.task.name!r}")
         if not 0 <= group.prompt_index < len(self.task):
@@ -90,6 +111,8 @@ class Rescorer:
                 reward = float(self.task.reward(text, item.label))
             except Exception as exc:  # a decoder or task bug must not take the consumer down
                 raise RecordRejected("reward", f"samples[{i}]: {type(exc).__name__}: {exc}") from exc
+            if problem := self.finish_problem(sample.response_tokens, sample.finish_reason, text, group):
+                raise RecordRejected("finish_mismatch", f"samples[{i}]: {problem}")
             if not math.isfinite(reward):
                 raise RecordRejected("reward", f"samples[{i}]: task reward {reward} is not finite")
             texts.append(text)

@@ -47,7 +47,9 @@ STATUSES = (OK, WARN, FIX)
 
 STOA_ROLLOUT_FUNCTION = "slime_stoa.generate_rollout"
 STOA_LOSS_FUNCTION = "slime_stoa.dppo_loss"
+STOA_DATA_SOURCE = "slime_stoa.StoaDataSource"
 SLIME_DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+SLIME_DEFAULT_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ def slime_flag_parser() -> argparse.ArgumentParser:
     add("--debug-train-only", action="store_true", default=False)
     add("--debug-rollout-only", action="store_true", default=False)
     add("--rollout-function-path", default=SLIME_DEFAULT_ROLLOUT_FUNCTION)
+    add("--data-source-path", default=SLIME_DEFAULT_DATA_SOURCE)
     add("--rollout-temperature", type=float, default=1.0)
     add("--rollout-top-p", type=float, default=1.0)
     add("--rollout-max-response-len", type=int, default=None)
@@ -398,6 +401,29 @@ def check_rollout_function(args: argparse.Namespace, config: Config = None) -> F
     return ok(check, f"--rollout-function-path {path} imports")
 
 
+def check_data_source(args: argparse.Namespace, config: Config = None) -> Finding:
+    """`--data-source-path` is stoa's: the consumer state is then saved after every batch."""
+    path = getattr(args, "data_source_path", SLIME_DEFAULT_DATA_SOURCE)
+    check = "data-source-path"
+    advice = (
+        f"add --data-source-path {STOA_DATA_SOURCE} (the consumer state is then saved next to the checkpoint after "
+        "every batch, so a killed trainer resumes with no group used twice and none skipped)"
+    )
+    if path == SLIME_DEFAULT_DATA_SOURCE:
+        return warn(
+            check,
+            "--data-source-path is slime's default: the consumer state is kept only in its checkpoints' metadata "
+            f"(a restart consumes again the groups of the rollouts after the last checkpoint); {advice}",
+        )
+    if _same_function(path, "slime_stoa.trainer.slime.data_source.StoaDataSource"):
+        return ok(check, f"--data-source-path {path}: the consumer state is saved after every batch")
+    try:
+        load_function(path)
+    except ValueError as exc:
+        return fix(check, f"{_src(config, 'data_source_path')} {path!r} does not import here ({exc}): {advice}")
+    return warn(check, f"--data-source-path {path} is not stoa's: {advice}")
+
+
 def check_loss(args: argparse.Namespace, config: Config = None) -> list[Finding]:
     """`--loss-type custom_loss` with an importable `--custom-loss-function-path`; estimator and
     log-prob flags that suit it."""
@@ -494,11 +520,12 @@ def check_custom_config(
     if publish is True:
         out.append(ok("stoa-publish", "stoa_publish: true (the patched update_weights publishes to the bucket)"))
     else:
+        found = "has no stoa_publish" if "stoa_publish" not in config else f"has stoa_publish {publish!r}"
         out.append(
             fix(
                 "stoa-publish",
-                f"{path} has stoa_publish {publish!r}: set `stoa_publish: true` (a YAML boolean), "
-                "or slime publishes nothing",
+                f"{path} {found}: set `stoa_publish: true` (a YAML boolean), or slime publishes nothing "
+                "(and the rollout function stops at its second rollout: the weight pointer does not move)",
             )
         )
     known = known_settings()
@@ -557,7 +584,17 @@ def check_settings(args: argparse.Namespace) -> list[Finding]:
             rollout.config_from_args(args)
             rollout.tokenizer_dir_from_args(args)
             rollout.state_in_bucket_from_args(args)
+            grace = rollout.publishing_check_from_args(args)
             out.append(ok("rollout-settings", "the rollout function's stoa_* settings parse"))
+            if grace is None:
+                out.append(
+                    warn(
+                        "check-publishing",
+                        "stoa_check_publishing is false: a trainer that stops publishing weights (patch not applied, "
+                        "stoa_publish missing, publisher errors) goes unnoticed while the Macs sample old weights; "
+                        "keep it only for slime's train_async.py or --update-weights-interval > 1",
+                    )
+                )
         except ValueError as exc:
             out.append(fix("rollout-settings", f"rollout function settings: {exc}"))
     if getattr(args, "stoa_publish", None) is True:
@@ -613,6 +650,7 @@ def check_flags(args: argparse.Namespace, manifest: RunManifest | None, config: 
     out.append(check_batch_sizes(args))
     out += check_schedule(args)
     out.append(check_rollout_function(args, config))
+    out.append(check_data_source(args, config))
     out += check_loss(args, config)
     return out
 

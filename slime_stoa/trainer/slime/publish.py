@@ -58,7 +58,7 @@ from slime_stoa.protocol.pulse.publisher import (
     PublishResult,
 )
 from slime_stoa.protocol.store import Store, StoreUnavailable, open_store
-from slime_stoa.protocol.store.retry import RetryPolicy, with_retries
+from slime_stoa.protocol.store.retry import RetryPolicy, through_outages, with_retries
 
 from ..loop_thread import LoopThread
 from .settings import as_float, as_int, check_bucket_and_run, field_parsers, required_setting
@@ -162,6 +162,15 @@ def _is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, (PublishError, StoreUnavailable)) and not isinstance(exc, PublishConflict)
 
 
+def _is_outage(exc: BaseException) -> bool:
+    """The store did not answer: directly, or under the PublishError the publisher wraps it in."""
+    if isinstance(exc, PublishConflict):
+        return False
+    return isinstance(exc, StoreUnavailable) or (
+        isinstance(exc, PublishError) and isinstance(exc.__cause__, StoreUnavailable)
+    )
+
+
 async def publish_with_retries(
     op: Callable[[], Awaitable[T]],
     *,
@@ -170,18 +179,23 @@ async def publish_with_retries(
     what: str,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
 ) -> T:
-    """Await `op()`, retrying `PublishError` and `StoreUnavailable` up to `retries` times.
+    """Await `op()`: a store outage of any length is waited out (the training pauses, logging
+    every minute, and goes on when the store answers: a failed publish never moved the pointer,
+    so trying again is safe); any other `PublishError` is retried up to `retries` times.
 
-    The delay starts at `backoff_s` and doubles (no jitter: one publisher per run). A
-    `PublishConflict` (another publisher owns the run) is raised at once; after the last attempt
-    a `PublishError` says how many were made.
+    The delay between those starts at `backoff_s` and doubles (no jitter: one publisher per
+    run). A `PublishConflict` (another publisher owns the run) is raised at once; after the
+    last attempt a `PublishError` says how many were made.
     """
 
     def note(exc: BaseException, attempt: int, delay: float) -> None:
         log.warning("stoa: %s: attempt %d failed (%s); retrying in %.1fs", what, attempt, exc, delay)
 
+    async def attempt() -> T:
+        return await through_outages(op, describe=what, is_retryable=_is_outage, logger=log, sleep=sleep)
+
     return await with_retries(
-        op,
+        attempt,
         policy=RetryPolicy(attempts=retries + 1, base_delay=backoff_s, max_delay=math.inf, jitter=False),
         is_retryable=_is_retryable,
         describe=what,

@@ -1,15 +1,18 @@
 """slime's rollout function for stoa: training batches from the bucket instead of SGLang engines.
 
-Run slime with `--rollout-function-path slime_stoa.generate_rollout --rollout-num-gpus 0` (the
-module path `slime_stoa.trainer.slime.rollout.generate_rollout` is the same function) and put the settings in the
-`--custom-config-path` YAML, which slime sets as attributes of `args` in every process:
+Run slime with `--rollout-function-path slime_stoa.generate_rollout --rollout-num-gpus 0
+--data-source-path slime_stoa.StoaDataSource` (the module paths
+`slime_stoa.trainer.slime.rollout.generate_rollout` and
+`slime_stoa.trainer.slime.data_source.StoaDataSource` are the same objects) and put the settings
+in the `--custom-config-path` YAML, which slime sets as attributes of `args` in every process:
 
     stoa_bucket: s3://bucket/prefix?endpoint=https://host   # required: store URL (file://, s3://, r2://)
     stoa_run: my-run                                       # required: run name in the bucket
     # optional (ConsumerConfig fields; defaults in slime_stoa.trainer.consumer.config):
     stoa_staleness_limit: 4          # default: the run manifest's staleness_limit
     stoa_reuse_limit: 1              # default: the run manifest's reuse_limit
-    stoa_wait_timeout_s: 1800        # then the rollout fails, naming the workers last seen
+    stoa_wait_timeout_s: null        # default: wait as long as it takes; a number: then the
+                                     #   rollout fails, naming the workers last seen
     stoa_poll_interval_s: 1.0        # pause between listings while waiting
     stoa_skew_window_ms: 60000       # late keys are still found this far behind the cursor
     stoa_sweep_interval_s: 5.0       # how often that window is listed again
@@ -25,34 +28,56 @@ module path `slime_stoa.trainer.slime.rollout.generate_rollout` is the same func
     stoa_prefetch_groups: 0          # download this many groups in the background while the
                                      #   trainer trains (e.g. the rollout batch size)
     stoa_version_ahead_slack: 1
-    stoa_progress_interval_s: 30
+    stoa_progress_interval_s: 60     # progress of a wait (and a store outage) logged this often
+    stoa_store_retry_max_delay_s: 30 # longest pause between tries while the store is down
+    # optional, read here:
     stoa_tokenizer_dir: /path/to/hf  # local folder with tokenizer.json (default: the anchor's)
     stoa_state_in_bucket: true       # also write the consumer state to the bucket every rollout
+    stoa_check_publishing: true      # fail when the trainer stops publishing (see below)
+    stoa_publish_grace_s: 120        # how long a rollout waits for the previous step's version
 
 Store credentials come from the environment, as for every stoa store URL.
 
 What one call does: reads the trainer's published version from the run's pointer, waits for
 `--rollout-batch-size` usable groups (`slime_stoa.trainer.consumer.RolloutConsumer`: validated,
-re-scored with the run's task and tokenizer, fresh enough), and returns them as
-`RolloutFnTrainOutput(samples=[[Sample] * n_samples_per_prompt] * rollout_batch_size, metrics)`.
-`--n-samples-per-prompt` must equal the run's group size. Each group stays contiguous, so
-slime's GRPO normalisation is per prompt.
+re-scored with the run's task and tokenizer, fresh enough), persists the consumer state, and
+returns them as `RolloutFnTrainOutput(samples=[[Sample] * n_samples_per_prompt] *
+rollout_batch_size, metrics)`. `--n-samples-per-prompt` must equal the run's group size. Each
+group stays contiguous, so slime's GRPO normalisation is per prompt.
 
-Indices. `index` and `group_index` come from `data_source.get_samples(rollout_batch_size)`, the
-documented way (slime's own rollout does the same): without `--prompt-data` slime's data source
-hands out blank samples that carry only those two counters, and it checkpoints the counters, so
-ids stay unique and consistent across restarts. Prompts come from the bucket, not from the data
-source: do not set `--prompt-data` (its prompts would be ignored; a warning says so).
+Waiting. A call waits as long as it takes (a quiet fleet heals when Macs come back), logging
+every `stoa_progress_interval_s` how many groups it has and needs; a store outage of any length
+pauses it (logged with the error, every minute) and it carries on when the store answers. Only a
+`StoreConfigError` (credentials, bucket) or a bad setting fails the rollout; `stoa_wait_timeout_s`
+brings back a time limit.
 
-Persistence. The consumer state (cursor, keys seen in the skew window, pending keys, reuse
-ledger, counters) is put in `data_source.metadata["stoa_consumer"]` after every call; slime's
-data source saves its metadata with each checkpoint (`--save`, keep the rollout global dataset
-on, the default) and loads it on resume, so a trainer restarted from checkpoint R resumes the
-consumer exactly as it was after rollout R: no group is skipped, and only the groups of rollouts
-whose training was lost are consumed again (at most reuse_limit uses per group still holds per
-history). With `stoa_state_in_bucket` the state is also written to `runs/<run>/trainer/consumer.json`
-(compare-and-swap: a second trainer on the same run fails instead of forking the cursor); a
-process that finds no state in its checkpoint resumes from that object.
+Publisher liveness. slime calls the rollout function once per rollout and the (patched)
+`update_weights` publishes a version after each train step, so each call after the first finds
+the pointer one version further than the previous call saw. If it has not moved within
+`stoa_publish_grace_s`, the call raises `PublishingStalled` naming the likely causes (stoa's slime
+patch not applied; `stoa_publish: true` missing from the YAML; publisher errors in the trainer
+log) instead of training on and on while the Macs sample old weights. The first call of a
+process is exempt. Set `stoa_check_publishing: false` where the pointer does not move once per
+rollout by design: slime's `train_async.py` (it generates rollout r+1 before publishing r) or
+`--update-weights-interval` > 1; `--debug-train-only` / `--debug-rollout-only` (slime publishes
+nothing) turn the check off by themselves, with a warning.
+
+Indices. `index` and `group_index` come from `data_source.get_samples(rollout_batch_size)`
+(slime's own rollout does the same): `StoaDataSource` hands out blank samples carrying only those
+two counters and persists them with the consumer state; slime's default data source, without
+`--prompt-data`, does the same and checkpoints them. Prompts come from the bucket, not from the
+data source: do not set `--prompt-data` (its prompts would be ignored; a warning says so).
+
+Persistence. With `--data-source-path slime_stoa.StoaDataSource` the consumer state (cursor,
+keys seen in the skew window, pending keys, reuse ledger, counters) is written atomically to
+`<--save>/rollout/stoa_consumer_state.json` after every batch, BEFORE the batch is returned to
+slime, and (with `stoa_state_in_bucket`) to `runs/<run>/trainer/consumer.json` in the bucket
+(compare-and-swap: a second trainer on the same run fails instead of forking the cursor). A
+trainer killed at any moment resumes from the newer of the two: no group used twice, none
+skipped; the groups of a batch that was handed out but whose training was lost are not trained
+again. With slime's default data source the state goes into `data_source.metadata` (which slime
+marks for removal and saves only with checkpoints), as before: a restart from checkpoint R
+consumes again the groups of the rollouts after R; a warning suggests the data source above.
 
 Evaluation is not supported yet: `evaluation=True` raises `EvaluationNotSupported`; do not set
 `--eval-interval`.
@@ -63,8 +88,10 @@ its store connections.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,12 +106,15 @@ from slime_stoa.trainer.consumer import (
 )
 
 from ..loop_thread import LoopThread
-from .settings import as_bool, as_path, check_bucket_and_run, field_parsers, required_setting
+from .data_source import StoaDataSource
+from .settings import as_bool, as_float, as_path, check_bucket_and_run, field_parsers, required_setting
 
 log = logging.getLogger(__name__)
 
 PREFIX = "stoa_"
 METADATA_KEY = "stoa_consumer"
+DATA_SOURCE_PATH = "slime_stoa.StoaDataSource"
+DEFAULT_PUBLISH_GRACE_S = 120.0
 EVAL_MESSAGE = (
     "evaluation is not supported yet: do not set --eval-interval "
     "(stoa's rollout function only serves training batches from the bucket)"
@@ -96,17 +126,15 @@ class EvaluationNotSupported(NotImplementedError):
     """slime asked the stoa rollout function for an evaluation."""
 
 
+class PublishingStalled(RuntimeError):
+    """The run's pointer did not move after a train step: the trainer publishes nothing."""
+
+
 # -- settings -------------------------------------------------------------------------------------
-
-
-
-
-
-
 # ConsumerConfig field -> parser (by the field's type); the setting is PREFIX + field name.
 CONFIG_FIELDS = field_parsers(ConsumerConfig, exclude=("store_url", "run", "record_limits"))
 # The settings read besides those (PREFIX + name).
-OTHER_SETTINGS = ("bucket", "run", "tokenizer_dir", "state_in_bucket")
+OTHER_SETTINGS = ("bucket", "run", "tokenizer_dir", "state_in_bucket", "check_publishing", "publish_grace_s")
 
 
 def config_from_args(args: Any) -> ConsumerConfig:
@@ -138,11 +166,49 @@ def state_in_bucket_from_args(args: Any) -> bool:
     return True if value is None else as_bool(PREFIX + "state_in_bucket", value)
 
 
+def publishing_check_from_args(args: Any) -> float | None:
+    """The grace (seconds) the publisher-liveness check gives a version, or None when the check
+    is off (`stoa_check_publishing: false`). ValueError naming a bad setting."""
+    value = getattr(args, PREFIX + "check_publishing", None)
+    enabled = True if value is None else as_bool(PREFIX + "check_publishing", value)
+    raw = getattr(args, PREFIX + "publish_grace_s", None)
+    grace = DEFAULT_PUBLISH_GRACE_S if raw is None else as_float(PREFIX + "publish_grace_s", raw)
+    if not grace >= 0 or grace == float("inf"):
+        raise ValueError(f"{PREFIX}publish_grace_s must be a finite number >= 0, got {raw!r}")
+    return grace if enabled else None
+
+
 def _positive(args: Any, name: str) -> int:
     value = getattr(args, name, None)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"slime's args.{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def _progress(state: dict[str, Any] | None) -> int:
+    """How far a saved consumer state got: groups handed out (grows with every batch)."""
+    if not isinstance(state, dict):
+        return -1
+    counters = state.get("counters")
+    value = counters.get("groups_used", 0) if isinstance(counters, dict) else 0
+    return value if isinstance(value, int) else 0
+
+
+def stall_message(*, run: str, url: str, rollout_id: Any, previous: int | None, now: int | None, grace_s: float) -> str:
+    seen = "no published version" if previous is None else f"v{previous}"
+    found = "still no published version" if now is None else f"still v{now}"
+    expected = "a first version" if previous is None else f"v{previous + 1}"
+    return (
+        f"stoa: the trainer is not publishing its weights: before rollout {rollout_id} the weight pointer of run "
+        f"{run!r} in {url} should have moved from {seen} (the previous rollout) to {expected} after the train step, "
+        f"but it is {found} after {grace_s:.0f} s (stoa_publish_grace_s). The Macs would keep sampling old weights. "
+        "Likely causes: (1) stoa's slime patch is not applied to the slime checkout this trainer runs: "
+        "`python scripts/apply_slime_patches.py <slime checkout> --check` (then without --check to apply it); "
+        "(2) `stoa_publish: true` is missing from the --custom-config-path YAML (it must be the YAML boolean); "
+        "(3) the publisher failed: look for `stoa:` publish errors in the trainer log (the train actors, rank 0). "
+        "If this launch does not publish once per rollout by design (slime's train_async.py, "
+        "--update-weights-interval > 1), set `stoa_check_publishing: false`."
+    )
 
 
 # -- the per-process session -----------------------------------------------------------------------
@@ -153,6 +219,9 @@ class _Session:
         self.config = config
         self.state_in_bucket = state_in_bucket
         self.resumed = False
+        self.calls = 0  # rollouts served by this process
+        self.last_version: int | None = None  # the pointer's version at the previous call (None: none)
+        self.warned: set[str] = set()
         self._loop = LoopThread(f"stoa-consumer-{config.run}", on_close=self._aclose)
         self.store: Store | None = None
         try:
@@ -171,35 +240,96 @@ class _Session:
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.call(coro)
 
-    def resume(self, checkpoint_state: Any) -> str:
-        """Resume once: from the checkpoint's state if it has one for this run, else from the
-        bucket's. Returns where from."""
+    def warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            log.warning(message, *args)
+
+    # -- resuming --------------------------------------------------------------------------------
+    def resume(self, checkpoint_state: Any, *, newest: bool = False) -> str:
+        """Resume once, from the checkpoint's state (if it has one for this run) or the bucket's:
+        with `newest`, whichever got further (the checkpoint's on a tie); else the checkpoint's
+        first (slime's metadata path, as before). Returns where from."""
         self.resumed = True
-        has_bucket_state = self.call(self.consumer.load_from_bucket(apply=False))
-        if isinstance(checkpoint_state, dict) and checkpoint_state.get("run") == self.config.run:
-            self.call(self._apply(checkpoint_state))
+        return self.call(self._resume(checkpoint_state, newest))
+
+    async def _resume(self, checkpoint_state: Any, newest: bool) -> str:
+        bucket = await self.consumer.bucket_state()  # also remembers the ETag for the next save
+        local = checkpoint_state if isinstance(checkpoint_state, dict) and checkpoint_state.get("run") == self.config.run else None
+        if local is not None and (not newest or _progress(local) >= _progress(bucket)):
+            self.consumer.load_state_dict(local)
             return "checkpoint"
-        if has_bucket_state:
-            self.call(self.consumer.load_from_bucket(apply=True))
+        if bucket is not None:
+            self.consumer.load_state_dict(bucket)
             return "bucket"
         return "fresh"
 
-    async def _apply(self, state: dict[str, Any]) -> None:
-        self.consumer.load_state_dict(state)
-
-    async def _batch(self, n: int) -> tuple[Batch, dict[str, Any]]:
+    # -- the pointer -----------------------------------------------------------------------------
+    async def _read_version(self) -> int | None:
+        """The pointer's version (None: nothing published yet), through store outages."""
         assert self.store is not None
-        try:
-            version = (await read_pointer(self.store, self.config.run)).version
-        except NotPublished:
-            version = 0  # nothing published yet
-        batch = await self.consumer.next_batch(n, trainer_version=version)
-        if self.state_in_bucket:
-            await self.consumer.save_state()
-        return batch, self.consumer.state_dict()
+        store = self.store
 
-    def batch(self, n: int) -> tuple[Batch, dict[str, Any]]:
-        return self.call(self._batch(n))
+        async def read() -> int | None:
+            try:
+                return (await read_pointer(store, self.config.run)).version
+            except NotPublished:
+                return None
+
+        return await self.consumer.patiently(read, f"reading the weight pointer of run {self.config.run!r}")
+
+    async def _published_version(self, rollout_id: Any, grace_s: float | None) -> int | None:
+        """The pointer's version; with `grace_s`, after the first call, it must have moved past
+        the previous call's within that long (the time the store was down does not count)."""
+        previous, first = self.last_version, self.calls == 0
+        started = time.monotonic()
+        version = await self._read_version()
+        if first or grace_s is None:
+            return version
+        deadline = started + grace_s
+        if version is None or (previous is not None and version <= previous):
+            log.info(
+                "stoa: rollout %s: waiting up to %.0f s (stoa_publish_grace_s) for the trainer to publish %s "
+                "(the pointer of run %s is at %s)",
+                rollout_id, grace_s, "a first version" if previous is None else f"v{previous + 1}", self.config.run,
+                "no version" if version is None else f"v{version}",
+            )
+        while version is None or (previous is not None and version <= previous):
+            now = time.monotonic()
+            if now >= deadline:
+                raise PublishingStalled(
+                    stall_message(
+                        run=self.config.run, url=self.config.store_url, rollout_id=rollout_id,
+                        previous=previous, now=version, grace_s=grace_s,
+                    )
+                )
+            await asyncio.sleep(min(self.config.poll_interval_s, deadline - now))
+            before = time.monotonic()
+            version = await self._read_version()
+            deadline += max(time.monotonic() - before - 1.0, 0.0)  # an outage does not eat the grace
+        if previous is not None and version > previous + 1:
+            log.warning(
+                "stoa: the weight pointer of run %s moved from v%d to v%d in one rollout (expected one version "
+                "per train step): is another trainer publishing to this run?",
+                self.config.run, previous, version,
+            )
+        return version
+
+    # -- batches ---------------------------------------------------------------------------------
+    async def _batch(self, n: int, rollout_id: Any, grace_s: float | None) -> tuple[Batch, dict[str, Any]]:
+        version = await self._published_version(rollout_id, grace_s)
+        batch = await self.consumer.next_batch(n, trainer_version=0 if version is None else version)
+        self.last_version = version
+        self.calls += 1
+        return batch, self.consumer.state_dict()  # the state with this batch taken
+
+    def batch(self, n: int, rollout_id: Any = None, grace_s: float | None = None) -> tuple[Batch, dict[str, Any]]:
+        """The next batch of `n` groups and the consumer state right after it was taken."""
+        return self.call(self._batch(n, rollout_id, grace_s))
+
+    def save(self, state: dict[str, Any]) -> None:
+        """Write `state` to the bucket (compare-and-swap, through store outages)."""
+        self.call(self.consumer.save_state(state))
 
     async def _aclose(self) -> None:
         if getattr(self, "consumer", None) is not None:
@@ -250,6 +380,21 @@ def _slime_samples(batch: Batch, slots: list[list[Any]], sample_cls: Any) -> lis
     return out
 
 
+def _publish_grace(args: Any, session: _Session) -> float | None:
+    grace = publishing_check_from_args(args)
+    if grace is None:
+        return None
+    for flag in ("debug_train_only", "debug_rollout_only"):
+        if getattr(args, flag, False):
+            session.warn_once(
+                "debug",
+                "stoa: --%s is set: slime publishes no weights, so the publisher-liveness check is off",
+                flag.replace("_", "-"),
+            )
+            return None
+    return grace
+
+
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     """slime rollout function: `rollout_batch_size` groups from the run's bucket (module doc)."""
     if evaluation:
@@ -260,20 +405,39 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     config = config_from_args(args)
     n_groups = _positive(args, "rollout_batch_size")
     group_size = _positive(args, "n_samples_per_prompt")
-    session = _session(config, args)
+    publishing_check_from_args(args)  # a bad setting fails before anything is opened
+    session = _session(config, args)  # opening the run waits out store outages
     if group_size != session.group_size:
         raise ValueError(
             f"--n-samples-per-prompt is {group_size} but run {config.run!r} has groups of {session.group_size}"
         )
-    metadata = _checkpoint_metadata(data_source)
+    ours = isinstance(data_source, StoaDataSource)
+    metadata = None if ours else _checkpoint_metadata(data_source)
+    if not ours:
+        session.warn_once(
+            "data_source",
+            "stoa: slime's data source (%s) keeps the consumer state only in checkpoints (data_source.metadata, "
+            "which slime marks for removal): a restart consumes again the groups of the rollouts after the last "
+            "checkpoint. Add --data-source-path %s: the state is then saved after every batch",
+            type(data_source).__name__, DATA_SOURCE_PATH,
+        )
     if not session.resumed:
-        source = session.resume(metadata.get(METADATA_KEY) if metadata is not None else None)
+        if ours:
+            source = session.resume(data_source.consumer_state(config.run), newest=True)
+        else:
+            source = session.resume(metadata.get(METADATA_KEY) if metadata is not None else None)
         log.info("stoa: consumer of run %s resumed from %s state", config.run, source)
-    batch, state = session.batch(n_groups)
+    batch, state = session.batch(n_groups, rollout_id, _publish_grace(args, session))
     slots = data_source.get_samples(n_groups)
     samples = _slime_samples(batch, slots, Sample)
-    if metadata is not None:
+    # Persist the state with this batch taken BEFORE slime gets the batch: a kill at any moment
+    # then neither hands a group out twice nor skips one.
+    if ours:
+        data_source.commit(state)
+    elif metadata is not None:
         metadata[METADATA_KEY] = state
+    if session.state_in_bucket:
+        session.save(state)
     metrics = dict(batch.metrics)
     metrics["rollout/stoa_trainer_version"] = float(batch.trainer_version)
     log.info("stoa: rollout %s: %d groups at trainer v%d", rollout_id, len(samples), batch.trainer_version)
