@@ -26,6 +26,7 @@ from typing import BinaryIO
 import numpy as np
 
 from slime_stoa.protocol.fsutil import atomic_file
+from slime_stoa.protocol.strict_json import load_json
 
 #: safetensors dtype name -> numpy storage dtype (little-endian). BF16 and the fp8 formats are
 #: stored as unsigned integers holding their bit patterns.
@@ -224,15 +225,6 @@ def write_safetensors(
 # ----------------------------------------------------------------------------------- reading
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"corrupt safetensors header: duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -282,10 +274,9 @@ def parse_header(prefix: bytes | memoryview, total_size: int) -> Header:
             f"corrupt safetensors data: header claims {n} bytes but only {total_size - 8} follow"
         )
     try:
-        text = bytes(prefix[8 : 8 + n]).decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"corrupt safetensors header: not UTF-8 JSON ({e})") from None
+        obj = load_json(bytes(prefix[8 : 8 + n]), max_bytes=MAX_HEADER_BYTES)
+    except ValueError as e:
+        raise ValueError(f"corrupt safetensors header: {e}") from None
     if not isinstance(obj, dict):
         raise ValueError("corrupt safetensors header: top level is not a JSON object")
     metadata = obj.pop(_METADATA_KEY, None)
