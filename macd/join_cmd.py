@@ -207,13 +207,23 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> cfg.RunInfo | int:
             return await cfg.probe_run(store, config.run)
 
     try:
-        return asyncio.run(probe())
+        info = asyncio.run(probe())
     except cfg.RunNotFound:
         return error(
             f"run {config.run!r} does not exist in {config.store}: create it with "
             f"`stoa run create {config.store} --run {config.run} --model <model> --task <task>` "
             f"(or check the run name)"
         )
+    from slime_stoa.tasks import TASKS
+
+    task = info.manifest.task
+    if task not in TASKS:  # the worker could not make a single prompt of it
+        return error(
+            f"run {config.run!r} in {config.store} names task {task!r}, which this macd does not know "
+            f"(known tasks: {', '.join(sorted(TASKS))}): recreate the run with one of them "
+            f"(`stoa run create ... --task <task>`), or upgrade macd if the task is new"
+        )
+    return info
 
 
 def join_report(

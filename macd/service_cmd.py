@@ -233,6 +233,12 @@ def _logs(args: argparse.Namespace) -> int:
     from .cli import error
 
     log = service.log_path(service.label_for(args.instance))
+    if not log.exists() and sys.platform != "darwin":
+        return error(
+            f"no log at {log}: the launchd agent (`macd install` / `macd start`) is macOS-only; "
+            f"on this system run `macd run` in the foreground (it logs to the terminal), or run it "
+            f"from a systemd unit and read its log with `journalctl --user -u <unit>`"
+        )
     if not log.exists():
         return error(
             f"no log at {log} yet: the agent writes it once started (`macd start`); "

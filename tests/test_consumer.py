@@ -21,6 +21,7 @@ import pytest
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.digest import state_digest
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.records import (
     RolloutGroup,
@@ -51,7 +52,6 @@ RUN = "consume"
 G = 4
 MAX_TOKENS = 16
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, stop=())
-DIGEST = "ab" * 16
 ITEMS = generate_items(32, seed=3)
 FAST = dict(poll_interval_s=0.02, sweep_interval_s=0.2, wait_timeout_s=3.0, progress_interval_s=60.0)
 
@@ -91,7 +91,28 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def setup_run(store: Store, tiny: Tiny, *, staleness: int = 2, reuse: int = 1) -> RunManifest:
+def weights(version: int) -> dict[str, np.ndarray]:
+    """The tiny state the tests publish as `version` (records claim its digest by default)."""
+    return {"w": np.full((4, 4), version, dtype=np.uint16)}
+
+
+def digest_of(version: int) -> str:
+    return state_digest(weights(version))
+
+
+async def publish_versions(store: Store, upto: int) -> None:
+    """Publish `weights(v)` as each version after the pointer's, up to `upto`."""
+    publisher = Publisher(store, RUN, PublisherConfig(catchup=False))
+    at = await publisher.open()
+    for v in range(-1 if at is None else at, upto):
+        result = await publisher.publish(weights(v + 1))
+        assert result.version == v + 1
+
+
+async def setup_run(
+    store: Store, tiny: Tiny, *, staleness: int = 2, reuse: int = 1, published: int | None = 0
+) -> RunManifest:
+    """The run manifest and task, and weights published up to version `published` (None: none)."""
     layout = RunLayout(RUN)
     manifest = RunManifest(
         run=RUN, model="tiny", task="synthetic", group_size=G, temperature=1.0, max_tokens=MAX_TOKENS,
@@ -100,6 +121,8 @@ async def setup_run(store: Store, tiny: Tiny, *, staleness: int = 2, reuse: int 
     await store.put_if_absent(layout.run_manifest, manifest.to_bytes())
     task = make_task("synthetic", ITEMS)
     await store.put_if_absent(layout.task_file("synthetic", "train.jsonl.zst"), task.encode())
+    if published is not None:
+        await publish_versions(store, published)
     return manifest
 
 
@@ -132,7 +155,7 @@ def make_group(
     fields: dict[str, Any] = dict(
         kind="train", run=RUN, task_id="synthetic", prompt_index=prompt_index,
         prompt_tokens=tiny.prompt(item), samples=tuple(samples), weight_version=weight_version,
-        state_digest=DIGEST, sampling=SAMPLING, worker_id=worker, seq=seq, started_at=t - 1, finished_at=t,
+        state_digest=digest_of(weight_version), sampling=SAMPLING, worker_id=worker, seq=seq, started_at=t - 1, finished_at=t,
     )
     fields.update(overrides)
     return RolloutGroup(**fields)
@@ -187,7 +210,7 @@ async def test_batch_across_workers(store: Store, store_url: str, tiny: Tiny) ->
 
 
 async def test_staleness_reuse_and_version_ahead(store: Store, store_url: str, tiny: Tiny) -> None:
-    await setup_run(store, tiny, staleness=2, reuse=2)
+    await setup_run(store, tiny, staleness=2, reuse=2, published=6)
     base = now_ms() - 10_000
     for v in range(8):  # weight versions 0..7 from one worker; the trainer is at v5
         await upload(store, make_group(tiny, worker="w", seq=v, prompt_index=v, weight_version=v), base + v)
@@ -209,7 +232,7 @@ async def test_staleness_reuse_and_version_ahead(store: Store, store_url: str, t
 
 
 async def test_pool_groups_expire_when_the_trainer_moves(store: Store, store_url: str, tiny: Tiny) -> None:
-    await setup_run(store, tiny, staleness=1, reuse=3)
+    await setup_run(store, tiny, staleness=1, reuse=3, published=2)
     for v in (0, 1):
         await upload(store, make_group(tiny, worker="w", seq=v, weight_version=v), now_ms() - 1000 + v)
     consumer = await open_consumer(store, tiny, store_url, wait_timeout_s=0.5)
@@ -250,7 +273,8 @@ async def test_listing_cost_grows_with_new_records_only(store: Store, store_url:
     consumer = await open_consumer(counting, tiny, store_url, sweep_interval_s=3600.0)
     counting.reset()
     await consumer.next_batch(120, trainer_version=0)
-    assert counting.calls["get"] == 120
+    # The records, and the published versions: the pointer (read, then followed) and v0's manifest.
+    assert counting.calls["get"] == 120 + 3
     assert counting.calls["list_pages"] <= 2  # one tail listing of 120 keys (+ at most one empty poll)
     # Five new records land (among 120 old ones): the next batch lists and downloads those only.
     t = now_ms() - 100
@@ -258,7 +282,7 @@ async def test_listing_cost_grows_with_new_records_only(store: Store, store_url:
         await upload(store, make_group(tiny, worker="late", seq=i, prompt_index=i), t + i)
     counting.reset()
     await consumer.next_batch(5, trainer_version=0)
-    assert counting.calls["get"] == 5
+    assert counting.calls["get"] == 5 + 1  # + the pointer (it did not move: no manifest read)
     assert counting.calls["listed"] == 5
     assert counting.calls["list_pages"] <= 2
     # An idle poll with nothing new lists nothing old.
@@ -266,7 +290,7 @@ async def test_listing_cost_grows_with_new_records_only(store: Store, store_url:
     consumer.config = dataclasses.replace(consumer.config, wait_timeout_s=0.2)
     with pytest.raises(ConsumerTimeout):
         await consumer.next_batch(1, trainer_version=0)
-    assert counting.calls["listed"] == 0 and counting.calls["get"] == 0
+    assert counting.calls["listed"] == 0 and counting.calls["get"] == 1  # the pointer
     await consumer.close()
 
 
@@ -400,10 +424,37 @@ async def test_hostile_records_are_rejected_and_counted(store: Store, store_url:
     }
     got = {k.removeprefix("rejected/"): v for k, v in consumer.counters.items() if k.startswith("rejected/")}
     assert got == expected
-    assert counting.calls["get"] == 9  # the oversized object was never downloaded
+    # The oversized object was never downloaded; + the pointer (read, then followed) and v0's manifest.
+    assert counting.calls["get"] == 9 + 3
     assert consumer.counters["worker/evil/rejected"] == 9
     assert batch.metrics["rollout/stoa_rejected"] == 10
     assert batch.metrics["rollout/stoa_rejected/too_large"] == 1
+    await consumer.close()
+
+
+async def test_records_must_claim_weights_the_trainer_published(store: Store, store_url: str, tiny: Tiny) -> None:
+    await setup_run(store, tiny, published=1)
+    t = now_ms() - 10_000
+    await upload(store, make_group(tiny, worker="liar", seq=0, weight_version=2), t)  # never published
+    await upload(store, make_group(tiny, worker="liar", seq=1, state_digest=digest_of(7)), t + 1)  # v0, not v0's
+    await upload(store, make_group(tiny, worker="ok", seq=0, weight_version=1), t + 2)
+    consumer = await open_consumer(store, tiny, store_url, wait_timeout_s=1.0)
+    batch = await consumer.next_batch(1, trainer_version=1)
+    assert [g.worker for g in batch.groups] == ["ok"]
+    await async_wait_until(lambda: consumer.counters.get("worker/liar/rejected") == 2, message="the liar's rejects")
+    assert consumer.counters["rejected/version"] == 1 and consumer.counters["rejected/digest"] == 1
+    # A record for v2 listed before v2 is published, judged after: the consumer reads the
+    # published versions again (v2 is within the slack of the pointer's v1) and admits it.
+    await upload(store, make_group(tiny, worker="fast", seq=0, weight_version=2, prompt_index=3), t + 3)
+    await consumer._poll_tail()  # listed (queued), not yet downloaded
+    assert len(consumer.state_dict()["pending"]) == 1
+    await publish_versions(store, 2)
+    admitted = consumer.counters["admitted"]
+    consumer._launch(1)  # downloaded and judged without next_batch's own look at the pointer
+    await async_wait_until(lambda: consumer.counters["admitted"] == admitted + 1, message="the v2 record admitted")
+    batch = await consumer.next_batch(1, trainer_version=1)  # the trainer has not moved on
+    assert [(g.worker, g.weight_version) for g in batch.groups] == [("fast", 2)]
+    assert consumer.counters["rejected/version"] == 1
     await consumer.close()
 
 
@@ -473,7 +524,7 @@ async def test_wait_timeout_names_last_seen_workers_and_rejects(store: Store, st
 
 # -- samples -------------------------------------------------------------------------------------
 async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: Tiny) -> None:
-    await setup_run(store, tiny)
+    await setup_run(store, tiny, published=4)
     item = ITEMS[4]
     group = make_group(tiny, worker="w", seq=0, prompt_index=4, answers=[item.label, "x", item.label, "12345"],
                        finish=["stop", "stop", "length", "length"], weight_version=3)
@@ -523,11 +574,12 @@ def test_sample_fields_clamp_positive_logprobs(tiny: Tiny) -> None:
 
 # -- the run's own tokenizer, from the anchor -----------------------------------------------------
 async def test_open_reads_tokenizer_from_the_anchor(store: Store, store_url: str, tiny: Tiny) -> None:
-    await setup_run(store, tiny)
+    await setup_run(store, tiny, published=None)
     publisher = Publisher(store, RUN, PublisherConfig(extras_dir=tiny.folder, catchup=False))
     await publisher.open()
     await publisher.publish(load_hf_state(tiny.folder))
-    await upload(store, make_group(tiny, worker="w", seq=0))
+    assert publisher.state_digest is not None
+    await upload(store, make_group(tiny, worker="w", seq=0, state_digest=publisher.state_digest))
     consumer = await RolloutConsumer.open(store, config(store_url))  # no decoder injected
     assert tiny.eos in consumer.rescorer.eos_ids
     batch = await consumer.next_batch(1, trainer_version=0)

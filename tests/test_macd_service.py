@@ -200,6 +200,24 @@ def test_join_missing_run(bucket: str, tmp_path: Path, capsys) -> None:
     assert not path.exists()
 
 
+def test_join_refuses_a_run_of_an_unknown_task(bucket: str, tmp_path: Path, capsys) -> None:
+    import json
+
+    from slime_stoa.protocol.layout import RunLayout
+    from slime_stoa.tasks import TASKS
+
+    manifest = Path(bucket.removeprefix("file://")) / RunLayout("demo").run_manifest
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "task": "gsm9k"}))
+    path = tmp_path / "macd.toml"
+    assert join(bucket, path) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in captured.err, captured.err
+    assert "'gsm9k'" in lines[0] and all(name in lines[0] for name in TASKS), lines[0]
+    assert not path.exists()
+    assert join(bucket, path, "--no-check") == 0  # not contacting the bucket: nothing to check
+
+
 def test_join_missing_bucket(home: Path, tmp_path: Path, capsys) -> None:
     assert join(f"file://{tmp_path}/no-such-bucket", tmp_path / "macd.toml") == 1
     assert "does not exist" in capsys.readouterr().err
@@ -382,9 +400,16 @@ def test_without_launchctl_the_error_says_what_to_do(bucket: str, tmp_path: Path
     assert service.LAUNCHCTL_MISSING in out and "heartbeat  none yet in the bucket" in out
 
 
-def test_logs(home: Path, capsys) -> None:
+def test_logs(home: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
     assert macd(["logs"]) == 1
-    assert "no log at" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no log at" in err and "`macd start`" in err
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert macd(["logs"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: no log at"), err
+    assert "macOS-only" in err and "`macd run` in the foreground" in err and "systemd" in err
     log = service.log_path(service.BASE_LABEL)
     log.parent.mkdir(parents=True)
     log.write_text("one\ntwo\nthree\n")

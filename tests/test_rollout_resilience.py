@@ -101,11 +101,13 @@ def keys_of(out: Any) -> list[str]:
     return [group[0].metadata["stoa_key"] for group in out.samples]
 
 
-async def upload_groups(store: Store, tiny: Any, n: int, *, first_seq: int = 0, worker: str = "w") -> list[str]:
+async def upload_groups(
+    store: Store, tiny: Any, n: int, *, first_seq: int = 0, worker: str = "w", **overrides: Any
+) -> list[str]:
     base = now_ms() - 60_000
     keys = []
     for i in range(first_seq, first_seq + n):
-        group = make_group(tiny, worker=worker, seq=i, prompt_index=i % 32)
+        group = make_group(tiny, worker=worker, seq=i, prompt_index=i % 32, **overrides)
         keys.append(await upload(store, group, base + i))
     return keys
 
@@ -456,11 +458,11 @@ async def test_a_missing_publish_fails_loudly_with_the_likely_causes(
     store: Store, store_url: str, tiny: Any, creds: dict, slime: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="slime_stoa")
-    await setup_run(store, tiny, staleness=8)
+    await setup_run(store, tiny, staleness=8, published=None)
     publisher = Publisher(store, RUN, PublisherConfig(extras_dir=tiny.folder, catchup=False))
     state = load_hf_state(tiny.folder)
     await publisher.publish(state)  # v0: the trainer's first update_weights
-    await upload_groups(store, tiny, 8)
+    await upload_groups(store, tiny, 8, state_digest=publisher.state_digest)
     args = rollout_args(store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_publish_grace_s=0.3)
     source = StoaDataSource(args)
 

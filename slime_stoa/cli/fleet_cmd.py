@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 import time
+from pathlib import PurePosixPath
 
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
@@ -33,11 +34,11 @@ async def read_heartbeats(store: Store, run: str) -> tuple[list[Heartbeat], int]
     keys = [info.key async for info in store.list(layout.workers_prefix) if info.key.endswith(".json")]
     datas = await asyncio.gather(*(store.get_bytes(k) for k in keys), return_exceptions=True)
     beats, bad = [], 0
-    for data in datas:
+    for key, data in zip(keys, datas, strict=True):
         try:
             if isinstance(data, BaseException):
                 raise ValueError(str(data))
-            beats.append(Heartbeat.from_bytes(data))
+            beats.append(Heartbeat.from_bytes(data, worker=PurePosixPath(key).stem))
         except ValueError:
             bad += 1
     return beats, bad

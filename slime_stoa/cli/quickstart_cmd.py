@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from slime_stoa.quickstart.config import QuickstartConfig
+from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
 
 INTERRUPTED = 130  # the exit status after Ctrl-C or SIGTERM (the run resumes on a rerun)
 
@@ -34,20 +36,37 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(QuickstartConfig):
         kind = next((a for a in get_args(hints[f.name]) if a is not type(None)), hints[f.name])
         default = f.default
+        option = "--" + f.name.replace("_", "-")
+        if kind is bool:  # a flag: `--no-warm-start`, off unless given
+            parser.add_argument(option, action="store_true", default=default, help=f.metadata["help"])
+            continue
         shown = "" if default is None else f" (default: {default})"
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=kind, default=default, help=f.metadata["help"] + shown
-        )
+        parser.add_argument(option, type=kind, default=default, help=f.metadata["help"] + shown)
+
+
+def inspect_commands(cfg: QuickstartConfig) -> list[str]:
+    """The commands that show the run in the bucket (shell-quoted: an s3:// URL holds `?`, `&`)."""
+    where = f"--store {shlex.quote(cfg.store_url)} --run {shlex.quote(cfg.run)}"
+    return [f"stoa weights status {where}", f"stoa fleet {where}", f"stoa run show {where}"]
 
 
 def _quickstart(args: argparse.Namespace) -> int:
+    from slime_stoa.protocol.store import StoreError
     from slime_stoa.quickstart.interrupt import Interrupt, Interrupted
 
+    try:
+        cfg = QuickstartConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuickstartConfig)})
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     interrupt = Interrupt()  # Ctrl-C and SIGTERM: stop at the next safe point, workers included
     try:
         with interrupt.installed():
-            summary, report, cfg = _run(args, interrupt)
+            summary, report = _run(args, cfg, interrupt)
             interrupt.check()  # a signal after the run's last check still means "interrupted"
+    except (QuickstartError, StoreError) as exc:  # the message says what to fix
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     except (Interrupted, KeyboardInterrupt):
         from slime_stoa.quickstart.report import ConsoleReport
 
@@ -64,19 +83,21 @@ def _quickstart(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return INTERRUPTED
     report.note(f"learning curve: {png}; summary: {cfg.out / 'summary.json'}")
+    report.note("inspect the run:")
+    for command in inspect_commands(cfg):  # bare, to copy and paste
+        report.console.print(f"  {command}", soft_wrap=True, markup=False, highlight=False)
     return 0
 
 
-def _run(args: argparse.Namespace, interrupt: Any) -> tuple[dict[str, Any], Any, QuickstartConfig]:
-    """The run itself: (summary, report, config); `Interrupted` when a stop signal came."""
+def _run(args: argparse.Namespace, cfg: QuickstartConfig, interrupt: Any) -> tuple[dict[str, Any], Any]:
+    """The run itself: (summary, report); `Interrupted` when a stop signal came."""
     from slime_stoa.quickstart.report import ConsoleReport
     from slime_stoa.quickstart.run import run_quickstart  # torch: the slow import, under the handler
 
-    cfg = QuickstartConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuickstartConfig)})
     if not args.verbose:  # the progress table says it all; keep library chatter for -v
         import logging
 
         logging.getLogger().setLevel(logging.WARNING)
     report = ConsoleReport()
     interrupt.check()
-    return asyncio.run(run_quickstart(cfg, report, interrupt)), report, cfg
+    return asyncio.run(run_quickstart(cfg, report, interrupt)), report

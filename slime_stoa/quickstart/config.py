@@ -17,6 +17,10 @@ def _knob(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+class QuickstartError(Exception):
+    """Bad input (a model folder, a bucket) found at the start: the message says what to do."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class QuickstartConfig:
     out: Path = _knob(Path("stoa-quickstart"), "run folder: bucket, model, worker data, logs, report")
@@ -38,13 +42,36 @@ class QuickstartConfig:
     warmup_lr: float = _knob(1e-3, "learning rate of the supervised format warm start")
     staleness_limit: int = _knob(2, "versions a group may lag when used")
     warmup_steps: int = _knob(600, "supervised steps on the answer format before RL (new runs only)")
+    no_warm_start: bool = _knob(False, "skip the supervised warm start: RL starts from the model as it is")
     worker_batch: int = _knob(4, "prompts per worker cohort")
     kill_worker_at: int | None = _knob(None, "SIGKILL worker 0 at this version, then restart it")
     seed: int = _knob(0, "seed of the model, the prompts and the workers")
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.batch_groups < 1 or self.minutes <= 0:
-            raise ValueError("workers and batch_groups must be >= 1 and minutes > 0")
+        """ValueError naming the option and the fix (the CLI prints it as one `error:` line)."""
+        for name, least in (("workers", 1), ("batch_groups", 1), ("group_size", 1), ("max_tokens", 1),
+                            ("window", 1), ("worker_batch", 1), ("max_versions", 1), ("warmup_steps", 0)):
+            value = getattr(self, name)
+            if value < least:
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"{option} must be {least} or more (got {value}): pass e.g. {option} {max(least, 1)}")
+        if self.minutes <= 0:
+            raise ValueError(f"--minutes must be more than 0 (got {self.minutes}): pass e.g. --minutes 10")
+
+    def check_model(self) -> None:
+        """QuickstartError when --model is given but is not a model folder (the CLI prints it)."""
+        if self.model is None:
+            return
+        if not self.model.is_dir():
+            raise QuickstartError(
+                f"--model {self.model}: no such folder: pass a local HF/MLX model folder (one with "
+                f"config.json, the weights and the tokenizer), or leave --model out for the tiny model"
+            )
+        if not (self.model / "config.json").is_file():
+            raise QuickstartError(
+                f"--model {self.model}: no config.json in it, so it is not an HF/MLX model folder: pass "
+                f"the folder that holds config.json, the weights and the tokenizer"
+            )
 
     @property
     def store_url(self) -> str:

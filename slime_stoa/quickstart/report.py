@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 COLUMNS = ("version", "reward", "groups", "lag", "patch", "vs full", "changed", "workers", "lp gap")
@@ -22,7 +23,8 @@ class ConsoleReport:
         self._header = False
 
     def note(self, text: str) -> None:
-        self.console.print(f"[bold cyan]stoa[/] {text}")
+        # soft_wrap: a long path or command stays on one line, whole, for copying
+        self.console.print(f"[bold cyan]stoa[/] {escape(text)}", soft_wrap=True)
 
     def version(self, version: int, metrics: dict, batch: Any, result: Any, progress: Any, alive: int) -> None:
         if not self._header:

@@ -40,14 +40,14 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import rebuild
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest
-from slime_stoa.protocol.store import NotFound, Store, open_store
+from slime_stoa.protocol.store import NotFound, Store, StoreError, open_store
 from slime_stoa.tasks import Synthetic, generate_items, warmup_pairs
 from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
 
-from .config import QuickstartConfig
+from .config import QuickstartConfig, QuickstartError
 from .interrupt import Interrupt
 from .seeding import seed_run, tiny_synthetic_model
 
@@ -190,7 +190,6 @@ def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig, interru
     every step (`Interrupted`)."""
     from transformers import AutoTokenizer
 
-    log.info("supervised warm start on the answer format: %d steps", cfg.warmup_steps)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     items = generate_items(2048, seed=cfg.seed + 1)
@@ -215,6 +214,26 @@ def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig, interru
         group["lr"] = cfg.lr
     start, end = np.mean(losses[:10]), np.mean(losses[-10:])
     return f"supervised warm start on the answer format: {cfg.warmup_steps} steps, loss {start:.2f} -> {end:.2f}"
+
+
+def warm_start_note(cfg: QuickstartConfig) -> str:
+    """What the warm start does to the model, said before it starts."""
+    return (
+        f"supervised warm start on the answer format: {cfg.warmup_steps} steps "
+        f"(teaches the format only; --no-warm-start keeps the model as it is)"
+    )
+
+
+async def probe_store(url: str, run: str, stop: Interrupt) -> bool:
+    """Whether `run` is new in the bucket at `url`; QuickstartError saying what to fix when the
+    bucket cannot be used (a bad URL, no credentials, nothing listening at the endpoint)."""
+    try:
+        async with open_store(url, create=True) as store:
+            return not await stop.race(store.exists(RunLayout(run).pointer))
+    except (ValueError, StoreError) as exc:
+        raise QuickstartError(
+            f"cannot use the bucket --store {url}: {exc} (or leave --store out for a local bucket in --out)"
+        ) from exc
 
 
 def save_learner(learner: Learner, path: Path, *, run: str, version: int, state_digest: str) -> None:
@@ -376,10 +395,13 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
     import torch
 
     stop = interrupt or Interrupt()
+    cfg.check_model()
     torch.set_num_threads(1)  # leave the other core(s) to the MLX workers
     cfg.out.mkdir(parents=True, exist_ok=True)
     url = cfg.store_url
     progress = Progress()
+    new_run = await probe_store(url, cfg.run, stop)  # before any slow work: a bad --store fails at once
+    report.note(f"{'new' if new_run else 'existing'} run {cfg.run!r} in bucket {url}")
     async with open_store(url, create=True) as store:
         model_dir = cfg.model or (cfg.out / "model")
         if cfg.model is None and not (model_dir / "config.json").exists():
@@ -392,8 +414,11 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
         learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
         stop.check()
         publisher_cfg = PublisherConfig(extras_dir=model_dir, anchor_every=100)
-        new_run = not await stop.race(store.exists(RunLayout(cfg.run).pointer))
-        if new_run:
+        if new_run and (cfg.no_warm_start or cfg.warmup_steps == 0):
+            progress.warm_start = f"no warm start: RL starts from {model_dir} as it is"
+            report.note(progress.warm_start)
+        elif new_run:
+            report.note(warm_start_note(cfg))
             progress.warm_start = warm_start(learner, model_dir, cfg, stop)
             report.note(progress.warm_start)
             warm_dir = cfg.out / "warm-start"

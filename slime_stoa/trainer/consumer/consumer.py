@@ -54,10 +54,11 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.history import NotPublished, published_digests, read_pointer
 from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreError, StoreUnavailable
 from slime_stoa.protocol.store.retry import outage_policy, through_outages
-from slime_stoa.protocol.validate import RecordRejected
+from slime_stoa.protocol.validate import RecordRejected, load_record
 
 from . import policy
 from .admission import Admitted, judge_record
@@ -182,6 +183,12 @@ class RolloutConsumer:
         self._logged: dict[str, int] = {}
         self._probe: asyncio.Task[bool] | None = None  # the shared "is the store down?" question
         self._fatal: StoreConfigError | None = None  # a download met a config error: raise it
+        # The published versions a record may claim (`_refresh_published`): {version: state digest}.
+        self._published: dict[int, str] = {}
+        self._pointer_seen: tuple[int, str] | None = None  # (version, manifest) they were read from
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._refreshes_started = 0
+        self._refreshes_done = 0
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -387,28 +394,41 @@ class RolloutConsumer:
 
     async def _download(self, name: str, size: int | None, uses: int | None) -> None:
         try:
-            while True:
-                try:
-                    data = await self._fetch(name, size)
-                    break
-                except _StoreWasDown:
-                    continue  # the outage is over: again, at once
-        except _Retry:
-            return
-        except StoreConfigError as exc:  # the key stays queued; next_batch raises this
-            self._fatal = exc
-            return
-        except RecordRejected as exc:
-            self._forget(name)
-            self._reject(name, exc.reason, exc.detail)
-            return
+            try:
+                while True:
+                    try:
+                        data = await self._fetch(name, size)
+                        break
+                    except _StoreWasDown:
+                        continue  # the outage is over: again, at once
+            except _Retry:
+                return
+            except StoreConfigError as exc:  # the key stays queued; next_batch raises this
+                self._fatal = exc
+                return
+            except RecordRejected as exc:
+                self._forget(name)
+                self._reject(name, exc.reason, exc.detail)
+                return
+            # Still in flight while the published versions are read: nobody downloads it again.
+            if self._refreshes_done == 0:  # never read yet
+                await self._refresh_published(0)
+            if self._fatal is not None:  # the key stays queued; next_batch raises it
+                return
+            seen = self._refreshes_started
+            if not self._judge(name, data, uses, refreshed=False):
+                # It claims weights the trainer may have published since the last read: read again.
+                await self._refresh_published(seen)
+                if self._fatal is None:
+                    self._judge(name, data, uses, refreshed=True)
         finally:
             self._inflight.pop(name, None)
-        self._judge(name, data, uses)
 
-    def _judge(self, name: str, data: bytes, uses: int | None) -> None:
-        """Admit, drop or reject one downloaded record (synchronous: no await in here)."""
-        self._forget(name)
+    def _judge(self, name: str, data: bytes, uses: int | None, *, refreshed: bool = True) -> bool:
+        """Admit, drop or reject one downloaded record (synchronous: no await in here). False
+        (the record untouched, still queued) when `refreshed` is False and it claims a version
+        or digest that the published versions as last read do not have but a fresh read may
+        (see `_worth_refresh`): call again with `refreshed` after `_refresh_published`."""
         key = self.layout.parse_rollout(self._prefix + name)
         assert key is not None  # discovery only queues valid record keys
         try:
@@ -420,15 +440,28 @@ class RolloutConsumer:
                 rescorer=self.rescorer,
                 reward_tolerance=self.config.reward_tolerance,
                 now=self.clock(),
+                published=self._published,
                 replay=self._state.replay,
             )
         except RecordRejected as exc:
+            if exc.reason in ("version", "digest"):
+                claimed = self._claimed_version(data)
+                if not refreshed and claimed is not None and self._worth_refresh(claimed):
+                    return False
+                self._forget(name)
+                if claimed is not None and exc.reason == "version" and self._unpublished_verdict(name, claimed):
+                    return True
+                self._reject(name, exc.reason, exc.detail)
+                return True
+            self._forget(name)
             self._reject(name, exc.reason, exc.detail)
-            return
+            return True
         except Exception as exc:  # a bug: keep consuming, but say so loudly
+            self._forget(name)
             log.exception("stoa: unexpected error judging %s", self._prefix + name)
             self._reject(name, "internal", f"{type(exc).__name__}: {exc}")
-            return
+            return True
+        self._forget(name)
         if uses is None:  # a restored ledger entry was counted when first admitted
             self._count("samples_scored", len(admitted.rewards))
             self._scored_rewards.extend(admitted.rewards)
@@ -449,6 +482,86 @@ class RolloutConsumer:
             self._pool[name] = _Entry(admitted, uses or 0)
             if uses is None:
                 self._count("admitted")
+        return True
+
+    # -- the published versions ------------------------------------------------------------------
+    def _claimed_version(self, data: bytes) -> int | None:
+        """The weight version a record that failed `check_published` claims (decoded again: only
+        on that rare path), or None if it does not decode now."""
+        try:
+            return load_record(data, self.config.record_limits, now=self.clock()).weight_version  # type: ignore[arg-type]
+        except RecordRejected:
+            return None
+
+    @property
+    def _pointer_version(self) -> int:
+        """The pointer's version when the published versions were last read (-1: none)."""
+        return -1 if self._pointer_seen is None else self._pointer_seen[0]
+
+    def _worth_refresh(self, version: int) -> bool:
+        """Could reading the published versions again admit a record claiming `version`? Yes
+        when it is unknown but within the slack of the pointer (published since the last read), or
+        known with another digest (the version published again after a trainer restart)."""
+        if version in self._published:
+            return True
+        return version <= self._pointer_version + self.config.version_ahead_slack
+
+    def _unpublished_verdict(self, name: str, version: int) -> bool:
+        """For a record whose version is not among the published ones even after a fresh read:
+        True (and counted) when the trainer's policies refuse it anyway, as they did before the
+        published check: too far ahead ("version_ahead"), or older than the versions a record may
+        still claim ("stale": the published versions kept are those a record may be fresh at)."""
+        lag = policy.version_lag(self._trainer_version, version)
+        if policy.is_ahead(lag, self.config.version_ahead_slack):
+            self._reject(name, "version_ahead", f"weight_version {version}, trainer at v{self._trainer_version}")
+            return True
+        if policy.is_stale(lag, self.config.staleness_limit) and version < min(self._published, default=0):  # type: ignore[arg-type]
+            self._count("stale")
+            return True
+        return False
+
+    def _published_depth(self) -> int:
+        limit: int = self.config.staleness_limit  # type: ignore[assignment]
+        return limit + self.config.version_ahead_slack + 1
+
+    async def _refresh_published(self, after: int) -> None:
+        """Make sure a read of the published versions that started after read number `after`
+        has finished (one read at a time, shared by every caller)."""
+        while self._refreshes_done <= after and self._fatal is None:
+            if self._refresh_task is None or self._refresh_task.done():
+                self._refreshes_started += 1
+                self._refresh_task = asyncio.create_task(
+                    self._run_refresh(self._refreshes_started), name="stoa-published-versions"
+                )
+            await asyncio.shield(self._refresh_task)
+
+    async def _run_refresh(self, number: int) -> None:
+        """Read the pointer (one GET) and, when it moved, the published versions along its chain
+        (`published_digests`, depth staleness_limit + version_ahead_slack + 1), through outages.
+        Never raises: a config error becomes fatal, any other error keeps the versions last read."""
+        run = self.config.run
+        try:
+            try:
+                pointer = await self.patiently(lambda: read_pointer(self.store, run), f"reading the pointer of run {run!r}")
+            except NotPublished:
+                self._published, self._pointer_seen = {}, None
+                return
+            seen = (pointer.version, pointer.manifest)
+            if seen != self._pointer_seen:
+                depth = self._published_depth()
+                self._published = await self.patiently(
+                    lambda: published_digests(self.store, run, depth=depth),
+                    f"reading the published versions of run {run!r}",
+                )
+                self._pointer_seen = seen
+                log.info("stoa: published versions of run %r: %s", run, sorted(self._published))
+        except StoreConfigError as exc:
+            self._fatal = exc
+        except Exception as exc:
+            log.error("stoa: could not read the published versions of run %r (keeping the last read): %s: %s",
+                      run, type(exc).__name__, exc)
+        finally:
+            self._refreshes_done = max(self._refreshes_done, number)
 
     def _expire(self) -> None:
         """Drop pool groups that became too stale for the trainer's version (when it moved)."""
@@ -627,6 +740,10 @@ class RolloutConsumer:
             raise ValueError(f"trainer_version must be an int >= 0, got {trainer_version!r}")
         await self._stop_prefetch()
         self._trainer_version = trainer_version
+        # The pointer may have moved (one GET; the versions are read again only when it did).
+        await self._refresh_published(self._refreshes_started)
+        if self._fatal is not None:
+            raise self._fatal
         start = time.monotonic()
         timeout = self.config.wait_timeout_s
         if not await self._fill(n_groups, None if timeout is None else start + timeout):
@@ -666,6 +783,9 @@ class RolloutConsumer:
         if self._probe is not None:
             tasks.append(self._probe)
             self._probe = None
+        if self._refresh_task is not None:
+            tasks.append(self._refresh_task)
+            self._refresh_task = None
         for task in tasks:
             task.cancel()
         if tasks:

@@ -58,7 +58,7 @@ async def heartbeat_summaries(store: Store, run: str, workers: list[str]) -> dic
     out = {}
     for worker in workers:
         try:
-            beat = Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(worker)))
+            beat = Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(worker)), worker=worker)
         except (StoreError, ValueError):
             continue
         out[worker] = heartbeat_summary(beat)

@@ -1,0 +1,97 @@
+"""`stoa quickstart` with bad input: one `error:` line saying what to fix, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime_stoa.cli.quickstart_cmd import add_config_options, inspect_commands
+from slime_stoa.quickstart.config import QuickstartConfig
+
+
+def quickstart(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "STOA_"))}
+    base["HOME"] = str(tmp_path / "home")  # no credentials file of the real user
+    base.pop("XDG_CONFIG_HOME", None)
+    cmd = [sys.executable, "-m", "slime_stoa.cli", "quickstart", "--out", str(tmp_path / "qs"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**base, **(env or {})}, timeout=timeout)
+
+
+def assert_one_error_line(done: subprocess.CompletedProcess[str], *expected: str) -> str:
+    assert done.returncode != 0, done
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def test_zero_workers(tmp_path: Path) -> None:
+    assert_one_error_line(quickstart(tmp_path, "--workers", "0"), "--workers must be 1 or more", "--workers 1")
+    assert not (tmp_path / "qs").exists()
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    assert_one_error_line(quickstart(tmp_path, "--model", str(missing)), f"--model {missing}: no such folder")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_error_line(quickstart(tmp_path, "--model", str(empty)), "no config.json")
+
+
+URL = "s3://bkt/p?endpoint=http://127.0.0.1:9"  # nothing listens on the discard port
+
+
+def test_store_without_credentials(tmp_path: Path) -> None:
+    line = assert_one_error_line(quickstart(tmp_path, "--store", URL), "no credentials", "AWS_ACCESS_KEY_ID")
+    assert "--store" in line
+
+
+def test_unreachable_store(tmp_path: Path) -> None:
+    creds = {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "never-shown-secret"}
+    done = quickstart(tmp_path, "--store", URL, env=creds)
+    line = assert_one_error_line(done, "could not reach http://127.0.0.1:9", "check the endpoint URL")
+    assert "never-shown-secret" not in done.stdout + done.stderr
+    assert "model" not in done.stdout  # it failed before building anything
+    assert line
+
+
+def test_bad_store_url(tmp_path: Path) -> None:
+    assert_one_error_line(quickstart(tmp_path, "--store", "s3://b/p"), "not a valid bucket name")
+
+
+def test_options_include_the_no_warm_start_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_options(parser)
+    assert parser.parse_args([]).no_warm_start is False
+    assert parser.parse_args(["--no-warm-start"]).no_warm_start is True
+    assert parser.parse_args(["--workers", "3"]).workers == 3
+
+
+def test_inspect_commands_are_quoted() -> None:
+    cfg = QuickstartConfig(store=URL, run="demo")
+    assert inspect_commands(cfg) == [
+        f"stoa weights status --store '{URL}' --run demo",
+        f"stoa fleet --store '{URL}' --run demo",
+        f"stoa run show --store '{URL}' --run demo",
+    ]
+
+
+def test_no_warm_start_run_says_where_and_how_to_inspect(tmp_path: Path) -> None:
+    pytest.importorskip("mlx_lm")
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    done = quickstart(tmp_path, "--no-warm-start", "--minutes", "0.5", "--max-versions", "1", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out, bucket = done.stdout, f"file://{(tmp_path / 'qs' / 'bucket').resolve()}"
+    assert f"new run 'quickstart' in bucket {bucket}" in out
+    assert "no warm start: RL starts from" in out and "supervised warm start" not in out
+    assert not (tmp_path / "qs" / "warm-start").exists()
+    for command in ("weights status", "fleet", "run show"):
+        assert f"stoa {command} --store {bucket} --run quickstart" in out, out
