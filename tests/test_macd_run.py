@@ -74,17 +74,7 @@ def test_kill_and_restart_loses_and_doubles_nothing(tmp_path: Path) -> None:
 
 
 def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
-    url = f"file://{tmp_path / 'bucket'}"
-    (tmp_path / "bucket").mkdir()
-    model = tiny_synthetic_model(tmp_path / "model")
-
-    async def seed() -> None:
-        async with open_store(url) as store:
-            await seed_run(store, RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6), model, task_count=40)
-
-    asyncio.run(seed())
-    env = {**os.environ, "MACD_CONFIG": str(tmp_path / "macd.toml"), "MLX_DISABLE_COMPILE": "1"}
-    assert macd("join", url, "--run", RUN, "--data-dir", str(tmp_path / "data"), "--batch", "2", env=env).wait(120) == 0
+    url, env = seeded_worker(tmp_path)
     worker = macd("run", env=env)
     wait_until(lambda: asyncio.run(keys(url)) or worker.poll() is not None, timeout=180, interval=0.2,
                message="a first record in the bucket")
