@@ -78,6 +78,9 @@ def _do_join(args: argparse.Namespace) -> int:
 
     path = config_path(args)
     location = parse_store_url(args.url)
+    if location.scheme == "file" and location.path is not None and not location.path.is_absolute():
+        # Kept absolute: the daemon (launchd) and `macd doctor` run from other folders.
+        args.url = f"file://{location.path.resolve()}"
     check_name("run", args.run)
     if args.worker_id is not None:
         check_worker_id(args.worker_id)

@@ -192,6 +192,29 @@ def test_join_rejects_a_bad_worker_id_in_one_line(home: Path, tmp_path: Path) ->
     assert "Traceback" not in done.stderr and not path.exists()
 
 
+def test_join_stores_a_relative_folder_url_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`macd join file://bucket` in one folder; the daemon and `macd doctor` run from others."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bucket").mkdir()
+    path = tmp_path / "macd.toml"
+    assert macd(["join", "file://bucket", "--run", "demo", "--config", str(path), "--no-check"]) == 0
+    assert cfg.load_config(path).store == f"file://{tmp_path / 'bucket'}"
+
+
+def test_join_piped_into_head_is_not_a_traceback(bucket: str, tmp_path: Path) -> None:
+    """`macd join ... | head`: the reader is gone before macd writes (a pipe whose read end is
+    closed: every write fails with EPIPE); macd ends quietly, without a traceback."""
+    cmd = [sys.executable, "-m", "macd", "join", bucket, "--run", "demo", "--config", str(tmp_path / "m.toml")]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(cmd, stdout=write_end, stderr=subprocess.PIPE, text=True, env=os.environ, cwd=REPO,
+                              timeout=120)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def test_join_missing_run(bucket: str, tmp_path: Path, capsys) -> None:
     path = tmp_path / "macd.toml"
     assert macd(["join", bucket, "--run", "nope", "--config", str(path)]) == 1
