@@ -273,8 +273,8 @@ async def test_listing_cost_grows_with_new_records_only(store: Store, store_url:
     consumer = await open_consumer(counting, tiny, store_url, sweep_interval_s=3600.0)
     counting.reset()
     await consumer.next_batch(120, trainer_version=0)
-    # The records, and the published versions: the pointer (read, then followed) and v0's manifest.
-    assert counting.calls["get"] == 120 + 3
+    # The records, and the published versions: the pointer and v0's manifest.
+    assert counting.calls["get"] == 120 + 2
     assert counting.calls["list_pages"] <= 2  # one tail listing of 120 keys (+ at most one empty poll)
     # Five new records land (among 120 old ones): the next batch lists and downloads those only.
     t = now_ms() - 100
@@ -424,8 +424,8 @@ async def test_hostile_records_are_rejected_and_counted(store: Store, store_url:
     }
     got = {k.removeprefix("rejected/"): v for k, v in consumer.counters.items() if k.startswith("rejected/")}
     assert got == expected
-    # The oversized object was never downloaded; + the pointer (read, then followed) and v0's manifest.
-    assert counting.calls["get"] == 9 + 3
+    # The oversized object was never downloaded; + the pointer and v0's manifest.
+    assert counting.calls["get"] == 9 + 2
     assert consumer.counters["worker/evil/rejected"] == 9
     assert batch.metrics["rollout/stoa_rejected"] == 10
     assert batch.metrics["rollout/stoa_rejected/too_large"] == 1

@@ -79,15 +79,19 @@ async def walk_back(store: Store, start: VersionManifest, *, limit: int):
             return
 
 
-async def published_digests(store: Store, run: str, *, depth: int) -> dict[int, str]:
+async def published_digests(
+    store: Store, run: str, *, depth: int, pointer: Pointer | None = None
+) -> dict[int, str]:
     """{version: state digest} of the pointer's version and the `depth - 1` before it on the
     committed chain (fewer when older manifests are gone): what a record may claim
     (`slime_stoa.trainer.consumer.admission.check_published`). Empty when nothing is published.
-    One GET for the pointer and one per manifest; ManifestError when a manifest is malformed."""
-    try:
-        pointer = await read_pointer(store, run)
-    except NotPublished:
-        return {}
+    One GET for the pointer (none when the caller just read it and passes it) and one per
+    manifest; ManifestError when a manifest is malformed."""
+    if pointer is None:
+        try:
+            pointer = await read_pointer(store, run)
+        except NotPublished:
+            return {}
     start = await read_manifest(store, pointer.manifest)
     return {m.version: m.state_digest async for m in walk_back(store, start, limit=depth)}
 

@@ -550,7 +550,7 @@ class RolloutConsumer:
             if seen != self._pointer_seen:
                 depth = self._published_depth()
                 self._published = await self.patiently(
-                    lambda: published_digests(self.store, run, depth=depth),
+                    lambda: published_digests(self.store, run, depth=depth, pointer=pointer),
                     f"reading the published versions of run {run!r}",
                 )
                 self._pointer_seen = seen
