@@ -25,11 +25,20 @@ class NotPublished(HistoryError):
 # -- the documents: every reader of the bucket parses them here -----------------------------------
 
 
+class MalformedPointer(ManifestError):
+    """The pointer object does not parse or names another run; `etag` identifies those bytes, so
+    a poller can skip them (`If-None-Match`) until the pointer changes."""
+
+    def __init__(self, message: str, etag: str) -> None:
+        super().__init__(message)
+        self.etag = etag
+
+
 async def read_pointer_etag(store: Store, run: str, *, if_none_match: str | None = None) -> tuple[Pointer, str] | None:
     """The run's pointer and its ETag, or None when its ETag is still `if_none_match`.
 
-    NotPublished when the run has no pointer; ManifestError when it does not parse or names
-    another run.
+    NotPublished when the run has no pointer; MalformedPointer (a ManifestError) when it does not
+    parse or names another run.
     """
     key = RunLayout(run).pointer
     try:
@@ -38,7 +47,10 @@ async def read_pointer_etag(store: Store, run: str, *, if_none_match: str | None
         raise NotPublished(f"run {run!r} has no published weights in {store.url}") from None
     if got is None:
         return None
-    return Pointer.from_bytes(got.data, key, run=run), got.etag
+    try:
+        return Pointer.from_bytes(got.data, key, run=run), got.etag
+    except ManifestError as exc:
+        raise MalformedPointer(str(exc), got.etag) from None
 
 
 async def read_pointer(store: Store, run: str) -> Pointer:

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import NotFound, Store, StoreError
+from slime_stoa.protocol.store import Store, StoreError
 
 from .anchor import read_anchor
 from .apply import UndoLog, apply_patch
 from .codec import PatchError
 from .digest import StateDigest
-from .history import read_anchor_manifest, read_manifest
+from .history import MalformedPointer, NotPublished, read_anchor_manifest, read_manifest, read_pointer_etag
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
 
 log = logging.getLogger("stoa.pulse")
@@ -97,21 +97,16 @@ class Subscriber:
 
         SyncError when the pointer is malformed or names another run; that object is then
         skipped (the next poll is a 304 until the pointer changes)."""
-        key = self.layout.pointer
         try:
-            got = await self.store.get(key, if_none_match=self._etag)
-        except NotFound:
+            got = await read_pointer_etag(self.store, self.layout.run, if_none_match=self._etag)
+        except NotPublished:
             return None  # nothing published yet
+        except MalformedPointer as exc:
+            self._etag = exc.etag  # the same bytes will not parse any better: wait for new ones
+            raise SyncError(f"malformed pointer: {exc}; {self._keeping()}") from None
         if got is None:
             return None
-        try:
-            pointer = Pointer.from_bytes(got.data, key)
-            if pointer.run != self.layout.run:
-                raise ManifestError(f"{key} names run {pointer.run!r}, not {self.layout.run!r}")
-        except ManifestError as exc:
-            self._etag = got.etag  # the same bytes will not parse any better: wait for new ones
-            raise SyncError(f"malformed pointer: {exc}; {self._keeping()}") from None
-        self._etag = got.etag
+        pointer, self._etag = got
         return pointer
 
     async def sync(self) -> SyncResult | None:
