@@ -1,54 +1,90 @@
-"""Benchmark the PULSE codec on a model-shaped state updated by simulated AdamW steps.
+"""Benchmark PULSE: patch size against a full sync and the closest peer's layout, and receive time
+against a fresh anchor fetch, all in one run.
 
-Workload: Qwen2.5-1.5B tensor shapes (hidden 1536, MLP 8960, 12 query / 2 KV heads of 128, tied
-embeddings), with the number of layers and the vocabulary scaled down together (default 4 of 28
-layers and 4/28 of the 151,936-token vocabulary, 0.22B parameters, ~5 GB of RAM; `--quick` keeps
-1 layer, 55M parameters; `--layers 28` is the real size and needs ~40 GB). fp32 master weights
-take AdamW steps (betas 0.9/0.999, weight decay 0.01, lr 1e-6 by default) on noisy gradients:
-each element has a persistent signal (`--snr` times the noise) plus fresh Gaussian noise every
-step, and the optimizer state starts at its steady state, as deep into a run. After every step
-the published state is the round-to-nearest-even bf16 cast of the masters. Caveat: changes here
-accumulate faster with staleness than on real runs (published: ~2.3x the k=1 density at k=32),
-so the k=4 and k=16 rows are denser than real ones.
+Trajectories (bf16 casts of fp32 master weights after each optimizer step):
 
-For k = 1, 4 and 16 versions behind, the patch from version v-k to v is encoded in "abs" mode,
-"rel" mode and a baseline layout (one zstd-1 frame over int32 delta-coded flat indices and raw
-bf16 values, as deployed elsewhere), then decoded and applied in place. The same patch is also
-applied into a state 4x larger (3x extra untouched tensors): receive work must track the patch,
-not the model. A last row measures the synthetic reference step of the research notes (5.1),
-whose published bits per change the layouts can be compared with.
+- `adam`: Qwen2.5-1.5B tensor shapes (hidden 1536, MLP 8960, 12 query / 2 KV heads of 128, tied
+  embeddings) with the layers and the vocabulary scaled down together (default 2 of 28 layers,
+  109M parameters, 218 MB of bf16; `--quick` 1 layer, 110 MB), updated by simulated AdamW steps
+  (betas 0.9/0.999, weight decay 0.01, lr 1e-6) on noisy gradients: a persistent signal (`--snr`
+  times the noise) plus fresh Gaussian noise every step, the optimizer state at its steady state.
+  Changes accumulate faster with staleness here than on real runs (published: ~2.3x the k=1
+  density at k=32), so its k=4 and k=16 rows are denser than real ones.
+- `torch`: a sparse "pretrained-like" trajectory: a small torch transformer LM (3.4M parameters)
+  trained for real with torch's AdamW — a warm-up (40 steps) at lr 1e-3 on a synthetic bigram language
+  (pretraining), then steps on a shifted language at a learning rate calibrated so that ~0.9% of
+  the bf16 weights change per step.
+- `synthetic`: the one reference step of the research notes (5.1).
 
-Usage: python scripts/bench_pulse.py [--quick] [--layers N] [--lr LR] [--snr S] [--json PATH]
+Layouts, for the patch from version v-k to v (k = 1, 4, 16): PULSE `stoa-pulse/2` with
+base-relative values (`rel`: the publisher's default mode) and with new values (`abs`), the
+previous format `stoa-pulse/1` (rel), the deployed layout of the closest peer (grail's
+sparse_codec v3.1, reimplemented here from its description: per tensor 2-D COO coordinates,
+rows gap-coded, columns gap-coded within a row, each downcast to the smallest of uint8 / uint16 /
+int32 that holds it, raw bf16 values, a JSON header, everything in one zstd-1 frame), and a flat
+int32 gap-coded layout with raw bf16 values. Bits per changed element count the patch body and
+its index as it travels in the version manifest.
+
+Receive case (`adam` trajectory, through a local store by default, `--s3` a loopback S3 server):
+a real Publisher (base-relative steps, catch-up patches, anchors at v0 and at the head v17)
+publishes every version while a follower syncs each one: `sync_s_step` is the median wall time
+of `Subscriber.sync()` (pointer GET, manifest, patch GET, verify, apply, digest), `apply_s_step`
+the best time of verify + decode + apply of the same patches already in memory. Subscribers that
+followed until 4 and 16 versions behind then reach the head: path choice picks one; every alternative path is
+timed too (each on its own copy of the state). `anchor_s`: a fresh subscriber syncing to the
+head, which is an anchor, timed in the same rounds. Times are the best of repeated, interleaved
+runs (the machine may be shared).
+
+Usage: python scripts/bench_pulse.py [--quick] [--layers N] [--s3] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import copy
+import dataclasses
 import json
 import math
+import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime_stoa.protocol.pulse.apply import apply_patch
+from slime_stoa.protocol.pulse.apply import ChangedIndices, apply_patch
 from slime_stoa.protocol.pulse.codec import (
     Delta,
     bf16_bits_to_float32,
     diff,
     float32_to_bf16_bits,
     rel_codes,
+    shapes_of,
 )
 from slime_stoa.protocol.pulse.digest import state_digest
-from slime_stoa.protocol.pulse.frames import PatchIndex, encode_patch, frame_slice
+from slime_stoa.protocol.pulse.frames import FORMAT_V1, PatchIndex, encode_patch, frame_slice
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.pulse.subscriber import Subscriber
+from slime_stoa.protocol.store import open_store
 
 State = dict[str, np.ndarray]
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 1536, 8960, 12, 2, 128, 151936, 28
+DEFAULT_MODE = "rel"  # the publisher's default patch mode (PublisherConfig.mode)
+LAGS = (1, 4, 16)
+HEAD = max(LAGS) + 1  # the head version; v0 is the first anchor
+RUN = "bench"
+
+
+# ---------------------------------------------------------------------------------------------
+# Trajectories
 
 
 def qwen_shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -126,27 +162,195 @@ def init_masters(shapes: dict[str, tuple[int, ...]], rng: np.random.Generator) -
     return masters
 
 
-def simulate(shapes, steps: int, keep: set[int], lr: float, snr: float, seed: int) -> dict[int, State]:
-    """Run `steps` AdamW steps; return the bf16 states after the steps listed in `keep`."""
+def simulate(shapes, steps: int, lr: float, snr: float, seed: int) -> Iterator[State]:
+    """The bf16 states of versions 0..steps of simulated AdamW."""
     rng = np.random.default_rng(seed)
     masters = init_masters(shapes, rng)
-    optims = {name: AdamW(w, rng, snr) for name, w in masters.items()}
+    optims = [AdamW(w, rng, snr) for w in masters.values()]
+    for step in range(steps + 1):
+        if step:
+            for opt in optims:
+                opt.step(rng, lr)
+        yield {n: float32_to_bf16_bits(w) for n, w in masters.items()}
+
+
+def torch_trajectory(steps: int, *, warmup: int, density: float, seed: int) -> tuple[list[State], dict]:
+    """States 0..steps of a small torch LM fine-tuned with AdamW after a pretraining warm-up.
+
+    The fine-tuning learning rate is calibrated (two trial steps, rolled back) so that about
+    `density` of the bf16 weights change per step."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    vocab, dim, layers, seq, batch = 2048, 256, 3, 32, 8
+    torch.set_num_threads(min(4, torch.get_num_threads()))
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.layers = torch.nn.ModuleList(
+                torch.nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(layers)
+            )
+            self.norm = torch.nn.LayerNorm(dim)
+            self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, x):
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+            h = self.embed(x)
+            for layer in self.layers:
+                h = layer(h, src_mask=mask, is_causal=True)
+            return self.head(self.norm(h))
+
+    def language(k: int = 8) -> np.ndarray:
+        """A bigram language: each token is followed by one of k tokens (table of successors)."""
+        return rng.integers(0, vocab, (vocab, k))
+
+    def sample(successors: np.ndarray) -> torch.Tensor:
+        x = np.empty((batch, seq + 1), dtype=np.int64)
+        x[:, 0] = rng.integers(0, vocab, batch)
+        for t in range(seq):
+            x[:, t + 1] = successors[x[:, t], rng.integers(0, successors.shape[1], batch)]
+        return torch.from_numpy(x)
+
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+
+    def step(x: torch.Tensor) -> float:
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
 
     def snap() -> State:
-        return {n: float32_to_bf16_bits(w) for n, w in masters.items()}
+        return {n: float32_to_bf16_bits(p.detach().numpy()) for n, p in model.named_parameters()}
 
-    versions = {0: snap()} if 0 in keep else {}
-    for step in range(1, steps + 1):
-        for opt in optims.values():
-            opt.step(rng, lr)
-        if step in keep:
-            versions[step] = snap()
-    return versions
+    def set_lr(lr: float) -> None:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+    pretrain = language()
+    start = time.perf_counter()
+    losses = [step(sample(pretrain)) for _ in range(warmup)]
+    finetune = np.where(rng.random((vocab, 8)) < 0.5, pretrain, language())  # a shifted language
+    # Calibrate (secant steps on log density against log lr; each trial step is rolled back).
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    before, probe = snap(), sample(finetune)
+    elements = sum(a.size for a in before.values())
+    trials: list[tuple[float, float]] = []
+    lr = 1e-5
+    for _ in range(4):
+        set_lr(lr)
+        step(probe)
+        got = max(sum(i.size for i, _ in diff(before, snap()).values()) / elements, 1e-9)
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        trials.append((math.log(lr), math.log(got)))
+        slope = 1.0
+        if len(trials) > 1 and trials[-1][0] != trials[-2][0]:
+            slope = (trials[-1][1] - trials[-2][1]) / (trials[-1][0] - trials[-2][0])
+            slope = min(max(slope, 0.5), 2.0)
+        lr = math.exp(trials[-1][0] + (math.log(density) - trials[-1][1]) / slope)
+    # Burn-in steps, each correcting the rate: density drifts as Adam's moments adapt to the new
+    # data (proportional corrections: the local slope is close to 1 and noisy to estimate).
+    for _ in range(3):
+        set_lr(lr)
+        before = snap()
+        step(sample(finetune))
+        got = max(sum(i.size for i, _ in diff(before, snap()).values()) / elements, 1e-9)
+        lr *= density / got
+    set_lr(lr)
+    states = [snap()]
+    for _ in range(steps):
+        step(sample(finetune))
+        states.append(snap())
+    info = {
+        "params": int(sum(p.numel() for p in model.parameters())), "warmup_steps": warmup,
+        "warmup_loss": [losses[0], losses[-1]] if losses else [], "finetune_lr": lr,
+        "seconds": time.perf_counter() - start,
+    }
+    return states, info
 
 
-def baseline_patch(delta: Delta, level: int = 1) -> bytes:
-    """One zstd frame over a JSON header plus, per tensor, int32 delta-coded flat indices
-    (first absolute) and raw bf16 values: the layout deployed before PULSE frames."""
+def synthetic_step(tensors: int, lr: float, seed: int) -> tuple[State, State]:
+    """The reference synthetic workload (research notes 5.1): N(0, 0.02) bf16 weights, one step
+    of lr * min(|N(0, 0.7)|, 1.41) with a random sign, on 4096 x 4096 tensors."""
+    rng = np.random.default_rng(seed)
+    base, new = {}, {}
+    for t in range(tensors):
+        w = float32_to_bf16_bits(rng.normal(0.0, 0.02, (4096, 4096)).astype(np.float32))
+        step = lr * np.minimum(np.abs(rng.normal(0.0, 0.7, w.shape)), 1.41) * rng.choice([-1, 1], w.shape)
+        base[f"w{t}"] = w
+        new[f"w{t}"] = float32_to_bf16_bits(bf16_bits_to_float32(w) + step.astype(np.float32))
+    return base, new
+
+
+# ---------------------------------------------------------------------------------------------
+# Baseline layouts
+
+
+def _smallest(codes: np.ndarray, choices: tuple[type, ...]) -> type:
+    top = int(codes.max()) if codes.size else 0
+    return next(t for t in choices if top <= np.iinfo(t).max)
+
+
+def peer_v31_patch(delta: Delta, shapes: dict[str, tuple[int, ...]], level: int = 1) -> bytes:
+    """The closest peer's deployed layout (grail sparse_codec v3.1), from its description: per
+    tensor (sorted by name) a 2-D view [shape[0], rest] (1-D: [n, 1]); rows gap-coded (first
+    absolute); columns absolute at each row start and gap-coded within a row; rows downcast to
+    uint8/uint16/int32 and columns to uint16/int32, whichever is smallest for the tensor; values
+    raw bf16; a length-prefixed JSON header; the whole buffer in one zstd frame."""
+    meta, chunks, offset = [], [], 0
+    for name in sorted(delta):
+        flat, values = delta[name]
+        shape = shapes[name]
+        per_row = math.prod(shape[1:]) if len(shape) >= 2 else 1
+        rows, cols = np.divmod(flat, per_row)
+        row_codes = np.diff(rows, prepend=0)
+        starts = np.ones(rows.size, dtype=bool)
+        starts[1:] = row_codes[1:] != 0
+        col_codes = np.where(starts, cols, np.diff(cols, prepend=0))
+        row_t = _smallest(row_codes, (np.uint8, np.uint16, np.int32))
+        col_t = _smallest(col_codes, (np.uint16, np.int32))
+        parts = [row_codes.astype(row_t).tobytes(), col_codes.astype(col_t).tobytes(), values.astype("<u2").tobytes()]
+        meta.append({"name": name, "shape": list(shape), "num_nonzero": int(flat.size), "value_dtype": "bfloat16",
+                     "row_dtype": np.dtype(row_t).name, "col_dtype": np.dtype(col_t).name, "offset": offset,
+                     "sizes": [len(p) for p in parts]})
+        chunks += parts
+        offset += sum(len(p) for p in parts)
+    header = json.dumps({"version": 31, "tensors": meta}, separators=(",", ":")).encode()
+    raw = len(header).to_bytes(4, "little") + header + b"".join(chunks)
+    return zstandard.ZstdCompressor(level=level).compress(raw)
+
+
+def peer_v31_apply(blob: bytes, state: State) -> None:
+    """Decode `peer_v31_patch` (vectorised) and assign the values in place."""
+    raw = zstandard.ZstdDecompressor().decompress(blob)
+    size = int.from_bytes(raw[:4], "little")
+    data = memoryview(raw)[4 + size :]
+    for t in json.loads(raw[4 : 4 + size])["tensors"]:
+        n, (rs, cs, vs), at = t["num_nonzero"], t["sizes"], t["offset"]
+        row_codes = np.frombuffer(data[at : at + rs], dtype=t["row_dtype"]).astype(np.int64)
+        col_codes = np.frombuffer(data[at + rs : at + rs + cs], dtype=t["col_dtype"]).astype(np.int64)
+        values = np.frombuffer(data[at + rs + cs : at + rs + cs + vs], dtype="<u2")
+        rows = np.cumsum(row_codes)
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = row_codes[1:] != 0
+        run = np.cumsum(col_codes)
+        first = np.flatnonzero(starts)
+        cols = run - (run[first] - col_codes[first])[np.cumsum(starts) - 1]  # cumsum restarted per row
+        shape = t["shape"]
+        per_row = math.prod(shape[1:]) if len(shape) >= 2 else 1
+        state[t["name"]].reshape(-1)[rows * per_row + cols] = values
+
+
+def flat_patch(delta: Delta, level: int = 1) -> bytes:
+    """One zstd frame over a JSON header plus, per tensor, int32 gap-coded flat indices (first
+    absolute) and raw bf16 values."""
     header = json.dumps([[n, int(i.size)] for n, (i, _) in delta.items()]).encode()
     parts = [len(header).to_bytes(4, "little"), header]
     for indices, values in delta.values():
@@ -155,7 +359,11 @@ def baseline_patch(delta: Delta, level: int = 1) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(b"".join(parts))
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     """Best wall time of `repeat` runs, and the last result."""
     best, result = math.inf, None
     for _ in range(repeat):
@@ -165,9 +373,13 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
     return best, result
 
 
+def all_frames(index: PatchIndex, body: bytes) -> dict[int, bytes]:
+    return {i: frame_slice(index, i, body) for i in range(len(index.frames))}
+
+
 def time_apply(state: State, index: PatchIndex, body: bytes, repeat: int) -> float:
-    """Best decode+apply time; the state is rolled back after each run."""
-    frames = {i: frame_slice(index, i, body) for i in range(len(index.frames))}
+    """Best verify + decode + apply time; the state is rolled back after each run."""
+    frames = all_frames(index, body)
     best = math.inf
     for _ in range(repeat):
         start = time.perf_counter()
@@ -175,6 +387,11 @@ def time_apply(state: State, index: PatchIndex, body: bytes, repeat: int) -> flo
         best = min(best, time.perf_counter() - start)
         undo.rollback(state)
     return best
+
+
+def index_bytes(index: PatchIndex) -> int:
+    """Bytes the index adds to the version manifest."""
+    return len(json.dumps(index.to_json(), separators=(",", ":")))
 
 
 def entropy_bits(counts: np.ndarray) -> float:
@@ -197,143 +414,320 @@ def floors(base: State, delta: Delta, elements: int) -> tuple[float, float]:
     return index + entropy_bits(new_hist), index + entropy_bits(rel_hist)
 
 
-def run_case(label: str, base: State, new: State, repeat: int) -> dict:
-    """Encode and apply the patch base -> new in every layout, and measure it."""
+def run_case(label: str, base: State, new: State, repeat: int, *, speed: bool = True) -> dict:
+    """Encode the patch base -> new in every layout (and time encode and apply if `speed`)."""
     state_bytes = sum(a.nbytes for a in new.values())
     elements = state_bytes // 2
     delta = diff(base, new)
-    changed = sum(i.size for i, _ in delta.values())
+    changed = max(1, sum(i.size for i, _ in delta.values()))
     abs_floor, rel_floor = floors(base, delta, elements)
     row: dict = {"case": label, "state_mb": state_bytes / 1e6, "changed": changed,
                  "density": changed / elements, "abs_floor_bits": abs_floor, "rel_floor_bits": rel_floor}
-    for mode in ("abs", "rel"):
-        enc_s, (index, body) = timed(lambda mode=mode: encode_patch(base, new, mode=mode, threads=1), repeat)
-        enc_mt_s, (index_mt, body_mt) = timed(lambda mode=mode: encode_patch(base, new, mode=mode), repeat)
-        assert body_mt == body and index_mt == index, "encoding must not depend on threads"
-        size = len(body) + len(json.dumps(index.to_json(), separators=(",", ":")))
-        work = {n: a.copy() for n, a in base.items()}
-        apply_s = time_apply(work, index, body, max(repeat, 3))
-        apply_patch(work, index, {i: frame_slice(index, i, body) for i in range(len(index.frames))})
-        assert all(np.array_equal(work[n], new[n]) for n in new), f"{mode} round trip differs"
-        row[f"{mode}_bytes"] = size
-        row[f"{mode}_frames"] = len(index.frames)
-        row[f"{mode}_bits_per_changed"] = 8 * size / max(changed, 1)
-        row[f"{mode}_encode_mb_s"] = state_bytes / 1e6 / enc_s
-        row[f"{mode}_encode_mb_s_mt"] = state_bytes / 1e6 / enc_mt_s
-        row[f"{mode}_apply_s"] = apply_s
-        row[f"{mode}_apply_mb_s"] = state_bytes / 1e6 / apply_s
-        if mode == "abs":
-            # The same patch into a state 4x the size: 3x extra tensors the patch never touches.
-            large = {n: a.copy() for n, a in base.items()}
-            for j in range(3):
-                large |= {f"extra{j}.{n}": a for n, a in new.items()}
-            row["apply_s_small"] = apply_s
-            row["apply_s_large"] = time_apply(large, index, body, max(repeat, 3))
-    base_s, blob = timed(lambda: baseline_patch(diff(base, new)), repeat)
-    row["baseline_bytes"] = len(blob)
-    row["baseline_bits_per_changed"] = 8 * len(blob) / max(changed, 1)
-    row["baseline_encode_mb_s"] = state_bytes / 1e6 / base_s
-    row["ratio_vs_full"] = state_bytes / row["abs_bytes"]
+    work = {n: a.copy() for n, a in base.items()}
+    for key, mode, fmt in (("rel", "rel", None), ("abs", "abs", None), ("rel_v1", "rel", FORMAT_V1)):
+        options = {"mode": mode} | ({"format": fmt} if fmt else {})
+        index, body = encode_patch(base, new, threads=1, **options)
+        row[f"{key}_bytes"] = len(body) + index_bytes(index)
+        row[f"{key}_index_bits"] = 8 * index_bytes(index) / changed
+        row[f"{key}_bits_per_changed"] = 8 * row[f"{key}_bytes"] / changed
+        if key == "rel_v1":
+            continue
+        undo = apply_patch(work, index, all_frames(index, body))
+        assert all(np.array_equal(work[n], new[n]) for n in new), f"{key} round trip differs"
+        undo.rollback(work)
+        if speed:
+            enc_s, _ = timed(lambda options=options: encode_patch(base, new, threads=1, **options), repeat)
+            enc_mt_s, mt = timed(lambda options=options: encode_patch(base, new, **options), repeat)
+            assert mt == (index, body), "encoding must not depend on threads"
+            row[f"{key}_encode_mb_s"] = state_bytes / 1e6 / enc_s
+            row[f"{key}_encode_mb_s_mt"] = state_bytes / 1e6 / enc_mt_s
+            row[f"{key}_apply_s"] = time_apply(work, index, body, max(repeat, 3))
+    shapes = shapes_of(new)
+    peer_s, blob = timed(lambda: peer_v31_patch(diff(base, new), shapes), repeat if speed else 1)
+    check = {n: a.copy() for n, a in base.items()}
+    peer_apply_s, _ = timed(lambda: peer_v31_apply(blob, check), 1)
+    assert all(np.array_equal(check[n], new[n]) for n in new), "peer v3.1 round trip differs"
+    row["peer_v31_bytes"] = len(blob)
+    row["peer_v31_bits_per_changed"] = 8 * len(blob) / changed
+    row["flat_bits_per_changed"] = 8 * len(flat_patch(delta)) / changed
     row["rel_ratio_vs_full"] = state_bytes / row["rel_bytes"]
-    row["abs_gain_vs_baseline"] = row["baseline_bytes"] / row["abs_bytes"]
-    row["rel_gain_vs_baseline"] = row["baseline_bytes"] / row["rel_bytes"]
+    row["peer_ratio_vs_full"] = state_bytes / row["peer_v31_bytes"]
+    row["rel_gain_vs_peer"] = row["peer_v31_bytes"] / row["rel_bytes"]
+    row["abs_gain_vs_peer"] = row["peer_v31_bytes"] / row["abs_bytes"]
+    if speed:
+        row["peer_encode_mb_s"] = state_bytes / 1e6 / peer_s
+        row["peer_apply_s"] = peer_apply_s
     return row
 
 
-def synthetic_step(tensors: int, lr: float, seed: int) -> tuple[State, State]:
-    """The reference synthetic workload (research notes 5.1): N(0, 0.02) bf16 weights, one step
-    of lr * min(|N(0, 0.7)|, 1.41) with a random sign, on 4096 x 4096 tensors."""
-    rng = np.random.default_rng(seed)
-    base, new = {}, {}
-    for t in range(tensors):
-        w = float32_to_bf16_bits(rng.normal(0.0, 0.02, (4096, 4096)).astype(np.float32))
-        step = lr * np.minimum(np.abs(rng.normal(0.0, 0.7, w.shape)), 1.41) * rng.choice([-1, 1], w.shape)
-        base[f"w{t}"] = w
-        new[f"w{t}"] = float32_to_bf16_bits(bf16_bits_to_float32(w) + step.astype(np.float32))
-    return base, new
+# ---------------------------------------------------------------------------------------------
+# Receive case
 
 
-COLUMNS = [
+@asynccontextmanager
+async def bench_store(use_s3: bool):
+    """A local store in a temp folder, or a bucket on a loopback S3 server."""
+    with tempfile.TemporaryDirectory(prefix="stoa-bench-") as tmp:
+        if not use_s3:
+            async with open_store(f"file://{tmp}") as store:
+                yield store, "local store (file://, temp folder)"
+            return
+        from slime_stoa.testing.s3server import LocalS3Server
+
+        with LocalS3Server() as server:
+            bucket = server.create_bucket()
+            creds = server.credentials()
+            env = {"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
+            async with open_store(f"s3://{bucket}/bench?endpoint={server.endpoint_url}", environ=env) as store:
+                yield store, "loopback S3 server (SeaweedFS)"
+
+
+def clone(sub: Subscriber) -> Subscriber:
+    """A subscriber at the same verified state, with the same measured speeds."""
+    twin = Subscriber(sub.store, sub.layout.run, sub.config)
+    assert sub.state is not None
+    twin.state = {n: a.copy() for n, a in sub.state.items()}
+    twin.version, twin.digest, twin.current = sub.version, sub.digest, sub.current
+    twin.meter.speeds = sub.meter.speeds
+    return twin
+
+
+async def reach_head(sub: Subscriber, target, expected: str, repeat: int) -> tuple[list[dict], float]:
+    """Every path `sub` could take to the target, ranked as path choice ranks them (the first is
+    the one it takes), each timed on a copy of the state, and a fresh subscriber's sync (pointer,
+    manifest, anchor): `repeat` rounds, interleaved, best time of each."""
+    plans = await sub._plans(target)  # the ranked plans, as sync() would try them
+    speeds = sub.meter.speeds  # what they were ranked with
+    best = [math.inf] * (len(plans) + 1)
+    for _ in range(repeat):
+        for i, plan in enumerate(plans):
+            twin = clone(sub)
+            start = time.perf_counter()
+            await twin._execute(plan, target)
+            best[i] = min(best[i], time.perf_counter() - start)
+            assert twin.digest is not None and twin.digest.root() == expected, plan.name
+            del twin
+        fresh = Subscriber(sub.store, RUN)
+        start = time.perf_counter()
+        got = await fresh.sync()
+        best[-1] = min(best[-1], time.perf_counter() - start)
+        assert got is not None and got.path == "anchor" and fresh.digest is not None
+        del fresh
+    rows = [{"path": plan.name, "taken": i == 0, "bytes": plan.cost, "seconds": best[i], "estimate_s": plan.estimate_s,
+             "speeds": dataclasses.asdict(speeds)} for i, plan in enumerate(plans)]
+    return rows, best[-1]
+
+
+def old_changed(logs) -> dict[str, np.ndarray]:
+    """The bookkeeping this replaced: np.unique over each tensor's concatenated indices."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for undo in logs:
+        for entry in undo.entries:
+            parts.setdefault(entry.name, []).append(entry.indices)
+    return {name: np.unique(np.concatenate(p)) for name, p in parts.items()}
+
+
+async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: int, use_s3: bool) -> tuple[dict, dict]:
+    """Publish versions 0..HEAD of the adam trajectory and measure the receivers; returns the
+    results and the states kept for the codec table (HEAD - k for k in LAGS, and HEAD)."""
+    keep = {HEAD - k for k in LAGS} | {HEAD}
+    kept: dict[int, State] = {}
+    config = PublisherConfig(mode=DEFAULT_MODE, anchor_every=HEAD, anchor_fraction=100.0)
+    async with bench_store(use_s3) as (store, where):
+        pub, follower = Publisher(store, RUN, config), Subscriber(store, RUN)
+        laggers = {k: Subscriber(store, RUN) for k in LAGS if k > 1}
+        sync_s, publish_s = [], []
+        for v, state in enumerate(simulate(qwen_shapes(layers), HEAD, lr, snr, seed)):
+            start = time.perf_counter()
+            await pub.publish(state)
+            publish_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            result = await follower.sync()
+            seconds = time.perf_counter() - start
+            assert result is not None and result.version == v
+            if v:
+                assert result.path == "step", result.path
+                sync_s.append(seconds)
+            for k, sub in laggers.items():
+                if v <= HEAD - k:  # follows (and measures its speeds) until it falls behind
+                    await sub.sync()
+            if v in keep:
+                kept[v] = state
+        target = follower.current
+        assert target is not None and target.anchor.version == HEAD
+        step = target.patch("step")
+        assert step is not None and step.index.mode == DEFAULT_MODE
+        body = await store.get_bytes(step.key)
+        base = {n: a.copy() for n, a in kept[HEAD - 1].items()}
+        apply_s = time_apply(base, step.index, body, max(repeat, 5))
+        undo = apply_patch(base, step.index, all_frames(step.index, body))
+        lazy_s, _ = timed(lambda: dict(ChangedIndices([undo]).items()), 3)
+        unique_s, _ = timed(lambda: old_changed([undo]), 1)
+        assert follower.digest is not None
+        rehash_s, _ = timed(lambda: follower.digest.update(base, undo.touched), max(repeat, 5))
+        paths, fresh_s = {}, []
+        for k, sub in laggers.items():
+            paths[k], seconds = await reach_head(sub, target, pub.state_digest or "", repeat)
+            fresh_s.append(seconds)
+        anchor_s = min(fresh_s)
+        out = {
+            "store": where, "state_mb": target.elements * 2 / 1e6, "step_bytes": step.bytes,
+            "step_changes": step.count, "sync_s_step": min(sync_s), "sync_s_median": statistics.median(sync_s),
+            "sync_s_all": sync_s, "apply_s_step": apply_s, "rehash_s_step": rehash_s,
+            "changed_s_lazy_all": lazy_s, "changed_s_np_unique": unique_s,
+            "publish_s_median": statistics.median(publish_s[1:]), "anchor_s": anchor_s,
+            "anchor_bytes": target.anchor_bytes, "paths": {str(k): rows for k, rows in paths.items()},
+        }
+        for k, rows in paths.items():
+            taken = rows[0]
+            out[f"catchup_s_{k}"] = taken["seconds"]
+            out[f"catchup_path_{k}"] = taken["path"]
+            out[f"catchup_best_s_{k}"] = min(r["seconds"] for r in rows)
+        return out, kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+SIZE_COLUMNS = [
     ("case", "case", "{}"),
     ("density", "density", "{:.3%}"),
-    ("abs_bytes", "abs MB", "{:.2f}", 1e-6),
-    ("abs_bits_per_changed", "abs b/chg", "{:.2f}"),
+    ("rel_bytes", "rel MB", "{:.3f}", 1e-6),
     ("rel_bits_per_changed", "rel b/chg", "{:.2f}"),
-    ("baseline_bits_per_changed", "base b/chg", "{:.2f}"),
-    ("abs_floor_bits", "abs floor", "{:.2f}"),
+    ("abs_bits_per_changed", "abs b/chg", "{:.2f}"),
+    ("rel_v1_bits_per_changed", "rel v1 b/chg", "{:.2f}"),
+    ("peer_v31_bits_per_changed", "peer v3.1 b/chg", "{:.2f}"),
+    ("flat_bits_per_changed", "flat b/chg", "{:.2f}"),
     ("rel_floor_bits", "rel floor", "{:.2f}"),
-    ("abs_gain_vs_baseline", "abs gain", "{:.2f}x"),
-    ("rel_gain_vs_baseline", "rel gain", "{:.2f}x"),
-    ("ratio_vs_full", "abs vs full", "{:.0f}x"),
-    ("abs_encode_mb_s", "enc MB/s 1t", "{:.0f}"),
-    ("abs_encode_mb_s_mt", "enc MB/s mt", "{:.0f}"),
-    ("rel_encode_mb_s", "rel enc 1t", "{:.0f}"),
-    ("baseline_encode_mb_s", "base enc", "{:.0f}"),
-    ("abs_apply_mb_s", "apply MB/s", "{:.0f}"),
-    ("apply_s_small", "apply s", "{:.3f}"),
-    ("apply_s_large", "apply 4x s", "{:.3f}"),
+    ("abs_floor_bits", "abs floor", "{:.2f}"),
+    ("rel_index_bits", "rel index b", "{:.3f}"),
+    ("rel_gain_vs_peer", "rel vs peer", "{:.2f}x"),
+    ("rel_ratio_vs_full", "rel vs full", "{:.0f}x"),
+    ("peer_ratio_vs_full", "peer vs full", "{:.0f}x"),
+]
+SPEED_COLUMNS = [
+    ("case", "case", "{}"),
+    ("rel_encode_mb_s", "rel enc MB/s 1t", "{:.0f}"),
+    ("rel_encode_mb_s_mt", "rel enc mt", "{:.0f}"),
+    ("abs_encode_mb_s", "abs enc 1t", "{:.0f}"),
+    ("peer_encode_mb_s", "peer enc 1t", "{:.0f}"),
+    ("rel_apply_s", "rel apply s", "{:.3f}"),
+    ("abs_apply_s", "abs apply s", "{:.3f}"),
+    ("peer_apply_s", "peer apply s", "{:.3f}"),
 ]
 
 
-def print_table(rows: list[dict]) -> None:
-    cells = [[fmt.format(r[key] * (scale[0] if scale else 1)) for key, _, fmt, *scale in COLUMNS]
-             for r in rows]
-    heads = [head for _, head, *_ in COLUMNS]
+def print_table(rows: list[dict], columns) -> None:
+    rows = [r for r in rows if all(key in r for key, *_ in columns)]
+    cells = [[fmt.format(r[key] * (scale[0] if scale else 1)) for key, _, fmt, *scale in columns] for r in rows]
+    heads = [head for _, head, *_ in columns]
     widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(heads)]
-    print("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=False)))
+    print("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
     for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=False)))
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def print_receive(r: dict) -> None:
+    print(f"\nReceive, {r['state_mb']:.0f} MB model through a {r['store']}, step patch {r['step_bytes'] / 1e6:.2f} MB "
+          f"({r['step_changes']} changes, {DEFAULT_MODE}):")
+    lines = [
+        ("1-step sync (best of {}; median {:.3f} s)".format(len(r["sync_s_all"]), r["sync_s_median"]), "step",
+         r["step_bytes"], r["sync_s_step"], None),
+        ("  verify + decode + apply a step patch in memory", "", r["step_bytes"], r["apply_s_step"], None),
+        ("  re-hash the tensors it touched (sequential)", "", 0, r["rehash_s_step"], None),
+        ("  changed indices, every tensor (was np.unique: {:.3f} s)".format(r["changed_s_np_unique"]), "", 0,
+         r["changed_s_lazy_all"], None),
+    ]
+    for k, rows in r["paths"].items():
+        for row in rows:
+            mark = "taken" if row["taken"] else "alternative"
+            lines.append((f"{k} behind: {mark}", row["path"], row["bytes"], row["seconds"], row["estimate_s"]))
+    lines.append(("fresh subscriber: anchor fetch (the head is an anchor)", "anchor", r["anchor_bytes"], r["anchor_s"],
+                  None))
+    width = max(len(line[0]) for line in lines)
+    print(f"{'':{width}}  {'path':>15}  {'MB':>8}  {'seconds':>8}  {'estimate':>8}")
+    for what, path, nbytes, seconds, estimate in lines:
+        est = f"{estimate:8.3f}" if estimate is not None else " " * 8
+        print(f"{what:{width}}  {path:>15}  {nbytes / 1e6:8.2f}  {seconds:8.3f}  {est}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 layer, 1 synthetic tensor, one timing run")
-    parser.add_argument("--layers", type=int, help="Qwen2.5-1.5B layers to keep (default 4, 28 = full)")
-    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    parser.add_argument("--snr", type=float, default=0.1, help="gradient signal / noise (default 0.1)")
-    parser.add_argument("--repeat", type=int, help="timing runs, best taken (default 2, quick 1)")
+    parser.add_argument("--quick", action="store_true", help="1 layer (110 MB), short torch warm-up, 1 synthetic tensor")
+    parser.add_argument("--layers", type=int, help="Qwen2.5-1.5B layers to keep (default 2: 218 MB; 28 = full)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="simulated AdamW learning rate (default 1e-6)")
+    parser.add_argument("--snr", type=float, default=0.1, help="simulated gradient signal / noise (default 0.1)")
+    parser.add_argument("--density", type=float, default=0.009, help="torch trajectory target density per step")
+    parser.add_argument("--warmup", type=int, help="torch pretraining steps (default 40, quick 20)")
+    parser.add_argument("--s3", action="store_true", help="receive through a loopback S3 server, not a local store")
+    parser.add_argument("--repeat", type=int, help="timing runs, best taken (default 3, quick 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
-    layers = args.layers or (1 if args.quick else 4)
-    repeat = args.repeat or (1 if args.quick else 2)
-    lags = (1, 4, 16)
-    head = max(lags)
+    layers = args.layers or (1 if args.quick else 2)
+    repeat = args.repeat or (1 if args.quick else 3)
+    if PublisherConfig().mode != DEFAULT_MODE:
+        print(f"note: PublisherConfig().mode is {PublisherConfig().mode!r}; measuring the intended default "
+              f"{DEFAULT_MODE!r}")
+    started = time.perf_counter()
 
     shapes = qwen_shapes(layers)
     params = sum(math.prod(s) for s in shapes.values())
-    print(f"Qwen2.5-1.5B shapes, {layers}/{LAYERS} layers, vocab {shapes['model.embed_tokens.weight'][0]}: "
+    print(f"adam: Qwen2.5-1.5B shapes, {layers}/{LAYERS} layers, vocab {shapes['model.embed_tokens.weight'][0]}: "
           f"{params / 1e6:.1f}M params ({2 * params / 1e6:.0f} MB bf16); AdamW lr {args.lr:g}, snr {args.snr:g}")
-    start = time.perf_counter()
-    versions = simulate(shapes, head, {head - k for k in lags} | {head}, args.lr, args.snr, args.seed)
-    print(f"simulated {head} AdamW steps in {time.perf_counter() - start:.1f} s")
-
-    # Bind the state now: `versions` is deleted below to free memory before the synthetic case.
-    hash_s, _ = timed(lambda state=versions[head]: state_digest(state), repeat)
-    rows = [run_case(f"adam k={k}", versions[head - k], versions[head], repeat) for k in lags]
-    del versions
-    synth = run_case("synthetic", *synthetic_step(1 if args.quick else 3, 1.2e-6, args.seed), repeat)
-    print_table(rows + [synth])
+    receive, kept = asyncio.run(receive_case(layers, args.lr, args.snr, args.seed, repeat, args.s3))
+    print(f"receive case: {HEAD + 1} versions simulated, published and synced ({time.perf_counter() - started:.0f} s)")
+    hash_s, _ = timed(lambda state=kept[HEAD]: state_digest(state), repeat)
+    rows = [run_case(f"adam k={k}", kept[HEAD - k], kept[HEAD], repeat, speed=k == 1) for k in LAGS]
     state_mb = rows[0]["state_mb"]
-    print(f"adam k=N: patch v-N -> v; synthetic: one reference step (research notes 5.1). "
-          f"b/chg = bits per changed element, patch body + JSON index; floor = order-0 bound.\n"
-          f"enc 1t = diff + encode on one thread, mt = thread pool; apply = verify + decode + "
-          f"apply in place, MB/s of model state; state digest {state_mb / hash_s:.0f} MB/s.")
+    del kept
+    print(f"adam cases encoded ({time.perf_counter() - started:.0f} s)")
 
-    first = rows[0]
+    warmup = args.warmup if args.warmup is not None else (20 if args.quick else 40)
+    states, torch_info = torch_trajectory(max(LAGS), warmup=warmup, density=args.density, seed=args.seed)
+    print(f"torch: {torch_info['params'] / 1e6:.1f}M-param transformer LM, {warmup} AdamW warm-up steps "
+          f"(loss {torch_info['warmup_loss'][0]:.2f} -> {torch_info['warmup_loss'][-1]:.2f}), then lr "
+          f"{torch_info['finetune_lr']:.3g} ({torch_info['seconds']:.0f} s)" if warmup else "torch: no warm-up")
+    last = len(states) - 1
+    torch_rows = [run_case(f"torch k={k}", states[last - k], states[last], repeat, speed=False) for k in LAGS]
+    del states
+    synth = run_case("synthetic", *synthetic_step(1 if args.quick else 3, 1.2e-6, args.seed), repeat)
+    table = rows + torch_rows + [synth]
+    print()
+    print_table(table, SIZE_COLUMNS)
+    print("\nb/chg = bits per changed element (patch body + index as carried in the manifest); rel = stoa-pulse/2 "
+          "base-relative (the publisher's default), abs = new values, rel v1 = the previous format;\n"
+          "peer v3.1 = grail sparse_codec v3.1 layout (reimplemented); flat = int32 gap-coded flat indices + raw "
+          "bf16; floor = order-0 bound; vs full = full bf16 state / patch.\n")
+    print_table(table, SPEED_COLUMNS)
+    print(f"enc = diff + encode, MB/s of model state (1t: one thread, mt: thread pool); apply = verify + decode + "
+          f"apply in place; state digest {state_mb / hash_s:.0f} MB/s.")
+    print_receive(receive)
+    head = torch_rows[0]
+    print(f"\nheadline (torch k=1, {head['density']:.3%} density): default (rel) {head['rel_bits_per_changed']:.2f} "
+          f"b/chg, {head['rel_ratio_vs_full']:.0f}x smaller than a full sync; peer v3.1 "
+          f"{head['peer_v31_bits_per_changed']:.2f} b/chg. sync/apply = "
+          f"{receive['sync_s_step'] / receive['apply_s_step']:.2f}; catch-up 4 / anchor = "
+          f"{receive['catchup_s_4'] / receive['anchor_s']:.2f}, 16 / anchor = "
+          f"{receive['catchup_s_16'] / receive['anchor_s']:.2f}. Total {time.perf_counter() - started:.0f} s.")
+
     summary = {
         "scale": {"layers": layers, "params": params, "lr": args.lr, "snr": args.snr},
-        "density": first["density"],
-        "abs_bits_per_changed": first["abs_bits_per_changed"],
-        "rel_bits_per_changed": first["rel_bits_per_changed"],
-        "baseline_bits_per_changed": first["baseline_bits_per_changed"],
-        "ratio_vs_full": first["ratio_vs_full"],
-        "encode_mb_s": first["abs_encode_mb_s"],
-        "apply_s_small": first["apply_s_small"],
-        "apply_s_large": first["apply_s_large"],
+        "torch": torch_info,
+        "default_mode": DEFAULT_MODE,
+        "density": head["density"],
+        "default_bits_per_changed": head["rel_bits_per_changed"],
+        "abs_bits_per_changed": head["abs_bits_per_changed"],
+        "peer_v31_bits_per_changed": head["peer_v31_bits_per_changed"],
+        "default_ratio_vs_full": head["rel_ratio_vs_full"],
+        "sync_s_step": receive["sync_s_step"],
+        "apply_s_step": receive["apply_s_step"],
+        "catchup_s_4": receive["catchup_s_4"],
+        "catchup_s_16": receive["catchup_s_16"],
+        "anchor_s": receive["anchor_s"],
         "hash_mb_s": state_mb / hash_s,
-        "synthetic": synth,
-        "cases": rows,
+        "receive": receive,
+        "cases": table,
     }
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import itertools
 import json
 import math
@@ -13,7 +15,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_stoa.protocol.pulse.apply import UndoLog, apply_patch
+from slime_stoa.protocol.pulse.apply import ChangedIndices, UndoEntry, UndoLog, apply_patch
 from slime_stoa.protocol.pulse.codec import (
     PatchCorrupt,
     PatchError,
@@ -28,6 +30,9 @@ from slime_stoa.protocol.pulse.codec import (
 )
 from slime_stoa.protocol.pulse.digest import StateDigest, state_digest, tensor_digest
 from slime_stoa.protocol.pulse.frames import (
+    FORMAT_V1,
+    FORMAT_V2,
+    FORMATS,
     PatchIndex,
     decode_frame,
     encode_delta,
@@ -35,6 +40,7 @@ from slime_stoa.protocol.pulse.frames import (
     frame_slice,
     verify_frame,
 )
+from slime_stoa.protocol.pulse.patch_index import MAX_INDEX_BYTES, validate_index
 
 # ±0, ±inf, NaNs with various payloads and signs, denormals, ±1.
 SPECIAL = np.array(
@@ -92,6 +98,36 @@ def json_round_trip(index: PatchIndex) -> PatchIndex:
     return PatchIndex.from_json(json.loads(json.dumps(index.to_json())))
 
 
+def reindexed(index: PatchIndex, frames) -> PatchIndex:
+    """`index` with these frames, offsets recomputed, parsed back (so it is validated)."""
+    offset, out = 0, []
+    for frame in frames:
+        out.append(dataclasses.replace(frame, offset=offset))
+        offset += frame.length
+    return json_round_trip(dataclasses.replace(index, frames=tuple(out)))
+
+
+def forge_frame(index: PatchIndex, i: int, blob: bytes, **changes) -> PatchIndex:
+    """An index whose frame i matches `blob` (length, digest, later offsets), as an attacker or
+    a buggy producer could publish; `changes` overrides fields of that frame's first entry."""
+    import xxhash
+
+    frame = index.frames[i]
+    entries = (dataclasses.replace(frame.entries[0], **changes), *frame.entries[1:])
+    streams = frame.streams
+    if streams:  # stoa-pulse/2: `blob` is the frame's section-0 stream plus its other streams
+        streams = (len(blob) - sum(streams[1:]), *streams[1:])
+    forged = dataclasses.replace(frame, length=len(blob), digest=xxhash.xxh3_128(blob).hexdigest(),
+                                 entries=entries, streams=streams)
+    return reindexed(index, [*index.frames[:i], forged, *index.frames[i + 1:]])
+
+
+def with_section0(index: PatchIndex, i: int, frame: bytes, stream: bytes) -> bytes:
+    """Frame i's bytes with its zstd frame (v1) or its section-0 stream (v2) replaced."""
+    streams = index.frames[i].streams
+    return stream + frame[streams[0]:] if streams else stream
+
+
 # ------------------------------------------------------------------------------------------
 # Round trips
 
@@ -106,14 +142,20 @@ shape_st = st.lists(st.integers(0, 12), min_size=0, max_size=3).map(tuple)
     density=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
     mode=st.sampled_from(["abs", "rel"]),
     frame_bytes=st.sampled_from([16, 300, 16 << 20]),
+    fmt=st.sampled_from(FORMATS),
 )
-def test_round_trip_is_bit_identical(shapes, seed, density, mode, frame_bytes):
+def test_round_trip_is_bit_identical(shapes, seed, density, mode, frame_bytes, fmt):
     rng = np.random.default_rng(seed)
     base = random_state(rng, shapes)
     new = mutate(rng, base, density)
-    index, body = encode_patch(base, new, mode=mode, frame_bytes=frame_bytes)
-    index = json_round_trip(index)
-    assert index.mode == mode and index.body_size == len(body)
+    index, body = encode_patch(base, new, mode=mode, frame_bytes=frame_bytes, format=fmt)
+    assert json_round_trip(index) == index
+    if fmt == FORMAT_V2:
+        assert PatchIndex.from_bytes(index.to_bytes()) == index
+        assert all(len(f.streams) == 4 and sum(f.streams) == f.length for f in index.frames)
+    else:
+        assert all(f.streams == () for f in index.frames)
+    assert index.mode == mode and index.format == fmt and index.body_size == len(body)
     delta = diff(base, new)
     assert index.count == sum(i.size for i, _ in delta.values())
     state = copy_state(base)
@@ -262,12 +304,7 @@ def test_rollback_restores_overlapping_writes():
     v2 = mutate(rng, v1, 0.5)
     first, body1 = encode_patch(v0, v1)
     second, body2 = encode_patch(v1, v2)
-    data = first.to_json()
-    extra = second.to_json()["frames"]
-    for frame in extra:
-        frame["offset"] += len(body1)
-    data["frames"] += extra
-    both = PatchIndex.from_json(data)
+    both = reindexed(first, first.frames + second.frames)
     state = copy_state(v0)
     undo = apply_patch(state, both, all_frames(both, body1 + body2))
     assert_same(state, v2)
@@ -279,12 +316,12 @@ def test_rollback_restores_overlapping_writes():
 # Failures leave the state untouched
 
 
-def patched_setup(seed=6, frame_bytes=200):
+def patched_setup(seed=6, frame_bytes=200, fmt=FORMAT_V2):
     rng = np.random.default_rng(seed)
     base = {"a": random_bits(rng, (40, 30)), "b": random_bits(rng, (900,)), "c": random_bits(rng, (3,))}
     new = mutate(rng, base, 0.1)
     new["c"][0] ^= 1
-    index, body = encode_patch(base, new, frame_bytes=frame_bytes)
+    index, body = encode_patch(base, new, frame_bytes=frame_bytes, format=fmt)
     assert len(index.frames) >= 3
     return base, new, index, all_frames(index, body)
 
@@ -315,47 +352,36 @@ def test_truncated_frame_is_corrupt():
 
 def test_wrong_digest_in_index_is_corrupt():
     base, _, index, frames = patched_setup()
-    data = index.to_json()
-    data["frames"][0]["digest"] = "0" * 32
-    assert_apply_fails(base, PatchIndex.from_json(data), frames, PatchCorrupt, "frame 0: digest")
+    wrong = dataclasses.replace(index.frames[0], digest="0" * 32)
+    assert_apply_fails(base, reindexed(index, (wrong, *index.frames[1:])), frames, PatchCorrupt, "frame 0: digest")
 
 
-def forge_frame(index: PatchIndex, i: int, blob: bytes, **changes) -> PatchIndex:
-    """An index whose frame i matches `blob` (length, digest, later offsets), as an attacker or
-    a buggy producer could publish; `changes` overrides fields of that frame's first entry."""
-    import xxhash
-
-    data = index.to_json()
-    frame = data["frames"][i]
-    frame["length"], frame["digest"] = len(blob), xxhash.xxh3_128(blob).hexdigest()
-    frame["entries"][0].update(changes)
-    offset = 0
-    for f in data["frames"]:
-        f["offset"] = offset
-        offset += f["length"]
-    return PatchIndex.from_json(data)
-
-
-def test_garbage_frame_with_matching_digest_is_corrupt_not_a_crash():
-    base, _, index, frames = patched_setup()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_garbage_frame_with_matching_digest_is_corrupt_not_a_crash(fmt):
+    base, _, index, frames = patched_setup(fmt=fmt)
     garbage = np.random.default_rng(7).integers(0, 256, 300, dtype=np.uint8).tobytes()
-    frames[2] = garbage
-    assert_apply_fails(base, forge_frame(index, 2, garbage), frames, PatchCorrupt, "frame 2: not a zstd")
+    frames[2] = with_section0(index, 2, frames[2], garbage)
+    assert_apply_fails(base, forge_frame(index, 2, frames[2]), frames, PatchCorrupt, "frame 2.*: not a zstd")
 
 
-def test_frame_declaring_another_size_is_rejected_before_decompressing():
-    base, _, index, frames = patched_setup()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_frame_declaring_another_size_is_rejected_before_decompressing(fmt):
+    base, _, index, frames = patched_setup(fmt=fmt)
+    expected = index.frames[2].section_totals()[0] if fmt == FORMAT_V2 else index.frames[2].raw_size
+    original = frames[2]
     for blob in (
-        zstandard.ZstdCompressor().compress(b"\0" * (index.frames[2].raw_size + 1)),
+        zstandard.ZstdCompressor().compress(b"\0" * (expected + 1)),
         zstandard.ZstdCompressor().compress(b"\0" * (1 << 24)),  # a zip bomb
     ):
-        frames[2] = blob
-        assert_apply_fails(base, forge_frame(index, 2, blob), frames, PatchCorrupt, "zstd header declares")
+        frames[2] = with_section0(index, 2, original, blob)
+        assert_apply_fails(base, forge_frame(index, 2, frames[2]), frames, PatchCorrupt, "zstd header declares")
 
 
-def test_truncated_zstd_stream_with_matching_digest_is_corrupt():
-    base, _, index, frames = patched_setup()
-    frames[1] = frames[1][:-3]
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_truncated_zstd_stream_with_matching_digest_is_corrupt(fmt):
+    base, _, index, frames = patched_setup(fmt=fmt)
+    first = index.frames[1].streams[0] if fmt == FORMAT_V2 else len(frames[1])
+    frames[1] = with_section0(index, 1, frames[1], frames[1][: first - 3])
     assert_apply_fails(base, forge_frame(index, 1, frames[1]), frames, PatchCorrupt, "frame 1")
 
 
@@ -378,18 +404,30 @@ def test_index_out_of_range_is_corrupt_and_rolled_back():
     assert_same(state, before)
 
 
-def test_inconsistent_long_code_count_is_corrupt():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_inconsistent_long_code_count_is_corrupt(fmt):
     base = {"w": np.zeros(70000, dtype=np.uint16)}
     new = copy_state(base)
     new["w"][[5, 60000]] = 1
-    index, body = encode_patch(base, new)
+    index, body = encode_patch(base, new, format=fmt)
     entry = index.frames[0].entries[0]
     assert (entry.width, entry.high) == (2, 1)
     # Rewrite the bitmap so it marks both codes as long, keeping every size unchanged.
-    raw = bytearray(zstandard.ZstdDecompressor().decompress(body))
-    raw[2] = 0b11000000
-    blob = zstandard.ZstdCompressor().compress(bytes(raw))
-    assert_apply_fails(base, forge_frame(index, 0, blob), {0: blob}, PatchCorrupt, "bitmap marks 2")
+    c = zstandard.ZstdCompressor()
+    if fmt == FORMAT_V1:
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(body))
+        raw[2] = 0b11000000
+        blob = c.compress(bytes(raw))
+        forged = forge_frame(index, 0, blob)
+    else:
+        s0, s1, s2, _ = index.frames[0].streams
+        upper = bytearray(zstandard.ZstdDecompressor().decompress(body[s0 : s0 + s1]))
+        upper[0] = 0b11000000
+        blob = body[:s0] + c.compress(bytes(upper)) + body[s0 + s1 :]
+        streams = (s0, len(blob) - len(body) + s1, s2, index.frames[0].streams[3])
+        frame = dataclasses.replace(index.frames[0], streams=streams)
+        forged = forge_frame(dataclasses.replace(index, frames=(frame,)), 0, blob)
+    assert_apply_fails(base, forged, {0: blob}, PatchCorrupt, "bitmap marks 2")
 
 
 def test_state_that_does_not_fit_is_a_value_error():
@@ -434,7 +472,7 @@ def test_rel_patch_on_the_wrong_base_is_caught_by_the_digests():
 
 
 def test_index_validation():
-    _, _, index, _ = patched_setup()
+    _, _, index, _ = patched_setup(fmt=FORMAT_V1)
     good = index.to_json()
 
     def broken(edit):
@@ -592,3 +630,215 @@ def test_incremental_update_equals_full_recompute():
     assert pickle.loads(pickle.dumps(updated)) == updated
     del state["layer.0.w"]
     assert updated.update(state, ["layer.0.w"]) == StateDigest.of(state)
+
+
+# ------------------------------------------------------------------------------------------
+# Formats: stoa-pulse/1 patches still decode; the binary index of stoa-pulse/2 is checked
+
+
+def golden_states() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The states the stoa-pulse/1 vectors below were written from (by the first encoder)."""
+    a = (np.arange(600, dtype=np.uint32) * 2654435761 % 65536).astype(np.uint16).reshape(20, 30)
+    b = (np.arange(70000, dtype=np.uint32) * 40503 % 65536).astype(np.uint16)
+    base = {"a": a, "b": b, "c": np.array(0x3F80, dtype=np.uint16)}
+    new = copy_state(base)
+    new["a"].reshape(-1)[::7] += 1
+    new["b"][[3, 4, 5, 300, 60000, 69999]] ^= 0x8001
+    new["c"] = np.array(0xBF80, dtype=np.uint16)
+    return base, new
+
+
+def _v1_index(mode: str, lengths, raw_sizes, digests) -> dict:
+    entries = [
+        [{"name": "a", "shape": [20, 30], "count": 66, "width": 1, "high": 0}],
+        [{"name": "a", "shape": [20, 30], "count": 20, "width": 2, "high": 1}],
+        [{"name": "b", "shape": [70000], "count": 6, "width": 2, "high": 3},
+         {"name": "c", "shape": [], "count": 1, "width": 1, "high": 0}],
+    ]
+    offsets = np.cumsum([0, *lengths[:-1]]).tolist()
+    frames = [{"offset": o, "length": n, "raw_size": r, "digest": d, "entries": e}
+              for o, n, r, d, e in zip(offsets, lengths, raw_sizes, digests, entries, strict=True)]
+    return {"format": "stoa-pulse/1", "mode": mode, "digest": "xxh3-128", "frames": frames}
+
+
+# Written by the stoa-pulse/1 encoder (frame_bytes=200) before stoa-pulse/2 existed.
+GOLDEN_V1 = {
+    "abs": (
+        _v1_index("abs", [150, 62, 34], [198, 64, 25], [
+            "064e636c066efda6dcf9268cc62195ac", "23647685ef5c01f2bfe3a8b142a2c25d",
+            "4404a4905df64127c90b5286c6aea0f0"]),
+        "28b52ffd20c66d04006408000601d8af865d340be2b990673e15ecc39a71481ff6cda47b522900d7ae855c330ae1"
+        "b88f663d14ebc29970471ef5cca37a5128ffd6ad845b3209e0b78e653c13eac1980053a7fb4fa3f74a9ef2469aee"
+        "4195e93d91e5388ce03488dc3083d72b7fd3277ace2276ca1e71c5196dc11568bc1064b80c5fb3075baf0357aafe"
+        "52a6fa4ea1f549010095001628b52ffd2040ad0100e402ce06800000016f461df4cba2795027fed5ac835a3108df"
+        "b68d649df14598ec4094e83c8fe3378bdf3387da2e82d601001ec00228b52ffd2019c9000003000026330e001c01"
+        "e927a4dd1275a1d8805af897e81ac0bf",
+    ),
+    "rel": (
+        _v1_index("rel", [22, 26, 34], [198, 64, 25], [
+            "9ab08bb9d7861184799054f399858a62", "04863a22c95e5dec7d6f4c312357f8db",
+            "428c60398106854b69234d4cbb11d1b3"]),
+        "28b52ffd20c66d000020000602000314002716df620128b52ffd20408d000040ce068000000102000310008948b4"
+        "870528b52ffd2019c9000003000026330e001c01e927fefdfefdfdfeffffffffffffffff",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["abs", "rel"])
+def test_stoa_pulse_1_patches_written_by_the_first_encoder_still_decode(mode):
+    base, new = golden_states()
+    doc, hex_body = GOLDEN_V1[mode]
+    index, body = PatchIndex.from_json(doc), bytes.fromhex(hex_body)
+    assert index.format == FORMAT_V1 and index.to_json() == doc
+    state = copy_state(base)
+    undo = apply_patch(state, index, all_frames(index, body))
+    assert_same(state, new)
+    undo.rollback(state)
+    assert_same(state, base)
+    # The v1 writer is kept (for receivers that read only v1): same layout (the compressed bytes
+    # may differ with the zstd library version).
+    again, again_body = encode_patch(base, new, mode=mode, frame_bytes=200, format=FORMAT_V1)
+    assert [(f.raw_size, f.entries) for f in again.frames] == [(f.raw_size, f.entries) for f in index.frames]
+    assert zstandard.ZstdDecompressor().decompress(again_body[: again.frames[0].length]) == (
+        zstandard.ZstdDecompressor().decompress(body[: index.frames[0].length]))
+
+
+@pytest.mark.parametrize("mode", ["abs", "rel"])
+def test_v2_round_trip_of_the_golden_states_and_its_compact_index(mode):
+    base, new = golden_states()
+    v1_index, _ = encode_patch(base, new, mode=mode, frame_bytes=200, format=FORMAT_V1)
+    index, body = encode_patch(base, new, mode=mode, frame_bytes=200)
+    assert index.format == FORMAT_V2 and set(index.to_json()) == {"format", "digest", "index"}
+    assert len(json.dumps(index.to_json())) < len(json.dumps(v1_index.to_json()))
+    state = copy_state(base)
+    apply_patch(state, json_round_trip(index), all_frames(index, body))
+    assert_same(state, new)
+    # Frames with an empty section (every index code fits one byte) hold no stream for it.
+    assert index.frames[0].streams[1] == 0 and all(n > 0 for n in index.frames[1].streams)
+
+
+def binary(index: PatchIndex) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(index.to_bytes())
+
+
+def packed(raw: bytes) -> bytes:
+    return zstandard.ZstdCompressor().compress(raw)
+
+
+def test_hostile_binary_indexes_are_corrupt():
+    _, _, index, _ = patched_setup()
+    raw = binary(index)
+    assert PatchIndex.from_bytes(packed(raw)) == index
+    bad = [
+        packed(b"XXXX" + raw[4:]),  # magic
+        packed(raw[:4] + b"\x07" + raw[5:]),  # mode
+        packed(raw[:-1]),  # truncated
+        packed(raw + b"\x00"),  # trailing byte
+        packed(raw[:5] + b"\xff" * 12),  # a varint that never ends
+        packed(raw[:5] + b"\xff\xff\xff\xff\x0f"),  # a name count beyond the bytes left
+        packed(raw[:5] + b"\x01\x02\xff\xfe\x00"),  # a name that is not UTF-8
+        packed(raw[:5] + b"\x01\x01a\x7f"),  # a rank beyond the limit
+        zstandard.ZstdCompressor().compress(b"\0" * (MAX_INDEX_BYTES + 1)),  # an index bomb
+        b"not zstd at all",
+    ]
+    for data in bad:
+        with pytest.raises(PatchCorrupt):
+            PatchIndex.from_bytes(data)
+    doc = index.to_json()
+    for broken in (
+        {**doc, "index": doc["index"][:-2] + "!!"},  # not base64
+        {**doc, "extra": 1},
+        {**doc, "index": 5},
+        {**doc, "digest": "sha256"},
+    ):
+        with pytest.raises(PatchCorrupt):
+            PatchIndex.from_json(broken)
+
+
+def test_section_streams_must_tile_the_frame_and_match_the_sections():
+    base, _, index, frames = patched_setup()
+    frame = index.frames[1]
+    s0, s1, s2, s3 = frame.streams
+    assert s1 > 0  # this frame has long index codes
+
+    def with_streams(*streams):
+        return dataclasses.replace(index, frames=(index.frames[0], dataclasses.replace(frame, streams=streams),
+                                                  *index.frames[2:]))
+
+    for streams in ((s0 + s1, 0, s2, s3), (s0, s1, s2 + s3), (s0, s1, s2, s3, 0), (s0 + 1, s1, s2, s3), ()):
+        with pytest.raises(PatchCorrupt):
+            validate_index(with_streams(*streams))
+    # Off by one byte between two streams: the index is consistent and the frame digest still
+    # matches, but the streams no longer inflate to their sections.
+    assert_apply_fails(base, with_streams(s0 + 1, s1 - 1, s2, s3), frames, PatchCorrupt, "frame 1 section")
+    v1 = dataclasses.replace(index, format=FORMAT_V1)
+    with pytest.raises(PatchCorrupt, match="no section streams"):
+        validate_index(v1)
+    with pytest.raises(ValueError, match="binary form"):
+        dataclasses.replace(index, format=FORMAT_V1, frames=()).to_bytes()
+    assert base64.b64decode(index.to_json()["index"]) == index.to_bytes()
+
+
+# ------------------------------------------------------------------------------------------
+# Changed-index bookkeeping
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), patches=st.integers(1, 5), frame_bytes=st.sampled_from([40, 400, 1 << 20]))
+def test_changed_indices_equal_np_unique_of_everything_written(seed, patches, frame_bytes):
+    rng = np.random.default_rng(seed)
+    state = random_state(rng, [(300,), (20, 30), (), (0,), (7,)])
+    logs, written = [], {}
+    for _ in range(patches):
+        new = mutate(rng, state, float(rng.choice([0.0, 0.05, 0.5])))
+        index, body = encode_patch(state, new, frame_bytes=frame_bytes, mode="rel")
+        frames = list(all_frames(index, body).items())
+        rng.shuffle(frames)  # frames arrive in any order
+        logs.append(apply_patch(state, index, frames))
+        for entry in logs[-1].entries:
+            written.setdefault(entry.name, []).append(entry.indices)
+    changed = ChangedIndices(logs)
+    assert set(changed) == set(written) and len(changed) == len(written)
+    for name, parts in written.items():
+        expected = np.unique(np.concatenate(parts))
+        got = changed[name]
+        assert got.dtype == np.int64 and np.array_equal(got, expected), (seed, name)
+        assert changed[name] is got and not got.flags.writeable
+    with pytest.raises(KeyError):
+        changed["nope"]
+
+
+def test_changed_indices_merge_overlapping_and_out_of_order_runs():
+    def log(*entries):
+        return UndoLog(tuple(UndoEntry(n, np.array(i, dtype=np.int64), np.zeros(len(i), np.uint16))
+                             for n, i in entries))
+
+    one = log(("a", [5, 6, 9]), ("a", [0, 2]), ("b", [3]))  # one patch, split tensor out of order
+    two = log(("a", [2, 7]), ("c", []))
+    odd = log(("a", [1, 4]), ("a", [3, 4]))  # overlapping runs within one patch
+    assert ChangedIndices([one])["a"].tolist() == [0, 2, 5, 6, 9]
+    merged = ChangedIndices([one, two])
+    assert merged["a"].tolist() == [0, 2, 5, 6, 7, 9] and merged["b"].tolist() == [3]
+    assert merged["c"].tolist() == [] and merged["c"].dtype == np.int64
+    assert ChangedIndices([odd])["a"].tolist() == [1, 3, 4]
+    assert dict(ChangedIndices([])) == {}
+
+
+def test_on_done_reports_each_tensor_once_after_its_last_entry():
+    rng = np.random.default_rng(21)
+    base = {"big": random_bits(rng, (400, 300)), "small": random_bits(rng, (50,)), "same": random_bits(rng, (9,))}
+    new = mutate(rng, base, 0.05)
+    new["same"] = base["same"].copy()
+    index, body = encode_patch(base, new, frame_bytes=1000)
+    assert sum(e.name == "big" for f in index.frames for e in f.entries) > 1  # split over frames
+    state = copy_state(base)
+    done: list[str] = []
+
+    def on_done(name: str) -> None:
+        # Called once the tensor is final: it already holds the new bits.
+        assert np.array_equal(state[name], new[name]), name
+        done.append(name)
+
+    frames = list(all_frames(index, body).items())
+    apply_patch(state, index, reversed(frames), on_done=on_done)
+    assert sorted(done) == ["big", "small"]

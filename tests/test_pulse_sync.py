@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 
 import numpy as np
@@ -10,13 +11,14 @@ import pytest
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.codec import diff
-from slime_stoa.protocol.pulse.digest import state_digest
+from slime_stoa.protocol.pulse.digest import StateDigest, state_digest
 from slime_stoa.protocol.pulse.manifests import Pointer, VersionManifest
 from slime_stoa.protocol.pulse.publisher import (
     PublishConflict,
     Publisher,
     PublisherConfig,
 )
+from slime_stoa.protocol.pulse.route import Route, SpeedMeter, Speeds, chain_guess, estimate_s, rank
 from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncError
 from slime_stoa.protocol.store import Store
 
@@ -347,3 +349,166 @@ async def test_multi_frame_patches_arrive_by_ranged_gets(store: Store, monkeypat
     frames = manifest.patch("step").index.frames
     assert len(frames) > 1 and sorted(gets) == sorted((f.offset, f.length) for f in frames)
     assert_same(sub.state, states[-1])
+
+
+# ------------------------------------------------------------------------------------------
+# Path choice by estimated time
+
+
+def test_route_estimates_and_ranking():
+    speeds = Speeds(download_bytes_s=1e6, request_s=0.1, apply_s_per_change=1e-6, hash_s_per_element=1e-9,
+                    load_s_per_element=1e-8)
+    step = Route(name="step", requests=1, bytes=50_000, changes=20_000, hashed=2_000_000)
+    assert estimate_s(step, speeds) == pytest.approx(0.1 + 0.05 + 0.02 + 0.002)
+    anchor = Route(name="anchor", requests=2, bytes=20_000_000, elements=10_000_000)
+    assert estimate_s(anchor, speeds) == pytest.approx(0.2 + 20 + 0.1)
+    chain = chain_guess(16, step)
+    assert (chain.requests, chain.bytes, chain.changes, chain.hashed) == (16, 800_000, 320_000, 2_000_000)
+    assert [r.name for r in rank([anchor, chain, step], speeds)] == ["step", "chain", "anchor"]
+    # A fast link with slow round trips: one big anchor beats many small patches.
+    lan = Speeds(download_bytes_s=1e10, request_s=1.0, apply_s_per_change=1e-6, load_s_per_element=1e-9)
+    assert [r.name for r in rank([chain, anchor], lan)] == ["anchor", "chain"]
+    # CPU counts too: a chain of dense patches loses to the anchor even on a slow link.
+    dense = chain_guess(64, Route(name="step", requests=1, bytes=10_000, changes=5_000_000))
+    assert rank([dense, anchor], speeds)[0] is anchor
+    tie = Route(name="a", bytes=10), Route(name="b", bytes=5)
+    assert [r.name for r in rank(tie, speeds)] == ["b", "a"]  # equal time: fewer bytes first
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="download_bytes_s"):
+            Speeds(download_bytes_s=bad)
+
+
+def test_speed_meter_learns_latency_bandwidth_and_cpu():
+    meter = SpeedMeter(Speeds(download_bytes_s=1e6, request_s=0.5), weight=1.0)
+    meter.download(1_000, 0.02)  # a small GET measures the latency
+    assert meter.speeds.request_s == pytest.approx(0.02) and meter.speeds.download_bytes_s == 1e6
+    meter.download(100_000_000, 1.02)  # a large one the bandwidth, less one latency
+    assert meter.speeds.download_bytes_s == pytest.approx(1e8)
+    # Bandwidth is averaged by bytes: many small slow transfers barely move what a big one showed.
+    sized = SpeedMeter(weight=0.3)
+    sized.download(200_000_000, 1.0)
+    for _ in range(5):
+        sized.download(1_000_000, 0.1)  # 10 MB/s on 1 MB objects
+    assert sized.speeds.download_bytes_s > 5e7
+    meter.apply(1_000_000, 0.05)
+    meter.apply(10, 100.0)  # too small to time: ignored
+    assert meter.speeds.apply_s_per_change == pytest.approx(5e-8)
+    meter.load(50_000_000, 0.5)
+    assert meter.speeds.load_s_per_element == pytest.approx(1e-8)
+    meter.hash(50_000_000, 0.01)
+    meter.hash(10, 5.0)  # too small to time: ignored
+    assert meter.speeds.hash_s_per_element == pytest.approx(2e-10)
+    meter.download(5_000_000, 0.0)  # no time measured: ignored
+    assert meter.speeds.download_bytes_s == pytest.approx(1e8)
+    half = SpeedMeter(Speeds(request_s=1.0), weight=0.5)
+    half.download(10, 3.0)  # the first measurement replaces the guess ...
+    assert half.speeds.request_s == pytest.approx(3.0)
+    half.download(10, 1.0)  # ... later ones are averaged in
+    assert half.speeds.request_s == pytest.approx(2.0)
+    known = SpeedMeter(Speeds(request_s=1.0), weight=0.5, measured=True)  # e.g. saved by a previous run
+    known.download(10, 3.0)
+    assert known.speeds.request_s == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        SpeedMeter(weight=0.0)
+
+
+async def test_a_lagger_takes_the_faster_of_chain_and_anchor(store: Store) -> None:
+    rng = np.random.default_rng(17)
+    pub = Publisher(store, RUN, PublisherConfig(anchor_every=4, anchor_fraction=100.0))
+    states = await publish_versions(pub, rng, 2)
+    slow_link, slow_trips = Subscriber(store, RUN), Subscriber(store, RUN)
+    for sub in (slow_link, slow_trips):
+        await sub.sync()  # at v1; the anchor at v4 will be newer than both
+    states += await publish_versions(pub, rng, 5, step_state(states[-1], rng))  # v2..v6
+    target = await _manifest(store, 6)
+    assert target.anchor.version == 4 and not target.patch("catchup").covers(1)
+    # A thin link: five small patches beat an anchor plus a catch-up patch.
+    # (Speeds given as measured and barely averaged: the syncs' own measurements do not move them.)
+    slow_link.meter = SpeedMeter(Speeds(download_bytes_s=1e3, request_s=1e-3), 1e-9, measured=True)
+    result = await slow_link.sync()
+    assert result is not None and result.path == "chain" and result.version == 6
+    # Fast bytes, slow round trips: two GETs and an anchor beat five GETs.
+    slow_trips.meter = SpeedMeter(Speeds(download_bytes_s=1e12, request_s=10.0, load_s_per_element=1e-12), 1e-9,
+                                  measured=True)
+    result = await slow_trips.sync()
+    assert result is not None and result.path == "anchor+catchup" and result.version == 6
+    assert result.estimate_s > 20  # three round trips at several seconds each, as ranked
+    for sub in (slow_link, slow_trips):
+        assert_same(sub.state, states[-1])
+
+
+async def test_a_chain_reports_the_changed_indices_of_every_version(store: Store) -> None:
+    rng = np.random.default_rng(18)
+    pub, sub = Publisher(store, RUN, PublisherConfig(catchup=False)), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    states += await publish_versions(pub, rng, 4, step_state(states[-1], rng))
+    result = await sub.sync()
+    assert result is not None and result.path == "chain" and result.changed is not None
+    deltas = [diff(a, b) for a, b in itertools.pairwise(states[1:])]
+    expected = {
+        name: np.unique(np.concatenate([d[name][0] for d in deltas if name in d]))
+        for name in {n for d in deltas for n in d}
+    }
+    assert set(result.changed) == set(expected) and len(result.changed) == len(expected)
+    for name, indices in expected.items():
+        assert np.array_equal(result.changed[name], indices), name
+        assert not result.changed[name].flags.writeable
+
+
+@pytest.mark.parametrize("mode", ["rel", "abs"])
+async def test_a_patch_for_another_base_digest_is_never_applied(store: Store, mode: str, caplog) -> None:
+    rng = np.random.default_rng(19)
+    pub = Publisher(store, RUN, PublisherConfig(mode=mode))
+    sub = Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    await sub.sync()
+    assert sub.state is not None
+    sub.state["layer.0.w"][0, 0] ^= 1  # the subscriber holds (and knows it holds) another state
+    sub.digest = StateDigest.of(sub.state)
+    await pub.publish(step_state(states[-1], rng))
+    step = (await _manifest(store, 2)).patch("step")
+    assert step is not None and step.index.mode == mode and step.base_digest != sub.digest.root()
+    with caplog.at_level(logging.INFO, logger="stoa.pulse"):
+        result = await sub.sync()
+    assert result is not None and result.path.startswith("anchor")
+    assert "via step" not in caplog.text  # refused before anything was fetched
+    assert sub.digest is not None and sub.digest.root() == pub.state_digest
+
+
+async def test_a_base_relative_catchup_serves_only_its_exact_base(store: Store) -> None:
+    import dataclasses
+
+    from slime_stoa.protocol.pulse.frames import encode_patch
+    from slime_stoa.protocol.pulse.manifests import PatchRef
+
+    rng = np.random.default_rng(20)
+    pub = Publisher(store, RUN, PublisherConfig(mode="rel"))
+    at1, at2, tampered = Subscriber(store, RUN), Subscriber(store, RUN), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 2)
+    for sub in (at1, tampered):
+        await sub.sync()
+    states += await publish_versions(pub, rng, 1, step_state(states[-1], rng))
+    await at2.sync()
+    states += await publish_versions(pub, rng, 1, step_state(states[-1], rng))  # v3
+    # Replace v3's catch-up patch by a base-relative one from exactly v1 (what a publisher could
+    # write for a known base): valid on one state only, named by its digest.
+    pointer = Pointer.from_bytes(await store.get_bytes(RunLayout(RUN).pointer))
+    manifest = await _manifest(store, 3)
+    index, body = encode_patch(states[1], states[3], mode="rel")
+    key = RunLayout(RUN).patch(3, manifest.attempt, "catchup", 1)
+    await store.put(key, body)
+    ref = PatchRef(kind="catchup", key=key, bytes=len(body), count=index.count, base_min=1, base_max=1,
+                   base_digest=state_digest(states[1]), index=index)
+    patches = tuple(p for p in manifest.patches if p.kind != "catchup") + (ref,)
+    await store.put(pointer.manifest, dataclasses.replace(manifest, patches=patches).to_bytes())
+    assert tampered.state is not None
+    tampered.state["norm"][0] ^= 1
+    tampered.digest = StateDigest.of(tampered.state)  # holds (and knows it holds) another v1
+    many_trips = Speeds(request_s=1.0, download_bytes_s=1e9)
+    for sub in (at1, at2, tampered):
+        sub.meter = SpeedMeter(many_trips, 1e-9, measured=True)  # round trips dominate
+    results = [await sub.sync() for sub in (at1, at2, tampered)]
+    assert [r.path for r in results if r is not None] == ["catchup", "step", "anchor+chain"]
+    for sub in (at1, at2, tampered):
+        assert_same(sub.state, states[3])

@@ -25,6 +25,7 @@ from slime_stoa.protocol.store import Store
 from .codec import PatchCorrupt
 from .digest import StateDigest
 from .manifests import AnchorFile, AnchorManifest, ManifestError
+from .route import SpeedMeter
 
 
 def shard_names(count: int) -> list[str]:
@@ -103,16 +104,26 @@ async def fetch_verified(store: Store, file: AnchorFile) -> bytes:
 
 
 async def read_anchor(
-    store: Store, manifest: AnchorManifest, *, concurrency: int = 4
+    store: Store, manifest: AnchorManifest, *, concurrency: int = 4, meter: SpeedMeter | None = None
 ) -> tuple[dict[str, np.ndarray], StateDigest]:
-    """Download and verify an anchor's weights; returns the bf16 state and its digest."""
+    """Download and verify an anchor's weights; returns the bf16 state and its digest.
+
+    With a `meter`, reports the download (all shards together), the digest time (as hashing) and
+    the parse + digest time (as loading)."""
     limit = asyncio.Semaphore(concurrency)
+    start = time.perf_counter()
+    downloaded = [start]
+    parsing = [0.0]
 
     async def load(file: AnchorFile) -> dict[str, tuple[str, np.ndarray]]:
         async with limit:
             data = await fetch_verified(store, file)
+        downloaded.append(time.perf_counter())
         try:
-            return await asyncio.to_thread(read_safetensors, data)
+            began = time.perf_counter()
+            tensors = await asyncio.to_thread(read_safetensors, data)
+            parsing[0] += time.perf_counter() - began
+            return tensors
         except ValueError as exc:
             raise PatchCorrupt(f"anchor file {file.key}: {exc}") from None
 
@@ -122,7 +133,13 @@ async def read_anchor(
             if dtype != "BF16":
                 raise PatchCorrupt(f"anchor tensor {name!r} is {dtype}, expected BF16")
             state[name] = array.view(np.uint16)  # fresh, writable, C-ordered (0-d stays 0-d)
+    began = time.perf_counter()
     digest = await asyncio.to_thread(StateDigest.of, state)
+    if meter is not None:
+        elements, hashing = sum(a.size for a in state.values()), time.perf_counter() - began
+        meter.download(sum(f.bytes for f in manifest.weights), max(downloaded) - start)
+        meter.hash(elements, hashing)
+        meter.load(elements, parsing[0] + hashing)
     if digest.root() != manifest.state_digest:
         raise PatchCorrupt(
             f"anchor v{manifest.version}: state digest {digest.root()} != {manifest.state_digest} in its manifest"

@@ -8,11 +8,16 @@ caller can roll back explicitly when the final state digest does not match.
 
 A "rel" patch applied to the wrong base raises nothing: it yields a wrong state. The caller must
 compare the base state digest before applying (and the target digest after).
+
+`ChangedIndices` turns the undo logs of one or more applied patches into the sorted, unique flat
+indices written per tensor, lazily and in time proportional to the patches: the entries of one
+patch are already sorted runs, so one patch costs a concatenation and a check, several a merge
+of sorted runs (a stable sort finds the runs) and a mask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,7 +76,11 @@ def _frame_items(frames: Frames) -> Iterable[tuple[int, bytes]]:
 
 
 def apply_patch(
-    state: MutableMapping[str, np.ndarray], index: PatchIndex, frames: Frames
+    state: MutableMapping[str, np.ndarray],
+    index: PatchIndex,
+    frames: Frames,
+    *,
+    on_done: Callable[[str], None] | None = None,
 ) -> UndoLog:
     """Apply every frame of a patch to `state` in place and return the undo log.
 
@@ -80,7 +89,14 @@ def apply_patch(
     written. On any error the state is rolled back to exactly what it was, then the error is
     raised: PatchCorrupt for a damaged frame, ValueError for a state or frame set that does not
     fit the patch (missing tensor, shape or dtype mismatch, unknown, repeated or missing frame).
+    `on_done(name)` is called once the patch's last entry for a tensor is written (so the tensor
+    can be hashed while the rest applies); the patch may still fail and roll it back after.
     """
+    left: dict[str, int] = {}
+    if on_done is not None:
+        for frame in index.frames:
+            for entry in frame.entries:
+                left[entry.name] = left.get(entry.name, 0) + 1
     written: list[UndoEntry] = []
     seen: set[int] = set()
     try:
@@ -96,6 +112,10 @@ def apply_patch(
                 old = flat[indices]
                 written.append(UndoEntry(name, indices, old))
                 flat[indices] = values if index.mode == "abs" else from_rel_codes(old, values)
+                if on_done is not None:
+                    left[name] -= 1
+                    if not left[name]:
+                        on_done(name)
         missing = sorted(set(range(len(index.frames))) - seen)
         if missing:
             raise ValueError(f"patch incomplete: frames {missing} missing")
@@ -103,3 +123,62 @@ def apply_patch(
         UndoLog(tuple(written)).rollback(state)
         raise
     return UndoLog(tuple(written))
+
+
+class ChangedIndices(Mapping[str, np.ndarray]):
+    """Read-only mapping: tensor name -> sorted unique int64 flat indices that `logs` wrote.
+
+    Names are known at once; each tensor's indices are computed on first access (then cached),
+    so a receiver that needs only some of them pays only for those, on whichever thread reads
+    them. Equal to `np.unique` over each tensor's written indices. The arrays are read-only.
+    """
+
+    def __init__(self, logs: Sequence[UndoLog]) -> None:
+        self._runs: dict[str, list[list[np.ndarray]]] = {}
+        for undo in logs:
+            seen: set[str] = set()
+            for entry in undo.entries:
+                runs = self._runs.setdefault(entry.name, [])
+                if entry.name not in seen:
+                    runs.append([])
+                    seen.add(entry.name)
+                runs[-1].append(entry.indices)
+        self._done: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        found = self._done.get(name)
+        if found is None:
+            found = self._done[name] = _union(self._runs[name])
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._runs)
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+
+def _strictly_increasing(x: np.ndarray) -> bool:
+    return x.size < 2 or bool(np.all(x[1:] > x[:-1]))
+
+
+def _union(patches: list[list[np.ndarray]]) -> np.ndarray:
+    """Sorted unique union of the index arrays of one tensor, grouped per patch.
+
+    Each array is strictly increasing, and one patch's arrays do not overlap (a tensor split
+    across frames), so ordering them by first index usually yields the answer; otherwise (several
+    patches, or an odd producer) a stable sort merges the sorted runs and a mask drops repeats.
+    """
+    runs = [run for patch in patches for run in patch if run.size]
+    if len(patches) == 1:
+        runs.sort(key=lambda run: int(run[0]))
+    out = np.concatenate(runs) if runs else np.empty(0, dtype=np.int64)
+    if len(runs) > 1 and not _strictly_increasing(out):
+        out = np.sort(out, kind="stable")  # finds and merges the sorted runs
+        keep = np.empty(out.size, dtype=bool)
+        keep[:1] = True
+        np.not_equal(out[1:], out[:-1], out=keep[1:])
+        out = out[keep]
+    out = out.view()
+    out.flags.writeable = False
+    return out

@@ -37,12 +37,16 @@ def tensor_digest(name: str, bits: np.ndarray, dtype: str = "bfloat16") -> bytes
         raise ValueError(f"tensor {name!r}: bfloat16 bits need a 2-byte dtype, got {bits.dtype}")
     little = bits.astype(bits.dtype.newbyteorder("<"), copy=False)
     data = np.ascontiguousarray(little).reshape(-1).view(np.uint8)
-    header = _TENSOR_TAG + _text(name) + _text(dtype) + struct.pack(
-        f"<I{bits.ndim}Q", bits.ndim, *bits.shape
-    )
-    h = xxhash.xxh3_128(header)
+    h = tensor_hasher(name, bits.shape, dtype)
     h.update(data.data)  # the array's buffer, no copy
     return h.digest()
+
+
+def tensor_hasher(name: str, shape: tuple[int, ...], dtype: str = "bfloat16") -> xxhash.xxh3_128:
+    """The hash `tensor_digest` feeds a tensor's raw little-endian bytes to, for feeding them in
+    pieces: after ``update`` with every byte in order, ``digest()`` equals `tensor_digest`."""
+    header = _TENSOR_TAG + _text(name) + _text(dtype) + struct.pack(f"<I{len(shape)}Q", len(shape), *shape)
+    return xxhash.xxh3_128(header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,10 @@ class StateDigest:
             else:
                 digests.pop(name, None)
         return StateDigest(digests, self.dtype)
+
+    def with_digests(self, digests: Mapping[str, bytes]) -> StateDigest:
+        """A new StateDigest with these tensor digests replacing (or adding to) ours."""
+        return StateDigest({**self.digests, **digests}, self.dtype)
 
     def root(self) -> str:
         """Hex xxh3-128 over the sorted (name, tensor digest) pairs."""

@@ -1,17 +1,23 @@
 """The worker side of the weight plane: follow the pointer and stay bit-identical to it.
 
 `Subscriber.sync()` costs one conditional GET while nothing changed. When the pointer moves it
-reads the new version's manifest and ranks the paths that reach it by bytes to download:
+reads the new version's manifest and ranks the paths that reach it by estimated time
+(`route.py`: round trips, bytes at the measured download rate, and the CPU to apply each change
+or to load an anchor, all measured as the subscriber goes):
 
 - `step`    — the single patch from the previous version (we are one behind);
-- `catchup` — the merged patch valid on any state since the anchor (we are a few behind);
-- `chain`   — the step patches of every version in between (no catch-up patch covers us);
+- `catchup` — the merged patch valid on our version (any state since the anchor, or exactly our
+  state when it is base-relative);
+- `chain`   — the step patches of every version in between (walked only when it may win);
 - `anchor`  — the full anchor plus its catch-up patch or chain (cold start, or far behind).
 
-It tries them cheapest first. Frames come in with concurrent ranged GETs, are verified against
-their digests and applied in place with an undo log; the final state digest must equal the
-manifest's. Any failure (bad digest, missing object, base mismatch) rolls the state back exactly,
-is logged, and the next path is tried. The state is never left at an unverified version.
+It tries them fastest first. Patches of a path are fetched concurrently (frames with ranged GETs),
+verified against their digests and applied in place, in order, with an undo log; the final state
+digest must equal the manifest's. A patch carrying a base digest (every step patch, and every
+base-relative patch) is only tried on exactly that base. Any failure (bad digest, missing object,
+base mismatch) rolls the state back exactly, is logged, and the next path is tried. The state is
+never left at an unverified version. The changed indices of a sync (`SyncResult.changed`) are
+computed lazily, per tensor, in time proportional to the patches.
 
 Nothing malformed in the bucket escapes as anything but `SyncError` (the state stays at its last
 verified version): a pointer that does not parse (or names another run) is skipped until its ETag
@@ -23,8 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,15 +43,24 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store, StoreError
 
 from .anchor import read_anchor
-from .apply import UndoLog, apply_patch
+from .apply import ChangedIndices, UndoLog, apply_patch
 from .codec import PatchError
-from .digest import StateDigest
+from .digest import StateDigest, tensor_digest
+from .frames import PatchIndex
 from .history import MalformedPointer, NotPublished, read_anchor_manifest, read_manifest, read_pointer_etag
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
+from .route import Route, SpeedMeter, Speeds, chain_guess, estimate_s, rank
 
 log = logging.getLogger("stoa.pulse")
 
 WHOLE_BODY_BYTES = 8 << 20  # smaller patches are fetched with one GET instead of one per frame
+
+
+#: (state, its digest, [(patch, its frames)] in order, target) -> (undo logs, new digest); see `Subscriber.writer`.
+StateWriter = Callable[
+    [dict[str, np.ndarray], StateDigest, list[tuple[PatchRef, Mapping[int, bytes]]], VersionManifest],
+    Awaitable[tuple[list[UndoLog], StateDigest]],
+]
 
 
 class SyncError(Exception):
@@ -54,6 +73,9 @@ class SubscriberConfig:
 
     concurrency: int = 8  # ranged GETs in flight
     max_chain: int = 64  # longest chain of step patches worth walking manifests for
+    speeds: Speeds = field(default_factory=Speeds)  # rate guesses for path choice until measured
+    manifest_cache: int = 256  # version manifests kept in memory (most recently used)
+    hash_threads: int | None = None  # threads re-hashing patched tensors (None: one per CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,32 +86,43 @@ class SyncResult:
     bytes: int  # downloaded
     touched: tuple[str, ...]  # tensors whose bits may have changed
     seconds: float
-    # Flat indices written per tensor (sorted, unique); None when the whole state was replaced
-    # (anchor paths). Lets a receiver refresh only what changed, e.g. re-quantize touched groups.
+    # Flat indices written per tensor (sorted, unique, read-only, computed on first access);
+    # None when the whole state was replaced (anchor paths). Lets a receiver refresh only what
+    # changed, e.g. re-quantize touched groups.
     changed: Mapping[str, np.ndarray] | None = None
+    estimate_s: float = 0.0  # what path choice expected the path to take
 
 
 @dataclass(slots=True)
 class _Plan:
     name: str
-    cost: int
+    cost: int  # bytes to download
     patches: list[PatchRef] = field(default_factory=list)
     anchor: str | None = None  # anchor manifest key
+    route: Route | None = None
+    estimate_s: float = 0.0  # at planning time
 
 
 class Subscriber:
     """Holds a bf16 state (`dict[str, np.ndarray]` of uint16) at a verified version."""
 
-    def __init__(self, store: Store, run: str, config: SubscriberConfig = SubscriberConfig()):
+    def __init__(
+        self, store: Store, run: str, config: SubscriberConfig = SubscriberConfig(), *, writer: StateWriter | None = None
+    ):
         self.store = store
         self.layout = RunLayout(run)
         self.config = config
+        # Writes fetched patches into the held state instead of `apply_patch` (e.g. a worker whose
+        # state is its live model: it verifies beside the running model and writes at a safe
+        # point); it must write only if the target digest verifies. Anchor states never use it.
+        self.writer = writer
         self.state: dict[str, np.ndarray] | None = None
         self.version: int | None = None
         self.digest: StateDigest | None = None
         self.current: VersionManifest | None = None  # the manifest of `version`
+        self.meter = SpeedMeter(config.speeds)  # measured rates, for path choice
         self._etag: str | None = None
-        self._manifests: dict[str, VersionManifest] = {}
+        self._manifests: OrderedDict[str, VersionManifest] = OrderedDict()
 
     # -- public ------------------------------------------------------------------------------
     async def poll(self) -> Pointer | None:
@@ -157,7 +190,8 @@ class Subscriber:
             self.version = target.version
             self.current = target
             return SyncResult(
-                target.version, previous, plan.name, plan.cost, touched, time.perf_counter() - start, changed
+                target.version, previous, plan.name, plan.cost, touched, time.perf_counter() - start, changed,
+                plan.estimate_s,
             )
         where = f"v{previous}" if previous is not None else "no weights"
         raise SyncError(
@@ -171,26 +205,65 @@ class Subscriber:
     async def manifest(self, key: str) -> VersionManifest:
         cached = self._manifests.get(key)
         if cached is None:
+            start = time.perf_counter()
             cached = await read_manifest(self.store, key)
+            self.meter.download(0, time.perf_counter() - start)  # a small GET: the request latency
             self._manifests[key] = cached
+            while len(self._manifests) > max(1, self.config.manifest_cache):
+                self._manifests.popitem(last=False)
+        else:
+            self._manifests.move_to_end(key)
         return cached
 
     # -- planning ----------------------------------------------------------------------------
+    def _requests(self, ref: PatchRef) -> int:
+        """Round trips to fetch a patch: one GET, or waves of concurrent ranged GETs."""
+        frames = len(ref.index.frames)
+        if frames <= 1 or ref.bytes <= WHOLE_BODY_BYTES:
+            return 1
+        return math.ceil(frames / max(1, self.config.concurrency))
+
+    def _patch_route(self, name: str, patches: list[PatchRef]) -> Route:
+        sizes = {e.name: e.size for p in patches for f in p.index.frames for e in f.entries}
+        return Route(
+            name=name, requests=sum(self._requests(p) for p in patches), bytes=sum(p.bytes for p in patches),
+            changes=sum(p.count for p in patches), hashed=sum(sizes.values()),
+        )
+
+    def _applies(self, ref: PatchRef | None, version: int, digest: str | None) -> bool:
+        """Whether `ref` may be applied to our state (its base range, and its base digest if any)."""
+        return ref is not None and ref.covers(version) and (ref.base_digest is None or ref.base_digest == digest)
+
     async def _plans(self, target: VersionManifest) -> list[_Plan]:
         plans: list[_Plan] = []
         u, v = self.version, target.version
+        speeds = self.meter.speeds
+        anchor = await self._anchor_plan(target)
+        if anchor is not None:
+            plans.append(anchor)
         if u is not None and self.digest is not None:
+            root = self.digest.root()
             step, catchup = target.patch("step"), target.patch("catchup")
-            if step and step.covers(u) and step.base_digest == self.digest.root():
-                plans.append(_Plan("step", step.bytes, [step]))
-            if catchup and catchup.covers(u):
-                plans.append(_Plan("catchup", catchup.bytes, [catchup]))
-            if not plans and 0 <= v - u - 1 <= self.config.max_chain:
-                chain = await self._chain(target, u)
-                if chain:
-                    plans.append(_Plan("chain", sum(p.bytes for p in chain), chain))
-        plans.append(await self._anchor_plan(target))
-        return sorted(plans, key=lambda p: p.cost)
+            for kind, ref in (("step", step), ("catchup", catchup)):
+                if ref is not None and self._applies(ref, u, root):
+                    plans.append(_Plan(kind, ref.bytes, [ref], route=self._patch_route(kind, [ref])))
+            behind = v - u
+            if step is not None and not self._applies(step, u, root) and 2 <= behind <= self.config.max_chain + 1:
+                best = min((estimate_s(p.route, speeds) for p in plans if p.route), default=math.inf)
+                # Walking costs a manifest GET per version: only when a chain of steps like this
+                # one may be faster than the best alternative (the guess may be off either way).
+                guess = chain_guess(behind, self._patch_route("step", [step]))
+                if estimate_s(guess, speeds) < 2 * best:
+                    chain = await self._chain(target, u)
+                    if chain and chain[0].base_digest in (None, root):
+                        route = self._patch_route("chain", chain)
+                        plans.append(_Plan("chain", route.bytes, chain, route=route))
+        by_name = {p.name: p for p in plans}
+        ranked = [by_name[r.name] for r in rank((p.route for p in plans if p.route), speeds)]
+        for plan in ranked:
+            assert plan.route is not None
+            plan.estimate_s = estimate_s(plan.route, speeds)
+        return ranked
 
     async def _chain(self, target: VersionManifest, base: int) -> list[PatchRef] | None:
         """Step patches from `base` to the target, oldest first; None if a link is missing."""
@@ -210,21 +283,28 @@ class Subscriber:
             return None
         return chain[::-1]
 
-    async def _anchor_plan(self, target: VersionManifest) -> _Plan:
+    async def _anchor_plan(self, target: VersionManifest) -> _Plan | None:
+        """The anchor path (None when no patches lead from the anchor to the target)."""
         a = target.anchor
         plan = _Plan("anchor", target.anchor_bytes, anchor=a.manifest)
-        if a.version == target.version:
-            return plan
-        catchup = target.patch("catchup")
-        if catchup and catchup.covers(a.version):
-            plan.name, plan.patches = "anchor+catchup", [catchup]
-        elif target.version - a.version == 1 and (step := target.patch("step")):
-            plan.name, plan.patches = "anchor+step", [step]
-        else:
-            plan.name, plan.patches = "anchor+chain", await self._chain(target, a.version) or []
-            if not plan.patches:
-                raise SyncError(f"v{target.version}: no patches lead from its anchor v{a.version}")
-        plan.cost += sum(p.bytes for p in plan.patches)
+        if a.version != target.version:
+            catchup, step = target.patch("catchup"), target.patch("step")
+            if catchup is not None and self._applies(catchup, a.version, a.state_digest):
+                plan.name, plan.patches = "anchor+catchup", [catchup]
+            elif target.version - a.version == 1 and step is not None:
+                plan.name, plan.patches = "anchor+step", [step]
+            else:
+                plan.name, plan.patches = "anchor+chain", await self._chain(target, a.version) or []
+                if not plan.patches:
+                    log.warning("v%d: no patches lead from its anchor v%d", target.version, a.version)
+                    return None
+            plan.cost += sum(p.bytes for p in plan.patches)
+        # One GET for the anchor manifest, one wave of shard GETs, then the patches.
+        patches = self._patch_route(plan.name, plan.patches)
+        plan.route = Route(
+            name=plan.name, requests=2 + patches.requests, bytes=plan.cost, changes=patches.changes,
+            hashed=patches.hashed, elements=target.elements,
+        )
         return plan
 
     # -- execution ---------------------------------------------------------------------------
@@ -234,10 +314,14 @@ class Subscriber:
         Returns (touched names, changed indices per tensor or None for a whole new state)."""
         if plan.anchor is None:
             assert self.state is not None and self.digest is not None
-            logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
-            return _touched(logs), _changed(logs)
+            if self.writer is not None:
+                fetched = [(ref, await self._fetch_frames(ref)) for ref in plan.patches]
+                logs, self.digest = await self.writer(self.state, self.digest, fetched, target)
+            else:
+                logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
+            return _touched(logs), ChangedIndices(logs)
         anchor = await read_anchor_manifest(self.store, plan.anchor)
-        state, digest = await read_anchor(self.store, anchor, concurrency=self.config.concurrency)
+        state, digest = await read_anchor(self.store, anchor, concurrency=self.config.concurrency, meter=self.meter)
         _, digest = await self._apply_verified(state, digest, plan.patches, target.state_digest)
         self.state, self.digest = state, digest
         return tuple(sorted(state)), None
@@ -249,18 +333,32 @@ class Subscriber:
         patches: list[PatchRef],
         expected: str,
     ) -> tuple[list[UndoLog], StateDigest]:
-        """Apply patches in order and check the digest; on any failure restore the state."""
+        """Apply patches in order and check the digest; on any failure restore the state.
+
+        Every patch is fetched at once (the next downloads while one applies); the last one is
+        applied while the tensors it finishes are re-hashed (`_apply_hashing`)."""
         if patches and patches[0].base_digest is not None and patches[0].base_digest != digest.root():
             raise SyncError(f"{patches[0].key} needs base {patches[0].base_digest}, we hold {digest.root()}")
         logs: list[UndoLog] = []
         touched: set[str] = set()
+        new_digest = digest
+        fetches = [asyncio.ensure_future(self._fetch_frames(ref)) for ref in patches]
+        threads = self.config.hash_threads or os.cpu_count() or 1
         try:
-            for ref in patches:
-                frames = await self._fetch_frames(ref)
-                undo = await asyncio.to_thread(apply_patch, state, ref.index, frames)
+            for i, (ref, fetch) in enumerate(zip(patches, fetches, strict=True)):
+                frames = await fetch
+                start = time.perf_counter()
+                if i < len(patches) - 1:
+                    undo = await asyncio.to_thread(apply_patch, state, ref.index, frames)
+                    self.meter.apply(ref.count, time.perf_counter() - start)
+                else:
+                    undo, new_digest, spent = await asyncio.to_thread(
+                        _apply_hashing, state, ref.index, frames, digest, touched, threads
+                    )
+                    self.meter.apply(ref.count, spent[0])
+                    self.meter.hash(spent[1], spent[2])
                 logs.append(undo)
                 touched.update(undo.touched)
-            new_digest = await asyncio.to_thread(digest.update, state, touched)
             if new_digest.root() != expected:
                 raise SyncError(
                     f"state digest {new_digest.root()} != {expected} after applying {len(patches)} patch(es)"
@@ -269,14 +367,22 @@ class Subscriber:
             for undo in reversed(logs):
                 undo.rollback(state)
             raise
+        finally:
+            for fetch in fetches:
+                fetch.cancel()
+            for outcome in await asyncio.gather(*fetches, return_exceptions=True):
+                if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                    log.debug("an unused patch fetch failed: %s", outcome)
         return logs, new_digest
 
     async def _fetch_frames(self, ref: PatchRef) -> Mapping[int, bytes]:
         frames = ref.index.frames
+        start = time.perf_counter()
         if len(frames) <= 1 or ref.bytes <= WHOLE_BODY_BYTES:
             body = await self.store.get_bytes(ref.key)
             if len(body) != ref.bytes:
                 raise SyncError(f"{ref.key}: {len(body)} bytes, manifest says {ref.bytes}")
+            self.meter.download(len(body), time.perf_counter() - start)
             return {i: body[f.offset : f.offset + f.length] for i, f in enumerate(frames)}
         limit = asyncio.Semaphore(self.config.concurrency)
 
@@ -286,16 +392,45 @@ class Subscriber:
             assert got is not None
             return i, got.data
 
-        return dict(await asyncio.gather(*(fetch(i) for i in range(len(frames)))))
+        got = dict(await asyncio.gather(*(fetch(i) for i in range(len(frames)))))
+        self.meter.download(ref.bytes, time.perf_counter() - start)
+        return got
+
+
+def _apply_hashing(
+    state: dict[str, np.ndarray],
+    index: PatchIndex,
+    frames: Mapping[int, bytes],
+    digest: StateDigest,
+    earlier: set[str],
+    threads: int,
+) -> tuple[UndoLog, StateDigest, tuple[float, int, float]]:
+    """Apply a path's last patch; return its undo log, the new state digest and what it took
+    (apply seconds, elements hashed, hashing seconds summed over threads).
+
+    Each tensor is hashed on a thread pool (xxh3 releases the GIL) as soon as it is final: the
+    tensors only earlier patches touched at once, the others when this patch's last entry for
+    them is written, so hashing overlaps the rest of the apply."""
+    futures: dict[str, Future[tuple[bytes, float]]] = {}
+
+    def hashed(name: str) -> tuple[bytes, float]:
+        start = time.perf_counter()
+        return tensor_digest(name, state[name], digest.dtype), time.perf_counter() - start
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stoa-hash") as pool:
+
+        def submit(name: str) -> None:
+            futures[name] = pool.submit(hashed, name)
+
+        for name in sorted(earlier - set(index.touched)):
+            submit(name)
+        start = time.perf_counter()
+        undo = apply_patch(state, index, frames, on_done=submit)
+        apply_s = time.perf_counter() - start
+        done = {name: future.result() for name, future in futures.items()}
+    spent = (apply_s, sum(state[name].size for name in done), sum(s for _, s in done.values()))
+    return undo, digest.with_digests({name: d for name, (d, _) in done.items()}), spent
 
 
 def _touched(logs: list[UndoLog]) -> tuple[str, ...]:
     return tuple(sorted({name for undo in logs for name in undo.touched}))
-
-
-def _changed(logs: list[UndoLog]) -> dict[str, np.ndarray]:
-    parts: dict[str, list[np.ndarray]] = {}
-    for undo in logs:
-        for entry in undo.entries:
-            parts.setdefault(entry.name, []).append(entry.indices)
-    return {name: np.unique(np.concatenate(p)) for name, p in parts.items()}
