@@ -313,13 +313,18 @@ def fake_slime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_publish_weights_gathers_and_publishes(fake_slime, tmp_path: Path) -> None:
+    """The synchronous path (`stoa_background_publish: false`); the background one is in
+    tests/test_background_publish.py."""
     url, run = f"file://{tmp_path / 'bucket'}", "hook-e2e"
     (tmp_path / "bucket").mkdir()
     rng = np.random.default_rng(3)
     weights = {n: bf16_from_bits(b) for n, b in model_state(rng).items()}
     weights["extra.weight"] = torch.randn(5, dtype=torch.float32)
     actor = Namespace(weights_backuper=FakeBackuper(weights), hf_config=QwenConfig(), model=[object()])
-    args = Namespace(stoa_publish=True, stoa_bucket=url, stoa_run=run, model_name=None, offload_train=False)
+    args = Namespace(
+        stoa_publish=True, stoa_bucket=url, stoa_run=run, model_name=None, offload_train=False,
+        stoa_background_publish=False,
+    )
     first = slime_hook.publish_weights(actor, args)
     assert first is not None and first.version == 0 and first.anchored
     assert actor._stoa_hf_iterator.model_name == "qwenconfig"

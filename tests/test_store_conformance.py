@@ -96,6 +96,51 @@ async def test_streamed_put(store: Store) -> None:
     assert got.data == b"".join(bytes([i]) * 1000 for i in range(5))
 
 
+# Above the S3 backend's multipart threshold (16 MiB): uploaded in parallel parts there.
+LARGE = 17 << 20
+
+
+async def test_large_payload_round_trips_whole(store: Store) -> None:
+    data = os.urandom(LARGE)
+
+    async def chunks():
+        for start in range(0, LARGE, 3 << 20):  # chunks that do not line up with the parts
+            yield data[start : start + (3 << 20)]
+
+    etag = await store.put_if_absent("big/bytes", data)
+    streamed = await store.put_if_absent("big/streamed", chunks())
+    for key, tag in (("big/bytes", etag), ("big/streamed", streamed)):
+        info = await store.head(key)
+        assert (info.size, info.etag) == (LARGE, tag)
+        got = await store.get(key)
+        assert got is not None and got.etag == tag and got.data == data
+    edge = await store.get("big/bytes", offset=(8 << 20) - 3, length=6)  # across a part boundary
+    assert edge is not None and edge.data == data[(8 << 20) - 3 : (8 << 20) + 3]
+    with pytest.raises(PreconditionFailed):
+        await store.put_if_absent("big/bytes", os.urandom(LARGE))
+    assert await store.get_bytes("big/bytes") == data
+
+
+async def test_interrupted_large_upload_leaves_nothing(store: Store) -> None:
+    """A crash mid-upload (the stream fails after several parts) publishes nothing, and the
+    key stays free for the next attempt."""
+
+    class Crash(Exception):
+        pass
+
+    async def failing():
+        for _ in range(3):
+            yield os.urandom(8 << 20)
+        raise Crash
+
+    with pytest.raises(Crash):
+        await store.put_if_absent("big/crash", failing())
+    assert not await store.exists("big/crash")
+    assert await keys_of(store, "big/") == []
+    await store.put_if_absent("big/crash", b"second attempt")
+    assert await store.get_bytes("big/crash") == b"second attempt"
+
+
 async def test_list_order_prefix_and_start_after(store: Store) -> None:
     # No key shares a folder's name followed by a character below '/' ("p/a" and "p/a-b"): some
     # S3-compatible servers list such folders first, and the run layout never creates them.

@@ -1,6 +1,6 @@
 """Reading a run's weight plane: one reader per document (the pointer, version manifests,
 anchor manifests), then the history built on them: find any version's manifest, walk the
-chain, rebuild a state."""
+chain, read the weight lineage, rebuild a state."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import NotFound, Store, StoreError
 
+from .lineage import Lineage
 from .manifests import AnchorManifest, ManifestError, Pointer, VersionManifest
 
 
@@ -91,21 +92,66 @@ async def walk_back(store: Store, start: VersionManifest, *, limit: int):
             return
 
 
-async def published_digests(
-    store: Store, run: str, *, depth: int, pointer: Pointer | None = None
-) -> dict[int, str]:
-    """{version: state digest} of the pointer's version and the `depth - 1` before it on the
-    committed chain (fewer when older manifests are gone): what a record may claim
-    (`slime_stoa.trainer.consumer.admission.check_published`). Empty when nothing is published.
-    One GET for the pointer (none when the caller just read it and passes it) and one per
-    manifest; ManifestError when a manifest is malformed."""
+# A lineage read stops after this many manifests past `depth` (restores add no step, so a run
+# restarted again and again from its last version could otherwise make the walk unbounded).
+RESTORE_ALLOWANCE = 64
+
+
+async def read_lineage(store: Store, run: str, *, depth: int, pointer: Pointer | None = None) -> Lineage:
+    """The pointer's weight lineage back `depth` training steps (see `lineage.Lineage`): the
+    versions on it lagging the pointer's by fewer than `depth` steps, with their steps and state
+    digests, and the version ranges restarts abandoned on the way. Follows each version's
+    lineage parent (`Origin.parent`), so an abandoned branch is skipped, not read. Empty when
+    nothing is published. One GET for the pointer (none when the caller passes it) and one per
+    manifest; stops quietly at a manifest retention deleted (its version still counts, from the
+    reference to it); ManifestError when a manifest is malformed or contradicts its child."""
     if pointer is None:
         try:
             pointer = await read_pointer(store, run)
         except NotPublished:
-            return {}
-    start = await read_manifest(store, pointer.manifest)
-    return {m.version: m.state_digest async for m in walk_back(store, start, limit=depth)}
+            return Lineage.straight({})
+    manifest: VersionManifest | None = await read_manifest(store, pointer.manifest)
+    assert manifest is not None
+    head, head_step = manifest.version, manifest.origin.step
+    steps: dict[int, int] = {}
+    digests: dict[int, str] = {}
+    abandoned: list[tuple[int, int]] = []
+    complete = False
+    for _ in range(depth + RESTORE_ALLOWANCE):
+        if manifest is None or head_step - manifest.origin.step >= depth:
+            break
+        origin = manifest.origin
+        steps[manifest.version], digests[manifest.version] = origin.step, manifest.state_digest
+        parent, parent_step = origin.parent, origin.parent_step
+        if parent is None or parent_step is None:
+            complete = True
+            break
+        if parent.version < manifest.version - 1:
+            abandoned.append((parent.version + 1, manifest.version - 1))
+        try:
+            child, manifest = manifest, await read_manifest(store, parent.manifest)
+        except NotFound:  # retention: what the reference says is all there is
+            if head_step - parent_step < depth:
+                steps[parent.version], digests[parent.version] = parent_step, parent.state_digest
+            break
+        if manifest.state_digest != parent.state_digest or manifest.origin.step != parent_step:
+            raise ManifestError(
+                f"v{manifest.version} of run {run!r} is not the lineage parent v{child.version} names "
+                f"(state digest or step differ)"
+            )
+    return Lineage(
+        head=head, head_step=head_step, steps=steps, digests=digests, abandoned=tuple(abandoned), complete=complete
+    )
+
+
+async def published_digests(
+    store: Store, run: str, *, depth: int, pointer: Pointer | None = None
+) -> dict[int, str]:
+    """{version: state digest} of the versions on the pointer's lineage within `depth` training
+    steps of it (`read_lineage`): what a record may claim
+    (`slime_stoa.trainer.consumer.admission.check_published`). Without restarts, the pointer's
+    version and the `depth - 1` before it. Empty when nothing is published."""
+    return dict((await read_lineage(store, run, depth=depth, pointer=pointer)).digests)
 
 
 async def find_manifest(store: Store, run: str, version: int) -> VersionManifest:

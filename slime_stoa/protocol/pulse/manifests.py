@@ -9,6 +9,11 @@ never a crash further down.
   last anchor), which is valid on ANY state from `base_min` to `base_max`. It also names the
   latest anchor at or below its version, and its parent version's manifest (the chain).
 - An anchor manifest lists the safetensors shards and HF config files of a full state.
+- The weight lineage (`Origin`, in each version manifest; the pointer carries its epoch): which
+  version a version's weights were trained or restored from. The chain (`parent`) is how to get
+  from v-1 to v; the lineage is where the weights come from. They differ only after a trainer
+  restarted from an earlier version's checkpoint: the new branch's first version restores that
+  version's weights (a new `epoch`), its patch still goes from the pointer's last version.
 
 Nothing read from the bucket is trusted (every worker's token can write there), so parsing checks
 every name and key against the layout grammar before anything uses it: the run name, the attempt,
@@ -58,6 +63,35 @@ class Ref:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Origin:
+    """Where a version's weights come from on the weight lineage.
+
+    Read from documents without it (older publishers) as a straight line: epoch 0, step =
+    version, trained from the chain parent.
+    """
+
+    epoch: int  # the branch: 0 until a trainer restarts from an earlier version, +1 at each such restart
+    step: int  # training steps from the run's first version along the lineage (a restore adds none)
+    parent: Ref | None  # the version these weights were trained or restored from; None for the first
+    restored: bool = False  # the weights ARE the parent's (a trainer restart from its checkpoint)
+
+    @property
+    def parent_step(self) -> int | None:
+        """The lineage step of `parent` (None without a parent)."""
+        if self.parent is None:
+            return None
+        return self.step if self.restored else self.step - 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "parent": asdict(self.parent) if self.parent else None,
+            "restored": self.restored,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Pointer:
     run: str
     version: int
@@ -65,6 +99,7 @@ class Pointer:
     manifest: str  # key of this version's manifest
     anchor: Ref  # the latest anchor at or below `version`
     updated_at: float
+    epoch: int = 0  # the lineage branch of `version` (its manifest's `lineage.epoch`)
 
     def to_bytes(self) -> bytes:
         return _dump({"format": POINTER_FORMAT, **asdict(self)})
@@ -80,7 +115,10 @@ class Pointer:
             manifest=_str(doc, "manifest", where),
             anchor=_ref(doc.get("anchor"), f"{where}.anchor"),
             updated_at=_float(doc, "updated_at", where),
+            epoch=_int(doc, "epoch", where) if "epoch" in doc else 0,
         )
+        if pointer.epoch > pointer.version:
+            raise ManifestError(f"{where}: epoch {pointer.epoch} is past version {pointer.version}")
         if run is not None and pointer.run != run:
             raise ManifestError(f"{where}: names run {pointer.run!r}, not {run!r}")
         layout = RunLayout(pointer.run)
@@ -159,6 +197,14 @@ class VersionManifest:
     patches: tuple[PatchRef, ...]
     elements: int  # bf16 elements in the state (a full sync costs 2 bytes each)
     created_at: float
+    lineage: Origin | None = None  # None: a straight line (see `origin`)
+
+    @property
+    def origin(self) -> Origin:
+        """The lineage of this version; for a document without one, trained from the chain parent."""
+        if self.lineage is not None:
+            return self.lineage
+        return Origin(epoch=0, step=self.version, parent=self.parent)
 
     def patch(self, kind: str) -> PatchRef | None:
         return next((p for p in self.patches if p.kind == kind), None)
@@ -172,6 +218,8 @@ class VersionManifest:
         doc["patches"] = [p.to_json() for p in self.patches]
         doc["elements"] = self.elements
         doc["created_at"] = self.created_at
+        if self.lineage is not None:
+            doc["lineage"] = self.lineage.to_json()
         return _dump(doc)
 
     @classmethod
@@ -195,6 +243,7 @@ class VersionManifest:
             patches=tuple(PatchRef.from_json(p, f"{where}.patches[{i}]") for i, p in enumerate(patches)),
             elements=_int(doc, "elements", where),
             created_at=_float(doc, "created_at", where),
+            lineage=_origin(doc["lineage"], f"{where}.lineage") if doc.get("lineage") is not None else None,
         )
         layout = RunLayout(manifest.run)
         if key is not None:
@@ -215,6 +264,8 @@ class VersionManifest:
                 raise ManifestError(f"{where}: parent v{manifest.parent.version} is not v{manifest.version - 1}")
             _check_version_key(layout, manifest.parent.manifest, manifest.parent.version, f"{where}.parent")
         _check_anchor_ref(layout, manifest.anchor, manifest.version, f"{where}.anchor")
+        if manifest.lineage is not None:
+            _check_origin(layout, manifest, f"{where}.lineage")
         return manifest
 
 
@@ -306,6 +357,33 @@ def _check_version_key(layout: RunLayout, key: str, version: int, where: str) ->
         raise ManifestError(f"{where}: {key!r:.200} is not a v{version} manifest key of run {layout.run!r}")
 
 
+def _check_origin(layout: RunLayout, manifest: VersionManifest, where: str) -> None:
+    """A version's lineage must fit its chain: only the first version has no parent; a parent
+    one version back is the chain parent itself; an earlier one (a branch) is a restore of it,
+    with the same state digest; no more steps or epochs than versions."""
+    origin, v = manifest.origin, manifest.version
+    if origin.step > v or origin.epoch > v:
+        raise ManifestError(f"{where}: step {origin.step} or epoch {origin.epoch} is past version {v}")
+    parent = origin.parent
+    if parent is None:
+        if manifest.parent is not None or origin.step != 0 or origin.restored:
+            raise ManifestError(f"{where}: only the first version (step 0, not restored) has no lineage parent")
+        return
+    if manifest.parent is None:
+        raise ManifestError(f"{where}: the first version of the chain cannot have a lineage parent")
+    if parent.version >= v:
+        raise ManifestError(f"{where}: parent v{parent.version} is not before v{v}")
+    _check_version_key(layout, parent.manifest, parent.version, f"{where}.parent")
+    if parent.version == v - 1 and parent != manifest.parent:
+        raise ManifestError(f"{where}: parent v{parent.version} is not the chain parent's manifest")
+    if parent.version < v - 1 and not origin.restored:
+        raise ManifestError(f"{where}: a lineage parent before v{v - 1} must be a restore of it")
+    if origin.restored and parent.state_digest != manifest.state_digest:
+        raise ManifestError(f"{where}: a restored version must have its parent's state digest")
+    if not origin.restored and origin.step < 1:
+        raise ManifestError(f"{where}: a trained version is at least step 1")
+
+
 def _check_anchor_ref(layout: RunLayout, ref: Ref, version: int, where: str) -> None:
     if ref.version > version:
         raise ManifestError(f"{where}: anchor v{ref.version} is ahead of v{version}")
@@ -391,6 +469,20 @@ def _ref(doc: Any, where: str) -> Ref:
         version=_version(doc, "version", where),
         manifest=_str(doc, "manifest", where),
         state_digest=_digest(doc, "state_digest", where),
+    )
+
+
+def _origin(doc: Any, where: str) -> Origin:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: expected an object")
+    restored = doc.get("restored", False)
+    if not isinstance(restored, bool):
+        raise ManifestError(f"{where}: 'restored' must be true or false")
+    return Origin(
+        epoch=_int(doc, "epoch", where),
+        step=_int(doc, "step", where),
+        parent=None if doc.get("parent") is None else _ref(doc["parent"], f"{where}.parent"),
+        restored=restored,
     )
 
 

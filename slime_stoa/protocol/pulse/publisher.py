@@ -8,6 +8,13 @@ written with put-if-absent under keys that carry a fresh attempt id, so a crashe
 publisher never blocks a version; only the pointer's CAS decides. The baseline advances only
 after the pointer moved. A second publisher racing on the same run loses the CAS and gets a
 `PublishConflict`; its objects are unreferenced and nothing it wrote is visible to readers.
+
+Each version records its weight lineage (`manifests.Origin`): trained from the previous version,
+or, on the first publish after `open`, restored when the state is bit-identical to a committed
+version's (a trainer restarted from a checkpoint). Restoring an earlier version than the
+pointer's starts a new branch: the epoch goes up and the versions in between are abandoned
+(consumers measure staleness along the lineage: `lineage.Lineage`). The patch chain is not
+affected: the new version's step patch still goes from the pointer's version.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,17 +31,22 @@ import numpy as np
 
 from slime_stoa.protocol.hf.folders import hf_config_files
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import run_retention
 from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError
 
 from .anchor import write_anchor
 from .codec import Delta, check_bits, diff, merge_deltas, shapes_of
 from .digest import StateDigest
 from .frames import MODES, Mode, decode_frame, encode_delta
-from .history import NotPublished, read_pointer_etag
-from .manifests import PatchRef, Pointer, Ref, VersionManifest
+from .history import NotPublished, read_pointer_etag, walk_back
+from .manifests import ManifestError, Origin, PatchRef, Pointer, Ref, VersionManifest
 from .subscriber import Subscriber
 
 log = logging.getLogger("stoa.pulse")
+
+# How many committed versions back the first publish after `open` looks for the one its state
+# restores (a trainer restarted from an older checkpoint is rarely further back).
+RESTORE_SEARCH = 1000
 
 
 class PublishError(Exception):
@@ -52,10 +64,12 @@ class PublisherConfig:
     anchor_every: int = 50  # write a full anchor at least every this many versions
     anchor_fraction: float = 0.5  # ... or once step patches since the last anchor exceed this share of it
     catchup: bool = True  # publish a merged catch-up patch each version, so laggers download one patch
-    mode: Mode = "abs"  # step patches: "abs" (new bits) or "rel" (smaller, valid only on the exact base)
+    mode: Mode = "rel"  # step patches: "rel" (smaller, valid only on the exact base: receivers check its digest) or "abs"
     frame_bytes: int = 16 << 20  # target uncompressed bytes per independently compressed frame
     shard_bytes: int = 1 << 30  # anchor safetensors shard size
-    retain_anchors: int = 2  # keep this many anchors and everything after the oldest (0: keep all)
+    # Keep this many anchors and everything after the oldest (0: keep all); None: the run's
+    # `retain_anchors` (`stoa run create --retain-anchors`), read from its manifest.
+    retain_anchors: int | None = None
     extras_dir: Path | None = None  # HF folder whose config and tokenizer files ship with anchors
     concurrency: int = 8  # uploads in flight
     threads: int | None = None  # compression threads (None: one per CPU)
@@ -67,7 +81,7 @@ class PublisherConfig:
             raise ValueError(f"anchor_fraction must be positive, got {self.anchor_fraction}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.retain_anchors < 0:
+        if self.retain_anchors is not None and self.retain_anchors < 0:
             raise ValueError("retain_anchors must be >= 0")
 
 
@@ -81,6 +95,8 @@ class PublishResult:
     catchup_bytes: int
     anchor_bytes: int  # written this version (0 if none)
     seconds: float
+    epoch: int = 0  # the lineage branch (see `manifests.Origin`)
+    restored_from: int | None = None  # the version whose weights this one restores (a trainer restart)
 
     @property
     def density(self) -> float:
@@ -95,14 +111,19 @@ def new_attempt() -> str:
     return secrets.token_hex(4)
 
 
-def patch_delta(index, body: bytes) -> Delta:
-    """Decode a whole absolute-valued patch body back into a delta."""
-    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+def patch_delta(index, body: bytes, state: Mapping[str, np.ndarray]) -> Delta:
+    """The elements a patch body changed, with their values in `state` (the state the patch
+    reaches): a delta whatever the patch's mode."""
+    parts: dict[str, list[np.ndarray]] = {}
     for i, frame in enumerate(index.frames):
         chunk = body[frame.offset : frame.offset + frame.length]
-        for name, indices, values in decode_frame(index, i, chunk):
-            parts.setdefault(name, []).append((indices, values))
-    return {name: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps])) for name, ps in parts.items()}
+        for name, indices, _values in decode_frame(index, i, chunk):
+            parts.setdefault(name, []).append(indices)
+    delta: Delta = {}
+    for name, pieces in parts.items():
+        indices = np.concatenate(pieces)
+        delta[name] = (indices, state[name].reshape(-1)[indices])
+    return delta
 
 
 class Publisher:
@@ -118,6 +139,9 @@ class Publisher:
         self._union: Delta = {}
         self._force_anchor = False
         self._opened = False
+        self._resumed = False  # the next publish is the first since `open` found a pointer
+        # A commit whose pointer write got no answer: (its manifest, what it changes, seconds).
+        self._unsure: tuple[VersionManifest, Callable[[], None], float] | None = None
 
     @property
     def state_digest(self) -> str | None:
@@ -142,10 +166,12 @@ class Publisher:
         if self.config.catchup and manifest.anchor.version < manifest.version:
             catchup = manifest.patch("catchup")
             source = catchup or manifest.patch("step")
-            if source is not None and source.index.mode == "abs" and source.covers(manifest.anchor.version):
-                self._union = patch_delta(source.index, await self.store.get_bytes(source.key))
+            if source is not None and source.covers(manifest.anchor.version):
+                body = await self.store.get_bytes(source.key)
+                self._union = await asyncio.to_thread(patch_delta, source.index, body, self._baseline)
             else:
                 self._force_anchor = True
+        self._resumed = True
         log.info("publisher resumed run %s at v%d", self.layout.run, self.version)
         return self.version
 
@@ -157,6 +183,8 @@ class Publisher:
         if self.version is None:
             return await self._publish_first(state)
         try:
+            if self._unsure is not None and (landed := await self._settle_unsure(state)) is not None:
+                return landed
             return await self._publish_next(state)
         except PreconditionFailed as exc:
             raise PublishConflict(
@@ -184,6 +212,7 @@ class Publisher:
             patches=(),
             elements=_elements(state),
             created_at=time.time(),
+            lineage=Origin(epoch=0, step=0, parent=None),
         )
         try:
             await self._commit(manifest, create=True)
@@ -201,6 +230,7 @@ class Publisher:
         delta = await asyncio.to_thread(diff, self._baseline, state)
         shapes = shapes_of(state)
         digest = await asyncio.to_thread(self._digest.update, state, delta.keys())
+        origin = await self._origin(prev, digest.root())
         step_index, step_body = await asyncio.to_thread(
             encode_delta, delta, shapes, base=self._baseline, mode=cfg.mode,
             frame_bytes=cfg.frame_bytes, threads=cfg.threads,
@@ -241,28 +271,96 @@ class Publisher:
             version=v,
             attempt=attempt,
             state_digest=digest.root(),
-            parent=Ref(version=prev.version, manifest=self.layout.version_manifest(prev.version, prev.attempt),
-                       state_digest=prev.state_digest),
+            parent=self._ref(prev),
             anchor=anchor_ref,
             anchor_bytes=anchor_bytes,
             since_anchor_bytes=0 if anchored else since,
             patches=tuple(patches),
             elements=prev.elements,
             created_at=time.time(),
+            lineage=origin,
         )
-        await self._commit(manifest, create=False)
-        # Committed: only now does the baseline advance (in place, proportional to the patch).
-        for name, (indices, values) in delta.items():
-            self._baseline[name].reshape(-1)[indices] = values
-        self._digest = digest
-        self._union = {} if anchored else union
-        self._force_anchor = False
-        if anchored and cfg.retain_anchors:
+        def advance() -> None:  # what a commit changes: run now, or once a lost answer is settled
+            # Committed: only now does the baseline advance (in place, proportional to the patch).
+            for name, (indices, values) in delta.items():
+                self._baseline[name].reshape(-1)[indices] = values
+            self._digest = digest
+            self._union = {} if anchored else union
+            self._force_anchor = False
+            self._resumed = False
+
+        try:
+            await self._commit(manifest, create=False)
+        except PreconditionFailed:
+            raise
+        except StoreError:  # no answer: the pointer may have moved all the same (see _settle_unsure)
+            self._unsure = (manifest, advance, time.perf_counter() - start)
+            raise
+        advance()
+        if origin.restored:
+            assert origin.parent is not None
+            log.info(
+                "v%d restores the weights of v%d (lineage step %d, epoch %d)%s", v, origin.parent.version,
+                origin.step, origin.epoch,
+                f": a new branch, v{origin.parent.version + 1}..v{v - 1} abandoned" if origin.parent.version < v - 1 else "",
+            )
+        if anchored and cfg.retain_anchors != 0:
             await self._retain()
         catchup_bytes = patches[1].bytes if len(patches) > 1 else 0
         return PublishResult(
-            v, anchored, step.count, manifest.elements, step.bytes, catchup_bytes, written, time.perf_counter() - start
+            v, anchored, step.count, manifest.elements, step.bytes, catchup_bytes, written, time.perf_counter() - start,
+            epoch=origin.epoch, restored_from=origin.parent.version if origin.restored and origin.parent else None,
         )
+
+    async def _settle_unsure(self, state: dict[str, np.ndarray]) -> PublishResult | None:
+        """After a pointer write that got no answer (an outage), read the pointer: if the write
+        landed, that version is committed (adopted here, not published twice, not taken for
+        another publisher's); for the same state again (the caller retrying that publish) its
+        result. StoreError while the store stays down (the caller retries)."""
+        assert self._unsure is not None
+        manifest, advance, seconds = self._unsure
+        found = await read_pointer_etag(self.store, self.layout.run)
+        assert found is not None
+        pointer, etag = found
+        self._unsure = None
+        if pointer.manifest != self.layout.version_manifest(manifest.version, manifest.attempt):
+            return None  # it never landed: publish as usual
+        log.warning("the pointer write of v%d landed although its answer was lost", manifest.version)
+        self._etag, self.version, self._manifest = etag, manifest.version, manifest
+        advance()
+        if any(len(indices) for indices, _ in diff(self._baseline, state).values()):
+            return None  # a newer state: publish it as the next version
+        step = manifest.patch("step")
+        return PublishResult(
+            manifest.version, manifest.anchor.version == manifest.version, step.count if step else 0,
+            manifest.elements, step.bytes if step else 0, 0, 0, seconds, epoch=manifest.origin.epoch,
+        )
+
+    # -- lineage ------------------------------------------------------------------------------
+    def _ref(self, manifest: VersionManifest) -> Ref:
+        return Ref(
+            version=manifest.version,
+            manifest=self.layout.version_manifest(manifest.version, manifest.attempt),
+            state_digest=manifest.state_digest,
+        )
+
+    async def _origin(self, prev: VersionManifest, digest: str) -> Origin:
+        """The lineage of the next version, whose state has `digest`: trained from `prev`, or,
+        on the first publish since `open`, a restore of the newest committed version with the
+        same state (`prev` itself, or an earlier one: a new branch)."""
+        last = prev.origin
+        trained = Origin(epoch=last.epoch, step=last.step + 1, parent=self._ref(prev))
+        if not self._resumed:
+            return trained
+        if digest == prev.state_digest:
+            return Origin(epoch=last.epoch, step=last.step, parent=self._ref(prev), restored=True)
+        try:
+            async for older in walk_back(self.store, prev, limit=RESTORE_SEARCH):
+                if older.version < prev.version and older.state_digest == digest:
+                    return Origin(epoch=last.epoch + 1, step=older.origin.step, parent=self._ref(older), restored=True)
+        except ManifestError as exc:  # the chain is damaged further back: as far as it reads, no match
+            log.warning("looking for the version v%d restores stopped at a malformed manifest: %s", prev.version + 1, exc)
+        return trained
 
     # -- helpers ------------------------------------------------------------------------------
     async def _upload(self, objects: list[tuple[str, bytes]]) -> None:
@@ -287,7 +385,7 @@ class Publisher:
         await self.store.put_if_absent(key, manifest.to_bytes())
         pointer = Pointer(
             run=self.layout.run, version=manifest.version, state_digest=manifest.state_digest,
-            manifest=key, anchor=manifest.anchor, updated_at=time.time(),
+            manifest=key, anchor=manifest.anchor, updated_at=time.time(), epoch=manifest.origin.epoch,
         )
         etag = None if create else self._etag
         self._etag = await self.store.cas(self.layout.pointer, pointer.to_bytes(), etag)
@@ -296,6 +394,11 @@ class Publisher:
     async def _retain(self) -> None:
         """Delete weight objects older than the oldest anchor kept (best effort)."""
         try:
+            retain = self.config.retain_anchors
+            if retain is None:
+                retain = await run_retention(self.store, self.layout.run)
+            if retain == 0:
+                return
             anchors = sorted(
                 {
                     parsed[0]
@@ -305,9 +408,9 @@ class Publisher:
                     and parsed[0] <= (self.version or 0)
                 }
             )
-            if len(anchors) <= self.config.retain_anchors:
+            if len(anchors) <= retain:
                 return
-            keep_from = anchors[-self.config.retain_anchors]
+            keep_from = anchors[-retain]
             doomed = []
             for prefix in (self.layout.versions_prefix, self.layout.patches_prefix, self.layout.anchors_prefix):
                 async for info in self.store.list(prefix):

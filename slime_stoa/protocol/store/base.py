@@ -6,7 +6,10 @@ no leading slash, no empty or dot segments. ETags are opaque strings without quo
 Commit rules the rest of stoa builds on:
 - `put_if_absent` creates an object only if the key is free (S3 `If-None-Match: *`).
 - `put(..., if_match=etag)` replaces an object only if it still has that ETag (compare-and-swap).
-- A reader never sees a partially written object.
+- A reader never sees a partially written object, however large: the S3 backend uploads a
+  payload above its multipart threshold (bytes or a stream) as a multipart upload, several parts
+  in parallel, and aborts it if the upload fails; the local backend streams it to a temp file.
+  A write interrupted half-way leaves nothing visible and the key free.
 """
 
 from __future__ import annotations

@@ -17,8 +17,11 @@ How a batch comes together (all on one event loop):
 3. Each record is judged (`admission.judge_record`: decode, validate against the run's limits,
    key match, reward re-computed from the text and the label). A reject is counted by reason
    and never raised. The trainer's rewards replace the worker's; disagreements are counted per
-   worker. Then the policies (`policy`): too far ahead -> rejected; too stale -> dropped;
-   all-equal rewards -> filtered (if configured); else the group joins the pool.
+   worker. Then the policies (`policy`), with the lag measured in training steps along the
+   weight lineage (`pulse.lineage`: a trainer restarted from an earlier checkpoint starts a
+   new branch): too far ahead -> rejected; drawn from an abandoned branch -> dropped
+   (`off_lineage`); too stale -> dropped; all-equal rewards -> filtered (if configured); else
+   the group joins the pool.
 4. When the pool holds enough groups, the batch takes them in admission order; a group is used
    at most `reuse_limit` times, each time only while fresh enough.
 
@@ -54,7 +57,8 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.history import NotPublished, published_digests, read_pointer
+from slime_stoa.protocol.pulse.history import NotPublished, read_lineage, read_pointer
+from slime_stoa.protocol.pulse.lineage import Lineage
 from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreError, StoreUnavailable
 from slime_stoa.protocol.store.retry import outage_policy, through_outages
@@ -109,7 +113,7 @@ class ConsumedGroup:
     label: str  # the task item's label
     texts: tuple[str, ...]  # decoded completions
     rewards: tuple[float, ...]  # the trainer's rewards (the worker's are in group.samples)
-    version_lag: int  # trainer version - weight version when this batch was made
+    version_lag: int  # training steps the weights lag the trainer's (along the lineage) when this batch was made
     use: int  # 1 the first time this group is used, 2 the second, ...
 
     @property
@@ -172,7 +176,7 @@ class RolloutConsumer:
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}
         self._trainer_version = 0
-        self._expired_at: int | None = None
+        self._expired_at: tuple[int, tuple[int, str] | None] | None = None
         self._next_tail = -math.inf
         self._next_sweep = time.monotonic() + config.sweep_interval_s
         self._next_late_sweep = time.monotonic() + config.late_sweep_interval_s
@@ -183,8 +187,10 @@ class RolloutConsumer:
         self._logged: dict[str, int] = {}
         self._probe: asyncio.Task[bool] | None = None  # the shared "is the store down?" question
         self._fatal: StoreConfigError | None = None  # a download met a config error: raise it
-        # The published versions a record may claim (`_refresh_published`): {version: state digest}.
+        # The published versions a record may claim (`_refresh_published`): {version: state digest},
+        # those on the pointer's weight lineage, which also says how far each lags.
         self._published: dict[int, str] = {}
+        self._lineage = Lineage.straight({})
         self._pointer_seen: tuple[int, str] | None = None  # (version, manifest) they were read from
         self._refresh_task: asyncio.Task[None] | None = None
         self._refreshes_started = 0
@@ -467,8 +473,10 @@ class RolloutConsumer:
             self._scored_rewards.extend(admitted.rewards)
             self._count("reward_disagreements", admitted.disagreements)
             self._count(worker_counter(admitted.worker, "reward_disagreements"), admitted.disagreements)
-        lag = policy.version_lag(self._trainer_version, admitted.group.weight_version)
-        if policy.is_ahead(lag, self.config.version_ahead_slack):
+        lag = self._lag(admitted.group.weight_version)
+        if lag is None:
+            self._count("off_lineage")
+        elif policy.is_ahead(lag, self.config.version_ahead_slack):
             self._reject(
                 name,
                 "version_ahead",
@@ -485,6 +493,11 @@ class RolloutConsumer:
         return True
 
     # -- the published versions ------------------------------------------------------------------
+    def _lag(self, weight_version: int) -> int | None:
+        """Training steps `weight_version` lags the trainer's version along the weight lineage;
+        None when it is on a branch a trainer restart abandoned."""
+        return self._lineage.lag(self._trainer_version, weight_version)
+
     def _claimed_version(self, data: bytes) -> int | None:
         """The weight version a record that failed `check_published` claims (decoded again: only
         on that rare path), or None if it does not decode now."""
@@ -504,14 +517,20 @@ class RolloutConsumer:
         known with another digest (the version published again after a trainer restart)."""
         if version in self._published:
             return True
+        if self._lineage.is_abandoned(version):
+            return False
         return version <= self._pointer_version + self.config.version_ahead_slack
 
     def _unpublished_verdict(self, name: str, version: int) -> bool:
         """For a record whose version is not among the published ones even after a fresh read:
         True (and counted) when the trainer's policies refuse it anyway, as they did before the
         published check: too far ahead ("version_ahead"), or older than the versions a record may
-        still claim ("stale": the published versions kept are those a record may be fresh at)."""
-        lag = policy.version_lag(self._trainer_version, version)
+        still claim ("stale": the published versions kept are those a record may be fresh at), or
+        from a branch a trainer restart abandoned ("off_lineage")."""
+        lag = self._lag(version)
+        if lag is None:
+            self._count("off_lineage")
+            return True
         if policy.is_ahead(lag, self.config.version_ahead_slack):
             self._reject(name, "version_ahead", f"weight_version {version}, trainer at v{self._trainer_version}")
             return True
@@ -536,25 +555,30 @@ class RolloutConsumer:
             await asyncio.shield(self._refresh_task)
 
     async def _run_refresh(self, number: int) -> None:
-        """Read the pointer (one GET) and, when it moved, the published versions along its chain
-        (`published_digests`, depth staleness_limit + version_ahead_slack + 1), through outages.
+        """Read the pointer (one GET) and, when it moved, the published versions along its weight
+        lineage (`read_lineage`, depth staleness_limit + version_ahead_slack + 1 steps), through outages.
         Never raises: a config error becomes fatal, any other error keeps the versions last read."""
         run = self.config.run
         try:
             try:
                 pointer = await self.patiently(lambda: read_pointer(self.store, run), f"reading the pointer of run {run!r}")
             except NotPublished:
-                self._published, self._pointer_seen = {}, None
+                self._published, self._pointer_seen, self._lineage = {}, None, Lineage.straight({})
                 return
             seen = (pointer.version, pointer.manifest)
             if seen != self._pointer_seen:
                 depth = self._published_depth()
-                self._published = await self.patiently(
-                    lambda: published_digests(self.store, run, depth=depth, pointer=pointer),
+                lineage = await self.patiently(
+                    lambda: read_lineage(self.store, run, depth=depth, pointer=pointer),
                     f"reading the published versions of run {run!r}",
                 )
+                self._lineage, self._published = lineage, dict(lineage.digests)
                 self._pointer_seen = seen
-                log.info("stoa: published versions of run %r: %s", run, sorted(self._published))
+                abandoned = ", ".join(f"v{a}..v{b}" for a, b in lineage.abandoned)
+                log.info(
+                    "stoa: published versions of run %r: %s%s", run, sorted(self._published),
+                    f" (epoch {pointer.epoch}; abandoned by trainer restarts: {abandoned})" if abandoned else "",
+                )
         except StoreConfigError as exc:
             self._fatal = exc
         except Exception as exc:
@@ -564,14 +588,19 @@ class RolloutConsumer:
             self._refreshes_done = max(self._refreshes_done, number)
 
     def _expire(self) -> None:
-        """Drop pool groups that became too stale for the trainer's version (when it moved)."""
-        if self._expired_at == self._trainer_version:
+        """Drop pool groups that became too stale for the trainer's version, or whose branch a
+        trainer restart abandoned (when the version or the lineage read moved)."""
+        at = (self._trainer_version, self._pointer_seen)
+        if self._expired_at == at:
             return
-        self._expired_at = self._trainer_version
+        self._expired_at = at
         limit: int = self.config.staleness_limit  # type: ignore[assignment]
         for name, entry in list(self._pool.items()):
-            lag = policy.version_lag(self._trainer_version, entry.admitted.group.weight_version)
-            if policy.is_stale(lag, limit):
+            lag = self._lag(entry.admitted.group.weight_version)
+            if lag is None:
+                del self._pool[name]
+                self._count("off_lineage")
+            elif policy.is_stale(lag, limit):
                 del self._pool[name]
                 self._count("stale")
 
@@ -714,7 +743,7 @@ class RolloutConsumer:
                     label=a.label,
                     texts=a.texts,
                     rewards=a.rewards,
-                    version_lag=policy.version_lag(self._trainer_version, a.group.weight_version),
+                    version_lag=self._batch_lag(a.group.weight_version),
                     use=entry.uses,
                 )
             )
@@ -723,11 +752,16 @@ class RolloutConsumer:
             self._count(worker_counter(a.worker, "groups"))
         return out
 
+    def _batch_lag(self, weight_version: int) -> int:
+        lag = self._lag(weight_version)
+        assert lag is not None  # `_expire` dropped the pool's off-lineage groups
+        return lag
+
     async def next_batch(self, n_groups: int, *, trainer_version: int) -> Batch:
         """Wait until `n_groups` usable groups are ready and return them with the batch metrics.
 
         `trainer_version`: the trainer's latest published weight version (staleness is measured
-        against it). Waits as long as it takes, or raises `ConsumerTimeout` after `wait_timeout_s`
+        against it, in training steps along the weight lineage). Waits as long as it takes, or raises `ConsumerTimeout` after `wait_timeout_s`
         when that is set.
         """
         if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:

@@ -7,6 +7,7 @@ slime logs them unchanged: `rollout/stoa_*` for the run, `worker/<id>/*` per wor
 Counter names:
     rejected/<reason>                 records rejected, by reason
     stale                             groups dropped for lagging more than the staleness limit
+    off_lineage                       groups dropped: drawn from a branch a trainer restart abandoned
     filtered_all_equal                groups dropped because their rewards were all equal
     admitted                          groups that entered the pool
     samples_scored                    samples re-scored
@@ -71,6 +72,7 @@ def batch_metrics(
         "rollout/stoa_scored_samples": float(len(scored_rewards)),
         "rollout/stoa_reused_groups": float(gained.get("groups_reused", 0)),
         "rollout/stoa_stale_dropped": float(gained.get("stale", 0)),
+        "rollout/stoa_off_lineage_dropped": float(gained.get("off_lineage", 0)),
         "rollout/stoa_filtered_all_equal": float(gained.get("filtered_all_equal", 0)),
         "rollout/stoa_rejected": float(sum(rejects.values())),
         "rollout/stoa_reward_disagreements": float(gained.get("reward_disagreements", 0)),

@@ -1,8 +1,10 @@
 """The consumer's rules, as pure functions: staleness, reuse, admission order, dynamic sampling.
 
 - Staleness: a group drawn from weight version w, used when the trainer is at version t, lags
-  t - w versions. It is used only while the lag is at most the staleness limit; past it the group
-  is dropped (and counted), at admission or later while it waits in the pool.
+  t - w versions (the consumer counts them in training steps along the weight lineage,
+  `slime_stoa.protocol.pulse.lineage`, which is t - w until a trainer restart). It is used only
+  while the lag is at most the staleness limit; past it the group is dropped (and counted), at
+  admission or later while it waits in the pool.
 - Reuse: a group may appear in up to `reuse_limit` batches, each time only while fresh enough.
 - Admission order: a batch takes the least-used groups first; among those, `oldest_version`
   takes the lowest weight version first (the group nearest its staleness limit: slow, hard

@@ -16,10 +16,11 @@ sets every key of that file on `args`, in every process):
     stoa_anchor_every: 50                  # full anchor at least every this many versions
     stoa_anchor_fraction: 0.5              # ... or once patches since the anchor exceed this share
     stoa_catchup: true                     # merged catch-up patch for lagging workers
-    stoa_mode: abs                         # step patches: abs or rel
+    stoa_mode: rel                         # step patches: rel (base-relative, smaller) or abs
     stoa_frame_bytes: 16777216             # bytes per compressed frame
     stoa_shard_bytes: 1073741824           # anchor safetensors shard size
-    stoa_retain_anchors: 2                 # anchors kept in the bucket (0: all)
+    stoa_retain_anchors: null              # anchors kept in the bucket (0: all; null: the run's
+                                           #   retain_anchors, `stoa run create --retain-anchors`)
     stoa_extras_dir: /path/to/hf           # config/tokenizer shipped with anchors
                                            #   (default: --hf-checkpoint if it is a local folder;
                                            #    "" to ship none)
@@ -28,8 +29,23 @@ sets every key of that file on `args`, in every process):
     # retries of a failed publish (store errors; never a conflict with another publisher):
     stoa_publish_retries: 3
     stoa_publish_backoff_s: 2.0            # doubled after each failed attempt
+    stoa_background_publish: true          # diff, encode and upload off the training path
 
 Store credentials come from the environment as for every stoa store URL.
+
+Background publishing (the default). The weights are gathered on every rank as before (slime's
+collective HF weight iterator); rank 0's copy of them is the snapshot: it is handed to the
+publisher's own thread, which diffs, encodes and uploads it while training goes on, and
+`update_weights` returns. The next publish first waits for the previous one if it is still
+running (that wait is logged and returned as `Handoff.wait_s`), so at most one version is in
+flight and versions commit in order. A failure of the background publish is logged when it
+happens and raised by the next `update_weights` on every rank (as a synchronous publish would
+have raised it); store outages are waited out inside the background publish, as before. At exit
+the version in flight is finished before the store is closed. Rank 0 holds one more copy of
+the weights in CPU memory while a version is in flight (the snapshot, beside the publisher's
+baseline). The rollout function waits for the pointer to move after each train step
+(`stoa_publish_grace_s`), which now includes the upload: give it more than the longest publish
+(an anchor). `stoa_background_publish: false` publishes inside `update_weights`, as before.
 
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
@@ -39,17 +55,23 @@ reaches the patched branch, and slime's `keep_old_actor` queue is not advanced b
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook before any SyncPublisher registers one
+import contextlib
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
+from slime_stoa.protocol.pulse.codec import check_bits
 from slime_stoa.protocol.pulse.publisher import (
     PublishConflict,
     Publisher,
@@ -61,7 +83,7 @@ from slime_stoa.protocol.store import Store, StoreUnavailable, open_store
 from slime_stoa.protocol.store.retry import RetryPolicy, through_outages, with_retries
 
 from ..loop_thread import LoopThread
-from .settings import as_float, as_int, check_bucket_and_run, field_parsers, required_setting
+from .settings import as_bool, as_float, as_int, check_bucket_and_run, field_parsers, required_setting
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +146,7 @@ def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
 # One parser per PublisherConfig field (by the field's type); the setting is PREFIX + field name.
 CONFIG_FIELDS = field_parsers(PublisherConfig)
 # The settings read besides those (PREFIX + name); `stoa_publish` itself is read by the patch.
-OTHER_SETTINGS = ("bucket", "run", "publish", "publish_retries", "publish_backoff_s")
+OTHER_SETTINGS = ("bucket", "run", "publish", "publish_retries", "publish_backoff_s", "background_publish")
 
 
 def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:
@@ -156,6 +178,12 @@ def retry_settings_from_args(args: Any) -> tuple[int, float]:
     if retries < 0 or backoff < 0:
         raise ValueError(f"{PREFIX}publish_retries and {PREFIX}publish_backoff_s must be >= 0")
     return retries, backoff
+
+
+def background_from_args(args: Any) -> bool:
+    """`args.stoa_background_publish` (default true): publish off the training path."""
+    value = getattr(args, f"{PREFIX}background_publish", None)
+    return True if value is None else as_bool(f"{PREFIX}background_publish", value)
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -207,13 +235,29 @@ async def publish_with_retries(
 
 
 # -- a Publisher for synchronous callers ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """What handing a state to the background publisher cost the caller (`SyncPublisher.submit`)."""
+
+    wait_s: float  # waiting for the previous publish to finish (0 when it had)
+    snapshot_s: float  # copying the state (0 when the caller handed its arrays over)
+    blocked_s: float  # the whole call: wait, snapshot and hand-off
+    previous: PublishResult | None  # the last committed publish before this one (None: none yet)
+
+
 class SyncPublisher:
     """A `Publisher` running on its own event-loop thread, callable from synchronous code.
 
     The store is opened from `url` on that loop, so its connections live on one loop for the
-    whole run. `publish` retries store failures (`PublishError`, `StoreUnavailable`) up to
-    `retries` times with exponential backoff; a `PublishConflict` (another publisher owns the
-    run) is raised at once. A failed publish never moves the pointer nor the baseline.
+    whole run. Every publish retries store failures (`PublishError`, `StoreUnavailable`) up to
+    `retries` times with exponential backoff and waits out outages (`publish_with_retries`); a
+    `PublishConflict` (another publisher owns the run) is raised at once. A failed publish never
+    moves the pointer nor the baseline.
+
+    `publish` returns when the version is committed. `submit` hands the state over and returns
+    at once: the version is published on the loop thread while the caller goes on. At most one
+    version is in flight: the next `submit`, `publish`, `wait` or `close` waits for it first, and
+    raises its error if it failed (it is also logged when it happens).
     """
 
     def __init__(
@@ -235,17 +279,25 @@ class SyncPublisher:
         self._store: Store | None = None
         self._lock = threading.RLock()
         self._closed = False
+        self._inflight: concurrent.futures.Future[PublishResult] | None = None
+        self._task: asyncio.Future[PublishResult] | None = None  # the same publish, on the loop
+        self.last: PublishResult | None = None  # the last committed publish
         self._loop = LoopThread(f"stoa-publisher-{run}", on_close=self._aclose)
         try:
             self._store = self._loop.call(self._open_store(environ, create))
         except BaseException:
             self._loop.close()
             raise
+        _finish_at_exit(self)
 
     async def _open_store(self, environ: Mapping[str, str] | None, create: bool) -> Store:
         return open_store(self.url, environ=environ, create=create)
 
     async def _aclose(self) -> None:
+        task = self._task
+        if task is not None and not task.done():  # at exit: finish the version in flight first
+            log.info("stoa: finishing the background publish before closing")
+            await asyncio.wait([task])
         if self._store is not None:
             await self._store.close()
 
@@ -276,25 +328,98 @@ class SyncPublisher:
         return self._publisher.version
 
     def publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
-        """Publish `state` (uint16 bf16 bits) as the next version, retrying store failures."""
+        """Publish `state` (uint16 bf16 bits) as the next version, retrying store failures, and
+        return once it is committed (after the one in flight, if any)."""
+        with self._lock:
+            self._check_open()
+            self.wait()
+            self.last = self._loop.call(self._publish(state))
+            return self.last
 
+    async def _publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
         async def attempt() -> PublishResult:
             await self._open()
             assert self._publisher is not None
             return await self._publisher.publish(state)
 
+        return await publish_with_retries(
+            attempt, retries=self.retries, backoff_s=self.backoff_s,
+            what=f"publishing weights to run {self.run!r} at {self.url}",
+        )
+
+    def submit(self, state: Mapping[str, np.ndarray], *, copy: bool = True, gather_s: float = 0.0) -> Handoff:
+        """Publish `state` as the next version in the background; returns once it is handed over.
+
+        First waits for the version in flight, if any (its error is raised here: nothing was
+        handed over). With `copy` the arrays are copied before the call returns, so the caller
+        may reuse them at once; without it the caller hands them over (they are made read-only)
+        and must not write them again. ValueError for a state that is not uint16 arrays.
+        `gather_s` (how long the caller took to gather the state) only goes into the log line.
+        """
+        start = time.perf_counter()
         with self._lock:
             self._check_open()
-            return self._loop.call(
-                publish_with_retries(
-                    attempt, retries=self.retries, backoff_s=self.backoff_s,
-                    what=f"publishing weights to run {self.run!r} at {self.url}",
-                )
+            checked = {name: check_bits(name, bits) for name, bits in state.items()}
+            waited = self.wait()
+            previous = self.last
+            snap_start = time.perf_counter()
+            if copy:
+                snapshot = {name: bits.copy() for name, bits in checked.items()}
+            else:
+                snapshot = checked
+                for bits in snapshot.values():
+                    bits.flags.writeable = False
+            snapshot_s = time.perf_counter() - snap_start
+            blocked = time.perf_counter() - start
+            self._inflight = asyncio.run_coroutine_threadsafe(
+                self._background(snapshot, gather_s=gather_s, wait_s=waited, blocked_s=blocked), self._loop.loop
             )
+            return Handoff(wait_s=waited, snapshot_s=snapshot_s, blocked_s=blocked, previous=previous)
+
+    async def _background(
+        self, state: dict[str, np.ndarray], *, gather_s: float, wait_s: float, blocked_s: float
+    ) -> PublishResult:
+        self._task = asyncio.current_task()
+        try:
+            result = await self._publish(state)
+        except BaseException as exc:
+            log.error(
+                "stoa: background publish to run %r failed; the pointer did not move and the error is raised "
+                "by the next publish: %s: %s", self.run, type(exc).__name__, exc,
+            )
+            raise
+        log.info(format_result(result, gather_s=gather_s, wait_s=wait_s, blocked_s=blocked_s))
+        return result
+
+    def wait(self) -> float:
+        """Wait for the version in flight (if any) to be committed; raises its error if it failed
+        (once: the next call goes on). Returns the seconds waited."""
+        start = time.perf_counter()
+        with self._lock:
+            future, self._inflight = self._inflight, None
+            if future is None:
+                return 0.0
+            try:
+                self.last = future.result()
+            finally:
+                self._task = None
+            return time.perf_counter() - start
+
+    @property
+    def busy(self) -> bool:
+        """A background publish is in flight."""
+        future = self._inflight
+        return future is not None and not future.done()
 
     def close(self) -> None:
-        """Close the store and stop the loop thread (idempotent; also at exit)."""
+        """Finish the version in flight (its error is logged, not raised), close the store and
+        stop the loop thread (idempotent; also at exit)."""
         with self._lock:
+            if not self._closed:
+                try:
+                    self.wait()
+                except Exception as exc:
+                    log.error("stoa: the last background publish failed: %s: %s", type(exc).__name__, exc)
             self._closed = True
             self._loop.close()
 
@@ -303,6 +428,26 @@ class SyncPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _finish_at_exit(publisher: SyncPublisher) -> None:
+    """Close `publisher` (finishing the version in flight) when the interpreter exits normally,
+    while thread pools still take work: at the threading module's shutdown, which runs before
+    `atexit` and in reverse order of registration, so before concurrent.futures stops its pools.
+    A process killed without its exit handlers (SIGKILL, a force-killed Ray actor) loses the
+    version in flight; its weights are in the trainer's checkpoint."""
+    ref = weakref.ref(publisher)
+
+    def finish() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython: LoopThread's own atexit close still runs (thread pools may be gone)
+        return
+    with contextlib.suppress(RuntimeError):  # created during interpreter shutdown: too late
+        register(finish)
 
 
 _PUBLISHER: SyncPublisher | None = None
@@ -319,13 +464,15 @@ def get_publisher(args: Any) -> SyncPublisher:
 
 
 # -- the slime hook ------------------------------------------------------------------------------
-def publish_weights(actor: Any, args: Any) -> PublishResult | None:
+def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
     """Publish the actor's current weights (called by the patched `update_weights` on every rank).
 
     Every rank iterates slime's collective HF weight iterator; rank 0 keeps the bf16 bits and
-    publishes them, then the outcome is broadcast on slime's Gloo group, which also synchronises
-    the ranks as slime's own weight updaters do with a Gloo barrier. A failure on rank 0 is raised
-    on every rank. Returns the PublishResult on rank 0, None elsewhere.
+    publishes them — handed to the background publisher (a `Handoff` is returned), or with
+    `stoa_background_publish: false` published before returning (the `PublishResult`). Then the
+    outcome is broadcast on slime's Gloo group, which also synchronises the ranks as slime's own
+    weight updaters do with a Gloo barrier. A failure on rank 0 (including the previous
+    background publish's) is raised on every rank. None on the other ranks.
     """
     import torch.distributed as dist
     from slime.utils.distributed_utils import get_gloo_group
@@ -333,14 +480,28 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | None:
     # Same args on every rank: a bad setting fails everywhere, before any collective starts.
     publisher_config_from_args(args)
     retry_settings_from_args(args)
+    background = background_from_args(args)
     rank = dist.get_rank()
+    error: Exception | None = None
+    waited = 0.0
+    if rank == 0 and background:
+        try:  # before the gather: at most one more copy of the weights in memory
+            waited = get_publisher(args).wait()
+        except Exception as exc:  # reported to every rank below, after the collective
+            error = exc
     start = time.perf_counter()
-    state, error = gather_state(actor, args, keep=rank == 0)
+    state, gather_error = gather_state(actor, args, keep=rank == 0)
     gathered = time.perf_counter()
-    result: PublishResult | None = None
+    error = error or gather_error
+    result: PublishResult | Handoff | None = None
     if rank == 0 and error is None:
         try:
-            result = get_publisher(args).publish(state)
+            publisher = get_publisher(args)
+            if background:  # the gathered arrays are fresh copies: hand them over
+                handoff = publisher.submit(state, copy=False, gather_s=gathered - start)
+                result = replace(handoff, wait_s=handoff.wait_s + waited, blocked_s=handoff.blocked_s + waited)
+            else:
+                result = publisher.publish(state)
         except Exception as exc:  # reported to every rank below
             error = exc
     del state
@@ -350,8 +511,13 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | None:
         raise error
     if outcome[0] is not None:
         raise RuntimeError(f"stoa: rank 0 failed to publish the weights: {outcome[0]}")
-    if result is not None:
+    if isinstance(result, PublishResult):
         log.info(format_result(result, gather_s=gathered - start))
+    elif isinstance(result, Handoff):
+        log.info(
+            "stoa: weights handed to the background publisher (gather %.1fs, waited %.1fs for the previous "
+            "publish, blocked %.2fs)", gathered - start, result.wait_s, result.blocked_s,
+        )
     return result
 
 
@@ -421,11 +587,19 @@ def hf_weight_iterator(actor: Any, args: Any) -> Any:
     return iterator
 
 
-def format_result(result: PublishResult, *, gather_s: float = 0.0) -> str:
-    """One log line per published version."""
-    return (
+def format_result(
+    result: PublishResult, *, gather_s: float = 0.0, wait_s: float | None = None, blocked_s: float | None = None
+) -> str:
+    """One log line per published version; `wait_s`/`blocked_s` for a background publish (how
+    long its hand-off waited for the previous publish, and held the caller in all)."""
+    line = (
         f"stoa: published weights v{result.version} anchored={result.anchored} "
         f"density={result.density:.6f} patch={result.patch_bytes / MiB:.2f}MiB "
         f"catchup={result.catchup_bytes / MiB:.2f}MiB anchor={result.anchor_bytes / MiB:.2f}MiB "
         f"full={result.full_bytes / MiB:.2f}MiB gather={gather_s:.1f}s publish={result.seconds:.1f}s"
     )
+    if wait_s is not None:
+        line += f" background wait={wait_s:.1f}s blocked={blocked_s or 0.0:.2f}s"
+    if result.restored_from is not None:
+        line += f" restores=v{result.restored_from} epoch={result.epoch}"
+    return line
