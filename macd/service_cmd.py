@@ -191,24 +191,50 @@ def _print_config_and_heartbeat(path: Path) -> None:
 
 
 def heartbeat_text(config: cfg.DaemonConfig, timeout_s: float = 10.0) -> str:
-    """The worker's last heartbeat in the bucket, in one line (or why there is none)."""
+    """The worker's last heartbeat in the bucket and the run's current version, in one line (or
+    why there is none)."""
     from slime_stoa.protocol.heartbeat import Heartbeat
     from slime_stoa.protocol.layout import RunLayout
+    from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
+    from slime_stoa.protocol.pulse.manifests import ManifestError
     from slime_stoa.protocol.store import NotFound, StoreError, open_store
 
-    async def read() -> bytes:
+    async def read() -> tuple[bytes, int | None]:
         async with open_store(config.store, credentials=config.read_credentials()) as store:
-            return await store.get_bytes(RunLayout(config.run).heartbeat(config.worker_id))
+            data = await store.get_bytes(RunLayout(config.run).heartbeat(config.worker_id))
+            try:
+                head: int | None = (await read_pointer(store, config.run)).version
+            except (NotPublished, ManifestError):
+                head = None
+            return data, head
 
     try:
-        beat = Heartbeat.from_bytes(asyncio.run(asyncio.wait_for(read(), timeout_s)))
+        data, head = asyncio.run(asyncio.wait_for(read(), timeout_s))
+        beat = Heartbeat.from_bytes(data, worker=config.worker_id)
     except NotFound:
         return "none yet in the bucket"
     except (StoreError, ValueError, OSError, TimeoutError) as exc:
         return f"unavailable ({str(exc) or 'timed out'})"
-    age = time.time() - beat.updated_at
-    version = "no weights" if beat.version is None else f"v{beat.version}"
-    text = f"{age:.0f} s ago: {beat.status}, {version}, {beat.tokens_per_s:.0f} tok/s"
+    return heartbeat_line(beat, time.time(), head)
+
+
+def heartbeat_line(beat: Any, now: float, head: int | None) -> str:
+    """One heartbeat as of `now`, with the run's current version `head` (None: not known), read
+    the way `stoa fleet` reads it: a worker that stopped, or whose heartbeat stopped coming, shows
+    as such, with the version it held then and no lag."""
+    from slime_stoa.protocol.heartbeat import NOT_RUNNING, ago, shown_lag, shown_status
+
+    status = shown_status(beat, now)
+    held = "no weights" if beat.version is None else f"v{beat.version}"
+    run_at = "" if head is None else f"; the run is at v{head}"
+    if status == "silent":
+        text = f"{ago(now - beat.updated_at)}: silent (no heartbeat since; it said {beat.status!r}), held {held}{run_at}"
+    elif status in NOT_RUNNING:
+        text = f"{ago(now - beat.updated_at)}: {status}, held {held}{run_at}"
+    else:
+        lag = shown_lag(beat, now, head)
+        text = f"{ago(now - beat.updated_at)}: {status}, {held}" + ("" if lag is None else f", lag {lag}")
+        text += f"{run_at}, {beat.tokens_per_s:.0f} tok/s"
     text += f", {beat.groups_uploaded} groups uploaded"
     if beat.groups_spooled:
         text += f", {beat.groups_spooled} spooled"

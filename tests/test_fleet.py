@@ -10,7 +10,7 @@ import pytest
 
 from slime_stoa.cli import main
 from slime_stoa.cli.fleet_cmd import fleet_rows
-from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.heartbeat import SILENT_AFTER_S, Heartbeat, ago, shown_lag, shown_status
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import open_store
@@ -49,6 +49,19 @@ def test_a_stopped_worker_shows_as_stopped_without_lag() -> None:
     rows = fleet_rows([stopped, running], now, pointer_version=7)
     assert rows[0][2:6] == ("stopped", "", "v2", "-")  # not "lag 0" at an old version
     assert rows[1][2] == "generating" and rows[1][5] == "2"  # lag against the run's current version
+
+
+def test_status_and_lag_as_of_now() -> None:
+    """The one reading of a heartbeat that `stoa fleet` and `macd status` share."""
+    now = 1000.0
+    running = beat("a", version=3, pointer_version=5, updated_at=now - SILENT_AFTER_S + 1)
+    assert shown_status(running, now) == "generating" and shown_lag(running, now) == 2  # vs the pointer it saw
+    assert shown_lag(running, now, head=9) == 6  # vs the run's current version
+    gone = beat("b", version=3, pointer_version=3, updated_at=now - SILENT_AFTER_S - 1)
+    assert shown_status(gone, now) == "silent" and shown_lag(gone, now, head=9) is None
+    stopped = beat("c", status="stopped", version=3, pointer_version=3, updated_at=now - 10_000)
+    assert shown_status(stopped, now) == "stopped" and shown_lag(stopped, now, head=9) is None
+    assert [ago(s) for s in (-1, 42, 300, 7200)] == ["0s ago", "42s ago", "5m ago", "2.0h ago"]
 
 
 def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -423,6 +423,74 @@ def test_without_launchctl_the_error_says_what_to_do(bucket: str, tmp_path: Path
     assert service.LAUNCHCTL_MISSING in out and "heartbeat  none yet in the bucket" in out
 
 
+def _publish_versions(url: str, run: str, count: int) -> None:
+    import asyncio
+
+    import numpy as np
+
+    from slime_stoa.protocol.pulse.publisher import Publisher
+    from slime_stoa.protocol.store import open_store
+
+    async def publish() -> None:
+        state = {"w": np.arange(64, dtype=np.uint16)}
+        async with open_store(url) as store:
+            pub = Publisher(store, run)
+            for _ in range(count):
+                await pub.publish(dict(state))
+                state["w"] = state["w"] ^ np.uint16(1)
+
+    asyncio.run(publish())
+
+
+def _write_heartbeat(url: str, config: cfg.DaemonConfig, **fields) -> None:
+    import asyncio
+
+    from slime_stoa.protocol.heartbeat import Heartbeat
+    from slime_stoa.protocol.layout import RunLayout
+    from slime_stoa.protocol.store import open_store
+
+    async def put() -> None:
+        beat = Heartbeat(worker_id=config.worker_id, name=config.name, **fields)
+        async with open_store(url) as store:
+            await store.put(RunLayout(config.run).heartbeat(config.worker_id), beat.to_bytes())
+
+    asyncio.run(put())
+
+
+@pytest.mark.parametrize(
+    "beat, expected, not_expected",
+    [
+        # Stopped two hours ago at v1 (and it had seen v1: "lag 0" by its own account): stopped.
+        (dict(status="stopped", version=1, pointer_version=1, age=7200, groups_uploaded=9),
+         "2.0h ago: stopped, held v1; the run is at v3, 9 groups uploaded", "lag"),
+        # Said "generating", then nothing for 5 minutes (killed): silent, not running.
+        (dict(status="generating", version=2, pointer_version=2, age=300, tokens_per_s=800.0),
+         "5m ago: silent (no heartbeat since; it said 'generating'), held v2; the run is at v3", "lag"),
+        # Running: lag against the run's current version, not the pointer it last saw.
+        (dict(status="generating", version=2, pointer_version=2, age=2, tokens_per_s=812.0),
+         "2s ago: generating, v2, lag 1; the run is at v3, 812 tok/s", "silent"),
+    ],
+)
+def test_status_shows_the_worker_as_fleet_does(
+    bucket: str, tmp_path: Path, capsys, beat: dict, expected: str, not_expected: str
+) -> None:
+    import time
+
+    path = tmp_path / "macd.toml"
+    assert join(bucket, path) == 0
+    config = cfg.load_config(path)
+    _publish_versions(bucket, "demo", 4)  # v0..v3
+    age = beat.pop("age")
+    _write_heartbeat(bucket, config, updated_at=time.time() - age, **beat)
+    capsys.readouterr()
+    rc = macd(["status", "--config", str(path)])
+    assert rc in (0, 1, 3)  # 1 without launchctl (not macOS): it still shows config and heartbeat
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    line = next(x for x in captured.out.splitlines() if x.startswith("heartbeat  "))
+    assert expected in line and not_expected not in line, line
+
+
 def test_logs(home: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     assert macd(["logs"]) == 1

@@ -50,6 +50,14 @@ def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) ->
     assert main(["quickstart", "--out", str(out), "--minutes", "0.3", "--max-versions", "2", "--json", str(summary_path)]) == 0
     again = json.loads(summary_path.read_text())
     assert again["versions"] >= 1 and again["digest_mismatches"] == 0 and again["groups_lost"] == 0
+    # ... and its summary and curve cover the whole run, not the rerun: the first RL version is
+    # the run's (v0), every version's patch is there, the totals add up.
+    assert s["first_version"] == again["first_version"] == 0
+    assert again["reward_first"] == pytest.approx(s["reward_first"])
+    assert again["versions_run"] == s["versions_run"] + again["versions"]
+    assert set(again["patch_bytes_by_version"]) == {str(v) for v in range(1, again["versions_run"] + 1)}
+    assert again["groups_used_run"] == s["groups_used_run"] + again["groups_used"]
+    assert again["digests_checked"] >= s["digests_checked"] and again["seconds_run"] > s["seconds_run"]
 
 
 class Quickstart:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from slime_stoa.cli import main
-from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.run_manifest import DEFAULT_RETAIN_ANCHORS, RunManifest
+from slime_stoa.protocol.store import open_store
 
 
 def test_round_trip() -> None:
@@ -52,3 +59,87 @@ def test_cli_create_and_show(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert (shown.run, shown.task, shown.group_size) == ("demo", "synthetic", 4)
     assert main(["run", "show", url, "--run", "nope"]) == 1
     assert "stoa run create" in capsys.readouterr().err
+
+
+# -- weight retention: a run setting ---------------------------------------------------------------
+
+
+def test_a_manifest_without_retention_reads_as_the_default() -> None:
+    """Manifests written before `retain_anchors` existed keep what the publisher always kept."""
+    doc = json.loads(RunManifest(run="r", model="m", task="t", retain_anchors=7).to_bytes())
+    del doc["retain_anchors"]
+    assert RunManifest.from_bytes(json.dumps(doc).encode()).retain_anchors == DEFAULT_RETAIN_ANCHORS == 2
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2", None, 2**31])
+def test_bad_retention_is_refused(bad: object) -> None:
+    doc = json.loads(RunManifest(run="r", model="m", task="t").to_bytes())
+    doc["retain_anchors"] = bad
+    with pytest.raises(ValueError, match="retain_anchors"):
+        RunManifest.from_bytes(json.dumps(doc).encode())
+
+
+def test_cli_create_sets_and_show_prints_the_retention(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    url = f"file://{tmp_path}"
+    base = ["run", "create", "--store", url, "--model", "m", "--task", "synthetic"]
+    assert main([*base, "--run", "keep5", "--retain-anchors", "5"]) == 0
+    assert "weights kept from the oldest of the last 5 anchor(s) on" in capsys.readouterr().out
+    assert main([*base, "--run", "all", "--retain-anchors", "0"]) == 0
+    assert "every weight version kept" in capsys.readouterr().out
+    assert main(["run", "show", "--store", url, "--run", "keep5"]) == 0
+    out = capsys.readouterr().out
+    assert '"retain_anchors": 5' in out and RunManifest.from_bytes(out.encode()).retain_anchors == 5
+    assert main([*base, "--run", "bad", "--retain-anchors", "-1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "retain_anchors must be >= 0" in err and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+async def _publish_five(url: str, run: str, config: PublisherConfig) -> list[int]:
+    """Five versions with an anchor every second one (v0, v2, v4); the anchor versions left."""
+    rng = np.random.default_rng(0)
+    state = {"w": rng.integers(0, 1 << 15, size=(64,), dtype=np.uint16)}
+    layout = RunLayout(run)
+    async with open_store(url) as store:
+        pub = Publisher(store, run, config)
+        for _ in range(5):
+            await pub.publish(dict(state))
+            state["w"] = state["w"] ^ np.uint16(1)
+        keys = [info.key async for info in store.list(layout.anchors_prefix)]
+    return sorted({parsed[0] for key in keys if (parsed := layout.weight_object_version(key)) is not None})
+
+
+@pytest.mark.parametrize(
+    "run_retention, setting, kept",
+    [
+        (1, None, [4]),  # the run's value
+        (0, None, [0, 2, 4]),  # the run keeps everything
+        (None, None, [2, 4]),  # a manifest without the field: the default, 2
+        (1, 0, [0, 2, 4]),  # the trainer's setting overrides the run's
+        (0, 1, [4]),
+    ],
+)
+def test_the_publisher_keeps_what_the_run_says(
+    tmp_path: Path, run_retention: int | None, setting: int | None, kept: list[int]
+) -> None:
+    url = f"file://{tmp_path}"
+    manifest = RunManifest(run="r", model="m", task="synthetic", retain_anchors=run_retention or 0)
+    doc = json.loads(manifest.to_bytes())
+    if run_retention is None:
+        del doc["retain_anchors"]
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "run.json").write_text(json.dumps(doc))
+    config = PublisherConfig(anchor_every=2, anchor_fraction=100.0, retain_anchors=setting)
+    assert asyncio.run(_publish_five(url, "r", config)) == kept
+
+
+def test_without_a_readable_manifest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No manifest at all (a bare publisher): the default; an unreadable one: nothing deleted."""
+    config = PublisherConfig(anchor_every=2, anchor_fraction=100.0)
+    (tmp_path / "a").mkdir()
+    assert asyncio.run(_publish_five(f"file://{tmp_path / 'a'}", "r", config)) == [2, 4]
+    (tmp_path / "b" / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "b" / "runs" / "r" / "run.json").write_text('{"format": "stoa.run/1", "retain_anchors": 1}')
+    with caplog.at_level(logging.WARNING):
+        assert asyncio.run(_publish_five(f"file://{tmp_path / 'b'}", "r", config)) == [0, 2, 4]
+    assert "keeping every anchor until it is fixed" in caplog.text

@@ -6,14 +6,12 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import PurePosixPath
 
-from slime_stoa.protocol.heartbeat import Heartbeat
-from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.heartbeat import NOT_RUNNING, Heartbeat, ago, read_heartbeats, shown_lag, shown_status
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import read_run_manifest
-from slime_stoa.protocol.store import Store, StoreError, open_store
+from slime_stoa.protocol.store import StoreError, open_store
 
 from .common import add_run_options, require_run_options
 
@@ -28,63 +26,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fleet.set_defaults(handler=_fleet)
 
 
-async def read_heartbeats(store: Store, run: str) -> tuple[list[Heartbeat], int]:
-    """Every parseable heartbeat of the run, and how many objects could not be parsed."""
-    layout = RunLayout(run)
-    keys = [info.key async for info in store.list(layout.workers_prefix) if info.key.endswith(".json")]
-    datas = await asyncio.gather(*(store.get_bytes(k) for k in keys), return_exceptions=True)
-    beats, bad = [], 0
-    for key, data in zip(keys, datas, strict=True):
-        try:
-            if isinstance(data, BaseException):
-                raise ValueError(str(data))
-            beats.append(Heartbeat.from_bytes(data, worker=PurePosixPath(key).stem))
-        except ValueError:
-            bad += 1
-    return beats, bad
-
-
-def ago(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f}s ago"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f}m ago"
-    return f"{seconds / 3600:.1f}h ago"
-
-
-# A worker rewrites its heartbeat every ~10 s; one silent for this long is not running any more.
-SILENT_AFTER_S = 60.0
-
-
-def shown_status(beat: Heartbeat, now: float) -> str:
-    """The status as of `now`: a heartbeat that stopped coming means the worker is gone, whatever
-    its last heartbeat said (a crash or a kill writes no final "stopped")."""
-    if beat.status != "stopped" and now - beat.updated_at > SILENT_AFTER_S:
-        return "silent"
-    return beat.status
-
-
 def fleet_rows(beats: list[Heartbeat], now: float, pointer_version: int | None = None) -> list[tuple[str, ...]]:
     """One row per worker; `lag` is against the run's current version when given, and only for
     workers still running (a stopped worker's version is history, not lag)."""
     rows: list[tuple[str, ...]] = []
     for b in sorted(beats, key=lambda b: b.worker_id):
-        status = shown_status(b, now)
-        head = b.pointer_version if pointer_version is None else pointer_version
-        running = status not in ("stopped", "silent")
-        lag = None if not running or b.version is None or head is None else max(head - b.version, 0)
+        lag = shown_lag(b, now, pointer_version)
         rows.append(
             (
                 b.worker_id,
                 b.name,
-                status,
+                shown_status(b, now),
                 b.tier,
                 "-" if b.version is None else f"v{b.version}",
                 "-" if lag is None else str(lag),
                 f"{b.tokens_per_s:.0f}",
                 str(b.groups_uploaded),
                 str(b.groups_spooled),
-                ago(max(now - b.updated_at, 0.0)),
+                ago(now - b.updated_at),
                 str(b.errors) + (f" ({b.last_error[:40]})" if b.last_error else ""),
             )
         )
@@ -110,7 +69,7 @@ async def _show(url: str, run: str, watch: bool, interval: float) -> None:
             if watch:
                 print("\033[2J\033[H", end="")
             at = "no weights published yet" if head is None else f"at v{head}"
-            running = sum(shown_status(b, now) not in ("stopped", "silent") for b in beats)
+            running = sum(shown_status(b, now) not in NOT_RUNNING for b in beats)
             print(f"run {run} {at}: {len(beats)} worker(s), {running} running"
                   + (f", {bad} unreadable heartbeat(s)" if bad else ""))
             print(render(fleet_rows(beats, now, head)))

@@ -7,7 +7,7 @@ import asyncio
 import os
 import sys
 
-from slime_stoa.protocol.run_manifest import PLANES, RunManifest, read_run_manifest
+from slime_stoa.protocol.run_manifest import DEFAULT_RETAIN_ANCHORS, PLANES, RunManifest, read_run_manifest
 from slime_stoa.protocol.store import (
     PreconditionFailed,
     StoreError,
@@ -40,6 +40,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--staleness-limit", type=int, default=4, help="versions a group may lag when used")
     create.add_argument("--reuse-limit", type=int, default=1, help="times a group may be used")
     create.add_argument("--vocab-size", type=int, default=0, help="model vocabulary (0: from the anchor)")
+    create.add_argument(
+        "--retain-anchors", type=int, default=DEFAULT_RETAIN_ANCHORS, metavar="N",
+        help="weight versions kept in the bucket: the last N anchors and every version after the oldest of "
+        f"them; older ones are deleted (0: keep all; default {DEFAULT_RETAIN_ANCHORS}). A trainer's "
+        "stoa_retain_anchors setting overrides it",
+    )
+    create.add_argument(
+        "--dynamic-sampling", action="store_true",
+        help="workers do not upload groups whose rewards are all equal (no GRPO signal); they count them",
+    )
+    create.add_argument(
+        "--skip-solved-after", type=int, default=0, metavar="N",
+        help="a worker stops drawing a prompt once its last N groups were all correct (0: never)",
+    )
     create.set_defaults(handler=_run_create)
 
     show = cmds.add_parser("show", help="print a run's manifest")
@@ -78,6 +92,9 @@ def manifest_from_args(args: argparse.Namespace) -> RunManifest:
         staleness_limit=args.staleness_limit,
         reuse_limit=args.reuse_limit,
         vocab_size=args.vocab_size,
+        retain_anchors=args.retain_anchors,
+        dynamic_sampling=args.dynamic_sampling,
+        skip_solved_after=args.skip_solved_after,
     )
 
 
@@ -103,8 +120,15 @@ def _run_create(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"created run {manifest.run!r} in {args.store}: task {manifest.task}, group size {manifest.group_size}, "
-          f"temperature {manifest.temperature}, plane {manifest.plane}")
+          f"temperature {manifest.temperature}, plane {manifest.plane}; {retention_text(manifest.retain_anchors)}")
     return 0
+
+
+def retention_text(retain_anchors: int) -> str:
+    """What the run's weight retention keeps, in words."""
+    if retain_anchors == 0:
+        return "every weight version kept"
+    return f"weights kept from the oldest of the last {retain_anchors} anchor(s) on"
 
 
 def _run_show(args: argparse.Namespace) -> int:

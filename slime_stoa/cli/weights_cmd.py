@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     inspect.add_argument("--version", type=int, default=None, help="version (default: current)")
     inspect.set_defaults(handler=_sync(inspect_version))
 
-    export = cmds.add_parser("export", help="write any version as an HF folder (loads with transformers/mlx-lm)")
+    export = cmds.add_parser("export", help="write a version still in the bucket (see the run's retain_anchors) as an HF folder")
     add_run_options(export)
     export.add_argument("--version", type=int, default=None, help="version (default: current)")
     export.add_argument("out_dir", type=Path, help="folder to write")

@@ -1,16 +1,21 @@
 """Worker heartbeats (`runs/<run>/workers/<worker>.json`): what each Mac is doing.
 
 Each worker rewrites its own heartbeat object every few seconds; the operator's `stoa fleet` and
-the trainer's wait-timeout message read them. Pure data with strict parsing.
+the trainer's wait-timeout message read them. Pure data with strict parsing, what a heartbeat
+means as of now (`shown_status`, `shown_lag`, `worker_metrics`), and the one reader of a run's
+heartbeats (`read_heartbeats`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import PurePosixPath
 
-from .layout import check_worker_id
+from .layout import RunLayout, check_worker_id
+from .store import Store, StoreError
 from .strict_json import load_json
 
 FORMAT = "stoa.heartbeat/1"
@@ -29,6 +34,8 @@ class Heartbeat:
     groups_uploaded: int = 0
     groups_spooled: int = 0  # waiting in the local spool
     groups_quarantined: int = 0  # set aside in the local spool, never to upload (their key held other bytes)
+    groups_filtered: int = 0  # finished but not uploaded: rewards all equal (the run's dynamic_sampling)
+    prompts_solved: int = 0  # prompts this worker no longer draws: recent groups all correct (skip_solved_after)
     swaps: int = 0
     last_swap_s: float = 0.0
     errors: int = 0
@@ -84,6 +91,87 @@ class Heartbeat:
         return cls(**doc)
 
 
+# -- what a heartbeat says about its worker now ------------------------------------------------------
+
+#: A worker rewrites its heartbeat every ~10 s; one silent for this long is not running any more.
+SILENT_AFTER_S = 60.0
+#: The shown statuses of a worker that is not running (see `shown_status`).
+NOT_RUNNING = ("stopped", "silent")
+
+
+def shown_status(beat: Heartbeat, now: float) -> str:
+    """The worker's status as of `now`: "silent" when its heartbeat stopped coming, whatever it
+    said last (a crash or a kill writes no final "stopped"), else what it said."""
+    if beat.status != "stopped" and now - beat.updated_at > SILENT_AFTER_S:
+        return "silent"
+    return beat.status
+
+
+def shown_lag(beat: Heartbeat, now: float, head: int | None = None) -> int | None:
+    """Versions the worker is behind `head` (the run's current version; when None, the pointer
+    version it last saw); None when it is not running (a stopped worker's version is history,
+    not lag) or a version is unknown."""
+    head = beat.pointer_version if head is None else head
+    if shown_status(beat, now) in NOT_RUNNING or beat.version is None or head is None:
+        return None
+    return max(head - beat.version, 0)
+
+
+def ago(seconds: float) -> str:
+    """A duration in the past, in the unit that reads best: "42s ago", "5m ago", "3.2h ago"."""
+    seconds = max(seconds, 0.0)
+    if seconds < 90:
+        return f"{seconds:.0f}s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def worker_metrics(beat: Heartbeat, now: float, *, prefix: str = "worker", head: int | None = None) -> dict[str, float]:
+    """A heartbeat as `<prefix>/<name>` numbers for an experiment tracker (both halves log
+    these): `running` (1 or 0, `shown_status`), `tokens_per_s` (0 when not running),
+    `version` and `lag` (`shown_lag` against `head`; each left out when unknown), the
+    cumulative `groups_uploaded` and `errors`, the spool (`groups_spooled`,
+    `groups_quarantined`), `swaps`, `last_swap_s`, `memory_gb` and `heartbeat_age_s`."""
+    running = shown_status(beat, now) not in NOT_RUNNING
+    values: dict[str, float] = {
+        "running": float(running),
+        "tokens_per_s": beat.tokens_per_s if running else 0.0,
+        "groups_uploaded": beat.groups_uploaded,
+        "groups_spooled": beat.groups_spooled,
+        "groups_quarantined": beat.groups_quarantined,
+        "errors": beat.errors,
+        "swaps": beat.swaps,
+        "last_swap_s": beat.last_swap_s,
+        "memory_gb": beat.memory_gb,
+        "heartbeat_age_s": max(now - beat.updated_at, 0.0),
+    }
+    if beat.version is not None:
+        values["version"] = beat.version
+    lag = shown_lag(beat, now, head)
+    if lag is not None:
+        values["lag"] = lag
+    return {f"{prefix}/{name}": float(value) for name, value in values.items()}
+
+
+async def read_heartbeats(store: Store, run: str, *, concurrency: int = 16) -> tuple[list[Heartbeat], int]:
+    """Every parseable heartbeat of the run (one listing, `concurrency` reads at a time), and
+    how many objects could not be read or parsed. A failed listing raises its StoreError."""
+    prefix = RunLayout(run).workers_prefix
+    keys = [info.key async for info in store.list(prefix) if info.key.endswith(".json")]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def read(key: str) -> Heartbeat | None:
+        async with gate:
+            try:
+                return Heartbeat.from_bytes(await store.get_bytes(key), worker=PurePosixPath(key).stem)
+            except (StoreError, ValueError):
+                return None
+
+    beats = await asyncio.gather(*(read(key) for key in keys))
+    return [b for b in beats if b is not None], sum(b is None for b in beats)
+
+
 def _printable(text: str, limit: int) -> str:
     """`text` cut to `limit` characters, each non-printable one replaced by U+FFFD."""
     text = text[:limit]
@@ -106,6 +194,8 @@ _FIELD_KINDS = {
     "groups_uploaded": "count",
     "groups_spooled": "count",
     "groups_quarantined": "count",
+    "groups_filtered": "count",
+    "prompts_solved": "count",
     "swaps": "count",
     "last_swap_s": "number",
     "errors": "count",

@@ -8,6 +8,7 @@ nothing but the bucket URL and the run name.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -17,6 +18,8 @@ from .layout import RunLayout, check_name
 from .store import NotFound, Store
 from .strict_json import load_json
 
+log = logging.getLogger("stoa.run")
+
 FORMAT = "stoa.run/1"
 #: What workers serve: bf16 weights, or MLX int8 (affine, group size 64) made from them.
 Plane = Literal["bf16", "int8"]
@@ -25,9 +28,11 @@ MAX_MODEL_CHARS = 512
 MAX_STOP = 16  # the trainer's RecordLimits.max_stop_sequences default
 MAX_STOP_CHARS = 256
 MAX_COUNT = 2**31 - 1  # every integer field (tokens, group sizes, limits) fits in int32
+#: Anchors a run keeps when its manifest does not say (manifests written before the field existed).
+DEFAULT_RETAIN_ANCHORS = 2
 _INT_FIELDS = (
     "max_tokens", "max_prompt_tokens", "group_size", "staleness_limit", "reuse_limit",
-    "worker_groups_per_version", "vocab_size",
+    "worker_groups_per_version", "vocab_size", "retain_anchors", "skip_solved_after",
 )
 
 
@@ -47,7 +52,15 @@ class RunManifest:
     staleness_limit: int = 4  # versions a group may lag behind the trainer when used
     reuse_limit: int = 1  # times a group may be used while fresh enough
     worker_groups_per_version: int = 0  # a worker pauses after this many groups with a GRPO signal on one version (0: never)
+    # Worker-side dynamic sampling: groups whose rewards are all equal (no GRPO signal) are not
+    # uploaded, only counted (the heartbeat's groups_filtered).
+    dynamic_sampling: bool = False
+    skip_solved_after: int = 0  # a worker skips a prompt once its last this-many groups were all correct (0: never)
     vocab_size: int = 0  # model vocabulary (0: taken from the anchor's config)
+    # Weight retention: the publisher keeps the last this-many anchors and every version from
+    # the oldest of them on, deleting older weight objects (0: keep every version). A trainer
+    # setting (`stoa_retain_anchors`) overrides it.
+    retain_anchors: int = DEFAULT_RETAIN_ANCHORS
     created_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -81,8 +94,12 @@ class RunManifest:
                 raise ValueError(f"{name} must be <= {MAX_COUNT}, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: GRPO compares samples within a group")
-        if self.staleness_limit < 0 or self.vocab_size < 0 or self.worker_groups_per_version < 0:
-            raise ValueError("staleness_limit, vocab_size and worker_groups_per_version must be >= 0")
+        if min(self.staleness_limit, self.vocab_size, self.worker_groups_per_version, self.retain_anchors) < 0:
+            raise ValueError("staleness_limit, vocab_size, worker_groups_per_version and retain_anchors must be >= 0")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(f"dynamic_sampling must be true or false, got {self.dynamic_sampling!r}")
+        if self.skip_solved_after < 0:
+            raise ValueError(f"skip_solved_after must be >= 0, got {self.skip_solved_after}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a tuple of non-empty strings")
         if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -139,3 +156,19 @@ async def read_run_manifest(store: Store, run: str) -> RunManifest:
     if manifest.run != run:
         raise ValueError(f"{key} in {store.url} describes run {manifest.run!r}, not {run!r}")
     return manifest
+
+
+async def run_retention(store: Store, run: str) -> int:
+    """How many anchors `run` keeps (`retain_anchors` of its manifest, 0: all), for the publisher.
+
+    A run without a manifest (a bare publisher, as in tests) keeps DEFAULT_RETAIN_ANCHORS; one
+    whose manifest does not parse keeps everything (a warning says why): nothing is deleted on
+    the word of an unreadable object. StoreError when the bucket cannot be read.
+    """
+    try:
+        return (await read_run_manifest(store, run)).retain_anchors
+    except RunNotFound:
+        return DEFAULT_RETAIN_ANCHORS
+    except ValueError as exc:
+        log.warning("%s; keeping every anchor until it is fixed", exc)
+        return 0

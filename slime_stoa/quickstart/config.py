@@ -46,6 +46,12 @@ class QuickstartConfig:
     worker_batch: int = _knob(4, "prompts per worker cohort")
     kill_worker_at: int | None = _knob(None, "SIGKILL worker 0 at this version, then restart it")
     seed: int = _knob(0, "seed of the model, the prompts and the workers")
+    wandb: bool = _knob(
+        False,
+        "log train/*, rollout/* and worker/* to Weights & Biases (needs the wandb package; "
+        "WANDB_MODE=offline keeps the run on this machine)",
+    )
+    wandb_project: str = _knob("stoa-quickstart", "the Weights & Biases project of --wandb")
 
     def __post_init__(self) -> None:
         """ValueError naming the option and the fix (the CLI prints it as one `error:` line)."""

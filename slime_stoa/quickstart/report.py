@@ -31,7 +31,7 @@ class ConsoleReport:
             self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, WIDTHS, strict=False)), style="bold")
             self._header = True
         lag = batch.metrics.get("rollout/stoa_version_lag_mean", float("nan"))
-        gap = progress.gaps[-1] if progress.gaps else float("nan")
+        gap = progress.gap_by_version.get(version)  # None: this step had no group of its own weights
         ratio = progress.full_bytes / result.patch_bytes if result.patch_bytes else float("inf")
         cells = (
             f"v{version}",
@@ -42,22 +42,25 @@ class ConsoleReport:
             f"{ratio:.1f}x",
             f"{result.density:.1%}",
             str(alive),
-            f"{gap:.0e}",
+            "-" if gap is None else f"{gap:.0e}",
         )
         self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=False)))
 
     def summary(self, summary: dict[str, Any]) -> None:
         table = Table(title="stoa quickstart summary", show_header=False)
+        # The whole run's figures (a resumed run included), except where "this session" says so.
         rows = [
-            ("reward, first RL version", f"{summary['reward_first']:.3f}"),
-            ("reward, last versions", f"{summary['reward_last']:.3f}"),
-            ("versions published", str(summary["versions"])),
-            ("groups used / lost", f"{summary['groups_used']} / {summary['groups_lost']}"),
+            (f"reward, first RL version (v{summary['first_version']})", f"{summary['reward_first']:.3f}"),
+            (f"reward, last {summary['window']} versions", f"{summary['reward_last']:.3f}"),
+            ("versions published, this session (run)", f"{summary['versions']} ({summary['versions_run']})"),
+            ("groups used, this session (run)", f"{summary['groups_used']} ({summary['groups_used_run']})"),
+            ("groups lost", str(summary["groups_lost"])),
             ("worker digests checked / mismatched", f"{summary['digests_checked']} / {summary['digest_mismatches']}"),
-            ("mean |learner - worker| logprob", f"{summary['mean_abs_logprob_gap']:.2e}"),
+            (f"mean |learner - worker| logprob ({summary['logprob_gap_versions']} versions measured)",
+             f"{summary['mean_abs_logprob_gap']:.2e}"),
             ("patch bytes per version (mean)", f"{summary['patch_bytes_mean'] / 1e3:.1f} KB"),
             ("full bf16 sync", f"{summary['full_bytes'] / 1e3:.1f} KB"),
-            ("seconds", f"{summary['seconds']:.0f}"),
+            ("seconds, this session (run)", f"{summary['seconds']:.0f} ({summary['seconds_run']:.0f})"),
         ]
         for k, v in rows:
             table.add_row(k, v)
@@ -77,7 +80,19 @@ def write_json(summary: dict[str, Any], path: Path) -> None:
 
 
 def plot_curve(summary: dict[str, Any], path: Path) -> Path:
-    """Reward vs weight version, and patch size vs version beside the full-sync size."""
+    """Write `curve_figure(summary)` to `path` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = curve_figure(summary)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def curve_figure(summary: dict[str, Any]) -> Any:
+    """Reward vs weight version with the chance level and the target, and patch size vs version
+    beside the full-sync size: every version of the run (a resumed one included)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,9 +101,13 @@ def plot_curve(summary: dict[str, Any], path: Path) -> Path:
     rewards = {int(k): v for k, v in summary["reward_by_version"].items() if v is not None}
     patches = {int(k): v for k, v in summary["patch_bytes_by_version"].items()}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    top.plot(list(rewards), list(rewards.values()), marker=".", color="tab:blue")
+    top.plot(list(rewards), list(rewards.values()), marker=".", color="tab:blue", label="reward")
+    top.axhline(summary["target"], color="tab:green", linestyle="--", label=f"target ({summary['target']:g})")
+    top.axhline(summary["chance"], color="gray", linestyle=":",
+                label=f"chance: a random shown digit ({summary['chance']:.2f})")
     top.set_ylabel("mean reward of groups\ngenerated at this version")
     top.set_ylim(-0.02, 1.02)
+    top.legend(loc="lower right")
     top.grid(alpha=0.3)
     top.set_title("stoa quickstart: GRPO on the synthetic task")
     bottom.bar(list(patches), [b / 1e3 for b in patches.values()], color="tab:orange", label="PULSE patch")
@@ -98,7 +117,4 @@ def plot_curve(summary: dict[str, Any], path: Path) -> Path:
     bottom.legend(loc="upper right")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig

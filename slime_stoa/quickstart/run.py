@@ -24,7 +24,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +41,19 @@ from slime_stoa.protocol.pulse.history import rebuild
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import NotFound, Store, StoreError, open_store
+from slime_stoa.protocol.store.retry import through_outages
 from slime_stoa.tasks import Synthetic, generate_items, warmup_pairs
 from slime_stoa.tasks.prompting import prompt_tokens
+from slime_stoa.tasks.synthetic import baseline_reward
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
+from slime_stoa.trainer.slime.publish import publish_with_retries
+from slime_stoa.trainer.tracking import TrackedRun, TrackingUnavailable, fleet_metrics, import_wandb
 
 from .config import QuickstartConfig, QuickstartError
 from .interrupt import Interrupt
+from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
 from .seeding import seed_run, tiny_synthetic_model
 
 log = logging.getLogger("stoa.quickstart")
@@ -56,41 +61,7 @@ log = logging.getLogger("stoa.quickstart")
 LEARNER_FILE = "learner.pt"  # in the run folder: the learner's float32 weights and optimizer state
 LEARNER_FORMAT = "stoa.quickstart-learner/1"
 LOCK_WAIT_S = 60  # a rerun's worker waits this long for its predecessor to release its spool
-
-
-@dataclass
-class Progress:
-    """What the run has done so far (the summary is made from it)."""
-
-    started: float = field(default_factory=time.time)
-    rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # version -> all rewards
-    scored_rewards: list[float] = field(default_factory=list)  # per learner step: every group that arrived
-    patch_bytes: dict[int, int] = field(default_factory=dict)  # version -> step patch bytes
-    full_bytes: int = 0
-    digests: dict[int, str] = field(default_factory=dict)  # version -> published state digest
-    seen_states: dict[tuple[str, int], str] = field(default_factory=dict)  # (worker, version) -> digest
-    gaps: list[float] = field(default_factory=list)  # |learner - worker| logprob, same version
-    groups_used: int = 0
-    first_version: int = 0
-    last_version: int = 0
-    warm_start: str = ""
-
-    def version_reward(self, v: int) -> float | None:
-        r = self.rewards.get(v)
-        return float(np.mean(r)) if r else None
-
-    def reward_first(self) -> float:
-        for v in sorted(self.rewards):
-            if v >= self.first_version:
-                return float(np.mean(self.rewards[v]))
-        return float("nan")
-
-    def reward_last(self, window: int) -> float:
-        versions = sorted(self.rewards)[-window:]
-        return float(np.mean([np.mean(self.rewards[v]) for v in versions])) if versions else float("nan")
-
-    def digest_mismatches(self) -> int:
-        return sum(1 for (_, v), d in self.seen_states.items() if v in self.digests and self.digests[v] != d)
+WANDB_ID_FILE = "wandb-run-id"  # in the run folder: the W&B run of --wandb, resumed by a rerun
 
 
 def worker_id(i: int) -> str:
@@ -293,7 +264,10 @@ async def read_worker_states(store: Store, run: str, workers: int) -> list[Heart
     beats = []
     for i in range(workers):
         try:
-            beats.append(Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(worker_id(i)))))
+            data = await through_outages(
+                partial(store.get_bytes, layout.heartbeat(worker_id(i))), describe=f"reading the heartbeats of run {run!r}"
+            )
+            beats.append(Heartbeat.from_bytes(data))
         except (NotFound, ValueError):
             continue
     return beats
@@ -328,6 +302,47 @@ def count_lost(beats: list[Heartbeat]) -> int:
     return sum(beat.groups_spooled + beat.groups_quarantined for beat in beats)
 
 
+def check_tracking(cfg: QuickstartConfig) -> None:
+    """QuickstartError at once when --wandb is asked for but the wandb package is missing."""
+    if cfg.wandb:
+        try:
+            import_wandb()
+        except TrackingUnavailable as exc:
+            raise QuickstartError(f"--wandb: {exc}") from None
+
+
+def start_tracking(cfg: QuickstartConfig) -> TrackedRun | None:
+    """The W&B run of --wandb (None without), files under --out unless $WANDB_DIR says
+    otherwise; a rerun resumes it (its id is kept in `WANDB_ID_FILE`)."""
+    if not cfg.wandb:
+        return None
+    settings = {name: str(value) if isinstance(value, Path) else value for name, value in vars(cfg).items()}
+    try:
+        return TrackedRun.open(
+            project=cfg.wandb_project, name=cfg.run, group=cfg.run, config={**settings, "store": cfg.store_url},
+            folder=None if os.environ.get("WANDB_DIR") else cfg.out, id_file=cfg.out / WANDB_ID_FILE,
+        )
+    except TrackingUnavailable as exc:
+        raise QuickstartError(f"--wandb: {exc}") from None
+
+
+def track_step(
+    tracker: TrackedRun, *, batch: Any, train_metrics: dict[str, float], result: Any, beats: list[Heartbeat],
+    gaps: list[float], head: int,
+) -> None:
+    """One learner step in W&B as slime logs one, at the version the batch was taken at:
+    train/* (the learner's metrics, the patch) at train/step; rollout/* (the consumer's, the
+    fleet's, the same-version logprob gap when measured) and worker/* at rollout/step."""
+    step = batch.trainer_version
+    trained = {f"train/{name}": value for name, value in train_metrics.items()}
+    trained.update({"train/stoa_patch_bytes": float(result.patch_bytes), "train/stoa_changed_frac": result.density})
+    tracker.log(trained, step_key="train/step", step=step)
+    rollout = {**batch.metrics, **fleet_metrics(beats, time.time(), head=head)}
+    if gaps:
+        rollout["rollout/stoa_logprob_gap"] = float(np.mean(gaps))
+    tracker.log(rollout, step_key="rollout/step", step=step)
+
+
 async def train(
     cfg: QuickstartConfig,
     store: Store,
@@ -340,13 +355,19 @@ async def train(
     stop: Interrupt,
     version: int,
     learner_file: Path,
+    progress_file: Path,
+    tracker: TrackedRun | None = None,
 ) -> None:
     """Learner steps until the target reward, the time limit or the version limit.
 
     Each step: take a batch (a stop signal cuts the wait short), save the consumer's state
     (the batch counts as used from here on: a crash after this point loses it rather than
-    using it twice), train, publish, save the learner. The stop flag is checked between steps,
-    never between taking a batch and publishing what was learnt from it."""
+    using it twice), train, publish, save the learner, then the progress. The stop flag is
+    checked between steps, never between taking a batch and publishing what was learnt from it.
+
+    The logprob gap (learner vs worker, same tokens) is measured only on groups drawn from the
+    learner's current weights: a step whose batch holds none measures nothing (its row shows
+    "-"), as the learner no longer has the weights those groups were drawn with."""
     deadline = time.time() + cfg.minutes * 60
     restart_at: float | None = None
     while time.time() < deadline and version - progress.first_version < cfg.max_versions:
@@ -356,22 +377,31 @@ async def train(
         if batch.metrics.get("rollout/stoa_scored_samples"):
             progress.scored_rewards.append(batch.metrics["rollout/stoa_scored_reward_mean"])
         same = [seqs for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
-        if same:
-            flat = [s for seqs in same for s in seqs]
-            for s, lp in zip(flat, learner.logprobs(flat), strict=True):
-                progress.gaps.append(float(np.mean(np.abs(lp - s.worker_logprobs))))
+        flat = [s for seqs in same for s in seqs]
+        gaps = [
+            float(np.mean(np.abs(lp - s.worker_logprobs)))
+            for s, lp in zip(flat, learner.logprobs(flat) if flat else [], strict=True)
+        ]
         metrics = learner.step(groups)
-        result = await pub.publish(learner.bf16_state())
+        result = await publish_with_retries(  # a store outage pauses the learner, never ends the run
+            partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
+            what=f"publishing v{version + 1} of run {cfg.run!r}",
+        )
         version = result.version
         save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=pub.state_digest or "")
         progress.last_version = version
         progress.groups_used += len(batch.groups)
         progress.patch_bytes[version] = result.patch_bytes
         progress.digests[version] = pub.state_digest or ""
-        for beat in await read_worker_states(store, cfg.run, cfg.workers):
+        progress.record_gaps(version, gaps)
+        beats = await read_worker_states(store, cfg.run, cfg.workers)
+        for beat in beats:
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+        save_progress(progress, progress_file, run=cfg.run)
         report.version(version, metrics, batch, result, progress, workers.alive())
+        if tracker is not None:
+            track_step(tracker, batch=batch, train_metrics=metrics, result=result, beats=beats, gaps=gaps, head=version)
         if cfg.kill_worker_at is not None and version == cfg.kill_worker_at:
             workers.kill(0)
             report.note(f"killed worker 0 with SIGKILL at v{version}; restarting it in 5 s")
@@ -396,6 +426,7 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
 
     stop = interrupt or Interrupt()
     cfg.check_model()
+    check_tracking(cfg)
     torch.set_num_threads(1)  # leave the other core(s) to the MLX workers
     cfg.out.mkdir(parents=True, exist_ok=True)
     url = cfg.store_url
@@ -433,8 +464,12 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
         )
         assert publisher_cfg.extras_dir is not None  # set to the model folder above
         pub = await stop.race(seed_run(store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg))
-        learner_file = cfg.out / LEARNER_FILE
+        learner_file, progress_file = cfg.out / LEARNER_FILE, cfg.out / PROGRESS_FILE
         version, digest = pub.version or 0, pub.state_digest or ""
+        if new_run:
+            progress.run_first_version = version
+        elif load_progress(progress, progress_file, run=cfg.run, version=version):
+            report.note(f"the summary and the learning curve cover the whole run, from v{progress.run_first_version}")
         if new_run:
             save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest)
         elif load_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest, lr=cfg.lr):
@@ -446,6 +481,8 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
         progress.first_version = progress.last_version = version
         progress.digests[version] = pub.state_digest or ""
         progress.full_bytes = 2 * sum(b.size for b in learner.bf16_state().values())
+        save_progress(progress, progress_file, run=cfg.run)
+        tracker = start_tracking(cfg)
         workers = WorkerProcesses(cfg, url)
         consumer: RolloutConsumer | None = None
         try:
@@ -464,33 +501,55 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
                     tokenizer_dir=model_dir,
                 )
             )
-            await train(cfg, store, consumer, learner, pub, workers, progress, report, stop, version, learner_file)
+            await train(cfg, store, consumer, learner, pub, workers, progress, report, stop, version, learner_file,
+                        progress_file, tracker=tracker)
         finally:
             if consumer is not None:
                 await consumer.close()
             workers.stop()
+            if tracker is not None:
+                tracker.close()
             if consumer is not None:
                 await consumer.save_state()
         final_beats = await read_worker_states(store, cfg.run, cfg.workers)
         for beat in final_beats:
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+        save_progress(progress, progress_file, run=cfg.run)
         lost = count_lost(final_beats)
         progress.rewards = await stop.race(rewards_by_version(store, cfg.run))
-    patches = [b for v, b in progress.patch_bytes.items()]
+        assert consumer is not None  # opened, or train() was never reached
+        groups_used_run = consumer.counters.get("groups_used", 0)
+    return summarize(progress, cfg, lost=lost, groups_used_run=groups_used_run)
+
+
+def summarize(progress: Progress, cfg: QuickstartConfig, *, lost: int, groups_used_run: int) -> dict[str, Any]:
+    """The summary of the whole run, but for `versions`, `groups_used` and `seconds`: those are
+    this session's, and their whole-run totals the `*_run` keys."""
+    patches = list(progress.patch_bytes.values())
     return {
+        "first_version": progress.run_first_version,
         "reward_first": progress.reward_first(),
         "reward_last": progress.reward_last(cfg.window),
+        "window": cfg.window,
+        "chance": baseline_reward(generate_items(256, seed=cfg.seed)),
+        "target": cfg.target,
         "versions": progress.last_version - progress.first_version,
+        "versions_run": progress.last_version - progress.run_first_version,
+        "last_version": progress.last_version,
         "digest_mismatches": progress.digest_mismatches(),
         "digests_checked": len(progress.seen_states),
         "mean_abs_logprob_gap": float(np.mean(progress.gaps)) if progress.gaps else float("nan"),
+        "logprob_gap_versions": len(progress.gap_by_version),
         "groups_used": progress.groups_used,
+        "groups_used_run": groups_used_run,
         "groups_lost": lost,
         "patch_bytes_mean": float(np.mean(patches)) if patches else 0.0,
         "full_bytes": progress.full_bytes,
         "seconds": time.time() - progress.started,
+        "seconds_run": progress.seconds(),
         "warm_start": progress.warm_start,
         "reward_by_version": {v: progress.version_reward(v) for v in sorted(progress.rewards)},
-        "patch_bytes_by_version": progress.patch_bytes,
+        "patch_bytes_by_version": dict(sorted(progress.patch_bytes.items())),
+        "logprob_gap_by_version": dict(sorted(progress.gap_by_version.items())),
     }
