@@ -101,6 +101,18 @@ def new_worker_id(name: str) -> str:
     return check_worker_id(f"{worker_prefix(name)}-{secrets.token_hex(3)}")
 
 
+def check_wandb_project(name: str) -> str:
+    """A W&B project name: 1-128 printable characters, none of `/ \\ # ? % :`."""
+    if (
+        not isinstance(name, str) or not 0 < len(name) <= 128 or not name.isprintable()
+        or name != name.strip() or any(c in name for c in "/\\#?%:")
+    ):
+        raise ValueError(
+            f"invalid wandb_project {name!r}: use 1-128 printable characters without / \\ # ? % : or surrounding spaces"
+        )
+    return name
+
+
 def check_label(name: str) -> str:
     """A worker's display name: 1-64 printable characters."""
     if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.isprintable() or name != name.strip():
@@ -150,6 +162,11 @@ class DaemonConfig:
         default=2048,
     )
     log_level: str = _doc("Log level of the daemon: DEBUG, INFO, WARNING or ERROR.", default="INFO")
+    wandb_project: str | None = _doc(
+        "Weights & Biases project to log this worker's heartbeats to (worker/*, one W&B run per "
+        "`macd run`; needs the wandb package). Absent: no W&B. `macd run --wandb-project` overrides it.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         for name in ("store", "run", "worker_id", "log_level"):
@@ -171,6 +188,8 @@ class DaemonConfig:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.wandb_project is not None:
+            check_wandb_project(self.wandb_project)
 
     @property
     def is_remote(self) -> bool:

@@ -96,7 +96,8 @@ def _do_join(args: argparse.Namespace) -> int:
     data_dir = args.data_dir or (old.data_dir if old else cfg.default_data_dir())
     knobs: dict[str, Any] = {}
     if old is not None:
-        knobs = {k: getattr(old, k) for k in ("batch", "max_decode", "transfer_concurrency", "spool_max_mb", "log_level")}
+        kept = ("batch", "max_decode", "transfer_concurrency", "spool_max_mb", "log_level", "wandb_project")
+        knobs = {k: getattr(old, k) for k in kept}
     if args.batch is not None:
         knobs["batch"] = args.batch
     config = cfg.DaemonConfig(

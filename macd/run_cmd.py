@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -41,6 +42,13 @@ def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
         metavar="SECONDS",
         help="if another macd still holds this worker's spool, wait up to this long for it to stop "
         "(default 0: fail at once, naming its pid)",
+    )
+    run.add_argument(
+        "--wandb-project",
+        default=None,
+        metavar="NAME",
+        help="log this worker's heartbeats (worker/*) to this Weights & Biases project (default: the "
+        "config's wandb_project; none: no W&B). Needs the wandb package; WANDB_MODE=offline keeps the run local",
     )
     run.set_defaults(handler=handle)
 
@@ -116,23 +124,37 @@ async def run_daemon(args: argparse.Namespace, config) -> int:
     options = WorkerOptions(
         max_cohorts=args.max_cohorts, seed=args.seed, flush_timeout_s=30.0, lock_wait_s=max(args.lock_wait, 0.0)
     )
+    tracker = None
     try:
+        if config.wandb_project is not None:
+            from .tracking import HeartbeatLog
+
+            tracker = await asyncio.to_thread(HeartbeatLog.open, config, config.wandb_project)
         async with open_store(config.store, credentials=config.read_credentials()) as store:
-            return await Worker(config, store, options).run(stop)
+            worker = Worker(config, store, options)
+            worker.on_heartbeat = None if tracker is None else tracker.log
+            return await worker.run(stop)
     finally:
         if watcher is not None:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+        if tracker is not None:
+            await asyncio.to_thread(tracker.close)
 
 
 def handle(args: argparse.Namespace) -> int:
     from . import config as cfg
     from .cli import config_path
     from .spool import SpoolError
+    from .tracking import TrackingUnavailable, import_wandb
 
     try:
         config = cfg.load_config(config_path(args))
-    except ValueError as exc:
+        if args.wandb_project is not None:
+            config = dataclasses.replace(config, wandb_project=args.wandb_project)
+        if config.wandb_project is not None:
+            import_wandb()  # a missing package fails here, at once
+    except (ValueError, TrackingUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     logging.basicConfig(
@@ -141,7 +163,7 @@ def handle(args: argparse.Namespace) -> int:
     )
     try:
         return asyncio.run(run_daemon(args, config))
-    except StoreConfigError as exc:
+    except (StoreConfigError, TrackingUnavailable) as exc:
         logging.getLogger("macd").error("%s", exc)
         return 2  # launchd restarts a failed daemon; a config error needs a person: say so
     except (StoreError, SpoolError, ValueError) as exc:

@@ -584,6 +584,7 @@ def check_settings(args: argparse.Namespace) -> list[Finding]:
             rollout.config_from_args(args)
             rollout.tokenizer_dir_from_args(args)
             rollout.state_in_bucket_from_args(args)
+            rollout.worker_metrics_from_args(args)
             grace = rollout.publishing_check_from_args(args)
             out.append(ok("rollout-settings", "the rollout function's stoa_* settings parse"))
             if grace is None:

@@ -35,6 +35,8 @@ in the `--custom-config-path` YAML, which slime sets as attributes of `args` in 
     stoa_state_in_bucket: true       # also write the consumer state to the bucket every rollout
     stoa_check_publishing: true      # fail when the trainer stops publishing (see below)
     stoa_publish_grace_s: 120        # how long a rollout waits for the previous step's version
+    stoa_worker_metrics: null        # add worker/* from the heartbeats to the metrics; default:
+                                     #   on with --use-wandb or --use-tensorboard
 
 Store credentials come from the environment, as for every stoa store URL.
 
@@ -79,6 +81,16 @@ again. With slime's default data source the state goes into `data_source.metadat
 marks for removal and saves only with checkpoints), as before: a restart from checkpoint R
 consumes again the groups of the rollouts after R; a warning suggests the data source above.
 
+Metrics. The returned `metrics` are what slime logs for the rollout (`log_rollout_data`, with
+`rollout/step`, to W&B and TensorBoard): the consumer's `rollout/stoa_*` (staleness, reuse,
+rejects by reason, scored reward, wait, pool) and `worker/<id>/*` counts of each worker's
+groups, plus, with `stoa_worker_metrics`, each worker's heartbeat as `worker/<id>/*`
+(throughput, version, lag, uploads, spool, errors) and the fleet's totals as
+`rollout/stoa_fleet_*` (one listing and one read per worker per rollout; a store that does not
+answer skips them for that rollout). With `--use-wandb` the rollout function also plots
+`worker/*` against `rollout/step` in the run slime's rollout process joined (slime defines
+`train/*`, `rollout/*`, ... but not `worker/*`); see `slime_stoa.trainer.tracking`.
+
 Evaluation is not supported yet: `evaluation=True` raises `EvaluationNotSupported`; do not set
 `--eval-interval`.
 
@@ -97,7 +109,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
-from slime_stoa.protocol.store import Store, open_store
+from slime_stoa.protocol.store import Store, StoreError, open_store
 from slime_stoa.trainer.consumer import (
     Batch,
     ConsumerConfig,
@@ -105,6 +117,7 @@ from slime_stoa.trainer.consumer import (
     sample_fields,
 )
 
+from .. import tracking
 from ..loop_thread import LoopThread
 from .data_source import StoaDataSource
 from .settings import as_bool, as_float, as_path, check_bucket_and_run, field_parsers, required_setting
@@ -134,7 +147,9 @@ class PublishingStalled(RuntimeError):
 # ConsumerConfig field -> parser (by the field's type); the setting is PREFIX + field name.
 CONFIG_FIELDS = field_parsers(ConsumerConfig, exclude=("store_url", "run", "record_limits"))
 # The settings read besides those (PREFIX + name).
-OTHER_SETTINGS = ("bucket", "run", "tokenizer_dir", "state_in_bucket", "check_publishing", "publish_grace_s")
+OTHER_SETTINGS = (
+    "bucket", "run", "tokenizer_dir", "state_in_bucket", "check_publishing", "publish_grace_s", "worker_metrics",
+)
 
 
 def config_from_args(args: Any) -> ConsumerConfig:
@@ -164,6 +179,14 @@ def tokenizer_dir_from_args(args: Any) -> Path | None:
 def state_in_bucket_from_args(args: Any) -> bool:
     value = getattr(args, PREFIX + "state_in_bucket", None)
     return True if value is None else as_bool(PREFIX + "state_in_bucket", value)
+
+
+def worker_metrics_from_args(args: Any) -> bool:
+    """Whether each rollout's metrics carry the workers' heartbeats (module doc, Metrics)."""
+    value = getattr(args, PREFIX + "worker_metrics", None)
+    if value is None:
+        return bool(getattr(args, "use_wandb", False) or getattr(args, "use_tensorboard", False))
+    return as_bool(PREFIX + "worker_metrics", value)
 
 
 def publishing_check_from_args(args: Any) -> float | None:
@@ -331,6 +354,16 @@ class _Session:
         """Write `state` to the bucket (compare-and-swap, through store outages)."""
         self.call(self.consumer.save_state(state))
 
+    def fleet_metrics(self, head: int) -> dict[str, float]:
+        """The workers' heartbeats as metrics (`tracking.read_fleet_metrics`); {} when the store
+        does not answer (said once: metrics never hold up a rollout)."""
+        assert self.store is not None
+        try:
+            return self.call(tracking.read_fleet_metrics(self.store, self.config.run, time.time(), head=head))
+        except StoreError as exc:
+            self.warn_once("fleet", "stoa: worker metrics left out (heartbeats unreadable): %s", exc)
+            return {}
+
     async def _aclose(self) -> None:
         if getattr(self, "consumer", None) is not None:
             await self.consumer.close()
@@ -395,6 +428,13 @@ def _publish_grace(args: Any, session: _Session) -> float | None:
     return grace
 
 
+def _attach_worker_axis(args: Any, session: _Session) -> None:
+    try:
+        tracking.attach_worker_axis(args)
+    except Exception as exc:  # tracking never stops training
+        session.warn_once("wandb", "stoa: worker/* not given the rollout/step axis in W&B: %s", exc)
+
+
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     """slime rollout function: `rollout_batch_size` groups from the run's bucket (module doc)."""
     if evaluation:
@@ -406,6 +446,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     n_groups = _positive(args, "rollout_batch_size")
     group_size = _positive(args, "n_samples_per_prompt")
     publishing_check_from_args(args)  # a bad setting fails before anything is opened
+    with_fleet = worker_metrics_from_args(args)
     session = _session(config, args)  # opening the run waits out store outages
     if group_size != session.group_size:
         raise ValueError(
@@ -440,5 +481,8 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         session.save(state)
     metrics = dict(batch.metrics)
     metrics["rollout/stoa_trainer_version"] = float(batch.trainer_version)
+    if with_fleet:
+        metrics.update(session.fleet_metrics(batch.trainer_version))
+    _attach_worker_axis(args, session)
     log.info("stoa: rollout %s: %d groups at trainer v%d", rollout_id, len(samples), batch.trainer_version)
     return RolloutFnTrainOutput(samples=samples, metrics=metrics)
