@@ -10,7 +10,6 @@ the S3 server. Every wait is on observed state (a log line, a counter, a printed
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -39,12 +38,12 @@ from slime_stoa.trainer.slime import rollout
 from slime_stoa.trainer.slime.data_source import STATE_FILE, StoaDataSource, state_path
 from tests import slime_standins
 from tests.conftest import async_wait_until, random_seed, wait_until
+from tests.faultproxy import FaultyProxy
 from tests.test_consumer import RUN, G, make_group, now_ms, open_consumer, setup_run, tiny, upload
 
 __all__ = ["tiny"]  # the session fixture, shared with test_consumer
 
 REPO = Path(__file__).resolve().parent.parent
-LOOPBACK = "127.0.0.1"
 QUICK = dict(  # the consumer's waits, scaled down for tests
     stoa_poll_interval_s=0.02,
     stoa_sweep_interval_s=0.2,
@@ -304,73 +303,6 @@ async def test_a_state_write_whose_answer_was_lost_is_not_a_conflict(store: Stor
 
 
 # -- (a) a store outage in the middle of a rollout's wait ------------------------------------------------
-class FaultyProxy:
-    """A TCP proxy on loopback in front of `port`; while `down` it drops every connection, the
-    open ones at once and new ones as soon as they arrive."""
-
-    def __init__(self, port: int) -> None:
-        self.target = port
-        self.down = False
-        self.dropped = 0
-        self.forwarded = 0
-        self._open: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def __aenter__(self) -> FaultyProxy:
-        self._server = await asyncio.start_server(self._serve, LOOPBACK, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        self.set_down()
-        await self._server.wait_closed()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    def set_down(self) -> None:
-        self.down = True
-        for writer in list(self._open):
-            writer.transport.abort()
-
-    def set_up(self) -> None:
-        self.down = False
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.down:
-            self.dropped += 1
-            writer.transport.abort()
-            return
-        try:
-            up_reader, up_writer = await asyncio.open_connection(LOOPBACK, self.target)
-        except OSError:
-            writer.transport.abort()
-            return
-        self.forwarded += 1
-        pair = {writer, up_writer}
-        self._open |= pair
-        pipes = [asyncio.ensure_future(self._pipe(reader, up_writer)), asyncio.ensure_future(self._pipe(up_reader, writer))]
-        try:
-            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._open -= pair
-            for w in pair:
-                w.transport.abort()
-            for p in pipes:
-                p.cancel()
-            await asyncio.gather(*pipes, return_exceptions=True)
-
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while (data := await src.read(1 << 16)) and not self.down:
-                dst.write(data)
-                await dst.drain()
-
-
 @pytest.mark.parametrize("store_url", ["s3"], indirect=True)
 async def test_a_rollout_waits_out_a_store_outage(
     store: Store, store_url: str, tiny: Any, s3_server: Any, creds: dict, slime: None, tmp_path: Path,
@@ -463,7 +395,7 @@ async def test_a_missing_publish_fails_loudly_with_the_likely_causes(
     state = load_hf_state(tiny.folder)
     await publisher.publish(state)  # v0: the trainer's first update_weights
     await upload_groups(store, tiny, 8, state_digest=publisher.state_digest)
-    args = rollout_args(store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_publish_grace_s=0.3)
+    args = rollout_args(store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_background_publish=False, stoa_publish_grace_s=0.3)
     source = StoaDataSource(args)
 
     def call(rollout_id: int, call_args: Any = args) -> Any:
@@ -482,7 +414,7 @@ async def test_a_missing_publish_fails_loudly_with_the_likely_causes(
     ):  # fmt: skip
         assert needle in text, needle
     # A publish that lands during the grace wait is waited for.
-    late = rollout_args(store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_publish_grace_s=60)
+    late = rollout_args(store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_background_publish=False, stoa_publish_grace_s=60)
     task = asyncio.ensure_future(call(2, late))
     await async_wait_until(lambda: logged(caplog, "for the trainer to publish v2"), message="the grace wait")
     await publisher.publish(bumped(state, 2))
@@ -492,12 +424,37 @@ async def test_a_missing_publish_fails_loudly_with_the_likely_causes(
     assert (await call(3, off)).metrics["rollout/stoa_trainer_version"] == 2
     assert (await call(4, off)).metrics["rollout/stoa_trainer_version"] == 2
     debug = rollout_args(
-        store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_publish_grace_s=0.3,
+        store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_background_publish=False, stoa_publish_grace_s=0.3,
         debug_rollout_only=True,
     )  # fmt: skip
     assert (await call(5, debug)).metrics["rollout/stoa_trainer_version"] == 2
     assert (await call(6, debug)).metrics["rollout/stoa_trainer_version"] == 2
     assert logged(caplog, "--debug-rollout-only is set")
+
+async def test_with_background_publishing_the_last_steps_version_may_still_be_uploading(
+    store: Store, store_url: str, tiny: Any, creds: dict, slime: None
+) -> None:
+    """A hand-off waits for the previous publish, so at each rollout the version of the step before
+    the last has committed: the check allows one version in flight and catches a stall one call later."""
+    await setup_run(store, tiny, staleness=8, published=None)
+    publisher = Publisher(store, RUN, PublisherConfig(extras_dir=tiny.folder, catchup=False))
+    state = load_hf_state(tiny.folder)
+    await publisher.publish(state)  # v0
+    await upload_groups(store, tiny, 8, state_digest=publisher.state_digest)
+    args = rollout_args(store_url, tiny, rollout_batch_size=1, stoa_check_publishing=True, stoa_publish_grace_s=0.3)
+    source = StoaDataSource(args)
+
+    def call(rollout_id: int) -> Any:
+        return asyncio.to_thread(rollout.generate_rollout, args, rollout_id, source)
+
+    assert (await call(0)).metrics["rollout/stoa_trainer_version"] == 0
+    assert (await call(1)).metrics["rollout/stoa_trainer_version"] == 0  # step 0's version still uploading
+    await publisher.publish(bumped(state, 1))  # step 0's version lands while step 1 trains
+    assert (await call(2)).metrics["rollout/stoa_trainer_version"] == 1
+    assert (await call(3)).metrics["rollout/stoa_trainer_version"] == 1  # step 1's (v2) may be in flight
+    with pytest.raises(rollout.PublishingStalled) as info:  # two steps later, still v1: nothing publishes
+        await call(4)
+    assert "stoa_publish_grace_s" in str(info.value)
 
 
 # -- (d) SIGKILL and restart ---------------------------------------------------------------------------------

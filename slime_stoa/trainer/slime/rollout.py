@@ -59,7 +59,10 @@ the pointer one version further than the previous call saw. If it has not moved 
 `stoa_publish_grace_s`, the call raises `PublishingStalled` naming the likely causes (stoa's slime
 patch not applied; `stoa_publish: true` missing from the YAML; publisher errors in the trainer
 log) instead of training on and on while the Macs sample old weights. The first call of a
-process is exempt. Set `stoa_check_publishing: false` where the pointer does not move once per
+process is exempt. With background publishing (`stoa_background_publish`, the default) the last
+step's version may still be uploading when the next rollout starts, so the check allows one
+version in flight: the pointer must pass the version seen two calls back (a hand-off waits for
+the previous publish, so that one has committed) and a stall is caught one call later. Set `stoa_check_publishing: false` where the pointer does not move once per
 rollout by design: slime's `train_async.py` (it generates rollout r+1 before publishing r) or
 `--update-weights-interval` > 1; `--debug-train-only` / `--debug-rollout-only` (slime publishes
 nothing) turn the check off by themselves, with a warning.
@@ -120,6 +123,7 @@ from slime_stoa.trainer.consumer import (
 from .. import tracking
 from ..loop_thread import LoopThread
 from .data_source import StoaDataSource
+from .publish import background_from_args
 from .settings import as_bool, as_float, as_path, check_bucket_and_run, field_parsers, required_setting
 
 log = logging.getLogger(__name__)
@@ -223,7 +227,7 @@ def stall_message(*, run: str, url: str, rollout_id: Any, previous: int | None, 
     expected = "a first version" if previous is None else f"v{previous + 1}"
     return (
         f"stoa: the trainer is not publishing its weights: before rollout {rollout_id} the weight pointer of run "
-        f"{run!r} in {url} should have moved from {seen} (the previous rollout) to {expected} after the train step, "
+        f"{run!r} in {url} should have moved from {seen} (an earlier rollout) to {expected} after the train step, "
         f"but it is {found} after {grace_s:.0f} s (stoa_publish_grace_s). The Macs would keep sampling old weights. "
         "Likely causes: (1) stoa's slime patch is not applied to the slime checkout this trainer runs: "
         "`python scripts/apply_slime_patches.py <slime checkout> --check` (then without --check to apply it); "
@@ -244,6 +248,7 @@ class _Session:
         self.resumed = False
         self.calls = 0  # rollouts served by this process
         self.last_version: int | None = None  # the pointer's version at the previous call (None: none)
+        self.seen: list[int | None] = []  # the pointer's version at each call, the last few
         self.warned: set[str] = set()
         self._loop = LoopThread(f"stoa-consumer-{config.run}", on_close=self._aclose)
         self.store: Store | None = None
@@ -301,10 +306,13 @@ class _Session:
 
         return await self.consumer.patiently(read, f"reading the weight pointer of run {self.config.run!r}")
 
-    async def _published_version(self, rollout_id: Any, grace_s: float | None) -> int | None:
-        """The pointer's version; with `grace_s`, after the first call, it must have moved past
-        the previous call's within that long (the time the store was down does not count)."""
-        previous, first = self.last_version, self.calls == 0
+    async def _published_version(self, rollout_id: Any, grace_s: float | None, behind: int = 0) -> int | None:
+        """The pointer's version; with `grace_s`, it must have moved past the version seen
+        `1 + behind` calls ago within that long (the time the store was down does not count).
+        `behind` is 1 with background publishing: the version of the last train step may still be
+        uploading, but the one before it has committed (a hand-off waits for the previous publish)."""
+        first = len(self.seen) <= behind
+        previous = None if first else self.seen[-1 - behind]
         started = time.monotonic()
         version = await self._read_version()
         if first or grace_s is None:
@@ -330,7 +338,7 @@ class _Session:
             before = time.monotonic()
             version = await self._read_version()
             deadline += max(time.monotonic() - before - 1.0, 0.0)  # an outage does not eat the grace
-        if previous is not None and version > previous + 1:
+        if previous is not None and version > previous + 1 + behind:
             log.warning(
                 "stoa: the weight pointer of run %s moved from v%d to v%d in one rollout (expected one version "
                 "per train step): is another trainer publishing to this run?",
@@ -339,16 +347,21 @@ class _Session:
         return version
 
     # -- batches ---------------------------------------------------------------------------------
-    async def _batch(self, n: int, rollout_id: Any, grace_s: float | None) -> tuple[Batch, dict[str, Any]]:
-        version = await self._published_version(rollout_id, grace_s)
+    async def _batch(
+        self, n: int, rollout_id: Any, grace_s: float | None, behind: int = 0
+    ) -> tuple[Batch, dict[str, Any]]:
+        version = await self._published_version(rollout_id, grace_s, behind)
         batch = await self.consumer.next_batch(n, trainer_version=0 if version is None else version)
         self.last_version = version
+        self.seen = [*self.seen[-2:], version]
         self.calls += 1
         return batch, self.consumer.state_dict()  # the state with this batch taken
 
-    def batch(self, n: int, rollout_id: Any = None, grace_s: float | None = None) -> tuple[Batch, dict[str, Any]]:
+    def batch(
+        self, n: int, rollout_id: Any = None, grace_s: float | None = None, behind: int = 0
+    ) -> tuple[Batch, dict[str, Any]]:
         """The next batch of `n` groups and the consumer state right after it was taken."""
-        return self.call(self._batch(n, rollout_id, grace_s))
+        return self.call(self._batch(n, rollout_id, grace_s, behind))
 
     def save(self, state: dict[str, Any]) -> None:
         """Write `state` to the bucket (compare-and-swap, through store outages)."""
@@ -468,7 +481,8 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         else:
             source = session.resume(metadata.get(METADATA_KEY) if metadata is not None else None)
         log.info("stoa: consumer of run %s resumed from %s state", config.run, source)
-    batch, state = session.batch(n_groups, rollout_id, _publish_grace(args, session))
+    behind = 1 if background_from_args(args) else 0  # the last step's version may still be uploading
+    batch, state = session.batch(n_groups, rollout_id, _publish_grace(args, session), behind)
     slots = data_source.get_samples(n_groups)
     samples = _slime_samples(batch, slots, Sample)
     # Persist the state with this batch taken BEFORE slime gets the batch: a kill at any moment
