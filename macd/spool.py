@@ -22,6 +22,8 @@ Guarantees:
   there is either nothing or the complete record. Leftover temp files are removed on open.
 - The entry's file name holds every part of its key, so nothing else is needed to upload it.
 - A finished group is never refused: `full` only tells the producer to pause generation.
+- Every committed entry is logged (`spooled <key>`, INFO), once it is durable: the worker's own
+  account of what it finished, which a reconciliation can check the bucket against.
 - One process per spool: an exclusive `flock` on `.lock`, which names the holder's pid. The
   kernel releases a flock when its process dies, however it dies, so a lock left by a dead
   process is simply taken over; a live holder is named in the error (`SpoolLocked`).
@@ -368,6 +370,7 @@ class Spool:
         with self._cond:
             self._entries[entry.name] = entry
             self._bytes += entry.size
+        log.info("spooled %s", entry.key)  # the worker's own account of what it finished
         self._changed()
         return entry
 
