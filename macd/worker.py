@@ -181,6 +181,7 @@ class Worker:
         self._logged: dict[str, float] = {}  # error message -> when it was last logged (monotonic)
         self.sub: Subscriber | None = None  # exposed for inspection (tests, doctor)
         self.live: Any = None
+        self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # sees every heartbeat (macd.tracking)
 
     # -- setup -------------------------------------------------------------------------------
     async def _load_run(self) -> tuple[RunManifest, Task]:
@@ -454,6 +455,8 @@ class Worker:
 
     async def _write_heartbeat(self) -> None:
         self.beat = replace(self.beat, updated_at=time.time())
+        if self.on_heartbeat is not None:
+            self.on_heartbeat(self.beat)
         try:
             await self.store.put(self.layout.heartbeat(self.config.worker_id), self.beat.to_bytes())
         except StoreConfigError:

@@ -72,7 +72,7 @@ def test_export_of_a_pruned_version_names_the_versions_kept(
         rng = np.random.default_rng(0)
         state = {"w": rng.integers(0, 1 << 15, size=(64,), dtype=np.uint16)}
         async with open_store(bucket) as store:
-            pub = Publisher(store, "r", PublisherConfig(anchor_every=2, retain_anchors=1))
+            pub = Publisher(store, "r", PublisherConfig(anchor_every=2, retain_anchors=1, retain_versions=1))
             for _ in range(5):
                 await pub.publish(dict(state))
                 state["w"] = state["w"] ^ np.uint16(1)

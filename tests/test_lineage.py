@@ -203,7 +203,7 @@ async def test_lineage_walk_survives_retention_of_the_restored_version(store: St
     states = [random_state(rng)]
     for _ in range(4):
         states.append(step_state(states[-1], rng))
-    config = PublisherConfig(anchor_every=2, retain_anchors=2, anchor_fraction=100.0)
+    config = PublisherConfig(anchor_every=2, retain_anchors=2, anchor_fraction=100.0, retain_versions=1)
     pub = Publisher(store, RUN, config)
     for s in states:  # anchors at v0, v2, v4: v0 and v1 are deleted
         await pub.publish(s)

@@ -281,7 +281,7 @@ async def test_resumed_publisher_continues_the_chain(store: Store) -> None:
 
 async def test_anchor_cadence_and_retention(store: Store) -> None:
     rng = np.random.default_rng(13)
-    pub = Publisher(store, RUN, PublisherConfig(anchor_every=3, retain_anchors=2, anchor_fraction=100.0))
+    pub = Publisher(store, RUN, PublisherConfig(anchor_every=3, retain_anchors=2, anchor_fraction=100.0, retain_versions=1))
     states = await publish_versions(pub, rng, 8)
     layout = RunLayout(RUN)
     anchors = sorted(

@@ -12,7 +12,7 @@ import pytest
 
 from slime_stoa.cli import main
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, retention_floor
 from slime_stoa.protocol.run_manifest import DEFAULT_RETAIN_ANCHORS, RunManifest
 from slime_stoa.protocol.store import open_store
 
@@ -95,14 +95,14 @@ def test_cli_create_sets_and_show_prints_the_retention(tmp_path: Path, capsys: p
     assert "Traceback" not in err
 
 
-async def _publish_five(url: str, run: str, config: PublisherConfig) -> list[int]:
+async def _publish_five(url: str, run: str, config: PublisherConfig, versions: int = 5) -> list[int]:
     """Five versions with an anchor every second one (v0, v2, v4); the anchor versions left."""
     rng = np.random.default_rng(0)
     state = {"w": rng.integers(0, 1 << 15, size=(64,), dtype=np.uint16)}
     layout = RunLayout(run)
     async with open_store(url) as store:
         pub = Publisher(store, run, config)
-        for _ in range(5):
+        for _ in range(versions):
             await pub.publish(dict(state))
             state["w"] = state["w"] ^ np.uint16(1)
         keys = [info.key async for info in store.list(layout.anchors_prefix)]
@@ -112,30 +112,58 @@ async def _publish_five(url: str, run: str, config: PublisherConfig) -> list[int
 @pytest.mark.parametrize(
     "run_retention, setting, kept",
     [
-        (1, None, [4]),  # the run's value
-        (0, None, [0, 2, 4]),  # the run keeps everything
-        (None, None, [2, 4]),  # a manifest without the field: the default, 2
-        (1, 0, [0, 2, 4]),  # the trainer's setting overrides the run's
-        (0, 1, [4]),
+        (3, None, [4, 6, 8]),  # the run's value
+        (1, None, [6, 8]),  # one anchor, and the one v7 (in the staleness window) needs
+        (0, None, [0, 2, 4, 6, 8]),  # the run keeps everything
+        (None, None, [6, 8]),  # a manifest without the field: the default, 2
+        (3, 0, [0, 2, 4, 6, 8]),  # the trainer's setting overrides the run's
+        (0, 3, [4, 6, 8]),
     ],
 )
 def test_the_publisher_keeps_what_the_run_says(
     tmp_path: Path, run_retention: int | None, setting: int | None, kept: list[int]
 ) -> None:
     url = f"file://{tmp_path}"
-    manifest = RunManifest(run="r", model="m", task="synthetic", retain_anchors=run_retention or 0)
+    manifest = RunManifest(run="r", model="m", task="synthetic", retain_anchors=run_retention or 0, staleness_limit=0)
     doc = json.loads(manifest.to_bytes())
     if run_retention is None:
         del doc["retain_anchors"]
     (tmp_path / "runs" / "r").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "run.json").write_text(json.dumps(doc))
-    config = PublisherConfig(anchor_every=2, anchor_fraction=100.0, retain_anchors=setting)
-    assert asyncio.run(_publish_five(url, "r", config)) == kept
+    config = PublisherConfig(anchor_every=2, anchor_fraction=100.0, retain_anchors=setting, retain_versions=1)
+    assert asyncio.run(_publish_five(url, "r", config, versions=9)) == kept  # anchors v0, v2, .., v8
+
+
+def test_retention_keeps_the_versions_a_consumer_checks_records_against(tmp_path: Path) -> None:
+    """An anchor every version: retention still keeps the staleness window (staleness_limit + 2
+    versions behind the head), so an honest record that is fresh enough stays checkable."""
+    url = f"file://{tmp_path}"
+    doc = json.loads(RunManifest(run="r", model="m", task="synthetic", retain_anchors=2, staleness_limit=4).to_bytes())
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "run.json").write_text(json.dumps(doc))
+    config = PublisherConfig(anchor_every=1, anchor_fraction=100.0, retain_versions=1)
+    assert asyncio.run(_publish_five(url, "r", config, versions=12)) == [6, 7, 8, 9, 10, 11]
+    manifests = [p for p in (tmp_path / "runs" / "r").rglob("*.json") if "versions" in p.parts]
+    assert len(manifests) == 6, manifests  # v6..v11
+
+
+@pytest.mark.parametrize(
+    "anchors, retain, head, window, floor",
+    [
+        ([0, 5, 10], 2, 12, 8, 5),  # the 2nd newest anchor (5) is outside the window: kept from it
+        (list(range(20)), 2, 19, 8, 12),  # anchors every version: the window decides
+        ([0, 10, 20, 30], 2, 35, 8, 20),  # the window is inside the anchors kept
+        ([0, 3], 1, 4, 8, None),  # everything is in the window: nothing deleted
+        ([0], 1, 9, 2, None),
+    ],
+)
+def test_retention_floor(anchors: list[int], retain: int, head: int, window: int, floor: int | None) -> None:
+    assert retention_floor(anchors, retain=retain, head=head, window=window) == floor
 
 
 def test_without_a_readable_manifest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """No manifest at all (a bare publisher): the default; an unreadable one: nothing deleted."""
-    config = PublisherConfig(anchor_every=2, anchor_fraction=100.0)
+    config = PublisherConfig(anchor_every=2, anchor_fraction=100.0, retain_versions=1)
     (tmp_path / "a").mkdir()
     assert asyncio.run(_publish_five(f"file://{tmp_path / 'a'}", "r", config)) == [2, 4]
     (tmp_path / "b" / "runs" / "r").mkdir(parents=True)

@@ -31,7 +31,7 @@ import numpy as np
 
 from slime_stoa.protocol.hf.folders import hf_config_files
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.run_manifest import run_retention
+from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest, run_retention
 from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError
 
 from .anchor import write_anchor
@@ -70,6 +70,11 @@ class PublisherConfig:
     # Keep this many anchors and everything after the oldest (0: keep all); None: the run's
     # `retain_anchors` (`stoa run create --retain-anchors`), read from its manifest.
     retain_anchors: int | None = None
+    # Versions behind the head always kept, whatever retain_anchors says: a consumer checks a
+    # record against the published versions of its staleness window (staleness_limit +
+    # version_ahead_slack + 1 back), so deleting them would refuse honest, fresh records. The
+    # publisher keeps max(this, the run's staleness_limit + 2).
+    retain_versions: int = 8
     extras_dir: Path | None = None  # HF folder whose config and tokenizer files ship with anchors
     concurrency: int = 8  # uploads in flight
     threads: int | None = None  # compression threads (None: one per CPU)
@@ -83,6 +88,8 @@ class PublisherConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.retain_anchors is not None and self.retain_anchors < 0:
             raise ValueError("retain_anchors must be >= 0")
+        if self.retain_versions < 1:
+            raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,9 +415,10 @@ class Publisher:
                     and parsed[0] <= (self.version or 0)
                 }
             )
-            if len(anchors) <= retain:
+            window = max(self.config.retain_versions, await _staleness_window(self.store, self.layout.run))
+            keep_from = retention_floor(anchors, retain=retain, head=self.version or 0, window=window)
+            if keep_from is None:
                 return
-            keep_from = anchors[-retain]
             doomed = []
             for prefix in (self.layout.versions_prefix, self.layout.patches_prefix, self.layout.anchors_prefix):
                 async for info in self.store.list(prefix):
@@ -425,6 +433,32 @@ class Publisher:
                 log.info("retention: deleted %d objects older than anchor v%d", len(doomed), keep_from)
         except StoreError as exc:
             log.warning("retention skipped: %s", exc)
+
+
+def retention_floor(anchors: list[int], *, retain: int, head: int, window: int) -> int | None:
+    """The version below which retention deletes weight objects, or None to delete nothing.
+
+    An anchor: the `retain`-th newest, or an older one when that one is within `window`
+    versions of `head` (every version from `head - window + 1` on keeps its manifest and the
+    objects it needs). `anchors` sorted ascending; `retain` >= 1."""
+    assert retain >= 1 and window >= 1
+    if len(anchors) <= retain:
+        return None
+    floor = anchors[-retain]
+    oldest_needed = head - window + 1
+    if floor > oldest_needed:
+        older = [a for a in anchors if a <= oldest_needed]
+        floor = older[-1] if older else anchors[0]
+    return floor if floor > anchors[0] else None
+
+
+async def _staleness_window(store: Store, run: str) -> int:
+    """The run's staleness_limit + 2 (the versions a consumer checks records against), 0 when
+    the run manifest cannot be read."""
+    try:
+        return (await read_run_manifest(store, run)).staleness_limit + 2
+    except (RunNotFound, ValueError):
+        return 0
 
 
 def _elements(state: Mapping[str, np.ndarray]) -> int:
