@@ -1,17 +1,27 @@
-"""The daemon's live MLX weights, refreshed in place from the PULSE bf16 master after each sync.
+"""The daemon's live MLX weights, following the PULSE bf16 master state version after version.
 
 `LiveWeights` owns an mlx-lm model's parameters on one of two planes:
 
-- ``"bf16"``: the model holds exactly the master's bits. After a sync the touched tensors are
-  replaced whole (one `load_weights` call, then one `mx.eval`).
+- ``"bf16"``: one copy of the weights. The master *is* the model: `from_state` installs each
+  tensor into MLX and replaces it, in the caller's state mapping, by a writable numpy view of
+  the MLX parameter's memory (uint16 bits), so the subscriber patches the live weights in place
+  and digests exactly the bits the model computes with. Memory: 2 bytes per weight.
+  Nothing may write into such a state while the model computes: a worker stages and verifies a
+  patch beside the running model and writes it only at a safe point (`pulse.staged`). A state
+  tensor that is not the live view (after an anchor sync, which builds a new state) is
+  installed and shared in its turn by `apply`.
 - ``"int8"``: Linear/Embedding layers are MLX affine-quantized (8 bits, groups of 64 along the
   input axis), chosen by mlx-lm's rule: a layer is quantized when it can be (``to_quantized``)
   and its input size is a multiple of the group size, subject to the model's own
   ``quant_predicate``; the other tensors (norms, biases, misfit layers) stay bf16. After a sync
-  only the *groups* holding changed elements are re-quantized from the master.
+  only the *groups* holding changed elements are re-quantized from the master. The plane keeps
+  the bf16 master beside the model (the subscriber's ``state``, separate numpy arrays, which it
+  re-quantizes from): 2 bytes per weight for the master plus ~1.06 for the served int8 weights
+  (8 bits and a bf16 scale and bias per 64) and 2 for each tensor left in bf16, so ~3.06 bytes
+  per weight, against 2 on the bf16 plane.
 
-The bf16 master is the subscriber's ``state`` dict (uint16 bit patterns); this class keeps no
-copy of it and is handed it on every call.
+The subscriber's ``state`` dict (uint16 bit patterns) is the master; this class keeps no copy of
+it (on bf16 it lends the state its own memory) and is handed it on every call.
 
 Why re-quantizing a subset of groups equals quantizing the whole tensor
 -----------------------------------------------------------------------
@@ -34,7 +44,7 @@ to replace them in `from_state`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +103,11 @@ class LiveWeights:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_state(cls, model: nn.Module, state: Mapping[str, np.ndarray], plane: Plane) -> LiveWeights:
+    def from_state(cls, model: nn.Module, state: MutableMapping[str, np.ndarray], plane: Plane) -> LiveWeights:
         """Install the full bf16 master `state` into `model`, quantizing it for the int8 plane.
+
+        On bf16 the state's tensors are replaced, in `state` itself, by views of the model's
+        memory (see the module docstring): from then on the state and the model are one copy.
 
         `model` is an mlx-lm model of the same architecture (bf16, or already quantized for
         int8). Every state tensor must be a model parameter of the same shape (a tied model
@@ -108,6 +121,20 @@ class LiveWeights:
             live._index()
         live._install(state)
         return live
+
+    def shares(self, state: Mapping[str, np.ndarray]) -> bool:
+        """True when every bf16 tensor of `state` the model holds is the model's own memory
+        (so writing into the state writes the live weights). Always False on int8."""
+        if self.plane != "bf16":
+            return False
+        return all(state.get(name) is view and self._param(name) is self._arrays[name]
+                   for name, view in self._views.items()) and len(self._views) == len(self._shapes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the model's parameters (what MLX holds for the weights)."""
+        params: dict[str, mx.array] = tree_flatten(self.model.parameters(), destination={})  # type: ignore[assignment]
+        return sum(a.nbytes for a in params.values())
 
     def _index(self) -> None:
         """Tabulate the model's tensors as the master sees them: name -> logical shape."""
@@ -136,11 +163,13 @@ class LiveWeights:
         self._modules = modules
         self._quantized = quantized
         self._shapes = shapes
+        self._views: dict[str, np.ndarray] = {}  # bf16: name -> numpy view lent to the state
+        self._arrays: dict[str, mx.array] = {}  # bf16: name -> the MLX parameter that view shows
 
     # -- refresh ---------------------------------------------------------------------------
     def apply(
         self,
-        state: Mapping[str, np.ndarray],
+        state: MutableMapping[str, np.ndarray],
         changed: Mapping[str, np.ndarray] | None,
         touched: Iterable[str],
     ) -> ApplyStats:
@@ -148,7 +177,9 @@ class LiveWeights:
 
         `changed` maps tensor names to the sorted unique flat indices written; None means the whole
         state was replaced and everything is re-installed. A touched tensor without indices is
-        refreshed whole. ValueError (model unchanged) if a tensor does not fit the model.
+        refreshed whole. On bf16 a tensor that is the model's own memory is already live (nothing
+        to do); any other is installed and shared (replaced in `state` by the live view).
+        ValueError (model unchanged) if a tensor does not fit the model.
         """
         start = time.perf_counter()
         if changed is None:
@@ -167,6 +198,8 @@ class LiveWeights:
                 continue  # a tied head (checked) or nothing written
             q = self._quantized.get(name)
             if q is None:
+                if self._is_live(state, name):
+                    continue  # written in place: the model already computes with it
                 pairs.append((name, _bf16(state[name])))
             elif indices is None or self._modules[q.module]["scales"].dtype != mx.bfloat16:
                 # whole tensor (also when scales of another dtype came with a pre-quantized model)
@@ -177,27 +210,33 @@ class LiveWeights:
                 pairs += self._quantize_groups(q, state[name], ids)
                 groups += ids.size
             tensors += 1
-        self._load(pairs)
+        self._load(pairs, state)
         return ApplyStats(tensors, groups, False, time.perf_counter() - start)
 
-    def install(self, state: Mapping[str, np.ndarray]) -> ApplyStats:
+    def install(self, state: MutableMapping[str, np.ndarray]) -> ApplyStats:
         """Re-install the whole master (same checks as `from_state`)."""
         return self.apply(state, None, ())
 
-    def _install(self, state: Mapping[str, np.ndarray], start: float | None = None) -> ApplyStats:
-        """Write every tensor of an already validated state."""
+    def _install(self, state: MutableMapping[str, np.ndarray], start: float | None = None) -> ApplyStats:
+        """Write every tensor of an already validated state. On bf16 one tensor at a time, each
+        shared as soon as it is in MLX, so the state's own arrays are freed as it goes (peak: one
+        tensor more than the weights) unless the caller holds on to them."""
         start = time.perf_counter() if start is None else start
-        pairs: list[tuple[str, mx.array]] = []
         groups = 0
         for name in self._shapes:
             q = self._quantized.get(name)
             if q is None:
-                pairs.append((name, _bf16(state[name])))
+                if not self._is_live(state, name):
+                    self._load([(name, _bf16(state[name]))], state)
             else:
-                pairs += self._quantize_full(q, state[name])
+                self._load(self._quantize_full(q, state[name]))
                 groups += q.groups
-        self._load(pairs)
         return ApplyStats(len(self._shapes), groups, True, time.perf_counter() - start)
+
+    def _is_live(self, state: Mapping[str, np.ndarray], name: str) -> bool:
+        """Whether state[name] is the live parameter's own memory (bf16)."""
+        view = self._views.get(name)
+        return view is not None and state.get(name) is view and self._param(name) is self._arrays[name]
 
     def _quantize_full(self, q: _QuantizedWeight, bits: np.ndarray) -> list[tuple[str, mx.array]]:
         weight, scales, biases = mx.quantize(_bf16(bits), group_size=q.group_size, bits=q.bits)
@@ -218,10 +257,19 @@ class LiveWeights:
             _scatter(layer["biases"], (q.groups,), at, biases.reshape(-1)),
         )
 
-    def _load(self, pairs: list[tuple[str, mx.array]]) -> None:
-        if pairs:
-            self.model.load_weights(pairs, strict=False)
-            mx.eval([a for _, a in pairs])
+    def _load(self, pairs: list[tuple[str, mx.array]], state: MutableMapping[str, np.ndarray] | None = None) -> None:
+        """Put `pairs` into the model; on bf16 lend each bf16 tensor's memory to `state`."""
+        if not pairs:
+            return
+        self.model.load_weights(pairs, strict=False)
+        mx.eval([a for _, a in pairs])
+        if self.plane != "bf16" or state is None:
+            return
+        for name, array in pairs:
+            view = np.array(array.view(mx.uint16), copy=False)  # the parameter's memory, no copy
+            assert view.flags.writeable and view.flags.c_contiguous and view.shape == state[name].shape, name
+            self._views[name], self._arrays[name] = view, array
+            state[name] = view
 
     # -- validation ------------------------------------------------------------------------
     def _validate_full(self, state: Mapping[str, np.ndarray]) -> None:

@@ -1,45 +1,75 @@
-"""Benchmark macd's rollout generation and weight swap on a small random Qwen2.
+"""Benchmark macd's rollout generation against mlx-lm's batched path, and its weight swaps.
 
-Workload: a random Qwen2-shaped model built with `build_tiny_model` at a larger size (hidden 512,
-8 layers, 8 query / 2 KV heads, MLP 1408, vocabulary 8192 with tied embeddings: ~27M
-parameters; `--quick`: 4 layers, ~15M), so the matmuls dominate. B chat prompts (~100 tokens)
-each get G samples at temperature 0.8 with up to `max_tokens` tokens (B=4 and 48 tokens;
-`--quick`: B=2 and 16); a random model rarely emits EOS, so nearly every sample runs to
-`max_tokens`.
+Model: a random Qwen2 shape built with `build_tiny_model` (hidden 768, 12 layers, 12 query / 2
+KV heads, MLP 2048, vocabulary 32000 with tied embeddings: 97.7M parameters; `--quick`: 4
+layers, hidden 512, MLP 1408, vocabulary 8192: 15M). On Linux the throughput part computes in
+float32, since Linux CPUs have no fast bf16 matmul (a Mac would run bf16), and the script
+re-executes itself with OpenBLAS in LD_PRELOAD when the library is installed (MLX's bundled
+BLAS is far slower); the header says what it ran with.
 
-For G = 4, 8 and 16, in the same process on the same prompts:
-  * batched: `macd.generate.generate_groups` (mlx-lm's BatchGenerator, all B*G sequences in one
-    batch, prompt prefilled once per group);
-  * single: mlx-lm's `stream_generate` once per sample (what a naive worker does), with the same
-    tempered-logprob recipe (sampler at temperature 1 plus a logits processor dividing by T) and
-    the sampled token's logprob read back.
-At G = 8 it also times `generate_groups` without prefill sharing and mlx-lm's `batch_generate`
-with a per-sequence logits processor, to show what each design choice buys.
+Variable response lengths. A random model never stops on its own, so the stop set (the
+tokenizer's EOS ids for both contestants) is chosen so the model stops like a model answering
+GSM8K: a random set of token ids whose probability under the random model sums to about
+1 / `--mean-tokens` per step, which gives geometric response lengths (mean ~70 tokens by default,
+a long tail cut at `--max-tokens`), measured and printed (p10 / p50 / p90 / share at the cap).
 
-Weight swap, on the model as stored (bf16, as a Mac holds it):
-  * swap_s_reload: `mlx_lm.load` of the folder, weights evaluated;
-  * swap_s_patch: change 1% of the elements of every tensor of a uint16 (bf16 bits) numpy state
-    in place, convert those tensors with `mx.array(u16).view(mx.bfloat16)`, `load_weights(...,
-    strict=False)` after our own name/shape/dtype check, then `mx.eval`.
+Throughput, same prompts (GSM8K-like chat prompts of ~100 tokens), same G, same sampler and
+tempered-logprob recipe (the model's logits divided by T in one op, a keyed categorical sampler),
+same batch of B*G sequences, in one process:
+  * mlx_lm: a worker loop built on mlx-lm's `batch_generate`, the strongest path a worker can
+    use: one call per cohort of B prompts x G samples (it must return between cohorts to change
+    weights and label versions), each prompt prefilled once and its KV cache shared by its G
+    sequences (`prompt_caches=`), logprobs returned (`return_logprobs=True`). Each call runs
+    until its longest sample ends, so the batch runs half empty at its tail.
+  * macd: `macd.generate.ContinuousGenerator`, as the worker drives it: groups enter as soon as
+    there is room (`room()`: one group queued behind a full batch), so the batch stays full. As
+    in a worker, prompts never run out (the list is drawn again); the clock stops once as many
+    groups finished as there are prompts, and every token sampled until then counts (in a
+    worker the groups still in flight finish later). The table also shows the same prompts
+    drained to their last group (no prompt after the last: a tail no worker has).
+  * with `--swap-run`, macd again with a version asked for every `--swap-every` seconds and
+    installed at the worker's safe points (no new weights: the drain-and-drop policy's cost).
 
-On Linux, MLX's bundled BLAS is far slower than OpenBLAS, so the script re-executes itself with
-Debian's OpenBLAS (`libopenblas0-pthread`) in LD_PRELOAD when it can find it and says whether it
-ran with it. Linux CPUs have no fast bf16 matmul either, so generation runs in float32 there
-(`--dtype`); a Mac would run bf16.
+Batch size: B=2 x G=8 = 16 by default. A worker's decode on a Mac GPU is memory-bound at the
+batch sizes it uses (a step costs about the same with 4 or 32 sequences), which is what makes a
+half-empty tail expensive. This 2-core CPU is only close to that up to ~16 sequences of the
+100M model (measured: ~74 ms a step for 1 sequence, ~150 for 8, ~175 for 16, ~190 for 32 with
+the prompt cache only, and steeper in a real decode); at 32 it is compute-bound, a step costs
+about as much per sequence as a full one, and keeping the batch full buys little
+(`--prompts 4`: ratio ~1.0 here).
+
+bf16 plane (the worker as it runs on a Mac): a real `macd.worker.Worker` in a child process
+against a local-folder bucket, serving bf16 weights (one copy: the subscriber's state is the
+model's memory), while this process publishes a version (1% of the elements changed, the
+publisher's default mode) each time the worker has installed the previous one. The child
+reports: rss_bytes (its resident memory while generating, over the RSS it had after its imports,
+i.e. without the Python/MLX runtime), weight_bytes, kv_bytes (KV cache held, sampled on the MLX
+thread), and for each version change the time ready beside generation, the drain, the decode
+pause (swap_stall_s: decoding stopped, in-flight groups dropped, MLX synchronised, patch
+scattered into the live weights) and the install itself; and mlx_install_s, the time to install
+a whole version's tensors into MLX (what an install costs without patching the live weights in
+place). bf16 decoding is slow on a Linux CPU; only the pause and the memory matter here.
+
+Targets (issue 13): ratio_vs_mlx_lm >= 1.3 with variable lengths; rss <= 1.2 x (weights + KV
+cache) on bf16; swap_stall_s <= mlx_install_s.
 
 Usage: python scripts/bench_worker.py [--quick] [--json PATH] [--no-openblas] [--dtype D]
+       [--cohorts N] [--prompts B] [--group-size G] [--max-tokens M] [--mean-tokens L]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes.util
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +78,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _PRELOAD_MARK = "STOA_BENCH_BLAS_PRELOADED"
 MODEL_SIZE = dict(
-    vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
+    vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2,
+    intermediate_size=2048,
+)  # fmt: skip
+QUICK_MODEL_SIZE = dict(
+    vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
     intermediate_size=1408,
 )  # fmt: skip
-QUICK_MODEL_SIZE = dict(MODEL_SIZE, num_layers=4)
 TEMPERATURE = 0.8
-GROUP_SIZES = (4, 8, 16)
+STEPS_PER_CALL = 16  # as macd.worker drives the generator
 
 
 # ------------------------------------------------------------------------------- environment
@@ -84,16 +117,16 @@ def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
-def _sgemm_gflops() -> float:
-    """A quick float32 matmul rate, to show which BLAS is in effect."""
-    import mlx.core as mx
+def _rss() -> int:
+    """Resident memory of this process now (Linux), else its peak so far."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
 
-    a, b = mx.random.normal((256, 512)), mx.random.normal((512, 1408))
-    mx.eval(a, b, a @ b)
-    n, tic = 20, time.perf_counter()
-    for _ in range(n):
-        mx.eval(a @ b)
-    return 2 * 256 * 512 * 1408 * n / (time.perf_counter() - tic) / 1e9
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 # ----------------------------------------------------------------------------------- workload
@@ -106,172 +139,360 @@ def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     lines = default_corpus()
     prompts = []
     for i in range(n):
-        question = " ".join(lines[4 * i + 1 : 4 * i + 5 : 2] + lines[4 * i : 4 * i + 2])
+        j = (4 * i) % (len(lines) - 6)
+        question = " ".join(lines[j + 1 : j + 5 : 2] + lines[j : j + 2])
         messages = [{"role": "user", "content": f"{question} Think step by step."}]
         prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
     return prompts
 
 
-def run_batched(model: Any, tok: Any, prompts: list[list[int]], g: int, max_tokens: int,
-                **kwargs: Any) -> tuple[int, float]:
-    """(tokens generated, seconds) for `generate_groups`."""
-    from macd.generate import SamplingConfig, generate_groups
-
-    cfg = SamplingConfig(temperature=TEMPERATURE, max_tokens=max_tokens, group_size=g, seed=0)
-    tic = time.perf_counter()
-    groups = generate_groups(model, tok, prompts, cfg, **kwargs)
-    return sum(len(c.tokens) for grp in groups for c in grp), time.perf_counter() - tic
-
-
-def run_single(model: Any, tok: Any, prompts: list[list[int]], g: int,
-               max_tokens: int) -> tuple[int, float]:
-    """(tokens, seconds) for mlx-lm's `stream_generate`, once per sample."""
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    sampler = make_sampler(temp=1.0)
-    processors = [lambda _tokens, logits: logits / TEMPERATURE]
-    n, tic = 0, time.perf_counter()
-    for prompt in prompts:
-        for _ in range(g):
-            logprobs = []
-            for r in stream_generate(model, tok, prompt, max_tokens=max_tokens,
-                                     sampler=sampler, logits_processors=processors):
-                logprobs.append(r.logprobs[r.token].item())
-            n += len(logprobs)
-    return n, time.perf_counter() - tic
-
-
-def run_batch_generate_processor(model: Any, tok: Any, prompts: list[list[int]], g: int,
-                                 max_tokens: int) -> tuple[int, float]:
-    """(tokens, seconds) for mlx-lm's `batch_generate` with a T-dividing logits processor."""
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    seqs = [p for p in prompts for _ in range(g)]
-    tic = time.perf_counter()
-    out = batch_generate(
-        model, tok, seqs, max_tokens=max_tokens, return_logprobs=True,
-        sampler=make_sampler(temp=1.0),
-        logits_processors=[lambda _tokens, logits: logits / TEMPERATURE],
-        completion_batch_size=len(seqs), prefill_batch_size=len(seqs),
-    )
-    return sum(len(x) for x in out.logprobs), time.perf_counter() - tic
-
-
-def bench_generation(model: Any, tok: Any, n_prompts: int, max_tokens: int) -> dict[str, Any]:
-    """Batched vs single-stream throughput for each G, plus the G=8 design ablations."""
-    prompts = make_prompts(tok, n_prompts)
-    run_batched(model, tok, prompts[:1], 2, 4)  # warm-up
-    run_single(model, tok, prompts[:1], 1, 4)
-    rows = []
-    for g in GROUP_SIZES:
-        bt, bs = run_batched(model, tok, prompts, g, max_tokens)
-        st, ss = run_single(model, tok, prompts, g, max_tokens)
-        rows.append({
-            "G": g, "sequences": n_prompts * g,
-            "batched_tokens_per_s": bt / bs, "batched_groups_per_s": n_prompts / bs,
-            "single_tokens_per_s": st / ss, "single_groups_per_s": n_prompts / ss,
-            "speedup": (bt / bs) / (st / ss),
-        })
-    nt, ns = run_batched(model, tok, prompts, 8, max_tokens, share_prefill=False)
-    pt, ps = run_batch_generate_processor(model, tok, prompts, 8, max_tokens)
-    return {
-        "prompt_tokens": [len(p) for p in prompts],
-        "rows": rows,
-        "g8_no_share_prefill_tokens_per_s": nt / ns,
-        "g8_batch_generate_processor_tokens_per_s": pt / ps,
-    }
-
-
-# ---------------------------------------------------------------------------------- swapping
-
-
-def bench_reload(path: Path, repeats: int) -> float:
-    """Median seconds for `mlx_lm.load` of the folder, weights evaluated."""
+def stop_set(model: Any, prompts: list[list[int]], mean_tokens: float, seed: int) -> list[int]:
+    """Random token ids whose probability (at T, averaged over the prompts' positions) sums to
+    1 / mean_tokens, so the random model stops after ~mean_tokens tokens (geometric)."""
     import mlx.core as mx
-    import mlx_lm
-
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        model, _ = mlx_lm.load(str(path))
-        mx.eval(model.parameters())
-        times.append(time.perf_counter() - tic)
-    return sorted(times)[len(times) // 2]
-
-
-def _check_against(model: Any, updates: list[tuple[str, Any]]) -> None:
-    """`load_weights(strict=False)` checks nothing: names, shapes and dtypes checked here."""
-    from mlx.utils import tree_flatten
-
-    current = dict(tree_flatten(model.parameters()))
-    for name, value in updates:
-        have = current.get(name)
-        if have is None or have.shape != value.shape or have.dtype != value.dtype:
-            raise ValueError(f"patch tensor {name} does not fit the model")
-
-
-def bench_patch(path: Path, density: float, repeats: int) -> tuple[float, int]:
-    """Median seconds to change `density` of every tensor in place and swap them into MLX."""
-    import mlx.core as mx
-    import mlx_lm
     import numpy as np
-    from mlx.utils import tree_flatten
 
+    from macd.generate import tempered
+
+    total = None
+    for p in prompts:
+        logits = tempered(model(mx.array(p)[None])[0], TEMPERATURE)
+        probs = mx.softmax(logits, axis=-1).sum(axis=0)
+        total = probs if total is None else total + probs
+    assert total is not None
+    mean = np.array(total / sum(len(p) for p in prompts))
+    order = np.random.default_rng(seed).permutation(mean.size)
+    k = int(np.searchsorted(np.cumsum(mean[order]), 1.0 / mean_tokens)) + 1
+    return sorted(int(i) for i in order[:k])
+
+
+def lengths_note(lengths: list[int], max_tokens: int) -> dict[str, float]:
+    import numpy as np
+
+    a = np.array(lengths)
+    return {
+        "mean": float(a.mean()), "p10": float(np.percentile(a, 10)), "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)), "at_max_tokens": float((a >= max_tokens).mean()),
+    }  # fmt: skip
+
+
+def run_mlx_lm(model: Any, tok: Any, prompts: list[list[int]], g: int, b: int, max_tokens: int,
+               seed: int) -> dict[str, Any]:
+    """A worker on mlx-lm's batch_generate: one call per cohort of b prompts x g samples."""
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from macd.generate import _KeyedSampler, _TemperedModel
+
+    wrapped, sampler = _TemperedModel(model, TEMPERATURE), _KeyedSampler(seed)
+    tokens, lengths = 0, []
+    tic = time.perf_counter()
+    for start in range(0, len(prompts), b):
+        cohort = prompts[start : start + b]
+        caches = []
+        for p in cohort:  # prefilled once, shared by its g sequences
+            cache = make_prompt_cache(model)
+            model(mx.array(p[:-1])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            caches += [cache] * g
+        out = batch_generate(
+            wrapped, tok, [[p[-1]] for p in cohort for _ in range(g)], prompt_caches=caches,
+            max_tokens=max_tokens, return_logprobs=True, sampler=sampler,
+            completion_batch_size=len(caches), prefill_batch_size=len(caches),
+        )
+        tokens += out.stats.generation_tokens
+        assert out.logprobs is not None
+        lengths += [len(x) for x in out.logprobs]
+    return {"tokens": tokens, "seconds": time.perf_counter() - tic, "lengths": lengths}
+
+
+def run_macd(model: Any, tok: Any, prompts: list[list[int]], g: int, capacity: int, max_tokens: int,
+             seed: int, swap_every_s: float | None = None, drain_steps: int = 0,
+             endless: bool = False) -> dict[str, Any]:
+    """The continuous generator as the worker drives it, until a group of every prompt finished.
+
+    `endless`: as in a worker, prompts never run out (the list is drawn again in order), and the
+    clock stops when as many groups finished as there are prompts; every token sampled until
+    then counts (a worker's groups in flight finish later, on the same weights) but those of
+    groups dropped at a swap. Otherwise the run drains to the last group. With `swap_every_s`, a version is asked for that often and installed at the worker's
+    safe points (`at_safe_point`: a short drain, a group dropped at most once); the weights stay
+    the same, so the policy's cost alone is measured."""
+    from macd.generate import ContinuousGenerator, SamplingConfig
+    from macd.worker import at_safe_point
+
+    cfg = SamplingConfig(temperature=TEMPERATURE, max_tokens=max_tokens, group_size=g, seed=seed)
+    gen = ContinuousGenerator(model, tok, cfg, max_batch=capacity)
+    queue = [(i, False) for i in range(len(prompts))]  # (prompt index, restarted): the generator's tags
+    useful, lengths, swaps, dropped, pauses = 0, [], 0, 0, []
+    tic = time.perf_counter()
+    next_swap = None if swap_every_s is None else tic + swap_every_s
+    asked_at: int | None = None  # decode step at which the pending version was asked for
+    n_finished = 0
+    while (queue or gen.groups) and not (endless and n_finished >= len(prompts)):
+        if endless and not queue:
+            queue = [(i, False) for i in range(len(prompts))]
+        if asked_at is None and next_swap is not None and time.perf_counter() >= next_swap:
+            asked_at = gen.steps
+        drained = 0 if asked_at is None else gen.steps - asked_at
+        restarted = any(r for _, r in gen.tags())
+        if asked_at is not None and at_safe_point(gen.groups, restarted, drained, drain_steps):
+            t = time.perf_counter()
+            tags = gen.quiesce()
+            dropped += len(tags)
+            queue[:0] = [(i, True) for i, _ in tags]  # restarted first, as the worker does
+            pauses.append(time.perf_counter() - t)
+            swaps, asked_at = swaps + 1, None
+            next_swap = time.perf_counter() + (swap_every_s or 0)
+            continue
+        if asked_at is None:
+            for _ in range(gen.room(capacity)):
+                if queue:
+                    tag = queue.pop(0)
+                    gen.insert(prompts[tag[0]], tag)
+        draining = asked_at is not None and drained < drain_steps
+        finished, _ = gen.advance(drain_steps - drained if draining else STEPS_PER_CALL)
+        for f in finished[: len(prompts) - n_finished] if endless else finished:
+            useful += sum(len(c.tokens) for c in f.completions)
+            lengths += [len(c.tokens) for c in f.completions]
+            n_finished += 1
+    seconds = time.perf_counter() - tic
+    if endless:
+        useful = gen.tokens - gen.tokens_dropped
+    gen.close()
+    return {"tokens": useful, "sampled": gen.tokens, "seconds": seconds, "lengths": lengths,
+            "swaps": swaps, "dropped": dropped, "pause_s": sum(pauses) / max(len(pauses), 1)}
+
+
+def bench_throughput(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
+    prompts = make_prompts(tok, args.cohorts * args.prompts)
+    stops = stop_set(model, prompts[:4], args.mean_tokens, seed=0)
+    tok.eos_token_ids = stops
+    g, b, capacity = args.group_size, args.prompts, args.prompts * args.group_size
+    run_mlx_lm(model, tok, prompts[:1], 2, 1, 4, seed=1)  # warm-up
+    run_macd(model, tok, prompts[:1], 2, 2, 4, seed=1)
+    base = run_mlx_lm(model, tok, prompts, g, b, args.max_tokens, seed=0)
+    ours = run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=0, endless=True)
+    drained = run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=0)
+    swapping = ours if not args.swap_run else run_macd(
+        model, tok, prompts, g, capacity, args.max_tokens, seed=0, swap_every_s=args.swap_every,
+        drain_steps=args.drain_steps, endless=True,
+    )
+    return {
+        "stop_tokens": len(stops), "prompt_tokens": [len(p) for p in prompts],
+        "lengths_mlx_lm": lengths_note(base["lengths"], args.max_tokens),
+        "lengths_macd": lengths_note(ours["lengths"], args.max_tokens),
+        "tokens_mlx_lm": base["tokens"], "seconds_mlx_lm": base["seconds"],
+        "tokens_macd": ours["tokens"], "seconds_macd": ours["seconds"],
+        "tok_s_mlx_lm": base["tokens"] / base["seconds"], "tok_s_macd": ours["tokens"] / ours["seconds"],
+        "ratio_vs_mlx_lm": (ours["tokens"] / ours["seconds"]) / (base["tokens"] / base["seconds"]),
+        "tok_s_macd_drained": drained["tokens"] / drained["seconds"], "lengths_macd_drained":
+        lengths_note(drained["lengths"], args.max_tokens), "tokens_macd_drained": drained["tokens"],
+        "seconds_macd_drained": drained["seconds"],
+        "tok_s_macd_swapping": swapping["tokens"] / swapping["seconds"],
+        "swapping_swaps": swapping["swaps"], "swapping_dropped_groups": swapping["dropped"],
+        "swapping_tokens_dropped": swapping["sampled"] - swapping["tokens"],
+        "swapping_lost_s_per_swap": (swapping["seconds"] - ours["seconds"] * swapping["tokens"] / ours["tokens"])
+        / max(swapping["swaps"], 1),
+        "swap_every": args.swap_every,
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- bf16 worker
+
+
+async def _seed_bucket(bucket: Path, model_dir: Path, args: argparse.Namespace) -> None:
+    from slime_stoa.protocol.run_manifest import RunManifest
+    from slime_stoa.protocol.store import open_store
+    from slime_stoa.quickstart.seeding import seed_run
+
+    manifest = RunManifest(
+        run="bench", model="random-qwen2", task="synthetic", group_size=args.bf16_group_size,
+        max_tokens=args.bf16_max_tokens, temperature=TEMPERATURE,
+    )
+    async with open_store(f"file://{bucket}") as store:
+        await seed_run(store, manifest, model_dir, task_count=64)
+
+
+async def _publish_while_serving(bucket: Path, model_dir: Path, swaps: int, child: subprocess.Popen,
+                                 deadline: float) -> int:
+    """Publish a 1% patch each time the worker's heartbeat says it serves the latest version."""
+    import numpy as np
+
+    from slime_stoa.protocol.heartbeat import Heartbeat
     from slime_stoa.protocol.hf.folders import load_hf_state
+    from slime_stoa.protocol.layout import RunLayout
+    from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+    from slime_stoa.protocol.store import NotFound, open_store
 
-    model, _ = mlx_lm.load(str(path))
-    state = load_hf_state(path)
     rng = np.random.default_rng(0)
-    patches = []
-    for name, bits in state.items():  # a patch: new bf16 bits at 1% of the positions
-        idx = rng.choice(bits.size, size=max(1, int(bits.size * density)), replace=False)
-        patches.append((name, idx, bits.reshape(-1)[idx] ^ np.uint16(1)))
-    times = []
-    for _ in range(repeats):
+    state = load_hf_state(model_dir)
+    layout = RunLayout("bench")
+    async with open_store(f"file://{bucket}") as store:
+        pub = Publisher(store, "bench", PublisherConfig(extras_dir=model_dir))
+        version = await pub.open()
+        assert version is not None
+        published = 0
+        while published < swaps and child.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            try:
+                beat = Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat("bench-mac-000000")))
+            except (NotFound, ValueError):
+                continue
+            if beat.version != version or beat.status not in ("generating", "waiting"):
+                continue
+            await asyncio.sleep(1.0)  # let it generate on this version for a while
+            for bits in state.values():
+                flat = bits.reshape(-1)
+                at = np.flatnonzero(rng.random(flat.size) < 0.01)
+                flat[at] ^= rng.integers(1, 8, size=at.size, dtype=np.uint16)
+            version = (await pub.publish(state)).version
+            published += 1
+        while child.poll() is None and time.monotonic() < deadline:  # until the last one is installed
+            await asyncio.sleep(0.25)
+            beat = Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat("bench-mac-000000")))
+            if beat.version == version:
+                break
+        return published
+
+
+def bench_bf16_worker(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        bucket, out, stop_file = Path(tmp) / "bucket", Path(tmp) / "child.json", Path(tmp) / "stop"
+        bucket.mkdir()
+        asyncio.run(_seed_bucket(bucket, model_dir, args))
+        spec = {"bucket": str(bucket), "data": str(Path(tmp) / "data"), "out": str(out), "stop": str(stop_file),
+                "batch": args.bf16_prompts, "drain": args.drain_steps}
+        child = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)])
+        try:
+            published = asyncio.run(_publish_while_serving(bucket, model_dir, args.swaps, child,
+                                                           time.monotonic() + args.bf16_timeout))
+        finally:
+            stop_file.touch()
+            child.wait(timeout=300)
+        if child.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the bf16 worker failed (exit {child.returncode})")
+        result = json.loads(out.read_text())
+    result["published"] = published
+    return result
+
+
+async def _child_worker(spec: dict[str, Any]) -> None:
+    """The bf16 worker, in its own process so its memory is its own."""
+    import mlx.core as mx
+    import mlx_lm  # noqa: F401  # the runtime a worker has loaded before any weights
+
+    from macd.config import DaemonConfig
+    from macd.worker import Worker, WorkerOptions
+    from slime_stoa.protocol.store import open_store
+
+    mx.eval(mx.ones(8) @ mx.ones(8))
+    if os.environ.get("H6_CACHE_LIMIT"):
+        mx.set_cache_limit(int(os.environ["H6_CACHE_LIMIT"]))
+    baseline = _rss()
+
+    config = DaemonConfig(store=f"file://{spec['bucket']}", run="bench", name="bench-mac", worker_id="bench-mac-000000",
+                          data_dir=Path(spec["data"]), batch=spec["batch"])
+    options = WorkerOptions(seed=0, heartbeat_s=0.25, weights_poll_s=0.1, swap_drain_steps=spec["drain"])
+    async with open_store(config.store) as store:
+        worker = Worker(config, store, options)
+        stop = asyncio.Event()
+        run = asyncio.create_task(worker.run(stop))
+        rss, kv, mlx_active, mlx_cache, samples = 0, 0, 0, 0, []
+        start = time.monotonic()
+        while not Path(spec["stop"]).exists() and not run.done():
+            await asyncio.sleep(0.25)
+            if worker.groups_in_flight:
+                now = _rss()
+                rss = max(rss, now)
+                kv = max(kv, await worker.mlx.run(lambda: worker._gen.cache_bytes if worker._gen else 0))
+                mlx_active, mlx_cache = max(mlx_active, mx.get_active_memory()), max(mlx_cache, mx.get_cache_memory())
+                samples.append((round(time.monotonic() - start, 2), now - baseline, len(worker.swaps)))
+        stop.set()
+        await run
+    live, state = worker.live, worker.sub.state if worker.sub else None
+    assert live is not None and state is not None and live.shares(state)
+    installs = []
+    for _ in range(3):  # a whole version into MLX, from its own arrays
+        copy = {name: bits.copy() for name, bits in state.items()}
         tic = time.perf_counter()
-        for name, idx, new in patches:
-            state[name].reshape(-1)[idx] = new
-        updates = [(name, mx.array(state[name]).view(mx.bfloat16)) for name, _, _ in patches]
-        _check_against(model, updates)
-        model.load_weights(updates, strict=False)
-        mx.eval(model.parameters())
-        times.append(time.perf_counter() - tic)
-        patches = [(n, i, v ^ np.uint16(1)) for n, i, v in patches]  # next round flips back
-    params = dict(tree_flatten(model.parameters()))
-    name = next(iter(state))
-    if not np.array_equal(np.array(params[name].view(mx.uint16)), state[name]):
-        raise AssertionError("patched MLX weights differ from the numpy state")
-    return sorted(times)[len(times) // 2], sum(b.size for b in state.values())
+        live.install(copy)
+        installs.append(time.perf_counter() - tic)
+    mlx_install_s = sorted(installs)[1]
+    Path(spec["out"]).write_text(json.dumps({
+        "rss_baseline_bytes": baseline, "rss_bytes": rss - baseline, "weight_bytes": live.nbytes, "kv_bytes": kv,
+        "mlx_install_s": mlx_install_s, "groups": worker.groups_recorded,
+        "mlx_active_bytes": mlx_active, "mlx_cache_bytes": mlx_cache, "rss_samples": samples,
+        "swaps": [asdict(r) for r in worker.swaps],
+    }))
 
 
 # --------------------------------------------------------------------------------------- main
 
 
-def _print_table(gen: dict[str, Any]) -> None:
-    print(f"{'G':>3} {'seqs':>5} {'batched tok/s':>14} {'single tok/s':>13} "
-          f"{'batched grp/s':>14} {'single grp/s':>13} {'speedup':>8}")
-    for r in gen["rows"]:
-        print(f"{r['G']:>3} {r['sequences']:>5} {r['batched_tokens_per_s']:>14.0f} "
-              f"{r['single_tokens_per_s']:>13.0f} {r['batched_groups_per_s']:>14.3f} "
-              f"{r['single_groups_per_s']:>13.3f} {r['speedup']:>7.2f}x")
-    print(f"G=8 without prefill sharing: {gen['g8_no_share_prefill_tokens_per_s']:.0f} tok/s; "
-          f"mlx-lm batch_generate + per-sequence logits processor: "
-          f"{gen['g8_batch_generate_processor_tokens_per_s']:.0f} tok/s")
+def _print_throughput(gen: dict[str, Any]) -> None:
+    print(f"{'':22} {'tokens':>8} {'seconds':>8} {'tok/s':>8} {'mean len':>8} {'p10':>5} {'p50':>5} "
+          f"{'p90':>5} {'at max':>6}")
+    for name, key in (("mlx-lm batch_generate", "mlx_lm"), ("macd continuous", "macd"),
+                      ("macd, to the last group", "macd_drained")):
+        n = gen[f"lengths_{key}"]
+        print(f"{name:22} {gen[f'tokens_{key}']:>8} {gen[f'seconds_{key}']:>8.1f} {gen[f'tok_s_{key}']:>8.0f} "
+              f"{n['mean']:>8.1f} {n['p10']:>5.0f} {n['p50']:>5.0f} {n['p90']:>5.0f} {n['at_max_tokens']:>6.0%}")
+    print(f"ratio macd / mlx-lm: {gen['ratio_vs_mlx_lm']:.2f}x (target >= 1.3); draining to the last group "
+          f"(no prompt after the last, which a worker never sees): {gen['tok_s_macd_drained'] / gen['tok_s_mlx_lm']:.2f}x")
+    if not gen["swapping_swaps"]:
+        return
+    print(f"macd with a version change every ~{gen['swap_every']:.0f} s ({gen['swapping_swaps']} changes, "
+          f"{gen['swapping_dropped_groups']} groups dropped, {gen['swapping_tokens_dropped']} tokens): "
+          f"{gen['tok_s_macd_swapping']:.0f} tok/s of finished groups, "
+          f"{gen['swapping_lost_s_per_swap']:.2f} s of generation lost per change")
+
+
+def _print_bf16(bf16: dict[str, Any]) -> None:
+    total = bf16["weight_bytes"] + bf16["kv_bytes"]
+    print(f"bf16 worker: RSS {bf16['rss_bytes'] / 2**20:.0f} MiB over its runtime "
+          f"({bf16['rss_baseline_bytes'] / 2**20:.0f} MiB after imports) for {bf16['weight_bytes'] / 2**20:.0f} MiB "
+          f"of weights + {bf16['kv_bytes'] / 2**20:.0f} MiB of KV cache: {bf16['rss_ratio']:.2f}x (target <= 1.2x; "
+          f"two copies would be >= {(2 * bf16['weight_bytes'] + bf16['kv_bytes']) / total:.2f}x); MLX held "
+          f"{bf16['mlx_active_bytes'] / 2**20:.0f} MiB active + {bf16['mlx_cache_bytes'] / 2**20:.0f} MiB cached")
+    print(f"{'version':>7} {'path':>7} {'ready s':>8} {'drain s':>8} {'pause s':>8} {'install s':>9} {'dropped':>7}")
+    for r in bf16["swaps"]:
+        print(f"{r['version']:>7} {r['path']:>7} {r['ready_s']:>8.3f} {r['drain_s']:>8.3f} {r['pause_s']:>8.3f} "
+              f"{r['install_s']:>9.4f} {r['dropped']:>7}")
+    print(f"swap stall (decoding paused per version change) {bf16['swap_stall_s']:.4f} s vs MLX install of a whole "
+          f"version {bf16['mlx_install_s']:.3f} s (target: stall <= install)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller run, under a minute")
+    parser.add_argument("--quick", action="store_true", help="a 15M model and a smaller workload")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         default="float32" if sys.platform == "linux" else "bfloat16",
-                        help="compute dtype for generation (default: float32 on Linux)")
-    parser.add_argument("--prompts", type=int, help="prompts per batch (B)")
-    parser.add_argument("--max-tokens", type=int, help="tokens per sample")
-    return parser.parse_args(argv)
+                        help="compute dtype of the throughput part (default: float32 on Linux)")
+    parser.add_argument("--cohorts", type=int, default=3, help="cohorts of prompts (mlx-lm: one call each)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per cohort (B)")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
+    parser.add_argument("--max-tokens", type=int, default=192, help="longest response")
+    parser.add_argument("--mean-tokens", type=float, default=60.0, help="mean response length the stop set aims at")
+    parser.add_argument("--swap-every", type=float, help="seconds between version changes in the swapping "
+                        "run (default 20, --quick 8)")
+    parser.add_argument("--drain-steps", type=int, default=32, help="the worker's swap_drain_steps")
+    parser.add_argument("--swaps", type=int, default=3, help="versions published to the bf16 worker")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 worker part")
+    parser.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
+    parser.add_argument("--swap-run", action="store_true", help="also time macd with version changes "
+                        "every --swap-every seconds (the drop-and-restart policy's cost)")
+    parser.add_argument("--bf16-timeout", type=float, default=240.0, help="seconds the bf16 part may take")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.bf16_prompts, args.bf16_group_size, args.bf16_max_tokens = 2, 4, 16
+    if args.quick:
+        args.cohorts, args.max_tokens, args.mean_tokens = 2, 128, 40.0
+    if args.swap_every is None:
+        args.swap_every = 8.0 if args.quick else 20.0
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,41 +500,56 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
         _maybe_reexec_with_openblas([sys.argv[0], *argv])
     args = parse_args(argv)
+    if args.child:
+        asyncio.run(_child_worker(json.loads(args.child)))
+        return 0
     import mlx.core as mx
     import mlx_lm
+    from mlx.utils import tree_flatten
 
     from slime_stoa.quickstart.tiny_model import build_tiny_model
 
     size = QUICK_MODEL_SIZE if args.quick else MODEL_SIZE
-    n_prompts = args.prompts or (2 if args.quick else 4)
-    max_tokens = args.max_tokens or (16 if args.quick else 48)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "model", **size)
         model, tok = mlx_lm.load(str(path))
+        n_params = sum(a.size for _, a in tree_flatten(model.parameters()))
         model.set_dtype(getattr(mx, args.dtype))
-        print(f"model: random Qwen2 {size}, compute {args.dtype}; BLAS: {_blas_note()} "
-              f"(float32 matmul {_sgemm_gflops():.0f} GFLOP/s); {platform.machine()}, "
-              f"{os.cpu_count()} CPUs")
-        print(f"workload: B={n_prompts} prompts, max_tokens={max_tokens}, T={TEMPERATURE}; "
-              f"load average {_load():.1f} (a busy machine skews the numbers)")
-        gen = bench_generation(model, tok, n_prompts, max_tokens)
-        _print_table(gen)
-        swap_reload = bench_reload(path, repeats=3)
-        swap_patch, n_params = bench_patch(path, density=0.01, repeats=3)
+        print(f"model: random Qwen2 {size} ({n_params / 1e6:.1f}M parameters), throughput computed in {args.dtype}"
+              f"{' (Linux CPUs have no fast bf16 matmul; a Mac runs bf16)' if args.dtype == 'float32' else ''}; "
+              f"BLAS: {_blas_note()}; {platform.machine()}, {os.cpu_count()} CPUs, load average {_load():.1f}")
+        print(f"workload: {args.cohorts} cohorts of B={args.prompts} prompts x G={args.group_size}, "
+              f"batch {args.prompts * args.group_size}, max_tokens={args.max_tokens}, stop set aiming at a mean of "
+              f"{args.mean_tokens:.0f} tokens, T={TEMPERATURE}")
+        gen: dict[str, Any] = {}
+        if not args.no_throughput:
+            gen = bench_throughput(model, tok, args)
+            _print_throughput(gen)
+        del model
+        bf16 = None
+        if not args.no_bf16:
+            print(f"bf16 worker: B={args.bf16_prompts} x G={args.bf16_group_size}, max_tokens={args.bf16_max_tokens}, "
+                  f"{args.swaps} versions published while it generates ...", flush=True)
+            bf16 = bench_bf16_worker(path, args)
+            bf16["rss_ratio"] = bf16["rss_bytes"] / (bf16["weight_bytes"] + bf16["kv_bytes"])
+            pauses = sorted(r["pause_s"] for r in bf16["swaps"])
+            bf16["swap_stall_s"] = pauses[len(pauses) // 2] if pauses else float("nan")  # the median
     print(f"load average at the end: {_load():.1f}")
-    print(f"weight swap ({n_params / 1e6:.1f}M bf16 params): reload {swap_reload * 1e3:.1f} ms, "
-          f"1% in-place patch {swap_patch * 1e3:.1f} ms")
-    g8 = next(r for r in gen["rows"] if r["G"] == 8)
+    if bf16 is not None:
+        _print_bf16(bf16)
     result = {
-        "quick": args.quick, "model": size, "params": n_params, "dtype": args.dtype,
-        "blas": _blas_note(), "openblas_preloaded": bool(os.environ.get(_PRELOAD_MARK)),
-        "load_average": _load(),
-        "prompts": n_prompts, "max_tokens": max_tokens, "temperature": TEMPERATURE,
-        **gen,
-        "speedup_g8": g8["speedup"], "tokens_per_s_g8": g8["batched_tokens_per_s"],
-        "groups_per_s_g8": g8["batched_groups_per_s"],
-        "swap_s_reload": swap_reload, "swap_s_patch": swap_patch,
+        "quick": args.quick, "model": size, "params": n_params, "dtype": args.dtype, "blas": _blas_note(),
+        "load_average": _load(), "cohorts": args.cohorts, "prompts": args.prompts, "group_size": args.group_size,
+        "max_tokens": args.max_tokens, "mean_tokens_target": args.mean_tokens, "temperature": TEMPERATURE, **gen,
     }  # fmt: skip
+    if bf16 is not None:
+        result.update({
+            "rss_bytes": bf16["rss_bytes"], "weight_bytes": bf16["weight_bytes"], "kv_bytes": bf16["kv_bytes"],
+            "rss_ratio": bf16["rss_ratio"], "rss_baseline_bytes": bf16["rss_baseline_bytes"],
+            "swap_stall_s": bf16["swap_stall_s"], "mlx_install_s": bf16["mlx_install_s"], "bf16_swaps": bf16["swaps"],
+            "bf16_rss_samples": bf16["rss_samples"], "bf16_mlx_active_bytes": bf16["mlx_active_bytes"],
+            "bf16_mlx_cache_bytes": bf16["mlx_cache_bytes"],
+        })  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

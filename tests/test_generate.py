@@ -273,3 +273,88 @@ def test_cancel_stops_generation_at_the_next_decode_step(
     assert cancel.checks == 3  # checked once per step, stopped at the step it was set
     untouched = threading.Event()
     _check_shapes(generate_groups(model, tok, prompts, cfg, cancel=untouched), len(prompts), cfg)
+
+
+# -- continuous generation --------------------------------------------------------------------------
+
+
+def _perturbed(model: Any, seed: int) -> list[tuple[str, mx.array]]:
+    """The model's parameters with noise of a quarter of each tensor's spread added."""
+    from mlx.utils import tree_flatten
+
+    key = mx.random.key(seed)
+    out = []
+    for name, a in tree_flatten(model.parameters()):
+        key, sub = mx.random.split(key)
+        out.append((name, a + 0.25 * (mx.std(a) + 1e-3) * mx.random.normal(a.shape, key=sub)))
+    return out
+
+
+def test_continuous_generation_keeps_every_group_on_the_weights_it_started_with(
+    tiny_path: Path, loaded: tuple[Any, Any], prompts: list[list[int]]
+) -> None:
+    """Groups enter while others decode; at a weight change the unfinished ones are dropped
+    (`quiesce`) and the rest restart on the new weights. Every finished group's logprobs equal
+    teacher forcing under the weights it was tagged with, and not under the other ones."""
+    from mlx.utils import tree_flatten
+
+    from macd.generate import ContinuousGenerator
+
+    _, tok = loaded
+    model, _ = mlx_lm.load(str(tiny_path))
+    model.set_dtype(mx.float32)
+    weights = {0: list(tree_flatten(model.parameters())), 1: _perturbed(model, 0)}
+    mx.eval([a for _, a in weights[1]])
+    temperature = 0.8
+    cfg = SamplingConfig(temperature=temperature, max_tokens=24, group_size=3, seed=1)
+    gen = ContinuousGenerator(model, tok, cfg, max_batch=4)  # fewer slots than sequences: some queue
+    finished = []
+    gen.insert(prompts[0], (0, 0))  # tags: (weights version, prompt index)
+    finished += gen.advance(3)[0]
+    gen.insert(prompts[1], (0, 1))  # joins a batch already decoding
+    while not finished:
+        finished += gen.advance(8)[0]
+    gen.insert(prompts[0], (0, 0))
+    finished += gen.advance(2)[0]
+    sampled = gen.tokens
+    dropped = gen.quiesce()  # the weights change now
+    assert dropped and gen.groups == gen.sequences == 0 and 0 < gen.tokens_dropped <= sampled
+    model.load_weights(weights[1])
+    mx.eval(model.parameters())
+    for _, n in dropped:
+        gen.insert(prompts[n], (1, n))
+    gen.insert(prompts[1], (1, 1))
+    while gen.groups:
+        finished += gen.advance(8)[0]
+    gen.close()
+    assert {version for version, _ in (f.tag for f in finished)} == {0, 1}
+    assert len(finished) == 4  # every group inserted, less those dropped (each restarted once)
+    assert sum(f.tag[0] == 0 for f in finished) == 3 - len(dropped)
+
+    samples = [(f.tag, c) for f in finished for c in f.completions]
+    forced = {}
+    for version in (0, 1):
+        model.load_weights(weights[version])
+        forced[version] = [teacher_forced_logprobs(model, prompts[n], c.tokens, temperature) for (_, n), c in samples]
+    for i, ((version, _), c) in enumerate(samples):
+        np.testing.assert_allclose(c.logprobs, forced[version][i], rtol=0, atol=RECORDED_VS_TEACHER_ATOL)
+        assert np.abs(c.logprobs - forced[1 - version][i]).max() > 100 * RECORDED_VS_TEACHER_ATOL
+
+
+def test_room_keeps_one_group_queued_behind_a_full_batch(loaded: tuple[Any, Any], prompts: list[list[int]]) -> None:
+    from macd.generate import ContinuousGenerator
+
+    model, tok = loaded
+    cfg = SamplingConfig(temperature=1.0, max_tokens=8, group_size=4, seed=0)
+    gen = ContinuousGenerator(model, tok, cfg, max_batch=8)
+    assert gen.room(8) == 3 and gen.cache_bytes == 0  # two groups decode, a third waits
+    for _ in range(gen.room(8)):
+        gen.insert(prompts[1])
+    assert (gen.groups, gen.sequences, gen.room(8)) == (3, 12, 0)
+    assert gen.cache_bytes > 0  # the queued group's prefilled prompt
+    gen.advance(1)
+    assert gen.room(8) == 0
+    while gen.groups:
+        gen.advance(8)
+    assert gen.room(8) == 3 and gen.tokens >= 12
+    gen.close()

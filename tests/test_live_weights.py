@@ -21,7 +21,9 @@ from slime_stoa.protocol.hf.folders import (
     load_hf_state,
     save_hf_folder,
 )
+from slime_stoa.protocol.pulse.digest import state_digest
 from slime_stoa.protocol.pulse.publisher import Publisher
+from slime_stoa.protocol.pulse.staged import stage_patches
 from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncResult
 from slime_stoa.protocol.store import open_store
 from slime_stoa.quickstart.tiny_model import build_tiny_model
@@ -122,7 +124,11 @@ async def follow(tiny: Path, bucket: Path, plane: str) -> None:
             else:
                 assert result.path == "step" and result.changed is not None
                 stats = live.apply(sub.state, result.changed, result.touched)
-                assert not stats.full and stats.tensors == len([i for i in result.changed.values() if i.size])
+                assert not stats.full
+                if plane == "bf16":  # one copy: the subscriber's patch wrote the live weights
+                    assert live.shares(sub.state) and stats.tensors == 0
+                else:
+                    assert stats.tensors == len([i for i in result.changed.values() if i.size])
                 if plane == "int8":
                     assert stats.groups == expected_groups(live, result)
                 if v == 3:
@@ -154,6 +160,57 @@ def check(tiny: Path, plane: str, live: LiveWeights, state: State) -> None:
 
 async def test_bf16_plane_follows_every_version(tiny: Path, tmp_path: Path) -> None:
     await follow(tiny, tmp_path, "bf16")
+
+
+def assert_one_copy(live: LiveWeights, state: State) -> None:
+    """Every state tensor is the memory of the model parameter of that name (no second copy)."""
+    params = dict(tree_flatten(live.model.parameters()))
+    assert live.shares(state) and params.keys() == state.keys()
+    for name, bits in state.items():
+        assert np.shares_memory(bits, np.array(params[name].view(mx.uint16), copy=False)), name
+    assert live.nbytes == sum(b.nbytes for b in state.values())
+
+
+async def staged_writer(state, digest, fetched, target):
+    """A subscriber writer as a worker's: stage and verify first, then write (here at once)."""
+    staged = stage_patches(state, digest, [(ref.index, frames) for ref, frames in fetched], target.state_digest)
+    return [staged.commit(state)], staged.digest
+
+
+async def test_one_copy_stays_bit_identical_to_a_fresh_load_over_20_patches(tiny: Path, tmp_path: Path) -> None:
+    """bf16: the subscriber's state is the model's memory. Twenty patches, written in place by the
+    subscriber or staged and committed, leave it bit-identical to a freshly loaded model of the
+    published state; an anchor sync's new state is installed and shared in its turn."""
+    rng = np.random.default_rng(5)
+    state = load_hf_state(tiny)
+    async with open_store(f"file://{tmp_path}") as store:
+        pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+        await pub.publish(state)
+        assert await sub.sync() is not None and sub.state is not None
+        live = LiveWeights.from_state(fresh_model(tiny), sub.state, "bf16")
+        assert_one_copy(live, sub.state)
+        for v in range(1, 21):
+            state = nudge(state, rng)
+            await pub.publish(state)
+            sub.writer = staged_writer if v % 2 else None
+            result = await sub.sync()
+            assert result is not None and result.version == v and result.path == "step"
+            stats = live.apply(sub.state, result.changed, result.touched)
+            assert stats.tensors == 0  # nothing to copy: the patch wrote the live weights
+            assert_one_copy(live, sub.state)
+        assert sub.digest is not None and sub.digest.root() == state_digest(state) == pub.state_digest
+        assert_same_params(live.model, state)
+        assert_same_logits(live.model, fresh_model(tiny, state))
+
+        cold = Subscriber(store, RUN)
+        result = await cold.sync()
+        assert result is not None and result.path.startswith("anchor") and cold.state is not None
+        old = sub.state
+        stats = live.apply(cold.state, result.changed, result.touched)
+        assert stats.full and stats.tensors == len(state)
+        assert_one_copy(live, cold.state)
+        assert not live.shares(old)
+        assert_same_params(live.model, state)
 
 
 async def test_int8_plane_requantizes_only_touched_groups(tiny: Path, tmp_path: Path) -> None:

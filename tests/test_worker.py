@@ -11,17 +11,41 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from macd.config import DaemonConfig
-from macd.worker import Worker, WorkerOptions
+from macd.worker import Worker, WorkerOptions, task_key
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.validate import RecordLimits, load_record
 from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
+from slime_stoa.tasks import TASKS, Task, TaskItem, encode_task_data
 from slime_stoa.trainer.consumer.counting import CountingStore
 from tests.conftest import async_wait_until
 
 RUN = "worker-test"
+
+
+class Parity(Task):
+    """A test task a random model solves about half the time: reward 1 for an even-length text."""
+
+    name = "parity"
+
+    def reward(self, completion: str, label: str) -> float:
+        return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+async def seed_parity_run(store: Store, manifest: RunManifest, model_dir: Path, monkeypatch, count: int = 40):
+    """Like `seed_run`, with the parity task (registered for this test): returns the publisher."""
+    from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+
+    monkeypatch.setitem(TASKS, Parity.name, Parity)
+    await store.put(RunLayout(RUN).run_manifest, manifest.to_bytes())
+    items = [TaskItem(index=i, prompt=f"Say anything, number {i}.", label="") for i in range(count)]
+    await store.put(task_key(manifest), encode_task_data(Parity.name, items, meta={}))
+    pub = Publisher(store, RUN, PublisherConfig(extras_dir=model_dir))
+    await pub.open()
+    await pub.publish(load_hf_state(model_dir))
+    return pub
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +101,7 @@ async def test_worker_generates_uploads_and_hot_swaps(store: Store, store_url: s
     assert await asyncio.wait_for(run, 300) == 0
 
     got = await records(store)
-    assert len(got) == worker.cohorts * 3  # every group of every cohort, exactly once
+    assert len(got) == worker.groups_recorded  # every finished group, exactly once
     assert {g.worker_id for g in got} == {"test-mac-0a1b2c"}
     assert sorted(g.seq for g in got) == list(range(len(got)))
     versions = [g.weight_version for g in sorted(got, key=lambda g: g.seq)]
@@ -101,33 +125,40 @@ async def test_stop_flushes_and_exits_cleanly(store: Store, store_url: str, mode
     await async_wait_until(lambda: worker.cohorts >= 2 or run.done(), timeout=120, message="two cohorts")
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
-    assert len(await records(store)) == 3 * worker.cohorts
+    assert len(await records(store)) == worker.groups_recorded
 
 
 async def test_worker_waits_for_a_new_version_once_its_budget_is_spent(
-    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, worker_groups_per_version=1)
-    pub = await seed_run(store, manifest, model_dir, task_count=50)
+    manifest = RunManifest(run=RUN, model="tiny", task="parity", group_size=4, max_tokens=6, worker_groups_per_version=1)
+    pub = await seed_parity_run(store, manifest, model_dir, monkeypatch)
     options = WorkerOptions(seed=4, budget_patience_s=60.0, heartbeat_s=0.2)
     polled = PointerPolls(store)
     worker = Worker(daemon_config(store_url, tmp_path / "data"), polled, options)
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run(stop))
-    # Until one group with a reward signal was made at v0.
-    await async_wait_until(lambda: worker.beat.status == "waiting" or run.done(), timeout=120, message="status waiting")
+    # Until one group with a reward signal was made at v0 and the groups in flight then finished.
+    await async_wait_until(
+        lambda: (worker.beat.status == "waiting" and worker.groups_in_flight == 0) or run.done(),
+        timeout=120, message="status waiting, nothing in flight",
+    )
     assert not run.done(), run
-    cohorts, polls = worker.cohorts, polled.polls
-    # Budget spent: three more turns of the loop (three pointer polls), and no new cohort.
+    started, polls = worker.groups_started, polled.polls
+    # Budget spent: three more pointer polls, and no new group started.
     await async_wait_until(lambda: polled.polls >= polls + 3 or run.done(), timeout=30, message="three pointer polls")
-    assert worker.beat.status == "waiting" and worker.cohorts == cohorts
+    assert worker.beat.status == "waiting" and worker.groups_started == started and worker.groups_in_flight == 0
     v0 = await records(store)
     assert v0 and {g.weight_version for g in v0} == {0}
     assert any(len({s.reward for s in g.samples}) > 1 for g in v0)  # the budget counts signal groups
     state = load_hf_state(model_dir)
     state["model.norm.weight"][0] ^= 1
     await pub.publish(state)
-    await async_wait_until(lambda: worker.cohorts > cohorts or run.done(), timeout=120, message="a cohort at v1")
+
+    async def v1_landed() -> bool:
+        return run.done() or any(g.weight_version == 1 for g in await records(store))
+
+    await async_wait_until(v1_landed, timeout=120, interval=0.1, message="a v1 group in the bucket")
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert max(g.weight_version for g in await records(store)) == 1
@@ -180,14 +211,17 @@ async def test_int8_plane_serves_quantized_weights_from_the_bf16_master(
     await pub.publish(state)
     # Stop once the int8 weights were swapped to v1 and a cohort was made with them.
     await async_wait_until(lambda: worker.beat.swaps >= 1 or run.done(), timeout=120, message="the swap to v1")
-    swapped_at = worker.cohorts
-    await async_wait_until(lambda: worker.cohorts > swapped_at or run.done(), timeout=120, message="a cohort at v1")
+
+    async def v1_landed() -> bool:
+        return run.done() or any(g.weight_version == 1 for g in await records(store))
+
+    await async_wait_until(v1_landed, timeout=120, interval=0.1, message="a v1 group in the bucket")
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
     assert worker.sub.version == 1
     assert worker.live.plane == "int8" and worker.live.digest_check(worker.sub.state)
     got = await records(store)
-    assert len(got) == 3 * worker.cohorts and {g.weight_version for g in got} == {0, 1}
+    assert len(got) == worker.groups_recorded and {g.weight_version for g in got} == {0, 1}
 
 
 async def test_heartbeat_reports_quarantined_groups(
@@ -230,6 +264,128 @@ async def test_wait_never_swallows_a_cancellation(ticks: int) -> None:
         return
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+# -- continuous generation, one weight copy, dynamic sampling ----------------------------------------
+
+
+def scrambled(state: dict[str, np.ndarray], rng: np.random.Generator, share: float = 0.05) -> dict[str, np.ndarray]:
+    """A copy with `share` of each tensor's elements replaced by other elements of the same tensor:
+    a patch, not an anchor, yet logprobs that differ clearly from the original's."""
+    new = {}
+    for name, bits in state.items():
+        flat = bits.reshape(-1).copy()
+        at = np.flatnonzero(rng.random(flat.size) < share)
+        flat[at] = flat[rng.integers(0, flat.size, size=at.size)]
+        new[name] = flat.reshape(bits.shape)
+    return new
+
+
+def bf16_model(model_dir: Path, state: dict[str, np.ndarray]):
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir, lazy=True)
+    model.load_weights([(n, mx.array(b).view(mx.bfloat16)) for n, b in state.items()], strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+async def test_groups_straddling_a_swap_are_dropped_and_every_record_is_exact(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, caplog
+) -> None:
+    """A version published while groups decode: with no drain allowed, the groups in flight are
+    dropped and restarted on the new weights; every record's logprobs are those of the weights of
+    the version it names (teacher forcing), never of the other version."""
+    from macd.generate import teacher_forced_logprobs
+    from slime_stoa.protocol.pulse.digest import state_digest
+
+    caplog.set_level("INFO", logger="macd")
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=24, temperature=0.9)
+    pub = await seed_run(store, manifest, model_dir, task_count=50)
+    options = WorkerOptions(seed=12, swap_drain_steps=0, weights_poll_s=0.05, heartbeat_s=0.5)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, options)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    await async_wait_until(lambda: worker.groups_recorded >= 3 or run.done(), timeout=120, message="three groups")
+    states = {0: load_hf_state(model_dir)}
+    states[1] = scrambled(states[0], np.random.default_rng(0))
+    await pub.publish(states[1])
+
+    async def v1_landed() -> bool:
+        return run.done() or sum(g.weight_version == 1 for g in await records(store)) >= 3
+
+    await async_wait_until(v1_landed, timeout=120, interval=0.1, message="three v1 groups in the bucket")
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    assert worker.groups_dropped >= 1  # generation was continuous: groups were in flight at the swap
+    assert "via step" in caplog.text  # staged beside generation, written into the live weights
+    assert worker.live.shares(worker.sub.state) and worker.live.digest_check(worker.sub.state)
+    got = sorted(await records(store), key=lambda g: g.seq)
+    assert len(got) == worker.groups_recorded
+    versions = [g.weight_version for g in got]
+    assert versions == sorted(versions) and set(versions) == {0, 1}
+    models = {v: bf16_model(model_dir, state) for v, state in states.items()}
+    digests = {v: state_digest(state) for v, state in states.items()}
+    for g in got:
+        assert g.state_digest == digests[g.weight_version]
+        off = 0.0  # how far the other version's logprobs are, over the group
+        for sample in g.samples:
+            forced = {v: teacher_forced_logprobs(m, g.prompt_tokens, sample.response_tokens, 0.9) for v, m in models.items()}
+            # bf16 activations: the batched decode and one full pass measured equal here
+            np.testing.assert_allclose(sample.logprobs, forced[g.weight_version], rtol=0, atol=2e-2)
+            off = max(off, float(np.abs(sample.logprobs - forced[1 - g.weight_version]).max()))
+        assert off > 0.1
+
+
+async def test_dynamic_sampling_uploads_only_groups_with_a_reward_signal(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from slime_stoa.protocol.heartbeat import Heartbeat
+
+    manifest = RunManifest(run=RUN, model="tiny", task="parity", group_size=4, max_tokens=6, dynamic_sampling=True)
+    await seed_parity_run(store, manifest, model_dir, monkeypatch)
+    config = daemon_config(store_url, tmp_path / "data")
+    worker = Worker(config, store, WorkerOptions(seed=13, heartbeat_s=0.3))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    await async_wait_until(
+        lambda: (worker.groups_filtered >= 2 and worker.groups_recorded >= 3) or run.done(),
+        timeout=120, message=lambda: f"groups filtered and kept ({worker.groups_filtered}, {worker.groups_recorded})",
+    )
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    got = await records(store)
+    assert len(got) == worker.groups_recorded
+    assert all(len({s.reward for s in g.samples}) > 1 for g in got)
+    beat = Heartbeat.from_bytes(await store.get_bytes(RunLayout(RUN).heartbeat(config.worker_id)))
+    assert beat.groups_filtered == worker.groups_filtered >= 2 and beat.groups_uploaded == len(got)
+
+
+async def test_prompts_solved_in_a_row_are_no_longer_drawn(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from slime_stoa.protocol.heartbeat import Heartbeat
+
+    manifest = RunManifest(run=RUN, model="tiny", task="parity", group_size=4, max_tokens=6, skip_solved_after=1)
+    await seed_parity_run(store, manifest, model_dir, monkeypatch, count=8)
+    config = daemon_config(store_url, tmp_path / "data")
+    worker = Worker(config, store, WorkerOptions(seed=14, heartbeat_s=0.3))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    await async_wait_until(lambda: worker.beat.prompts_solved >= 2 or run.done(), timeout=120, message="two prompts solved")
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    beat = Heartbeat.from_bytes(await store.get_bytes(RunLayout(RUN).heartbeat(config.worker_id)))
+    assert 2 <= beat.prompts_solved == worker.beat.prompts_solved
+    got = await records(store)
+    solved_at: dict[int, float] = {}
+    for g in sorted(got, key=lambda g: g.finished_at):
+        if all(s.reward == 1.0 for s in g.samples):
+            solved_at.setdefault(g.prompt_index, g.finished_at)
+    assert len(solved_at) == beat.prompts_solved
+    if beat.prompts_solved < 8:  # (with every prompt solved, all are drawn again)
+        assert not [g for g in got if g.prompt_index in solved_at and g.started_at > solved_at[g.prompt_index]]
 
 
 # -- malformed objects and outages: reported, skipped, never fatal ----------------------------------
@@ -322,7 +478,7 @@ async def test_a_malformed_run_manifest_at_start_is_reported_until_a_good_one(
     await async_wait_until(lambda: worker.cohorts >= 1 or run.done(), timeout=120, message="a first cohort")
     stop.set()
     assert await asyncio.wait_for(run, 120) == 0
-    assert worker.cohorts >= 1 and len(await records(store)) == 3 * worker.cohorts
+    assert worker.cohorts >= 1 and len(await records(store)) == worker.groups_recorded
 
 
 async def test_a_store_outage_mid_run_only_delays_uploads(
@@ -377,5 +533,44 @@ async def test_a_store_outage_mid_run_only_delays_uploads(
             await gate.close()
         assert code == 0
         got = await records(direct)
-        assert len(got) == 3 * worker.cohorts  # every group, generated online or offline, once
+        assert len(got) == worker.groups_recorded  # every group, generated online or offline, once
         assert sorted(g.seq for g in got) == list(range(len(got)))
+
+
+def test_a_group_is_dropped_at_most_once() -> None:
+    from macd.worker import at_safe_point
+
+    assert at_safe_point(0, False, 0, 32)  # nothing in flight
+    assert not at_safe_point(3, False, 31, 32)  # draining
+    assert at_safe_point(3, False, 32, 32)  # drained: the rest is dropped
+    assert not at_safe_point(3, True, 500, 32)  # a restarted group runs: wait for it
+    assert at_safe_point(0, True, 0, 32)
+
+
+def test_versions_faster_than_groups_cannot_starve_generation(model_dir: Path) -> None:
+    """A version asked for at every step with no drain allowed: each group is dropped at most
+    once, so every prompt's group still finishes (with drop-and-restart alone none would)."""
+    import mlx_lm
+
+    from macd.generate import ContinuousGenerator, SamplingConfig
+    from macd.worker import at_safe_point
+
+    model, tok = mlx_lm.load(str(model_dir))
+    gen = ContinuousGenerator(model, tok, SamplingConfig(temperature=1.0, max_tokens=24, group_size=4, seed=0),
+                              max_batch=8)
+    prompt = list(tok.encode("1 + 2 ="))
+    queue = [(i, False) for i in range(6)]
+    finished, drops = [], dict.fromkeys(range(6), 0)
+    for _ in range(2000):  # decode steps at most
+        if not queue and not gen.groups:
+            break
+        if at_safe_point(gen.groups, any(r for _, r in gen.tags()), 0, 0):  # always asked, never drained
+            for i, _ in gen.quiesce():
+                drops[i] += 1
+                queue.insert(0, (i, True))
+        for _ in range(gen.room(8)):
+            if queue:
+                gen.insert(prompt, queue.pop(0))
+        finished += [f.tag[0] for f in gen.advance(1)[0]]
+    gen.close()
+    assert sorted(finished) == list(range(6)) and max(drops.values()) == 1

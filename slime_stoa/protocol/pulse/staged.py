@@ -1,0 +1,138 @@
+"""Verify PULSE patches against a state without writing it; write them later in one short step.
+
+`apply_patch` writes a patch into the state in place and the caller checks the state digest
+afterwards. A worker whose state *is* its model's live weights (one copy, the memory shared
+with MLX) cannot let anything write while the model generates. `stage_patches` does all the
+work that does not need the state to change, beside the running model: decode and verify every
+frame, compute the final bits at every written index and check that the resulting state digest
+is the target's. What remains for the safe point is `StagedPatch.commit`: scatter the final
+bits into the state, work proportional to the patch.
+
+Extra memory while staging: the decoded patch (~10 bytes per change) and one 8 MiB chunk, never
+a copy of a tensor: each touched tensor is hashed chunk by chunk with its staged bits laid over
+a copy of the chunk. The result equals applying the patches in order with `apply_patch` (the
+tests check it bit for bit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .apply import Frames, UndoEntry, UndoLog
+from .codec import check_bits, from_rel_codes
+from .digest import StateDigest, tensor_hasher
+from .frames import PatchIndex, decode_frame, frame_number
+
+HASH_CHUNK = 1 << 22  # elements of a tensor copied at a time to hash its staged bits (8 MiB of bf16)
+
+
+class StageError(ValueError):
+    """The patches do not lead to the expected state from this one (nothing was written)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorWrite:
+    """The final bits of one tensor at the flat indices a staged patch writes (sorted, unique)."""
+
+    name: str
+    indices: np.ndarray  # int64
+    bits: np.ndarray  # uint16
+
+
+@dataclass(frozen=True, slots=True)
+class StagedPatch:
+    """Verified writes, ready to commit; `digest` is the state's digest once they are written."""
+
+    writes: tuple[TensorWrite, ...]
+    digest: StateDigest
+
+    @property
+    def touched(self) -> tuple[str, ...]:
+        return tuple(w.name for w in self.writes)
+
+    def commit(self, state: MutableMapping[str, np.ndarray]) -> UndoLog:
+        """Write into `state` (the one staged from, unchanged since) in place; the undo log of
+        what was overwritten. On an error the state is restored before it propagates."""
+        entries: list[UndoEntry] = []
+        try:
+            for w in self.writes:
+                flat = state[w.name].reshape(-1)
+                entries.append(UndoEntry(w.name, w.indices, flat[w.indices]))
+                flat[w.indices] = w.bits
+        except BaseException:
+            UndoLog(tuple(entries)).rollback(state)
+            raise
+        return UndoLog(tuple(entries))
+
+
+def stage_patches(
+    state: Mapping[str, np.ndarray],
+    digest: StateDigest,
+    patches: Sequence[tuple[PatchIndex, Frames]],
+    expected: str,
+) -> StagedPatch:
+    """Stage `patches` (applied in order, each with all its frames) onto `state`, whose digest is
+    `digest`, and check that they reach the state digest `expected`. `state` is only read.
+
+    Raises PatchCorrupt for a damaged frame, ValueError for frames that do not fit the state or
+    the patch (as `apply_patch` does), StageError when the result's digest is not `expected`.
+    """
+    writes: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}  # name -> (mode, indices, values)
+    for index, frames in patches:
+        seen: set[int] = set()
+        for i, data in frames.items() if isinstance(frames, Mapping) else frames:
+            i = frame_number(index, i)
+            if i in seen:
+                raise ValueError(f"frame {i} given twice")
+            seen.add(i)
+            for entry in index.frames[i].entries:
+                _check_target(state, entry.name, entry.shape, i)
+            for name, indices, values in decode_frame(index, i, data):
+                writes.setdefault(name, []).append((index.mode, indices, values))
+        missing = sorted(set(range(len(index.frames))) - seen)
+        if missing:
+            raise ValueError(f"patch incomplete: frames {missing} missing")
+    staged, digests = [], dict(digest.digests)
+    for name in sorted(writes):
+        bits = state[name]
+        flat = bits.reshape(-1)
+        parts = [indices for _, indices, _ in writes[name]]
+        at = (parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))).astype(np.int64, copy=False)
+        final = flat[at]  # a copy: the bits at every written index, then each write in order
+        for mode, indices, values in writes[name]:
+            pos = np.searchsorted(at, indices)
+            final[pos] = values if mode == "abs" else from_rel_codes(final[pos], values)
+        staged.append(TensorWrite(name, at, final))
+        digests[name] = _digest_with(name, bits, at, final, digest.dtype)
+    result = StateDigest(digests, digest.dtype)
+    if result.root() != expected:
+        raise StageError(f"state digest {result.root()} != {expected} after staging {len(patches)} patch(es)")
+    return StagedPatch(tuple(staged), result)
+
+
+def _digest_with(name: str, bits: np.ndarray, at: np.ndarray, final: np.ndarray, dtype: str) -> bytes:
+    """`tensor_digest` of `bits` with `final` at flat indices `at` (sorted), hashing it in
+    chunks so that no copy of the whole tensor is made."""
+    flat = bits.reshape(-1)
+    h = tensor_hasher(name, bits.shape, dtype)
+    for start in range(0, max(flat.size, 1), HASH_CHUNK):
+        stop = min(start + HASH_CHUNK, flat.size)
+        chunk = flat[start:stop].copy()
+        lo, hi = np.searchsorted(at, (start, stop))
+        chunk[at[lo:hi] - start] = final[lo:hi]
+        h.update(chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).data)
+    return h.digest()
+
+
+def _check_target(state: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], i: int) -> None:
+    where = f"frame {i}, tensor {name!r}"
+    if name not in state:
+        raise ValueError(f"{where}: not in the state")
+    bits = check_bits(name, state[name])
+    if bits.shape != shape:
+        raise ValueError(f"{where}: state shape {bits.shape} != patch shape {shape}")
+    if not (bits.flags.c_contiguous and bits.flags.writeable):
+        raise ValueError(f"{where}: must be a writeable C-contiguous array to patch in place")
