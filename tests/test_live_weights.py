@@ -202,6 +202,16 @@ async def test_one_copy_stays_bit_identical_to_a_fresh_load_over_20_patches(tiny
         assert_same_params(live.model, state)
         assert_same_logits(live.model, fresh_model(tiny, state))
 
+        for _ in range(3):  # three versions behind: a catch-up patch or a chain, staged
+            state = nudge(state, rng)
+            await pub.publish(state)
+        sub.writer = staged_writer
+        result = await sub.sync()
+        assert result is not None and result.version == 23 and not result.path.startswith("anchor")
+        live.apply(sub.state, result.changed, result.touched)
+        assert_one_copy(live, sub.state)
+        assert_same_params(live.model, state)
+
         cold = Subscriber(store, RUN)
         result = await cold.sync()
         assert result is not None and result.path.startswith("anchor") and cold.state is not None

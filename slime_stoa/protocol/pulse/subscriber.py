@@ -315,7 +315,8 @@ class Subscriber:
         if plan.anchor is None:
             assert self.state is not None and self.digest is not None
             if self.writer is not None:
-                fetched = [(ref, await self._fetch_frames(ref)) for ref in plan.patches]
+                frames = await asyncio.gather(*(self._fetch_frames(ref) for ref in plan.patches))
+                fetched = list(zip(plan.patches, frames, strict=True))
                 logs, self.digest = await self.writer(self.state, self.digest, fetched, target)
             else:
                 logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
