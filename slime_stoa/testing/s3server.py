@@ -102,10 +102,26 @@ def random_bucket_name(prefix: str = "stoa-test") -> str:
 
 
 class LocalS3Server:
-    """`weed mini` on loopback with one random identity; use as a context manager."""
+    """`weed mini` on loopback with one random identity; use as a context manager.
 
-    def __init__(self, *, region: str = "us-east-1", startup_timeout: float = 60.0, weed: Path | None = None):
+    `scoped`: more identities, name -> SeaweedFS actions (e.g. `["Read:weights", "List:weights",
+    "Read:rollouts", "Write:rollouts", "List:rollouts"]`: a token scoped to buckets, as an R2
+    token is); their keys come from `credentials(name)`.
+    """
+
+    def __init__(
+        self,
+        *,
+        region: str = "us-east-1",
+        startup_timeout: float = 60.0,
+        weed: Path | None = None,
+        scoped: dict[str, list[str]] | None = None,
+    ):
         self.region = region
+        self.scoped = {
+            name: (actions, "STOA" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30))
+            for name, actions in (scoped or {}).items()
+        }
         self.startup_timeout = startup_timeout
         self.weed = weed
         self.access_key = "STOA" + secrets.token_hex(8).upper()
@@ -178,7 +194,11 @@ class LocalS3Server:
                     "name": "stoa",
                     "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                     "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                }
+                },
+                *(
+                    {"name": name, "credentials": [{"accessKey": access, "secretKey": secret}], "actions": actions}
+                    for name, (actions, access, secret) in self.scoped.items()
+                ),
             ]
         }
 
@@ -271,8 +291,12 @@ class LocalS3Server:
         return "\n".join(texts)
 
     # -- use ---------------------------------------------------------------------------------
-    def credentials(self) -> Credentials:
-        return Credentials(self.access_key, self.secret_key, source="LocalS3Server")
+    def credentials(self, identity: str | None = None) -> Credentials:
+        """The admin identity's keys, or those of a `scoped` identity."""
+        if identity is None:
+            return Credentials(self.access_key, self.secret_key, source="LocalS3Server")
+        _, access, secret = self.scoped[identity]
+        return Credentials(access, secret, source=f"LocalS3Server:{identity}")
 
     def client(self, timeout: float = 10) -> Any:
         """A plain (sync) botocore client for setup work."""
