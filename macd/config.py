@@ -29,14 +29,16 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import check_name, check_worker_id
 from slime_stoa.protocol.run_manifest import Plane, read_run_manifest
 from slime_stoa.protocol.run_manifest import RunNotFound as RunNotFound  # probe_run raises it
-from slime_stoa.protocol.store import Credentials, parse_store_url
+from slime_stoa.protocol.signing import PublicKey
+from slime_stoa.protocol.store import Credentials, Store, open_store, parse_store_url
 from slime_stoa.protocol.store.credentials import credentials_in, read_env_file
+from slime_stoa.protocol.store.split import SplitStore
 
 from .doctor import memory_bytes, tier_for
 
@@ -167,6 +169,27 @@ class DaemonConfig:
         "`macd run`; needs the wandb package). Absent: no W&B. `macd run --wandb-project` overrides it.",
         default=None,
     )
+    run_key: str = _doc(
+        "The run key pinned at `macd join` (public key text, ed25519:...): weights, pointers and the "
+        "run manifest must be signed by it or by a key it rotated to, else they are refused. Empty: "
+        "the run manifest's own key is trusted at each start (an unsigned run: nothing is checked).",
+        default="",
+    )
+    worker_key: str = _doc(
+        "Path of this worker's key file (mode 0600), installed by `macd join --worker-key`; it signs "
+        "this worker's rollout records. Empty: no worker key.",
+        default="",
+    )
+    rollouts_store: str = _doc(
+        "Least privilege: URL of a second bucket for this worker's rollout records and heartbeat "
+        "(runs/<run>/rollouts|evals|workers/); the first (`store`) is then only read. Empty: one bucket.",
+        default="",
+    )
+    rollouts_credentials_file: Path | None = _doc(  # noqa: RUF009
+        "Env file (mode 0600) with the credentials of `rollouts_store` (a token that may write that "
+        "bucket only). Absent: the usual lookup.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         for name in ("store", "run", "worker_id", "log_level"):
@@ -190,6 +213,20 @@ class DaemonConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.wandb_project is not None:
             check_wandb_project(self.wandb_project)
+        if not isinstance(self.run_key, str) or not isinstance(self.worker_key, str):
+            raise ValueError("run_key and worker_key must be strings")
+        if self.run_key:
+            PublicKey.from_text(self.run_key)  # ValueError naming the expected form
+        if self.worker_key and not Path(self.worker_key).is_absolute():
+            raise ValueError(f"worker_key must be an absolute path, got {self.worker_key!r}")
+        if not isinstance(self.rollouts_store, str):
+            raise ValueError("rollouts_store must be a string")
+        if self.rollouts_store:
+            parse_store_url(self.rollouts_store)
+        if self.rollouts_credentials_file is not None and (
+            not isinstance(self.rollouts_credentials_file, Path) or not self.rollouts_credentials_file.is_absolute()
+        ):
+            raise ValueError(f"rollouts_credentials_file must be an absolute path, got {self.rollouts_credentials_file!r}")
 
     @property
     def is_remote(self) -> bool:
@@ -202,11 +239,12 @@ class DaemonConfig:
 
     # -- TOML ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain TOML values (paths as strings; no credentials_file key when None)."""
+        """Plain TOML values (paths as strings; no credentials_file key when None, no run_key or
+        worker_key when empty)."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None and not (f.name in ("run_key", "worker_key", "rollouts_store") and not value):
                 out[f.name] = str(value) if isinstance(value, Path) else value
         return out
 
@@ -221,7 +259,7 @@ class DaemonConfig:
         if missing:
             raise ValueError(f"missing key(s) {missing}")
         values = dict(doc)
-        for key in ("data_dir", "credentials_file"):
+        for key in ("data_dir", "credentials_file", "rollouts_credentials_file"):
             if key in values:
                 if not isinstance(values[key], str) or not values[key]:
                     raise ValueError(f"{key} must be a path string")
@@ -258,16 +296,26 @@ class DaemonConfig:
             raise ConfigError(f"{where}: {exc}") from None
 
     # -- credentials --------------------------------------------------------------------------
-    def read_credentials(self) -> Credentials | None:
-        """The credentials in `credentials_file`, or None to use the usual lookup."""
-        if self.credentials_file is None:
+    def read_credentials(self, file: Path | Literal["store"] | None = "store") -> Credentials | None:
+        """The credentials in `credentials_file` (or in `file`), or None to use the usual lookup."""
+        file = self.credentials_file if file == "store" else file
+        if file is None:
             return None
-        if not self.credentials_file.exists():
+        if not file.exists():
             raise ConfigError(
-                f"credentials file {self.credentials_file} (named in the config) does not exist: "
+                f"credentials file {file} (named in the config) does not exist: "
                 f"run `macd join` again with the bucket's access keys"
             )
-        return credentials_from_env(read_env_file(self.credentials_file), str(self.credentials_file))
+        return credentials_from_env(read_env_file(file), str(file))
+
+    def open_store(self) -> Store:
+        """The run's store as this worker sees it: `store`, or with `rollouts_store` a `SplitStore`
+        (records and heartbeat written to the second bucket, everything else read from the first)."""
+        weights = open_store(self.store, credentials=self.read_credentials())
+        if not self.rollouts_store:
+            return weights
+        rollouts = open_store(self.rollouts_store, credentials=self.read_credentials(self.rollouts_credentials_file))
+        return SplitStore(weights, rollouts)
 
 
 def load_config(path: Path) -> DaemonConfig:
@@ -317,8 +365,10 @@ def write_credentials(path: Path, creds: Credentials) -> Path:
 
 # -- joining: what a run asks of this Mac -------------------------------------------------------
 
-#: Bytes per served weight: bf16, or MLX int8 (8 bits plus a bf16 scale and bias per 64 weights).
-BYTES_PER_WEIGHT: dict[Plane, float] = {"bf16": 2.0, "int8": 1.0625}
+#: Resident bytes per weight: bf16 (the one copy patches apply to and MLX serves), or int8: the
+#: bf16 master patches apply to (2 bytes, exact) plus the MLX int8 copy served from it (8 bits
+#: plus a bf16 scale and bias per 64 weights, 1.0625 bytes).
+BYTES_PER_WEIGHT: dict[Plane, float] = {"bf16": 2.0, "int8": 2.0 + 1.0625}
 #: Runtime overhead besides weights and KV cache (Python, MLX, activations), a rough figure.
 OVERHEAD_BYTES = 1 << 30
 #: Share of unified memory macOS lets the GPU wire by default (about 2/3 to 3/4).
@@ -338,16 +388,17 @@ class RunInfo:
     kv_bytes_per_token: int | None = None  # from the anchor's config.json, when readable
 
 
-async def probe_run(store: Any, run: str) -> RunInfo:
+async def probe_run(store: Any, run: str, *, pinned: str | None = None) -> RunInfo:
     """Read the run manifest, the pointer and the model config of `run` in `store`.
 
-    Raises RunNotFound when the run does not exist, StoreError when the bucket cannot be used.
-    Missing weights are not an error (the trainer may not have published yet).
+    Raises RunNotFound when the run does not exist, StoreError when the bucket cannot be used,
+    RunKeyMismatch (a ValueError) when `pinned` is given and the run manifest is not signed by
+    that key. Missing weights are not an error (the trainer may not have published yet).
     """
     from slime_stoa.protocol.pulse.history import NotPublished, read_manifest, read_pointer
     from slime_stoa.protocol.store import NotFound
 
-    manifest = await read_run_manifest(store, run)
+    manifest = await read_run_manifest(store, run, pinned=pinned)
     try:
         pointer = await read_pointer(store, run)
     except NotPublished:

@@ -79,10 +79,10 @@ async def bucket_rows(config) -> list[tuple[str, str, bool]]:
     import time
 
     from slime_stoa.protocol.layout import RunLayout
-    from slime_stoa.protocol.store import NotFound, StoreError, open_store
+    from slime_stoa.protocol.store import NotFound, StoreError
 
     try:
-        async with open_store(config.store, credentials=config.read_credentials()) as store:
+        async with config.open_store() as store:
             start = time.perf_counter()
             try:
                 await store.get(RunLayout(config.run).run_manifest)

@@ -8,8 +8,12 @@ import asyncio
 import getpass
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from slime_stoa.protocol.signing import PublicKey, write_private_file
+from slime_stoa.protocol.worker_keys import worker_key_bytes
 
 from . import config as cfg
 
@@ -56,6 +60,31 @@ def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
     join.add_argument("--data-dir", type=Path, help="anchor cache and spool folder (default: the user's data folder)")
     join.add_argument("--batch", type=int, help="prompts generated together (default: this machine's memory tier)")
     join.add_argument("--no-check", action="store_true", help="write the config without contacting the bucket")
+    join.add_argument(
+        "--run-key",
+        metavar="TEXT",
+        help="pin this run key (ed25519:..., from `stoa keys show`) instead of trusting the run manifest's "
+        "on first use; a run whose manifest names another key is refused",
+    )
+    join.add_argument(
+        "--worker-key",
+        type=Path,
+        metavar="FILE",
+        help="this worker's key file from `stoa worker add` (mode 0600): installed beside the config, "
+        "it sets the worker id and signs this worker's records",
+    )
+    join.add_argument(
+        "--rollouts-store",
+        metavar="URL",
+        help="least privilege: a second bucket for this worker's records and heartbeat; the run's bucket "
+        "is then only read (give the worker a read-only token for it)",
+    )
+    join.add_argument(
+        "--rollouts-credentials-file",
+        type=Path,
+        metavar="FILE",
+        help="env file (mode 0600) with the --rollouts-store token (default: the usual lookup)",
+    )
     join.set_defaults(handler=handle)
 
 
@@ -84,10 +113,16 @@ def _do_join(args: argparse.Namespace) -> int:
     check_name("run", args.run)
     if args.worker_id is not None:
         check_worker_id(args.worker_id)
+    if args.run_key is not None:
+        PublicKey.from_text(args.run_key)  # ValueError naming the expected form
+    worker_key = _read_worker_key(args)
     old = _previous_config(path)
     creds, credentials_file = _join_credentials(args, old, path, remote=location.scheme != "file")
     name = cfg.check_label(args.name or (old.name if old else cfg.default_name()))
-    if args.worker_id is not None:
+    if worker_key is not None:
+        worker_id = worker_key.worker
+        keep_id = old is not None and old.worker_id == worker_id
+    elif args.worker_id is not None:
         worker_id = args.worker_id
         keep_id = old is not None and old.worker_id == worker_id
     else:
@@ -100,6 +135,27 @@ def _do_join(args: argparse.Namespace) -> int:
         knobs = {k: getattr(old, k) for k in kept}
     if args.batch is not None:
         knobs["batch"] = args.batch
+    if args.run_key is not None:
+        knobs["run_key"] = args.run_key
+    elif old is not None and old.same_run(args.url, args.run) and old.run_key:
+        knobs["run_key"] = old.run_key  # pinned before: kept
+    if args.rollouts_store is not None:
+        parse_store_url(args.rollouts_store)
+        knobs["rollouts_store"] = args.rollouts_store
+    elif old is not None and old.same_run(args.url, args.run):
+        knobs["rollouts_store"] = old.rollouts_store
+    if args.rollouts_credentials_file is not None:
+        file = Path(os.path.abspath(args.rollouts_credentials_file.expanduser()))
+        if not file.exists():
+            raise ValueError(f"credentials file {file} does not exist")
+        knobs["rollouts_credentials_file"] = file
+    elif old is not None and old.same_run(args.url, args.run):
+        knobs["rollouts_credentials_file"] = old.rollouts_credentials_file
+    key_copy = worker_key_path_for(path) if worker_key is not None else None
+    if key_copy is not None:
+        knobs["worker_key"] = str(key_copy)
+    elif old is not None and old.same_run(args.url, args.run) and old.worker_id == worker_id:
+        knobs["worker_key"] = old.worker_key
     config = cfg.DaemonConfig(
         store=args.url,
         run=args.run,
@@ -110,17 +166,59 @@ def _do_join(args: argparse.Namespace) -> int:
         **knobs,
     )
     info: cfg.RunInfo | None = None
+    pinned_now = False
     if not args.no_check:
         checked = _check_run(config, creds if creds is not None else config.read_credentials())
         if isinstance(checked, int):
             return checked
         info = checked
+        if not config.run_key and info.manifest.run_key:  # trust on first use
+            config, pinned_now = replace(config, run_key=info.manifest.run_key), True
     if creds is not None and credentials_file is not None:
         cfg.write_credentials(credentials_file, creds)
+    if worker_key is not None and key_copy is not None:
+        write_private_file(key_copy, worker_key_bytes(worker_key), overwrite=True)
     cfg.save_config(config, path)
     for line in join_report(config, path, info, kept_id=keep_id, creds_written=creds is not None):
         print(line)
+    for line in key_lines(config, pinned_now=pinned_now, explicit=args.run_key is not None):
+        print(line)
     return 0
+
+
+def worker_key_path_for(config_path: Path) -> Path:
+    """Where `macd join --worker-key` installs the worker key of the config at `config_path`."""
+    return config_path.with_name(f"{config_path.stem}.worker-key.json")
+
+
+def _read_worker_key(args: argparse.Namespace) -> Any:
+    """The worker key file given with --worker-key (None without); ValueError if it is not for the run."""
+    if args.worker_key is None:
+        return None
+    from slime_stoa.protocol.worker_keys import read_worker_key_file
+
+    entry = read_worker_key_file(Path(os.path.abspath(args.worker_key.expanduser())))
+    if entry.run != args.run:
+        raise ValueError(f"worker key {args.worker_key} is for run {entry.run!r}, not {args.run!r}")
+    if args.worker_id is not None and args.worker_id != entry.worker:
+        raise ValueError(f"worker key {args.worker_key} is worker {entry.worker!r}'s, not --worker-id {args.worker_id!r}")
+    return entry
+
+
+def key_lines(config: cfg.DaemonConfig, *, pinned_now: bool, explicit: bool) -> list[str]:
+    """What join says about the run key it pinned and the worker key it installed."""
+    lines = []
+    if config.run_key:
+        key = PublicKey.from_text(config.run_key)
+        how = "given with --run-key" if explicit else "trusted on first use" if pinned_now else "pinned before"
+        lines.append(f"  run key      {key.key_id} ({key.fingerprint}), {how}: weights not signed by it are refused")
+        if pinned_now:
+            lines.append("               compare this fingerprint with the operator's `stoa keys show`")
+    else:
+        lines.append("  run key      none: the run is unsigned (or not checked), weights are not verified by signature")
+    if config.worker_key:
+        lines.append(f"  worker key   {config.worker_key} (mode 0600)")
+    return lines
 
 
 def _previous_config(path: Path) -> cfg.DaemonConfig | None:
@@ -208,7 +306,7 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> cfg.RunInfo | int:
 
     async def probe() -> cfg.RunInfo:
         async with open_store(config.store, credentials=creds) as store:
-            return await cfg.probe_run(store, config.run)
+            return await cfg.probe_run(store, config.run, pinned=config.run_key or None)
 
     try:
         info = asyncio.run(probe())
@@ -241,6 +339,8 @@ def join_report(
     if config.credentials_file is not None:
         how = "written, mode 0600" if creds_written else "kept"
         lines.append(f"  credentials  {config.credentials_file} ({how})")
+    if config.rollouts_store:
+        lines.append(f"  rollouts     {config.rollouts_store} (records and heartbeat; the run's bucket is only read)")
     lines.append(f"  data         {config.data_dir}")
     if info is None:
         lines.append("  (bucket not checked: --no-check)")
@@ -292,7 +392,7 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list
     )
     if verdict != "fits":
         lines.append(
-            "               lower `batch` (or set `max_decode`) in the config, or serve an int8 run"
+            "               lower `batch` (or set `max_decode`) in the config, or join a run of a smaller model"
         )
     return lines
 

@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from slime_stoa.protocol.store import StoreConfigError, StoreError, open_store
+from slime_stoa.protocol.store import StoreConfigError, StoreError
 
 
 def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
@@ -130,7 +130,7 @@ async def run_daemon(args: argparse.Namespace, config) -> int:
             from .tracking import HeartbeatLog
 
             tracker = await asyncio.to_thread(HeartbeatLog.open, config, config.wandb_project)
-        async with open_store(config.store, credentials=config.read_credentials()) as store:
+        async with config.open_store() as store:
             worker = Worker(config, store, options)
             worker.on_heartbeat = None if tracker is None else tracker.log
             return await worker.run(stop)

@@ -197,10 +197,10 @@ def heartbeat_text(config: cfg.DaemonConfig, timeout_s: float = 10.0) -> str:
     from slime_stoa.protocol.layout import RunLayout
     from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
     from slime_stoa.protocol.pulse.manifests import ManifestError
-    from slime_stoa.protocol.store import NotFound, StoreError, open_store
+    from slime_stoa.protocol.store import NotFound, StoreError
 
     async def read() -> tuple[bytes, int | None]:
-        async with open_store(config.store, credentials=config.read_credentials()) as store:
+        async with config.open_store() as store:
             data = await store.get_bytes(RunLayout(config.run).heartbeat(config.worker_id))
             try:
                 head: int | None = (await read_pointer(store, config.run)).version

@@ -9,7 +9,8 @@ Folder layout:
 
     <folder>/.lock                                        flock: one process per spool (holds its pid)
     <folder>/state.json                                   {"next_seq": n, "last_ms": t}
-    <folder>/<seq>+<ts>+<kind>+<worker>+<run>.rec          one entry: the record's exact bytes
+    <folder>/<seq>+<ts>+<kind>+<worker>+<run>.rec          one entry: the record's exact bytes (signed
+                                                          ones in their envelope, uploaded unchanged)
     <folder>/quarantine/<same name>(.why)                 entries whose key holds other bytes
     <folder>/.tmp-*                                       half-written files (removed on open)
 
@@ -55,6 +56,7 @@ from slime_stoa.protocol.records import (
     RecordError,
     decode_group,
 )
+from slime_stoa.protocol.signed_record import record_bytes
 
 log = logging.getLogger(__name__)
 
@@ -386,8 +388,9 @@ class Spool:
         return self.commit(reservation, data)
 
     def _check_record(self, reservation: Reservation, data: bytes) -> None:
+        """The record (inside its signed envelope, if signed) must decode and match the reservation."""
         try:
-            group = decode_group(data, max_bytes=max(DEFAULT_MAX_RECORD_BYTES, len(data)))
+            group = decode_group(record_bytes(data), max_bytes=max(DEFAULT_MAX_RECORD_BYTES, len(data)))
         except RecordError as exc:
             raise SpoolError(f"refusing to spool a record that does not decode: {exc}") from None
         found = (group.run, group.kind, group.worker_id, group.seq)

@@ -17,7 +17,16 @@ short drain), then drops the ones still unfinished, installs, and starts again o
 weights, re-drawing the dropped prompts first. A group that straddles a swap is therefore never
 recorded: its tokens after the swap would come from other weights than its version says, so
 its logprobs would be wrong (the trainer's logprob-gap check and record validation rely on
-them). A group is dropped at most once: the drain waits for restarted groups to finish, so
+them).
+
+A tool task (`Task.tool_format`, e.g. search) runs multi-turn episodes instead: an
+`EpisodeGenerator` (`episodes.py`) with the same interface, and the task's tool (`tools.py`),
+prepared before the first group (the search index fetched resumably and memory-mapped once). A
+sequence that closes a tool call leaves the batch; its query runs as an asyncio task (the tool
+never touches the MLX thread) whose answer is handed back and taken in at the next decode step.
+While every episode waits for its tool the loop idles until an answer wakes it. Its groups are
+schema v2 records: each sample's mask (0 at tool tokens, whose logprobs are 0.0), turns and
+tool calls. A group is dropped at most once: the drain waits for restarted groups to finish, so
 versions that come faster than groups finish cannot starve generation (`at_safe_point`). On the bf16 plane the subscriber's state *is* the model's memory (one copy of the
 weights, `weights.py`): a patch is staged and verified beside the running model
 (`pulse.staged`) and the install is the scatter of its bits into the live weights.
@@ -68,20 +77,29 @@ from slime_stoa.protocol.pulse.history import read_anchor_manifest
 from slime_stoa.protocol.pulse.staged import stage_patches
 from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncError, SyncResult
 from slime_stoa.protocol.records import (
+    SCHEMA_V1,
+    SCHEMA_V2,
     RolloutGroup,
     Sample,
     SamplingParams,
     encode_group,
 )
 from slime_stoa.protocol.run_manifest import Plane, RunManifest, read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signed_record import sign_record
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.protocol.store.retry import describe_error
+from slime_stoa.protocol.worker_keys import read_worker_key_file
 from slime_stoa.tasks import Task, TaskItem, load_task
 from slime_stoa.tasks.prompting import prompt_tokens
+from slime_stoa.tasks.tool_format import ToolFormat
 
 from .config import DaemonConfig
 from .curriculum import PromptPicker, has_signal
+from .evaluate import EvalResponder
 from .spool import Spool, SpoolLocked
+from .tools import Tool, ToolContext, call_tool, prepare_tool, tool_for
 from .uploader import Uploader
 
 log = logging.getLogger("macd")
@@ -110,6 +128,7 @@ class WorkerOptions:
     setup_retry_max_s: float = 30.0  # longest wait between two tries to read the run and its weights
     lock_wait_s: float = 0.0  # spool in use by a live process: wait this long for it to stop, then fail
     repeat_log_s: float = 60.0  # the same error again within this long is counted, not logged again
+    eval_poll_s: float = 10.0  # how often the eval requests are listed (macd/evaluate.py)
 
 
 class MLXThread:
@@ -165,10 +184,18 @@ def build_group(
     digest: str,
     started_at: float,
     finished_at: float,
+    signer: SigningKey | None = None,
+    tool_task: bool = False,
 ) -> Callable[[int, int], bytes]:
-    """A spool builder: the record's bytes for the seq the spool assigns."""
+    """A spool builder: the record's bytes for the seq the spool assigns, signed by the worker
+    key `signer` when given (`signed_record`: the envelope the trainer of a signed run requires).
+    A `tool_task`'s group (`macd.episodes.EpisodeCompletion`s) is a schema v2 record with each
+    sample's mask, turns and tool calls."""
     samples = tuple(
-        Sample(response_tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish_reason, reward=float(r))
+        Sample(
+            response_tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish_reason, reward=float(r),
+            **({"mask": c.mask, "turns": c.turns, "tool_calls": c.tool_calls} if tool_task else {}),
+        )
         for c, r in zip(completions, rewards, strict=True)
     )
     sampling = SamplingParams(
@@ -176,8 +203,9 @@ def build_group(
     )
 
     def build(seq: int, _timestamp_ms: int) -> bytes:
-        return encode_group(
+        record = encode_group(
             RolloutGroup(
+                schema_version=SCHEMA_V2 if tool_task else SCHEMA_V1,
                 kind="train",
                 run=manifest.run,
                 task_id=manifest.task,
@@ -193,8 +221,40 @@ def build_group(
                 finished_at=finished_at,
             )
         )
+        return record if signer is None else sign_record(record, signer, run=manifest.run)
 
     return build
+
+
+class WorkerKeyError(ValueError):
+    """The worker key is missing (for a signed run), unreadable, or for another run or worker."""
+
+
+def load_worker_key(config: DaemonConfig) -> SigningKey | None:
+    """The worker key installed by `macd join --worker-key` (`config.worker_key`), or None."""
+    path = config.worker_key
+    if not path:
+        return None
+    try:
+        entry = read_worker_key_file(Path(path))
+    except ValueError as exc:
+        raise WorkerKeyError(f"worker key: {exc}") from None
+    if entry.run != config.run or entry.worker != config.worker_id:
+        raise WorkerKeyError(
+            f"worker key {path} is for worker {entry.worker!r} of run {entry.run!r}, this worker is "
+            f"{config.worker_id!r} of run {config.run!r}: install this worker's key with `macd join --worker-key FILE`"
+        )
+    return entry.key
+
+
+def check_signing(manifest: RunManifest, signer: SigningKey | None) -> None:
+    """WorkerKeyError when the run is signed and this worker has no key to sign its records."""
+    if manifest.run_key is not None and signer is None:
+        raise WorkerKeyError(
+            f"run {manifest.run!r} is signed and this worker has no worker key: issue one with "
+            f"`stoa worker add NAME --run {manifest.run} --key RUN_KEY_FILE` and install it with "
+            f"`macd join --worker-key FILE`"
+        )
 
 
 STEPS_PER_CALL = 16  # decode steps per MLX call at most (a finished group or a poke returns sooner)
@@ -296,6 +356,47 @@ def _insert_and_advance(gen: Any, inserts: list[tuple[list[int], _Started]], max
     return gen.advance(max_steps, interrupt)
 
 
+# -- tool tasks (macd/episodes.py, macd/tools.py) ----------------------------------------------------
+def _make_generator(model: Any, tokenizer: Any, sampling: Any, tool_format: ToolFormat | None, capacity: int) -> Any:
+    """On the MLX thread: a `ContinuousGenerator`, or for a tool task an `EpisodeGenerator`
+    (same interface, plus the tool hand-off)."""
+    if tool_format is None:
+        from .generate import ContinuousGenerator
+
+        return ContinuousGenerator(model, tokenizer, sampling, max_batch=capacity)
+    from .episodes import EpisodeGenerator
+
+    return EpisodeGenerator(model, tokenizer, sampling, tool_format, max_batch=capacity)
+
+
+class _ToolCalls:
+    """The asyncio side of a tool task's episodes: every call `gen.take_calls()` hands over runs
+    as its own task (`call_tool`: off the MLX thread, an error becomes text); its answer goes back
+    with `gen.deliver` (taken in at the next decode step) and wakes the generation loop."""
+
+    def __init__(self, gen: Any, tool: Tool, wake: asyncio.Event) -> None:
+        self.gen, self.tool, self.wake = gen, tool, wake
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.started = 0  # tool calls started
+
+    def start(self) -> None:
+        for call in self.gen.take_calls():
+            task = asyncio.create_task(self._answer(call.episode, call.query))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            self.started += 1
+
+    async def _answer(self, episode: int, query: str) -> None:
+        self.gen.deliver(episode, await call_tool(self.tool, query))
+        self.wake.set()
+
+    async def close(self) -> None:
+        """Cancel the calls still running (their episodes are dropped with the generator)."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 class Worker:
     def __init__(self, config: DaemonConfig, store: Store, options: WorkerOptions = WorkerOptions()):
         self.config = config
@@ -324,12 +425,22 @@ class Worker:
         self._waiting_since: float | None = None
         self._logged: dict[str, float] = {}  # error message -> when it was last logged (monotonic)
         self.sub: Subscriber | None = None  # exposed for inspection (tests, doctor)
+        self.trust: RunTrust | None = None  # the run keys weights must be signed by (None: an unsigned run)
         self.live: Any = None
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # sees every heartbeat (macd.tracking)
+        self._signer: SigningKey | None = None  # the worker key: signs every record (`load_worker_key`)
+        self.evals: EvalResponder | None = None  # answers eval requests while generating (macd/evaluate.py)
+        self.tools: _ToolCalls | None = None  # a tool task's calls (exposed for inspection)
 
     # -- setup -------------------------------------------------------------------------------
     async def _load_run(self) -> tuple[RunManifest, Task]:
-        manifest = await read_run_manifest(self.store, self.config.run)
+        # A pinned run key (`macd join`) must be the manifest's; without one, a signed run's own key.
+        manifest = await read_run_manifest(self.store, self.config.run, pinned=self.config.run_key or None)
+        key_text = self.config.run_key or manifest.run_key
+        if key_text and (self.trust is None or self.trust.pinned.to_text() != key_text):
+            self.trust = RunTrust.from_text(self.config.run, key_text)
+            if not self.config.run_key:
+                log.warning("run key not pinned in the config: trusting the run manifest's key %s", self.trust.pinned.key_id)
         task = await asyncio.to_thread(load_task, await self.store.get_bytes(task_key(manifest)))
         if task.name != manifest.task:
             raise ValueError(f"task file {task_key(manifest)} holds task {task.name!r}, the run says {manifest.task!r}")
@@ -350,6 +461,7 @@ class Worker:
             else:
                 if sub.state is None:
                     log.info("waiting for the trainer to publish weights for run %s", self.config.run)
+            self._count_refused(sub)
             if sub.state is not None:
                 return True
             await _wait(stop, self.options.idle_poll_s)
@@ -358,7 +470,7 @@ class Worker:
     async def _materialize(self, sub: Subscriber) -> Path:
         """An HF folder of the synced weights with the anchor's config and tokenizer (for mlx-lm)."""
         assert sub.state is not None and sub.current is not None
-        anchor = await read_anchor_manifest(self.store, sub.current.anchor.manifest)
+        anchor = await read_anchor_manifest(self.store, sub.current.anchor.manifest, trust=sub.trust)
         folder = self.config.data_dir / "models" / self.config.run
         extras = folder / "extras"
         await download_extras(self.store, anchor, extras)
@@ -399,18 +511,44 @@ class Worker:
                 if loaded is None:
                     loaded = await self._load_run()
                 manifest, task = loaded
+                check_signing(manifest, self._signer)
                 writer = self._write_staged if manifest.plane == "bf16" else None  # the state is the model
-                sub = self.sub = self.sub or Subscriber(self.store, self.config.run, writer=writer)
+                sub = self.sub = self.sub or Subscriber(self.store, self.config.run, trust=self.trust, writer=writer)
                 if not await self._first_sync(sub, stop):
                     return None
                 folder = await self._materialize(sub)
                 model, tokenizer, self.live = await self.mlx.run(_load_model, folder, sub.state, manifest.plane)
                 return manifest, task, model, tokenizer
-            except StoreConfigError:
+            except (StoreConfigError, WorkerKeyError):
                 raise
             except Exception as exc:  # malformed or missing objects, a store outage, a model mlx-lm refuses
                 what = "run" if loaded is None else "weights"
                 self._error(f"{what}: {describe_error(exc)}; retrying in {delay:.0f} s")
+            await _wait(stop, delay)
+            delay = min(2 * delay, self.options.setup_retry_max_s)
+        return None
+
+    async def _open_tool(self, manifest: RunManifest, task: Task, stop: asyncio.Event) -> Tool | None:
+        """The tool of a tool task (`macd.tools.tool_for`), prepared (e.g. the search index fetched,
+        resumably, and memory-mapped): retried, each failure reported, until it works; None if
+        stopped first. ValueError when no tool is registered for the task (this macd cannot run it)."""
+        fmt = task.tool_format
+        if fmt is not None and fmt.answer_close not in manifest.stop:
+            log.warning(
+                "run %s: its stop strings lack the task's answer tag %r; an episode that answers at max_tokens "
+                "will be refused by the trainer (create the run with --stop %s)",
+                manifest.run, fmt.answer_close, fmt.answer_close,
+            )
+        tool = tool_for(task, ToolContext(run=manifest.run, store=self.store, data_dir=self.config.data_dir))
+        delay = self.options.idle_poll_s
+        while not stop.is_set():
+            try:
+                await prepare_tool(tool)
+                return tool
+            except StoreConfigError:
+                raise
+            except Exception as exc:  # a missing or damaged index, a store outage
+                self._error(f"tool: {describe_error(exc)}; retrying in {delay:.0f} s")
             await _wait(stop, delay)
             delay = min(2 * delay, self.options.setup_retry_max_s)
         return None
@@ -422,6 +560,7 @@ class Worker:
         Raises `SpoolLocked` when another live macd holds this worker's spool, and
         `StoreConfigError` when the store's configuration is wrong."""
         return_freed_memory()
+        self._signer = load_worker_key(self.config)  # a bad key file fails here, at once
         spool = await self._open_spool(stop)
         if spool is None:
             return 0
@@ -462,11 +601,12 @@ class Worker:
     ) -> None:
         """Generate until `stop` (or max_cohorts, or an upload configuration error).
 
-        One `ContinuousGenerator` lives across weight versions: a new group enters as soon as
-        there is room, tagged with the version the model computes with at that moment; the
-        weights are followed beside it (`_follow`) and a new version is installed at the next
-        safe point (`_swap`). Finished groups are spooled in order by `_record`."""
-        from .generate import ContinuousGenerator, SamplingConfig
+        One `ContinuousGenerator` (an `EpisodeGenerator` for a tool task) lives across weight
+        versions: a new group enters as soon as there is room, tagged with the version the model
+        computes with at that moment; the weights are followed beside it (`_follow`) and a new
+        version is installed at the next safe point (`_swap`). Finished groups are spooled in
+        order by `_record`."""
+        from .generate import SamplingConfig
 
         manifest, task, model, tokenizer = ready
         sub, live = self.sub, self.live
@@ -485,13 +625,30 @@ class Worker:
             stop=manifest.stop, seed=None if self.options.seed is None else self.rng.randrange(1 << 30),
         )
         capacity = self.config.max_decode or self.config.batch * manifest.group_size
-        gen = self._gen = await self.mlx.run(ContinuousGenerator, model, tokenizer, sampling, max_batch=capacity)
+        # -- tool tasks: episodes, their tool prepared (e.g. the search index fetched) before generating
+        tools: _ToolCalls | None = None
+        tool = None if task.tool_format is None else await self._open_tool(manifest, task, stop)
+        if task.tool_format is not None and tool is None:
+            return  # stopped first
+        gen = self._gen = await self.mlx.run(_make_generator, model, tokenizer, sampling, task.tool_format, capacity)
+        if tool is not None:
+            tools = self.tools = _ToolCalls(gen, tool, self._wake)
+        # -- end tool tasks
         feed = self._feed = _Feed(
             task, tokenizer, manifest, PromptPicker(task.items, self.rng, skip_solved_after=manifest.skip_solved_after)
         )
         limit = None if self.options.max_cohorts is None else self.options.max_cohorts * self.config.batch
+        # -- eval requests (macd/evaluate.py): answered between decode calls, on the installed weights
+        evals = self.evals = EvalResponder(
+            store=self.store, manifest=manifest, worker_id=self.config.worker_id, trust=self.trust,
+            signer=self._signer, rng=random.Random(self.options.seed), seed=self.options.seed,
+            poll_s=self.options.eval_poll_s,
+            tool_for=None if tool is None else (lambda _task: tool),  # the prepared tool of this run's task
+        )
+        eval_poll = asyncio.create_task(evals.poll_forever(stop))
+        # -- end eval requests
         done: asyncio.Queue[_Done | None] = asyncio.Queue()
-        recorder = asyncio.create_task(self._record(done, manifest, spool))
+        recorder = asyncio.create_task(self._record(done, manifest, spool, tool_task=tools is not None))
         follow = asyncio.create_task(self._follow(sub, live, stop))
         stop_watch = asyncio.create_task(stop.wait())
         stop_watch.add_done_callback(lambda _: self._wake_up())
@@ -502,6 +659,8 @@ class Worker:
             while not stop.is_set() and not upload_task.done() and not recorder.done():
                 self._poke.clear()
                 self._wake.clear()
+                if await evals.serve(*self._installed, mlx=self.mlx.run, model=model, tokenizer=tokenizer, spool=spool):
+                    continue  # eval requests (macd/evaluate.py)
                 pending = self._pending
                 restarted = any(tag.restarted for tag in gen.tags())
                 if pending is not None and at_safe_point(gen.groups, restarted, drained, self.options.swap_drain_steps):
@@ -520,6 +679,10 @@ class Worker:
                 drained += taken if pending is not None else 0
                 for group in finished:
                     done.put_nowait(self._score(group, task, feed.picker, manifest))
+                if tools is not None:  # tool calls asked in this run of steps; idle while all wait
+                    tools.start()
+                    if not gen.decoding and gen.waiting:
+                        await _wait(self._wake, self.options.budget_poll_s)
             if recorder.done():
                 recorder.result()  # a spool error: raise it
         finally:
@@ -527,11 +690,13 @@ class Worker:
             if self._pending is not None and not self._pending.future.done():
                 self._pending.future.cancel()
             self._pending = None
-            for t in (follow, stop_watch):
+            for t in (follow, stop_watch, eval_poll):
                 t.cancel()
-            await asyncio.gather(follow, stop_watch, return_exceptions=True)
+            await asyncio.gather(follow, stop_watch, eval_poll, return_exceptions=True)
             done.put_nowait(None)  # what finished is spooled before the worker stops
             await asyncio.gather(recorder, return_exceptions=True)
+            if tools is not None:
+                await tools.close()
             await self.mlx.run(gen.close)  # in-flight groups are dropped
             self._gen = None
 
@@ -582,8 +747,11 @@ class Worker:
             self._groups_at[started.version] = self._groups_at.get(started.version, 0) + 1
         return _Done(started, group.completions, rewards, keep=signal or not manifest.dynamic_sampling)
 
-    async def _record(self, done: asyncio.Queue[_Done | None], manifest: RunManifest, spool: Spool) -> None:
-        """Spool finished groups in the order they finished (until a None); count cohorts."""
+    async def _record(
+        self, done: asyncio.Queue[_Done | None], manifest: RunManifest, spool: Spool, *, tool_task: bool = False
+    ) -> None:
+        """Spool finished groups in the order they finished (until a None); count cohorts. A
+        `tool_task`'s groups are schema v2 records (masks, turns, tool calls)."""
         tokens, rewards, filtered = 0, [], 0
         while (group := await done.get()) is not None:
             s = group.started
@@ -591,7 +759,7 @@ class Worker:
                 build = build_group(
                     manifest=manifest, worker_id=self.config.worker_id, item=s.item, prompt=s.prompt,
                     completions=group.completions, rewards=group.rewards, version=s.version, digest=s.digest,
-                    started_at=s.started_at, finished_at=time.time(),
+                    started_at=s.started_at, finished_at=time.time(), signer=self._signer, tool_task=tool_task,
                 )
                 await asyncio.to_thread(spool.add, build)
                 self.groups_recorded += 1
@@ -657,13 +825,20 @@ class Worker:
         try:
             return await sub.sync()
         except SyncError as exc:  # the subscriber's state is still the last verified one (it says so)
-            self._error(f"weights: {exc}")
+            self._error(f"weights: {exc}")  # a refusal (WeightsRefused) too: its reason in last_error
         except StoreError as exc:
             self._error(f"weights: {describe_error(exc)}; serving v{self._installed[0]}")
         except Exception as exc:  # never leave a bad object in the bucket to stop generation
             log.exception("unexpected error syncing weights")
             self._error(f"weights: {describe_error(exc)}; serving v{self._installed[0]}")
+        finally:
+            self._count_refused(sub)
         return None
+
+    def _count_refused(self, sub: Subscriber) -> None:
+        """The heartbeat's `weights_refused`: weight objects refused (each logged once by the subscriber)."""
+        if sub.refused != self.beat.weights_refused:
+            self.beat = replace(self.beat, weights_refused=sub.refused)
 
     async def _install_synced(self, sub: Subscriber, live: Any, result: SyncResult, whole: bool) -> bool:
         """Install what a sync brought (unless its writer did already); False if it does not fit."""

@@ -3,7 +3,8 @@ the tests), and a child process that drives the real rollout function the way sl
 does (for kill-and-restart tests).
 
 slime's names: `slime.utils.types.Sample` (a dataclass with defaults, `Sample.Status`) and
-`slime.rollout.base_types.RolloutFnTrainOutput(samples, metrics=None)`; slime calls
+`slime.rollout.base_types.RolloutFnTrainOutput(samples, metrics=None)` and
+`RolloutFnEvalOutput(data, metrics=None)`; slime calls
 `generate_rollout(args, rollout_id, data_source, evaluation=False)` once per rollout with
 `args.rollout_batch_size`, `args.n_samples_per_prompt`, `args.save`, `args.load`, ... and, at
 start-up, `data_source.load(start_rollout_id - 1)`.
@@ -47,6 +48,12 @@ def rollout_fn_train_output(samples: list[list[Any]], metrics: dict | None = Non
     return types.SimpleNamespace(samples=samples, metrics=metrics)
 
 
+def rollout_fn_eval_output(data: dict[str, dict[str, Any]], metrics: dict | None = None) -> types.SimpleNamespace:
+    """slime's `RolloutFnEvalOutput(data, metrics=None)`: `data` is {dataset name: {"rewards",
+    "truncated", "samples"}}."""
+    return types.SimpleNamespace(data=data, metrics=metrics)
+
+
 def modules() -> dict[str, types.ModuleType]:
     """The stand-in modules by name (put them in `sys.modules`, e.g. with monkeypatch.setitem)."""
     out = {name: types.ModuleType(name) for name in ("slime", "slime.utils", "slime.rollout")}
@@ -54,6 +61,7 @@ def modules() -> dict[str, types.ModuleType]:
     types_mod.Sample = Sample  # type: ignore[attr-defined]
     base_mod = types.ModuleType("slime.rollout.base_types")
     base_mod.RolloutFnTrainOutput = rollout_fn_train_output  # type: ignore[attr-defined]
+    base_mod.RolloutFnEvalOutput = rollout_fn_eval_output  # type: ignore[attr-defined]
     out["slime.utils.types"] = types_mod
     out["slime.rollout.base_types"] = base_mod
     return out

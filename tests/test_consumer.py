@@ -30,6 +30,7 @@ from slime_stoa.protocol.records import (
     encode_group,
 )
 from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.tiny_model import IM_END, build_tiny_model
 from slime_stoa.tasks import generate_items, make_task
@@ -100,9 +101,9 @@ def digest_of(version: int) -> str:
     return state_digest(weights(version))
 
 
-async def publish_versions(store: Store, upto: int) -> None:
-    """Publish `weights(v)` as each version after the pointer's, up to `upto`."""
-    publisher = Publisher(store, RUN, PublisherConfig(catchup=False))
+async def publish_versions(store: Store, upto: int, *, key: SigningKey | None = None) -> None:
+    """Publish `weights(v)` as each version after the pointer's, up to `upto` (signed with `key`)."""
+    publisher = Publisher(store, RUN, PublisherConfig(catchup=False), key=key)
     at = await publisher.open()
     for v in range(-1 if at is None else at, upto):
         result = await publisher.publish(weights(v + 1))
@@ -603,16 +604,22 @@ def test_config_from_args_names_missing_and_bad_settings() -> None:
     ))
     assert (cfg.staleness_limit, cfg.filter_all_equal, cfg.wait_timeout_s, cfg.admission_order) == (3, False, 12.5, "fifo")
     assert cfg.reuse_limit is None  # the run manifest's
+    assert (cfg.run_key, cfg.rollouts_url) == (None, None)
 
 
-def test_evaluation_is_refused_clearly() -> None:
-    from slime_stoa.trainer.slime.rollout import (
-        EvaluationNotSupported,
-        generate_rollout,
-    )
+def test_config_from_args_takes_the_run_key_file_and_a_rollouts_bucket(tmp_path: Path) -> None:
+    from slime_stoa.protocol.signing import write_key_file
+    from slime_stoa.trainer.slime.rollout import config_from_args
 
-    with pytest.raises(EvaluationNotSupported, match="do not set --eval-interval"):
-        generate_rollout(types.SimpleNamespace(), 0, None, evaluation=True)
+    key = SigningKey.generate()
+    path = write_key_file(tmp_path / "run.key", key)
+    cfg = config_from_args(types.SimpleNamespace(
+        stoa_bucket="file://weights", stoa_run="r", stoa_run_key=str(path), stoa_rollouts_bucket="file://rollouts",
+    ))
+    assert cfg.run_key == key.public.to_text() and cfg.rollouts_url == "file://rollouts"
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        config_from_args(types.SimpleNamespace(stoa_bucket="file://weights", stoa_run="r", stoa_run_key=str(path)))
 
 
 class _StandInSample:

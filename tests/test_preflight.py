@@ -248,7 +248,8 @@ def test_slime_args_file(setup: Setup, tmp_path: Path, capsys: pytest.CaptureFix
         (["--global-batch-size", "64"], "global-batch-size", "set --global-batch-size 32"),
         (["--num-steps-per-rollout", "2"], "global-batch-size", "contradicts --num-steps-per-rollout 2"),
         (["--num-steps-per-rollout", "3"], "global-batch-size", "pick a divisor of 32"),
-        (["--eval-interval", "5"], "eval-interval", "remove it"),
+        (["--eval-interval", "5"], "eval-interval", "give NAME SPLIT pairs"),
+        (["--eval-interval", "5", "--eval-prompt-data", "gsm8k-test"], "eval-interval", "give NAME SPLIT pairs"),
         (["--use-kl-loss"], "dppo-settings", "--use-kl-loss is not supported"),
     ],
 )  # fmt: skip
@@ -258,6 +259,11 @@ def test_an_inconsistent_flag_fails_with_what_to_change(
     findings = setup.findings(extra)
     assert_fix(findings, check, needle)
     assert preflight.failed(findings)
+
+
+def test_evaluation_with_prompt_data_splits_passes(setup: Setup) -> None:
+    findings = setup.findings(["--eval-interval", "5", "--eval-prompt-data", "gsm8k-test", "test"])
+    assert by_check(findings)["eval-interval"].message == "eval every 5 rollouts on gsm8k-test (split test), answered by the fleet"
 
 
 def test_missing_flags(setup: Setup) -> None:

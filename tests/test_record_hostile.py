@@ -244,7 +244,7 @@ HOSTILE_PAYLOADS: list[tuple[str, bytes, str]] = [
     ("deep array for a str", replaced("kind", nested(1_000_000)), "type"),
     ("deep map for a str", replaced("kind", nested(1_000_000, header=b"\x81\xa1k")), "type"),
     ("deep unknown field", build([*ITEMS, ("z", nested(1_000_000))]), "type"),
-    ("deep unknown field, other schema", build([("schema_version", b"\x02"), *ITEMS[1:], ("z", nested(200_000))]), "schema_version"),
+    ("deep unknown field, other schema", build([("schema_version", b"\x03"), *ITEMS[1:], ("z", nested(200_000))]), "schema_version"),
     ("deep top level", nested(1_000_000), "type"),
     ("deep samples", replaced("samples", nested(100_000)), "type"),
     # huge declared lengths
@@ -367,6 +367,7 @@ def test_bombs_never_inflate() -> None:
 GROUP_KEYS = ["schema_version", "kind", "run", "task_id", "prompt_index", "prompt_tokens", "samples",
               "weight_version", "state_digest", "sampling", "worker_id", "seq", "started_at", "finished_at"]
 SAMPLE_KEYS = ["response_tokens", "logprobs", "finish_reason", "reward"]
+SAMPLE_KEYS_V2 = [*SAMPLE_KEYS, "mask", "turns", "tool_calls"]  # schema v2: tool episodes
 SAMPLING_KEYS = ["temperature", "top_p", "max_tokens", "stop"]
 
 
@@ -406,19 +407,21 @@ def ref_decode(payload: bytes) -> RolloutGroup:
         return v
 
     def array(v: Any, dtype: str) -> np.ndarray:
-        if type(v) is not bytes or len(v) % 4:
+        if type(v) is not bytes or len(v) % np.dtype(dtype).itemsize:
             raise Invalid("bin")
         return np.frombuffer(v, dtype=dtype)
 
     g = struct_of(value, GROUP_KEYS)
     if type(g["samples"]) is not list or type(g["sampling"]) is not dict:
         raise Invalid("containers")
+    v2 = g["schema_version"] == 2 and type(g["schema_version"]) is int
     samples = []
     for raw in g["samples"]:
-        s = struct_of(raw, SAMPLE_KEYS)
+        s = struct_of(raw, SAMPLE_KEYS_V2 if v2 else SAMPLE_KEYS)
+        extra = dict(mask=array(s["mask"], "u1"), turns=int64(s["turns"]), tool_calls=int64(s["tool_calls"])) if v2 else {}
         samples.append(Sample(
             response_tokens=array(s["response_tokens"], "<i4"), logprobs=array(s["logprobs"], "<f4"),
-            finish_reason=string(s["finish_reason"]), reward=f64(s["reward"]),
+            finish_reason=string(s["finish_reason"]), reward=f64(s["reward"]), **extra,
         ))
     sp = struct_of(g["sampling"], SAMPLING_KEYS)
     if type(sp["stop"]) is not list:
@@ -505,6 +508,30 @@ def test_mutated_payloads_match_the_reference(payload: bytes) -> None:
 @PROPERTY
 @given(mutated(OTHER_PAYLOADS[1]))
 def test_mutated_larger_payloads_match_the_reference(payload: bytes) -> None:
+    check_against_reference(payload)
+
+
+def make_v2_group() -> RolloutGroup:
+    """A tool episode group (schema v2): model, tool and model tokens in each sample."""
+    samples = [
+        Sample(response_tokens=[5 + i, 6, 7, 8, 9], logprobs=[-0.1, -2.5, 0.0, 0.0, -0.3], finish_reason="stop",
+               reward=float(i), mask=[1, 1, 0, 0, 1], turns=2, tool_calls=1)
+        for i in range(3)
+    ]
+    return make_group(samples=samples, schema_version=2)
+
+
+PAYLOAD_V2 = encode_payload(make_v2_group())
+
+
+def test_reference_reads_v2() -> None:
+    assert ref_decode(PAYLOAD_V2) == make_v2_group() == decode_group(frame_payload(PAYLOAD_V2))
+    load_record(frame_payload(PAYLOAD_V2), LIMITS, now=NOW)
+
+
+@PROPERTY
+@given(mutated(PAYLOAD_V2))
+def test_mutated_v2_payloads_match_the_reference(payload: bytes) -> None:
     check_against_reference(payload)
 
 

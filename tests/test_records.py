@@ -352,7 +352,7 @@ def test_decode_rejects_wrong_wire_types(path: str, value: Any, reason: str) -> 
 
 
 def test_other_schema_versions_are_named() -> None:
-    newer = {**wire_dict(), "schema_version": 2, "new_field": [1, 2]}
+    newer = {**wire_dict(), "schema_version": 3, "new_field": [1, 2]}  # 2 is v2: see test_records_v2
     assert decode_reason(reframe(newer)) == "schema_version"
     assert decode_reason(reframe({**wire_dict(), "new_field": 1})) == "type"
 
@@ -493,7 +493,7 @@ def replace_sample(**kw: Any) -> RolloutGroup:
 
 
 HOSTILE: list[tuple[str, RolloutGroup, str]] = [
-    ("schema v2", make_group(schema_version=2), "schema_version"),
+    ("schema v3", make_group(schema_version=3), "schema_version"),
     ("unknown kind", make_group(kind="sft"), "kind"),
     ("empty run", make_group(run=""), "identifier"),
     ("control char", make_group(worker_id="mac\n01"), "identifier"),

@@ -128,3 +128,58 @@ async def test_a_worker_token_reads_weights_and_writes_only_rollouts(scoped_serv
     finally:
         await trainer.close()
         await worker.close()
+
+
+# -- a real worker with a least-privilege token, and its config ------------------------------------
+
+
+@pytest.mark.file_only
+async def test_a_worker_with_a_read_only_weights_token_generates_into_the_rollouts_bucket(
+    scoped_server: LocalS3Server, tmp_path: Path
+) -> None:
+    pytest.importorskip("mlx_lm")
+    import asyncio
+
+    from macd.config import DaemonConfig
+    from macd.worker import Worker, WorkerOptions
+    from slime_stoa.protocol.run_manifest import RunManifest
+    from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
+    from tests.conftest import async_wait_until
+
+    run = f"lp-{uuid.uuid4().hex[:6]}"
+    layout = RunLayout(run)
+    endpoint = scoped_server.endpoint_url
+    creds = scoped_server.credentials("worker")
+    env = tmp_path / "worker.env"
+    env.write_text(f"AWS_ACCESS_KEY_ID={creds.access_key_id}\nAWS_SECRET_ACCESS_KEY={creds.secret_access_key}\n")
+    env.chmod(0o600)
+    config = DaemonConfig(
+        store=f"s3://{WEIGHTS_BUCKET}?endpoint={endpoint}", run=run, name="lp-mac", worker_id="lp-mac-0a1b2c",
+        data_dir=tmp_path / "data", batch=2, credentials_file=env,
+        rollouts_store=f"s3://{ROLLOUTS_BUCKET}?endpoint={endpoint}", rollouts_credentials_file=env,
+    )
+    assert DaemonConfig.from_toml(config.to_toml()) == config
+    trainer = SplitStore(scoped_server.store(WEIGHTS_BUCKET), scoped_server.store(ROLLOUTS_BUCKET))
+    worker_store = config.open_store()
+    assert isinstance(worker_store, SplitStore)
+    try:
+        manifest = RunManifest(run=run, model="tiny", task="synthetic", group_size=2, max_tokens=4)
+        await seed_run(trainer, manifest, tiny_synthetic_model(tmp_path / "model"), task_count=20)
+        worker = Worker(config, worker_store, WorkerOptions(seed=3, heartbeat_s=0.3))
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+
+        async def landed() -> bool:
+            return task.done() or bool(await keys(trainer.rollouts, layout.rollouts_prefix()))
+
+        await async_wait_until(landed, timeout=240, interval=0.2, message="a record in the rollouts bucket")
+        stop.set()
+        assert await asyncio.wait_for(task, 120) == 0
+        assert await keys(trainer.rollouts, layout.heartbeat("lp-mac-0a1b2c")) == [layout.heartbeat("lp-mac-0a1b2c")]
+        in_weights = await keys(trainer.weights, layout.root)
+        assert in_weights and not any(routes_to_rollouts(k) for k in in_weights)  # nothing of the worker's there
+        with pytest.raises(StoreConfigError, match="AccessDenied"):  # and it could not have written there
+            await worker_store.weights.put(layout.pointer, b"forged")
+    finally:
+        await trainer.close()
+        await worker_store.close()

@@ -177,6 +177,7 @@ def test_a_running_workers_heartbeat_as_metrics() -> None:
     assert got == {
         "worker/mac-1/running": 1.0, "worker/mac-1/tokens_per_s": 120.5, "worker/mac-1/groups_uploaded": 7.0,
         "worker/mac-1/groups_spooled": 2.0, "worker/mac-1/groups_quarantined": 1.0, "worker/mac-1/errors": 1.0,
+        "worker/mac-1/groups_filtered": 0.0, "worker/mac-1/prompts_solved": 0.0, "worker/mac-1/weights_refused": 0.0,
         "worker/mac-1/swaps": 3.0, "worker/mac-1/last_swap_s": 0.25, "worker/mac-1/memory_gb": 1.5,
         "worker/mac-1/heartbeat_age_s": 5.0, "worker/mac-1/version": 3.0, "worker/mac-1/lag": 3.0,
     }

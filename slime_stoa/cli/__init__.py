@@ -11,16 +11,19 @@ import logging
 import sys
 
 from . import (
+    eval_cmd,
     fleet_cmd,
+    keys_cmd,
     preflight_cmd,
     quickstart_cmd,
     run_cmd,
     store_cmd,
     task_cmd,
     weights_cmd,
+    worker_cmd,
 )
 
-GROUPS = (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd)
+GROUPS = (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd, worker_cmd, keys_cmd, eval_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,11 @@
-"""`stoa fleet`: one table of the workers of a run, from their heartbeats."""
+"""`stoa fleet`: one table of the workers of a run, from their heartbeats.
+
+The `quarantine` column is what the trainer's consumer state in the bucket
+(`runs/<run>/trainer/consumer.json`, saved after every batch) says: the reason a worker is
+quarantined and since when (`stoa worker release WORKER` lifts it). Quarantined workers without
+a heartbeat are listed below the table. Like every object in the bucket, that state is only as
+trustworthy as the bucket's writers; the trainer acts on its own copy.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +13,22 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Mapping
 
 from slime_stoa.protocol.heartbeat import NOT_RUNNING, Heartbeat, ago, read_heartbeats, shown_lag, shown_status
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import read_run_manifest
-from slime_stoa.protocol.store import StoreError, open_store
+from slime_stoa.protocol.store import Store, StoreError, open_store
+from slime_stoa.trainer.consumer.persistence import read_state
+from slime_stoa.trainer.consumer.quarantine import WorkerRecord
 
 from .common import add_run_options, require_run_options
 
-COLUMNS = ("worker", "name", "status", "tier", "version", "lag", "tok/s", "uploaded", "spool", "last seen", "errors")
+COLUMNS = (
+    "worker", "name", "status", "tier", "version", "lag", "tok/s", "uploaded", "spool", "last seen", "errors",
+    "quarantine",
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +39,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fleet.set_defaults(handler=_fleet)
 
 
-def fleet_rows(beats: list[Heartbeat], now: float, pointer_version: int | None = None) -> list[tuple[str, ...]]:
+def quarantine_cell(record: WorkerRecord | None, now: float) -> str:
+    """ "" for a worker not quarantined, else its reason and since when."""
+    if record is None or not record.quarantined:
+        return ""
+    since = f" ({ago(now - record.since_ms / 1000)})" if record.since_ms else ""
+    return f"{record.reason}{since}"
+
+
+def fleet_rows(
+    beats: list[Heartbeat],
+    now: float,
+    pointer_version: int | None = None,
+    quarantine: Mapping[str, WorkerRecord] | None = None,
+) -> list[tuple[str, ...]]:
     """One row per worker; `lag` is against the run's current version when given, and only for
-    workers still running (a stopped worker's version is history, not lag)."""
+    workers still running (a stopped worker's version is history, not lag); `quarantine`: the
+    trainer's quarantine records (see the module doc)."""
+    quarantine = quarantine or {}
     rows: list[tuple[str, ...]] = []
     for b in sorted(beats, key=lambda b: b.worker_id):
         lag = shown_lag(b, now, pointer_version)
@@ -45,6 +73,7 @@ def fleet_rows(beats: list[Heartbeat], now: float, pointer_version: int | None =
                 str(b.groups_spooled),
                 ago(now - b.updated_at),
                 str(b.errors) + (f" ({b.last_error[:40]})" if b.last_error else ""),
+                quarantine_cell(quarantine.get(b.worker_id), now),
             )
         )
     return rows
@@ -56,11 +85,22 @@ def render(rows: list[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table)
 
 
+async def read_quarantine(store: Store, run: str) -> tuple[dict[str, WorkerRecord], str | None]:
+    """The quarantine records of the trainer's saved consumer state ({} when it saved none yet),
+    and a problem reading it (None if read)."""
+    try:
+        state, _ = await read_state(store, run)
+    except (StoreError, ValueError) as exc:
+        return {}, str(exc)
+    return ({} if state is None else state.quarantine), None
+
+
 async def _show(url: str, run: str, watch: bool, interval: float) -> None:
     async with open_store(url) as store:
         await read_run_manifest(store, run)  # a misspelled run is an error, not "0 workers"
         while True:
             beats, bad = await read_heartbeats(store, run)
+            quarantine, problem = await read_quarantine(store, run)
             try:
                 head: int | None = (await read_pointer(store, run)).version
             except (NotPublished, ManifestError):
@@ -70,9 +110,16 @@ async def _show(url: str, run: str, watch: bool, interval: float) -> None:
                 print("\033[2J\033[H", end="")
             at = "no weights published yet" if head is None else f"at v{head}"
             running = sum(shown_status(b, now) not in NOT_RUNNING for b in beats)
+            held = sorted(w for w, r in quarantine.items() if r.quarantined)
             print(f"run {run} {at}: {len(beats)} worker(s), {running} running"
+                  + (f", {len(held)} quarantined" if held else "")
                   + (f", {bad} unreadable heartbeat(s)" if bad else ""))
-            print(render(fleet_rows(beats, now, head)))
+            print(render(fleet_rows(beats, now, head, quarantine)))
+            beating = {b.worker_id for b in beats}
+            for worker in (w for w in held if w not in beating):
+                print(f"quarantined, no heartbeat: {worker} {quarantine_cell(quarantine[worker], now)}")
+            if problem:
+                print(f"quarantine unknown: the trainer's consumer state could not be read: {problem}")
             if not watch:
                 return
             await asyncio.sleep(interval)

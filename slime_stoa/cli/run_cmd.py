@@ -6,8 +6,11 @@ import argparse
 import asyncio
 import os
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 from slime_stoa.protocol.run_manifest import DEFAULT_RETAIN_ANCHORS, PLANES, RunManifest, read_run_manifest
+from slime_stoa.protocol.signing import SigningKey, read_key_file
 from slime_stoa.protocol.store import (
     PreconditionFailed,
     StoreError,
@@ -54,6 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--skip-solved-after", type=int, default=0, metavar="N",
         help="a worker stops drawing a prompt once its last N groups were all correct (0: never)",
     )
+    create.add_argument(
+        "--key", type=Path, metavar="PATH",
+        help="sign the run with this key file (`stoa keys create`): the manifest carries its public key, "
+        "workers pin it and refuse weights it did not sign",
+    )
     create.set_defaults(handler=_run_create)
 
     show = cmds.add_parser("show", help="print a run's manifest")
@@ -88,7 +96,7 @@ def manifest_from_args(args: argparse.Namespace) -> RunManifest:
         max_tokens=args.max_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         group_size=args.group_size,
-        stop=tuple(args.stop),
+        stop=tuple(args.stop) + tuple(s for s in TASKS[args.task].run_stop if s not in args.stop),
         staleness_limit=args.staleness_limit,
         reuse_limit=args.reuse_limit,
         vocab_size=args.vocab_size,
@@ -98,9 +106,10 @@ def manifest_from_args(args: argparse.Namespace) -> RunManifest:
     )
 
 
-async def create_run(url: str, manifest: RunManifest) -> None:
+async def create_run(url: str, manifest: RunManifest, key: SigningKey | None = None) -> None:
+    """Write the run manifest (signed by `key`, which must be its run_key, when given)."""
     async with open_store(url) as store:
-        await store.put_if_absent(manifest.layout.run_manifest, manifest.to_bytes())
+        await store.put_if_absent(manifest.layout.run_manifest, manifest.to_bytes(key))
 
 
 async def read_run(url: str, run: str) -> RunManifest:
@@ -112,7 +121,10 @@ def _run_create(args: argparse.Namespace) -> int:
     try:
         _store_and_run(args)
         manifest = manifest_from_args(args)
-        asyncio.run(create_run(args.store, manifest))
+        key = read_key_file(args.key) if args.key is not None else None
+        if key is not None:
+            manifest = replace(manifest, run_key=key.public.to_text())
+        asyncio.run(create_run(args.store, manifest, key))
     except PreconditionFailed:
         print(f"error: run {args.run!r} already exists in {args.store}; pick another name", file=sys.stderr)
         return 1
@@ -121,6 +133,8 @@ def _run_create(args: argparse.Namespace) -> int:
         return 1
     print(f"created run {manifest.run!r} in {args.store}: task {manifest.task}, group size {manifest.group_size}, "
           f"temperature {manifest.temperature}, plane {manifest.plane}; {retention_text(manifest.retain_anchors)}")
+    if key is not None:
+        print(f"signed with run key {key.key_id} ({key.public.fingerprint}); workers pin it at `macd join`")
     return 0
 
 

@@ -6,10 +6,15 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError, open_store
-from slime_stoa.tasks import TASKS, encode_task_data, generate_items, load_gsm8k_jsonl
+from slime_stoa.tasks import TASKS, TaskItem, encode_task_data, generate_items, load_gsm8k_jsonl
+from slime_stoa.tasks.search.data import Columns, load_corpus, load_qa
+from slime_stoa.tasks.search.rewards import MATCH_KINDS
+from slime_stoa.tasks.search.synthetic import generate as generate_search
+from slime_stoa.tasks.search.synthetic import task_items as search_task_items
 
 from .common import add_run_options, os_error_text, require_run_options
 
@@ -19,10 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmds = task.add_subparsers(title="task commands", metavar="COMMAND", required=True)
     prep = cmds.add_parser(
         "prepare",
-        help="write task data (GSM8K from its jsonl files; the synthetic task generated)",
+        help="write task data (GSM8K from its jsonl files; the synthetic task generated; search with its index)",
         description=(
             "gsm8k: one object per file, its split named after the file (train.jsonl -> train). "
-            "synthetic: --count items generated from --seed into --split."
+            "synthetic: --count items generated from --seed into --split. "
+            "search: QA_FILE... CORPUS_FILE (the last file is the corpus; jsonl, or parquet with pyarrow), "
+            "or --synthetic N generated questions and corpus; builds the BM25 index, uploads it in chunks, "
+            "then one task object per question file."
         ),
     )
     prep.add_argument("task", choices=sorted(TASKS), help="task name")
@@ -31,7 +39,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--split", default=None, help="split name (synthetic: default train)")
     prep.add_argument("--count", type=int, default=2000, help="synthetic: number of items")
     prep.add_argument("--seed", type=int, default=0, help="synthetic: generation seed")
-    prep.add_argument("--limit", type=int, default=None, help="gsm8k: keep only the first N items per file")
+    prep.add_argument("--limit", type=int, default=None, help="gsm8k, search: keep only the first N items per file")
+    search = prep.add_argument_group("search")
+    search.add_argument("--synthetic", type=int, default=None, metavar="N", help="search: generate N questions and their corpus (with --seed)")
+    search.add_argument("--question-field", default="question", help="question column (default: question)")
+    search.add_argument("--answer-field", default="answer", help="answer column: a string or a list of strings (default: answer)")
+    search.add_argument("--contents-field", default="contents", help="corpus passage column (default: contents)")
+    search.add_argument("--title-field", default="title", help="corpus title column, used with --text-field when a row has no contents (default: title)")
+    search.add_argument("--text-field", default="text", help="corpus text column (default: text)")
+    search.add_argument("--match", choices=MATCH_KINDS, default="cover_em", help="reward: cover exact match (default) or exact match")
+    search.add_argument("--top-k", type=int, default=3, help="passages per search (default: 3)")
+    search.add_argument("--max-observation-chars", type=int, default=1500, help="characters of passages per search (default: 1500)")
+    search.add_argument("--chunk-mb", type=int, default=64, help="size of the index's bucket objects in MiB (default: 64)")
     prep.set_defaults(handler=_prepare)
 
 
@@ -72,11 +91,55 @@ async def _put(url: str, run: str, task: str, objects: dict[str, bytes]) -> list
         return await put_task_objects(store, run, task, objects)
 
 
+def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, ...]], list[str], dict[str, Any]]:
+    """(items per split, passages, task meta) of `prepare search` (pure but for reading files)."""
+    meta: dict[str, Any] = {"match": args.match, "top_k": args.top_k, "max_observation_chars": args.max_observation_chars}
+    if args.synthetic is not None:
+        if args.files:
+            raise ValueError("--synthetic generates the questions and the corpus: give no files")
+        data = generate_search(args.synthetic, seed=args.seed)
+        meta.update(source="synthetic", seed=args.seed)
+        return {args.split or "train": search_task_items(data)}, list(data.passages), meta
+    if len(args.files) < 2:
+        raise ValueError("give QA_FILE... CORPUS_FILE (the last file is the corpus), or --synthetic N")
+    *qa_files, corpus_file = args.files
+    if args.split and len(qa_files) > 1:
+        raise ValueError("--split names one file's split; give one question file or drop --split")
+    columns = Columns(
+        question=args.question_field,
+        answer=args.answer_field,
+        contents=args.contents_field,
+        title=args.title_field,
+        text=args.text_field,
+    )
+    splits = {args.split or p.name.split(".")[0]: load_qa(p, columns=columns, limit=args.limit) for p in qa_files}
+    if len(splits) != len(qa_files):
+        raise ValueError("two question files would give the same split name")
+    meta["source"] = {"questions": [p.name for p in qa_files], "corpus": corpus_file.name}
+    return splits, load_corpus(corpus_file, columns=columns), meta
+
+
+async def _put_search(url: str, run: str, args: argparse.Namespace) -> tuple[dict[str, bytes], list[str]]:
+    from slime_stoa.tasks.search.prepare import prepare_search  # bm25s: only for this command
+
+    splits, passages, meta = search_inputs(args)
+    if not 1 <= args.chunk_mb <= 512:
+        raise ValueError("--chunk-mb must be 1..512")
+    async with open_store(url) as store:
+        prepared = await prepare_search(store, run, splits, passages, meta=meta, chunk_bytes=args.chunk_mb << 20)
+        keys = await put_task_objects(store, run, "search", dict(prepared.objects))
+    print(f"index: {prepared.passages:,} passages, manifest {RunLayout(run).task_index_file('search', 'manifest.json')} (sha256 {prepared.manifest_sha256[:16]}...)")
+    return dict(prepared.objects), keys
+
+
 def _prepare(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     try:
-        objects = task_objects(args.task, args.files, split=args.split, count=args.count, seed=args.seed, limit=args.limit)
-        keys = asyncio.run(_put(url, run, args.task, objects))
+        if args.task == "search":
+            objects, keys = asyncio.run(_put_search(url, run, args))
+        else:
+            objects = task_objects(args.task, args.files, split=args.split, count=args.count, seed=args.seed, limit=args.limit)
+            keys = asyncio.run(_put(url, run, args.task, objects))
     except OSError as exc:
         print(f"error: {os_error_text(exc)}", file=sys.stderr)
         return 1

@@ -24,6 +24,9 @@ from slime_stoa.protocol.pulse.history import (
 )
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError
+from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signing import read_key_file
 from slime_stoa.protocol.store import NotFound, Store, StoreError, open_store
 
 from .common import add_run_options, human_bytes, os_error_text, require_run_options
@@ -36,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     seed = cmds.add_parser("publish-anchor", help="seed a new run from an HF checkpoint folder (version 0)")
     seed.add_argument("hf_dir", type=Path, help="HF model folder (config.json, *.safetensors, tokenizer files)")
     add_run_options(seed)
+    seed.add_argument("--key", type=Path, metavar="PATH", help="the run key file of a signed run (signs v0)")
     seed.set_defaults(handler=_sync(publish_anchor))
 
     status = cmds.add_parser("status", help="current version and the recent versions' sizes")
@@ -45,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     verify = cmds.add_parser("verify", help="rebuild the current version from the bucket and check every digest")
     add_run_options(verify)
+    _add_run_key(verify)
     verify.set_defaults(handler=_sync(verify_run))
 
     inspect = cmds.add_parser("inspect", help="one version's manifest: patches, frames, densest tensors")
@@ -56,7 +61,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_options(export)
     export.add_argument("--version", type=int, default=None, help="version (default: current)")
     export.add_argument("out_dir", type=Path, help="folder to write")
+    _add_run_key(export)
     export.set_defaults(handler=_sync(export_version))
+
+
+def _add_run_key(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--run-key", metavar="TEXT",
+        help="verify signatures and content hashes against this run key (ed25519:...); default: the run "
+        "manifest's key for a signed run",
+    )
+
+
+async def run_trust(store: Store, run: str, pinned: str | None) -> RunTrust | None:
+    """The trust weights are checked against: `pinned` (which the run manifest must carry), else a
+    signed run's own key; None for an unsigned run without `pinned`."""
+    try:
+        manifest = await read_run_manifest(store, run, pinned=pinned)
+    except RunNotFound:
+        if pinned is None:
+            return None
+        raise
+    text = pinned or manifest.run_key
+    if text is None:
+        return None
+    trust = RunTrust.from_text(run, text)
+    print(f"checking signatures against run key {trust.pinned.key_id} ({'given' if pinned else 'the run manifest'})")
+    return trust
 
 
 def _sync(fn):
@@ -85,7 +116,8 @@ async def publish_anchor(args: argparse.Namespace) -> int:
             return 1
         except NotPublished:
             pass
-        result = await Publisher(store, run, PublisherConfig(extras_dir=args.hf_dir)).publish(state)
+        key = read_key_file(args.key) if args.key is not None else None
+        result = await Publisher(store, run, PublisherConfig(extras_dir=args.hf_dir), key=key).publish(state)
     print(
         f"published anchor v{result.version} of run {run!r}: {len(state)} tensors, "
         f"{result.elements:,} bf16 weights, {human_bytes(result.anchor_bytes)} in {result.seconds:.1f}s"
@@ -119,12 +151,13 @@ async def verify_run(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     problems: list[str] = []
     async with open_store(url) as store:
-        pointer = await read_pointer(store, run)
-        head = await read_manifest(store, pointer.manifest)
+        trust = await run_trust(store, run, args.run_key)
+        pointer = await read_pointer(store, run, trust=trust)
+        head = await read_manifest(store, pointer.manifest, trust=trust)
         if head.state_digest != pointer.state_digest:
             problems.append("the pointer's digest differs from its manifest's")
         checked = 0
-        async for m in walk_back(store, head, limit=pointer.version + 1):
+        async for m in walk_back(store, head, limit=pointer.version + 1, trust=trust):
             for ref in m.patches:
                 try:
                     info = await store.head(ref.key)
@@ -136,7 +169,7 @@ async def verify_run(args: argparse.Namespace) -> int:
             if m.anchor.version == m.version:
                 break  # the chain from here on is reachable from this anchor
         try:
-            rebuilt = await rebuild(store, run, pointer.version)
+            rebuilt = await rebuild(store, run, pointer.version, trust=trust)
             print(f"rebuilt v{pointer.version} via {rebuilt.path}: digest {pointer.state_digest} OK")
         except HistoryError as exc:
             problems.append(str(exc))
@@ -175,13 +208,14 @@ async def inspect_version(args: argparse.Namespace) -> int:
 async def export_version(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     async with open_store(url) as store:
+        trust = await run_trust(store, run, args.run_key)
         try:
-            rebuilt = await rebuild(store, run, args.version)
+            rebuilt = await rebuild(store, run, args.version, trust=trust)
         except HistoryError as exc:
             if isinstance(exc, NotPublished):
                 raise
             raise HistoryError(f"{exc}; {await exportable_versions(store, run)}") from None
-        anchor = await read_anchor_manifest(store, rebuilt.manifest.anchor.manifest)
+        anchor = await read_anchor_manifest(store, rebuilt.manifest.anchor.manifest, trust=trust)
         with tempfile.TemporaryDirectory() as tmp:
             await download_extras(store, anchor, Path(tmp))
             out = save_hf_folder(rebuilt.state, args.out_dir, source_dir=Path(tmp))

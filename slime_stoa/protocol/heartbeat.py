@@ -40,6 +40,7 @@ class Heartbeat:
     last_swap_s: float = 0.0
     errors: int = 0
     last_error: str = ""
+    weights_refused: int = 0  # weight objects refused: signature or content hash did not check (a forgery)
     memory_gb: float = 0.0  # resident memory of the daemon
     started_at: float = 0.0
     updated_at: float = 0.0
@@ -132,7 +133,8 @@ def worker_metrics(beat: Heartbeat, now: float, *, prefix: str = "worker", head:
     these): `running` (1 or 0, `shown_status`), `tokens_per_s` (0 when not running),
     `version` and `lag` (`shown_lag` against `head`; each left out when unknown), the
     cumulative `groups_uploaded` and `errors`, the spool (`groups_spooled`,
-    `groups_quarantined`), `swaps`, `last_swap_s`, `memory_gb` and `heartbeat_age_s`."""
+    `groups_quarantined`), the worker's own filters (`groups_filtered`, `prompts_solved`), weight
+    objects it refused (`weights_refused`), `swaps`, `last_swap_s`, `memory_gb` and `heartbeat_age_s`."""
     running = shown_status(beat, now) not in NOT_RUNNING
     values: dict[str, float] = {
         "running": float(running),
@@ -140,6 +142,9 @@ def worker_metrics(beat: Heartbeat, now: float, *, prefix: str = "worker", head:
         "groups_uploaded": beat.groups_uploaded,
         "groups_spooled": beat.groups_spooled,
         "groups_quarantined": beat.groups_quarantined,
+        "groups_filtered": beat.groups_filtered,
+        "prompts_solved": beat.prompts_solved,
+        "weights_refused": beat.weights_refused,
         "errors": beat.errors,
         "swaps": beat.swaps,
         "last_swap_s": beat.last_swap_s,
@@ -200,6 +205,7 @@ _FIELD_KINDS = {
     "last_swap_s": "number",
     "errors": "count",
     "last_error": "str",
+    "weights_refused": "count",
     "memory_gb": "number",
     "started_at": "number",
     "updated_at": "number",

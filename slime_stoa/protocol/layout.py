@@ -9,8 +9,11 @@
     runs/<run>/rollouts/<ts>-<worker>-<seq>.rec       train rollout-group records (immutable)
     runs/<run>/evals/<ts>-<worker>-<seq>.rec          eval rollout-group records (immutable)
     runs/<run>/workers/<worker>.json                  worker heartbeat
+    runs/<run>/registry.json                          worker registry (signed by the run key)
     runs/<run>/tasks/<task>/<split>.jsonl.zst         task data of one split (`task_data`)
+    runs/<run>/tasks/<task>/index/<file>              search index chunks, manifest.json last
     runs/<run>/trainer/<name>                         trainer state (cursors, ledgers)
+    runs/<run>/eval-requests/<v>-<split>.json         eval request (trainer-written, `eval_request`)
 
 `<v>` is the version zero-padded to 12 digits, `<a>` the publish attempt (8 hex digits, fresh
 for every publish call) and `<ts>` a 13-digit millisecond timestamp, so listing order is version
@@ -142,6 +145,12 @@ class RunLayout:
     def pointer(self) -> str:
         return f"{self.root}current.json"
 
+    def key_rotation(self, seq: int) -> str:
+        """Run key rotation `seq` (1, 2, ...), signed by the key before it (`run_trust`)."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq <= 999_999:
+            raise ValueError(f"key rotation number must be 1..999999, got {seq!r}")
+        return f"{self.root}keys/{seq:06d}.json"
+
     @property
     def anchors_prefix(self) -> str:
         return f"{self.root}anchors/"
@@ -263,5 +272,32 @@ class RunLayout:
         """The task data of one split (`stoa task prepare` writes it, workers draw prompts from it)."""
         return self.task_file(task, f"{check_name('task split', split)}.jsonl.zst")
 
+    def task_index_file(self, task: str, name: str) -> str:
+        """An object of the task's search index: `index/manifest.json` (written last) or a chunk."""
+        return f"{self.task_prefix(task)}index/{check_name('file', name)}"
+
     def trainer_file(self, name: str) -> str:
         return f"{self.root}trainer/{check_name('file', name)}"
+
+    # -- eval requests (trainer-written; `protocol.eval_request`) ----------------------------
+    @property
+    def eval_requests_prefix(self) -> str:
+        return f"{self.root}eval-requests/"
+
+    def eval_request(self, version: int, split: str) -> str:
+        """The eval request of `version` over a task split: `eval-requests/<v>-<split>.json`."""
+        return f"{self.eval_requests_prefix}{version_str(version)}-{check_name('task split', split)}.json"
+
+    def parse_eval_request(self, key: str) -> tuple[int, str] | None:
+        """(version, split) of an eval-request key of this run; None for any other key."""
+        if not isinstance(key, str) or not key.startswith(self.eval_requests_prefix) or not key.endswith(".json"):
+            return None
+        head, sep, split = key[len(self.eval_requests_prefix) : -len(".json")].partition("-")
+        if not sep or len(head) != VERSION_DIGITS or not head.isdigit() or not head.isascii() or not _is_name(split):
+            return None
+        return int(head), split
+
+    @property
+    def registry(self) -> str:
+        """The worker registry: worker keys, signed by the run key (`protocol.registry`)."""
+        return f"{self.root}registry.json"

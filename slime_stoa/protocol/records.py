@@ -1,9 +1,24 @@
-"""Rollout-group records (schema v1): the in-memory types and their wire encoding.
+"""Rollout-group records (schemas v1 and v2): the in-memory types and their wire encoding.
 
 A record is one prompt group: the prompt tokens and G sampled responses, with the per-token
 logprobs the worker saw, its rewards, and the weight version it sampled from. Workers upload one
 record per object; the trainer decodes it with `decode_group` and checks it with
 `slime_stoa.protocol.validate`.
+
+Schemas. v1 is single-turn: every response token was sampled by the model. v2 adds multi-turn
+tool episodes: a response is the whole continuation after the prompt, model turns interleaved
+with tool observations, and each sample also carries
+
+    mask        uint8 per response token: 1 = sampled by the model, 0 = a tool/observation token
+    turns       model turns (the runs of 1s in `mask`)
+    tool_calls  tool observations appended (the runs of 0s in `mask`)
+
+`logprobs` keeps one entry per response token (the same length check as v1, and slime's
+`rollout_log_probs` layout); at a tool position it is +0.0 and means nothing. The record's
+`schema_version` chooses the layout: 1 writes the v1 map (so single-turn bytes are unchanged; a
+sample with a tool token cannot be written as v1), 2 the v2 map. A worker writes v2 for every
+group of a tool task, tool call or not, so one run has one layout. In memory every `Sample` has
+a mask: a v1 sample's is all ones (turns 1, tool calls 0).
 
 Wire format (format 1):
 
@@ -40,7 +55,10 @@ import msgspec
 import numpy as np
 import zstandard
 
-SCHEMA_VERSION = 1
+SCHEMA_V1 = 1  # single-turn: every response token is the model's
+SCHEMA_V2 = 2  # multi-turn tool episodes: a per-token mask, turns and tool calls per sample
+SCHEMA_VERSION = SCHEMA_V1  # the default (and the single-turn layout)
+SCHEMA_VERSIONS = (SCHEMA_V1, SCHEMA_V2)
 MAGIC = b"\x89STOARG"  # non-ASCII first byte: a text file never looks like a record
 FORMAT = 1
 HEADER_LEN = len(MAGIC) + 1
@@ -50,6 +68,8 @@ _MAX_WINDOW = 1 << 27  # zstd's own default limit, checked before the decompress
 
 KINDS = ("train", "eval")
 FINISH_REASONS = ("stop", "length")
+#: v2 adds "turns": the episode's last allowed model turn called a tool (the tool was not run).
+FINISH_REASONS_V2 = (*FINISH_REASONS, "turns")
 
 # Stable reason codes of RecordError, for counting rejects.
 DECODE_REASONS = frozenset(
@@ -71,6 +91,7 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INT32 = np.iinfo(np.int32)
 _TOKEN_WIRE = np.dtype("<i4")
 _LOGPROB_WIRE = np.dtype("<f4")
+_MASK_WIRE = np.dtype("u1")
 
 
 class RecordError(Exception):
@@ -142,10 +163,25 @@ def as_logprob_array(value: Any, name: str = "logprobs") -> np.ndarray:
     return _frozen(a, np.dtype(np.float32))
 
 
+def as_mask_array(value: Any, name: str = "mask") -> np.ndarray:
+    """A loss mask as a read-only 1-D uint8 array (values are checked by the validator)."""
+    a = np.asarray(value)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iub":
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.size and a.dtype.kind != "b" and (a.min() < 0 or a.max() > 255):
+        raise ValueError(f"{name} has values outside uint8")
+    return _frozen(a, _MASK_WIRE)
+
+
 #: Token ids in memory: a read-only int32 array; on the wire, its little-endian int32 bytes.
 TokenArray = Annotated[np.ndarray, _TOKEN_WIRE]
 #: Logprobs in memory: a read-only float32 array; on the wire, its little-endian float32 bytes.
 LogprobArray = Annotated[np.ndarray, _LOGPROB_WIRE]
+#: A loss mask in memory: a read-only uint8 array; on the wire (v2 only), its bytes.
+MaskArray = Annotated[np.ndarray, _MASK_WIRE]
+_DEFAULT_MASK = np.zeros(0, dtype=np.uint8)  # sentinel: "every token is the model's"
 
 
 def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
@@ -199,12 +235,16 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Sample:
-    """One sampled response. `logprobs[i]` is the logprob of `response_tokens[i]`."""
+    """One sampled response. `logprobs[i]` is the logprob of `response_tokens[i]` (v2: +0.0 at a
+    tool token). `mask` defaults to all ones (every token the model's)."""
 
     response_tokens: TokenArray  # int32 [n], read-only
     logprobs: LogprobArray  # float32 [n], read-only, at the sampling temperature
-    finish_reason: str  # "stop" | "length" (checked by the validator)
+    finish_reason: str  # "stop" | "length" | v2: "turns" (checked by the validator)
     reward: float  # the worker's reward; the trainer recomputes its own
+    mask: MaskArray = dataclasses.field(default_factory=lambda: _DEFAULT_MASK)  # uint8 [n]: 1 model, 0 tool
+    turns: int = 1  # model turns (runs of 1s in mask)
+    tool_calls: int = 0  # tool observations (runs of 0s in mask)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -213,6 +253,22 @@ class Sample:
         object.__setattr__(self, "logprobs", as_logprob_array(self.logprobs, "logprobs"))
         object.__setattr__(self, "finish_reason", _check_str(self.finish_reason, "finish_reason"))
         object.__setattr__(self, "reward", _check_float(self.reward, "reward"))
+        if self.mask is _DEFAULT_MASK:
+            mask = np.ones(len(self.response_tokens), dtype=np.uint8)
+            mask.setflags(write=False)
+            object.__setattr__(self, "mask", mask)
+        else:
+            object.__setattr__(self, "mask", as_mask_array(self.mask, "mask"))
+        for name in ("turns", "tool_calls"):
+            object.__setattr__(self, name, _check_int(getattr(self, name), name))
+
+    @property
+    def single_turn(self) -> bool:
+        """Whether the v1 layout can hold this sample: one turn, no tool call, no tool token.
+
+        The v1 wire has no mask (it is implied all ones), so its length is not looked at: a
+        sample `dataclasses.replace`d with other tokens keeps its old mask."""
+        return self.turns == 1 and self.tool_calls == 0 and bool(np.all(self.mask == 1))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
@@ -303,11 +359,17 @@ def _tuple_codec(item: _Codec) -> _Codec:
     )
 
 
-def _struct_codec(cls: type) -> _Codec:
+def _struct_codec(
+    cls: type, *, only: tuple[str, ...] | None = None, nested: dict[str, _Codec] | None = None, tag: str = ""
+) -> _Codec:
+    """The codec of dataclass `cls`: its fields in order (`only`: just those), each by its type
+    hint unless `nested` gives its codec."""
     hints = get_type_hints(cls, include_extras=True)
-    parts = [(f.name, _codec(hints[f.name])) for f in fields(cls)]
+    nested = nested or {}
+    names = [f.name for f in fields(cls) if only is None or f.name in only]
+    parts = [(name, nested[name] if name in nested else _codec(hints[name])) for name in names]
     wire = msgspec.defstruct(
-        f"_Wire{cls.__name__}", [(name, c.wire) for name, c in parts], forbid_unknown_fields=True
+        f"_Wire{cls.__name__}{tag}", [(name, c.wire) for name, c in parts], forbid_unknown_fields=True
     )
 
     def to_wire(obj: Any) -> Any:
@@ -342,11 +404,23 @@ def _wire_array(raw: bytes, dtype: np.dtype, name: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)  # read-only view; the Sample converts if not native
 
 
-_GROUP = _struct_codec(RolloutGroup)
+V1_SAMPLE_FIELDS = ("response_tokens", "logprobs", "finish_reason", "reward")
+_SAMPLE_V1 = _struct_codec(Sample, only=V1_SAMPLE_FIELDS, tag="V1")
+_SAMPLE_V2 = _struct_codec(Sample, nested={"mask": _array_codec(_MASK_WIRE)}, tag="V2")
+_GROUPS = {
+    SCHEMA_V1: _struct_codec(RolloutGroup, nested={"samples": _tuple_codec(_SAMPLE_V1)}, tag="V1"),
+    SCHEMA_V2: _struct_codec(RolloutGroup, nested={"samples": _tuple_codec(_SAMPLE_V2)}, tag="V2"),
+}
+
+
+def _layout(version: int | None) -> int:
+    """The wire layout of a schema version: v2's for 2, v1's for any other (an unknown version
+    that fits v1's layout decodes, and the validator refuses it)."""
+    return SCHEMA_V2 if version == SCHEMA_V2 else SCHEMA_V1
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(_GROUP.wire)
+_DECODERS = {v: msgspec.msgpack.Decoder(c.wire) for v, c in _GROUPS.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,8 +428,18 @@ _DECODER = msgspec.msgpack.Decoder(_GROUP.wire)
 
 
 def encode_payload(group: RolloutGroup) -> bytes:
-    """The uncompressed msgpack payload of `group` (no header)."""
-    return _ENCODER.encode(_GROUP.to_wire(group))
+    """The uncompressed msgpack payload of `group` (no header), in its schema's layout.
+
+    ValueError when a v1 (or unknown-version) group holds a sample only v2 can carry."""
+    layout = _layout(group.schema_version)
+    if layout == SCHEMA_V1:
+        for i, s in enumerate(group.samples):
+            if not s.single_turn:
+                raise ValueError(
+                    f"samples[{i}] has tool tokens, turns or tool calls: schema v1 cannot hold them "
+                    f"(use schema_version={SCHEMA_V2})"
+                )
+    return _ENCODER.encode(_GROUPS[layout].to_wire(group))
 
 
 def frame_payload(payload: bytes) -> bytes:
@@ -415,10 +499,9 @@ def unframe(data: bytes | bytearray | memoryview, *, max_bytes: int) -> bytes:
     return out
 
 
-def _type_reason(payload: bytes) -> str:
-    """"schema_version" when a mistyped payload declares another schema (its layout may differ)."""
-    version = _peek_schema_version(payload)
-    return "type" if version is None or version == SCHEMA_VERSION else "schema_version"
+def _type_reason(version: int | None) -> str:
+    """"schema_version" when a mistyped payload declares an unknown schema (its layout may differ)."""
+    return "type" if version is None or version in SCHEMA_VERSIONS else "schema_version"
 
 
 #: Deepest msgpack nesting walked when looking for `schema_version` (the schema's is 4: the record
@@ -521,11 +604,13 @@ def decode_payload(payload: bytes, *, max_samples: int | None = None) -> Rollout
     writes (msgspec's: keys in field order, each once, minimal int, str, bin, array and map
     headers, float64 floats). So a map with a duplicate key (which msgspec alone would read as
     its last value), reordered keys, an int where a float belongs or a float32 are refused
-    ("msgpack"), and a record has exactly one byte form."""
+    ("msgpack"), and a record has exactly one byte form. The layout is the declared
+    `schema_version`'s (v2 for 2, else v1), found by a bounded peek before decoding."""
+    version = _peek_schema_version(payload)
     try:
-        wire = _DECODER.decode(payload)
+        wire = _DECODERS[_layout(version)].decode(payload)
     except msgspec.ValidationError as e:
-        raise RecordError(_type_reason(payload), str(e)) from None
+        raise RecordError(_type_reason(version), str(e)) from None
     except msgspec.DecodeError as e:
         raise RecordError("msgpack", str(e)) from None
     except RecursionError:  # not expected: the typed decoder never skips a value
@@ -540,7 +625,8 @@ def decode_payload(payload: bytes, *, max_samples: int | None = None) -> Rollout
             "float, a float32, or a non-minimal header)",
         )
     try:
-        return _GROUP.from_wire(wire, "")
+        group: RolloutGroup = _GROUPS[_layout(version)].from_wire(wire, "")
+        return group
     except RecordError:
         raise
     except Exception as e:  # TypeError / ValueError from the constructors; anything else alike
@@ -567,15 +653,21 @@ __all__ = [
     "DECODE_REASONS",
     "DEFAULT_MAX_RECORD_BYTES",
     "FINISH_REASONS",
+    "FINISH_REASONS_V2",
     "FORMAT",
     "KINDS",
     "MAGIC",
+    "SCHEMA_V1",
+    "SCHEMA_V2",
     "SCHEMA_VERSION",
+    "SCHEMA_VERSIONS",
+    "V1_SAMPLE_FIELDS",
     "RecordError",
     "RolloutGroup",
     "Sample",
     "SamplingParams",
     "as_logprob_array",
+    "as_mask_array",
     "as_token_array",
     "decode_group",
     "decode_payload",

@@ -3,6 +3,12 @@
 Written once by the operator (`stoa run create`) with put-if-absent; workers and the trainer
 read it. The model's weights, config and tokenizer come from the run's anchors, so a Mac needs
 nothing but the bucket URL and the run name.
+
+A signed run (`stoa run create --key`) carries its run key's public half (`run_key`) and is
+signed by it; workers pin that key at `macd join` and refuse weights it (or a key it rotated
+to, `run_trust`) did not sign. A manifest with a `run_key` that its key did not sign does not
+parse; a reader that pinned a key (`read_run_manifest(pinned=...)`) refuses a manifest naming
+another.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, get_args
 
 from .layout import RunLayout, check_name
+from .signing import SIGNATURE_FIELD, PublicKey, SignatureError, SigningKey, sign_document, verify_document
 from .store import NotFound, Store
 from .strict_json import load_json
 
@@ -62,6 +69,7 @@ class RunManifest:
     # setting (`stoa_retain_anchors`) overrides it.
     retain_anchors: int = DEFAULT_RETAIN_ANCHORS
     created_at: float = field(default_factory=time.time)
+    run_key: str | None = None  # the run key's public half, "ed25519:..." (None: an unsigned run)
 
     def __post_init__(self) -> None:
         # Every field is read from the bucket, which any worker's token can write: check types
@@ -104,9 +112,25 @@ class RunManifest:
             raise ValueError("stop must be a tuple of non-empty strings")
         if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
+        if self.run_key is not None:
+            PublicKey.from_text(self.run_key)  # ValueError naming the problem
 
-    def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True).encode()
+    @property
+    def public_key(self) -> PublicKey | None:
+        """The run key (None for an unsigned run)."""
+        return PublicKey.from_text(self.run_key) if self.run_key is not None else None
+
+    def to_bytes(self, key: SigningKey | None = None) -> bytes:
+        """The manifest's JSON; signed by `key`, which must be the manifest's `run_key`, when given
+        (a signed run must be written signed: its readers refuse it otherwise)."""
+        doc = {"format": FORMAT, **asdict(self)}
+        if self.run_key is None:
+            del doc["run_key"]  # unsigned runs keep the bytes older readers know
+        if key is not None:
+            if self.run_key != key.public.to_text():
+                raise ValueError(f"key {key.key_id} is not this run's run_key")
+            doc = sign_document(doc, key)
+        return json.dumps(doc, indent=2, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunManifest:
@@ -114,8 +138,17 @@ class RunManifest:
             doc = load_json(data)
         except ValueError as exc:
             raise ValueError(f"run manifest is not valid JSON: {exc}") from None
-        if not isinstance(doc, dict) or doc.pop("format", None) != FORMAT:
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} run manifest")
+        signed = dict(doc)
+        doc.pop("format")
+        signature = doc.pop(SIGNATURE_FIELD, None)
+        run_key = doc.get("run_key")
+        if run_key is not None or signature is not None:  # a signed run: its own key signed it
+            try:
+                verify_document(signed, PublicKey.from_text(run_key), where="run manifest")
+            except (SignatureError, ValueError) as exc:
+                raise ValueError(f"run manifest with run_key {str(run_key)[:60]!r}: {exc}") from None
         known = {f.name for f in fields(cls)}
         unknown = set(doc) - known
         if unknown:
@@ -136,11 +169,16 @@ class RunNotFound(LookupError, ValueError):
     """The bucket has no manifest for the run: it was never created (or the name is wrong)."""
 
 
-async def read_run_manifest(store: Store, run: str) -> RunManifest:
+class RunKeyMismatch(ValueError):
+    """The run manifest does not carry (and so was not signed by) the run key a reader pinned."""
+
+
+async def read_run_manifest(store: Store, run: str, *, pinned: str | None = None) -> RunManifest:
     """The manifest of `run` in `store` (`runs/<run>/run.json`): the one reader of it.
 
     RunNotFound when the run does not exist; ValueError when the manifest does not parse or
-    describes another run; StoreError when the bucket cannot be read.
+    describes another run; StoreError when the bucket cannot be read. With `pinned` (public key
+    text), RunKeyMismatch unless the manifest is signed by that key.
     """
     key = RunLayout(run).run_manifest
     try:
@@ -155,6 +193,11 @@ async def read_run_manifest(store: Store, run: str) -> RunManifest:
         raise ValueError(f"{key} in {store.url} is invalid: {exc}") from None
     if manifest.run != run:
         raise ValueError(f"{key} in {store.url} describes run {manifest.run!r}, not {run!r}")
+    if pinned is not None and manifest.run_key != pinned:
+        found = "no run key (unsigned)" if manifest.run_key is None else f"run key {manifest.public_key.key_id}"  # type: ignore[union-attr]
+        raise RunKeyMismatch(
+            f"{key} in {store.url} has {found}, not the pinned key {PublicKey.from_text(pinned).key_id}: refusing it"
+        )
     return manifest
 
 

@@ -18,6 +18,14 @@ exactly `sampling.max_tokens` tokens ("finish_mismatch" otherwise); "stop" for o
 an EOS token or a stop string, at any length up to the limit. Whether a "stop" at the limit really
 ends on a stop token (and a "length" does not) needs the tokenizer: the trainer's re-scoring
 checks that (`slime_stoa.trainer.consumer.scoring`).
+
+Schema v2 (tool episodes, see `slime_stoa.protocol.records`): the response is the whole episode,
+so `max_response_tokens` and `sampling.max_tokens` bound model and tool tokens together (the
+episode's token budget). Each sample's `mask` must have one 0/1 value per response token and
+start with a model token; `turns` and `tool_calls` must be its runs of 1s and 0s; no run of tool
+tokens may exceed `max_tool_tokens` and no episode `max_turns` model turns; a tool position's
+logprob must be +0.0 exactly (one byte form). "turns" (the last allowed turn called a tool) is a
+v2 finish reason and ends on a model token; v1 samples are checked as before.
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from slime_stoa.protocol.records import (
     DECODE_REASONS,
     DEFAULT_MAX_RECORD_BYTES,
     FINISH_REASONS,
+    FINISH_REASONS_V2,
     KINDS,
-    SCHEMA_VERSION,
+    SCHEMA_V2,
+    SCHEMA_VERSIONS,
     RecordError,
     RolloutGroup,
     Sample,
@@ -46,7 +56,7 @@ from slime_stoa.protocol.records import (
 # Stable reason codes of validate_group (RecordRejected.reason).
 VALIDATION_REASONS = frozenset(
     {
-        "schema_version",  # schema_version is not SCHEMA_VERSION
+        "schema_version",  # schema_version not in SCHEMA_VERSIONS
         "kind",  # kind not in limits.allowed_kinds
         "run",  # run differs from limits.expected_run
         "identifier",  # run / task_id not a layout name, worker_id not a layout worker id (check_name)
@@ -66,6 +76,12 @@ VALIDATION_REASONS = frozenset(
         "bad_finish_reason",  # finish_reason not in FINISH_REASONS
         "finish_mismatch",  # "length" on a response shorter than sampling.max_tokens
         "reward_not_finite",  # NaN or infinite reward
+        # schema v2
+        "mask_length",  # len(mask) != len(response_tokens)
+        "mask_value",  # a mask value other than 0/1, or a response that starts with a tool token
+        "tool_span",  # a run of tool tokens longer than max_tool_tokens
+        "turns",  # turns / tool_calls not the mask's runs, or more than max_turns turns
+        "logprob_tool",  # a tool token's logprob is not +0.0
     }
 )
 # Every reason load_record can report: decoding failures keep their RecordError reason
@@ -119,10 +135,14 @@ class RecordLimits:
     """How far finished_at may lie in the trainer's future."""
     max_generation_s: float = 86_400.0
     """Longest finished_at - started_at."""
+    max_turns: int = 16
+    """Schema v2: most model turns in one episode."""
+    max_tool_tokens: int = 4096
+    """Schema v2: longest run of tool (observation) tokens."""
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "max_samples", "max_prompt_tokens", "max_response_tokens")
-        for name in (*positive, "max_record_bytes", "max_id_chars", "max_stop_chars"):
+        for name in (*positive, "max_record_bytes", "max_id_chars", "max_stop_chars", "max_turns", "max_tool_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RecordLimits.{name} must be >= 1")
         if self.vocab_size > 2**31:
@@ -159,8 +179,8 @@ def _check_identifier(name: str, value: str, limits: RecordLimits) -> None:
 
 
 def _check_header(g: RolloutGroup, limits: RecordLimits) -> None:
-    if g.schema_version != SCHEMA_VERSION:
-        raise RecordRejected("schema_version", f"{g.schema_version}, expected {SCHEMA_VERSION}")
+    if g.schema_version not in SCHEMA_VERSIONS:
+        raise RecordRejected("schema_version", f"{g.schema_version}, expected one of {SCHEMA_VERSIONS}")
     if g.kind not in limits.allowed_kinds:
         raise RecordRejected("kind", f"{_short(g.kind)} not in {sorted(limits.allowed_kinds)}")
     for name in ("run", "task_id", "worker_id"):
@@ -241,7 +261,41 @@ def _check_logprobs(lp: np.ndarray, limits: RecordLimits, where: str) -> None:
         raise RecordRejected("logprob_too_small", f"{where}[{i}] = {lp[i]} < {limits.min_logprob}")
 
 
-def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits) -> None:
+def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the runs of equal values in a non-empty 1-D array."""
+    starts = np.flatnonzero(np.concatenate(([True], mask[1:] != mask[:-1])))
+    return starts, np.diff(np.append(starts, len(mask)))
+
+
+def _check_mask(i: int, s: Sample, limits: RecordLimits) -> None:
+    """Schema v2: the mask, turns, tool calls, tool spans and tool-position logprobs."""
+    n, mask = len(s.response_tokens), s.mask
+    if len(mask) != n:
+        raise RecordRejected("mask_length", f"samples[{i}]: {len(mask)} mask values for {n} tokens")
+    if ((mask != 0) & (mask != 1)).any():
+        j = int(np.argmax((mask != 0) & (mask != 1)))
+        raise RecordRejected("mask_value", f"samples[{i}].mask[{j}] = {int(mask[j])}, want 0 or 1")
+    if mask[0] != 1:
+        raise RecordRejected("mask_value", f"samples[{i}] starts with a tool token (the model speaks first)")
+    starts, lengths = _runs(mask)
+    model_runs = int((mask[starts] == 1).sum())
+    tool_lengths = lengths[mask[starts] == 0]
+    if s.turns != model_runs or s.tool_calls != len(tool_lengths):
+        detail = f"samples[{i}]: turns {s.turns}, tool_calls {s.tool_calls}; the mask has {model_runs} and {len(tool_lengths)}"
+        raise RecordRejected("turns", detail)
+    if s.turns > limits.max_turns:
+        raise RecordRejected("turns", f"samples[{i}]: {s.turns} turns, limit {limits.max_turns}")
+    if len(tool_lengths) and int(tool_lengths.max()) > limits.max_tool_tokens:
+        detail = f"samples[{i}]: a tool span of {int(tool_lengths.max())} tokens, limit {limits.max_tool_tokens}"
+        raise RecordRejected("tool_span", detail)
+    tool_bits = s.logprobs.view(np.uint32)[mask == 0]
+    if tool_bits.any():  # +0.0 is the only all-zero float32
+        raise RecordRejected("logprob_tool", f"samples[{i}]: a tool token's logprob is not +0.0")
+    if s.finish_reason == "turns" and mask[-1] != 1:
+        raise RecordRejected("finish_mismatch", f"samples[{i}]: 'turns' must end on a model turn")
+
+
+def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits, v2: bool) -> None:
     n = len(s.response_tokens)
     if n == 0:
         raise RecordRejected("empty_response", f"samples[{i}] has no response tokens")
@@ -251,7 +305,7 @@ def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits) -> N
     if len(s.logprobs) != n:
         detail = f"samples[{i}]: {len(s.logprobs)} logprobs for {n} tokens"
         raise RecordRejected("length_mismatch", detail)
-    if s.finish_reason not in FINISH_REASONS:
+    if s.finish_reason not in (FINISH_REASONS_V2 if v2 else FINISH_REASONS):
         raise RecordRejected("bad_finish_reason", f"samples[{i}]: {_short(s.finish_reason)}")
     if s.finish_reason == "length" and n != max_tokens:
         # A worker reports "length" only for a response cut at exactly sampling.max_tokens
@@ -262,6 +316,10 @@ def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits) -> N
         raise RecordRejected("reward_not_finite", f"samples[{i}]: {s.reward}")
     _check_token_range(s.response_tokens, limits.vocab_size, f"samples[{i}].response_tokens")
     _check_logprobs(s.logprobs, limits, f"samples[{i}].logprobs")
+    if v2:
+        _check_mask(i, s, limits)
+    elif not s.single_turn:  # only built in memory: the v1 wire has no mask
+        raise RecordRejected("mask_value", f"samples[{i}] has tool tokens in a v1 group")
 
 
 def validate_group(group: RolloutGroup, limits: RecordLimits, *, now: float | None = None) -> None:
@@ -277,8 +335,9 @@ def validate_group(group: RolloutGroup, limits: RecordLimits, *, now: float | No
         raise RecordRejected("timestamps", problem)
     _check_prompt(group.prompt_tokens, limits)
     _check_group_size(len(group.samples), limits)
+    v2 = group.schema_version == SCHEMA_V2
     for i, s in enumerate(group.samples):
-        _check_sample(i, s, group.sampling.max_tokens, limits)
+        _check_sample(i, s, group.sampling.max_tokens, limits, v2)
 
 
 def load_record(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 
 from slime_stoa.cli.task_cmd import put_task_objects, task_objects
@@ -10,6 +11,7 @@ from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import PreconditionFailed, Store
 from slime_stoa.tasks import generate_items
 
@@ -29,15 +31,20 @@ async def seed_run(
     *,
     task_count: int = 2000,
     publisher: PublisherConfig | None = None,
+    key: SigningKey | None = None,
 ) -> Publisher:
     """Write run.json, the synthetic task and anchor v0 of `model_dir`; returns the publisher.
 
-    A run that already exists is resumed: the publisher continues from the bucket."""
+    With the run key `key`, the run is signed: the manifest carries its public half (set here
+    when `manifest.run_key` is None) and everything the publisher writes is signed. A run that
+    already exists is resumed: the publisher continues from the bucket."""
+    if key is not None and manifest.run_key is None:
+        manifest = replace(manifest, run_key=key.public.to_text())
     with contextlib.suppress(PreconditionFailed):
-        await store.put_if_absent(RunLayout(manifest.run).run_manifest, manifest.to_bytes())
+        await store.put_if_absent(RunLayout(manifest.run).run_manifest, manifest.to_bytes(key))
     objects = task_objects(manifest.task, [], split=manifest.task_split, count=task_count, seed=0, limit=None)
     await put_task_objects(store, manifest.run, manifest.task, objects)
-    pub = Publisher(store, manifest.run, publisher or PublisherConfig(extras_dir=model_dir))
+    pub = Publisher(store, manifest.run, publisher or PublisherConfig(extras_dir=model_dir), key=key)
     if await pub.open() is None:
         await pub.publish(load_hf_state(model_dir))
     return pub

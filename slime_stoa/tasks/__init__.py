@@ -26,9 +26,11 @@ from slime_stoa.tasks.gsm8k import (
     extract_answer,
     load_gsm8k_jsonl,
 )
+from slime_stoa.tasks.search import Search
 from slime_stoa.tasks.synthetic import Synthetic, generate_items, warmup_pairs
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (GSM8K, Synthetic)}
+TASKS[Search.name] = Search  # questions answered by searching a corpus (tasks/search/)
 
 
 def make_task(name: str, items: Iterable[TaskItem], meta: Mapping[str, Any] | None = None) -> Task:

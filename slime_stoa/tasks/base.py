@@ -33,6 +33,8 @@ from typing import Any, ClassVar
 
 import zstandard
 
+from slime_stoa.tasks.tool_format import ToolFormat
+
 FORMAT = "stoa.task/1"
 RESERVED_KEYS = frozenset({"format", "task", "count"})
 DEFAULT_MAX_TASK_BYTES = 256 * 1024 * 1024  # cap on the object and on its decompressed size
@@ -107,6 +109,10 @@ class Task(ABC):
 
     name: ClassVar[str]
     default_system_prompt: ClassVar[str | None] = None
+    tool_format: ToolFormat | None = None
+    """A tool task's episode format (`macd.episodes` runs multi-turn episodes); None: single-turn."""
+    run_stop: ClassVar[tuple[str, ...]] = ()
+    """Stop strings a run of this task needs (`stoa run create` adds them): a tool task's answer tag."""
 
     def __init__(self, items: Iterable[TaskItem], *, meta: Mapping[str, Any] | None = None):
         self.items: tuple[TaskItem, ...] = check_items(items)

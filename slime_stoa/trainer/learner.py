@@ -6,7 +6,8 @@ bf16(master), the gradient flows to the master. So the trainer-vs-worker logprob
 version measures only numerics, not precision.
 
 Loss: GRPO advantages per prompt group (optionally std-scaled), the DPPO loss of
-`slime_stoa.trainer.loss` on the worker logprobs, AdamW.
+`slime_stoa.trainer.loss` on the worker logprobs, AdamW. A tool episode's observation tokens
+(`TrainSequence.mask` 0) are context only: no loss, no gradient, not counted in the token mean.
 """
 
 from __future__ import annotations
@@ -49,8 +50,17 @@ class TrainSequence:
 
     prompt: np.ndarray  # int token ids
     response: np.ndarray  # int token ids
-    worker_logprobs: np.ndarray  # float32, one per response token
+    worker_logprobs: np.ndarray  # float32, one per response token (ignored where mask is 0)
     reward: float  # the trainer's recomputed reward
+    mask: np.ndarray | None = None  # 1 = model token (trained on), 0 = tool token; None: all ones
+
+    def loss_mask(self) -> np.ndarray:
+        """float32, one per response token: 1 where the model sampled it."""
+        if self.mask is None:
+            return np.ones(len(self.response), np.float32)
+        if len(self.mask) != len(self.response):
+            raise ValueError(f"mask has {len(self.mask)} values for {len(self.response)} response tokens")
+        return np.asarray(self.mask, dtype=np.float32)
 
 
 def group_advantages(rewards: Sequence[float], *, scale: bool, eps: float = 1e-6) -> np.ndarray:
@@ -132,7 +142,8 @@ class Learner:
         cfg = self.config
         seqs = [s for g in groups for s in g]
         advantages = np.concatenate([group_advantages([s.reward for s in g], scale=cfg.scale_rewards) for g in groups])
-        total_tokens = sum(len(s.response) for s in seqs)
+        masks = [s.loss_mask() for s in seqs]
+        total_tokens = int(sum(m.sum() for m in masks))  # model tokens: the token mean's denominator
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         loss_total = 0.0
@@ -145,7 +156,7 @@ class Learner:
             adv = torch.from_numpy(
                 np.repeat(advantages[start : start + len(chunk)], lengths).astype(np.float32)
             )
-            mask = torch.ones_like(logp)
+            mask = torch.from_numpy(np.concatenate(masks[start : start + len(chunk)]))
             per_token, metrics = dppo_policy_loss(logp, worker, adv, mask, cfg.dppo)
             # token_mean over the whole batch: scale each chunk's sum by the batch's token count
             if cfg.dppo.reduction == "token_mean":
@@ -156,7 +167,7 @@ class Learner:
                 ) * (len(chunk) / len(seqs))
             loss.backward()
             loss_total += float(loss.detach())
-            weight = sum(lengths) / max(total_tokens, 1)
+            weight = float(mask.sum()) / max(total_tokens, 1)
             for k, v in metrics.items():
                 if k != "tokens":
                     sums[k] = sums.get(k, 0.0) + float(v.detach()) * weight

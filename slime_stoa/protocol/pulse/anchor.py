@@ -2,7 +2,9 @@
 
 An anchor folder in the bucket is a loadable HF checkpoint (shards named as HF does, an index
 when there are several, config and tokenizer files), and its manifest — written last — lists
-every file with its size and xxh3-128 digest and the state digest of the weights.
+every file with its size, xxh3-128 digest and sha256 content hash and the state digest of the
+weights. A signed manifest (a publisher with a run key) signs those hashes: a file whose bytes do
+not hash to them is refused (`run_trust.ContentMismatch`) before it is used.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.hf.folders import INDEX_NAME, WEIGHTS_NAME, plan_shards, safe_child
 from slime_stoa.protocol.hf.safetensors_io import FILE_MODE, read_safetensors, safetensors_bytes
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_trust import ContentMismatch, check_content, content_hash
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 
 from .codec import PatchCorrupt
@@ -67,16 +71,20 @@ async def write_anchor(
     extras: Sequence[Path] = (),
     shard_bytes: int = 1 << 30,
     concurrency: int = 4,
+    key: SigningKey | None = None,
 ) -> tuple[str, AnchorManifest]:
-    """Upload an anchor (files first, manifest last); returns the manifest key and manifest."""
+    """Upload an anchor (files first, manifest last, signed by `key` when given); returns the
+    manifest key and manifest."""
     files = await asyncio.to_thread(anchor_files, state, shard_bytes=shard_bytes, extras=extras)
     limit = asyncio.Semaphore(concurrency)
 
     async def upload(name: str, data: bytes) -> AnchorFile:
-        key = layout.anchor_file(version, attempt, name)
+        file_key = layout.anchor_file(version, attempt, name)
         async with limit:
-            await store.put_if_absent(key, data)
-        return AnchorFile(name=name, key=key, bytes=len(data), xxh3=xxhash.xxh3_128_hexdigest(data))
+            await store.put_if_absent(file_key, data)
+        return AnchorFile(
+            name=name, key=file_key, bytes=len(data), xxh3=xxhash.xxh3_128_hexdigest(data), sha256=content_hash(data)
+        )
 
     uploaded = await asyncio.gather(*(upload(name, data) for name, data, _ in files))
     weights = tuple(f for f, (_, _, is_w) in zip(uploaded, files, strict=True) if is_w)
@@ -90,14 +98,19 @@ async def write_anchor(
         extras=extras_out,
         created_at=time.time(),
     )
-    key = layout.anchor_manifest(version, attempt)
-    await store.put_if_absent(key, manifest.to_bytes())
-    return key, manifest
+    at = layout.anchor_manifest(version, attempt)
+    await store.put_if_absent(at, manifest.to_bytes(key))
+    return at, manifest
 
 
 async def fetch_verified(store: Store, file: AnchorFile) -> bytes:
-    """An anchor file's bytes, checked against its manifest entry (PatchCorrupt otherwise)."""
+    """An anchor file's bytes, checked against its manifest entry: PatchCorrupt when its size or
+    xxh3 differ, ContentMismatch when its sha256 (if the entry has one) differs."""
     data = await store.get_bytes(file.key)
+    if file.sha256 is not None:  # the cryptographic check first: any change is a refusal
+        if len(data) != file.bytes:
+            raise ContentMismatch(f"anchor file {file.key}: {len(data)} bytes, its manifest says {file.bytes}", file.key)
+        await asyncio.to_thread(check_content, data, file.sha256, file.key)
     if len(data) != file.bytes or xxhash.xxh3_128_hexdigest(data) != file.xxh3:
         raise PatchCorrupt(f"anchor file {file.key} does not match its manifest (size or digest)")
     return data

@@ -1,6 +1,9 @@
 """Reading a run's weight plane: one reader per document (the pointer, version manifests,
 anchor manifests), then the history built on them: find any version's manifest, walk the
-chain, read the weight lineage, rebuild a state."""
+chain, read the weight lineage, rebuild a state.
+
+Every reader takes an optional `RunTrust`: given one, a document must be signed by the run key
+of its version (`run_trust`), else it is refused (`UntrustedDocument`, a ManifestError)."""
 
 from __future__ import annotations
 
@@ -9,10 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations, signer_of
 from slime_stoa.protocol.store import NotFound, Store, StoreError
 
 from .lineage import Lineage
-from .manifests import AnchorManifest, ManifestError, Pointer, VersionManifest
+from .manifests import AnchorManifest, ManifestError, Pointer, UntrustedDocument, VersionManifest
 
 
 class HistoryError(Exception):
@@ -28,18 +32,24 @@ class NotPublished(HistoryError):
 
 class MalformedPointer(ManifestError):
     """The pointer object does not parse or names another run; `etag` identifies those bytes, so
-    a poller can skip them (`If-None-Match`) until the pointer changes."""
+    a poller can skip them (`If-None-Match`) until the pointer changes. `untrusted`: it parses
+    but its signature does not check (a forgery, not a bug)."""
 
-    def __init__(self, message: str, etag: str) -> None:
+    def __init__(self, message: str, etag: str, *, untrusted: bool = False) -> None:
         super().__init__(message)
         self.etag = etag
+        self.untrusted = untrusted
 
 
-async def read_pointer_etag(store: Store, run: str, *, if_none_match: str | None = None) -> tuple[Pointer, str] | None:
+async def read_pointer_etag(
+    store: Store, run: str, *, if_none_match: str | None = None, trust: RunTrust | None = None
+) -> tuple[Pointer, str] | None:
     """The run's pointer and its ETag, or None when its ETag is still `if_none_match`.
 
     NotPublished when the run has no pointer; MalformedPointer (a ManifestError) when it does not
-    parse or names another run.
+    parse or names another run, or (`untrusted`) when `trust` is given and the newest run key did
+    not sign it. The trust reads the run's key rotations first if it has not yet, or when the
+    pointer is signed by a key it does not know.
     """
     key = RunLayout(run).pointer
     try:
@@ -49,34 +59,39 @@ async def read_pointer_etag(store: Store, run: str, *, if_none_match: str | None
     if got is None:
         return None
     try:
-        return Pointer.from_bytes(got.data, key, run=run), got.etag
+        if trust is not None and (not trust.loaded or not trust.knows(signer_of(got.data))):
+            await load_rotations(store, trust)
+        return Pointer.from_bytes(got.data, key, run=run, trust=trust), got.etag
+    except (UntrustedDocument, Untrusted) as exc:
+        raise MalformedPointer(str(exc), got.etag, untrusted=True) from None
     except ManifestError as exc:
         raise MalformedPointer(str(exc), got.etag) from None
 
 
-async def read_pointer(store: Store, run: str) -> Pointer:
-    """The run's pointer (current version); NotPublished when it has none, ManifestError when bad."""
-    found = await read_pointer_etag(store, run)
+async def read_pointer(store: Store, run: str, *, trust: RunTrust | None = None) -> Pointer:
+    """The run's pointer (current version); NotPublished when it has none, ManifestError when bad
+    (or not signed by the newest key of `trust`)."""
+    found = await read_pointer_etag(store, run, trust=trust)
     assert found is not None  # an unconditional read always returns the object
     return found[0]
 
 
-async def read_manifest(store: Store, key: str) -> VersionManifest:
+async def read_manifest(store: Store, key: str, *, trust: RunTrust | None = None) -> VersionManifest:
     """The version manifest at `key`; NotFound when it is gone (retention), ManifestError when bad
     or when it is not the manifest that belongs at `key` (another run, version or attempt)."""
-    return VersionManifest.from_bytes(await store.get_bytes(key), key, key=key)
+    return VersionManifest.from_bytes(await store.get_bytes(key), key, key=key, trust=trust)
 
 
-async def read_anchor_manifest(store: Store, key: str) -> AnchorManifest:
+async def read_anchor_manifest(store: Store, key: str, *, trust: RunTrust | None = None) -> AnchorManifest:
     """The anchor manifest at `key`; NotFound when it is gone (retention), ManifestError when bad
     or when it is not the manifest that belongs at `key` (another run, version or attempt)."""
-    return AnchorManifest.from_bytes(await store.get_bytes(key), key, key=key)
+    return AnchorManifest.from_bytes(await store.get_bytes(key), key, key=key, trust=trust)
 
 
 # -- history --------------------------------------------------------------------------------------
 
 
-async def walk_back(store: Store, start: VersionManifest, *, limit: int):
+async def walk_back(store: Store, start: VersionManifest, *, limit: int, trust: RunTrust | None = None):
     """Yield manifests from `start` back through their parents (at most `limit`), newest first;
     stops quietly at the first version whose manifest is gone (retention)."""
     manifest: VersionManifest | None = start
@@ -87,7 +102,7 @@ async def walk_back(store: Store, start: VersionManifest, *, limit: int):
         if manifest.parent is None:
             return
         try:
-            manifest = await read_manifest(store, manifest.parent.manifest)
+            manifest = await read_manifest(store, manifest.parent.manifest, trust=trust)
         except NotFound:
             return
 
@@ -97,20 +112,23 @@ async def walk_back(store: Store, start: VersionManifest, *, limit: int):
 RESTORE_ALLOWANCE = 64
 
 
-async def read_lineage(store: Store, run: str, *, depth: int, pointer: Pointer | None = None) -> Lineage:
+async def read_lineage(
+    store: Store, run: str, *, depth: int, pointer: Pointer | None = None, trust: RunTrust | None = None
+) -> Lineage:
     """The pointer's weight lineage back `depth` training steps (see `lineage.Lineage`): the
     versions on it lagging the pointer's by fewer than `depth` steps, with their steps and state
     digests, and the version ranges restarts abandoned on the way. Follows each version's
     lineage parent (`Origin.parent`), so an abandoned branch is skipped, not read. Empty when
     nothing is published. One GET for the pointer (none when the caller passes it) and one per
     manifest; stops quietly at a manifest retention deleted (its version still counts, from the
-    reference to it); ManifestError when a manifest is malformed or contradicts its child."""
+    reference to it); ManifestError when a manifest is malformed or contradicts its child, or
+    (with `trust`) is not signed by the run's key for its version."""
     if pointer is None:
         try:
-            pointer = await read_pointer(store, run)
+            pointer = await read_pointer(store, run, trust=trust)
         except NotPublished:
             return Lineage.straight({})
-    manifest: VersionManifest | None = await read_manifest(store, pointer.manifest)
+    manifest: VersionManifest | None = await read_manifest(store, pointer.manifest, trust=trust)
     assert manifest is not None
     head, head_step = manifest.version, manifest.origin.step
     steps: dict[int, int] = {}
@@ -129,7 +147,7 @@ async def read_lineage(store: Store, run: str, *, depth: int, pointer: Pointer |
         if parent.version < manifest.version - 1:
             abandoned.append((parent.version + 1, manifest.version - 1))
         try:
-            child, manifest = manifest, await read_manifest(store, parent.manifest)
+            child, manifest = manifest, await read_manifest(store, parent.manifest, trust=trust)
         except NotFound:  # retention: what the reference says is all there is
             if head_step - parent_step < depth:
                 steps[parent.version], digests[parent.version] = parent_step, parent.state_digest
@@ -145,30 +163,31 @@ async def read_lineage(store: Store, run: str, *, depth: int, pointer: Pointer |
 
 
 async def published_digests(
-    store: Store, run: str, *, depth: int, pointer: Pointer | None = None
+    store: Store, run: str, *, depth: int, pointer: Pointer | None = None, trust: RunTrust | None = None
 ) -> dict[int, str]:
     """{version: state digest} of the versions on the pointer's lineage within `depth` training
     steps of it (`read_lineage`): what a record may claim
     (`slime_stoa.trainer.consumer.admission.check_published`). Without restarts, the pointer's
     version and the `depth - 1` before it. Empty when nothing is published."""
-    return dict((await read_lineage(store, run, depth=depth, pointer=pointer)).digests)
+    return dict((await read_lineage(store, run, depth=depth, pointer=pointer, trust=trust)).digests)
 
 
-async def find_manifest(store: Store, run: str, version: int) -> VersionManifest:
+async def find_manifest(store: Store, run: str, version: int, *, trust: RunTrust | None = None) -> VersionManifest:
     """The committed manifest of `version` (the one on the pointer's chain)."""
-    pointer = await read_pointer(store, run)
+    pointer = await read_pointer(store, run, trust=trust)
     if version > pointer.version:
         raise HistoryError(f"run {run!r} is at v{pointer.version}; v{version} does not exist yet")
     layout = RunLayout(run)
     if version == pointer.version:
-        return await read_manifest(store, pointer.manifest)
+        return await read_manifest(store, pointer.manifest, trust=trust)
     keys = [info.key async for info in store.list(layout.version_manifests_prefix(version))]
     if len(keys) == 1:  # the usual case: one attempt per version
-        return await read_manifest(store, keys[0])
+        return await read_manifest(store, keys[0], trust=trust)
     if not keys:
         raise HistoryError(f"v{version} of run {run!r} is gone (older than the anchors kept)")
     # Several attempts (a crash or a lost race): follow the chain from the pointer.
-    async for manifest in walk_back(store, await read_manifest(store, pointer.manifest), limit=pointer.version + 1):
+    head = await read_manifest(store, pointer.manifest, trust=trust)
+    async for manifest in walk_back(store, head, limit=pointer.version + 1, trust=trust):
         if manifest.version == version:
             return manifest
     raise HistoryError(f"v{version} of run {run!r} is not on the committed chain")
@@ -181,15 +200,16 @@ class Rebuilt:
     path: str
 
 
-async def rebuild(store: Store, run: str, version: int | None = None) -> Rebuilt:
-    """Reconstruct a version's verified bf16 state from the bucket (the current one by default)."""
+async def rebuild(store: Store, run: str, version: int | None = None, *, trust: RunTrust | None = None) -> Rebuilt:
+    """Reconstruct a version's verified bf16 state from the bucket (the current one by default);
+    with `trust`, every document and object it reads is checked against the run keys."""
     from .subscriber import Subscriber, SyncError  # the subscriber reads documents with the readers above
 
     try:
         if version is None:
-            version = (await read_pointer(store, run)).version
-        manifest = await find_manifest(store, run, version)
-        sub = Subscriber(store, run)
+            version = (await read_pointer(store, run, trust=trust)).version
+        manifest = await find_manifest(store, run, version, trust=trust)
+        sub = Subscriber(store, run, trust=trust)
         result = await sub.sync_to(manifest)
     except (StoreError, ManifestError, SyncError) as exc:
         raise HistoryError(f"cannot rebuild v{version} of run {run!r}: {exc}") from None

@@ -37,6 +37,8 @@ from typing import Any
 
 from slime_stoa.protocol.hf.folders import WEIGHTS_NAME
 from slime_stoa.protocol.layout import RunLayout, check_attempt, check_name, version_str
+from slime_stoa.protocol.run_trust import RunTrust, Untrusted
+from slime_stoa.protocol.signing import SigningKey, sign_document
 from slime_stoa.protocol.strict_json import load_json
 
 from .frames import PatchIndex
@@ -45,12 +47,18 @@ POINTER_FORMAT = "stoa.pointer/1"
 VERSION_FORMAT = "stoa.version/1"
 ANCHOR_FORMAT = "stoa.anchor/1"
 _HEX = re.compile(r"[0-9a-f]{16,128}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 ANCHOR_MANIFEST_NAME = "manifest.json"
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 
 
 class ManifestError(ValueError):
     """A pointer or manifest is malformed or inconsistent."""
+
+
+class UntrustedDocument(ManifestError, Untrusted):
+    """A pointer or manifest is refused: a reader with a `RunTrust` found it unsigned, signed by
+    a key it does not trust for its version, or without a content hash for an object it names."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,12 +109,16 @@ class Pointer:
     updated_at: float
     epoch: int = 0  # the lineage branch of `version` (its manifest's `lineage.epoch`)
 
-    def to_bytes(self) -> bytes:
-        return _dump({"format": POINTER_FORMAT, **asdict(self)})
+    def to_bytes(self, key: SigningKey | None = None) -> bytes:
+        """The pointer's JSON, signed by `key` when given."""
+        return _dump({"format": POINTER_FORMAT, **asdict(self)}, key)
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str = "pointer", *, run: str | None = None) -> Pointer:
-        """Parse a pointer; ManifestError if malformed. With `run`, it must be that run's."""
+    def from_bytes(
+        cls, data: bytes, where: str = "pointer", *, run: str | None = None, trust: RunTrust | None = None
+    ) -> Pointer:
+        """Parse a pointer; ManifestError if malformed. With `run`, it must be that run's; with
+        `trust`, signed by the run's newest key (UntrustedDocument otherwise)."""
         doc = _load(data, POINTER_FORMAT, where)
         pointer = cls(
             run=_run(doc, where),
@@ -124,6 +136,7 @@ class Pointer:
         layout = RunLayout(pointer.run)
         _check_version_key(layout, pointer.manifest, pointer.version, f"{where}.manifest")
         _check_anchor_ref(layout, pointer.anchor, pointer.version, f"{where}.anchor")
+        _verify(trust, doc, where, None, pointer.run)
         return pointer
 
 
@@ -139,6 +152,7 @@ class PatchRef:
     base_max: int
     base_digest: str | None  # required state digest of the base (step patches)
     index: PatchIndex
+    sha256: str | None = None  # content hash of the object (signed runs require it; None: older publishers)
 
     def covers(self, version: int) -> bool:
         return self.base_min <= version <= self.base_max
@@ -146,6 +160,8 @@ class PatchRef:
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("kind", "key", "bytes", "count", "base_min", "base_max", "base_digest")}
         out["index"] = self.index.to_json()
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
         return out
 
     @classmethod
@@ -174,6 +190,7 @@ class PatchRef:
             base_max=_version(doc, "base_max", where),
             base_digest=base_digest,
             index=index,
+            sha256=_sha256(doc, where),
         )
         if ref.base_min > ref.base_max or ref.bytes != index.body_size or ref.count != index.count:
             raise ManifestError(f"{where}: inconsistent patch entry (bases, size or count)")
@@ -209,7 +226,8 @@ class VersionManifest:
     def patch(self, kind: str) -> PatchRef | None:
         return next((p for p in self.patches if p.kind == kind), None)
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, key: SigningKey | None = None) -> bytes:
+        """The manifest's JSON, signed by `key` when given."""
         doc = {"format": VERSION_FORMAT, **{k: getattr(self, k) for k in ("run", "version", "attempt", "state_digest")}}
         doc["parent"] = asdict(self.parent) if self.parent else None
         doc["anchor"] = asdict(self.anchor)
@@ -220,13 +238,17 @@ class VersionManifest:
         doc["created_at"] = self.created_at
         if self.lineage is not None:
             doc["lineage"] = self.lineage.to_json()
-        return _dump(doc)
+        return _dump(doc, key)
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str, *, key: str | None = None) -> VersionManifest:
+    def from_bytes(
+        cls, data: bytes, where: str, *, key: str | None = None, trust: RunTrust | None = None
+    ) -> VersionManifest:
         """Parse a version manifest; ManifestError if malformed or if it names a key outside
         its run or other than the layout's. With `key` (where it was read from), the manifest
-        must be the one that belongs at that key (same run, version and attempt)."""
+        must be the one that belongs at that key (same run, version and attempt). With `trust`,
+        it must be signed by the key of its version and carry every patch's content hash
+        (UntrustedDocument otherwise)."""
         doc = _load(data, VERSION_FORMAT, where)
         patches = doc.get("patches")
         if not isinstance(patches, list) or len(patches) > 8:
@@ -266,6 +288,9 @@ class VersionManifest:
         _check_anchor_ref(layout, manifest.anchor, manifest.version, f"{where}.anchor")
         if manifest.lineage is not None:
             _check_origin(layout, manifest, f"{where}.lineage")
+        _verify(trust, doc, where, manifest.version, manifest.run)
+        if trust is not None and any(p.sha256 is None for p in manifest.patches):
+            raise UntrustedDocument(f"{where}: a patch has no content hash", where)
         return manifest
 
 
@@ -275,6 +300,13 @@ class AnchorFile:
     key: str
     bytes: int
     xxh3: str  # xxh3-128 hex of the object's bytes
+    sha256: str | None = None  # content hash (signed runs require it; None: older publishers)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"name": self.name, "key": self.key, "bytes": self.bytes, "xxh3": self.xxh3}
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -291,19 +323,23 @@ class AnchorManifest:
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.weights + self.extras)
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, key: SigningKey | None = None) -> bytes:
+        """The manifest's JSON, signed by `key` when given."""
         doc = {"format": ANCHOR_FORMAT, **{k: getattr(self, k) for k in ("run", "version", "attempt", "state_digest")}}
-        doc["weights"] = [asdict(f) for f in self.weights]
-        doc["extras"] = [asdict(f) for f in self.extras]
+        doc["weights"] = [f.to_json() for f in self.weights]
+        doc["extras"] = [f.to_json() for f in self.extras]
         doc["created_at"] = self.created_at
-        return _dump(doc)
+        return _dump(doc, key)
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str, *, key: str | None = None) -> AnchorManifest:
+    def from_bytes(
+        cls, data: bytes, where: str, *, key: str | None = None, trust: RunTrust | None = None
+    ) -> AnchorManifest:
         """Parse an anchor manifest; ManifestError if malformed, if a file name is not a single
         safe path component (the layout's file-name grammar), or if a file's key is not that
         name inside this anchor's folder. With `key` (where it was read from), the manifest must
-        be the one that belongs at that key (same run, version and attempt)."""
+        be the one that belongs at that key (same run, version and attempt). With `trust`, it
+        must be signed by the key of its version and carry every file's content hash."""
         doc = _load(data, ANCHOR_FORMAT, where)
         manifest = cls(
             run=_run(doc, where),
@@ -337,6 +373,9 @@ class AnchorManifest:
                     raise ManifestError(f"{at}: {f.name!r} is not a safetensors shard name")
                 if group == "extras" and (f.name == WEIGHTS_NAME or _SHARD.fullmatch(f.name)):
                     raise ManifestError(f"{at}: {f.name!r} is a weights file listed as an extra")
+        _verify(trust, doc, where, manifest.version, manifest.run)
+        if trust is not None and any(f.sha256 is None for f in manifest.weights + manifest.extras):
+            raise UntrustedDocument(f"{where}: a file has no content hash", where)
         return manifest
 
 
@@ -395,8 +434,31 @@ def _check_anchor_ref(layout: RunLayout, ref: Ref, version: int, where: str) -> 
 # -- strict JSON helpers --------------------------------------------------------------------------
 
 
-def _dump(doc: Mapping[str, Any]) -> bytes:
+def _dump(doc: Mapping[str, Any], key: SigningKey | None = None) -> bytes:
+    if key is not None:
+        doc = sign_document(doc, key)
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _verify(trust: RunTrust | None, doc: Mapping[str, Any], where: str, version: int | None, run: str) -> None:
+    """With a trust: the document must be the trusted run's and signed by the key of `version`."""
+    if trust is None:
+        return
+    if run != trust.run:
+        raise UntrustedDocument(f"{where}: a document of run {run!r}, not {trust.run!r}", where)
+    try:
+        trust.verify(doc, where, version)
+    except Untrusted as exc:
+        raise UntrustedDocument(str(exc), where) from None
+
+
+def _sha256(doc: Mapping[str, Any], where: str) -> str | None:
+    value = doc.get("sha256")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        raise ManifestError(f"{where}: 'sha256' must be 64 hex digits")
+    return value
 
 
 def _load(data: bytes, fmt: str, where: str) -> dict[str, Any]:
@@ -504,6 +566,7 @@ def _files(docs: Any, where: str) -> tuple[AnchorFile, ...]:
                 key=_str(doc, "key", f"{where}[{i}]"),
                 bytes=_int(doc, "bytes", f"{where}[{i}]"),
                 xxh3=_digest(doc, "xxh3", f"{where}[{i}]"),
+                sha256=_sha256(doc, f"{where}[{i}]"),
             )
         )
     return tuple(out)

@@ -15,6 +15,12 @@ version's (a trainer restarted from a checkpoint). Restoring an earlier version 
 pointer's starts a new branch: the epoch goes up and the versions in between are abandoned
 (consumers measure staleness along the lineage: `lineage.Lineage`). The patch chain is not
 affected: the new version's step patch still goes from the pointer's version.
+
+Given the run key (`key`), the publisher signs every pointer, version manifest and anchor
+manifest it writes, and every manifest carries the sha256 of each object it names. On `open` it
+refuses (`UntrustedState`) to resume from a pointer or manifests the run's keys did not sign, or
+with a key that is not the run's current one (the run manifest's `run_key`, or the newest key
+its rotations announce).
 """
 
 from __future__ import annotations
@@ -32,15 +38,17 @@ import numpy as np
 from slime_stoa.protocol.hf.folders import hf_config_files
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest, run_retention
+from slime_stoa.protocol.run_trust import RunTrust, Untrusted, content_hash, load_rotations
+from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError
 
 from .anchor import write_anchor
 from .codec import Delta, check_bits, diff, merge_deltas, shapes_of
 from .digest import StateDigest
 from .frames import MODES, Mode, decode_frame, encode_delta
-from .history import NotPublished, read_pointer_etag, walk_back
+from .history import MalformedPointer, NotPublished, read_pointer_etag, walk_back
 from .manifests import ManifestError, Origin, PatchRef, Pointer, Ref, VersionManifest
-from .subscriber import Subscriber
+from .subscriber import Subscriber, WeightsRefused
 
 log = logging.getLogger("stoa.pulse")
 
@@ -55,6 +63,35 @@ class PublishError(Exception):
 
 class PublishConflict(PublishError):
     """Another publisher moved the run's pointer first."""
+
+
+class UntrustedState(PublishError):
+    """A publisher with a run key refuses the bucket: the state it would resume from is not
+    signed by the run's keys, or its key is not the run's current key."""
+
+
+async def publisher_trust(store: Store, run: str, key: SigningKey) -> RunTrust:
+    """The keys a publisher holding `key` resumes under: pinned to the run manifest's `run_key`
+    (the publisher's own key for a run without one, or without a manifest), plus the run's
+    rotations; UntrustedState unless `key` is the newest of them."""
+    try:
+        manifest = await read_run_manifest(store, run)
+        pinned = PublicKey.from_text(manifest.run_key) if manifest.run_key else key.public
+    except RunNotFound:
+        pinned = key.public
+    except ValueError as exc:
+        raise UntrustedState(f"cannot read the run manifest to check the run key: {exc}") from None
+    trust = RunTrust(run, pinned)
+    try:
+        await load_rotations(store, trust)
+    except Untrusted as exc:
+        raise UntrustedState(f"a key rotation of run {run!r} does not verify: {exc}") from None
+    if trust.newest != key.public:
+        raise UntrustedState(
+            f"key {key.key_id} is not the current key of run {run!r} (that is {trust.newest.key_id}, "
+            f"fingerprint {trust.newest.fingerprint}): publish with that key"
+        )
+    return trust
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,10 +171,14 @@ def patch_delta(index, body: bytes, state: Mapping[str, np.ndarray]) -> Delta:
 
 
 class Publisher:
-    def __init__(self, store: Store, run: str, config: PublisherConfig = PublisherConfig()):
+    def __init__(
+        self, store: Store, run: str, config: PublisherConfig = PublisherConfig(), *, key: SigningKey | None = None
+    ):
         self.store = store
         self.layout = RunLayout(run)
         self.config = config
+        self.key = key  # the run key: signs everything written (None: an unsigned run)
+        self.trust: RunTrust | None = None  # the run keys `open` resumed under (with a key)
         self.version: int | None = None
         self._baseline: dict[str, np.ndarray] = {}
         self._digest: StateDigest | None = None
@@ -156,16 +197,25 @@ class Publisher:
 
     async def open(self) -> int | None:
         """Resume from the run's pointer (baseline = the published state); None for a new run."""
+        if self.key is not None:
+            self.trust = await publisher_trust(self.store, self.layout.run, self.key)
         self._opened = True
         try:
-            found = await read_pointer_etag(self.store, self.layout.run)
+            found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust)
         except NotPublished:
             return None
+        except MalformedPointer as exc:
+            if exc.untrusted:
+                raise UntrustedState(f"refusing to resume run {self.layout.run!r}: {exc}") from None
+            raise
         assert found is not None
         pointer, etag = found
-        sub = Subscriber(self.store, self.layout.run)
-        manifest = await sub.manifest(pointer.manifest)
-        await sub.sync_to(manifest)
+        sub = Subscriber(self.store, self.layout.run, trust=self.trust)
+        try:
+            manifest = await sub.manifest(pointer.manifest)
+            await sub.sync_to(manifest)
+        except (Untrusted, WeightsRefused) as exc:
+            raise UntrustedState(f"refusing to resume run {self.layout.run!r} from v{pointer.version}: {exc}") from None
         assert sub.state is not None
         self._baseline, self._digest = sub.state, sub.digest
         self.version, self._etag, self._manifest = pointer.version, etag, manifest
@@ -175,6 +225,8 @@ class Publisher:
             source = catchup or manifest.patch("step")
             if source is not None and source.covers(manifest.anchor.version):
                 body = await self.store.get_bytes(source.key)
+                if self.trust is not None and content_hash(body) != source.sha256:
+                    raise UntrustedState(f"refusing to resume: {source.key} does not match its signed sha256")
                 self._union = await asyncio.to_thread(patch_delta, source.index, body, self._baseline)
             else:
                 self._force_anchor = True
@@ -251,7 +303,7 @@ class Publisher:
         step = PatchRef(
             kind="step", key=self.layout.patch(v, attempt, "step", v - 1), bytes=len(step_body),
             count=step_index.count, base_min=v - 1, base_max=v - 1, base_digest=self._digest.root(),
-            index=step_index,
+            index=step_index, sha256=await asyncio.to_thread(content_hash, step_body),
         )
         uploads = [(step.key, step_body)]
         patches = [step]
@@ -265,6 +317,7 @@ class Publisher:
                 PatchRef(
                     kind="catchup", key=self.layout.patch(v, attempt, "catchup", a), bytes=len(cu_body),
                     count=cu_index.count, base_min=a, base_max=v - 1, base_digest=None, index=cu_index,
+                    sha256=await asyncio.to_thread(content_hash, cu_body),
                 )
             )
             uploads.append((patches[-1].key, cu_body))
@@ -326,10 +379,16 @@ class Publisher:
         result. StoreError while the store stays down (the caller retries)."""
         assert self._unsure is not None
         manifest, advance, seconds = self._unsure
-        found = await read_pointer_etag(self.store, self.layout.run)
-        assert found is not None
-        pointer, etag = found
+        try:
+            found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust)
+        except MalformedPointer as exc:
+            if not exc.untrusted:
+                raise
+            found = None  # not ours (ours are signed): it never landed
         self._unsure = None
+        if found is None:
+            return None
+        pointer, etag = found
         if pointer.manifest != self.layout.version_manifest(manifest.version, manifest.attempt):
             return None  # it never landed: publish as usual
         log.warning("the pointer write of v%d landed although its answer was lost", manifest.version)
@@ -362,7 +421,7 @@ class Publisher:
         if digest == prev.state_digest:
             return Origin(epoch=last.epoch, step=last.step, parent=self._ref(prev), restored=True)
         try:
-            async for older in walk_back(self.store, prev, limit=RESTORE_SEARCH):
+            async for older in walk_back(self.store, prev, limit=RESTORE_SEARCH, trust=self.trust):
                 if older.version < prev.version and older.state_digest == digest:
                     return Origin(epoch=last.epoch + 1, step=older.origin.step, parent=self._ref(older), restored=True)
         except ManifestError as exc:  # the chain is damaged further back: as far as it reads, no match
@@ -383,19 +442,19 @@ class Publisher:
         extras = hf_config_files(self.config.extras_dir) if self.config.extras_dir else []
         return await write_anchor(
             self.store, self.layout, version=version, attempt=attempt, state=state, state_digest=digest,
-            extras=extras, shard_bytes=self.config.shard_bytes, concurrency=self.config.concurrency,
+            extras=extras, shard_bytes=self.config.shard_bytes, concurrency=self.config.concurrency, key=self.key,
         )
 
     async def _commit(self, manifest: VersionManifest, *, create: bool) -> None:
         """Write the manifest, then move the pointer (create it for the first version)."""
         key = self.layout.version_manifest(manifest.version, manifest.attempt)
-        await self.store.put_if_absent(key, manifest.to_bytes())
+        await self.store.put_if_absent(key, manifest.to_bytes(self.key))
         pointer = Pointer(
             run=self.layout.run, version=manifest.version, state_digest=manifest.state_digest,
             manifest=key, anchor=manifest.anchor, updated_at=time.time(), epoch=manifest.origin.epoch,
         )
         etag = None if create else self._etag
-        self._etag = await self.store.cas(self.layout.pointer, pointer.to_bytes(), etag)
+        self._etag = await self.store.cas(self.layout.pointer, pointer.to_bytes(self.key), etag)
         self.version, self._manifest = manifest.version, manifest
 
     async def _retain(self) -> None:

@@ -23,11 +23,18 @@ Nothing malformed in the bucket escapes as anything but `SyncError` (the state s
 verified version): a pointer that does not parse (or names another run) is skipped until its ETag
 changes, so a reader reports it once and recovers at the first good pointer; a pointer whose
 manifest is unreadable is retried at the next poll (the manifest may be on its way).
+
+With a `RunTrust` (a signed run), the pointer, every version and anchor manifest must be signed by
+the run key of its version and every patch object and anchor file must match the sha256 its
+signed manifest carries, checked on download before use. A refused object is counted once
+(`refused`), logged once, and when no path is left the sync raises `WeightsRefused` (a
+SyncError): the state stays at its last verified version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -40,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_trust import ContentMismatch, RunTrust, Untrusted, check_content
 from slime_stoa.protocol.store import Store, StoreError
 
 from .anchor import read_anchor
@@ -65,6 +73,14 @@ StateWriter = Callable[
 
 class SyncError(Exception):
     """No path reached the target version; the state was left as it was."""
+
+
+class WeightsRefused(SyncError):
+    """The weights were refused: a pointer, manifest or object failed its signature or content
+    hash (a forgery or tampering, see `Subscriber.refused`); the state was left as it was."""
+
+
+MAX_REFUSALS_KEPT = 4096  # distinct refused objects remembered (so each is counted and logged once)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,11 +123,23 @@ class Subscriber:
     """Holds a bf16 state (`dict[str, np.ndarray]` of uint16) at a verified version."""
 
     def __init__(
-        self, store: Store, run: str, config: SubscriberConfig = SubscriberConfig(), *, writer: StateWriter | None = None
+        self,
+        store: Store,
+        run: str,
+        config: SubscriberConfig = SubscriberConfig(),
+        *,
+        trust: RunTrust | None = None,
+        writer: StateWriter | None = None,
     ):
         self.store = store
         self.layout = RunLayout(run)
         self.config = config
+        if trust is not None and trust.run != run:
+            raise ValueError(f"the trust is run {trust.run!r}'s, not {run!r}'s")
+        self.trust = trust  # None: an unsigned run, nothing is checked against run keys
+        self.refused = 0  # distinct objects refused (signature or content hash)
+        self.last_refusal = ""  # why the latest was
+        self._refused_ids: OrderedDict[str, None] = OrderedDict()
         # Writes fetched patches into the held state instead of `apply_patch` (e.g. a worker whose
         # state is its live model: it verifies beside the running model and writes at a safe
         # point); it must write only if the target digest verifies. Anchor states never use it.
@@ -131,11 +159,14 @@ class Subscriber:
         SyncError when the pointer is malformed or names another run; that object is then
         skipped (the next poll is a 304 until the pointer changes)."""
         try:
-            got = await read_pointer_etag(self.store, self.layout.run, if_none_match=self._etag)
+            got = await read_pointer_etag(self.store, self.layout.run, if_none_match=self._etag, trust=self.trust)
         except NotPublished:
             return None  # nothing published yet
         except MalformedPointer as exc:
             self._etag = exc.etag  # the same bytes will not parse any better: wait for new ones
+            if exc.untrusted:
+                self._refuse(f"{self.layout.pointer}@{exc.etag}", str(exc))
+                raise WeightsRefused(f"refused the pointer: {exc}; {self._keeping()}") from None
             raise SyncError(f"malformed pointer: {exc}; {self._keeping()}") from None
         if got is None:
             return None
@@ -155,6 +186,9 @@ class Subscriber:
         try:
             try:
                 manifest = await self.manifest(pointer.manifest)
+            except Untrusted as exc:
+                self._refuse(pointer.manifest, str(exc))
+                raise WeightsRefused(f"refused the manifest of v{pointer.version}: {exc}; {self._keeping()}") from None
             except (StoreError, ValueError) as exc:  # ManifestError, or a key the store refuses
                 raise SyncError(
                     f"pointer names v{pointer.version} but its manifest is unreadable: {exc}; {self._keeping()}"
@@ -176,9 +210,16 @@ class Subscriber:
         previous = self.version
         plans = await self._plans(target)
         errors = []
+        refused = False
         for plan in plans:
             try:
                 touched, changed = await self._execute(plan, target)
+            except Untrusted as exc:
+                refused = True
+                self._refuse(exc.key or f"{plan.name} of v{target.version}", str(exc))
+                errors.append(f"{plan.name}: refused: {exc}")
+                log.warning("weights v%d via %s failed (%s); trying the next path", target.version, plan.name, exc)
+                continue
             except (PatchError, ManifestError, StoreError, SyncError, ValueError) as exc:
                 errors.append(f"{plan.name}: {exc}")
                 log.warning("weights v%d via %s failed (%s); trying the next path", target.version, plan.name, exc)
@@ -194,7 +235,7 @@ class Subscriber:
                 plan.estimate_s,
             )
         where = f"v{previous}" if previous is not None else "no weights"
-        raise SyncError(
+        raise (WeightsRefused if refused else SyncError)(
             f"could not reach weights v{target.version} from {where}; keeping the current state. "
             + "; ".join(errors or ["no path available"])
         )
@@ -202,11 +243,23 @@ class Subscriber:
     def _keeping(self) -> str:
         return f"keeping weights v{self.version}" if self.version is not None else "no weights yet"
 
+    def _refuse(self, what: str, reason: str) -> None:
+        """Count and log a refused object, once per object."""
+        self.last_refusal = reason[:500]
+        if what in self._refused_ids:
+            self._refused_ids.move_to_end(what)
+            return
+        self._refused_ids[what] = None
+        while len(self._refused_ids) > MAX_REFUSALS_KEPT:
+            self._refused_ids.popitem(last=False)
+        self.refused += 1
+        log.warning("refused weights object %s: %s", what, reason)
+
     async def manifest(self, key: str) -> VersionManifest:
         cached = self._manifests.get(key)
         if cached is None:
             start = time.perf_counter()
-            cached = await read_manifest(self.store, key)
+            cached = await read_manifest(self.store, key, trust=self.trust)
             self.meter.download(0, time.perf_counter() - start)  # a small GET: the request latency
             self._manifests[key] = cached
             while len(self._manifests) > max(1, self.config.manifest_cache):
@@ -279,6 +332,8 @@ class Subscriber:
                     break
                 manifest = await self.manifest(manifest.parent.manifest)
         except (StoreError, ValueError) as exc:  # ManifestError, or a key the store refuses
+            if isinstance(exc, Untrusted):
+                self._refuse(exc.key or f"chain to v{target.version}", str(exc))
             log.info("chain to v%d unavailable: %s", target.version, exc)
             return None
         return chain[::-1]
@@ -321,7 +376,7 @@ class Subscriber:
             else:
                 logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
             return _touched(logs), ChangedIndices(logs)
-        anchor = await read_anchor_manifest(self.store, plan.anchor)
+        anchor = await read_anchor_manifest(self.store, plan.anchor, trust=self.trust)
         state, digest = await read_anchor(self.store, anchor, concurrency=self.config.concurrency, meter=self.meter)
         _, digest = await self._apply_verified(state, digest, plan.patches, target.state_digest)
         self.state, self.digest = state, digest
@@ -382,7 +437,10 @@ class Subscriber:
         if len(frames) <= 1 or ref.bytes <= WHOLE_BODY_BYTES:
             body = await self.store.get_bytes(ref.key)
             if len(body) != ref.bytes:
+                if ref.sha256 is not None:
+                    raise ContentMismatch(f"{ref.key}: {len(body)} bytes, its manifest signs {ref.bytes}", ref.key)
                 raise SyncError(f"{ref.key}: {len(body)} bytes, manifest says {ref.bytes}")
+            await asyncio.to_thread(check_content, body, ref.sha256, ref.key)
             self.meter.download(len(body), time.perf_counter() - start)
             return {i: body[f.offset : f.offset + f.length] for i, f in enumerate(frames)}
         limit = asyncio.Semaphore(self.config.concurrency)
@@ -394,8 +452,23 @@ class Subscriber:
             return i, got.data
 
         got = dict(await asyncio.gather(*(fetch(i) for i in range(len(frames)))))
+        if ref.sha256 is not None:
+            await asyncio.to_thread(_check_frames, ref, got)
         self.meter.download(ref.bytes, time.perf_counter() - start)
         return got
+
+
+def _check_frames(ref: PatchRef, frames: Mapping[int, bytes]) -> None:
+    """The frames of a patch fetched by ranges must tile its body and hash to its sha256."""
+    h, offset = hashlib.sha256(), 0
+    for i, info in enumerate(ref.index.frames):
+        data = frames[i]
+        if info.offset != offset or len(data) != info.length:
+            raise ContentMismatch(f"{ref.key}: frame {i} is not where or as long as its index says", ref.key)
+        h.update(data)
+        offset += len(data)
+    if offset != ref.bytes or h.hexdigest() != ref.sha256:
+        raise ContentMismatch(f"{ref.key}: content does not match the sha256 digest its manifest signs", ref.key)
 
 
 def _apply_hashing(

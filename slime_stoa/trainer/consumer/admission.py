@@ -1,5 +1,5 @@
-"""Judging one downloaded record: decode, validate, match its key and the published weights,
-refuse replays, re-score.
+"""Judging one downloaded record: check its worker signature, decode, validate, match its key
+and the published weights, refuse replays, re-score.
 
 `judge_record` either returns an `Admitted` group or raises `RecordRejected` with a stable
 reason: the validator's (`slime_stoa.protocol.validate.REJECT_REASONS`) or one of `CONSUMER_REASONS`.
@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from slime_stoa.protocol.layout import RolloutKey
-from slime_stoa.protocol.records import RolloutGroup
+from slime_stoa.protocol.records import RecordError, RolloutGroup
+from slime_stoa.protocol.registry import Registry
+from slime_stoa.protocol.signed_record import open_signed, record_bytes, verify_signed
 from slime_stoa.protocol.validate import (
     REJECT_REASONS,
     RecordLimits,
@@ -21,10 +24,20 @@ from slime_stoa.protocol.validate import (
     load_record,
 )
 
+from .quarantine import QUARANTINE_REASONS
 from .scoring import Rescorer
 from .state import ReplayLedger
 
-CONSUMER_REASONS = frozenset(
+#: Why a record of a signed run (its manifest has a run key) fails the signature check.
+SignatureReason = Literal[
+    "unsigned",  # not a signed envelope
+    "unknown_key",  # signed by a key the run's registry does not hold (read again first)
+    "revoked",  # signed by a key the registry revoked (also groups admitted before, not yet used)
+    "key_mismatch",  # the key's worker is not the worker of the record's object key (also below)
+    "bad_signature",  # a malformed envelope, or the signature is not over these bytes for this run
+]
+SIGNATURE_REASONS: frozenset[str] = frozenset(get_args(SignatureReason))
+CONSUMER_REASONS = SIGNATURE_REASONS | QUARANTINE_REASONS | frozenset(
     {
         "bad_key",  # a key under the rollouts prefix that is not a record name
         "key_mismatch",  # the record's worker_id / seq / kind differ from its key
@@ -55,6 +68,7 @@ class Admitted:
     texts: tuple[str, ...]  # decoded completions
     rewards: tuple[float, ...]  # the trainer's rewards
     disagreements: int  # samples whose worker reward differs from the trainer's
+    signer: str | None = None  # key id of the worker key that signed it (None: an unsigned run)
 
     @property
     def worker(self) -> str:
@@ -85,6 +99,38 @@ def check_published(group: RolloutGroup, published: Mapping[int, str]) -> None:
         )
 
 
+def reject(reason: SignatureReason, detail: str) -> RecordRejected:
+    return RecordRejected(reason, detail)
+
+
+def check_signature(data: bytes, *, key: RolloutKey, registry: Registry | None) -> tuple[bytes, str | None]:
+    """(record bytes, signer key id) of a downloaded object, RecordRejected with a
+    `SignatureReason` if a signed run's record fails the signature check.
+
+    `registry`: the run's worker registry (verified with the run key), or None for an unsigned
+    run, whose records may come in an envelope too: it is unwrapped, its signature not trusted
+    (there is no run key to trust it by)."""
+    try:
+        if registry is None:
+            return record_bytes(data), None
+        signed = open_signed(data)
+        entry = registry.by_key_id(signed.key_id)
+        if entry is None:
+            raise reject("unknown_key", f"signed by key {signed.key_id}, which the registry (serial {registry.serial}) does not hold")
+        if entry.revoked:
+            raise reject("revoked", f"signed by the revoked key {signed.key_id} of worker {entry.worker!r}")
+        if entry.worker != key.worker:
+            raise reject(
+                "key_mismatch", f"signed by the key of worker {entry.worker!r}; its key says worker {key.worker!r}"
+            )
+        verify_signed(signed, entry.key, run=registry.run)
+    except RecordRejected:
+        raise
+    except RecordError as exc:
+        raise RecordRejected(exc.reason, exc.detail) from None
+    return signed.record, signed.key_id
+
+
 def judge_record(
     name: str,
     data: bytes,
@@ -96,6 +142,7 @@ def judge_record(
     now: float | None = None,
     published: Mapping[int, str] | None = None,
     replay: ReplayLedger | None = None,
+    registry: Registry | None = None,
 ) -> Admitted:
     """Decode, validate and re-score one record; RecordRejected if it fails any check.
 
@@ -103,8 +150,10 @@ def judge_record(
     may still claim): when given, the record's weight version and digest must be in it
     (`check_published`). `replay`: when given, a record whose content or (worker, seq) was
     already admitted under another key is refused as "duplicate", and an admitted record is
-    added to it."""
-    group = load_record(data, limits, now=now)
+    added to it. `registry`: the worker registry of a signed run (see `check_signature`);
+    None for an unsigned run."""
+    record, signer = check_signature(data, key=key, registry=registry)
+    group = load_record(record, limits, now=now)
     check_key(group, key)
     if published is not None:
         check_published(group, published)
@@ -126,4 +175,5 @@ def judge_record(
         texts=scored.texts,
         rewards=scored.rewards,
         disagreements=disagreements,
+        signer=signer,
     )

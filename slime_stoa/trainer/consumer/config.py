@@ -10,12 +10,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.records import SamplingParams
 from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.validate import RecordLimits
+
+from .canary import CanaryConfig
+from .quarantine import QuarantineConfig
 
 AdmissionOrder = Literal["oldest_version", "fifo", "newest_version"]
 ADMISSION_ORDERS: tuple[AdmissionOrder, ...] = get_args(AdmissionOrder)
@@ -29,6 +34,9 @@ class ConsumerConfig:
     """The bucket: `file:///dir`, `s3://bucket/prefix?endpoint=...` or `r2://<account>/<bucket>/prefix`."""
     run: str
     """The run name (`runs/<run>/` in the bucket)."""
+    rollouts_url: str | None = None
+    """Least privilege: a second bucket holding the workers' records and heartbeats (the
+    workers' token may write only there; `slime_stoa.protocol.store.split`). None: one bucket."""
 
     staleness_limit: int | None = None
     """Most weight versions a group may lag behind the trainer when it is used
@@ -71,6 +79,39 @@ class ConsumerConfig:
     reward_tolerance: float = 1e-6
     """A worker reward further than this from the trainer's counts as a disagreement."""
 
+    # Quarantine of dishonest workers and canaries (`quarantine.QuarantineConfig` and
+    # `canary.CanaryConfig` document each threshold; `quarantine_config` / `canary_config`).
+    quarantine_enabled: bool = True
+    """Quarantine workers whose statistics are outliers: their records are then refused as
+    `quarantined` and their groups not yet used are dropped, until `stoa worker release`."""
+    quarantine_min_samples: int = 64
+    """Samples scored before a worker's reward-disagreement rate is judged."""
+    quarantine_window_samples: int = 2048
+    """The disagreement rate follows about this many of the worker's latest samples."""
+    quarantine_max_disagreement_rate: float = 0.05
+    """Largest share of a worker's samples whose reward may differ from the trainer's."""
+    quarantine_min_gap_tokens: int = 1024
+    """Tokens with a measured trainer-vs-worker logprob gap before the gap is judged."""
+    quarantine_window_tokens: int = 65536
+    """The mean gap follows about this many of the worker's latest measured tokens."""
+    quarantine_max_logprob_gap: float | None = 0.5
+    """Largest mean |trainer - worker| logprob per token (nats); None: no absolute limit."""
+    quarantine_max_gap_ratio: float | None = 10.0
+    """Largest mean gap as a multiple of the fleet median (with 3+ workers measured); None: off."""
+    quarantine_gap_floor: float = 0.05
+    """The relative gap limit never goes below this many nats per token."""
+    quarantine_canary_strikes: int = 2
+    """Failed canary groups that quarantine a worker."""
+    canary_rate: float = 0.0
+    """Share of the task's prompts that are (undisclosed) canaries, judged strictly; 0: none."""
+    canary_key_file: Path | None = None
+    """A 0600 file holding the secret that picks the canaries (created if missing). None: a fresh
+    secret in memory each time the consumer starts (the subset then changes with every restart)."""
+    canary_max_logprob_gap: float = 0.1
+    """Largest mean logprob gap the learner may measure on a canary group before it fails."""
+    canary_min_format_rate: float = 0.0
+    """Least share of a canary group's answers that must parse in the task's format; 0: off."""
+
     admission_order: AdmissionOrder = "oldest_version"
     """Which ready groups a batch takes first, after the least-used ones:
     `oldest_version` (lowest weight version, then key time: groups nearest their staleness limit,
@@ -99,10 +140,21 @@ class ConsumerConfig:
     """What a record must satisfy (see `slime_stoa.protocol.validate`). None: derived from the run
     manifest (vocabulary, group size, prompt and response lengths, sampling parameters)."""
 
+    run_key: str | None = None
+    """The run's public key (`ed25519:...`) the trainer expects: a run manifest naming another
+    key (or none) is refused, and records must be signed by worker keys of the registry this key
+    signed. None: the run manifest's `run_key`, if it has one (trusted as found in the bucket)."""
+    registry_refresh_s: float = 10.0
+    """How often, at most this many seconds apart, the worker registry of a signed run is read
+    again (cached by ETag), so a revocation reaches every group not yet handed to training. It
+    is also read when a record names a key it does not hold."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.store_url, str) or "://" not in self.store_url:
             raise ValueError(f"ConsumerConfig.store_url must be a store URL, got {self.store_url!r}")
         check_name("run", self.run)
+        if self.rollouts_url is not None and (not isinstance(self.rollouts_url, str) or "://" not in self.rollouts_url):
+            raise ValueError(f"ConsumerConfig.rollouts_url must be a store URL, got {self.rollouts_url!r}")
         for name in ("staleness_limit",):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -117,8 +169,11 @@ class ConsumerConfig:
             "late_sweep_interval_s",
             "progress_interval_s",
             "store_retry_max_delay_s",
+            "registry_refresh_s",
         ):
             _check_positive(name, getattr(self, name))
+        if self.run_key is not None:
+            PublicKey.from_text(self.run_key)  # ValueError naming the problem
         for name, low in (
             ("skew_window_ms", 0),
             ("late_window_ms", 0),
@@ -137,12 +192,31 @@ class ConsumerConfig:
         tol = self.reward_tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (math.isfinite(tol) and tol >= 0):
             raise ValueError(f"ConsumerConfig.reward_tolerance must be a number >= 0, got {tol!r}")
+        for prefix, build in (("quarantine_", lambda: self.quarantine_config), ("canary_", lambda: self.canary_config)):
+            try:  # their messages start with the field name
+                build()
+            except ValueError as exc:
+                raise ValueError(f"ConsumerConfig.{prefix}{exc}") from None
+        if self.canary_key_file is not None and not isinstance(self.canary_key_file, Path):
+            raise ValueError(f"ConsumerConfig.canary_key_file must be a Path or None, got {self.canary_key_file!r}")
         if self.admission_order not in ADMISSION_ORDERS:
             raise ValueError(
                 f"ConsumerConfig.admission_order must be one of {ADMISSION_ORDERS}, got {self.admission_order!r}"
             )
         if self.record_limits is not None and not isinstance(self.record_limits, RecordLimits):
             raise ValueError("ConsumerConfig.record_limits must be a RecordLimits or None")
+
+    @property
+    def quarantine_config(self) -> QuarantineConfig:
+        """The `quarantine_*` settings as the quarantine policy's config."""
+        return QuarantineConfig(
+            **{f.name: getattr(self, "quarantine_" + f.name) for f in dataclasses.fields(QuarantineConfig)}
+        )
+
+    @property
+    def canary_config(self) -> CanaryConfig:
+        """The `canary_*` settings (but the key file) as the canary checks' config."""
+        return CanaryConfig(**{f.name: getattr(self, "canary_" + f.name) for f in dataclasses.fields(CanaryConfig)})
 
     @property
     def is_resolved(self) -> bool:

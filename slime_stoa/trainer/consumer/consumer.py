@@ -47,11 +47,12 @@ that runs the consumer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -59,12 +60,15 @@ from typing import Any, NoReturn, TypeVar
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import NotPublished, read_lineage, read_pointer
 from slime_stoa.protocol.pulse.lineage import Lineage
-from slime_stoa.protocol.records import RolloutGroup
+from slime_stoa.protocol.records import RecordError, RolloutGroup
+from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signed_record import is_signed, open_signed, record_bytes
+from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreError, StoreUnavailable
 from slime_stoa.protocol.store.retry import outage_policy, through_outages
 from slime_stoa.protocol.validate import RecordRejected, load_record
 
-from . import policy
+from . import canary, policy
 from .admission import Admitted, judge_record
 from .config import ConsumerConfig
 from .discovery import Discovery, PollResult
@@ -76,8 +80,10 @@ from .metrics import (
     worker_counter,
 )
 from .persistence import read_state, write_state_retried
+from .quarantine import Quarantine, copy_records
 from .run_context import open_run_context
 from .scoring import Decode, PromptOf, Rescorer
+from .signers import Signers
 from .state import ConsumerState, name_worker
 from .workers import (
     SHOWN,
@@ -154,6 +160,7 @@ class RolloutConsumer:
         *,
         rescorer: Rescorer,
         clock: Callable[[], float] = time.time,
+        run_key: PublicKey | None = None,
     ) -> None:
         if not config.is_resolved:
             raise ValueError(
@@ -195,6 +202,23 @@ class RolloutConsumer:
         self._refresh_task: asyncio.Task[None] | None = None
         self._refreshes_started = 0
         self._refreshes_done = 0
+        # Honest workers (`quarantine`, `canary`): the book lives in the state; the secret never leaves here.
+        self._quarantine = Quarantine(config.quarantine_config, self._state.quarantine)
+        key_file = config.canary_key_file
+        self._canary_secret = (
+            canary.load_or_create_secret(key_file) if key_file is not None and config.canary_rate > 0
+            else canary.new_secret()
+        )
+        # A signed run (a run key: the manifest's, checked against config.run_key): the worker registry.
+        if run_key is None and config.run_key is not None:
+            run_key = PublicKey.from_text(config.run_key)
+        # Its pointer and version manifests are read through the run's trust (pinned key + rotations),
+        # so a forged pointer cannot make a forged version "published".
+        self._trust = None if run_key is None else RunTrust(config.run, run_key)
+        self._signers = (
+            None if self._trust is None
+            else Signers(store, config.run, self._trust, refresh_s=config.registry_refresh_s)
+        )
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -220,7 +244,7 @@ class RolloutConsumer:
             ),
             f"opening run {config.run!r} in {store.url}",
         )
-        consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock)
+        consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock, run_key=ctx.run_key)
         if restore:
             await consumer.load_from_bucket()
         return consumer
@@ -271,6 +295,8 @@ class RolloutConsumer:
             counters=dict(s.counters),
             last_seen=dict(s.last_seen),
             replay=s.replay,
+            quarantine=copy_records(s.quarantine),
+            registry_serial=self._registry_serial(),
         )
         return snapshot.to_json()
 
@@ -283,8 +309,11 @@ class RolloutConsumer:
             raise ValueError(f"consumer state is for run {state.run!r}, this consumer reads {self.config.run!r}")
         self._restore = dict(state.ledger)
         state.ledger = {}
+        if self._signers is not None:
+            self._signers.floor = max(self._signers.floor, state.registry_serial)
         self._state = state
         self._discovery.state = state
+        self._quarantine.records = state.quarantine
         self._batch_counters = dict(state.counters)
 
     async def bucket_state(self) -> dict[str, Any] | None:
@@ -400,6 +429,8 @@ class RolloutConsumer:
 
     async def _download(self, name: str, size: int | None, uses: int | None) -> None:
         try:
+            if self._refuse_quarantined(name):  # not even downloaded
+                return
             try:
                 while True:
                     try:
@@ -421,6 +452,7 @@ class RolloutConsumer:
                 await self._refresh_published(0)
             if self._fatal is not None:  # the key stays queued; next_batch raises it
                 return
+            await self._know_signer(data)
             seen = self._refreshes_started
             if not self._judge(name, data, uses, refreshed=False):
                 # It claims weights the trainer may have published since the last read: read again.
@@ -448,6 +480,7 @@ class RolloutConsumer:
                 now=self.clock(),
                 published=self._published,
                 replay=self._state.replay,
+                registry=None if self._signers is None else self._signers.registry,
             )
         except RecordRejected as exc:
             if exc.reason in ("version", "digest"):
@@ -473,6 +506,8 @@ class RolloutConsumer:
             self._scored_rewards.extend(admitted.rewards)
             self._count("reward_disagreements", admitted.disagreements)
             self._count(worker_counter(admitted.worker, "reward_disagreements"), admitted.disagreements)
+        if self._honesty_refuses(admitted, uses):
+            return True
         lag = self._lag(admitted.group.weight_version)
         if lag is None:
             self._count("off_lineage")
@@ -492,6 +527,132 @@ class RolloutConsumer:
                 self._count("admitted")
         return True
 
+    # -- the worker registry (signed runs) ----------------------------------------------------------
+    def _registry_serial(self) -> int:
+        """The registry serial a restarted consumer must not go below (saved with the state)."""
+        floor = self._state.registry_serial
+        return floor if self._signers is None else max(floor, self._signers.floor, self._signers.registry.serial)
+
+    async def _know_signer(self, data: bytes) -> None:
+        """Before judging a record of a signed run: read the registry again if the record names
+        a key it does not hold (a worker added since), or if the last read is `registry_refresh_s` old."""
+        signers = self._signers
+        if signers is None:
+            return
+        unknown = False
+        if is_signed(data):
+            with contextlib.suppress(RecordError):  # a malformed envelope: judged as such
+                unknown = signers.registry.by_key_id(open_signed(data).key_id) is None
+        if unknown or signers.due():
+            await self._refresh_signers()
+
+    async def _refresh_signers(self) -> None:
+        """Read the registry (unless a read started since this call did) and drop the pool's
+        groups whose key is now revoked or gone, counted as rejected."""
+        signers = self._signers
+        assert signers is not None
+        outcome = await signers.refresh(
+            signers.clock(), through=lambda op: self.patiently(op, f"reading the worker registry of run {self.config.run!r}")
+        )
+        if outcome in ("invalid", "rollback"):
+            self._count(f"registry_{outcome}")
+        if outcome != "updated":
+            return
+        registry = signers.registry
+        self.apply_releases({worker: e.releases for worker, e in registry.workers.items()})  # `stoa worker release`
+        for name, entry in list(self._pool.items()):
+            signer = entry.admitted.signer
+            found = None if signer is None else registry.by_key_id(signer)
+            if found is None or found.revoked:
+                del self._pool[name]
+                reason = "revoked" if found is not None else "unknown_key"
+                self._reject(name, reason, f"its key {signer} was {reason.replace('_', ' ')} before the group was used")
+
+    # -- honest workers: quarantine and canaries ------------------------------------------------------
+    @property
+    def quarantined(self) -> dict[str, str]:
+        """{worker: reason} of the workers quarantined now (see `quarantine`)."""
+        return self._quarantine.quarantined()
+
+    def is_canary(self, prompt_index: int) -> bool:
+        """Whether the run's prompt `prompt_index` is a canary (keyed by this consumer's secret)."""
+        return canary.is_canary(self._canary_secret, self.rescorer.task.name, prompt_index, self.config.canary_rate)
+
+    def observe_logprob_gap(
+        self, worker: str, mean_abs_gap: float, tokens: int, *, prompt_index: int | None = None
+    ) -> list[str]:
+        """Feed the learner's measurement: the mean |trainer - worker| logprob over `tokens` of
+        `worker`'s tokens, under the weights they were sampled with. With `prompt_index` (one
+        group's measurement), a gap above `canary_max_logprob_gap` on a canary prompt is a strike.
+        Returns the workers this quarantined (their groups not yet used are dropped)."""
+        now = int(self.clock() * 1000)
+        newly = self._quarantine.observe_gap(worker, mean_abs_gap, tokens, now_ms=now)
+        if (
+            prompt_index is not None and tokens > 0 and self.is_canary(prompt_index)
+            and mean_abs_gap > self.config.canary_max_logprob_gap
+        ):
+            self._count("canary_gap_failures")
+            self._count(worker_counter(worker, "canary_failed"))
+            log.warning("stoa: worker %r failed a canary: logprob gap %.3g per token", worker, mean_abs_gap)
+            newly += self._quarantine.observe_canary(worker, passed=False, now_ms=now)
+        self._on_quarantined(newly)
+        return newly
+
+    def apply_releases(self, releases: Mapping[str, int]) -> list[str]:
+        """Lift the quarantine of workers whose release count (the registry's `releases`, raised
+        by `stoa worker release`) rose since it was quarantined; call it whenever the registry
+        is read. Returns the workers released."""
+        lifted = self._quarantine.apply_releases(releases)
+        for worker in lifted:
+            log.warning("stoa: worker %r released from quarantine", worker)
+        return lifted
+
+    def _refuse_quarantined(self, name: str) -> bool:
+        worker = name_worker(name)
+        if not self._quarantine.is_quarantined(worker):
+            return False
+        self._forget(name)
+        self._reject(name, "quarantined", f"worker {worker!r} is quarantined ({self.quarantined.get(worker)})")
+        return True
+
+    def _honesty_refuses(self, admitted: Admitted, uses: int | None) -> bool:
+        """After a record passed admission: feed its evidence to the quarantine (the first time
+        it is judged) and run a canary's strict checks. True (counted) when it is refused: a
+        failed canary (`canary_failed`) or a quarantined worker (`quarantined`)."""
+        worker = admitted.worker
+        if uses is None:
+            now = int(self.clock() * 1000)
+            newly = self._quarantine.observe_scored(
+                worker, samples=len(admitted.rewards), disagreements=admitted.disagreements, now_ms=now
+            )
+            problem = None
+            if self.is_canary(admitted.group.prompt_index):
+                problem = canary.canary_problem(
+                    admitted.group, rewards=admitted.rewards, texts=admitted.texts,
+                    vocab_size=self.config.record_limits.vocab_size,  # type: ignore[union-attr]
+                    config=self.config.canary_config,
+                )
+                newly += self._quarantine.observe_canary(worker, passed=problem is None, now_ms=now)
+            self._on_quarantined(newly)
+            if problem is not None:
+                self._count(worker_counter(worker, "canary_failed"))
+                self._reject(admitted.name, "canary_failed", problem)
+                return True
+        return self._refuse_quarantined(admitted.name)
+
+    def _on_quarantined(self, workers: list[str]) -> None:
+        """Drop the pool's groups of newly quarantined workers (counted `quarantine_dropped`)."""
+        for worker in workers:
+            dropped = [n for n, e in self._pool.items() if e.admitted.worker == worker]
+            for name in dropped:
+                del self._pool[name]
+            self._count("quarantine_dropped", len(dropped))
+            self._count("quarantined_workers")
+            log.warning(
+                "stoa: worker %r quarantined (%s): its records are refused and %d group(s) not yet used dropped, "
+                "until `stoa worker release %s`", worker, self.quarantined.get(worker), len(dropped), worker,
+            )
+
     # -- the published versions ------------------------------------------------------------------
     def _lag(self, weight_version: int) -> int | None:
         """Training steps `weight_version` lags the trainer's version along the weight lineage;
@@ -502,8 +663,8 @@ class RolloutConsumer:
         """The weight version a record that failed `check_published` claims (decoded again: only
         on that rare path), or None if it does not decode now."""
         try:
-            return load_record(data, self.config.record_limits, now=self.clock()).weight_version  # type: ignore[arg-type]
-        except RecordRejected:
+            return load_record(record_bytes(data), self.config.record_limits, now=self.clock()).weight_version  # type: ignore[arg-type]
+        except RecordError:
             return None
 
     @property
@@ -561,7 +722,9 @@ class RolloutConsumer:
         run = self.config.run
         try:
             try:
-                pointer = await self.patiently(lambda: read_pointer(self.store, run), f"reading the pointer of run {run!r}")
+                pointer = await self.patiently(
+                    lambda: read_pointer(self.store, run, trust=self._trust), f"reading the pointer of run {run!r}"
+                )
             except NotPublished:
                 self._published, self._pointer_seen, self._lineage = {}, None, Lineage.straight({})
                 return
@@ -569,7 +732,7 @@ class RolloutConsumer:
             if seen != self._pointer_seen:
                 depth = self._published_depth()
                 lineage = await self.patiently(
-                    lambda: read_lineage(self.store, run, depth=depth, pointer=pointer),
+                    lambda: read_lineage(self.store, run, depth=depth, pointer=pointer, trust=self._trust),
                     f"reading the published versions of run {run!r}",
                 )
                 self._lineage, self._published = lineage, dict(lineage.digests)
@@ -780,8 +943,14 @@ class RolloutConsumer:
             raise self._fatal
         start = time.monotonic()
         timeout = self.config.wait_timeout_s
-        if not await self._fill(n_groups, None if timeout is None else start + timeout):
-            raise await self._timeout_error(n_groups, time.monotonic() - start)
+        while True:
+            if not await self._fill(n_groups, None if timeout is None else start + timeout):
+                raise await self._timeout_error(n_groups, time.monotonic() - start)
+            if self._signers is None or not self._signers.due():
+                break
+            await self._refresh_signers()  # a revocation reaches groups waiting in the pool
+            if len(self._pool) >= n_groups:
+                break
         wait_s = time.monotonic() - start
         groups = self._take(n_groups)
         gained = delta(self._state.counters, self._batch_counters)
@@ -800,6 +969,7 @@ class RolloutConsumer:
             pending=len(self._state.pending) + len(self._restore),
         )
         metrics["rollout/stoa_store_outage_retries"] = float(gained.get("store_outage_retries", 0))
+        metrics.update(self._quarantine.metrics())
         self._scored_rewards = []
         log.info(
             "stoa: batch of %d groups from %d worker(s) after %.1f s (version lag mean %.2f, max %d)",

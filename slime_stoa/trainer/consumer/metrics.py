@@ -15,9 +15,17 @@ Counter names:
     groups_used / groups_reused       groups put in batches (reused: not for the first time)
     late_keys                         keys found behind the cursor by a sweep
     list_requests / get_requests      store requests
+    registry_invalid / registry_rollback  reads of a signed run's worker registry ignored: not
+                                      signed by the run key, or older than the one already read
     worker/<id>/groups                groups of this worker put in batches
     worker/<id>/reward_disagreements  its samples whose reward disagreed
     worker/<id>/rejected              its records rejected
+    rejected/quarantined              records of a quarantined worker refused (`quarantine`)
+    rejected/canary_failed            canary groups refused by the strict checks (`canary`)
+    canary_gap_failures               canary groups whose learner-measured logprob gap was too large
+    quarantine_dropped                groups dropped from the pool when their worker was quarantined
+    quarantined_workers               quarantines decided (a worker released and quarantined again counts twice)
+    worker/<id>/canary_failed         its failed canaries
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ def batch_metrics(
         "rollout/stoa_reward_disagreement_rate": (
             gained.get("reward_disagreements", 0) / scored if scored else 0.0
         ),
+        "rollout/stoa_quarantine_rejected": float(rejects.get("quarantined", 0)),
+        "rollout/stoa_quarantine_dropped": float(gained.get("quarantine_dropped", 0)),
+        "rollout/stoa_canary_failed": float(rejects.get("canary_failed", 0) + gained.get("canary_gap_failures", 0)),
         "rollout/stoa_late_keys": float(gained.get("late_keys", 0)),
         "rollout/stoa_list_requests": float(gained.get("list_requests", 0)),
         "rollout/stoa_get_requests": float(gained.get("get_requests", 0)),

@@ -4,6 +4,11 @@ task data (prompts and labels) and the tokenizer (to decode completions), all fr
 The tokenizer comes from the run's latest anchor (`tokenizer.json` among its extras, with
 `config.json` for the vocabulary and the end-of-sequence ids), unless a `decode` function is
 injected (tests) or a local folder is given.
+
+The run key: a run whose manifest names one is a signed run (records must carry a worker key's
+signature, see `signers`). The manifest is in the bucket, which every worker can write, so a
+trainer given the key it expects (`ConsumerConfig.run_key`) refuses a manifest naming another
+key or none.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.anchor import download_extras
 from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
 from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
+from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.tasks import Task, load_task
 
@@ -36,6 +42,7 @@ class RunContext:
     task: Task
     config: ConsumerConfig  # resolved: every limit filled in
     rescorer: Rescorer
+    run_key: PublicKey | None = None  # None: an unsigned run
 
 
 def task_data_key(manifest: RunManifest) -> str:
@@ -79,7 +86,8 @@ async def open_run_context(
     expected prompt tokens with this instead of the run's tokenizer (with a custom `decode`,
     prompts are checked only when it is given).
     """
-    manifest = await read_run_manifest(store, config.run)
+    manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+    run_key = manifest.public_key
     task = await read_task(store, manifest)
     vocab = manifest.vocab_size or None
     if decode is None:
@@ -99,4 +107,6 @@ async def open_run_context(
             f"or give record_limits"
         )
     resolved = config.resolved(manifest, vocab_size=vocab)
-    return RunContext(manifest=manifest, task=task, config=resolved, rescorer=Rescorer(task, decode, eos_ids, prompt_of))
+    return RunContext(
+        manifest=manifest, task=task, config=resolved, rescorer=Rescorer(task, decode, eos_ids, prompt_of), run_key=run_key
+    )

@@ -6,19 +6,23 @@ Pure and slime-free: the slime layer only turns each dict into `Sample(**fields)
 Per sample of a group of G (contiguous, in the record's order):
 
     tokens             prompt tokens + response tokens
-    response_length    number of response tokens
-    response           the decoded completion the reward was computed from
+    response_length    number of response tokens (a tool episode's: model and tool tokens)
+    response           the decoded completion the reward was computed from (a tool episode's
+                       whole text, observations included)
     prompt, label      the task item's prompt text and label
     reward             the trainer's recomputed reward (never the worker's)
-    loss_mask          [1] * response_length (every sampled token is trained on)
+    loss_mask          the record's mask, one 0/1 per response token: 1 = sampled by the model
+                       (trained on), 0 = a tool/observation token (never trained on); all ones
+                       for a single-turn (v1) record
     rollout_log_probs  the worker's logprob of each response token at the sampling temperature,
-                       clamped to <= 0 (the validator admits float32 rounding up to +1e-4)
-    status             "truncated" when the sample hit max_tokens (finish_reason "length"),
-                       else "completed"
+                       clamped to <= 0 (the validator admits float32 rounding up to +1e-4); 0.0
+                       at tool tokens (masked out)
+    status             "truncated" when the sample hit max_tokens (finish_reason "length") or
+                       a tool episode its turn limit ("turns"), else "completed"
     group_index, index the ids the caller passes (slime: from its data source)
     weight_versions    [str(weight version)] (informational in slime)
     metadata           stoa_* provenance: worker, weight version, version lag, use, key, worker
-                       reward, task, prompt index, finish reason
+                       reward, task, prompt index, finish reason, turns, tool calls
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from slime_stoa.protocol.records import SCHEMA_V2
+
 from .consumer import ConsumedGroup
 
 STATUS_COMPLETED = "completed"
@@ -35,7 +41,7 @@ STATUS_TRUNCATED = "truncated"
 
 
 def sample_status(finish_reason: str) -> str:
-    return STATUS_TRUNCATED if finish_reason == "length" else STATUS_COMPLETED
+    return STATUS_TRUNCATED if finish_reason in ("length", "turns") else STATUS_COMPLETED
 
 
 def sample_fields(
@@ -50,6 +56,7 @@ def sample_fields(
     if indices is not None and len(indices) != len(g.samples):
         raise ValueError(f"{len(indices)} indices for a group of {len(g.samples)} samples")
     prompt = [int(t) for t in g.prompt_tokens]
+    v2 = g.schema_version == SCHEMA_V2  # v1: every token the model's (no mask on the wire)
     out = []
     for i, s in enumerate(g.samples):
         response = [int(t) for t in s.response_tokens]
@@ -64,7 +71,7 @@ def sample_fields(
                 "response": group.texts[i],
                 "response_length": n,
                 "reward": float(group.rewards[i]),
-                "loss_mask": [1] * n,
+                "loss_mask": [int(m) for m in s.mask] if v2 else [1] * n,
                 "rollout_log_probs": np.minimum(s.logprobs.astype(np.float64), 0.0).tolist(),
                 "status": sample_status(s.finish_reason),
                 "weight_versions": [str(g.weight_version)],
@@ -78,6 +85,8 @@ def sample_fields(
                     "stoa_task": g.task_id,
                     "stoa_prompt_index": g.prompt_index,
                     "stoa_finish_reason": s.finish_reason,
+                    "stoa_turns": s.turns,
+                    "stoa_tool_calls": s.tool_calls,
                 },
             }
         )

@@ -16,6 +16,11 @@ so they sort by time and carry their own timestamp.
 - `replay`: the replay ledger (`ReplayLedger`): a content hash and the (worker, seq) of each of
   the last `capacity` admitted records, so a record replayed under another key or another
   sequence number is refused as "duplicate". Absent in states written before it: empty.
+- `quarantine`: the quarantine book (`quarantine.WorkerRecord` per worker: weighted reward
+  disagreements, logprob gap, canary strikes, whether and why quarantined, releases applied).
+  Absent in states written before it: empty.
+- `registry_serial`: the highest serial of the worker registry read (signed runs), so a trainer
+  restarted from this state refuses an older registry copy put back in the bucket. Absent: 0.
 
 The JSON form (`to_json` / `from_json`) is what `state_dict()` returns and what the bucket and
 slime's checkpoint hold.
@@ -36,6 +41,8 @@ import xxhash
 
 from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.validate import RecordRejected
+
+from .quarantine import WorkerRecord, records_from_json, records_to_json
 
 FORMAT = "stoa.consumer/1"
 _NAME = re.compile(r"\d{13}-[a-z0-9][a-z0-9-]{0,47}-\d{10}\.rec")
@@ -68,6 +75,8 @@ class ConsumerState:
     counters: dict[str, int] = field(default_factory=dict)
     last_seen: dict[str, int] = field(default_factory=dict)
     replay: ReplayLedger = field(default_factory=lambda: ReplayLedger())
+    quarantine: dict[str, WorkerRecord] = field(default_factory=dict)
+    registry_serial: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +89,8 @@ class ConsumerState:
             "counters": dict(sorted(self.counters.items())),
             "last_seen": dict(sorted(self.last_seen.items())),
             "replay": self.replay.to_json(),
+            "quarantine": records_to_json(self.quarantine),
+            "registry_serial": self.registry_serial,
         }
 
     @classmethod
@@ -110,6 +121,10 @@ class ConsumerState:
         counters = _int_map(doc.get("counters", {}), "counters")
         last_seen = _int_map(doc.get("last_seen", {}), "last_seen")
         replay = ReplayLedger.from_json(doc.get("replay", ""))
+        quarantine = records_from_json(doc.get("quarantine", {}))
+        registry_serial = doc.get("registry_serial", 0)
+        if not _nonneg_int(registry_serial):
+            raise ValueError(f"consumer state: bad registry_serial {registry_serial!r}")
         return cls(
             run=run,
             cursor=cursor,
@@ -119,6 +134,8 @@ class ConsumerState:
             counters=counters,
             last_seen=last_seen,
             replay=replay,
+            quarantine=quarantine,
+            registry_serial=registry_serial,
         )
 
 

@@ -116,6 +116,7 @@ def slime_flag_parser() -> argparse.ArgumentParser:
     add("--custom-pg-loss-reducer-function-path", default=None)
     add("--custom-config-path", default=None)
     add("--eval-interval", type=int, default=None)
+    add("--eval-prompt-data", nargs="+", default=None)
     add("--prompt-data", default=None)
     add("--disable-rollout-global-dataset", action="store_false", dest="rollout_global_dataset")
     add("--hf-checkpoint", default=None)
@@ -345,7 +346,7 @@ def check_batch_sizes(args: argparse.Namespace) -> Finding:
 
 
 def check_schedule(args: argparse.Namespace) -> list[Finding]:
-    """`--num-rollout` set; no evaluation; no prompt data; the global dataset (and so the
+    """`--num-rollout` set; evaluation only with `--eval-prompt-data` splits; no prompt data; the global dataset (and so the
     consumer's cursor in slime's checkpoints) kept on; checkpoints saved."""
     out: list[Finding] = []
     num_rollout = getattr(args, "num_rollout", None)
@@ -360,12 +361,19 @@ def check_schedule(args: argparse.Namespace) -> list[Finding]:
             )
         )
     if getattr(args, "eval_interval", None) is not None:
-        out.append(
-            fix(
-                "eval-interval",
-                "--eval-interval is set: remove it (stoa's rollout function serves training batches only)",
+        pairs = getattr(args, "eval_prompt_data", None) or []
+        if not pairs or len(pairs) % 2:
+            out.append(
+                fix(
+                    "eval-interval",
+                    f"--eval-interval is set but --eval-prompt-data is {_shown(pairs or None)}: give NAME SPLIT pairs "
+                    "(e.g. --eval-prompt-data gsm8k-test test: a split of the run's task in the bucket), or remove "
+                    "--eval-interval",
+                )
             )
-        )
+        else:
+            names = ", ".join(f"{pairs[i]} (split {pairs[i + 1]})" for i in range(0, len(pairs), 2))
+            out.append(ok("eval-interval", f"eval every {args.eval_interval} rollouts on {names}, answered by the fleet"))
     if getattr(args, "prompt_data", None):
         out.append(warn("prompt-data", "--prompt-data is set but ignored (prompts come from the bucket): remove it"))
     if not getattr(args, "rollout_global_dataset", True):
@@ -638,6 +646,29 @@ def check_tokenizer(args: argparse.Namespace, facts: StoreFacts) -> Finding | No
     )
 
 
+def check_run_key(args: argparse.Namespace, manifest: RunManifest) -> Finding:
+    """A publishing trainer of a signed run holds its run key: `stoa_run_key` names a 0600 key
+    file whose public half is the run manifest's `run_key`."""
+    from .settings import run_key_setting
+
+    try:
+        key = run_key_setting(args)
+    except ValueError as exc:
+        return fix("run-key", f"stoa_run_key: {exc}")
+    if manifest.run_key is None:
+        if key is None:
+            return ok("run-key", "the run is unsigned (no run_key): weights are published unsigned")
+        return fix("run-key", f"stoa_run_key is set but run {manifest.run!r} is unsigned (no run_key in its manifest): "
+                              "create a signed run with `stoa run create --key`, or drop stoa_run_key")
+    if key is None:
+        return fix("run-key", f"run {manifest.run!r} is signed (run_key {manifest.public_key.key_id}): "  # type: ignore[union-attr]
+                              "set stoa_run_key to its key file, or workers refuse every version")
+    if key.public.to_text() != manifest.run_key:
+        return fix("run-key", f"stoa_run_key {getattr(args, 'stoa_run_key', '')} holds key {key.key_id}, the run's is "
+                              f"{manifest.public_key.key_id}: use the run's key file")  # type: ignore[union-attr]
+    return ok("run-key", f"stoa_run_key is the run's key {key.key_id} (mode 0600)")
+
+
 def check_flags(args: argparse.Namespace, manifest: RunManifest | None, config: Config = None) -> list[Finding]:
     """Every slime-flag check; those that need the run manifest only when it was read."""
     out = check_rollout_gpus(args)
@@ -647,6 +678,8 @@ def check_flags(args: argparse.Namespace, manifest: RunManifest | None, config: 
             check_group_size(args, manifest, config),
             check_max_response_len(args, manifest, config),
         ]
+        if getattr(args, "stoa_publish", None) is True:
+            out.append(check_run_key(args, manifest))
     out.append(check_top_p(args, config))
     out.append(check_batch_sizes(args))
     out += check_schedule(args)

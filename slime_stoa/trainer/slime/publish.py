@@ -30,6 +30,8 @@ sets every key of that file on `args`, in every process):
     stoa_publish_retries: 3
     stoa_publish_backoff_s: 2.0            # doubled after each failed attempt
     stoa_background_publish: true          # diff, encode and upload off the training path
+    stoa_run_key: /path/to/run.key         # a signed run: the run key file (mode 0600, `stoa keys
+                                           #   create`); every version is signed with it
 
 Store credentials come from the environment as for every stoa store URL.
 
@@ -79,11 +81,12 @@ from slime_stoa.protocol.pulse.publisher import (
     PublishError,
     PublishResult,
 )
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, StoreUnavailable, open_store
 from slime_stoa.protocol.store.retry import RetryPolicy, through_outages, with_retries
 
 from ..loop_thread import LoopThread
-from .settings import as_bool, as_float, as_int, check_bucket_and_run, field_parsers, required_setting
+from .settings import as_bool, as_float, as_int, check_bucket_and_run, field_parsers, required_setting, run_key_setting
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +149,7 @@ def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
 # One parser per PublisherConfig field (by the field's type); the setting is PREFIX + field name.
 CONFIG_FIELDS = field_parsers(PublisherConfig)
 # The settings read besides those (PREFIX + name); `stoa_publish` itself is read by the patch.
-OTHER_SETTINGS = ("bucket", "run", "publish", "publish_retries", "publish_backoff_s", "background_publish")
+OTHER_SETTINGS = ("bucket", "run", "publish", "publish_retries", "publish_backoff_s", "background_publish", "run_key")
 
 
 def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:
@@ -270,10 +273,12 @@ class SyncPublisher:
         backoff_s: float = DEFAULT_BACKOFF_S,
         environ: Mapping[str, str] | None = None,
         create: bool = False,
+        key: SigningKey | None = None,
     ) -> None:
         if retries < 0 or backoff_s < 0:
             raise ValueError("retries and backoff_s must be >= 0")
         self.url, self.run, self.config = url, run, config
+        self.key = key  # the run key: signs every version (None: an unsigned run)
         self.retries, self.backoff_s = retries, backoff_s
         self._publisher: Publisher | None = None
         self._store: Store | None = None
@@ -320,7 +325,7 @@ class SyncPublisher:
         # Runs on the loop while the caller holds `_lock`.
         if self._publisher is None:
             assert self._store is not None
-            publisher = Publisher(self._store, self.run, self.config)
+            publisher = Publisher(self._store, self.run, self.config, key=self.key)
             version = await publisher.open()
             self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
             where = f"resuming after v{version}" if version is not None else "new run"
@@ -459,7 +464,8 @@ def get_publisher(args: Any) -> SyncPublisher:
     if _PUBLISHER is None:
         url, run, config = publisher_config_from_args(args)
         retries, backoff = retry_settings_from_args(args)
-        _PUBLISHER = SyncPublisher(url, run, config, retries=retries, backoff_s=backoff)  # closed at exit
+        key = run_key_setting(args)
+        _PUBLISHER = SyncPublisher(url, run, config, retries=retries, backoff_s=backoff, key=key)  # closed at exit
     return _PUBLISHER
 
 
@@ -480,6 +486,7 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
     # Same args on every rank: a bad setting fails everywhere, before any collective starts.
     publisher_config_from_args(args)
     retry_settings_from_args(args)
+    run_key_setting(args)
     background = background_from_args(args)
     rank = dist.get_rank()
     error: Exception | None = None

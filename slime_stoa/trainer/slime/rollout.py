@@ -8,6 +8,10 @@ in the `--custom-config-path` YAML, which slime sets as attributes of `args` in 
 
     stoa_bucket: s3://bucket/prefix?endpoint=https://host   # required: store URL (file://, s3://, r2://)
     stoa_run: my-run                                       # required: run name in the bucket
+    stoa_rollouts_bucket: null       # least privilege: the workers' records and heartbeats in a
+                                     #   second bucket (their token writes only there)
+    stoa_run_key: /path/run.key      # a signed run: the run key file (0600); the run manifest must
+                                     #   name its public half, records need registered worker keys
     # optional (ConsumerConfig fields; defaults in slime_stoa.trainer.consumer.config):
     stoa_staleness_limit: 4          # default: the run manifest's staleness_limit
     stoa_reuse_limit: 1              # default: the run manifest's reuse_limit
@@ -94,8 +98,18 @@ answer skips them for that rollout). With `--use-wandb` the rollout function als
 `worker/*` against `rollout/step` in the run slime's rollout process joined (slime defines
 `train/*`, `rollout/*`, ... but not `worker/*`); see `slime_stoa.trainer.tracking`.
 
-Evaluation is not supported yet: `evaluation=True` raises `EvaluationNotSupported`; do not set
-`--eval-interval`.
+Evaluation (`--eval-interval`, with this function as the eval path too, slime's default). An
+`evaluation=True` call asks the fleet for an eval of the pointer's version
+(`slime_stoa.protocol.eval_request`): for each dataset of `--eval-prompt-data NAME SPLIT ...`
+(slime's name/path pairs; here the "path" is a split of the run's task in the bucket, e.g.
+`--eval-prompt-data gsm8k-test test`) it writes the request (signed with `stoa_run_key` on a
+signed run), waits (`stoa_wait_timeout_s`, `stoa_poll_interval_s`) until every prompt has
+`--n-samples-per-eval-prompt` (default 1) samples from workers holding that version, re-scores
+them with the split's labels and returns `RolloutFnEvalOutput(data={NAME: {"rewards",
+"truncated", "samples"}}, metrics)`, the samples built like training samples, k per prompt in
+prompt order. Sampling: `--eval-max-response-len` and `--eval-temperature` when set, else the
+run manifest's. `stoa_eval_prompts: N` evaluates the split's first N prompts (default: all).
+metrics: `eval/stoa_<NAME>_pass@1`, `..._pass@k`, `..._n_prompts`, `..._rejects`.
 
 One consumer lives per process (the RolloutManager actor), on its own event-loop thread, with
 its store connections.
@@ -111,10 +125,18 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from slime_stoa.evaluation.collect import EvalCollector, open_eval_context, read_split
+from slime_stoa.evaluation.fleet import await_answers, post_request, version_result
+from slime_stoa.evaluation.passk import DEFAULT_PASS_THRESHOLD
+from slime_stoa.protocol.eval_request import EvalRequest
+from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
+from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.store import Store, StoreError, open_store
+from slime_stoa.protocol.store.split import SplitStore
 from slime_stoa.trainer.consumer import (
     Batch,
+    ConsumedGroup,
     ConsumerConfig,
     RolloutConsumer,
     sample_fields,
@@ -124,7 +146,16 @@ from .. import tracking
 from ..loop_thread import LoopThread
 from .data_source import StoaDataSource
 from .publish import background_from_args
-from .settings import as_bool, as_float, as_path, check_bucket_and_run, field_parsers, required_setting
+from .settings import (
+    as_bool,
+    as_float,
+    as_int,
+    as_path,
+    check_bucket_and_run,
+    field_parsers,
+    required_setting,
+    run_key_setting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,15 +163,7 @@ PREFIX = "stoa_"
 METADATA_KEY = "stoa_consumer"
 DATA_SOURCE_PATH = "slime_stoa.StoaDataSource"
 DEFAULT_PUBLISH_GRACE_S = 120.0
-EVAL_MESSAGE = (
-    "evaluation is not supported yet: do not set --eval-interval "
-    "(stoa's rollout function only serves training batches from the bucket)"
-)
 T = TypeVar("T")
-
-
-class EvaluationNotSupported(NotImplementedError):
-    """slime asked the stoa rollout function for an evaluation."""
 
 
 class PublishingStalled(RuntimeError):
@@ -149,10 +172,11 @@ class PublishingStalled(RuntimeError):
 
 # -- settings -------------------------------------------------------------------------------------
 # ConsumerConfig field -> parser (by the field's type); the setting is PREFIX + field name.
-CONFIG_FIELDS = field_parsers(ConsumerConfig, exclude=("store_url", "run", "record_limits"))
+CONFIG_FIELDS = field_parsers(ConsumerConfig, exclude=("store_url", "run", "record_limits", "run_key", "rollouts_url"))
 # The settings read besides those (PREFIX + name).
 OTHER_SETTINGS = (
     "bucket", "run", "tokenizer_dir", "state_in_bucket", "check_publishing", "publish_grace_s", "worker_metrics",
+    "eval_prompts", "rollouts_bucket", "run_key",
 )
 
 
@@ -169,6 +193,12 @@ def config_from_args(args: Any) -> ConsumerConfig:
         for name, parse in CONFIG_FIELDS.items()
         if getattr(args, PREFIX + name, None) is not None
     }
+    key = run_key_setting(args)  # the trainer's own run key file: the run manifest must name its public half
+    if key is not None:
+        fields["run_key"] = key.public.to_text()
+    rollouts = getattr(args, PREFIX + "rollouts_bucket", None)
+    if rollouts:
+        fields["rollouts_url"] = rollouts
     try:
         return ConsumerConfig(store_url=url, run=run, **fields)
     except ValueError as exc:
@@ -263,7 +293,10 @@ class _Session:
             raise
 
     async def _open_store(self) -> Store:
-        return open_store(self.config.store_url)
+        weights = open_store(self.config.store_url)
+        if self.config.rollouts_url is None:
+            return weights
+        return SplitStore(weights, open_store(self.config.rollouts_url))
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.call(coro)
@@ -448,10 +481,99 @@ def _attach_worker_axis(args: Any, session: _Session) -> None:
         session.warn_once("wandb", "stoa: worker/* not given the rollout/step axis in W&B: %s", exc)
 
 
+# -- evaluation (module doc, Evaluation) -----------------------------------------------------------
+def eval_datasets_from_args(args: Any) -> list[tuple[str, str]]:
+    """(name, task split) pairs of `--eval-prompt-data NAME SPLIT ...`; ValueError when unusable."""
+    pairs = getattr(args, "eval_prompt_data", None)
+    if not pairs or isinstance(pairs, str) or len(pairs) % 2:
+        raise ValueError(
+            "an eval needs --eval-prompt-data NAME SPLIT [NAME SPLIT ...] (each SPLIT a split of the run's task "
+            f"in the bucket, e.g. `gsm8k-test test`), got {pairs!r}"
+        )
+    out = [(str(pairs[i]), str(pairs[i + 1])) for i in range(0, len(pairs), 2)]
+    for _name, split in out:
+        check_name("task split", split)
+    return out
+
+
+def _optional(args: Any, name: str, parse: Any) -> Any:
+    value = getattr(args, name, None)
+    return None if value is None else parse(name, value)
+
+
+async def _evaluate(session: _Session, args: Any, datasets: list[tuple[str, str]]) -> tuple[int, dict[str, Any]]:
+    """(version, {name: (collector, result)}) of one eval of the pointer's version."""
+    assert session.store is not None
+    store, config = session.store, session.config
+    version = await session._read_version()
+    if version is None:
+        raise ValueError(f"run {config.run!r} has published no weights yet: nothing to evaluate")
+    manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+    k = _optional(args, "n_samples_per_eval_prompt", as_int) or 1
+    max_tokens = _optional(args, "eval_max_response_len", as_int) or manifest.max_tokens
+    temperature = _optional(args, "eval_temperature", as_float) or manifest.temperature
+    limit = _optional(args, PREFIX + "eval_prompts", as_int)
+    key = run_key_setting(args)
+    out: dict[str, Any] = {}
+    for name, split in datasets:
+        task = await read_split(store, manifest, split)
+        n = len(task) if limit is None else min(limit, len(task))
+        wanted = EvalRequest(
+            run=config.run, version=version, split=split, k=k, prompts=tuple(range(n)),
+            max_tokens=max_tokens, temperature=temperature,
+        )
+        posted = await post_request(store, wanted, signing_key=key)
+        ctx = await open_eval_context(
+            store, posted, tokenizer_dir=tokenizer_dir_from_args(args), verify_prompts=config.verify_prompts,
+            run_key=manifest.run_key,
+        )
+        collector = EvalCollector(store, ctx, posted)
+        log.info("stoa: eval %s: v%d, split %s, %d prompts x %d samples: waiting for the fleet", name, version, split, n, k)
+        await await_answers(collector, signing_key=key, timeout_s=config.wait_timeout_s, poll_s=config.poll_interval_s)
+        out[name] = (collector, version_result(collector, DEFAULT_PASS_THRESHOLD))
+    return version, out
+
+
+def _eval_output(args: Any, rollout_id: Any) -> Any:
+    from slime.rollout.base_types import RolloutFnEvalOutput
+    from slime.utils.types import Sample
+
+    config = config_from_args(args)
+    datasets = eval_datasets_from_args(args)
+    session = _session(config, args)
+    version, results = session.call(_evaluate(session, args, datasets))
+    data: dict[str, dict[str, list[Any]]] = {}
+    metrics: dict[str, float] = {"eval/stoa_trainer_version": float(version)}
+    for name, (collector, result) in results.items():
+        samples = []
+        for p in collector.request.prompts:
+            for g in collector.kept(p):
+                consumed = ConsumedGroup(
+                    key=g.key, group=g.group, prompt=g.prompt, label=g.label, texts=g.texts, rewards=g.rewards,
+                    version_lag=0, use=1,
+                )
+                samples += [Sample(**{**f, "status": Sample.Status(f["status"])}) for f in sample_fields(consumed)]
+        data[name] = {
+            "rewards": [float(r) for p in result.prompts for r in p.rewards],
+            "truncated": [bool(t) for p in result.prompts for t in p.truncated],
+            "samples": samples,
+        }
+        row = result.row()
+        prefix = f"eval/stoa_{name}_"
+        metrics.update({
+            prefix + "pass@1": row["pass@1"], prefix + "pass@k": row["pass@k"],
+            prefix + "n_prompts": float(row["n_prompts"]), prefix + "rejects": float(sum(collector.rejects.values())),
+        })
+        log.info("stoa: eval %s at rollout %s: v%d pass@1 %.3f pass@%d %.3f over %d prompts",
+                 name, rollout_id, version, row["pass@1"], row["k"], row["pass@k"], row["n_prompts"])
+    return RolloutFnEvalOutput(data=data, metrics=metrics)
+
+
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
-    """slime rollout function: `rollout_batch_size` groups from the run's bucket (module doc)."""
+    """slime rollout function: `rollout_batch_size` groups from the run's bucket, or with
+    `evaluation` the fleet's answers to an eval of the pointer's version (module doc)."""
     if evaluation:
-        raise EvaluationNotSupported(EVAL_MESSAGE)
+        return _eval_output(args, rollout_id)
     from slime.rollout.base_types import RolloutFnTrainOutput
     from slime.utils.types import Sample
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from slime_stoa.protocol.signing import SigningKey, read_key_file
+
 Parser = Callable[[str, Any], Any]
 
 
@@ -111,3 +113,13 @@ def field_parsers(cls: type, *, exclude: Collection[str] = ()) -> dict[str, Pars
 
 
 _PARSERS: dict[Any, Parser] = {int: as_int, float: as_float, bool: as_bool, str: as_str, Path: as_path}
+
+
+def run_key_setting(args: Any, key: str = "stoa_run_key") -> SigningKey | None:
+    """The run key whose file `args.<key>` names (None when unset or empty): it signs every
+    weight version the trainer publishes. KeyFileError (a ValueError) when the file is missing,
+    readable by others (it must be 0600) or not an Ed25519 key file."""
+    value = getattr(args, key, None)
+    if value is None or value == "":
+        return None
+    return read_key_file(as_path(key, value))

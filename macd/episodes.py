@@ -1,0 +1,475 @@
+"""Multi-turn tool episodes: G episodes per prompt, decoded together, tools run beside them.
+
+An episode is one sample of a tool task (`slime_stoa.tasks.tool_format.ToolFormat`). The model
+generates until it closes a tool call (``</search>``), ends (the answer tag, a stop string, EOS)
+or spends the token budget. At a call the sequence leaves the batch with its KV cache, its query
+(the text after the last ``<search>`` of this turn) goes to the tool on the asyncio side (never
+on the MLX thread), and the tool's output comes back as an observation: the observation tags
+around the output (tags removed from it, cut to `max_observation_tokens`), tokenized and
+appended as forced tokens (mask 0, logprob 0.0). The sequence then re-enters the batch with the
+cache it left with, so only the observation tokens are prefilled (mlx-lm's `BatchGenerator`
+cannot append tokens to a live sequence, but `remove(..., return_prompt_caches=True)` hands its
+cache back and `insert(..., caches=...)` takes one: no re-prefill of prompt and history).
+
+Budget and turns: the response (every model and tool token after the prompt) is at most
+`SamplingConfig.max_tokens` tokens (the record's `sampling.max_tokens`); an observation is cut
+to what is left, and an episode whose budget is spent ends "length". At most
+`ToolFormat.max_turns` model turns: a call in the last one ends the episode "turns" (the tool is
+not run). Precedence at a token: EOS or a stop/answer string ("stop"), then the budget
+("length"), then a call.
+
+`Episode` is the pure state machine of one episode; `EpisodeGenerator` drives a cohort of them
+through one `BatchGenerator` with the interface of `macd.generate.ContinuousGenerator` (insert,
+step, advance, discard, ...) plus a thread-safe hand-off of tool calls (`take_calls`) and
+observations (`deliver`). Call its methods from the thread that owns MLX, except `take_calls`
+and `deliver`, which the asyncio side calls. `run_episodes` is the asyncio driver for a batch of
+prompts (tests, benchmarks); the worker has its own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from slime_stoa.tasks.tool_format import ToolFormat
+
+from .tools import Tool, call_tool
+
+Action = Literal["continue", "call", "done"]
+
+
+@dataclass
+class Episode:
+    """One episode's tokens so far: model tokens (mask 1, sampled logprob) and forced tool
+    tokens (mask 0, logprob 0.0). Pure: the driver reports each sampled token with what the
+    tokenizer saw in it; the episode decides what happens next."""
+
+    budget: int  # most response tokens, model and tool together
+    max_turns: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn_start: int = 0  # index of this turn's first token
+    turns: int = 1
+    tool_calls: int = 0
+    finish: str | None = None
+    eos: bool = False  # ended on an EOS token
+    query: str | None = None  # waiting for the tool's answer to this query
+
+    @property
+    def left(self) -> int:
+        """Tokens the budget still allows."""
+        return self.budget - len(self.tokens)
+
+    @property
+    def turn_tokens(self) -> list[int]:
+        return self.tokens[self.turn_start :]
+
+    def sampled(self, token: int, logprob: float, *, eos: bool, stopped: bool, called: bool) -> Action:
+        """The model sampled `token`: `eos` if it is an EOS token, `stopped` if this turn's text
+        now holds a stop string (the answer tag), `called` if it closed a tool call."""
+        if self.finish is not None or self.query is not None:
+            raise RuntimeError("a finished or waiting episode sampled a token")
+        self.tokens.append(int(token))
+        self.logprobs.append(float(logprob))
+        self.mask.append(1)
+        if eos or stopped:
+            self.finish, self.eos = "stop", eos
+        elif self.left <= 0:
+            self.finish = "length"
+        elif called and self.turns >= self.max_turns:
+            self.finish = "turns"
+        elif called:
+            return "call"
+        else:
+            return "continue"
+        return "done"
+
+    def ask(self, query: str) -> None:
+        self.query = query
+
+    def observe(self, tokens: Sequence[int]) -> tuple[Action, list[int]]:
+        """Append an observation (cut to the budget): ("done", appended) when the budget is then
+        spent, else ("continue", appended) and a new model turn starts."""
+        if self.query is None:
+            raise RuntimeError("an observation for an episode that asked nothing")
+        appended = [int(t) for t in tokens[: self.left]]
+        self.tokens += appended
+        self.logprobs += [0.0] * len(appended)
+        self.mask += [0] * len(appended)
+        self.query = None
+        self.tool_calls += 1
+        if self.left <= 0:
+            self.finish = "length"
+            return "done", appended
+        self.turns += 1
+        self.turn_start = len(self.tokens)
+        return "continue", appended
+
+
+def extract_query(turn_text: str, fmt: ToolFormat) -> str:
+    """The query of a call closed in `turn_text`: after the last `call_open` before the first
+    `call_close` (the whole text before it when there is no `call_open`), stripped."""
+    end = turn_text.find(fmt.call_close)
+    head = turn_text if end < 0 else turn_text[:end]
+    start = head.rfind(fmt.call_open)
+    return (head if start < 0 else head[start + len(fmt.call_open) :]).strip()
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """An episode waiting for its tool: `episode` is the id `deliver` wants back."""
+
+    episode: int
+    query: str
+
+
+@dataclass(frozen=True)
+class EpisodeCompletion:
+    """One finished episode (a `macd.generate.Completion` plus the mask).
+
+    `tokens` (int32) are the whole response, model and tool tokens; `logprobs` (float32, same
+    length) the sampled tokens' tempered logprobs, 0.0 at tool tokens; `mask` (uint8) 1 at model
+    tokens, 0 at tool tokens; `text` the decoded tokens without a final EOS (what is scored)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray
+    finish_reason: str
+    text: str
+    turns: int
+    tool_calls: int
+
+
+@dataclass
+class _Group:
+    tag: Any
+    episodes: list[int]
+    left: int
+
+
+class EpisodeGenerator:
+    """Groups of G episodes decoded by one long-lived mlx-lm `BatchGenerator` (see the module doc).
+
+    Like `ContinuousGenerator`: `insert` queues a prompt's group (prefilled once, its cache
+    shared), `step` decodes one token of every sequence in the batch, `advance` runs up to a
+    number of steps, `discard` drops every unfinished group (before a weight swap). A sequence
+    that closes a tool call leaves the batch; `take_calls` hands its query to the asyncio side
+    and `deliver` its tool's output back, taken in at the next `step`."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: Any,  # macd.generate.SamplingConfig
+        tool_format: ToolFormat,
+        *,
+        max_batch: int,
+        share_prefill: bool = True,
+    ) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        from .generate import _as_wrapper, _KeyedSampler, _StopMatcher, _TemperedModel
+
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.config, self.format, self.share_prefill = model, config, tool_format, share_prefill
+        self.tokenizer = _as_wrapper(tokenizer)
+        self._eos = set(self.tokenizer.eos_token_ids)
+        self._gen = BatchGenerator(
+            _TemperedModel(model, config.temperature),  # type: ignore[arg-type]  # a callable wrapper is all it needs
+            max_tokens=config.max_tokens,
+            stop_tokens=[[e] for e in sorted(self._eos)],
+            sampler=_KeyedSampler(config.seed),
+            completion_batch_size=max_batch,
+            prefill_batch_size=max_batch,
+        )
+        self._stop = _StopMatcher(self.tokenizer, (*config.stop, tool_format.answer_close))
+        self._call = _StopMatcher(self.tokenizer, (tool_format.call_close,))
+        self._open = self._encode(tool_format.observation_open)
+        self._close = self._encode(tool_format.observation_close)
+        self._groups: dict[int, _Group] = {}
+        self._owner: dict[int, int] = {}  # episode id -> group id
+        self._episodes: dict[int, Episode] = {}
+        self._live: dict[int, int] = {}  # BatchGenerator uid -> episode id (sequences in the batch)
+        self._caches: dict[int, Any] = {}  # episode id -> KV cache, while waiting for its tool
+        self._calls: collections.deque[ToolCall] = collections.deque()  # to the asyncio side
+        self._inbox: collections.deque[tuple[int, str]] = collections.deque()  # from it
+        self._next_group = self._next_episode = 0
+        self.steps = self.tokens = self.tokens_dropped = 0
+        self.tool_tokens = 0  # observation tokens appended
+
+    # -- the ContinuousGenerator interface --------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def sequences(self) -> int:
+        """Episodes not finished (decoding, queued or waiting for a tool)."""
+        return sum(g.left for g in self._groups.values())
+
+    @property
+    def waiting(self) -> int:
+        """Episodes waiting for a tool."""
+        return len(self._caches)
+
+    @property
+    def decoding(self) -> int:
+        """Sequences in (or queued for) the batch."""
+        return len(self._live)
+
+    def room(self, capacity: int) -> int:
+        return max(0, -(-(capacity + 1 - self.sequences) // self.config.group_size))
+
+    def tags(self) -> list[Any]:
+        return [g.tag for g in self._groups.values()]
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(self._gen.prompt_cache_nbytes) + sum(c.nbytes for cache in self._caches.values() for c in cache)
+
+    def insert(self, prompt: Sequence[int], tag: Any = None) -> None:
+        """Queue a group of `config.group_size` episodes of `prompt` (token ids)."""
+        from .generate import _prefill
+
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise ValueError("prompts must be non-empty")
+        g = self.config.group_size
+        if self.share_prefill:
+            cache = _prefill(self.model, tokens[:-1])
+            uids = self._gen.insert([[tokens[-1]]] * g, caches=[cache] * g)
+        else:
+            uids = self._gen.insert([tokens] * g)
+        gid, self._next_group = self._next_group, self._next_group + 1
+        eids = list(range(self._next_episode, self._next_episode + g))
+        self._next_episode += g
+        self._groups[gid] = _Group(tag, eids, g)
+        for uid, eid in zip(uids, eids, strict=True):
+            self._owner[eid] = gid
+            self._episodes[eid] = Episode(budget=self.config.max_tokens, max_turns=self.format.max_turns)
+            self._live[uid] = eid
+
+    def step(self) -> list[FinishedGroupLike]:
+        """Take in delivered observations, then one decode step; the groups that finished."""
+        done = self._take_in()
+        if not self._live:
+            return [self._pop(gid) for gid in done]
+        responses = self._gen.next_generated()
+        if not responses:
+            raise RuntimeError("generation ended with sequences in the batch")
+        import mlx.core as mx
+
+        self.steps += 1
+        self.tokens += len(responses)
+        picked: list[float] = mx.stack([r.logprobs[r.token] for r in responses]).tolist()  # type: ignore[assignment]
+        ended, paused = [], []
+        for r, lp in zip(responses, picked, strict=True):
+            eid = self._live[r.uid]
+            ep = self._episodes[eid]
+            eos = r.finish_reason == "stop"  # mlx-lm's only stop sequences are the EOS tokens
+            turn = [*ep.turn_tokens, r.token]
+            stopped = not eos and self._stop.hit(turn)
+            called = not (eos or stopped) and self._call.hit(turn)
+            action = ep.sampled(r.token, lp, eos=eos, stopped=stopped, called=called)
+            if action == "call":
+                paused.append(r.uid)
+                ep.ask(extract_query(self.tokenizer.decode(ep.turn_tokens), self.format))
+                self._calls.append(ToolCall(eid, ep.query or ""))
+            elif action == "done":
+                del self._live[r.uid]
+                if r.finish_reason is None:
+                    ended.append(r.uid)
+                if self._finished(eid):
+                    done.append(self._owner[eid])
+        if ended:
+            self._gen.remove(ended)
+        if paused:
+            caches = self._gen.remove(paused, return_prompt_caches=True)
+            for uid in paused:
+                self._caches[self._live.pop(uid)] = caches[uid][0]
+        return [self._pop(gid) for gid in done]
+
+    def advance(self, max_steps: int, interrupt: threading.Event | None = None) -> tuple[list[FinishedGroupLike], int]:
+        """Decode up to `max_steps` steps, returning after the first step that finished a group
+        or asked for a tool, when `interrupt` is set, or when nothing is left to decode:
+        (finished groups, steps taken)."""
+        finished: list[FinishedGroupLike] = []
+        steps = 0
+        while self._groups and steps < max_steps and not finished and not self._calls:
+            if not self._live and not self._inbox:
+                break  # every episode waits for its tool
+            finished = self.step()
+            steps += 1
+            if interrupt is not None and interrupt.is_set():
+                break
+        return finished, steps
+
+    def quiesce(self) -> list[Any]:
+        return self.discard()
+
+    def discard(self) -> list[Any]:
+        """Drop every unfinished group (tool answers still on their way are ignored); their tags."""
+        if self._live:
+            self._gen.remove(list(self._live))
+        self.tokens_dropped += sum(len(self._episodes[e].tokens) for g in self._groups.values() for e in g.episodes)
+        tags = [g.tag for g in self._groups.values()]
+        for store in (self._groups, self._owner, self._episodes, self._live, self._caches):
+            store.clear()
+        self._calls.clear()
+        self._inbox.clear()
+        return tags
+
+    def close(self) -> None:
+        self.discard()
+        self._gen.close()
+
+    # -- the tool hand-off (asyncio side) -----------------------------------------------------------
+    def take_calls(self) -> list[ToolCall]:
+        """The tool calls asked since the last take (thread-safe)."""
+        out = []
+        while self._calls:
+            out.append(self._calls.popleft())
+        return out
+
+    def deliver(self, episode: int, output: str) -> None:
+        """A tool's output for `episode` (thread-safe); taken in at the next step. Ignored when
+        the episode was dropped meanwhile."""
+        self._inbox.append((episode, output))
+
+    # -- internals -----------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def observation_tokens(self, output: str) -> list[int]:
+        """The forced tokens of a tool's output: the observation tags around the cleaned, cut output."""
+        cap = self.format.max_observation_tokens
+        content = self.format.clean_output(str(output), max_chars=16 * cap, extra=tuple(self.config.stop))
+        return self._open + self._encode(content)[:cap] + self._close
+
+    def _take_in(self) -> list[int]:
+        """Append delivered observations and re-enter their sequences; the groups that finished."""
+        done = []
+        while self._inbox:
+            eid, output = self._inbox.popleft()
+            ep = self._episodes.get(eid)
+            if ep is None or ep.query is None:
+                continue  # dropped at a swap meanwhile
+            action, appended = ep.observe(self.observation_tokens(output))
+            self.tool_tokens += len(appended)
+            cache = self._caches.pop(eid)
+            if action == "done":
+                if self._finished(eid):
+                    done.append(self._owner[eid])
+                continue
+            (uid,) = self._gen.insert([appended], max_tokens=[ep.left], caches=[cache])
+            self._live[uid] = eid
+        return done
+
+    def _finished(self, eid: int) -> bool:
+        group = self._groups[self._owner[eid]]
+        group.left -= 1
+        return not group.left
+
+    def _pop(self, gid: int) -> FinishedGroupLike:
+        from .generate import FinishedGroup
+
+        group = self._groups.pop(gid)
+        completions = []
+        for eid in group.episodes:
+            del self._owner[eid]
+            completions.append(self._completion(self._episodes.pop(eid)))
+        return FinishedGroup(group.tag, completions)  # type: ignore[arg-type]  # episode completions
+
+    def _completion(self, ep: Episode) -> EpisodeCompletion:
+        if ep.finish is None:
+            raise RuntimeError("generation ended with an unfinished episode")
+        text_tokens = ep.tokens[:-1] if ep.eos and ep.tokens and ep.tokens[-1] in self._eos else ep.tokens
+        return EpisodeCompletion(
+            tokens=np.array(ep.tokens, dtype=np.int32),
+            logprobs=np.array(ep.logprobs, dtype=np.float32),
+            mask=np.array(ep.mask, dtype=np.uint8),
+            finish_reason=ep.finish,
+            text=self.tokenizer.decode(text_tokens),
+            turns=ep.turns,
+            tool_calls=ep.tool_calls,
+        )
+
+
+FinishedGroupLike = Any  # macd.generate.FinishedGroup holding EpisodeCompletions
+
+STEPS_PER_CALL = 16
+
+
+async def run_episodes(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    config: Any,  # macd.generate.SamplingConfig
+    tool_format: ToolFormat,
+    tool: Tool,
+    *,
+    max_batch: int | None = None,
+    mlx: Callable[..., Awaitable[Any]] | None = None,
+) -> list[list[EpisodeCompletion]]:
+    """G episodes per prompt, batched; one list of G completions per prompt, in prompt order.
+
+    `mlx(fn, *args)` runs MLX work (default: inline on the event loop's thread); tools run as
+    asyncio tasks (a sync tool in a worker thread, `macd.tools.call_tool`), beside decoding."""
+
+    async def inline(fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    run = mlx or inline
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts:
+        return []
+    n = len(prompts) * config.group_size
+    batch = n if max_batch is None else max(1, min(max_batch, n))
+    gen: EpisodeGenerator = await run(
+        lambda: EpisodeGenerator(model, tokenizer, config, tool_format, max_batch=batch)
+    )
+    done: dict[int, list[EpisodeCompletion]] = {}
+    tasks: set[asyncio.Task[None]] = set()
+    woken = asyncio.Event()
+
+    async def answer(call: ToolCall) -> None:
+        gen.deliver(call.episode, await call_tool(tool, call.query))
+        woken.set()
+
+    try:
+        for i, p in enumerate(prompts):
+            await run(gen.insert, p, i)
+        while gen.groups:
+            woken.clear()
+            finished, steps = await run(gen.advance, STEPS_PER_CALL)
+            for group in finished:
+                done[group.tag] = group.completions
+            for call in gen.take_calls():
+                task = asyncio.create_task(answer(call))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if not steps and not finished and gen.groups:
+                await woken.wait()  # every episode waits for its tool
+    finally:
+        for task in tasks:
+            task.cancel()
+        await run(gen.close)
+    return [done[i] for i in range(len(prompts))]
+
+
+__all__ = [
+    "Episode",
+    "EpisodeCompletion",
+    "EpisodeGenerator",
+    "ToolCall",
+    "extract_query",
+    "run_episodes",
+]

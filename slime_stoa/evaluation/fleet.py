@@ -1,0 +1,108 @@
+"""Asking the fleet for an eval: write the request, collect what workers answer, narrow the
+request as prompts fill up, and close it (no prompts left) when every prompt has k samples.
+
+A request already in the bucket for the same version and split, with the same k and sampling,
+is reused (its records count; its `created_at` is kept); another one is replaced. A request that
+does not parse (or, for a signed run, does not verify) is replaced too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from slime_stoa.protocol.eval_request import EvalRequest, EvalRequestError, parse_request
+from slime_stoa.protocol.records import SCHEMA_V2
+from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signing import SigningKey
+from slime_stoa.protocol.store import NotFound, Store
+
+from .collect import EvalCollector
+from .report import PromptResult, VersionResult
+
+log = logging.getLogger(__name__)
+
+
+class EvalTimeout(TimeoutError):
+    """The fleet did not answer every prompt of an eval request in time."""
+
+
+async def read_request(store: Store, run: str, key: str, trust: RunTrust | None) -> EvalRequest | None:
+    try:
+        data = await store.get_bytes(key)
+    except NotFound:
+        return None
+    try:
+        return parse_request(data, key=key, run=run, trust=trust)
+    except EvalRequestError as exc:
+        log.warning("stoa eval: replacing the request at %s: %s", key, exc)
+        return None
+
+
+async def post_request(
+    store: Store, wanted: EvalRequest, *, signing_key: SigningKey | None, trust: RunTrust | None = None
+) -> EvalRequest:
+    """Write `wanted` (or reuse the matching request in the bucket); returns `wanted` with the
+    `created_at` and `revision` that count (records are listed from that created_at)."""
+    found = await read_request(store, wanted.run, wanted.key, trust)
+    same = found is not None and (found.k, found.max_tokens, found.temperature) == (wanted.k, wanted.max_tokens, wanted.temperature)
+    if found is not None and same:
+        wanted = replace(wanted, created_at=found.created_at, revision=found.revision + 1)
+    elif found is not None:
+        wanted = replace(wanted, revision=found.revision + 1)
+    await store.put(wanted.key, wanted.to_bytes(signing_key))
+    return wanted
+
+
+def version_result(collector: EvalCollector, threshold: float) -> VersionResult:
+    """The kept samples of every prompt as a `VersionResult` (every prompt must be complete)."""
+    request = collector.request
+    prompts = []
+    for p in request.prompts:
+        groups = collector.kept(p)
+        samples = [s for g in groups for s in g.group.samples]
+        tool = any(g.group.schema_version == SCHEMA_V2 for g in groups)
+        prompts.append(
+            PromptResult(
+                prompt_index=p,
+                rewards=tuple(r for g in groups for r in g.rewards),
+                truncated=tuple(s.finish_reason in ("length", "turns") for s in samples),
+                tool_calls=tuple(s.tool_calls for s in samples) if tool else None,
+            )
+        )
+    return VersionResult(request.version, request.split, request.k, tuple(prompts), threshold)
+
+
+async def await_answers(
+    collector: EvalCollector,
+    *,
+    signing_key: SigningKey | None,
+    timeout_s: float | None,
+    poll_s: float = 2.0,
+    narrow_s: float = 10.0,
+    clock=time.monotonic,
+) -> EvalCollector:
+    """Poll until every prompt has k samples; the request is narrowed to the missing prompts
+    every `narrow_s` and closed at the end. EvalTimeout after `timeout_s` (None: no limit)."""
+    store, posted = collector.store, collector.request
+    started = last_narrow = clock()
+    open_prompts = posted.prompts
+    while True:
+        await collector.poll()
+        missing = collector.missing()
+        now = clock()
+        if missing != open_prompts and (not missing or now - last_narrow >= narrow_s):
+            posted = replace(posted, prompts=missing, revision=posted.revision + 1)
+            await store.put(posted.key, posted.to_bytes(signing_key))
+            open_prompts, last_narrow = missing, now
+        if not missing:
+            return collector
+        if timeout_s is not None and now - started >= timeout_s:
+            raise EvalTimeout(
+                f"eval of v{posted.version} ({posted.split}): {len(missing)} of {len(collector.request.prompts)} prompts "
+                f"still lack k={posted.k} samples after {timeout_s:.0f} s (rejects: {dict(collector.rejects)}); "
+                f"is a worker running at v{posted.version}?"
+            )
+        await asyncio.sleep(poll_s)

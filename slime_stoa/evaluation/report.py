@@ -1,0 +1,108 @@
+"""Eval results per version and their files: CSV, JSON and a learning-curve PNG.
+
+A `VersionResult` holds, per prompt, the k kept samples' trainer rewards, truncation flags and
+(tool tasks) tool calls. Its `row` is what every writer prints:
+
+    version, split, k, n_prompts, pass@1, pass@k, reward_mean, search_rate
+
+`search_rate` (the share of samples that called a tool at least once) is None when the records
+carry no tool calls (single-turn, schema v1).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .passk import DEFAULT_PASS_THRESHOLD, mean_pass_at_k
+
+COLUMNS = ("version", "split", "k", "n_prompts", "pass@1", "pass@k", "reward_mean", "search_rate")
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    prompt_index: int
+    rewards: tuple[float, ...]
+    truncated: tuple[bool, ...]
+    tool_calls: tuple[int, ...] | None = None  # None: single-turn samples
+
+
+@dataclass(frozen=True)
+class VersionResult:
+    version: int
+    split: str
+    k: int
+    prompts: tuple[PromptResult, ...]
+    threshold: float = DEFAULT_PASS_THRESHOLD  # a sample passes with reward >= this
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError(f"v{self.version}: no prompt was evaluated")
+        short = [p.prompt_index for p in self.prompts if len(p.rewards) < self.k]
+        if short:
+            raise ValueError(f"v{self.version}: prompts {short[:10]} have fewer than k={self.k} samples")
+
+    def row(self) -> dict[str, Any]:
+        rewards = [p.rewards for p in self.prompts]
+        calls = [c for p in self.prompts if p.tool_calls is not None for c in p.tool_calls]
+        flat = [r for rs in rewards for r in rs]
+        return {
+            "version": self.version,
+            "split": self.split,
+            "k": self.k,
+            "n_prompts": len(self.prompts),
+            "pass@1": mean_pass_at_k(rewards, 1, self.threshold),
+            "pass@k": mean_pass_at_k(rewards, self.k, self.threshold),
+            "reward_mean": sum(flat) / len(flat),
+            "search_rate": sum(1 for c in calls if c > 0) / len(calls) if calls else None,
+        }
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: "" if row.get(c) is None else row[c] for c in COLUMNS})
+    return path
+
+
+def write_json(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """`{"versions": [row, ...]}`, one row per version (see the module doc)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"versions": list(rows)}, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def plot_curve(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """pass@1, pass@k (and the search rate, when known) against the weight version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: r["version"])
+    versions = [r["version"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(versions, [r["pass@1"] for r in rows], marker="o", label="pass@1")
+    if rows:
+        ax.plot(versions, [r["pass@k"] for r in rows], marker="s", label=f"pass@{rows[0]['k']}")
+    searched = [(r["version"], r["search_rate"]) for r in rows if r.get("search_rate") is not None]
+    if searched:
+        ax.plot(*zip(*searched, strict=True), marker="^", linestyle="--", label="search rate")
+    ax.set_xlabel("weight version")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    split = rows[0]["split"] if rows else ""
+    ax.set_title(f"held-out eval ({split}, {rows[0]['n_prompts'] if rows else 0} prompts)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

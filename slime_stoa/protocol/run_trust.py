@@ -1,0 +1,182 @@
+"""Which run keys a reader trusts, and for which weight versions (signed weights).
+
+A reader pins the run's first public key (the run manifest's `run_key`, pinned by a worker at
+`macd join`). The trainer may rotate it: `runs/<run>/keys/<seq>.json` (seq 1, 2, ...), each signed
+by the key before it, names the new key and `from_version`. The old key signs the documents of
+versions up to `from_version`, the new one every later version; the pointer is always signed by
+the newest key (a rotation re-signs the current pointer with the new key). A rotation document
+that does not verify, skips a number or goes back in versions is refused: the reader keeps the
+keys it has.
+
+`RunTrust` is pure: it checks documents and learns rotation documents it is given;
+`load_rotations` reads the rotations from the bucket (the IO edge). Content hashes (`sha256`
+members of the signed manifests) are checked with `content_hash`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .layout import RunLayout, check_name
+from .signing import (
+    PublicKey,
+    SignatureError,
+    SigningKey,
+    canonical_json,
+    document_key_id,
+    sign_document,
+    verify_document,
+)
+from .store import NotFound, Store
+from .strict_json import load_json
+
+ROTATION_FORMAT = "stoa.key-rotation/1"
+MAX_ROTATIONS = 1000  # a reader stops reading rotation documents after this many
+SHA256_HEX = 64
+
+
+class Untrusted(ValueError):
+    """An object is refused: its signature or content hash does not check. `key`: the object's key."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ContentMismatch(Untrusted):
+    """A patch object or anchor file's bytes do not hash to what its signed manifest says."""
+
+
+def content_hash(data: bytes | bytearray | memoryview) -> str:
+    """The content hash signed manifests carry for every patch object and anchor file."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_content(data: bytes | bytearray | memoryview, expected: str | None, key: str) -> None:
+    """ContentMismatch unless `data` hashes to `expected` (nothing to check when None)."""
+    if expected is not None and content_hash(data) != expected:
+        raise ContentMismatch(f"{key}: content does not match the sha256 digest its manifest signs", key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Epoch:
+    key: PublicKey
+    after: int  # signs the documents of versions > after (the first key: -1, every version)
+
+
+class RunTrust:
+    """The pinned run key and the keys learned since through verified rotations."""
+
+    def __init__(self, run: str, pinned: PublicKey) -> None:
+        self.run = check_name("run", run)
+        self._epochs = [_Epoch(pinned, -1)]
+        self.loaded = False  # whether `load_rotations` has read the bucket's rotations yet
+
+    @classmethod
+    def from_text(cls, run: str, key_text: str) -> RunTrust:
+        """A trust pinned to `ed25519:...` public key text (ValueError if it does not parse)."""
+        return cls(run, PublicKey.from_text(key_text))
+
+    @property
+    def pinned(self) -> PublicKey:
+        return self._epochs[0].key
+
+    @property
+    def newest(self) -> PublicKey:
+        return self._epochs[-1].key
+
+    @property
+    def rotations(self) -> int:
+        """Rotations learned (the next rotation document expected is number rotations + 1)."""
+        return len(self._epochs) - 1
+
+    @property
+    def keys(self) -> tuple[PublicKey, ...]:
+        """Every run key this trust holds, the pinned one first (the worker registry may be signed
+        by any of them: a registry written before a rotation stays valid)."""
+        return tuple(e.key for e in self._epochs)
+
+    def knows(self, key_id: str | None) -> bool:
+        return any(e.key.key_id == key_id for e in self._epochs)
+
+    def key_for(self, version: int | None) -> PublicKey:
+        """The key that must sign a document of `version` (None: the pointer, the newest key)."""
+        if version is None:
+            return self.newest
+        return next(e.key for e in reversed(self._epochs) if e.after < version)
+
+    def verify(self, doc: Any, where: str, version: int | None = None) -> PublicKey:
+        """Untrusted unless `doc` is signed by the key for `version` (None: the newest key)."""
+        try:
+            return verify_document(doc, self.key_for(version), where=where)
+        except SignatureError as exc:
+            raise Untrusted(str(exc), where) from None
+
+    def learn(self, doc: Any, where: str) -> PublicKey:
+        """Accept rotation document `doc` (the next in sequence) and return its new key.
+        Untrusted when it is not signed by the current newest key or does not follow the last."""
+        seq = self.rotations + 1
+        try:
+            verify_document(doc, self.newest, where=where)
+        except SignatureError as exc:
+            raise Untrusted(str(exc), where) from None
+        assert isinstance(doc, Mapping)
+        key_text, after = doc.get("key"), doc.get("from_version")
+        if doc.get("format") != ROTATION_FORMAT or doc.get("run") != self.run or doc.get("seq") != seq:
+            raise Untrusted(f"{where}: not rotation {seq} of run {self.run!r}", where)
+        if isinstance(after, bool) or not isinstance(after, int) or after < self._epochs[-1].after:
+            raise Untrusted(f"{where}: from_version {after!r} goes back before v{self._epochs[-1].after}", where)
+        try:
+            key = PublicKey.from_text(key_text)
+        except ValueError as exc:
+            raise Untrusted(f"{where}: {exc}", where) from None
+        if self.knows(key.key_id):
+            raise Untrusted(f"{where}: key {key.key_id} was already a run key", where)
+        self._epochs.append(_Epoch(key, after))
+        return key
+
+
+def rotation_document(run: str, seq: int, new: PublicKey, from_version: int, old: SigningKey) -> dict[str, Any]:
+    """Rotation `seq` of `run`, signed by `old`: `new` signs every version after `from_version`."""
+    if seq < 1 or from_version < -1:
+        raise ValueError("a rotation has seq >= 1 and from_version >= -1")
+    doc = {"format": ROTATION_FORMAT, "run": run, "seq": seq, "key": new.to_text(), "from_version": from_version,
+           "created_at": time.time()}
+    return sign_document(doc, old)
+
+
+def rotation_bytes(doc: Mapping[str, Any]) -> bytes:
+    return canonical_json(doc)
+
+
+def signer_of(data: bytes) -> str | None:
+    """The key id a JSON document's signature names (None if it is not a signed JSON object)."""
+    try:
+        return document_key_id(load_json(data))
+    except ValueError:
+        return None
+
+
+async def load_rotations(store: Store, trust: RunTrust) -> int:
+    """Learn the run's rotation documents after those `trust` knows; returns how many it learned.
+    Stops at the first one missing; Untrusted (the trust keeps what it learned before) at the
+    first that does not verify or parse."""
+    layout, learned = RunLayout(trust.run), 0
+    while trust.rotations < MAX_ROTATIONS:
+        key = layout.key_rotation(trust.rotations + 1)
+        try:
+            data = await store.get_bytes(key)
+        except NotFound:
+            break
+        try:
+            doc = load_json(data, max_bytes=16 << 10)
+        except ValueError as exc:
+            raise Untrusted(f"{key}: not a rotation document ({exc})", key) from None
+        trust.learn(doc, key)
+        learned += 1
+    trust.loaded = True
+    return learned

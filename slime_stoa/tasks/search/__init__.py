@@ -1,0 +1,44 @@
+"""Search tasks: questions answered by searching a passage corpus with BM25.
+
+Pure parts, importable anywhere (workers, trainer): `rewards` (answer extraction, SQuAD
+normalisation, EM and cover-EM), `formats` (the tool tags and observation text), `stats`
+(episode metrics), `synthetic` (a seeded corpus + questions that need searching), `task` (the
+registered `search` Task), `data` (reading question and corpus files).
+
+With IO or bm25s, imported only where needed: `passages` (memory-mapped passage texts),
+`retriever` (bm25s index build, `Retriever.open`, async search), `bundle` (the index as chunked
+bucket objects: `upload_index`, `fetch_index`), `prepare` (the operator's `stoa task prepare search`).
+"""
+
+from __future__ import annotations
+
+from slime_stoa.tasks.search.formats import SearchTags, format_passages, observation
+from slime_stoa.tasks.search.rewards import (
+    answer_reward,
+    cover_exact_match,
+    decode_label,
+    encode_label,
+    exact_match,
+    extract_answer,
+    normalize_answer,
+)
+from slime_stoa.tasks.search.stats import EpisodeStats, SearchMetrics, summarize
+from slime_stoa.tasks.search.task import Search, SearchConfig
+
+__all__ = [
+    "EpisodeStats",
+    "Search",
+    "SearchConfig",
+    "SearchMetrics",
+    "SearchTags",
+    "answer_reward",
+    "cover_exact_match",
+    "decode_label",
+    "encode_label",
+    "exact_match",
+    "extract_answer",
+    "format_passages",
+    "normalize_answer",
+    "observation",
+    "summarize",
+]

@@ -1,0 +1,337 @@
+"""The BM25 retriever and its index in the bucket: build, upload, resumable verified fetch,
+memory-mapped search, hostile manifests and folders, and `stoa task prepare search` end to end.
+
+Store tests run on the local backend and the real S3 server (conftest's `store` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections import Counter
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slime_stoa.cli import main
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import GetResult, ObjectInfo, Store, open_store
+from slime_stoa.protocol.store.base import Payload
+from slime_stoa.tasks import load_task
+from slime_stoa.tasks.search import Search, decode_label
+from slime_stoa.tasks.search.bundle import (
+    MANIFEST,
+    PARTS,
+    encode_manifest,
+    fetch_index,
+    parse_manifest,
+    upload_index,
+)
+from slime_stoa.tasks.search.retriever import Retriever, SearchTool, build_index, open_run_index
+from slime_stoa.tasks.search.synthetic import generate
+
+RUN = "r"
+SMALL_CHUNK = 4096  # several chunks per index file
+
+
+class CountingStore(Store):
+    """A real store that also counts the GETs per key (to see what a fetch downloads)."""
+
+    def __init__(self, inner: Store):
+        self.inner, self.url, self.gets = inner, inner.url, Counter[str]()
+
+    async def get(self, key: str, *, offset: int = 0, length: int | None = None, if_none_match: str | None = None) -> GetResult | None:
+        self.gets[key] += 1
+        return await self.inner.get(key, offset=offset, length=length, if_none_match=if_none_match)
+
+    async def put(self, key: str, data: Payload, *, if_match: str | None = None) -> str:
+        return await self.inner.put(key, data, if_match=if_match)
+
+    async def put_if_absent(self, key: str, data: Payload) -> str:
+        return await self.inner.put_if_absent(key, data)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.inner.head(key)
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
+        async for info in self.inner.list(prefix, start_after=start_after):
+            yield info
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+
+@pytest.fixture(scope="module")
+def synthetic_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    data = generate(150, seed=11)
+    return build_index(data.passages, tmp_path_factory.mktemp("ix") / "index"), data
+
+
+def gold_top1(retriever: Retriever, data: object) -> float:
+    qa = data.qa  # type: ignore[attr-defined]
+    return sum(retriever.search(q.question, 1)[0].index == q.passage for q in qa) / len(qa)
+
+
+# -- the retriever on a local folder ---------------------------------------------------------------
+
+
+def test_gold_passage_is_top1(synthetic_index: tuple[Path, object]) -> None:
+    folder, data = synthetic_index
+    retriever = Retriever.open(folder)
+    assert len(retriever) == 600
+    assert gold_top1(retriever, data) == 1.0
+    q = data.qa[0]  # type: ignore[attr-defined]
+    hits = retriever.search(q.question, 3)
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    assert q.answer in hits[0].text and hits[0].text == data.passages[q.passage]  # type: ignore[attr-defined]
+    body = retriever.observe(q.question, k=3, max_chars=120)
+    assert body.startswith("Doc 1: ") and q.answer in body and len(body) <= 120
+
+
+def test_queries_without_matches(synthetic_index: tuple[Path, object]) -> None:
+    retriever = Retriever.open(synthetic_index[0])
+    assert retriever.search("", 3) == []
+    assert retriever.search("the of and is", 3) == []  # stop words only
+    assert retriever.search("qqqxxyz", 3) == []  # unknown words
+    assert retriever.observe("qqqxxyz") == "No results."
+    assert len(retriever.search("registry", 10_000)) == 600  # k over the corpus size
+    with pytest.raises(ValueError):
+        retriever.search("registry", 0)
+
+
+async def test_async_search_runs_off_the_loop(synthetic_index: tuple[Path, object]) -> None:
+    folder, data = synthetic_index
+    retriever = Retriever.open(folder)
+    questions = [q.question for q in data.qa[:20]]  # type: ignore[attr-defined]
+    hits = await asyncio.gather(*(retriever.asearch(q, 2) for q in questions))
+    assert hits == [retriever.search(q, 2) for q in questions]
+    assert await retriever.aobserve(questions[0], k=2, max_chars=500) == retriever.observe(questions[0], k=2, max_chars=500)
+
+
+def _copy(folder: Path, dest: Path) -> Path:
+    dest.mkdir()
+    for p in folder.iterdir():
+        (dest / p.name).write_bytes(p.read_bytes())
+    return dest
+
+
+def test_open_refuses_damaged_folders(synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
+    folder = synthetic_index[0]
+    cases = {
+        "backend": lambda d: (d / "params.index.json").write_text(
+            json.dumps({**json.loads((d / "params.index.json").read_text()), "backend": "numba"})
+        ),
+        "extra-param": lambda d: (d / "params.index.json").write_text(
+            json.dumps({**json.loads((d / "params.index.json").read_text()), "corpus": "x"})
+        ),
+        "num-docs": lambda d: (d / "params.index.json").write_text(
+            json.dumps({**json.loads((d / "params.index.json").read_text()), "num_docs": 7})
+        ),
+        "indices": lambda d: np.save(
+            d / "indices.csc.index.npy", np.load(d / "indices.csc.index.npy") + 10_000
+        ),
+        "indptr": lambda d: np.save(d / "indptr.csc.index.npy", np.load(d / "indptr.csc.index.npy")[::-1].copy()),
+        "pickle": lambda d: np.save(d / "data.csc.index.npy", np.array([object()]), allow_pickle=True),
+        "vocab": lambda d: (d / "vocab.index.json").write_text(json.dumps({"a": 0, "b": 0})),
+        "offsets": lambda d: np.save(d / "passages.offsets.npy", np.array([0, 5], dtype=np.int64)),
+        "missing": lambda d: (d / "passages.txt").unlink(),
+    }
+    for name, damage in cases.items():
+        d = _copy(folder, tmp_path / name)
+        damage(d)
+        with pytest.raises(ValueError):
+            Retriever.open(d)
+        print(f"refused: {name}")
+
+
+# -- the index in the bucket -----------------------------------------------------------------------
+
+
+async def test_upload_fetch_search(store: Store, synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
+    folder, data = synthetic_index
+    digest = await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
+    layout = RunLayout(RUN)
+    keys = [info.key async for info in store.list(layout.task_prefix("search"))]
+    assert layout.task_index_file("search", MANIFEST) in keys and len(keys) > 8
+    assert await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK) == digest  # a re-run is a no-op
+    dest = await fetch_index(store, RUN, tmp_path / "cache", expected_sha256=digest)
+    assert sorted(p.name for p in dest.iterdir()) == sorted([*(p.name for p in folder.iterdir()), MANIFEST, PARTS])
+    assert list((dest / PARTS).iterdir()) == []
+    assert gold_top1(Retriever.open(dest), data) == 1.0
+    with pytest.raises(ValueError, match="not the one the task names"):
+        await fetch_index(store, RUN, tmp_path / "other", expected_sha256="0" * 64)
+
+
+async def test_fetch_resumes_and_refetches_only_what_is_damaged(
+    store: Store, synthetic_index: tuple[Path, object], tmp_path: Path
+) -> None:
+    folder, data = synthetic_index
+    await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
+    counting = CountingStore(store)
+    dest = tmp_path / "cache"
+    await fetch_index(counting, RUN, dest)
+    manifest = parse_manifest((dest / MANIFEST).read_bytes())
+    chunk_keys = {RunLayout(RUN).task_index_file("search", c.name) for f in manifest.files for c in f.chunks}
+    assert set(counting.gets) - chunk_keys == {RunLayout(RUN).task_index_file("search", MANIFEST)}
+    assert all(counting.gets[k] == 1 for k in chunk_keys)
+
+    counting.gets.clear()  # complete and intact: only the manifest is read again
+    await fetch_index(counting, RUN, dest)
+    assert list(counting.gets) == [RunLayout(RUN).task_index_file("search", MANIFEST)]
+
+    # an interrupted download: a damaged final file, whose chunks were partly on disk already
+    text = next(f for f in manifest.files if f.name == "passages.txt")
+    assert len(text.chunks) >= 3
+    (dest / "passages.txt").write_bytes(b"garbage")
+    good, bad = text.chunks[0], text.chunks[1]
+    (dest / PARTS / good.name).write_bytes((folder / "passages.txt").read_bytes()[: good.size])
+    (dest / PARTS / bad.name).write_bytes(b"half a chunk")
+    counting.gets.clear()
+    await fetch_index(counting, RUN, dest)
+    fetched = {k.rsplit("/", 1)[1] for k in counting.gets} - {MANIFEST}
+    assert fetched == {c.name for c in text.chunks[1:]}  # the intact part was kept, the torn one fetched
+    assert (dest / "passages.txt").read_bytes() == (folder / "passages.txt").read_bytes()
+    assert gold_top1(Retriever.open(dest), data) == 1.0
+
+
+async def test_tampered_chunk_is_refused(store: Store, synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
+    folder, _ = synthetic_index
+    await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
+    key = RunLayout(RUN).task_index_file("search", "passages.txt.00001")
+    original = await store.get_bytes(key)
+    await store.put(key, original[:-1] + bytes([original[-1] ^ 1]))  # any token can overwrite a chunk
+    dest = tmp_path / "cache"
+    with pytest.raises(ValueError, match="digest"):
+        await fetch_index(store, RUN, dest)
+    assert not (dest / MANIFEST).exists() and not (dest / "passages.txt").exists()
+
+
+def _manifest_doc(folder: Path) -> dict:
+    from slime_stoa.tasks.search.bundle import build_manifest
+
+    return json.loads(encode_manifest(build_manifest(folder, chunk_bytes=SMALL_CHUNK, passages=600)))
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    ["../params.index.json", "/etc/passwd", "params.index.json/x", ".parts", "..", "NUL", "sub\\dir", "a" * 70, ""],
+)
+def test_hostile_names_in_the_manifest(synthetic_index: tuple[Path, object], hostile: str) -> None:
+    doc = _manifest_doc(synthetic_index[0])
+    renamed = json.loads(json.dumps(doc))
+    renamed["files"][0]["name"] = hostile
+    with pytest.raises(ValueError):
+        parse_manifest(json.dumps(renamed).encode())
+    chunk = json.loads(json.dumps(doc))
+    chunk["files"][0]["chunks"][0]["name"] = hostile
+    with pytest.raises(ValueError):
+        parse_manifest(json.dumps(chunk).encode())
+
+
+def test_malformed_manifests(synthetic_index: tuple[Path, object]) -> None:
+    doc = _manifest_doc(synthetic_index[0])
+    assert parse_manifest(json.dumps(doc).encode()).passages == 600
+
+    def variant(edit) -> bytes:
+        d = json.loads(json.dumps(doc))
+        edit(d)
+        return json.dumps(d).encode()
+
+    bad = [
+        variant(lambda d: d.update(format="stoa.search-index/9")),
+        variant(lambda d: d["files"].pop()),  # a file missing
+        variant(lambda d: d["files"].append(d["files"][0])),  # a file twice
+        variant(lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1)),  # chunks do not add up
+        variant(lambda d: d["files"][0]["chunks"][0].update(size=-1)),
+        variant(lambda d: d["files"][0].update(sha256="XYZ")),
+        variant(lambda d: d["files"][0]["chunks"].reverse()),  # chunk names out of order
+        variant(lambda d: d.update(extra=1)),
+        b'{"format": "stoa.search-index/1", "format": "x"}',
+        b"[]",
+    ]
+    for data in bad:
+        with pytest.raises(ValueError):
+            parse_manifest(data)
+    with pytest.raises(ValueError, match="1000"):
+        parse_manifest(json.dumps(doc).encode(), max_bytes=1000)
+
+
+async def test_hostile_manifest_in_the_bucket_writes_nothing_outside(store: Store, tmp_path: Path) -> None:
+    layout = RunLayout(RUN)
+    doc = {"format": "stoa.search-index/1", "passages": 1, "files": [
+        {"name": "../../evil", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest(),
+         "chunks": [{"name": "../../evil.00000", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}]}
+    ]}
+    await store.put(layout.task_index_file("search", MANIFEST), json.dumps(doc).encode())
+    dest = tmp_path / "deep" / "cache"
+    with pytest.raises(ValueError):
+        await fetch_index(store, RUN, dest)
+    outside = [p for p in tmp_path.rglob("*") if dest not in (p, *p.parents) and p.is_file() and "bucket" not in p.parts]
+    assert outside == []
+
+
+# -- `stoa task prepare search` --------------------------------------------------------------------
+
+
+def test_cli_prepare_search_end_to_end(store_url: str, store_env: dict[str, str], tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    for k, v in store_env.items():
+        monkeypatch.setenv(k, v)
+    data = generate(30, seed=5)
+    qa = tmp_path / "train.jsonl"
+    qa.write_text("".join(json.dumps({"question": q.question, "answer": [q.answer]}) + "\n" for q in data.qa))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(
+        json.dumps({"id": str(i), "title": f"Entry {i}", "text": p} if i % 2 else {"id": str(i), "contents": p}) + "\n"
+        for i, p in enumerate(data.passages)
+    ))
+    args = ["task", "prepare", "search", str(qa), str(corpus), "--store", store_url, "--run", RUN, "--chunk-mb", "1", "--top-k", "2"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "index: 120 passages" in capsys.readouterr().out
+    assert main(args) == 0  # the same data again is fine
+
+    async def check() -> None:
+        async with open_store(store_url, environ=store_env) as store:
+            task = load_task(await store.get_bytes(RunLayout(RUN).task_data("search", "train")))
+            assert isinstance(task, Search) and len(task) == 30 and task.config.top_k == 2
+            assert task.config.index["passages"] == 120
+            retriever = await open_run_index(store, RUN, task, tmp_path / "worker-cache")
+            tool = SearchTool(task, store, RUN, tmp_path / "tool-cache")
+            bodies = await asyncio.gather(*(tool(q.question) for q in data.qa[:3]))
+            for body, q in zip(bodies, data.qa, strict=False):
+                assert body.startswith("Doc 1: ") and q.answer in body.split("\n")[0]
+                assert len(body) <= task.config.max_observation_chars
+            assert task.tool_format is not None and task.tool_format.call_close == "</search>"
+        for item, q in zip(task.items, data.qa, strict=True):
+            assert decode_label(item.label) == (q.answer,)
+            top = retriever.search(item.prompt, task.config.top_k)[0]
+            assert top.index == q.passage and q.answer in top.text
+            assert task.reward(f"<answer>{q.answer}</answer>", item.label) == 1.0
+
+    asyncio.run(check())
+
+
+@pytest.mark.file_only
+def test_cli_prepare_search_synthetic_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    url = f"file://{tmp_path / 'bucket'}"
+    (tmp_path / "bucket").mkdir()
+    base = ["task", "prepare", "search", "--store", url, "--run", RUN]
+    assert main([*base, "--synthetic", "20", "--seed", "3"]) == 0
+    task = asyncio.run(_load(url, "train"))
+    assert len(task) == 20 and task.meta["seed"] == 3 and task.config.index["passages"] == 80
+    assert main([*base, "--synthetic", "21", "--seed", "3"]) == 1  # another index: refused
+    assert "immutable" in capsys.readouterr().err
+    assert main(base) == 1  # no files, no --synthetic
+    files = ["task", "prepare", "search", str(tmp_path / "missing.jsonl"), str(tmp_path / "corpus.jsonl")]
+    assert main([*files[:4], *base[3:], "--synthetic", "5"]) == 1
+    assert main([*files, *base[3:]]) == 1
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+async def _load(url: str, split: str) -> Search:
+    async with open_store(url) as store:
+        task = load_task(await store.get_bytes(RunLayout(RUN).task_data("search", split)))
+    assert isinstance(task, Search)
+    return task
