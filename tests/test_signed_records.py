@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 from typing import Any
 
 import pytest
@@ -36,6 +37,7 @@ from slime_stoa.protocol.validate import RecordRejected
 from slime_stoa.tasks import make_task
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.admission import CONSUMER_REASONS, SIGNATURE_REASONS, check_signature
+from slime_stoa.trainer.consumer.persistence import UntrustedState, state_key
 from tests.test_consumer import (
     ITEMS,
     MAX_TOKENS,
@@ -162,12 +164,14 @@ def signed(group: RolloutGroup, key: SigningKey) -> bytes:
     return sign_record(encode_group(group), key, run=RUN)
 
 
-async def open_signed_consumer(store: Store, tiny: Tiny, store_url: str, run: SignedRun | None = None, **kw: Any) -> RolloutConsumer:
+async def open_signed_consumer(
+    store: Store, tiny: Tiny, store_url: str, run: SignedRun | None = None, *, state_key: SigningKey | None = None, **kw: Any
+) -> RolloutConsumer:
     if run is not None:
         kw.setdefault("run_key", run.run_key.public.to_text())
     return await RolloutConsumer.open(
         store, config(store_url, **kw), decode=tiny.decode, eos_ids=frozenset({tiny.eos}), prompt_of=tiny.prompt,
-        restore=False,
+        restore=False, state_key=state_key,
     )
 
 
@@ -344,3 +348,37 @@ async def test_a_forged_pointer_does_not_make_a_forged_version_published(store: 
         await consumer.next_batch(1, trainer_version=0)
     assert consumer.counters["rejected/version"] == 1
     await consumer.close()
+
+
+async def test_the_trainer_signs_its_state_and_refuses_a_forged_one(store: Store, store_url: str, tiny: Tiny) -> None:
+    """With one bucket a worker's token can overwrite the trainer's state object: a forged cursor
+    or reuse ledger would make the trainer re-use or skip groups. The trainer holding the run key
+    signs the state it saves and refuses one no run key signed; a state restored from elsewhere
+    (slime's checkpoint) then replaces the forgery."""
+    run = await setup_signed_run(store, tiny)
+    base = now_ms() - 10_000
+    for seq in range(2):
+        await put(store, signed(make_group(tiny, worker="mac-a", seq=seq, prompt_index=seq), run.workers["mac-a"]), "mac-a", seq, base + seq)
+    first = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key, wait_timeout_s=1.0)
+    assert len((await first.next_batch(2, trainer_version=0)).groups) == 2
+    await first.save_state()
+    checkpoint = first.state_dict()  # what slime's checkpoint holds
+    await first.close()
+    saved = json.loads(await store.get_bytes(state_key(RUN)))
+    assert saved["signature"]["key"] == run.run_key.key_id
+
+    again = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
+    assert (await again.bucket_state()) == checkpoint  # its own signed state reads back
+    await again.close()
+
+    forged = {k: v for k, v in saved.items() if k != "signature"} | {"cursor": "", "seen": [], "ledger": {}}
+    await store.put(state_key(RUN), json.dumps(forged).encode())  # "start over": every group again
+    victim = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key, wait_timeout_s=1.0)
+    with pytest.raises(UntrustedState, match="not signed"):
+        await victim.load_from_bucket()
+    victim.load_state_dict(checkpoint)  # resumed from the checkpoint instead
+    with pytest.raises(ConsumerTimeout):  # neither group is used again
+        await victim.next_batch(1, trainer_version=0)
+    await victim.save_state()  # replaces the forgery
+    assert json.loads(await store.get_bytes(state_key(RUN)))["signature"]["key"] == run.run_key.key_id
+    await victim.close()

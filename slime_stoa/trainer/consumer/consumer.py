@@ -61,9 +61,9 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import NotPublished, read_lineage, read_pointer
 from slime_stoa.protocol.pulse.lineage import Lineage
 from slime_stoa.protocol.records import RecordError, RolloutGroup
-from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.run_trust import RunTrust, load_rotations
 from slime_stoa.protocol.signed_record import is_signed, open_signed, record_bytes
-from slime_stoa.protocol.signing import PublicKey
+from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreError, StoreUnavailable
 from slime_stoa.protocol.store.retry import outage_policy, through_outages
 from slime_stoa.protocol.validate import RecordRejected, load_record
@@ -79,7 +79,7 @@ from .metrics import (
     rejects_by_reason,
     worker_counter,
 )
-from .persistence import read_state, write_state_retried
+from .persistence import UntrustedState, read_state, write_state_retried
 from .quarantine import Quarantine, copy_records
 from .run_context import open_run_context
 from .scoring import Decode, PromptOf, Rescorer
@@ -161,6 +161,7 @@ class RolloutConsumer:
         rescorer: Rescorer,
         clock: Callable[[], float] = time.time,
         run_key: PublicKey | None = None,
+        state_key: SigningKey | None = None,
     ) -> None:
         if not config.is_resolved:
             raise ValueError(
@@ -215,6 +216,9 @@ class RolloutConsumer:
         # Its pointer and version manifests are read through the run's trust (pinned key + rotations),
         # so a forged pointer cannot make a forged version "published".
         self._trust = None if run_key is None else RunTrust(config.run, run_key)
+        # The trainer's own run key (when it has it): signs the state it saves in the bucket, and
+        # a state read back must carry a run key's signature (`persistence.UntrustedState`).
+        self._state_key = state_key
         self._signers = (
             None if self._trust is None
             else Signers(store, config.run, self._trust, refresh_s=config.registry_refresh_s)
@@ -233,10 +237,12 @@ class RolloutConsumer:
         prompt_of: PromptOf | None = None,
         restore: bool = True,
         clock: Callable[[], float] = time.time,
+        state_key: SigningKey | None = None,
     ) -> RolloutConsumer:
         """A consumer for `config.run`: reads the run manifest, task and tokenizer (see
         `run_context.open_run_context`; through store outages), and with `restore` resumes from
-        the bucket's state."""
+        the bucket's state. `state_key`: the run key, which signs the saved state (and a state
+        read back must be signed by a key of the run)."""
         ctx = await patiently(
             config,
             lambda: open_run_context(
@@ -244,7 +250,7 @@ class RolloutConsumer:
             ),
             f"opening run {config.run!r} in {store.url}",
         )
-        consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock, run_key=ctx.run_key)
+        consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock, run_key=ctx.run_key, state_key=state_key)
         if restore:
             await consumer.load_from_bucket()
         return consumer
@@ -319,11 +325,23 @@ class RolloutConsumer:
     async def bucket_state(self) -> dict[str, Any] | None:
         """The bucket's saved state (`state_dict()` form), or None; remembers its ETag for the
         next `save_state`. Waits out store outages."""
-        state, etag = await self.patiently(
-            lambda: read_state(self.store, self.config.run), f"reading the consumer state of run {self.config.run!r}"
-        )
+        try:
+            state, etag = await self.patiently(self._read_state, f"reading the consumer state of run {self.config.run!r}")
+        except UntrustedState as exc:
+            self._etag = exc.etag  # a save from another state replaces the forgery
+            raise
         self._etag = etag
         return None if state is None else state.to_json()
+
+    async def _read_state(self) -> tuple[ConsumerState | None, str | None]:
+        """The bucket's state; when this trainer holds the run key, only one a run key signed."""
+        if self._state_key is None:
+            return await read_state(self.store, self.config.run)
+        keys = [self._state_key.public]
+        if self._trust is not None:
+            await load_rotations(self.store, self._trust)
+            keys += self._trust.keys
+        return await read_state(self.store, self.config.run, signed_by=keys)
 
     async def load_from_bucket(self, *, apply: bool = True) -> bool:
         """Read the bucket's saved state (remembering its ETag for the next `save_state`) and,
@@ -345,6 +363,7 @@ class RolloutConsumer:
             state,
             self._etag,
             retry=lambda attempt: self.patiently(attempt, f"saving the consumer state of run {self.config.run!r}"),
+            key=self._state_key,
         )
 
     # -- counting ------------------------------------------------------------------------------

@@ -7,15 +7,29 @@ one) gets `StateConflict` instead of silently forking the cursors.
 `write_state_retried` is the write that outlasts a store outage: a retry after a try whose
 answer was lost (the write may have landed) that then meets a "conflict" checks whether the
 bucket holds exactly this state, i.e. our own earlier try, and takes it as done.
+
+A trainer holding the run key signs the state it writes (`sign_document`) and reads back only a
+state signed by a run key (`UntrustedState` otherwise): with one bucket every worker's token can
+write this object, and a forged cursor or reuse ledger would make the trainer skip or re-use
+groups.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.signing import (
+    SIGNATURE_FIELD,
+    PublicKey,
+    SignatureError,
+    SigningKey,
+    sign_document,
+    verify_document,
+)
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
+from slime_stoa.protocol.strict_json import load_json
 
 from .state import ConsumerState
 
@@ -26,13 +40,25 @@ class StateConflict(RuntimeError):
     """The state object moved under us: another trainer is consuming this run."""
 
 
+class UntrustedState(ValueError):
+    """The bucket's state is not signed by a key of the run (a forgery, or written unsigned).
+    `etag` names the object, so a trainer resuming from elsewhere can replace it."""
+
+    def __init__(self, message: str, etag: str) -> None:
+        super().__init__(message)
+        self.etag = etag
+
+
 def state_key(run: str) -> str:
     return RunLayout(run).trainer_file(STATE_FILE)
 
 
-async def read_state(store: Store, run: str) -> tuple[ConsumerState | None, str | None]:
+async def read_state(
+    store: Store, run: str, *, signed_by: Iterable[PublicKey] | None = None
+) -> tuple[ConsumerState | None, str | None]:
     """(state, etag) from the bucket, or (None, None) when the run has none yet.
-    ValueError if the object is not a valid consumer state of this run."""
+    ValueError if the object is not a valid consumer state of this run; with `signed_by` (the
+    run's keys), UntrustedState unless one of them signed it."""
     key = state_key(run)
     try:
         result = await store.get(key)
@@ -40,7 +66,23 @@ async def read_state(store: Store, run: str) -> tuple[ConsumerState | None, str 
         return None, None
     assert result is not None
     try:
-        state = ConsumerState.from_json(json.loads(result.data))
+        doc = load_json(result.data)
+    except ValueError as exc:
+        raise ValueError(f"{key} in {store.url} is not a valid consumer state: {exc}") from None
+    if signed_by is not None:
+        try:
+            verify_document(doc, list(signed_by), where=key)
+        except SignatureError as exc:
+            raise UntrustedState(
+                f"{exc}: the trainer state in {store.url} was not written by this run's trainer (a forgery, "
+                f"or a trainer without the run key); resume from slime's checkpoint, or delete {key} to "
+                f"start consuming afresh",
+                result.etag,
+            ) from None
+    if isinstance(doc, dict):
+        doc.pop(SIGNATURE_FIELD, None)
+    try:
+        state = ConsumerState.from_json(doc)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{key} in {store.url} is not a valid consumer state: {exc}") from None
     if state.run != run:
@@ -48,15 +90,17 @@ async def read_state(store: Store, run: str) -> tuple[ConsumerState | None, str 
     return state, result.etag
 
 
-async def write_state(store: Store, state: ConsumerState, etag: str | None) -> str:
-    """Write `state` over the version with `etag` (None: create); returns the new ETag."""
-    key = state_key(state.run)
-    data = json.dumps(state.to_json(), separators=(",", ":")).encode()
+async def write_state(store: Store, state: ConsumerState, etag: str | None, *, key: SigningKey | None = None) -> str:
+    """Write `state` (signed with `key`, the run key) over the version with `etag` (None:
+    create); returns the new ETag."""
+    doc = state.to_json() if key is None else sign_document(state.to_json(), key)
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    key_name = state_key(state.run)
     try:
-        return await store.cas(key, data, etag)
+        return await store.cas(key_name, data, etag)
     except PreconditionFailed:
         raise StateConflict(
-            f"{key} in {store.url} changed since this trainer last read or wrote it: another "
+            f"{key_name} in {store.url} changed since this trainer last read or wrote it: another "
             f"trainer is consuming run {state.run!r} (stop it), or restart this one to resume "
             f"from the bucket's state"
         ) from None
@@ -68,6 +112,7 @@ async def write_state_retried(
     etag: str | None,
     *,
     retry: Callable[[Callable[[], Awaitable[str]]], Awaitable[str]],
+    key: SigningKey | None = None,
 ) -> str:
     """`write_state`, with each try run by `retry` (e.g. `through_outages`); returns the new ETag.
 
@@ -78,13 +123,13 @@ async def write_state_retried(
     async def attempt() -> str:
         nonlocal ambiguous
         try:
-            return await write_state(store, state, etag)
+            return await write_state(store, state, etag, key=key)
         except StoreUnavailable:
             ambiguous = True
             raise
         except StateConflict:
             if ambiguous:
-                current, current_etag = await read_state(store, state.run)
+                current, current_etag = await read_state(store, state.run, signed_by=None if key is None else [key.public])
                 if current == state and current_etag is not None:
                     return current_etag
             raise

@@ -132,6 +132,7 @@ from slime_stoa.protocol.eval_request import EvalRequest
 from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
 from slime_stoa.protocol.run_manifest import read_run_manifest
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, StoreError, open_store
 from slime_stoa.protocol.store.split import SplitStore
 from slime_stoa.trainer.consumer import (
@@ -141,6 +142,7 @@ from slime_stoa.trainer.consumer import (
     RolloutConsumer,
     sample_fields,
 )
+from slime_stoa.trainer.consumer.persistence import UntrustedState
 
 from .. import tracking
 from ..loop_thread import LoopThread
@@ -272,7 +274,9 @@ def stall_message(*, run: str, url: str, rollout_id: Any, previous: int | None, 
 class _Session:
     """A RolloutConsumer on its own event-loop thread, callable from slime's synchronous code."""
 
-    def __init__(self, config: ConsumerConfig, *, tokenizer_dir: Path | None, state_in_bucket: bool) -> None:
+    def __init__(
+        self, config: ConsumerConfig, *, tokenizer_dir: Path | None, state_in_bucket: bool, state_key: SigningKey | None = None
+    ) -> None:
         self.config = config
         self.state_in_bucket = state_in_bucket
         self.resumed = False
@@ -285,7 +289,7 @@ class _Session:
         try:
             self.store = self.call(self._open_store())
             self.consumer: RolloutConsumer = self.call(
-                RolloutConsumer.open(self.store, config, tokenizer_dir=tokenizer_dir, restore=False)
+                RolloutConsumer.open(self.store, config, tokenizer_dir=tokenizer_dir, restore=False, state_key=state_key)
             )
             self.group_size = self.consumer.config.record_limits.expected_group_size  # type: ignore[union-attr]
         except BaseException:
@@ -315,8 +319,14 @@ class _Session:
         return self.call(self._resume(checkpoint_state, newest))
 
     async def _resume(self, checkpoint_state: Any, newest: bool) -> str:
-        bucket = await self.consumer.bucket_state()  # also remembers the ETag for the next save
         local = checkpoint_state if isinstance(checkpoint_state, dict) and checkpoint_state.get("run") == self.config.run else None
+        try:
+            bucket = await self.consumer.bucket_state()  # also remembers the ETag for the next save
+        except UntrustedState as exc:  # a forged bucket state: never resumed from; the checkpoint's is ours
+            if local is None:
+                raise
+            log.error("stoa: %s; resuming from the checkpoint's consumer state", exc)
+            bucket = None
         if local is not None and (not newest or _progress(local) >= _progress(bucket)):
             self.consumer.load_state_dict(local)
             return "checkpoint"
@@ -434,7 +444,8 @@ def _session(config: ConsumerConfig, args: Any) -> _Session:
             _SESSION = None
         if _SESSION is None:
             _SESSION = _Session(
-                config, tokenizer_dir=tokenizer_dir_from_args(args), state_in_bucket=state_in_bucket_from_args(args)
+                config, tokenizer_dir=tokenizer_dir_from_args(args), state_in_bucket=state_in_bucket_from_args(args),
+                state_key=run_key_setting(args),
             )
         return _SESSION
 
