@@ -17,6 +17,7 @@ from slime_stoa.protocol.registry import (
     Registry,
     add_worker,
     registry_bytes,
+    release_worker,
     revoke_worker,
     update_registry,
 )
@@ -382,3 +383,23 @@ async def test_the_trainer_signs_its_state_and_refuses_a_forged_one(store: Store
     await victim.save_state()  # replaces the forgery
     assert json.loads(await store.get_bytes(state_key(RUN)))["signature"]["key"] == run.run_key.key_id
     await victim.close()
+
+
+async def test_stoa_worker_release_lifts_a_quarantine_through_the_registry(store: Store, store_url: str, tiny: Tiny) -> None:
+    """`stoa worker release` raises the worker's `releases` in the signed registry; the consumer's
+    next registry read lifts the quarantine and the worker's groups are used again."""
+    run = await setup_signed_run(store, tiny)
+    consumer = await open_signed_consumer(store, tiny, store_url, run, wait_timeout_s=1.0, registry_refresh_s=0.01)
+    assert consumer.observe_logprob_gap("mac-a", 5.0, 4096) == ["mac-a"]  # far off the learner: quarantined
+    base = now_ms() - 10_000
+    await put(store, signed(make_group(tiny, worker="mac-a", seq=0, prompt_index=0), run.workers["mac-a"]), "mac-a", 0, base)
+    with pytest.raises(ConsumerTimeout):
+        await consumer.next_batch(1, trainer_version=0)
+    assert "mac-a" in consumer.quarantined and consumer.counters["rejected/quarantined"] == 1
+
+    await update_registry(store, RUN, run.run_key, lambda r: release_worker(r, "mac-a"))
+    await asyncio.sleep(0.05)
+    await put(store, signed(make_group(tiny, worker="mac-a", seq=1, prompt_index=1), run.workers["mac-a"]), "mac-a", 1, base + 1)
+    batch = await consumer.next_batch(1, trainer_version=0)
+    assert [g.worker for g in batch.groups] == ["mac-a"] and "mac-a" not in consumer.quarantined
+    await consumer.close()

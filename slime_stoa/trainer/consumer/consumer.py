@@ -827,6 +827,8 @@ class RolloutConsumer:
             listing_helps = self._queued() < need - len(self._inflight) and self._capacity() > 0
             if listing_helps and now >= self._next_tail:
                 self._next_tail = now + cfg.poll_interval_s
+                if self._signers is not None and self._signers.due():
+                    await self._refresh_signers()  # a release (or revocation) also while nothing is admitted
                 await self._poll_tail()
                 continue
             if cfg.late_window_ms and now >= self._next_late_sweep:
