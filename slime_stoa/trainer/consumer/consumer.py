@@ -72,6 +72,7 @@ from . import canary, policy
 from .admission import Admitted, judge_record
 from .config import ConsumerConfig
 from .discovery import Discovery, PollResult
+from .episode_metrics import episode_metrics
 from .metrics import (
     batch_metrics,
     delta,
@@ -991,6 +992,7 @@ class RolloutConsumer:
         )
         metrics["rollout/stoa_store_outage_retries"] = float(gained.get("store_outage_retries", 0))
         metrics.update(self._quarantine.metrics())
+        metrics.update(episode_metrics(groups, self.rescorer.task.tool_format))  # a tool task: search rate, ...
         self._scored_rewards = []
         log.info(
             "stoa: batch of %d groups from %d worker(s) after %.1f s (version lag mean %.2f, max %d)",

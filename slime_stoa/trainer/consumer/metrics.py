@@ -26,6 +26,9 @@ Counter names:
     quarantine_dropped                groups dropped from the pool when their worker was quarantined
     quarantined_workers               quarantines decided (a worker released and quarantined again counts twice)
     worker/<id>/canary_failed         its failed canaries
+
+A tool task's batches add the episode metrics of `episode_metrics` (search rate, tool calls,
+turns, tool tokens, format errors; per worker too).
 """
 
 from __future__ import annotations
