@@ -101,3 +101,42 @@ async def test_an_unanswered_request_times_out_naming_the_version(store: Store, 
     ctx = await open_eval_context(store, posted, tokenizer_dir=model_dir)
     with pytest.raises(EvalTimeout, match="v0"):
         await await_answers(EvalCollector(store, ctx, posted), signing_key=None, timeout_s=0.3, poll_s=0.05)
+
+
+async def test_a_signed_run_evaluates_signed_records_of_workers_registered_later(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """A signed run: the request is signed with the run key and the worker signs its eval records
+    with its registered key. A forged registry when the collector opens does not end the eval
+    (it is ignored), and a worker registered after that is learned from its records' key."""
+    from slime_stoa.protocol.registry import add_worker, update_registry
+    from slime_stoa.protocol.signing import SigningKey
+    from slime_stoa.protocol.worker_keys import WorkerKeyFile, write_worker_key_file
+
+    run_key, worker_key = SigningKey.generate(), SigningKey.generate()
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, temperature=1.0)
+    await seed_run(store, manifest, model_dir, task_count=40, key=run_key)
+    await put_task_objects(store, RUN, "synthetic", task_objects("synthetic", [], split="test", count=12, seed=7, limit=None))
+    posted = await post_request(store, request(range(3)), signing_key=run_key)
+    registry = RunLayout(RUN).registry
+    await store.put(registry, b'{"format": "stoa.registry/1", "forged": true}')  # a worker's token can
+    ctx = await open_eval_context(store, posted, tokenizer_dir=model_dir, registry_refresh_s=0.01)
+    assert ctx.registry is not None and not ctx.registry.workers  # the forgery ignored, not fatal
+    await store.delete(registry)
+    await update_registry(store, RUN, run_key, lambda r: add_worker(r, worker="eval-mac-1", name="eval-mac", key=worker_key.public, now=1.0))
+    key_file = write_worker_key_file(tmp_path / "w.key", WorkerKeyFile(run=RUN, worker="eval-mac-1", key=worker_key))
+    config = DaemonConfig(
+        store=store_url, run=RUN, name="eval-mac", worker_id="eval-mac-1", data_dir=tmp_path / "d", batch=2,
+        run_key=run_key.public.to_text(), worker_key=str(key_file),
+    )
+    worker = Worker(config, store, WorkerOptions(seed=4, heartbeat_s=0.5, eval_poll_s=0.2))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    try:
+        collector = EvalCollector(store, ctx, posted)
+        await await_answers(collector, signing_key=run_key, timeout_s=240, poll_s=0.2, narrow_s=0.5)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 300) == 0
+    assert not collector.rejects and [p.prompt_index for p in version_result(collector, threshold=1.0).prompts] == [0, 1, 2]
+    assert "eval-mac-1" in ctx.registry.workers

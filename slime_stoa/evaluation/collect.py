@@ -11,9 +11,9 @@ prompt the first `k` samples, in key order, are kept.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,22 +21,18 @@ from pathlib import Path
 from slime_stoa.protocol.eval_request import EvalRequest
 from slime_stoa.protocol.layout import RolloutKey, RunLayout
 from slime_stoa.protocol.pulse.history import find_manifest
-from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup
-from slime_stoa.protocol.registry import Registry, read_registry
+from slime_stoa.protocol.records import SCHEMA_V2, RecordError, RolloutGroup
+from slime_stoa.protocol.registry import Registry
 from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signed_record import is_signed, open_signed
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.protocol.validate import RecordLimits, RecordRejected, load_record
-from slime_stoa.tasks import Task, load_task
+from slime_stoa.tasks import Task
 from slime_stoa.trainer.consumer.admission import check_signature
-from slime_stoa.trainer.consumer.run_context import download_tokenizer
-from slime_stoa.trainer.consumer.scoring import (
-    Decode,
-    PromptOf,
-    Rescorer,
-    load_prompt_builder,
-    load_tokenizer,
-    vocab_size_of,
-)
+from slime_stoa.trainer.consumer.run_context import load_decoding, read_task
+from slime_stoa.trainer.consumer.scoring import Decode, PromptOf, Rescorer
+from slime_stoa.trainer.consumer.signers import Signers
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +48,29 @@ class EvalContext:
     rescorer: Rescorer
     limits: RecordLimits
     digest: str  # the published state digest of the request's version
-    registry: Registry | None  # a signed run's worker registry; None: unsigned
+    signers: Signers | None  # a signed run's worker registry, as last read; None: unsigned
+
+    @property
+    def registry(self) -> Registry | None:
+        return None if self.signers is None else self.signers.registry
+
+    async def know_signer(self, data: bytes) -> None:
+        """Read the registry again when a record names a key it does not hold (a worker added
+        since) or the last read is old; a forged registry is ignored (the last good one kept)."""
+        signers = self.signers
+        if signers is None:
+            return
+        unknown = False
+        if is_signed(data):
+            with contextlib.suppress(RecordError):
+                unknown = signers.registry.by_key_id(open_signed(data).key_id) is None
+        if unknown or signers.due():
+            await signers.refresh(signers.clock(), through=lambda op: op())
 
 
 async def read_split(store: Store, manifest: RunManifest, split: str) -> Task:
-    key = RunLayout(manifest.run).task_data(manifest.task, split)
-    try:
-        task = load_task(await store.get_bytes(key))
-    except NotFound:
-        raise ValueError(f"run {manifest.run!r} has no {split!r} split of task {manifest.task!r} ({key})") from None
-    if task.name != manifest.task:
-        raise ValueError(f"{key} holds task {task.name!r}; the run manifest says {manifest.task!r}")
-    return task
+    """The `split` of the run's task (checked to be the task the manifest names)."""
+    return await read_task(store, manifest, split)
 
 
 async def open_eval_context(
@@ -76,21 +83,17 @@ async def open_eval_context(
     decode: Decode | None = None,
     eos_ids: frozenset[int] = frozenset(),
     prompt_of: PromptOf | None = None,
+    registry_refresh_s: float = 10.0,
 ) -> EvalContext:
     """Read the manifest (which must name the run key `run_key`, "ed25519:...", when given), the
     split, the tokenizer (`tokenizer_dir`, else the anchor's), the version's digest and (signed
     runs) the registry. `decode`/`prompt_of`: injected (tests)."""
     manifest = await read_run_manifest(store, request.run, pinned=run_key)
     task = await read_split(store, manifest, request.split)
-    vocab = manifest.vocab_size or None
-    if decode is None:
-        folder = tokenizer_dir
-        if folder is None:
-            folder = await download_tokenizer(store, request.run, Path(tempfile.mkdtemp(prefix="stoa-eval-tokenizer-")))
-        decode, eos_ids = load_tokenizer(folder)
-        if verify_prompts and prompt_of is None:
-            prompt_of = load_prompt_builder(folder, task)
-        vocab = vocab or vocab_size_of(folder)
+    decode, eos_ids, prompt_of, vocab = await load_decoding(
+        store, manifest, task, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of,
+        verify_prompts=verify_prompts,
+    )
     if not vocab:
         raise ValueError(f"the vocabulary size of run {request.run!r} is unknown: set vocab_size in its manifest")
     limits = RecordLimits(
@@ -102,12 +105,15 @@ async def open_eval_context(
         expected_run=request.run,
         expected_sampling=request.sampling(manifest.stop),
     )
-    digest = (await find_manifest(store, request.run, request.version)).state_digest
-    registry = None
-    if manifest.public_key is not None:
-        read = await read_registry(store, request.run, manifest.public_key)
-        registry = read.registry if read is not None else Registry(run=request.run)
-    return EvalContext(manifest, task, Rescorer(task, decode, eos_ids, prompt_of), limits, digest, registry)
+    # A signed run: the version's digest only from a manifest the run key signed, and records
+    # only from workers its registry holds (re-read as keys appear; a forgery is ignored).
+    trust = None if manifest.public_key is None else RunTrust(request.run, manifest.public_key)
+    digest = (await find_manifest(store, request.run, request.version, trust=trust)).state_digest
+    signers = None
+    if trust is not None:
+        signers = Signers(store, request.run, trust, refresh_s=registry_refresh_s)
+        await signers.refresh(signers.clock(), through=lambda op: op())
+    return EvalContext(manifest, task, Rescorer(task, decode, eos_ids, prompt_of), limits, digest, signers)
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,7 @@ class EvalCollector:
                     data = await self.store.get_bytes(info.key)
                 except NotFound:
                     raise RecordRejected("missing", name) from None
+                await self.ctx.know_signer(data)
                 admitted = judge_eval_record(data, key=key, name=name, ctx=self.ctx, request=self.request, wanted=wanted)
                 self._keep(admitted, data)
                 accepted += 1
