@@ -39,6 +39,17 @@ import numpy as np
 
 from slime_stoa.tasks.tool_format import ToolFormat
 
+from .generate import (
+    FinishedGroup,
+    SamplingConfig,
+    _as_wrapper,
+    _batch_generator,
+    _insert_group,
+    _picked_logprobs,
+    _room,
+    _StopMatcher,
+    _text_tokens,
+)
 from .tools import Tool, call_tool
 
 Action = Literal["continue", "call", "done"]
@@ -167,29 +178,16 @@ class EpisodeGenerator:
         self,
         model: Any,
         tokenizer: Any,
-        config: Any,  # macd.generate.SamplingConfig
+        config: SamplingConfig,
         tool_format: ToolFormat,
         *,
         max_batch: int,
         share_prefill: bool = True,
     ) -> None:
-        from mlx_lm.generate import BatchGenerator
-
-        from .generate import _as_wrapper, _KeyedSampler, _StopMatcher, _TemperedModel
-
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.config, self.format, self.share_prefill = model, config, tool_format, share_prefill
         self.tokenizer = _as_wrapper(tokenizer)
         self._eos = set(self.tokenizer.eos_token_ids)
-        self._gen = BatchGenerator(
-            _TemperedModel(model, config.temperature),  # type: ignore[arg-type]  # a callable wrapper is all it needs
-            max_tokens=config.max_tokens,
-            stop_tokens=[[e] for e in sorted(self._eos)],
-            sampler=_KeyedSampler(config.seed),
-            completion_batch_size=max_batch,
-            prefill_batch_size=max_batch,
-        )
+        self._gen = _batch_generator(model, config, self._eos, max_batch=max_batch)
         self._stop = _StopMatcher(self.tokenizer, (*config.stop, tool_format.answer_close))
         self._call = _StopMatcher(self.tokenizer, (tool_format.call_close,))
         self._open = self._encode(tool_format.observation_open)
@@ -226,7 +224,7 @@ class EpisodeGenerator:
         return len(self._live)
 
     def room(self, capacity: int) -> int:
-        return max(0, -(-(capacity + 1 - self.sequences) // self.config.group_size))
+        return _room(capacity, self.sequences, self.config.group_size)
 
     def tags(self) -> list[Any]:
         return [g.tag for g in self._groups.values()]
@@ -237,17 +235,8 @@ class EpisodeGenerator:
 
     def insert(self, prompt: Sequence[int], tag: Any = None) -> None:
         """Queue a group of `config.group_size` episodes of `prompt` (token ids)."""
-        from .generate import _prefill
-
-        tokens = [int(t) for t in prompt]
-        if not tokens:
-            raise ValueError("prompts must be non-empty")
         g = self.config.group_size
-        if self.share_prefill:
-            cache = _prefill(self.model, tokens[:-1])
-            uids = self._gen.insert([[tokens[-1]]] * g, caches=[cache] * g)
-        else:
-            uids = self._gen.insert([tokens] * g)
+        uids = _insert_group(self._gen, self.model, prompt, g, share_prefill=self.share_prefill)
         gid, self._next_group = self._next_group, self._next_group + 1
         eids = list(range(self._next_episode, self._next_episode + g))
         self._next_episode += g
@@ -265,13 +254,10 @@ class EpisodeGenerator:
         responses = self._gen.next_generated()
         if not responses:
             raise RuntimeError("generation ended with sequences in the batch")
-        import mlx.core as mx
-
         self.steps += 1
         self.tokens += len(responses)
-        picked: list[float] = mx.stack([r.logprobs[r.token] for r in responses]).tolist()  # type: ignore[assignment]
         ended, paused = [], []
-        for r, lp in zip(responses, picked, strict=True):
+        for r, lp in zip(responses, _picked_logprobs(responses), strict=True):
             eid = self._live[r.uid]
             ep = self._episodes[eid]
             eos = r.finish_reason == "stop"  # mlx-lm's only stop sequences are the EOS tokens
@@ -379,8 +365,6 @@ class EpisodeGenerator:
         return not group.left
 
     def _pop(self, gid: int) -> FinishedGroupLike:
-        from .generate import FinishedGroup
-
         group = self._groups.pop(gid)
         completions = []
         for eid in group.episodes:
@@ -391,7 +375,7 @@ class EpisodeGenerator:
     def _completion(self, ep: Episode) -> EpisodeCompletion:
         if ep.finish is None:
             raise RuntimeError("generation ended with an unfinished episode")
-        text_tokens = ep.tokens[:-1] if ep.eos and ep.tokens and ep.tokens[-1] in self._eos else ep.tokens
+        text_tokens = _text_tokens(ep.tokens, ep.eos, self._eos)
         return EpisodeCompletion(
             tokens=np.array(ep.tokens, dtype=np.int32),
             logprobs=np.array(ep.logprobs, dtype=np.float32),
@@ -412,7 +396,7 @@ async def run_episodes(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[Sequence[int]],
-    config: Any,  # macd.generate.SamplingConfig
+    config: SamplingConfig,
     tool_format: ToolFormat,
     tool: Tool,
     *,

@@ -153,6 +153,51 @@ def _prefill(model: Any, tokens: Sequence[int]) -> list[Any]:
     return cache
 
 
+# -- the parts every generator of groups shares (this module's and `macd.episodes`') ----------------
+def _batch_generator(model: Any, config: SamplingConfig, eos: set[int], *, max_batch: int) -> BatchGenerator:
+    """The long-lived mlx-lm `BatchGenerator` of a generator of groups: tempered logits, sampled at
+    temperature 1 from the config's seed, EOS the only stop sequences, `max_batch` decoding at once."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return BatchGenerator(
+        _TemperedModel(model, config.temperature),  # type: ignore[arg-type]  # a callable wrapper is all it needs
+        max_tokens=config.max_tokens,
+        stop_tokens=[[e] for e in sorted(eos)],
+        sampler=_KeyedSampler(config.seed),
+        completion_batch_size=max_batch,
+        prefill_batch_size=max_batch,
+    )
+
+
+def _insert_group(gen: BatchGenerator, model: Any, prompt: Sequence[int], size: int, *, share_prefill: bool) -> list[int]:
+    """Queue `size` sequences of `prompt` (token ids) in `gen`; their uids. With `share_prefill`
+    the prompt (but its last token) is prefilled once, with the weights of this moment, and the
+    cache handed to every sequence (merged, i.e. copied, into the batch, so shareable)."""
+    tokens = [int(t) for t in prompt]
+    if not tokens:
+        raise ValueError("prompts must be non-empty")
+    if share_prefill:
+        cache = _prefill(model, tokens[:-1])
+        return list(gen.insert([[tokens[-1]]] * size, caches=[cache] * size))
+    return list(gen.insert([tokens] * size))
+
+
+def _room(capacity: int, sequences: int, group_size: int) -> int:
+    """Groups to insert to keep `capacity` sequences decoding with one queued behind them."""
+    return max(0, -(-(capacity + 1 - sequences) // group_size))
+
+
+def _picked_logprobs(responses: Sequence[Any]) -> list[float]:
+    """The logprob of each response's sampled token: one gather for the step, not one sync each."""
+    picked: list[float] = mx.stack([r.logprobs[r.token] for r in responses]).tolist()  # type: ignore[assignment]
+    return picked
+
+
+def _text_tokens(tokens: list[int], eos: bool, eos_ids: set[int]) -> list[int]:
+    """The tokens a completion's text decodes: all but a final EOS token."""
+    return tokens[:-1] if eos and tokens and tokens[-1] in eos_ids else tokens
+
+
 class _StopMatcher:
     """Finds the first stop string in a growing token list by decoding only its tail."""
 
@@ -220,21 +265,12 @@ class ContinuousGenerator:
         max_batch: int,
         share_prefill: bool = True,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
         self.config = config
         self.share_prefill = share_prefill
         self.tokenizer = _as_wrapper(tokenizer)
         self._eos = set(self.tokenizer.eos_token_ids)
-        self._gen = BatchGenerator(
-            _TemperedModel(model, config.temperature),  # type: ignore[arg-type]  # a callable wrapper is all it needs
-            max_tokens=config.max_tokens,
-            stop_tokens=[[e] for e in sorted(self._eos)],
-            sampler=_KeyedSampler(config.seed),
-            completion_batch_size=max_batch,
-            prefill_batch_size=max_batch,
-        )
+        self._gen = _batch_generator(model, config, self._eos, max_batch=max_batch)
         self._stop = _StopMatcher(self.tokenizer, config.stop)
         self._groups: dict[int, _Group] = {}  # insertion order
         self._owner: dict[int, int] = {}  # sequence uid -> group id
@@ -257,7 +293,7 @@ class ContinuousGenerator:
     def room(self, capacity: int) -> int:
         """How many groups to insert now to keep `capacity` sequences decoding with one group
         queued behind them, so a slot freed by a finished sample is taken at the next step."""
-        return max(0, -(-(capacity + 1 - self.sequences) // self.config.group_size))
+        return _room(capacity, self.sequences, self.config.group_size)
 
     def tags(self) -> list[Any]:
         """The tags of the unfinished groups, in insertion order."""
@@ -270,15 +306,7 @@ class ContinuousGenerator:
 
     def insert(self, prompt: Sequence[int], tag: Any = None) -> None:
         """Queue a group of `config.group_size` samples of `prompt` (token ids)."""
-        tokens = [int(t) for t in prompt]
-        if not tokens:
-            raise ValueError("prompts must be non-empty")
-        g = self.config.group_size
-        if self.share_prefill:
-            cache = _prefill(self.model, tokens[:-1])  # merged (copied) into the batch, so shareable
-            uids = self._gen.insert([[tokens[-1]]] * g, caches=[cache] * g)
-        else:
-            uids = self._gen.insert([tokens] * g)
+        uids = _insert_group(self._gen, self.model, prompt, self.config.group_size, share_prefill=self.share_prefill)
         gid = self._next_group
         self._next_group += 1
         self._groups[gid] = _Group(tag, uids, len(uids))
@@ -295,10 +323,8 @@ class ContinuousGenerator:
             return []
         self.steps += 1
         self.tokens += len(responses)
-        # One gather for the whole step instead of one sync per sequence.
-        picked: list[float] = mx.stack([r.logprobs[r.token] for r in responses]).tolist()  # type: ignore[assignment]
         stopped, done = [], []
-        for r, lp in zip(responses, picked, strict=True):
+        for r, lp in zip(responses, _picked_logprobs(responses), strict=True):
             t = self._tracks[r.uid]
             t.tokens.append(r.token)
             t.logprobs.append(lp)
@@ -409,8 +435,7 @@ def _completion(tok: TokenizerWrapper, t: _Track, eos: set[int]) -> Completion:
         raise RuntimeError("generation ended with an unfinished sequence")
     tokens = np.array(t.tokens, dtype=np.int32)
     logprobs = np.array(t.logprobs, dtype=np.float32)
-    text_tokens = t.tokens[:-1] if t.eos and t.tokens and t.tokens[-1] in eos else t.tokens
-    return Completion(tokens, logprobs, t.finish, tok.decode(text_tokens))
+    return Completion(tokens, logprobs, t.finish, tok.decode(_text_tokens(t.tokens, t.eos, eos)))
 
 
 def teacher_forced_logprobs(

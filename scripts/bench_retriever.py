@@ -121,6 +121,21 @@ def bench_rank(passages: list[str], queries: list[str]) -> dict[str, Any]:
     return row
 
 
+def scaled(row: dict[str, Any], passages: int, *, impl: str) -> dict[str, Any]:
+    """`row`'s figures extrapolated linearly to `passages` (open time unknown: NaN)."""
+    f = passages / row["passages"]
+    return {
+        "passages": passages,
+        "impl": impl,
+        "build_s": row["build_s"] * f,
+        "index_bytes": row["index_bytes"] * f,
+        "open_s": float("nan"),
+        "qps": row["qps"] / f,
+        "p50_ms": row["p50_ms"] * f,
+        "p99_ms": row["p99_ms"] * f,
+    }
+
+
 def fmt_row(size: str, r: dict[str, Any]) -> str:
     mb = r["index_bytes"] / 1e6
     open_s = "-" if r["open_s"] != r["open_s"] else f"{r['open_s']:.2f}"
@@ -155,18 +170,7 @@ def main() -> None:
             r = {"passages": n, "extrapolated": False, **bench_rank(passages, queries[: max(10, args.queries // 10)])}
             rank_last = r
         elif rank_last is not None:
-            f = n / rank_last["passages"]
-            r = {
-                "passages": n,
-                "extrapolated": True,
-                "impl": "rank-bm25",
-                "build_s": rank_last["build_s"] * f,
-                "index_bytes": rank_last["index_bytes"] * f,
-                "open_s": float("nan"),
-                "qps": rank_last["qps"] / f,
-                "p50_ms": rank_last["p50_ms"] * f,
-                "p99_ms": rank_last["p99_ms"] * f,
-            }
+            r = {"passages": n, "extrapolated": True, **scaled(rank_last, n, impl="rank-bm25")}
         else:
             del passages
             continue
@@ -180,17 +184,7 @@ def main() -> None:
         )
         del passages
     last = next(r for r in reversed(rows) if r["impl"] == "bm25s")
-    f = PROJECT_TO / last["passages"]
-    proj = {
-        "passages": PROJECT_TO,
-        "impl": "bm25s (projected)",
-        "build_s": last["build_s"] * f,
-        "index_bytes": last["index_bytes"] * f,
-        "open_s": float("nan"),
-        "qps": last["qps"] / f,
-        "p50_ms": last["p50_ms"] * f,
-        "p99_ms": last["p99_ms"] * f,
-    }
+    proj = scaled(last, PROJECT_TO, impl="bm25s (projected)")
     rows.append(proj)
     print(fmt_row("16,000,000", proj))
     print(

@@ -46,6 +46,12 @@ def _create_key(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -
     return path, text
 
 
+def _create_run(store_url: str, key_path: Path) -> int:
+    """`stoa run create` of a synthetic-task run signed with the key at `key_path`."""
+    return stoa(["run", "create", "--store", store_url, "--run", RUN, "--model", "m", "--task", "synthetic",
+                 "--key", str(key_path)])
+
+
 def test_keys_create_and_show_never_print_the_private_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, text = _create_key(tmp_path, "run.key", capsys)
     assert os.stat(path).st_mode & 0o777 == 0o600
@@ -65,8 +71,7 @@ def test_run_create_with_a_key_signs_the_manifest(
     store_url: str, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, text = _create_key(tmp_path, "run.key", capsys)
-    assert stoa(["run", "create", "--store", store_url, "--run", RUN, "--model", "m", "--task", "synthetic",
-                 "--key", str(path)]) == 0
+    assert _create_run(store_url, path) == 0
     assert "signed with run key" in capsys.readouterr().out
 
     async def check() -> None:
@@ -83,8 +88,7 @@ def test_keys_rotate_announces_the_new_key_and_re_signs_the_pointer(
 ) -> None:
     old_path, old_text = _create_key(tmp_path, "old.key", capsys)
     new_path, _ = _create_key(tmp_path, "new.key", capsys)
-    assert stoa(["run", "create", "--store", store_url, "--run", RUN, "--model", "m", "--task", "synthetic",
-                 "--key", str(old_path)]) == 0
+    assert _create_run(store_url, old_path) == 0
     old, new = read_key_file(old_path), read_key_file(new_path)
     rng = np.random.default_rng(0)
     state = random_state(rng)
@@ -127,8 +131,7 @@ def test_macd_join_pins_the_run_key_and_installs_a_worker_key(
 ) -> None:
     key_path, text = _create_key(tmp_path, "run.key", capsys)
     _, other_text = _create_key(tmp_path, "other.key", capsys)
-    assert stoa(["run", "create", "--store", store_url, "--run", RUN, "--model", "m", "--task", "synthetic",
-                 "--key", str(key_path)]) == 0
+    assert _create_run(store_url, key_path) == 0
     capsys.readouterr()
     conf = tmp_path / "conf" / "macd.toml"
     # Trust on first use, with the fingerprint printed.
@@ -203,8 +206,7 @@ def test_weights_verify_checks_a_signed_run_and_refuses_a_forgery(
     store_url: str, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, text = _create_key(tmp_path, "run.key", capsys)
-    assert stoa(["run", "create", "--store", store_url, "--run", RUN, "--model", "m", "--task", "synthetic",
-                 "--key", str(path)]) == 0
+    assert _create_run(store_url, path) == 0
     key = read_key_file(path)
     rng = np.random.default_rng(1)
     state = random_state(rng)

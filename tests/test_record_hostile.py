@@ -40,6 +40,7 @@ from slime_stoa.protocol.records import (
     frame_payload,
 )
 from slime_stoa.protocol.validate import REJECT_REASONS, RecordLimits, RecordRejected, load_record
+from tests.test_records_v2 import episode
 
 NOW = 1_700_000_000.0
 SAMPLING = SamplingParams(temperature=0.7, top_p=1.0, max_tokens=16, stop=("</s>",))
@@ -513,11 +514,7 @@ def test_mutated_larger_payloads_match_the_reference(payload: bytes) -> None:
 
 def make_v2_group() -> RolloutGroup:
     """A tool episode group (schema v2): model, tool and model tokens in each sample."""
-    samples = [
-        Sample(response_tokens=[5 + i, 6, 7, 8, 9], logprobs=[-0.1, -2.5, 0.0, 0.0, -0.3], finish_reason="stop",
-               reward=float(i), mask=[1, 1, 0, 0, 1], turns=2, tool_calls=1)
-        for i in range(3)
-    ]
+    samples = [episode(response_tokens=[5 + i, 6, 7, 8, 9], reward=float(i)) for i in range(3)]
     return make_group(samples=samples, schema_version=2)
 
 

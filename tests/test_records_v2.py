@@ -24,8 +24,8 @@ from slime_stoa.protocol.records import (
     frame_payload,
 )
 from slime_stoa.protocol.validate import VALIDATION_REASONS, RecordLimits, RecordRejected, load_record, validate_group
+from tests.test_records import NOW, reframe
 
-NOW = 1_700_000_000.0
 SAMPLING = SamplingParams(temperature=0.7, top_p=1.0, max_tokens=16, stop=("</answer>",))
 LIMITS = RecordLimits(vocab_size=1000, max_samples=8, max_prompt_tokens=64, max_response_tokens=32,
                       max_turns=3, max_tool_tokens=4)
@@ -110,10 +110,6 @@ def test_a_v2_group_without_tool_calls_is_valid() -> None:
     single = Sample(response_tokens=[5, 6], logprobs=[-0.1, -0.2], finish_reason="stop", reward=1.0)
     group = make_group([single])
     assert load_record(encode_group(group), LIMITS, now=NOW) == group
-
-
-def reframe(d: dict[str, Any]) -> bytes:
-    return frame_payload(msgspec.msgpack.encode(d))
 
 
 def wire(**sample_fields: Any) -> dict[str, Any]:

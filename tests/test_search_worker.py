@@ -45,6 +45,8 @@ from slime_stoa.tasks.search.retriever import Retriever, build_index
 from slime_stoa.tasks.search.synthetic import generate, task_items
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer, sample_fields
 
+from .test_episodes import spans
+
 RUN = "search-worker-test"
 TAGS = ("<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>")
 QUERY, ANSWER = "code word", "registry"
@@ -54,16 +56,6 @@ MAX_TOKENS = 96
 _FORMAT = Search([], meta=META).tool_format
 assert _FORMAT is not None
 FORMAT = _FORMAT  # the run's tool format (the query is read between its search tags)
-
-
-def spans(mask: np.ndarray) -> list[tuple[int, int, int]]:
-    """(value, start, end) of each run of equal mask values."""
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((int(mask[start]), start, i))
-            start = i
-    return out
 
 
 def scripted_model(folder: Path) -> Path:

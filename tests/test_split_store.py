@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.layout import ROLLOUT_KINDS, RunLayout
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreConfigError, open_store
 from slime_stoa.protocol.store.split import SplitStore, routes_to_rollouts
 from slime_stoa.testing.s3server import LocalS3Server
@@ -23,6 +23,17 @@ POINTER = LAYOUT.pointer
 def test_routing_follows_the_layout() -> None:
     for key in (RECORD, EVAL, BEAT, "runs/demo/rollouts/", "runs/other/workers/x.json"):
         assert routes_to_rollouts(key), key
+    for kind in ROLLOUT_KINDS:  # every record kind a worker writes, and its listing prefix
+        assert routes_to_rollouts(LAYOUT.rollout("mac-1", 1, 1, kind=kind)), kind
+        assert routes_to_rollouts(LAYOUT.rollouts_prefix(kind)), kind
+    attempt = "0123abcd"
+    trainer_written = (
+        LAYOUT.registry, LAYOUT.key_rotation(1), LAYOUT.anchor_manifest(1, attempt), LAYOUT.version_manifest(1, attempt),
+        LAYOUT.patch(1, attempt, "step", 0), LAYOUT.task_data("t", "train"), LAYOUT.trainer_file("state.json"),
+        LAYOUT.eval_request(1, "test"),
+    )
+    for key in trainer_written:
+        assert not routes_to_rollouts(key), key
     for key in (POINTER, LAYOUT.run_manifest, "runs/demo/rollouts", "runs/demo/tasks/x", "a/b", "runs/rollouts/x/y",
                 "runs/demo/workersx/y", "rollouts/x/y/z"):
         assert not routes_to_rollouts(key), key

@@ -18,10 +18,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import AsyncGenerator
 
+from ..layout import ROLLOUT_KINDS
 from .base import GetResult, ObjectInfo, Payload, Store, check_key, check_prefix
 
-#: The run sub-folders workers write: they live in the rollouts store.
-WORKER_FOLDERS = ("rollouts", "evals", "workers")
+#: The run sub-folders workers write (records of every kind, heartbeats): the rollouts store's.
+WORKER_FOLDERS = (*ROLLOUT_KINDS.values(), "workers")
 
 
 def routes_to_rollouts(key: str) -> bool:

@@ -79,38 +79,39 @@ class ConsumerConfig:
     reward_tolerance: float = 1e-6
     """A worker reward further than this from the trainer's counts as a disagreement."""
 
-    # Quarantine of dishonest workers and canaries (`quarantine.QuarantineConfig` and
-    # `canary.CanaryConfig` document each threshold; `quarantine_config` / `canary_config`).
-    quarantine_enabled: bool = True
+    # Quarantine of dishonest workers and canaries: `quarantine_X` is `QuarantineConfig.X` and
+    # `canary_X` is `CanaryConfig.X` (defaults and meaning live there; `quarantine_config` /
+    # `canary_config` build them).
+    quarantine_enabled: bool = QuarantineConfig.enabled
     """Quarantine workers whose statistics are outliers: their records are then refused as
     `quarantined` and their groups not yet used are dropped, until `stoa worker release`."""
-    quarantine_min_samples: int = 64
-    """Samples scored before a worker's reward-disagreement rate is judged."""
-    quarantine_window_samples: int = 2048
-    """The disagreement rate follows about this many of the worker's latest samples."""
-    quarantine_max_disagreement_rate: float = 0.05
-    """Largest share of a worker's samples whose reward may differ from the trainer's."""
-    quarantine_min_gap_tokens: int = 1024
-    """Tokens with a measured trainer-vs-worker logprob gap before the gap is judged."""
-    quarantine_window_tokens: int = 65536
-    """The mean gap follows about this many of the worker's latest measured tokens."""
-    quarantine_max_logprob_gap: float | None = 0.5
-    """Largest mean |trainer - worker| logprob per token (nats); None: no absolute limit."""
-    quarantine_max_gap_ratio: float | None = 10.0
-    """Largest mean gap as a multiple of the fleet median (with 3+ workers measured); None: off."""
-    quarantine_gap_floor: float = 0.05
-    """The relative gap limit never goes below this many nats per token."""
-    quarantine_canary_strikes: int = 2
-    """Failed canary groups that quarantine a worker."""
-    canary_rate: float = 0.0
-    """Share of the task's prompts that are (undisclosed) canaries, judged strictly; 0: none."""
+    quarantine_min_samples: int = QuarantineConfig.min_samples
+    """`QuarantineConfig.min_samples`."""
+    quarantine_window_samples: int = QuarantineConfig.window_samples
+    """`QuarantineConfig.window_samples`."""
+    quarantine_max_disagreement_rate: float = QuarantineConfig.max_disagreement_rate
+    """`QuarantineConfig.max_disagreement_rate`."""
+    quarantine_min_gap_tokens: int = QuarantineConfig.min_gap_tokens
+    """`QuarantineConfig.min_gap_tokens`."""
+    quarantine_window_tokens: int = QuarantineConfig.window_tokens
+    """`QuarantineConfig.window_tokens`."""
+    quarantine_max_logprob_gap: float | None = QuarantineConfig.max_logprob_gap
+    """`QuarantineConfig.max_logprob_gap`."""
+    quarantine_max_gap_ratio: float | None = QuarantineConfig.max_gap_ratio
+    """`QuarantineConfig.max_gap_ratio`."""
+    quarantine_gap_floor: float = QuarantineConfig.gap_floor
+    """`QuarantineConfig.gap_floor`."""
+    quarantine_canary_strikes: int = QuarantineConfig.canary_strikes
+    """`QuarantineConfig.canary_strikes`."""
+    canary_rate: float = CanaryConfig.rate
+    """`CanaryConfig.rate`: the share of prompts that are (undisclosed) canaries."""
     canary_key_file: Path | None = None
     """A 0600 file holding the secret that picks the canaries (created if missing). None: a fresh
     secret in memory each time the consumer starts (the subset then changes with every restart)."""
-    canary_max_logprob_gap: float = 0.1
-    """Largest mean logprob gap the learner may measure on a canary group before it fails."""
-    canary_min_format_rate: float = 0.0
-    """Least share of a canary group's answers that must parse in the task's format; 0: off."""
+    canary_max_logprob_gap: float = CanaryConfig.max_logprob_gap
+    """`CanaryConfig.max_logprob_gap`."""
+    canary_min_format_rate: float = CanaryConfig.min_format_rate
+    """`CanaryConfig.min_format_rate`."""
 
     admission_order: AdmissionOrder = "oldest_version"
     """Which ready groups a batch takes first, after the least-used ones:

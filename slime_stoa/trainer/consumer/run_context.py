@@ -45,16 +45,20 @@ class RunContext:
     run_key: PublicKey | None = None  # None: an unsigned run
 
 
-def task_data_key(manifest: RunManifest) -> str:
-    return RunLayout(manifest.run).task_data(manifest.task, manifest.task_split)
+def task_data_key(manifest: RunManifest, split: str | None = None) -> str:
+    """The key of the run's task data: its `split` (default: the manifest's training split)."""
+    return RunLayout(manifest.run).task_data(manifest.task, manifest.task_split if split is None else split)
 
 
-async def read_task(store: Store, manifest: RunManifest) -> Task:
-    key = task_data_key(manifest)
+async def read_task(store: Store, manifest: RunManifest, split: str | None = None) -> Task:
+    """The run's task, `split` of it (default: the manifest's training split), checked to be the
+    task the manifest names."""
+    key = task_data_key(manifest, split)
     try:
         data = await store.get_bytes(key)
     except NotFound:
-        raise ValueError(f"run {manifest.run!r} has no task data at {key} in {store.url}") from None
+        which = "task data" if split is None else f"{split!r} split of task {manifest.task!r}"
+        raise ValueError(f"run {manifest.run!r} has no {which} at {key} in {store.url}") from None
     task = load_task(data)
     if task.name != manifest.task:
         raise ValueError(f"{key} holds task {task.name!r}; the run manifest says {manifest.task!r}")
@@ -67,6 +71,35 @@ async def download_tokenizer(store: Store, run: str, folder: Path) -> Path:
     manifest = await read_anchor_manifest(store, pointer.anchor.manifest)
     await download_extras(store, manifest, folder)
     return folder
+
+
+async def load_decoding(
+    store: Store,
+    manifest: RunManifest,
+    task: Task,
+    *,
+    decode: Decode | None,
+    eos_ids: frozenset[int],
+    tokenizer_dir: Path | None,
+    prompt_of: PromptOf | None,
+    verify_prompts: bool,
+) -> tuple[Decode, frozenset[int], PromptOf | None, int | None]:
+    """(decode, eos_ids, prompt_of, vocabulary size or None) for judging the run's records.
+
+    An injected `decode` is used as given (with `eos_ids` and `prompt_of`; the vocabulary is then
+    the manifest's). Else the tokenizer of `tokenizer_dir`, or of the run's latest anchor when it
+    is None (downloaded); `prompt_of` is built from it when `verify_prompts` and none is given;
+    the vocabulary is the manifest's, else the tokenizer folder's."""
+    vocab = manifest.vocab_size or None
+    if decode is None:
+        folder = tokenizer_dir
+        if folder is None:
+            folder = await download_tokenizer(store, manifest.run, Path(tempfile.mkdtemp(prefix="stoa-tokenizer-")))
+        decode, eos_ids = load_tokenizer(folder)
+        if verify_prompts and prompt_of is None:
+            prompt_of = load_prompt_builder(folder, task)
+        vocab = vocab or vocab_size_of(folder)
+    return decode, eos_ids, prompt_of, vocab
 
 
 async def open_run_context(
@@ -89,16 +122,10 @@ async def open_run_context(
     manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
     run_key = manifest.public_key
     task = await read_task(store, manifest)
-    vocab = manifest.vocab_size or None
-    if decode is None:
-        folder = tokenizer_dir
-        if folder is None:
-            folder = Path(tempfile.mkdtemp(prefix="stoa-tokenizer-"))
-            await download_tokenizer(store, config.run, folder)
-        decode, eos_ids = load_tokenizer(folder)
-        if config.verify_prompts and prompt_of is None:
-            prompt_of = load_prompt_builder(folder, task)
-        vocab = vocab or vocab_size_of(folder)
+    decode, eos_ids, prompt_of, vocab = await load_decoding(
+        store, manifest, task, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of,
+        verify_prompts=config.verify_prompts,
+    )
     if config.record_limits is not None:
         vocab = config.record_limits.vocab_size
     if not vocab:
