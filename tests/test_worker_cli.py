@@ -86,7 +86,7 @@ async def test_add_revoke_release_list(
     assert "no worker" in capsys.readouterr().err
     other = write_key_file(tmp_path / "other.key", SigningKey.generate())
     assert await asyncio.to_thread(stoa, "worker", "add", "x", "--key", str(other)) == 1
-    assert "pinned key" in capsys.readouterr().err
+    assert "not the current run key" in capsys.readouterr().err
     assert await asyncio.to_thread(stoa, "worker", "add", "y", "--key", str(key_file), "--out", str(out_file)) == 1
     assert "already exists" in capsys.readouterr().err
     read = await read_registry(store, RUN, run_key.public)
@@ -105,3 +105,24 @@ async def test_list_of_an_unsigned_run(store: Store, env: None, capsys: pytest.C
     await store.put_if_absent(RunLayout(RUN).run_manifest, RunManifest(run=RUN, model="m", task="synthetic").to_bytes())
     assert await asyncio.to_thread(main, ["worker", "list"]) == 1
     assert "not signed" in capsys.readouterr().err
+
+
+async def test_after_a_rotation_the_new_key_edits_the_registry_and_the_old_one_is_refused(
+    store: Store, env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, old_file = await signed_run(store, tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    def stoa(*argv: str) -> int:
+        return main(list(argv))
+
+    assert await asyncio.to_thread(stoa, "worker", "add", "studio", "--key", str(old_file)) == 0
+    new_file = write_key_file(tmp_path / "new.key", SigningKey.generate())
+    assert await asyncio.to_thread(stoa, "keys", "rotate", "--old", str(old_file), "--new", str(new_file)) == 0
+    capsys.readouterr()
+    assert await asyncio.to_thread(stoa, "worker", "add", "mini", "--key", str(old_file)) == 1
+    assert "not the current run key" in capsys.readouterr().err
+    assert await asyncio.to_thread(stoa, "worker", "add", "mini", "--key", str(new_file)) == 0  # takes over the old registry
+    assert await asyncio.to_thread(stoa, "worker", "list") == 0
+    listed = capsys.readouterr().out
+    assert "studio" in listed and "mini" in listed

@@ -34,6 +34,7 @@ from slime_stoa.protocol.registry import (
     update_registry,
 )
 from slime_stoa.protocol.run_manifest import read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust, load_rotations
 from slime_stoa.protocol.signing import PublicKey, SigningKey, read_key_file
 from slime_stoa.protocol.store import StoreError, open_store
 from slime_stoa.protocol.worker_keys import WorkerKeyFile, write_worker_key_file
@@ -92,11 +93,21 @@ class Issued:
     registry: Registry
 
 
-async def _run_key(store_url: str, run: str, key: SigningKey) -> None:
-    """ValueError unless `key` is the run key the run's manifest names."""
+async def _run_key(store_url: str, run: str, key: SigningKey) -> tuple[PublicKey, ...]:
+    """The run's keys (the manifest's and every rotation since); ValueError unless `key` is the
+    current one (the newest: after `stoa keys rotate`, the new key)."""
     async with open_store(store_url) as store:
-        manifest = await read_run_manifest(store, run, pinned=key.public.to_text())
-    assert manifest.run_key == key.public.to_text()
+        manifest = await read_run_manifest(store, run)
+        if manifest.public_key is None:
+            raise ValueError(f"run {run!r} is not signed (its manifest has no run_key): it has no worker registry")
+        trust = RunTrust(run, manifest.public_key)
+        await load_rotations(store, trust)
+    if key.public != trust.newest:
+        raise ValueError(
+            f"key {key.key_id} is not the current run key of run {run!r} (that is {trust.newest.key_id}, "
+            f"fingerprint {trust.newest.fingerprint}): use that key file"
+        )
+    return trust.keys
 
 
 async def issue(store_url: str, run: str, name: str, run_key: SigningKey, *, out: Path | None = None,
@@ -105,14 +116,14 @@ async def issue(store_url: str, run: str, name: str, run_key: SigningKey, *, out
     If the registry update fails, the key file is removed again."""
     check_display_name(name)
     worker = check_worker_id(worker_id) if worker_id else new_worker_id(name)
-    await _run_key(store_url, run, run_key)
+    keys = await _run_key(store_url, run, run_key)
     key = SigningKey.generate()
     path = Path(out) if out is not None else Path.cwd() / f"{worker}.worker-key"
     write_worker_key_file(path, WorkerKeyFile(run=run, worker=worker, key=key))
     try:
         async with open_store(store_url) as store:
             registry = await update_registry(
-                store, run, run_key, partial(add_worker, worker=worker, name=name, key=key.public, now=now())
+                store, run, run_key, partial(add_worker, worker=worker, name=name, key=key.public, now=now()), trusted=keys
             )
     except BaseException:
         path.unlink(missing_ok=True)
@@ -121,19 +132,23 @@ async def issue(store_url: str, run: str, name: str, run_key: SigningKey, *, out
 
 
 async def edit(store_url: str, run: str, run_key: SigningKey, change: Callable[[Registry], Registry]) -> Registry:
-    await _run_key(store_url, run, run_key)
+    keys = await _run_key(store_url, run, run_key)
     async with open_store(store_url) as store:
-        return await update_registry(store, run, run_key, change)
+        return await update_registry(store, run, run_key, change, trusted=keys)
 
 
 async def show(store_url: str, run: str, run_key: PublicKey | None) -> Registry:
     """The registry, verified with `run_key` (default: the run manifest's, which must have one)."""
     async with open_store(store_url) as store:
         if run_key is None:
-            run_key = (await read_run_manifest(store, run)).public_key
-            if run_key is None:
+            pinned = (await read_run_manifest(store, run)).public_key
+            if pinned is None:
                 raise ValueError(f"run {run!r} is not signed (its manifest has no run_key): it has no worker registry")
-        read = await read_registry(store, run, run_key)
+            trust = RunTrust(run, pinned)
+            await load_rotations(store, trust)
+            read = await read_registry(store, run, trust.keys)
+        else:
+            read = await read_registry(store, run, run_key)
     assert read is not None
     return read.registry
 

@@ -256,16 +256,24 @@ async def read_registry(
 
 
 async def update_registry(
-    store: Store, run: str, key: SigningKey, edit: Callable[[Registry], Registry], *, attempts: int = UPDATE_ATTEMPTS
+    store: Store,
+    run: str,
+    key: SigningKey,
+    edit: Callable[[Registry], Registry],
+    *,
+    attempts: int = UPDATE_ATTEMPTS,
+    trusted: RunKeys | None = None,
 ) -> Registry:
     """Apply `edit` to the current registry and write it signed by the run `key` by a
     conditional put; on a lost race read again and re-apply. Returns the registry written.
+    `trusted`: the run keys the current registry may be signed by (default: `key`; after a
+    rotation, the run's keys, so the new key takes over a registry the old one signed).
 
     `edit` may raise ValueError (refused edit); RegistryError if the registry in the bucket is
     not the run key's (a forged one is never overwritten silently)."""
     target = RunLayout(run).registry
     for _ in range(attempts):
-        current = await read_registry(store, run, key.public)
+        current = await read_registry(store, run, key.public if trusted is None else trusted)
         assert current is not None
         updated = edit(current.registry)
         try:
