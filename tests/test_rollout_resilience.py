@@ -457,6 +457,43 @@ async def test_with_background_publishing_the_last_steps_version_may_still_be_up
     assert "stoa_publish_grace_s" in str(info.value)
 
 
+# -- (c2) a trainer restarted from an earlier checkpoint --------------------------------------------------
+async def test_a_trainer_restarted_from_an_earlier_checkpoint_follows_the_new_lineage(
+    store: Store, store_url: str, tiny: Any, creds: dict, slime: None, tmp_path: Path
+) -> None:
+    """Through the real rollout function and data source: the trainer trained v1 and v2, crashed,
+    and restarted from the checkpoint of v1 (its first publish is v3 = v1's weights, a restore:
+    v2 abandoned). Groups of the abandoned v2 are dropped as off the lineage, groups of v1 are as
+    fresh as v3's (the same weights), and nothing used before the crash is used again."""
+    from tests.test_consumer import digest_of, publish_versions
+    from tests.test_lineage import restart_from
+
+    await setup_run(store, tiny, staleness=2, published=0)
+    first = await upload_groups(store, tiny, 2)  # made at v0
+    args = rollout_args(store_url, tiny, rollout_batch_size=2, save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"))
+    source = StoaDataSource(args)
+    out = await asyncio.to_thread(rollout.generate_rollout, args, 0, source)
+    assert sorted(keys_of(out)) == sorted(first)
+    await publish_versions(store, 2)  # the trainer went on: v1, v2
+    on_v1 = await upload_groups(store, tiny, 2, first_seq=2, weight_version=1, state_digest=digest_of(1))
+    on_v2 = await upload_groups(store, tiny, 2, first_seq=4, weight_version=2, state_digest=digest_of(2))
+    await close_session()  # the trainer process is gone
+
+    await restart_from(store, 1)  # restarted from v1's checkpoint: v3 = v1's weights, epoch 1
+    on_v3 = await upload_groups(store, tiny, 2, first_seq=6, weight_version=3, state_digest=digest_of(1))
+    source = StoaDataSource(args)
+    source.load(0)
+    used = []
+    for rollout_id in (1, 2):
+        out = await asyncio.to_thread(rollout.generate_rollout, args, rollout_id, source)
+        assert out.metrics["rollout/stoa_trainer_version"] == 3
+        assert out.metrics["rollout/stoa_version_lag_max"] == 0  # v1 and v3: the same weights, no step apart
+        used += keys_of(out)
+    assert sorted(used) == sorted(on_v1 + on_v3) and not set(used) & set(on_v2)  # none of v2's, none used twice
+    state = json.loads(state_path(tmp_path / "ckpt").read_text())["consumer"]
+    assert state["counters"]["off_lineage"] == 2 and state["counters"]["groups_used"] == 6
+
+
 # -- (d) SIGKILL and restart ---------------------------------------------------------------------------------
 class Child:
     """`python -m tests.slime_standins`: slime's train loop around the real rollout function."""
