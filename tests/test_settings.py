@@ -55,8 +55,11 @@ def test_every_config_field_is_a_setting_and_defaults_round_trip() -> None:
         if value is not None:
             setattr(args, "stoa_" + name, value)
     assert rollout.config_from_args(args) == consumer_defaults
-    settable = {f.name for f in dataclasses.fields(ConsumerConfig)} - {"store_url", "run", "record_limits"}
+    # run_key comes from the run key file (stoa_run_key), rollouts_url from stoa_rollouts_bucket
+    derived = {"store_url", "run", "record_limits", "run_key", "rollouts_url"}
+    settable = {f.name for f in dataclasses.fields(ConsumerConfig)} - derived
     assert set(rollout.CONFIG_FIELDS) == settable
+    assert {"rollouts_bucket", "run_key"} <= set(rollout.OTHER_SETTINGS)
 
     for name in publish.CONFIG_FIELDS:
         setattr(args, "stoa_" + name, getattr(PublisherConfig(), name))

@@ -8,7 +8,7 @@ import dataclasses
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, get_args, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
 
@@ -41,6 +41,9 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(option, action="store_true", default=default, help=f.metadata["help"])
             continue
         shown = "" if default is None else f" (default: {default})"
+        if get_origin(hints[f.name]) is Literal:  # a choice: `--task {synthetic,search}`
+            parser.add_argument(option, choices=get_args(hints[f.name]), default=default, help=f.metadata["help"] + shown)
+            continue
         parser.add_argument(option, type=kind, default=default, help=f.metadata["help"] + shown)
 
 

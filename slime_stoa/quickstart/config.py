@@ -9,12 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+TaskName = Literal["synthetic", "search"]
+TASKS: tuple[TaskName, ...] = ("synthetic", "search")
+
+#: The defaults that depend on --task (a field whose default is `_BY_TASK` takes its value here).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "synthetic": {"max_tokens": 4, "warmup_steps": 600, "warmup_lr": 1e-3},
+    # a call, a one-passage observation and an answer fit in 64 tokens; copying takes more steps
+    "search": {"max_tokens": 64, "warmup_steps": 600, "warmup_lr": 3e-3},
+}
+_BY_TASK = None  # a field's default when --task decides it (TASK_DEFAULTS)
 
 
 def _knob(default: Any, help: str) -> Any:
     """A field with its command-line help."""
     return field(default=default, metadata={"help": help})
+
+
+def _task_knob(name: str, help: str) -> Any:
+    """The field `name`, whose default depends on --task (TASK_DEFAULTS); the help lists them."""
+    shown = ", ".join(f"{task} {values[name]}" for task, values in TASK_DEFAULTS.items())
+    return field(default=_BY_TASK, metadata={"help": f"{help} (default by --task: {shown})"})
 
 
 class QuickstartError(Exception):
@@ -26,6 +43,11 @@ class QuickstartConfig:
     out: Path = _knob(Path("stoa-quickstart"), "run folder: bucket, model, worker data, logs, report")
     store: str | None = _knob(None, "bucket URL (default: file://<out>/bucket)")
     run: str = _knob("quickstart", "run name; rerunning the same name resumes it")
+    task: TaskName = _knob(
+        "synthetic",
+        "synthetic (name the digit the rule picks) or search (a retrieval task: the answer is only in a "
+        "corpus the workers search)",
+    )
     model: Path | None = _knob(None, "HF/MLX model folder (default: a tiny model built locally)")
     model_hidden: int = _knob(96, "the tiny model's width (when no --model is given)")
     model_layers: int = _knob(3, "the tiny model's depth")
@@ -36,12 +58,12 @@ class QuickstartConfig:
     window: int = _knob(5, "versions averaged for the target and for the last-versions reward")
     batch_groups: int = _knob(16, "prompt groups per learner step")
     group_size: int = _knob(8, "samples per prompt")
-    max_tokens: int = _knob(4, "longest response, in tokens")
+    max_tokens: int = _task_knob("max_tokens", "longest response, in tokens (tool tokens included)")
     temperature: float = _knob(1.0, "sampling temperature of the workers")
     lr: float = _knob(3e-4, "learner AdamW learning rate (RL)")
-    warmup_lr: float = _knob(1e-3, "learning rate of the supervised format warm start")
+    warmup_lr: float = _task_knob("warmup_lr", "learning rate of the supervised warm start")
     staleness_limit: int = _knob(2, "versions a group may lag when used")
-    warmup_steps: int = _knob(600, "supervised steps on the answer format before RL (new runs only)")
+    warmup_steps: int = _task_knob("warmup_steps", "supervised steps before RL (new runs only)")
     no_warm_start: bool = _knob(False, "skip the supervised warm start: RL starts from the model as it is")
     worker_batch: int = _knob(4, "prompts per worker cohort")
     kill_worker_at: int | None = _knob(None, "SIGKILL worker 0 at this version, then restart it")
@@ -52,9 +74,18 @@ class QuickstartConfig:
         "WANDB_MODE=offline keeps the run on this machine)",
     )
     wandb_project: str = _knob("stoa-quickstart", "the Weights & Biases project of --wandb")
+    restart_from: int | None = _knob(
+        None, "restart the run from the checkpoint of this earlier version (<out>/checkpoints/v<N>.pt; the last few are kept)"
+    )
 
     def __post_init__(self) -> None:
-        """ValueError naming the option and the fix (the CLI prints it as one `error:` line)."""
+        """ValueError naming the option and the fix (the CLI prints it as one `error:` line); a
+        field left to --task gets the task's default here."""
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)} (got {self.task!r})")
+        for name, value in TASK_DEFAULTS[self.task].items():
+            if getattr(self, name) is _BY_TASK:
+                object.__setattr__(self, name, value)
         for name, least in (("workers", 1), ("batch_groups", 1), ("group_size", 1), ("max_tokens", 1),
                             ("window", 1), ("worker_batch", 1), ("max_versions", 1), ("warmup_steps", 0)):
             value = getattr(self, name)

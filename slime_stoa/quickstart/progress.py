@@ -34,6 +34,8 @@ class Progress:
 
     started: float = field(default_factory=time.time)  # session
     rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # version -> all rewards
+    tool_calls: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # version -> per sample
+    eval_pass1: dict[int, float] = field(default_factory=dict)  # version -> held-out pass@1
     scored_rewards: list[float] = field(default_factory=list)  # session, per learner step: every group that arrived
     patch_bytes: dict[int, int] = field(default_factory=dict)  # version -> step patch bytes
     full_bytes: int = 0
@@ -63,6 +65,23 @@ class Progress:
         versions = sorted(self.rewards)[-window:]
         return float(np.mean([np.mean(self.rewards[v]) for v in versions])) if versions else float("nan")
 
+    def version_search_rate(self, v: int) -> float | None:
+        """Share of the samples drawn from `v` that called the tool at least once."""
+        calls = self.tool_calls.get(v)
+        return sum(c > 0 for c in calls) / len(calls) if calls else None
+
+    def search_rate_first(self) -> float:
+        """The search rate of the groups drawn from the run's first RL version on (the earliest found)."""
+        for v in sorted(self.tool_calls):
+            if v >= self.run_first_version and self.tool_calls[v]:
+                return float(np.mean([c > 0 for c in self.tool_calls[v]]))
+        return float("nan")
+
+    def search_rate_last(self, window: int) -> float:
+        """The mean search rate of the last `window` versions (as `reward_last`)."""
+        versions = [v for v in sorted(self.tool_calls) if self.tool_calls[v]][-window:]
+        return float(np.mean([np.mean([c > 0 for c in self.tool_calls[v]]) for v in versions])) if versions else float("nan")
+
     def digest_mismatches(self) -> int:
         return sum(1 for (_, v), d in self.seen_states.items() if v in self.digests and self.digests[v] != d)
 
@@ -90,6 +109,7 @@ class Progress:
             "gap_by_version": {str(v): g for v, g in self.gap_by_version.items()},
             "seconds": self.seconds(),
             "warm_start": self.warm_start,
+            "eval_pass1": {str(v): p for v, p in self.eval_pass1.items()},
         }
         return json.dumps(doc, sort_keys=True).encode()
 
@@ -111,6 +131,7 @@ class Progress:
             gap_by_version = {v: _number(g) for v, g in _by_version(doc["gap_by_version"], version).items()}
             seconds = _number(doc["seconds"])
             warm = _text(doc["warm_start"])
+            evals = {v: _number(p) for v, p in _by_version(doc.get("eval_pass1", {}), version).items()}
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ({type(exc).__name__}: {exc})") from None
         self.run_first_version = first
@@ -121,6 +142,7 @@ class Progress:
         self.gap_by_version = {**gap_by_version, **self.gap_by_version}
         self.seconds_before = seconds
         self.warm_start = self.warm_start or warm
+        self.eval_pass1 = {**evals, **self.eval_pass1}
 
 
 def save_progress(progress: Progress, path: Path, *, run: str) -> None:

@@ -11,8 +11,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-COLUMNS = ("version", "reward", "groups", "lag", "patch", "vs full", "changed", "workers", "lp gap")
-WIDTHS = (7, 6, 6, 4, 9, 7, 7, 7, 7)
+COLUMNS = ("version", "reward", "search", "groups", "lag", "patch", "vs full", "changed", "workers", "lp gap")
+WIDTHS = (7, 6, 6, 6, 4, 9, 7, 7, 7, 7)
+
+
+def batch_search_rate(batch: Any) -> float:
+    """Share of the batch's samples that called the tool at least once (0 for a task without one)."""
+    calls = [s.tool_calls for g in batch.groups for s in g.group.samples]
+    return sum(c > 0 for c in calls) / len(calls) if calls else float("nan")
 
 
 class ConsoleReport:
@@ -36,6 +42,7 @@ class ConsoleReport:
         cells = (
             f"v{version}",
             f"{batch.metrics.get('rollout/stoa_scored_reward_mean', float('nan')):.3f}",
+            f"{batch_search_rate(batch):.2f}",
             str(progress.groups_used),
             f"{lag:.2f}",
             f"{result.patch_bytes / 1e3:.1f} KB",
@@ -52,6 +59,11 @@ class ConsoleReport:
         rows = [
             (f"reward, first RL version (v{summary['first_version']})", f"{summary['reward_first']:.3f}"),
             (f"reward, last {summary['window']} versions", f"{summary['reward_last']:.3f}"),
+            (f"search rate, first RL version / last {summary['window']} versions",
+             f"{summary['search_rate_first']:.2f} / {summary['search_rate_last']:.2f}"),
+            (f"eval pass@1, held-out test split ({summary['eval_prompts']} prompts), "
+             f"v{summary['first_version']} / v{summary['last_version']}",
+             f"{summary['eval_pass1_first']:.3f} / {summary['eval_pass1_last']:.3f}"),
             ("versions published, this session (run)", f"{summary['versions']} ({summary['versions_run']})"),
             ("groups used, this session (run)", f"{summary['groups_used']} ({summary['groups_used_run']})"),
             ("groups lost", str(summary["groups_lost"])),
@@ -99,17 +111,21 @@ def curve_figure(summary: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
     rewards = {int(k): v for k, v in summary["reward_by_version"].items() if v is not None}
+    searched = {int(k): v for k, v in summary.get("search_rate_by_version", {}).items() if v is not None}
     patches = {int(k): v for k, v in summary["patch_bytes_by_version"].items()}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     top.plot(list(rewards), list(rewards.values()), marker=".", color="tab:blue", label="reward")
+    if summary.get("task") == "search":
+        top.plot(list(searched), list(searched.values()), marker=".", color="tab:purple", label="search rate")
     top.axhline(summary["target"], color="tab:green", linestyle="--", label=f"target ({summary['target']:g})")
-    top.axhline(summary["chance"], color="gray", linestyle=":",
-                label=f"chance: a random shown digit ({summary['chance']:.2f})")
-    top.set_ylabel("mean reward of groups\ngenerated at this version")
+    if summary.get("task", "synthetic") == "synthetic":
+        top.axhline(summary["chance"], color="gray", linestyle=":",
+                    label=f"chance: a random shown digit ({summary['chance']:.2f})")
+    top.set_ylabel("mean of groups\ngenerated at this version")
     top.set_ylim(-0.02, 1.02)
     top.legend(loc="lower right")
     top.grid(alpha=0.3)
-    top.set_title("stoa quickstart: GRPO on the synthetic task")
+    top.set_title(f"stoa quickstart: GRPO on the {summary.get('task', 'synthetic')} task")
     bottom.bar(list(patches), [b / 1e3 for b in patches.values()], color="tab:orange", label="PULSE patch")
     bottom.axhline(summary["full_bytes"] / 1e3, color="gray", linestyle="--", label="full bf16 sync")
     bottom.set_ylabel("KB per version")

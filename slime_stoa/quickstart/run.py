@@ -11,6 +11,15 @@ Stopping and resuming: Ctrl-C (or SIGTERM) is honoured within a few seconds in e
 goes to the bucket after every batch is taken, before the step trains on it, and the learner's
 float32 weights and optimizer state to `<out>/learner.pt` after every publish (both atomic), so a
 rerun after any kind of stop resumes where the bucket says: no group is used, or counted, twice.
+A checkpoint of each of the last few versions (`checkpoints`: learner and consumer state of then)
+lets `--restart-from N` restart the run from an earlier version, as slime does. Store outages at
+start-up (seeding, the publisher, the keys, the rebuild) pause it, as they pause training.
+
+Signed by default, as a real fleet: a new run gets a run key (`<out>/run.key`, 0600) that signs
+its manifest, weights and worker registry, and every worker a worker key
+(`<out>/workers/worker-<i>/worker.key`, 0600, installed with `macd join --worker-key`) that signs
+its records; the learner's consumer expects that run key and admits only records signed by the
+registered workers. A rerun reuses the keys; a run first made unsigned stays unsigned.
 """
 
 from __future__ import annotations
@@ -37,20 +46,35 @@ from slime_stoa.protocol.hf.folders import (
     save_hf_folder,
 )
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.history import rebuild
+from slime_stoa.protocol.pulse.history import HistoryError, rebuild
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
-from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.registry import Registry, add_worker, read_registry, update_registry
+from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
+from slime_stoa.protocol.signing import SigningKey, read_key_file, write_key_file
 from slime_stoa.protocol.store import NotFound, Store, StoreError, open_store
 from slime_stoa.protocol.store.retry import through_outages
+from slime_stoa.protocol.worker_keys import WorkerKeyFile, read_worker_key_file, write_worker_key_file
 from slime_stoa.tasks import Synthetic, generate_items, warmup_pairs
 from slime_stoa.tasks.prompting import prompt_tokens
+from slime_stoa.tasks.search.task import Search
 from slime_stoa.tasks.synthetic import baseline_reward
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
+from slime_stoa.trainer.slime.publish import is_publish_outage as is_startup_outage
 from slime_stoa.trainer.slime.publish import publish_with_retries
 from slime_stoa.trainer.tracking import TrackedRun, TrackingUnavailable, fleet_metrics, import_wandb
 
+from . import heldout
+from . import search as qsearch
+from .checkpoints import (
+    CHECKPOINTS_DIR,
+    Checkpoint,
+    apply_checkpoint,
+    check_restorable,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import QuickstartConfig, QuickstartError
 from .interrupt import Interrupt
 from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
@@ -62,6 +86,8 @@ LEARNER_FILE = "learner.pt"  # in the run folder: the learner's float32 weights 
 LEARNER_FORMAT = "stoa.quickstart-learner/1"
 LOCK_WAIT_S = 60  # a rerun's worker waits this long for its predecessor to release its spool
 WANDB_ID_FILE = "wandb-run-id"  # in the run folder: the W&B run of --wandb, resumed by a rerun
+RUN_KEY_FILE = "run.key"  # in the run folder: the run key (0600)
+WORKER_KEY_FILE = "worker.key"  # in each worker's folder: its worker key (0600)
 
 
 def worker_id(i: int) -> str:
@@ -69,13 +95,67 @@ def worker_id(i: int) -> str:
     return f"quickstart-{i}"
 
 
+def worker_key_path(cfg: QuickstartConfig, i: int) -> Path:
+    return (cfg.out / "workers" / f"worker-{i}" / WORKER_KEY_FILE).resolve()
+
+
+async def run_key_for(store: Store, cfg: QuickstartConfig, *, new_run: bool) -> SigningKey | None:
+    """The run key: made (0600) for a new run, read back for a signed one; None for a run that
+    was made unsigned. QuickstartError if a signed run's key file is gone."""
+    path = cfg.out / RUN_KEY_FILE
+    if not new_run:
+        try:
+            manifest = await read_run_manifest(store, cfg.run)
+        except RunNotFound:
+            manifest = None
+        if manifest is not None and manifest.run_key is None:
+            return None
+        if manifest is not None and not path.exists():
+            raise QuickstartError(f"run {cfg.run!r} is signed, and its run key {path} is gone: start a new run (--run NAME)")
+    if path.exists():
+        return read_key_file(path)
+    key = SigningKey.generate()
+    write_key_file(path, key)
+    return key
+
+
+async def register_workers(store: Store, cfg: QuickstartConfig, run_key: SigningKey) -> Registry:
+    """A worker key file per quickstart worker (kept across reruns) and each one registered."""
+    keys: dict[str, SigningKey] = {}
+    for i in range(cfg.workers):
+        path = worker_key_path(cfg, i)
+        if path.exists():
+            entry = read_worker_key_file(path)
+        else:
+            entry = WorkerKeyFile(run=cfg.run, worker=worker_id(i), key=SigningKey.generate())
+            write_worker_key_file(path, entry)
+        if entry.run != cfg.run or entry.worker != worker_id(i):
+            raise QuickstartError(f"{path} is the key of worker {entry.worker!r} of run {entry.run!r}: remove it")
+        keys[entry.worker] = entry.key
+
+    def add_missing(registry: Registry) -> Registry:
+        for worker, key in keys.items():
+            found = registry.workers.get(worker)
+            if found is None:
+                registry = add_worker(registry, worker=worker, name=worker, key=key.public, now=time.time())
+            elif found.key != key.public or found.revoked:
+                raise QuickstartError(f"worker {worker!r} is registered with another key or revoked: start a new run")
+        return registry
+
+    read = await read_registry(store, cfg.run, run_key.public)
+    assert read is not None
+    if add_missing(read.registry) is read.registry:
+        return read.registry
+    return await update_registry(store, cfg.run, run_key, add_missing)
+
+
 class WorkerProcesses:
     """The quickstart's workers, driven only through the `macd` command line, as on a Mac:
     `macd join` writes each one's config, `macd run` runs it; each has its own config, data and
     log under `<out>/workers/worker-<i>/`."""
 
-    def __init__(self, cfg: QuickstartConfig, url: str):
-        self.cfg, self.url = cfg, url
+    def __init__(self, cfg: QuickstartConfig, url: str, *, signed: bool = False):
+        self.cfg, self.url, self.signed = cfg, url, signed
         self.procs: dict[int, subprocess.Popen] = {}
 
     def _config_path(self, i: int) -> Path:
@@ -83,8 +163,9 @@ class WorkerProcesses:
 
     def write_configs(self, check: Callable[[], None] = lambda: None) -> None:
         """`macd join --no-check` for each worker, with a fixed `--worker-id` so that a rerun
-        resumes the same workers (and drains their spools); RuntimeError with macd's message
-        when a join fails. `check()` runs before each join (it raises to stop)."""
+        resumes the same workers (and drains their spools), and in a signed run the worker's key
+        (`--worker-key`: it names the same id); RuntimeError with macd's message when a join
+        fails. `check()` runs before each join (it raises to stop)."""
         for i in range(self.cfg.workers):
             check()
             folder = self._config_path(i).parent
@@ -94,6 +175,8 @@ class WorkerProcesses:
                 "--name", f"worker-{i}", "--worker-id", worker_id(i), "--config", str(self._config_path(i)),
                 "--data-dir", str(folder / "data"), "--batch", str(self.cfg.worker_batch), "--no-check",
             ]
+            if self.signed:
+                cmd += ["--worker-key", str(worker_key_path(self.cfg, i))]
             done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
             if done.returncode != 0:
                 check()  # a Ctrl-C at the terminal reaches the join too: that is a stop, not a failure
@@ -148,7 +231,7 @@ class WorkerProcesses:
 def _train_sequences(group: Any) -> list[TrainSequence]:
     g = group.group
     return [
-        TrainSequence(g.prompt_tokens, s.response_tokens, s.logprobs, float(r))
+        TrainSequence(g.prompt_tokens, s.response_tokens, s.logprobs, float(r), mask=s.mask)  # tool tokens: 0
         for s, r in zip(g.samples, group.rewards, strict=True)
     ]
 
@@ -193,6 +276,29 @@ def warm_start_note(cfg: QuickstartConfig) -> str:
         f"supervised warm start on the answer format: {cfg.warmup_steps} steps "
         f"(teaches the format only; --no-warm-start keeps the model as it is)"
     )
+
+
+async def at_startup(op: Callable[[], Any], what: str, stop: Interrupt) -> Any:
+    """`await op()` waiting out a store outage of any length (logged; a stop signal cuts the
+    wait short): start-up pauses and resumes, as the training loop does. Each `op` is safe to
+    try again (put-if-absent, compare-and-swap, reads)."""
+    return await stop.race(through_outages(op, describe=what, is_retryable=is_startup_outage, logger=log))
+
+
+async def rebuild_published(store: Store, run: str) -> Any:
+    """`history.rebuild` of the pointer's version, for `at_startup`: rebuild reports a store that
+    does not answer as a HistoryError, so after one the store is asked a cheap question (an
+    outage raises StoreUnavailable there, and is waited out); a HistoryError while the store
+    answers is tried twice more, then raised (damaged weights)."""
+    failed: HistoryError | None = None
+    for _ in range(3):
+        try:
+            return await rebuild(store, run)
+        except HistoryError as exc:
+            failed = exc
+            await store.exists(RunLayout(run).pointer)
+    assert failed is not None
+    raise failed
 
 
 async def probe_store(url: str, run: str, stop: Interrupt) -> bool:
@@ -273,20 +379,35 @@ async def read_worker_states(store: Store, run: str, workers: int) -> list[Heart
     return beats
 
 
-async def rewards_by_version(store: Store, run: str) -> dict[int, list[float]]:
-    """Every sample reward of every group in the bucket, by the weight version it was drawn
-    from — all groups, including those the trainer filtered (an unbiased learning curve)."""
+async def samples_by_version(
+    store: Store, run: str, workers: Registry | None = None
+) -> tuple[dict[int, list[float]], dict[int, list[int]]]:
+    """Every sample reward and tool-call count of every group in the bucket, by the weight
+    version it was drawn from — all groups, including those the trainer filtered (an unbiased
+    learning curve). In a signed run (`workers`: its registry) a record counts only when a
+    registered worker key signed it; anything that does not decode or verify is skipped."""
     from slime_stoa.protocol.records import RecordError, decode_group
+    from slime_stoa.protocol.signed_record import open_signed, verify_signed
 
+    keys = {} if workers is None else {e.key.key_id: e.key for e in workers.workers.values()}
     layout = RunLayout(run)
-    out: dict[int, list[float]] = defaultdict(list)
+    rewards: dict[int, list[float]] = defaultdict(list)
+    calls: dict[int, list[int]] = defaultdict(list)
     async for info in store.list(layout.rollouts_prefix()):
         try:
-            group = decode_group(await store.get_bytes(info.key))
+            data = await store.get_bytes(info.key)
+            if workers is not None:
+                signed = open_signed(data)
+                if signed.key_id not in keys:
+                    continue
+                verify_signed(signed, keys[signed.key_id], run=run)
+                data = signed.record
+            group = decode_group(data)
         except RecordError:
             continue
-        out[group.weight_version].extend(s.reward for s in group.samples)
-    return out
+        rewards[group.weight_version].extend(s.reward for s in group.samples)
+        calls[group.weight_version].extend(s.tool_calls for s in group.samples)
+    return rewards, calls
 
 
 def count_lost(beats: list[Heartbeat]) -> int:
@@ -343,6 +464,24 @@ def track_step(
     tracker.log(rollout, step_key="rollout/step", step=step)
 
 
+def model_token_gaps(seq: TrainSequence, learner_lp: np.ndarray) -> np.ndarray:
+    """|learner - worker| logprob at the tokens the model sampled (a tool's tokens have none)."""
+    gap = np.abs(learner_lp - seq.worker_logprobs)
+    return gap if seq.mask is None else gap[np.asarray(seq.mask, dtype=bool)]
+
+
+def observe_gaps(consumer: RolloutConsumer, same: list[tuple[Any, list[TrainSequence]]], learner_lps: list[np.ndarray]) -> None:
+    """Feed each measured group's |learner - worker| logprob gap to the consumer's quarantine
+    policy (per worker; a canary prompt's gap is judged too)."""
+    at = 0
+    for g, seqs in same:
+        diffs = [model_token_gaps(s, lp) for s, lp in zip(seqs, learner_lps[at : at + len(seqs)], strict=True)]
+        at += len(seqs)
+        d = np.concatenate(diffs) if diffs else np.zeros(0)
+        if d.size:
+            consumer.observe_logprob_gap(g.worker, float(d.mean()), int(d.size), prompt_index=g.group.prompt_index)
+
+
 async def train(
     cfg: QuickstartConfig,
     store: Store,
@@ -372,16 +511,16 @@ async def train(
     restart_at: float | None = None
     while time.time() < deadline and version - progress.first_version < cfg.max_versions:
         batch = await stop.race(consumer.next_batch(cfg.batch_groups, trainer_version=version))
-        await consumer.save_state()
+        consumer_state = consumer.state_dict()  # this batch taken: saved now, and with the version's checkpoint
+        await consumer.save_state(consumer_state)
         groups = [_train_sequences(g) for g in batch.groups]
         if batch.metrics.get("rollout/stoa_scored_samples"):
             progress.scored_rewards.append(batch.metrics["rollout/stoa_scored_reward_mean"])
-        same = [seqs for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
-        flat = [s for seqs in same for s in seqs]
-        gaps = [
-            float(np.mean(np.abs(lp - s.worker_logprobs)))
-            for s, lp in zip(flat, learner.logprobs(flat) if flat else [], strict=True)
-        ]
+        same = [(g, seqs) for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
+        flat = [s for _, seqs in same for s in seqs]
+        learner_lps = learner.logprobs(flat) if flat else []
+        gaps = [float(np.mean(model_token_gaps(s, lp))) for s, lp in zip(flat, learner_lps, strict=True)]
+        observe_gaps(consumer, same, learner_lps)
         metrics = learner.step(groups)
         result = await publish_with_retries(  # a store outage pauses the learner, never ends the run
             partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
@@ -389,6 +528,10 @@ async def train(
         )
         version = result.version
         save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=pub.state_digest or "")
+        save_checkpoint(
+            cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=pub.state_digest or "",
+            model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), consumer=consumer_state,
+        )
         progress.last_version = version
         progress.groups_used += len(batch.groups)
         progress.patch_bytes[version] = result.patch_bytes
@@ -432,11 +575,15 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
     url = cfg.store_url
     progress = Progress()
     new_run = await probe_store(url, cfg.run, stop)  # before any slow work: a bad --store fails at once
+    if new_run and cfg.restart_from is not None:
+        raise QuickstartError(f"--restart-from {cfg.restart_from}: run {cfg.run!r} is new, there is nothing to restart")
     report.note(f"{'new' if new_run else 'existing'} run {cfg.run!r} in bucket {url}")
     async with open_store(url, create=True) as store:
         model_dir = cfg.model or (cfg.out / "model")
+        search_data = qsearch.search_data() if cfg.task == "search" else None
         if cfg.model is None and not (model_dir / "config.json").exists():
-            tiny_synthetic_model(
+            build = tiny_synthetic_model if search_data is None else partial(qsearch.tiny_search_model, data=search_data)
+            build(
                 model_dir, hidden_size=cfg.model_hidden, num_layers=cfg.model_layers,
                 intermediate_size=2 * cfg.model_hidden, num_heads=4, num_kv_heads=2,
             )
@@ -445,45 +592,97 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
         learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
         stop.check()
         publisher_cfg = PublisherConfig(extras_dir=model_dir, anchor_every=100)
-        if new_run and (cfg.no_warm_start or cfg.warmup_steps == 0):
+        warmed = new_run and not (cfg.no_warm_start or cfg.warmup_steps == 0)
+        if new_run and not warmed:
             progress.warm_start = f"no warm start: RL starts from {model_dir} as it is"
             report.note(progress.warm_start)
-        elif new_run:
+        elif warmed and search_data is not None:  # how to query and read, not when to search
+            report.note(qsearch.warm_start_search_note(cfg.warmup_steps))
+            progress.warm_start = qsearch.warm_start_search(
+                learner, model_dir, cfg.out, search_data, steps=cfg.warmup_steps, lr=cfg.warmup_lr, rl_lr=cfg.lr,
+                seed=cfg.seed, interrupt=stop,
+            )
+        elif warmed:
             report.note(warm_start_note(cfg))
             progress.warm_start = warm_start(learner, model_dir, cfg, stop)
+        if warmed:
             report.note(progress.warm_start)
             warm_dir = cfg.out / "warm-start"
             save_hf_folder(learner.bf16_state(), warm_dir, source_dir=model_dir)
             publisher_cfg = PublisherConfig(extras_dir=warm_dir, anchor_every=100)
+        run_key = await at_startup(partial(run_key_for, store, cfg, new_run=new_run), f"reading run {cfg.run!r}", stop)
         manifest = RunManifest(
-            run=cfg.run, model=str(model_dir), task="synthetic", group_size=cfg.group_size,
+            run=cfg.run, model=str(model_dir), task=cfg.task, group_size=cfg.group_size,
+            stop=() if search_data is None else Search.run_stop,
+            run_key=None if run_key is None else run_key.public.to_text(),
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness_limit=cfg.staleness_limit,
             # Each worker makes at most 1.5x its share of a batch per version: some slack for the
             # all-equal filter, never a pile of data that would only go stale.
             worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
         )
         assert publisher_cfg.extras_dir is not None  # set to the model folder above
-        pub = await stop.race(seed_run(store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg))
+        pub = await at_startup(
+            partial(seed_run if search_data is None else partial(qsearch.seed_search_run, data=search_data),
+                    store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg, key=run_key),
+            f"seeding run {cfg.run!r} and opening its publisher", stop,
+        )
+        registry: Registry | None = None
+        if run_key is not None:
+            registry = await at_startup(partial(register_workers, store, cfg, run_key), "registering the worker keys", stop)
+            report.note(f"signed run: run key {run_key.public.fingerprint}; {len(registry.workers)} worker key(s) registered")
         learner_file, progress_file = cfg.out / LEARNER_FILE, cfg.out / PROGRESS_FILE
         version, digest = pub.version or 0, pub.state_digest or ""
         if new_run:
             progress.run_first_version = version
         elif load_progress(progress, progress_file, run=cfg.run, version=version):
             report.note(f"the summary and the learning curve cover the whole run, from v{progress.run_first_version}")
+        restart: Checkpoint | None = None
         if new_run:
             save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest)
+            save_checkpoint(
+                cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=digest,
+                model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), consumer=None,
+            )
+        elif cfg.restart_from is not None:
+            restart = load_checkpoint(cfg.out / CHECKPOINTS_DIR, cfg.restart_from, run=cfg.run)
+            await at_startup(
+                partial(check_restorable, store, cfg.run, restart, head=version, trust=pub.trust),
+                f"reading the weight lineage of run {cfg.run!r}", stop,
+            )
+            apply_checkpoint(learner, restart, lr=cfg.lr)
+            result = await stop.race(publish_with_retries(  # first the checkpoint's weights: a restore
+                partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
+                what=f"publishing the weights of checkpoint v{restart.version} of run {cfg.run!r}",
+            ))
+            if result.restored_from != restart.version:
+                log.warning("v%d was not published as a restore of v%d", result.version, restart.version)
+            version, digest = result.version, pub.state_digest or ""
+            save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest)
+            save_checkpoint(
+                cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=digest,
+                model=restart.model, optimizer=restart.optimizer, consumer=restart.consumer,
+            )
+            left = f"; v{restart.version + 1}..v{version - 1} abandoned" if version - 1 > restart.version else ""
+            report.note(
+                f"run {cfg.run!r} restarts from the checkpoint of v{restart.version}: its weights are "
+                f"v{version} (lineage epoch {result.epoch}{left})"
+            )
         elif load_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest, lr=cfg.lr):
             report.note(f"resumed run {cfg.run!r} at weights v{version} from {url} (with the learner's optimizer state)")
         else:
-            rebuilt = await stop.race(rebuild(store, cfg.run))
+            rebuilt = await at_startup(
+                partial(rebuild_published, store, cfg.run), f"rebuilding the weights of run {cfg.run!r}", stop
+            )
             load_published(learner, rebuilt.state)
             report.note(f"resumed run {cfg.run!r} at weights v{version} from {url}")
         progress.first_version = progress.last_version = version
         progress.digests[version] = pub.state_digest or ""
         progress.full_bytes = 2 * sum(b.size for b in learner.bf16_state().values())
         save_progress(progress, progress_file, run=cfg.run)
+        if new_run:  # eval the first version now: by the end the bucket may have pruned it
+            await stop.race(first_eval(store, cfg, progress, report, synthetic=search_data is None))
         tracker = start_tracking(cfg)
-        workers = WorkerProcesses(cfg, url)
+        workers = WorkerProcesses(cfg, url, signed=run_key is not None)
         consumer: RolloutConsumer | None = None
         try:
             workers.write_configs(stop.check)
@@ -497,10 +696,18 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
                     ConsumerConfig(
                         store_url=url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
                         admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+                        run_key=None if run_key is None else run_key.public.to_text(),
                     ),
                     tokenizer_dir=model_dir,
+                    restore=restart is None,
+                    state_key=run_key,  # signs the state it saves; reads back only a signed one
                 )
             )
+            if restart is not None:  # back to the consumer state of the checkpoint, in the bucket too
+                await consumer.bucket_state()  # its ETag, for the compare-and-swap
+                if restart.consumer is not None:
+                    consumer.load_state_dict(restart.consumer)
+                await consumer.save_state()
             await train(cfg, store, consumer, learner, pub, workers, progress, report, stop, version, learner_file,
                         progress_file, tracker=tracker)
         finally:
@@ -517,10 +724,24 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
         save_progress(progress, progress_file, run=cfg.run)
         lost = count_lost(final_beats)
-        progress.rewards = await stop.race(rewards_by_version(store, cfg.run))
+        progress.rewards, progress.tool_calls = await stop.race(samples_by_version(store, cfg.run, registry))
+        report.note(f"eval pass@1 on the held-out test split at v{progress.last_version}")
+        progress.eval_pass1.update(
+            await stop.race(heldout.pass1_at(store, cfg.run, [progress.last_version], seed=cfg.seed, work_dir=cfg.out))
+        )
         assert consumer is not None  # opened, or train() was never reached
         groups_used_run = consumer.counters.get("groups_used", 0)
     return summarize(progress, cfg, lost=lost, groups_used_run=groups_used_run)
+
+
+async def first_eval(store: Store, cfg: QuickstartConfig, progress: Progress, report: Any, *, synthetic: bool) -> None:
+    """Eval pass@1 of the run's first RL version on the held-out test split (kept in progress)."""
+    if synthetic:
+        await heldout.put_synthetic_test_split(store, cfg.run)
+    v = progress.run_first_version
+    progress.eval_pass1.update(await heldout.pass1_at(store, cfg.run, [v], seed=cfg.seed, work_dir=cfg.out))
+    report.note(f"eval pass@1 on the held-out test split at v{v}: {progress.eval_pass1[v]:.3f}")
+    save_progress(progress, cfg.out / PROGRESS_FILE, run=cfg.run)
 
 
 def summarize(progress: Progress, cfg: QuickstartConfig, *, lost: int, groups_used_run: int) -> dict[str, Any]:
@@ -531,8 +752,14 @@ def summarize(progress: Progress, cfg: QuickstartConfig, *, lost: int, groups_us
         "first_version": progress.run_first_version,
         "reward_first": progress.reward_first(),
         "reward_last": progress.reward_last(cfg.window),
+        "search_rate_first": progress.search_rate_first(),
+        "search_rate_last": progress.search_rate_last(cfg.window),
+        "eval_pass1_first": progress.eval_pass1.get(progress.run_first_version, float("nan")),
+        "eval_pass1_last": progress.eval_pass1.get(progress.last_version, float("nan")),
+        "eval_prompts": heldout.EVAL_PROMPTS,
+        "task": cfg.task,
         "window": cfg.window,
-        "chance": baseline_reward(generate_items(256, seed=cfg.seed)),
+        "chance": baseline_reward(generate_items(256, seed=cfg.seed)) if cfg.task == "synthetic" else 0.0,
         "target": cfg.target,
         "versions": progress.last_version - progress.first_version,
         "versions_run": progress.last_version - progress.run_first_version,
@@ -550,6 +777,7 @@ def summarize(progress: Progress, cfg: QuickstartConfig, *, lost: int, groups_us
         "seconds_run": progress.seconds(),
         "warm_start": progress.warm_start,
         "reward_by_version": {v: progress.version_reward(v) for v in sorted(progress.rewards)},
+        "search_rate_by_version": {v: progress.version_search_rate(v) for v in sorted(progress.tool_calls)},
         "patch_bytes_by_version": dict(sorted(progress.patch_bytes.items())),
         "logprob_gap_by_version": dict(sorted(progress.gap_by_version.items())),
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,12 +159,14 @@ def build_tiny_model(
     intermediate_size: int = 128,
     seed: int = 0,
     tie_word_embeddings: bool = True,
+    added_tokens: Sequence[str] = (),
 ) -> Path:
     """Write a tiny random Qwen2 model folder to `out_dir` and return its path.
 
     The tokenizer is trained on `texts` (default: `default_corpus()`) up to `vocab_size`
-    tokens; the model's vocab is the larger of `vocab_size` and the tokenizer's. Deterministic
-    for given arguments.
+    tokens, then `added_tokens` (e.g. a tool task's tags) are added whole, so that each is one
+    token wherever it occurs; the model's vocab is the larger of `vocab_size` and the
+    tokenizer's. Deterministic for given arguments.
     """
     if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 2:
         raise ValueError(
@@ -175,6 +177,8 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tok = train_tokenizer(default_corpus() if texts is None else texts, vocab_size)
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     n_vocab = max(vocab_size, tok.get_vocab_size())

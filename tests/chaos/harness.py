@@ -28,8 +28,9 @@ from typing import Any
 
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.history import published_digests, read_manifest, read_pointer_etag
+from slime_stoa.protocol.pulse.history import published_digests, read_lineage, read_manifest, read_pointer_etag
 from slime_stoa.protocol.records import RecordError, decode_group, encode_group
+from slime_stoa.protocol.signed_record import record_bytes
 from slime_stoa.protocol.store import NotFound, Store
 from tests.conftest import async_wait_until
 from tests.faultproxy import Faults, FaultyProxy
@@ -38,6 +39,13 @@ REPO = Path(__file__).resolve().parents[2]
 FORGER = "chaos-forger"  # the worker id under which forged records are planted
 EVENTS = "events.jsonl"  # the learner's account of every batch it trained on (tests.chaos.learner)
 INTERRUPTED = 130  # the learner's exit code after a clean stop (SIGTERM)
+RUN = "chaos"
+STALENESS = 2
+REUSE = 1
+LEARNER = dict(  # QuickstartConfig fields: a small, fast run that never ends by itself
+    run=RUN, workers=2, minutes=1e4, max_versions=10**6, target=2.0, batch_groups=4, group_size=4,
+    max_tokens=4, staleness_limit=STALENESS, warmup_steps=50, worker_batch=2, model_hidden=64, model_layers=2,
+)  # fmt: skip
 CHAOS_FAULTS = Faults(drop=0.01, delay=0.03, reset_request=0.01, reset_response=0.01, status_503=0.02)
 
 
@@ -162,12 +170,17 @@ class Process:
 
 
 class WorkerProcess(Process):
-    """A `macd run` worker with its own config, data folder and proxy."""
+    """A `macd run` worker with its own config, data folder and proxy; in a signed run, with the
+    worker key the quickstart learner made and registered for it (`key_file`)."""
 
-    def __init__(self, index: int, folder: Path, proxy: FaultyProxy, url: str, run: str, env: dict[str, str], seed: int):
+    def __init__(
+        self, index: int, folder: Path, proxy: FaultyProxy, url: str, run: str, env: dict[str, str], seed: int,
+        key_file: Path | None = None,
+    ):  # fmt: skip
         folder.mkdir(parents=True, exist_ok=True)
         super().__init__(f"worker-{index}", folder / "macd.log", env)
         self.index, self.folder, self.proxy, self.url, self.run, self.seed = index, folder, proxy, url, run, seed
+        self.key_file = key_file
         self.worker_id = f"quickstart-{index}"  # the ids the quickstart learner reads heartbeats of
         self.config = folder / "macd.toml"
         self.starts = 0
@@ -186,7 +199,7 @@ class WorkerProcess(Process):
         cmd = [
             sys.executable, "-m", "macd", "join", self.url, "--run", self.run, "--name", self.name,
             "--worker-id", self.worker_id, "--config", str(self.config), "--data-dir", str(self.folder / "data"),
-            "--batch", "2", "--no-check",
+            "--batch", "2", "--no-check", *(["--worker-key", str(self.key_file)] if self.key_file else []),
         ]  # fmt: skip
         done = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"macd join failed: {done.stderr or done.stdout}"
@@ -239,8 +252,18 @@ class LearnerProcess(Process):
         self._events_reader = LineReader(folder / "out" / EVENTS)
         self._events: list[dict[str, Any]] = []
 
-    def start(self) -> None:
-        self.spawn([sys.executable, "-m", "tests.chaos.learner", str(self.config_path)])
+    def worker_key(self, index: int) -> Path:
+        """Where the quickstart learner keeps the key of its worker `index` (a signed run)."""
+        return self.folder / "out" / "workers" / f"worker-{index}" / "worker.key"
+
+    def start(self, restart_from: int | None = None) -> None:
+        """Start it (resuming where the bucket says); with `restart_from`, this one start restarts
+        the run from the learner's checkpoint of that version (`--restart-from`)."""
+        path = self.config_path
+        if restart_from is not None:
+            path = self.folder / "learner-restart.json"
+            path.write_text(json.dumps({**json.loads(self.config_path.read_text()), "restart_from": restart_from}))
+        self.spawn([sys.executable, "-m", "tests.chaos.learner", str(path)])
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         """The learner's events (`tests.chaos.learner`), across restarts."""
@@ -258,6 +281,10 @@ class LearnerProcess(Process):
         assert self.proc is not None
         pid = self.proc.pid
         return not any(e.get("pid") == pid and "started" in e.get("text", "") for e in self.events("note"))
+
+    def said(self, text: str) -> bool:
+        """Whether a note of any of its starts so far says `text`."""
+        return any(text in e.get("text", "") for e in self.events("note"))
 
     def versions(self) -> list[dict[str, Any]]:
         return self.events("version")
@@ -291,7 +318,7 @@ def generation_id(data: bytes) -> str | None:
     records with one generation id are one group stored twice. (Two groups of one prompt with
     identical samples are not: on a tiny task a near-deterministic model draws them often.)"""
     try:
-        g = decode_group(data)
+        g = decode_group(record_bytes(data))  # a signed run's record: the one inside its signature
     except RecordError:
         return None
     h = hashlib.sha256(f"{g.worker_id} {g.started_at!r} {g.finished_at!r} {g.prompt_index}".encode())
@@ -331,7 +358,7 @@ class Forger:
         """Forged rollout records: noise, a truncated and a bit-flipped copy of a real one, the
         real one under another worker's key, and re-encoded copies that claim weights never
         published or replay the real group's content."""
-        group = decode_group(sample)
+        group = decode_group(record_bytes(sample))  # re-encoded copies carry no worker's signature
         await self._plant("record_noise", self.rng.randbytes(self.rng.randrange(1, 3000)))
         await self._plant("record_truncated", sample[: self.rng.randrange(1, len(sample))])
         flipped = bytearray(sample)
@@ -473,6 +500,7 @@ async def reconcile(
     published: dict[int, str] = {}
     invalid: list[str] = []
     chain = await published_digests(store, run, depth=pointer.version + 1, pointer=pointer)
+    lineage = await read_lineage(store, run, depth=pointer.version + 1, pointer=pointer)
     for event in learner.events("published"):
         published.setdefault(event["version"], event["digest"])
         if published[event["version"]] != event["digest"]:
@@ -480,16 +508,27 @@ async def reconcile(
     for version, digest in chain.items():
         if published.setdefault(version, digest) != digest:
             invalid.append(f"v{version}: the bucket's digest is not the one the learner published")
+    # Staleness and reuse along the final lineage: a batch that trained a version a restart
+    # abandoned was never learnt from (its groups may be used again); on the lineage, a group's
+    # lag is counted in training steps (a restored version is as fresh as the one it restores)
+    # and a group drawn from an abandoned branch is never used.
     used: Counter[str] = Counter()
     unverified = 0
+    used_abandoned = 0
     for event in learner.versions():
+        if lineage.step_of(event["version"]) is None:
+            used_abandoned += len(event["groups"])
+            continue
         for g in event["groups"]:
             used[g["key"]] += 1
             problems = []
             if g["key"] not in records:
                 problems.append("not an honest record in the bucket")
-            if not -version_ahead_slack <= g["lag"] <= staleness_limit:
-                problems.append(f"lag {g['lag']}")
+            lag = lineage.lag(event["trainer_version"], g["weight_version"])
+            if lag is None:
+                problems.append(f"drawn from v{g['weight_version']}, on a branch a restart abandoned")
+            elif lag != g["lag"] or not -version_ahead_slack <= lag <= staleness_limit:
+                problems.append(f"lag {g['lag']} (along the lineage: {lag})")
             claimed = published.get(g["weight_version"])
             unverified += claimed is None
             if claimed is not None and claimed != g["digest"]:
@@ -526,7 +565,8 @@ async def reconcile(
     return {
         "groups_finished": len(finished),
         "groups_in_bucket": len(records),
-        "groups_used": sum(used.values()),
+        "groups_used": sum(used.values()),  # on the final lineage
+        "groups_used_abandoned": used_abandoned,  # by batches of versions a restart abandoned
         "groups_used_by_consumer": counters.get("groups_used", 0),
         "groups_lost": len(lost),
         "duplicates": duplicates,
@@ -539,6 +579,8 @@ async def reconcile(
         "sequence_gaps": gaps,
         "finished_unlogged": unlogged,
         "final_version": pointer.version,
+        "epoch": pointer.epoch,
+        "abandoned": [list(r) for r in lineage.abandoned],
         "details": {"lost": lost[:20], "mismatches": mismatches},
     }
 

@@ -12,6 +12,8 @@ Then everything is stopped cleanly and reconciled (`harness.reconcile`): every g
 finished is in the bucket exactly once, every group the learner trained on was an honest record
 of a published version within staleness and used no more than the reuse limit, every worker
 ends on the pointer's weights, no process is left. `STOA_CHAOS_JSON=<path>` writes the figures.
+A second, calmer run kills the learner and restarts it from the checkpoint of an earlier version
+(`--restart-from`), reconciled the same way along the weight lineage it then has.
 The short form runs in the default suite (a few minutes); `--chaos-long` (or STOA_CHAOS_LONG=1)
 runs for about 30 minutes. The seed is printed (`STOA_TEST_SEED` replays it).
 """
@@ -39,6 +41,10 @@ from slime_stoa.protocol.store import NotFound
 from tests.chaos.harness import (
     FORGER,
     INTERRUPTED,
+    LEARNER,
+    REUSE,
+    RUN,
+    STALENESS,
     ChaosPlan,
     Forger,
     LearnerProcess,
@@ -51,14 +57,6 @@ from tests.chaos.harness import (
 )
 from tests.conftest import async_wait_until, random_seed
 from tests.faultproxy import NO_FAULTS, FaultyProxy, Hold
-
-RUN = "chaos"
-STALENESS = 2
-REUSE = 1
-LEARNER = dict(  # QuickstartConfig fields: a small, fast run that never ends by itself
-    run=RUN, workers=2, minutes=1e4, max_versions=10**6, target=2.0, batch_groups=4, group_size=4,
-    max_tokens=4, staleness_limit=STALENESS, warmup_steps=50, worker_batch=2, model_hidden=64, model_layers=2,
-)  # fmt: skip
 
 
 class ChaosRun:
@@ -114,7 +112,11 @@ class ChaosRun:
         self.note("the learner published v0")
         for i in range(self.plan.workers):
             wp = await self.proxy(stack, f"worker-{i}")
-            w = WorkerProcess(i, self.tmp / f"worker-{i}", wp, self.url(wp), RUN, self.env, self.rng.randrange(1000))
+            # A signed run: the learner makes and registers its workers' keys, then starts them.
+            await async_wait_until(lambda: learner.said("started"), message=self.learner_state, timeout=self.plan.wait_s)
+            key = learner.worker_key(i)
+            seed = self.rng.randrange(1000)
+            w = WorkerProcess(i, self.tmp / f"worker-{i}", wp, self.url(wp), RUN, self.env, seed, key if key.exists() else None)
             await asyncio.to_thread(w.join)  # the proxies keep serving meanwhile
             w.start()
             self.workers.append(w)
@@ -472,14 +474,59 @@ async def test_a_run_survives_chaos(s3_server: Any, tmp_path: Path, chaos_plan: 
     assert report["groups_used"] > 0 and FORGER not in " ".join(report["invalid_used"]), where
 
 
-@pytest.mark.skip(
-    reason="restart from an earlier checkpoint: the quickstart learner this suite drives resumes only at the "
-    "pointer's version (a learner file of an older version is ignored), so there is no such restart to test here "
-    "until it publishes a checkpoint's weights first, as slime does (that first publish is what weight lineage "
-    "marks as a restore); the lineage rules themselves are tested in tests/test_lineage.py"
-)
-async def test_a_learner_restarted_from_an_earlier_checkpoint() -> None:
-    """To come with such a learner path: kill the learner, restart it from the checkpoint of an
-    earlier version (its learner file and the consumer state of then), and reconcile as above
-    with staleness along the lineage: restored groups no staler than they are, none from the
-    abandoned branch used as fresh, none used twice on the final lineage."""
+async def test_a_learner_restarted_from_an_earlier_checkpoint(s3_server: Any, tmp_path: Path, chaos_plan: ChaosPlan) -> None:
+    """Kill the learner mid-consume, restart it from the checkpoint of an earlier version (its
+    learner state and the consumer state of then: `--restart-from`), and reconcile as above with
+    staleness along the lineage: restored groups no staler than they are, none from the
+    abandoned branch used, none used twice on the final lineage, and the consumer's count of
+    groups used is that of the final lineage (it went back to the checkpoint's state)."""
+    seed = random_seed()
+    bucket = s3_server.create_bucket()
+    run = ChaosRun(chaos_plan, seed, tmp_path, s3_server, bucket)
+    report: dict[str, Any] = {}
+    head = back = -1
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(run.direct)
+            await run.start(stack)
+            learner = run.learner
+            assert learner is not None
+            watchdog = asyncio.ensure_future(run.watchdog())
+            try:
+                await async_wait_until(lambda: learner.last_version() >= 5, message=run.learner_state, timeout=chaos_plan.wait_s)
+                rollouts = run.layout.rollouts_prefix()
+                trap = learner.proxy.hold(lambda m, p: m == "GET" and (key_of(p, run.prefix) or "").startswith(rollouts))
+                await async_wait_until(trap.hit.is_set, message="the learner's next record download", timeout=chaos_plan.wait_s)
+                await run.kill_at(learner, trap, land=False)
+                head = json.loads(await run.direct.get_bytes(run.layout.pointer))["version"]
+                back = head - 2  # its checkpoint is kept whatever the kill cut short
+                run.note(f"SIGKILL learner mid-consume at v{head}; restarting it from the checkpoint of v{back}")
+                learner.start(restart_from=back)
+                await async_wait_until(
+                    lambda: learner.said("restarts from the checkpoint"), message=run.learner_state, timeout=chaos_plan.wait_s
+                )
+                await async_wait_until(lambda: learner.last_version() >= head + 4, message=run.learner_state,
+                                       timeout=chaos_plan.wait_s)  # fmt: skip
+                await run.finish()
+            finally:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
+            report = await run.report()
+            restored = [g for e in learner.versions() if e["trainer_version"] > head for g in e["groups"]]
+            report["used_after_restore"] = len(restored)
+            report["used_after_restore_from_before"] = sum(g["weight_version"] <= back for g in restored)
+    finally:
+        run.stop_all()
+        left = processes_left(run.processes, str(tmp_path))
+        report["processes_left"] = len(left)
+        print(json.dumps(report, indent=2, sort_keys=True))
+    where = f"seed {seed} (STOA_TEST_SEED={seed} replays it); log:\n" + "\n".join(run.log[-40:])
+    assert left == [], f"{left}; {where}"
+    for name in ("groups_lost", "duplicates", "reused_beyond_limit", "digest_mismatches", "trainer_crashes", "worker_crashes"):
+        assert report[name] == 0, f"{name} = {report[name]}: {report['details']}; {where}"
+    assert report["invalid_used"] == [], f"{report['invalid_used']}; {where}"
+    # v<head+1> restored v<back>: a new epoch, and what was trained in between is a branch left behind.
+    assert (report["epoch"], report["abandoned"]) == (1, [[back + 1, head]]), where
+    assert report["final_version"] >= head + 4 and report["used_after_restore"] > 0, where
+    assert report["groups_used_abandoned"] > 0, where
+    assert report["groups_used_by_consumer"] == report["groups_used"], where

@@ -193,7 +193,7 @@ def _is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, (PublishError, StoreUnavailable)) and not isinstance(exc, PublishConflict)
 
 
-def _is_outage(exc: BaseException) -> bool:
+def is_publish_outage(exc: BaseException) -> bool:
     """The store did not answer: directly, or under the PublishError the publisher wraps it in."""
     if isinstance(exc, PublishConflict):
         return False
@@ -223,7 +223,7 @@ async def publish_with_retries(
         log.warning("stoa: %s: attempt %d failed (%s); retrying in %.1fs", what, attempt, exc, delay)
 
     async def attempt() -> T:
-        return await through_outages(op, describe=what, is_retryable=_is_outage, logger=log, sleep=sleep)
+        return await through_outages(op, describe=what, is_retryable=is_publish_outage, logger=log, sleep=sleep)
 
     return await with_retries(
         attempt,
