@@ -142,6 +142,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("store_url", BACKENDS, indirect=True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow", action="store_true", default=False,
+        help="also run the long learning runs marked `slow` (e.g. the search quickstart); also STOA_SLOW=1",
+    )  # fmt: skip
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "file_only: run a store test on the local backend only")
+    config.addinivalue_line("markers", "slow: a long learning run, only with --slow or STOA_SLOW=1")
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `slow` run only with `--slow` (or STOA_SLOW=1): the default suite stays short."""
+    if config.getoption("--slow", default=False) or os.environ.get("STOA_SLOW", "") == "1":
+        return
+    skip = pytest.mark.skip(reason="a long learning run: python -m pytest --slow (or STOA_SLOW=1)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)

@@ -22,6 +22,7 @@ pytest.importorskip("matplotlib")
 
 from slime_stoa.cli import main
 from tests.conftest import wait_until
+from tests.test_quickstart_signed import assert_ran_signed
 
 
 def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) -> None:
@@ -46,6 +47,7 @@ def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) ->
     assert math.isfinite(s["mean_abs_logprob_gap"]) and s["mean_abs_logprob_gap"] < 2e-2
     assert s["patch_bytes_mean"] < s["full_bytes"]
     assert (out / "learning_curve.png").stat().st_size > 10_000
+    assert_ran_signed(out)  # the default path is the signed path
     # Rerunning the same command resumes the run from the bucket.
     assert main(["quickstart", "--out", str(out), "--minutes", "0.3", "--max-versions", "2", "--json", str(summary_path)]) == 0
     again = json.loads(summary_path.read_text())

@@ -65,6 +65,7 @@ def test_demonstrations_hold_the_tokens_a_worker_sees(tmp_path: Path) -> None:
         assert tok.decode(d.guess) == f"<answer> {GUESS}</answer>"
 
 
+@pytest.mark.slow  # ~4.5 minutes on two cores: python -m pytest --slow tests/test_quickstart_search.py
 def test_short_search_quickstart_climbs(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     summary_path = tmp_path / "summary.json"
