@@ -18,7 +18,7 @@ to what is left, and an episode whose budget is spent ends "length". At most
 not run). Precedence at a token: EOS or a stop/answer string ("stop"), then the budget
 ("length"), then a call.
 
-`Episode` is the pure state machine of one episode; `EpisodeGenerator` drives a cohort of them
+`slime_stoa.tasks.episode.Episode` is the pure state machine of one episode; `EpisodeGenerator` drives a cohort of them
 through one `BatchGenerator` with the interface of `macd.generate.ContinuousGenerator` (insert,
 step, advance, discard, ...) plus a thread-safe hand-off of tool calls (`take_calls`) and
 observations (`deliver`). Call its methods from the thread that owns MLX, except `take_calls`
@@ -32,12 +32,14 @@ import asyncio
 import collections
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from slime_stoa.tasks.episode import Episode, StopMatcher, extract_query, observation_tokens
 from slime_stoa.tasks.tool_format import ToolFormat
+from slime_stoa.tasks.tools import Tool, call_tool
 
 from .generate import (
     FinishedGroup,
@@ -47,90 +49,8 @@ from .generate import (
     _insert_group,
     _picked_logprobs,
     _room,
-    _StopMatcher,
     _text_tokens,
 )
-from .tools import Tool, call_tool
-
-Action = Literal["continue", "call", "done"]
-
-
-@dataclass
-class Episode:
-    """One episode's tokens so far: model tokens (mask 1, sampled logprob) and forced tool
-    tokens (mask 0, logprob 0.0). Pure: the driver reports each sampled token with what the
-    tokenizer saw in it; the episode decides what happens next."""
-
-    budget: int  # most response tokens, model and tool together
-    max_turns: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    turn_start: int = 0  # index of this turn's first token
-    turns: int = 1
-    tool_calls: int = 0
-    finish: str | None = None
-    eos: bool = False  # ended on an EOS token
-    query: str | None = None  # waiting for the tool's answer to this query
-
-    @property
-    def left(self) -> int:
-        """Tokens the budget still allows."""
-        return self.budget - len(self.tokens)
-
-    @property
-    def turn_tokens(self) -> list[int]:
-        return self.tokens[self.turn_start :]
-
-    def sampled(self, token: int, logprob: float, *, eos: bool, stopped: bool, called: bool) -> Action:
-        """The model sampled `token`: `eos` if it is an EOS token, `stopped` if this turn's text
-        now holds a stop string (the answer tag), `called` if it closed a tool call."""
-        if self.finish is not None or self.query is not None:
-            raise RuntimeError("a finished or waiting episode sampled a token")
-        self.tokens.append(int(token))
-        self.logprobs.append(float(logprob))
-        self.mask.append(1)
-        if eos or stopped:
-            self.finish, self.eos = "stop", eos
-        elif self.left <= 0:
-            self.finish = "length"
-        elif called and self.turns >= self.max_turns:
-            self.finish = "turns"
-        elif called:
-            return "call"
-        else:
-            return "continue"
-        return "done"
-
-    def ask(self, query: str) -> None:
-        self.query = query
-
-    def observe(self, tokens: Sequence[int]) -> tuple[Action, list[int]]:
-        """Append an observation (cut to the budget): ("done", appended) when the budget is then
-        spent, else ("continue", appended) and a new model turn starts."""
-        if self.query is None:
-            raise RuntimeError("an observation for an episode that asked nothing")
-        appended = [int(t) for t in tokens[: self.left]]
-        self.tokens += appended
-        self.logprobs += [0.0] * len(appended)
-        self.mask += [0] * len(appended)
-        self.query = None
-        self.tool_calls += 1
-        if self.left <= 0:
-            self.finish = "length"
-            return "done", appended
-        self.turns += 1
-        self.turn_start = len(self.tokens)
-        return "continue", appended
-
-
-def extract_query(turn_text: str, fmt: ToolFormat) -> str:
-    """The query of a call closed in `turn_text`: after the last `call_open` before the first
-    `call_close` (the whole text before it when there is no `call_open`), stripped."""
-    end = turn_text.find(fmt.call_close)
-    head = turn_text if end < 0 else turn_text[:end]
-    start = head.rfind(fmt.call_open)
-    return (head if start < 0 else head[start + len(fmt.call_open) :]).strip()
 
 
 @dataclass(frozen=True)
@@ -188,10 +108,8 @@ class EpisodeGenerator:
         self.tokenizer = _as_wrapper(tokenizer)
         self._eos = set(self.tokenizer.eos_token_ids)
         self._gen = _batch_generator(model, config, self._eos, max_batch=max_batch)
-        self._stop = _StopMatcher(self.tokenizer, (*config.stop, tool_format.answer_close))
-        self._call = _StopMatcher(self.tokenizer, (tool_format.call_close,))
-        self._open = self._encode(tool_format.observation_open)
-        self._close = self._encode(tool_format.observation_close)
+        self._stop = StopMatcher(self.tokenizer, (*config.stop, tool_format.answer_close))
+        self._call = StopMatcher(self.tokenizer, (tool_format.call_close,))
         self._groups: dict[int, _Group] = {}
         self._owner: dict[int, int] = {}  # episode id -> group id
         self._episodes: dict[int, Episode] = {}
@@ -336,9 +254,7 @@ class EpisodeGenerator:
 
     def observation_tokens(self, output: str) -> list[int]:
         """The forced tokens of a tool's output: the observation tags around the cleaned, cut output."""
-        cap = self.format.max_observation_tokens
-        content = self.format.clean_output(str(output), max_chars=16 * cap, extra=tuple(self.config.stop))
-        return self._open + self._encode(content)[:cap] + self._close
+        return observation_tokens(self.format, self._encode, output, tuple(self.config.stop))
 
     def _take_in(self) -> list[int]:
         """Append delivered observations and re-enter their sequences; the groups that finished."""
@@ -406,7 +322,7 @@ async def run_episodes(
     """G episodes per prompt, batched; one list of G completions per prompt, in prompt order.
 
     `mlx(fn, *args)` runs MLX work (default: inline on the event loop's thread); tools run as
-    asyncio tasks (a sync tool in a worker thread, `macd.tools.call_tool`), beside decoding."""
+    asyncio tasks (a sync tool in a worker thread, `slime_stoa.tasks.tools.call_tool`), beside decoding."""
 
     async def inline(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
@@ -449,11 +365,4 @@ async def run_episodes(
     return [done[i] for i in range(len(prompts))]
 
 
-__all__ = [
-    "Episode",
-    "EpisodeCompletion",
-    "EpisodeGenerator",
-    "ToolCall",
-    "extract_query",
-    "run_episodes",
-]
+__all__ = ["EpisodeCompletion", "EpisodeGenerator", "ToolCall", "run_episodes"]

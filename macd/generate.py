@@ -53,6 +53,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from slime_stoa.tasks.episode import StopMatcher
+
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
 
 
@@ -198,24 +200,6 @@ def _text_tokens(tokens: list[int], eos: bool, eos_ids: set[int]) -> list[int]:
     return tokens[:-1] if eos and tokens and tokens[-1] in eos_ids else tokens
 
 
-class _StopMatcher:
-    """Finds the first stop string in a growing token list by decoding only its tail."""
-
-    def __init__(self, tokenizer: TokenizerWrapper, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = tuple(stop)
-        # Every token decodes to >= 1 byte, so a stop string of n bytes spans <= n tokens; the
-        # margin covers a partial UTF-8 character at the start of the window.
-        self.window = max((len(s.encode()) for s in self.stop), default=0) + 3
-
-    def hit(self, tokens: list[int]) -> bool:
-        """Whether the text of `tokens` contains a stop string (checked after every token)."""
-        if not self.stop:
-            return False
-        tail = self.tokenizer.decode(tokens[-self.window :])
-        return any(s in tail for s in self.stop)
-
-
 @dataclass
 class _Track:
     """A sequence being generated."""
@@ -271,7 +255,7 @@ class ContinuousGenerator:
         self.tokenizer = _as_wrapper(tokenizer)
         self._eos = set(self.tokenizer.eos_token_ids)
         self._gen = _batch_generator(model, config, self._eos, max_batch=max_batch)
-        self._stop = _StopMatcher(self.tokenizer, config.stop)
+        self._stop = StopMatcher(self.tokenizer, config.stop)
         self._groups: dict[int, _Group] = {}  # insertion order
         self._owner: dict[int, int] = {}  # sequence uid -> group id
         self._tracks: dict[int, _Track] = {}

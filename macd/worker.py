@@ -94,12 +94,12 @@ from slime_stoa.protocol.worker_keys import read_worker_key_file
 from slime_stoa.tasks import Task, TaskItem, load_task
 from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.tool_format import ToolFormat
+from slime_stoa.tasks.tools import Tool, ToolContext, call_tool, prepare_tool, tool_for
 
 from .config import DaemonConfig
 from .curriculum import PromptPicker, has_signal
 from .evaluate import EvalResponder
 from .spool import Spool, SpoolLocked
-from .tools import Tool, ToolContext, call_tool, prepare_tool, tool_for
 from .uploader import Uploader
 
 log = logging.getLogger("macd")
@@ -356,7 +356,7 @@ def _insert_and_advance(gen: Any, inserts: list[tuple[list[int], _Started]], max
     return gen.advance(max_steps, interrupt)
 
 
-# -- tool tasks (macd/episodes.py, macd/tools.py) ----------------------------------------------------
+# -- tool tasks (macd/episodes.py, slime_stoa/tasks/tools.py) ----------------------------------------------------
 def _make_generator(model: Any, tokenizer: Any, sampling: Any, tool_format: ToolFormat | None, capacity: int) -> Any:
     """On the MLX thread: a `ContinuousGenerator`, or for a tool task an `EpisodeGenerator`
     (same interface, plus the tool hand-off)."""
@@ -529,7 +529,7 @@ class Worker:
         return None
 
     async def _open_tool(self, manifest: RunManifest, task: Task, stop: asyncio.Event) -> Tool | None:
-        """The tool of a tool task (`macd.tools.tool_for`), prepared (e.g. the search index fetched,
+        """The tool of a tool task (`slime_stoa.tasks.tools.tool_for`), prepared (e.g. the search index fetched,
         resumably, and memory-mapped): retried, each failure reported, until it works; None if
         stopped first. ValueError when no tool is registered for the task (this macd cannot run it)."""
         fmt = task.tool_format

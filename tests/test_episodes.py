@@ -14,13 +14,14 @@ os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 mlx_lm = pytest.importorskip("mlx_lm")
 pytest.importorskip("tokenizers")
 
-from macd.episodes import Episode, EpisodeCompletion, EpisodeGenerator, extract_query, run_episodes
+from macd.episodes import EpisodeCompletion, EpisodeGenerator, run_episodes
 from macd.generate import SamplingConfig, teacher_forced_logprobs
-from macd.tools import EchoTool, LookupTool, ToolContext, call_tool, register_tool, tool_for
 from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup, Sample, SamplingParams, encode_group
 from slime_stoa.protocol.validate import RecordLimits, load_record
 from slime_stoa.quickstart.tiny_model import build_tiny_model
+from slime_stoa.tasks.episode import Episode, extract_query
 from slime_stoa.tasks.tool_format import ToolFormat
+from slime_stoa.tasks.tools import EchoTool, LookupTool, ToolContext, call_tool, register_tool, tool_for
 
 RECORDED_VS_TEACHER_ATOL = 1e-5  # as in test_generate: the cached decode and one full pass agree
 

@@ -3,12 +3,15 @@
     stoa eval --store URL --run RUN --version N --split test --k 8 [--prompts 100] \\
         --csv out.csv --png out.png --json out.json
     stoa eval --store URL --run RUN --all --local --split test --k 8 --json out.json
+    stoa eval --store URL --run RUN --all --local --engine transformers [--device cuda] ...
 
 Fleet mode (the default) writes an eval request for the version (signed with --run-key on a
 signed run) and waits up to --timeout seconds for the workers holding that version to answer;
 their records are checked and re-scored here. Workers hold the current version only, so --all
-needs --local: every kept version is rebuilt from the bucket and sampled in-process with macd's
-MLX generation path (the worker extra). pass@k is the unbiased estimator (Chen et al., 2021)
+needs --local: every kept version is rebuilt from the bucket and sampled in-process, with macd's
+MLX generation path (`--engine mlx`, the default; the worker extra) or with transformers on the
+trainer box (`--engine transformers`, on `--device`, by default a GPU when there is one; the
+trainer extra): the same episodes, tool calls and budget either way. pass@k is the unbiased estimator (Chen et al., 2021)
 from k samples per prompt; a sample passes with reward >= --pass-threshold (default 1: full
 credit). The JSON holds one entry per version: version, split, k, n_prompts, pass@1, pass@k,
 reward_mean, search_rate (the share of samples that called a tool; null for single-turn tasks).
@@ -25,6 +28,7 @@ from typing import Any
 
 from slime_stoa.evaluation.collect import EvalCollector, open_eval_context, read_split
 from slime_stoa.evaluation.fleet import EvalTimeout, await_answers, post_request, version_result
+from slime_stoa.evaluation.local import ENGINES, local_eval
 from slime_stoa.evaluation.passk import DEFAULT_PASS_THRESHOLD
 from slime_stoa.evaluation.report import VersionResult, plot_curve, write_csv, write_json
 from slime_stoa.protocol.eval_request import EvalRequest
@@ -53,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pass-threshold", type=float, default=DEFAULT_PASS_THRESHOLD,
                    help="a sample passes with a reward at least this (default: 1.0)")
     p.add_argument("--local", action="store_true", help="sample in-process with MLX instead of asking the fleet")
+    p.add_argument("--engine", choices=ENGINES, default="mlx",
+                   help="--local: sample with MLX (macd's path, the default) or transformers (the trainer box)")
+    p.add_argument("--device", help="--local --engine transformers: torch device (default: cuda if available)")
     p.add_argument("--seed", type=int, help="--local: sampling seed")
     p.add_argument("--timeout", type=float, default=1800.0, help="fleet: seconds to wait for the answers (default 1800)")
     p.add_argument("--run-key", type=Path, metavar="PATH", help="fleet, signed run: the run key file signing the request")
@@ -85,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
 def check_args(args: argparse.Namespace) -> None:
     if args.all and not args.local:
         raise ValueError("--all needs --local: workers hold the current version only")
+    if not args.local and (args.engine != "mlx" or args.device is not None):
+        raise ValueError("--engine and --device choose how --local samples: add --local")
     if not 1 <= args.k <= 64:
         raise ValueError(f"--k must be 1..64, got {args.k}")
     if args.prompts is not None and args.prompts < 1:
@@ -116,13 +125,12 @@ async def evaluate(args: argparse.Namespace) -> list[dict[str, Any]]:
         for version in versions:
             await find_manifest(store, run_name, version)  # HistoryError naming a version that is not there
             if args.local:
-                from slime_stoa.evaluation.local import local_eval
-
                 with tempfile.TemporaryDirectory(prefix="stoa-eval-") as tmp:
                     result = await local_eval(
                         store, manifest, version=version, split=args.split, k=args.k, n_prompts=args.prompts,
                         max_tokens=max_tokens, temperature=temperature, work_dir=Path(tmp),
-                        threshold=args.pass_threshold, seed=args.seed, trust=trust,
+                        threshold=args.pass_threshold, seed=args.seed, trust=trust, engine=args.engine,
+                        device=args.device,
                     )
             else:
                 result = await fleet_eval(store, manifest, args, version, max_tokens, temperature)

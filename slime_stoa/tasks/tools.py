@@ -1,6 +1,6 @@
 """The tools of tool tasks: the `Tool` protocol, a registry keyed by task, and stand-in tools.
 
-A tool answers an episode's query with text (`macd.episodes` turns it into an observation). It
+A tool answers an episode's query with text (`slime_stoa.tasks.episode` turns it into an observation). It
 is either ``async def __call__(query) -> str`` or a plain function, which `call_tool` runs in a
 worker thread: tools never run on the MLX thread. `call_tool` never raises: a tool error, a
 timeout or a non-string answer becomes an error text the model sees, and the episode goes on.
@@ -55,7 +55,7 @@ def tool_for(task: Any, context: ToolContext) -> Tool:
     task registers none."""
     factory = _FACTORIES.get(task.name)
     if factory is None:
-        raise ValueError(f"task {task.name!r} uses a tool but no tool is registered for it (macd.tools.register_tool)")
+        raise ValueError(f"task {task.name!r} uses a tool but no tool is registered for it (slime_stoa.tasks.tools.register_tool)")
     return factory(task, context)
 
 
