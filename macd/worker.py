@@ -885,6 +885,9 @@ class Worker:
         staged = await asyncio.to_thread(
             stage_patches, state, digest, [(ref.index, frames) for ref, frames in fetched], target.state_digest
         )
+        if self.sub is not None:  # what the path choice weighs next time (the scatter at the safe point is tiny)
+            self.sub.meter.apply(staged.changes, staged.apply_s)
+            self.sub.meter.hash(staged.hashed, staged.hash_s)
         live = self.live
 
         def install() -> UndoLog:

@@ -76,6 +76,10 @@ def test_a_chain_stages_to_what_apply_patch_writes(mode: str, frame_bytes: int, 
     assert same(live, reference)
     for w in staged.writes:  # sorted unique indices, exactly the elements any patch wrote
         assert np.all(np.diff(w.indices) > 0)
+    # what it cost, for the receiver's path choice: every patch's changes, every touched tensor hashed
+    assert staged.changes == sum(index.count for index, _ in patches)
+    assert staged.hashed == sum(live[w.name].size for w in staged.writes) and staged.touched == tuple(sorted(live))
+    assert staged.apply_s > 0 and staged.hash_s > 0
     undo.rollback(live)
     assert same(live, before)
 

@@ -292,15 +292,17 @@ def bf16_model(model_dir: Path, state: dict[str, np.ndarray]):
 
 
 async def test_groups_straddling_a_swap_are_dropped_and_every_record_is_exact(
-    store: Store, store_url: str, model_dir: Path, tmp_path: Path, caplog
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, caplog, monkeypatch
 ) -> None:
     """A version published while groups decode: with no drain allowed, the groups in flight are
     dropped and restarted on the new weights; every record's logprobs are those of the weights of
     the version it names (teacher forcing), never of the other version."""
     from macd.generate import teacher_forced_logprobs
     from slime_stoa.protocol.pulse.digest import state_digest
+    from slime_stoa.protocol.pulse.route import SpeedMeter
 
     caplog.set_level("INFO", logger="macd")
+    monkeypatch.setattr(SpeedMeter, "MIN_CHANGES", 1)  # the tiny model's patch is too small to time otherwise
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=24, temperature=0.9)
     pub = await seed_run(store, manifest, model_dir, task_count=50)
     options = WorkerOptions(seed=12, swap_drain_steps=0, weights_poll_s=0.05, heartbeat_s=0.5)
@@ -321,6 +323,7 @@ async def test_groups_straddling_a_swap_are_dropped_and_every_record_is_exact(
     assert worker.groups_dropped >= 1  # generation was continuous: groups were in flight at the swap
     assert "via step" in caplog.text  # staged beside generation, written into the live weights
     assert worker.live.shares(worker.sub.state) and worker.live.digest_check(worker.sub.state)
+    assert "apply_s_per_change" in worker.sub.meter.measured  # the staging was timed for the path choice
     got = sorted(await records(store), key=lambda g: g.seq)
     assert len(got) == worker.groups_recorded
     versions = [g.weight_version for g in got]

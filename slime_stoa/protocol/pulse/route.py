@@ -97,6 +97,11 @@ class SpeedMeter:
         self._measured: set[str] = set(_RATES) if measured else set()
         self._bytes = self._transfer_s = 0.0  # decayed sums behind download_bytes_s
 
+    @property
+    def measured(self) -> frozenset[str]:
+        """The rates measured so far (the others are still the initial guesses)."""
+        return frozenset(self._measured)
+
     def _fold(self, field: str, sample: float) -> None:
         if math.isfinite(sample) and sample > 0:
             old = getattr(self.speeds, field)
