@@ -108,18 +108,25 @@ async def test_single_turn_samples_end_on_eos_a_stop_string_or_the_budget(
     assert [[c.tokens for c in g] for g in again] == [[c.tokens for c in g] for g in groups]  # seeded
 
 
+async def eval_with_transformers(monkeypatch: pytest.MonkeyPatch, store_env: dict[str, str], out: Path,
+                                 *args: str) -> list[dict[str, Any]]:
+    """`stoa eval ARGS --local --engine transformers --device cpu --json OUT`: its versions."""
+    for name, value in store_env.items():
+        monkeypatch.setenv(name, value)
+    argv = ["eval", *args, "--local", "--engine", "transformers", "--device", "cpu", "--json", str(out)]
+    assert await asyncio.to_thread(main, argv) == 0
+    return json.loads(out.read_text())["versions"]
+
+
 async def test_cli_evaluates_every_version_with_transformers(
     store: Store, store_url: str, store_env: dict[str, str], synthetic_model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name, value in store_env.items():
-        monkeypatch.setenv(name, value)
     await seed_eval_run(store, synthetic_model_dir)
-    out = tmp_path / "e.json"
-    argv = ["eval", "--store", store_url, "--run", SYNTHETIC_RUN, "--all", "--local", "--engine", "transformers",
-            "--device", "cpu", "--split", "test", "--k", "3", "--prompts", "4", "--seed", "1", "--json", str(out)]
-    assert await asyncio.to_thread(main, argv) == 0
-    (row,) = json.loads(out.read_text())["versions"]
+    (row,) = await eval_with_transformers(
+        monkeypatch, store_env, tmp_path / "e.json", "--store", store_url, "--run", SYNTHETIC_RUN, "--all",
+        "--split", "test", "--k", "3", "--prompts", "4", "--seed", "1",
+    )
     assert (row["version"], row["k"], row["n_prompts"], row["search_rate"]) == (0, 3, 4, None)
     assert 0.0 <= row["pass@1"] <= row["pass@k"] <= 1.0
 
@@ -128,14 +135,11 @@ async def test_cli_search_eval_with_transformers_reports_the_search_rate(
     store: Store, store_url: str, store_env: dict[str, str], scripted_model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name, value in store_env.items():
-        monkeypatch.setenv(name, value)
     await seed_search_run(store, scripted_model_dir)
-    out = tmp_path / "e.json"
-    argv = ["eval", "--store", store_url, "--run", RUN, "--local", "--engine", "transformers", "--device", "cpu",
-            "--split", "train", "--k", "4", "--prompts", "3", "--seed", "0", "--json", str(out)]
-    assert await asyncio.to_thread(main, argv) == 0
-    (row,) = json.loads(out.read_text())["versions"]
+    (row,) = await eval_with_transformers(
+        monkeypatch, store_env, tmp_path / "e.json", "--store", store_url, "--run", RUN,
+        "--split", "train", "--k", "4", "--prompts", "3", "--seed", "0",
+    )
     assert 0.0 < row["search_rate"] < 1.0  # a coin flip per sample: some search, some answer at once
     assert row["pass@1"] == 0.0  # the script's answer is never the label
 
