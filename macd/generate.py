@@ -65,6 +65,14 @@ def load_model(folder: Path | str) -> tuple[Any, Any]:
     return loaded[0], loaded[1]
 
 
+def release_freed_buffers() -> None:
+    """Hand the buffers MLX keeps for reuse back to the system (`mx.clear_cache`; mlx-lm does so
+    every few hundred decode steps). The worker calls it when groups finish and after an
+    install, so its memory is the weights and the live KV cache, not also the KV buffers of
+    sequences that ended; the next steps refill the cache with what one step needs."""
+    mx.clear_cache()
+
+
 class GenerationCancelled(Exception):
     """`generate_groups` was told to stop; its partial cohort is dropped."""
 

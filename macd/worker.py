@@ -350,10 +350,19 @@ def at_safe_point(groups: int, restarted_in_flight: bool, drained: int, drain_st
 
 def _insert_and_advance(gen: Any, inserts: list[tuple[list[int], _Started]], max_steps: int,
                         interrupt: threading.Event) -> tuple[list[Any], int]:
-    """On the MLX thread: start `inserts`, then decode (`ContinuousGenerator.advance`)."""
+    """On the MLX thread: start `inserts`, then decode (`ContinuousGenerator.advance`). When
+    groups finish, what their sequences held goes back to the system: MLX's cached buffers and
+    the freed heap (measured on the bench's bf16 worker: RSS 1.18x weights + KV cache with both,
+    1.20-1.25x with MLX's cache only, 1.23x with neither)."""
+    from .generate import release_freed_buffers
+
     for prompt, tag in inserts:
         gen.insert(prompt, tag)
-    return gen.advance(max_steps, interrupt)
+    finished, steps = gen.advance(max_steps, interrupt)
+    if finished:
+        release_freed_buffers()
+        return_freed_memory()
+    return finished, steps
 
 
 # -- tool tasks (macd/episodes.py, slime_stoa/tasks/tools.py) ----------------------------------------------------

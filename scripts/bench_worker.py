@@ -389,8 +389,6 @@ async def _child_worker(spec: dict[str, Any]) -> None:
     from slime_stoa.protocol.store import open_store
 
     mx.eval(mx.ones(8) @ mx.ones(8))
-    if os.environ.get("H6_CACHE_LIMIT"):
-        mx.set_cache_limit(int(os.environ["H6_CACHE_LIMIT"]))
     baseline = _rss()
 
     config = DaemonConfig(store=f"file://{spec['bucket']}", run="bench", name="bench-mac", worker_id="bench-mac-000000",

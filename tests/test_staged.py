@@ -80,6 +80,7 @@ def test_a_chain_stages_to_what_apply_patch_writes(mode: str, frame_bytes: int, 
     assert staged.changes == sum(index.count for index, _ in patches)
     assert staged.hashed == sum(live[w.name].size for w in staged.writes) and staged.touched == tuple(sorted(live))
     assert staged.apply_s > 0 and staged.hash_s > 0
+    assert all(w.indices.dtype == np.int32 for w in staged.writes)  # 6 bytes a change held, not 10
     undo.rollback(live)
     assert same(live, before)
 

@@ -577,3 +577,34 @@ def test_versions_faster_than_groups_cannot_starve_generation(model_dir: Path) -
         finished += [f.tag[0] for f in gen.advance(1)[0]]
     gen.close()
     assert sorted(finished) == list(range(6)) and max(drops.values()) == 1
+
+
+def test_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
+    """The generation loop's decode call: once a group finishes, MLX keeps no freed buffers
+    around (its cache would otherwise hold the ended sequences' KV cache as much again)."""
+    import threading
+
+    import mlx.core as mx
+    import mlx_lm
+
+    from macd.generate import ContinuousGenerator, SamplingConfig
+    from macd.worker import _insert_and_advance
+
+    model, tok = mlx_lm.load(str(model_dir))
+    gen = ContinuousGenerator(model, tok, SamplingConfig(temperature=1.0, max_tokens=24, group_size=4, seed=0),
+                              max_batch=8)
+    prompt = list(tok.encode("1 + 2 ="))
+    inserts = [(prompt, i) for i in range(2)]
+    finished: list = []
+    for _ in range(200):
+        done, _ = _insert_and_advance(gen, inserts, 4, threading.Event())
+        inserts = []
+        if done:
+            finished += done
+            assert mx.get_cache_memory() == 0
+        elif gen.groups:
+            assert mx.get_active_memory() > 0
+        if len(finished) == 2:
+            break
+    gen.close()
+    assert len(finished) == 2

@@ -8,9 +8,10 @@ frame, compute the final bits at every written index and check that the resultin
 is the target's. What remains for the safe point is `StagedPatch.commit`: scatter the final
 bits into the state, work proportional to the patch.
 
-Extra memory while staging: the decoded patch (~10 bytes per change) and one 8 MiB chunk, never
-a copy of a tensor: each touched tensor is hashed chunk by chunk with its staged bits laid over
-a copy of the chunk. The result equals applying the patches in order with `apply_patch` (the
+Extra memory while staging, about 6 bytes per change (an int32 index and the bf16 bits, held as
+decoded and kept as the staged writes), one frame's decoding buffers (frames are ~16 MiB of
+raw patch) and one 8 MiB chunk, never a copy of a tensor: each touched tensor is hashed chunk
+by chunk with its staged bits laid over a copy of the chunk. The result equals applying the patches in order with `apply_patch` (the
 tests check it bit for bit).
 """
 
@@ -39,7 +40,7 @@ class TensorWrite:
     """The final bits of one tensor at the flat indices a staged patch writes (sorted, unique)."""
 
     name: str
-    indices: np.ndarray  # int64
+    indices: np.ndarray  # int32 (int64 for a tensor of 2**31 elements or more)
     bits: np.ndarray  # uint16
 
 
@@ -98,21 +99,17 @@ def stage_patches(
             seen.add(i)
             for entry in index.frames[i].entries:
                 _check_target(state, entry.name, entry.shape, i)
-            for name, indices, values in decode_frame(index, i, data):
-                writes.setdefault(name, []).append((index.mode, indices, values))
+            for name, indices, values in decode_frame(index, i, data):  # compact indices held, not int64
+                writes.setdefault(name, []).append((index.mode, indices.astype(_index_dtype(state[name])), values))
         missing = sorted(set(range(len(index.frames))) - seen)
         if missing:
             raise ValueError(f"patch incomplete: frames {missing} missing")
+    changes = sum(int(indices.size) for parts in writes.values() for _, indices, _ in parts)
+    hashed = sum(int(state[name].size) for name in writes)
     staged, digests = [], dict(digest.digests)
     for name in sorted(writes):
         bits = state[name]
-        flat = bits.reshape(-1)
-        parts = [indices for _, indices, _ in writes[name]]
-        at = (parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))).astype(np.int64, copy=False)
-        final = flat[at]  # a copy: the bits at every written index, then each write in order
-        for mode, indices, values in writes[name]:
-            pos = np.searchsorted(at, indices)
-            final[pos] = values if mode == "abs" else from_rel_codes(final[pos], values)
+        at, final = _merge(bits.reshape(-1), writes.pop(name))  # decoded parts freed as they merge
         staged.append(TensorWrite(name, at, final))
         tic = time.perf_counter()
         digests[name] = _digest_with(name, bits, at, final, digest.dtype)
@@ -120,11 +117,27 @@ def stage_patches(
     result = StateDigest(digests, digest.dtype)
     if result.root() != expected:
         raise StageError(f"state digest {result.root()} != {expected} after staging {len(patches)} patch(es)")
-    return StagedPatch(
-        tuple(staged), result, changes=sum(int(idx.size) for ws in writes.values() for _, idx, _ in ws),
-        apply_s=time.perf_counter() - start - hash_s, hashed=sum(int(state[name].size) for name in writes),
-        hash_s=hash_s,
-    )
+    return StagedPatch(tuple(staged), result, changes=changes, apply_s=time.perf_counter() - start - hash_s,
+                       hashed=hashed, hash_s=hash_s)
+
+
+def _index_dtype(bits: np.ndarray) -> type[np.signedinteger]:
+    """int32 flat indices for a tensor of fewer than 2**31 elements, int64 beyond."""
+    return np.int32 if bits.size <= np.iinfo(np.int32).max else np.int64
+
+
+def _merge(flat: np.ndarray, parts: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted unique flat indices that `parts` (mode, indices, values) write and the final
+    bits there, the parts applied in order."""
+    if len(parts) == 1:  # one frame of one patch: its indices are already sorted and unique
+        mode, at, values = parts[0]
+        return at, (values if mode == "abs" else from_rel_codes(flat[at], values))
+    at = np.unique(np.concatenate([indices for _, indices, _ in parts]))
+    final = flat[at]  # a copy: the bits at every written index, then each write in order
+    for mode, indices, values in parts:
+        pos = np.searchsorted(at, indices)
+        final[pos] = values if mode == "abs" else from_rel_codes(final[pos], values)
+    return at, final
 
 
 def _digest_with(name: str, bits: np.ndarray, at: np.ndarray, final: np.ndarray, dtype: str) -> bytes:
