@@ -46,6 +46,7 @@ class Recording:
         return await self.inner(query)
 
 
+@pytest.mark.file_only  # the store is not under test here (test_eval_cli runs both backends)
 async def test_search_episodes_follow_the_worker_rules(
     store: Store, scripted_model_dir: Path, tmp_path: Path  # noqa: F811
 ) -> None:
@@ -118,6 +119,7 @@ async def eval_with_transformers(monkeypatch: pytest.MonkeyPatch, store_env: dic
     return json.loads(out.read_text())["versions"]
 
 
+@pytest.mark.file_only  # the store is not under test here (test_eval_cli runs both backends)
 async def test_cli_evaluates_every_version_with_transformers(
     store: Store, store_url: str, store_env: dict[str, str], synthetic_model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -131,6 +133,7 @@ async def test_cli_evaluates_every_version_with_transformers(
     assert 0.0 <= row["pass@1"] <= row["pass@k"] <= 1.0
 
 
+@pytest.mark.file_only  # the store is not under test here (test_eval_cli runs both backends)
 async def test_cli_search_eval_with_transformers_reports_the_search_rate(
     store: Store, store_url: str, store_env: dict[str, str], scripted_model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
