@@ -119,6 +119,25 @@ async def eval_with_transformers(monkeypatch: pytest.MonkeyPatch, store_env: dic
     return json.loads(out.read_text())["versions"]
 
 
+async def test_the_model_folders_sampling_defaults_are_not_applied(
+    synthetic_model_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    """A generation_config.json that leaves only the likeliest token (min_p 1.0; real folders ship
+    top-k, top-p, min-p or penalties) is ignored: samples are drawn with the temperature alone."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(synthetic_model_dir, folder)
+    config = json.loads((folder / "generation_config.json").read_text()) if (folder / "generation_config.json").exists() else {}
+    config.update(min_p=1.0, do_sample=True)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    model, tok = load_hf_model(folder, "cpu")
+    task = Synthetic(generate_items(1, seed=1))
+    (group,) = await hf_answer_prompts(model, tok, task, [prompt_tokens(tok, task, task.items[0])], temperature=1.0,
+                                       max_tokens=12, k=4, stop=(), seed=0)
+    assert len({c.tokens for c in group}) > 1  # min_p 1.0 would give four equal (greedy) samples
+
+
 @pytest.mark.file_only  # the store is not under test here (test_eval_cli runs both backends)
 async def test_cli_evaluates_every_version_with_transformers(
     store: Store, store_url: str, store_env: dict[str, str], synthetic_model_dir: Path, tmp_path: Path,  # noqa: F811

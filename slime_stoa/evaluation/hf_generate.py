@@ -46,7 +46,8 @@ def default_device() -> str:
 
 
 def load_hf_model(folder: Path, device: str) -> tuple[Any, Any]:
-    """An HF model folder as (model, tokenizer) for sampling: bf16 on a GPU, float32 on a CPU."""
+    """An HF model folder as (model, tokenizer) for sampling: bf16 on a GPU, float32 on a CPU,
+    with none of the folder's sampling defaults."""
     import torch
     import transformers
 
@@ -54,6 +55,13 @@ def load_hf_model(folder: Path, device: str) -> tuple[Any, Any]:
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **{dtype_kw: dtype})
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    # The folder's generation_config.json may shape sampling (top-k, top-p, repetition penalty,
+    # as Qwen's does): `generate` would apply whatever a call leaves unset. Workers sample with
+    # the temperature alone, so only the special token ids are kept.
+    found = model.generation_config
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=found.bos_token_id, eos_token_id=found.eos_token_id, pad_token_id=found.pad_token_id,
+    )
     return model.to(device).eval(), tokenizer
 
 
