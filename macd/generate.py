@@ -67,9 +67,9 @@ def load_model(folder: Path | str) -> tuple[Any, Any]:
 
 def release_freed_buffers() -> None:
     """Hand the buffers MLX keeps for reuse back to the system (`mx.clear_cache`; mlx-lm does so
-    every few hundred decode steps). The worker calls it when groups finish and after an
-    install, so its memory is the weights and the live KV cache, not also the KV buffers of
-    sequences that ended; the next steps refill the cache with what one step needs."""
+    every 512 decode steps). The worker calls it when groups finish (`macd.worker.MemoryReleaser`),
+    so its memory is the weights and the live KV cache, not also the KV buffers of sequences
+    that ended; the next steps refill the cache with what one step needs."""
     mx.clear_cache()
 
 

@@ -49,10 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import ctypes
 import functools
 import logging
+import math
 import os
 import queue
 import random
@@ -349,20 +349,39 @@ def at_safe_point(groups: int, restarted_in_flight: bool, drained: int, drain_st
 
 
 def _insert_and_advance(gen: Any, inserts: list[tuple[list[int], _Started]], max_steps: int,
-                        interrupt: threading.Event) -> tuple[list[Any], int]:
-    """On the MLX thread: start `inserts`, then decode (`ContinuousGenerator.advance`). When
-    groups finish, what their sequences held goes back to the system: MLX's cached buffers and
-    the freed heap (measured on the bench's bf16 worker: RSS 1.18x weights + KV cache with both,
-    1.20-1.25x with MLX's cache only, 1.23x with neither)."""
-    from .generate import release_freed_buffers
-
+                        interrupt: threading.Event, release: Callable[[], Any] = lambda: None) -> tuple[list[Any], int]:
+    """On the MLX thread: start `inserts`, then decode (`ContinuousGenerator.advance`); when
+    groups finished, `release` (the worker's `MemoryReleaser`)."""
     for prompt, tag in inserts:
         gen.insert(prompt, tag)
     finished, steps = gen.advance(max_steps, interrupt)
     if finished:
+        release()
+    return finished, steps
+
+
+class MemoryReleaser:
+    """Hands what finished sequences held back to the system, at most every `every_s` seconds:
+    MLX's cached buffers (`release_freed_buffers`) and the freed heap (`return_freed_memory`).
+    Measured on the bench's bf16 worker: RSS 1.18x weights + KV cache with both, 1.20-1.25x with
+    MLX's cache only, 1.23x with neither. Throttled because a cleared cache costs the next decode
+    steps fresh allocations (mlx-lm itself clears every 512 steps). Call on the MLX thread."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self._last = -math.inf
+
+    def __call__(self) -> bool:
+        """Release now unless the last release was under `every_s` ago; whether it did."""
+        from .generate import release_freed_buffers
+
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
         release_freed_buffers()
         return_freed_memory()
-    return finished, steps
+        return True
 
 
 # -- tool tasks (macd/episodes.py, slime_stoa/tasks/tools.py) ----------------------------------------------------
@@ -662,6 +681,7 @@ class Worker:
         stop_watch = asyncio.create_task(stop.wait())
         stop_watch.add_done_callback(lambda _: self._wake_up())
         drained = 0  # decode steps since a new version asked to be installed
+        release = MemoryReleaser()  # what finished groups held, handed back (at most once a second)
         self._generating = True
         self._cohort_started = time.monotonic()
         try:
@@ -684,7 +704,7 @@ class Worker:
                     continue
                 draining = pending is not None and drained < self.options.swap_drain_steps
                 steps = self.options.swap_drain_steps - drained if draining else STEPS_PER_CALL
-                finished, taken = await self.mlx.run(_insert_and_advance, gen, inserts, steps, self._poke)
+                finished, taken = await self.mlx.run(_insert_and_advance, gen, inserts, steps, self._poke, release)
                 drained += taken if pending is not None else 0
                 for group in finished:
                     done.put_nowait(self._score(group, task, feed.picker, manifest))
@@ -1005,12 +1025,23 @@ def return_freed_memory() -> None:
     buffer stays in its heap, and a Linux worker looks a copy of the weights bigger than it is.
     A fixed threshold keeps every block over 128 KiB mmap-backed. macOS's allocator returns large
     freed regions by itself (and MLX keeps its GPU buffers in Metal)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> Any:
+    """glibc with every block over 128 KiB mmap-backed (set once); None elsewhere."""
     if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        return None
+    try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, 128 << 10)
-        libc.malloc_trim(0)
+        libc.malloc_trim  # noqa: B018  # not glibc: AttributeError
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter

@@ -23,7 +23,7 @@ pytest.importorskip("bm25s")
 
 from slime_stoa.cli import main
 from slime_stoa.evaluation.collect import read_split
-from slime_stoa.evaluation.hf_generate import hf_answer_prompts, load_hf_model
+from slime_stoa.evaluation.hf_generate import eos_ids, hf_answer_prompts, load_hf_model
 from slime_stoa.protocol.store import Store
 from slime_stoa.tasks.episode import extract_query
 from slime_stoa.tasks.prompting import prompt_tokens
@@ -85,6 +85,27 @@ async def test_search_episodes_follow_the_worker_rules(
     assert calls > 0 and set(tool.queries) == {QUERY} and len(tool.queries) >= calls
 
 
+@pytest.mark.file_only
+async def test_a_stop_string_is_matched_within_a_turn_only(
+    store: Store, scripted_model_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    """A stop string that would span a turn's start ("\n<": the prompt's or an observation's last
+    newline, then the scripted "<search>" or "<answer>") ends nothing, as on a worker: the
+    samples are those of a run without it."""
+    manifest = await seed_search_run(store, scripted_model_dir)
+    task = await read_split(store, manifest, "train")
+    tool = tool_for(task, ToolContext(run=RUN, store=store, data_dir=tmp_path / "data"))
+    model, tok = load_hf_model(scripted_model_dir, "cpu")
+    prompts = [prompt_tokens(tok, task, item) for item in task.items[:2]]
+    runs = [
+        await hf_answer_prompts(model, tok, task, prompts, temperature=1.0, max_tokens=MAX_TOKENS, k=4, stop=stop,
+                                seed=0, tool=tool)
+        for stop in (("</answer>",), ("</answer>", "\n<"))
+    ]
+    assert [[c.tokens for c in g] for g in runs[1]] == [[c.tokens for c in g] for g in runs[0]]
+    assert any(c.tool_calls for g in runs[1] for c in g)  # observations, hence turn starts after "\n", were crossed
+
+
 async def test_single_turn_samples_end_on_eos_a_stop_string_or_the_budget(
     synthetic_model_dir: Path,  # noqa: F811
 ) -> None:
@@ -101,7 +122,7 @@ async def test_single_turn_samples_end_on_eos_a_stop_string_or_the_budget(
             assert len(c.tokens) == 24 and "1" not in tok.decode(list(c.tokens))
         else:
             assert c.finish_reason == "stop"
-            eos = c.tokens[-1] in {tok.eos_token_id}
+            eos = c.tokens[-1] in eos_ids(model, tok)
             if not eos:  # stopped at the first token whose text holds the stop string
                 assert "1" in c.text and "1" not in tok.decode(list(c.tokens[:-1]))
     assert "stop" in finishes, finishes

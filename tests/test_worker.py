@@ -588,7 +588,7 @@ def test_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
     import mlx_lm
 
     from macd.generate import ContinuousGenerator, SamplingConfig
-    from macd.worker import _insert_and_advance
+    from macd.worker import MemoryReleaser, _insert_and_advance
 
     model, tok = mlx_lm.load(str(model_dir))
     gen = ContinuousGenerator(model, tok, SamplingConfig(temperature=1.0, max_tokens=24, group_size=4, seed=0),
@@ -597,14 +597,20 @@ def test_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
     inserts = [(prompt, i) for i in range(2)]
     finished: list = []
     for _ in range(200):
-        done, _ = _insert_and_advance(gen, inserts, 4, threading.Event())
+        done, _ = _insert_and_advance(gen, inserts, 4, threading.Event(), MemoryReleaser(every_s=0.0))
         inserts = []
         if done:
             finished += done
             assert mx.get_cache_memory() == 0
-        elif gen.groups:
-            assert mx.get_active_memory() > 0
         if len(finished) == 2:
             break
     gen.close()
     assert len(finished) == 2
+
+
+def test_memory_is_released_at_most_every_so_often() -> None:
+    from macd.worker import MemoryReleaser
+
+    release = MemoryReleaser(every_s=3600.0)
+    assert release() and not release() and not release()  # the first call releases, then it waits
+    assert MemoryReleaser(every_s=0.0)() and MemoryReleaser(every_s=0.0)()

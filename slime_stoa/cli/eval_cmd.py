@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, help="sampling temperature (default: the run manifest's)")
     p.add_argument("--pass-threshold", type=float, default=DEFAULT_PASS_THRESHOLD,
                    help="a sample passes with a reward at least this (default: 1.0)")
-    p.add_argument("--local", action="store_true", help="sample in-process with MLX instead of asking the fleet")
+    p.add_argument("--local", action="store_true", help="sample in-process (see --engine) instead of asking the fleet")
     p.add_argument("--engine", choices=ENGINES, default="mlx",
                    help="--local: sample with MLX (macd's path, the default) or transformers (the trainer box)")
     p.add_argument("--device", help="--local --engine transformers: torch device (default: cuda if available)")

@@ -78,6 +78,22 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def _turn_stop(matchers: Sequence[StopMatcher], width: int) -> Any:
+    """transformers stopping criteria ending a row once the tokens it generated in this call (one
+    turn) hold a stop string or a closed call: the episode's own test. transformers'
+    `stop_strings` would also match across the turn's start (prompt, observation), which the
+    episode, as on a worker, does not."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class TurnStop(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            done = [any(m.hit(row) for m in matchers) for row in input_ids[:, width:].tolist()]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([TurnStop()])
+
+
 class _Sampler:
     """Feeds `generate`'s tokens to episodes; one per eval call."""
 
@@ -115,13 +131,12 @@ class _Sampler:
             ids[row, width - len(history):] = torch.tensor(list(history), dtype=torch.long)
             mask[row, width - len(history):] = 1
         device = self.model.device
-        stop_strings = [*self.stops, *((self.fmt.call_close,) if self.fmt is not None else ())]
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
                 temperature=self.temperature, top_k=0, top_p=1.0, max_new_tokens=max_new,
                 eos_token_id=sorted(self.eos), pad_token_id=pad,
-                **({"stop_strings": stop_strings, "tokenizer": self.tokenizer} if stop_strings else {}),
+                stopping_criteria=_turn_stop((self._stop, self._call), width),
             )
         return [[int(t) for t in row] for row in out[:, width:].tolist()]
 
@@ -135,9 +150,7 @@ class _Sampler:
             action = ep.sampled(token, 0.0, eos=eos, stopped=stopped, called=called)
             if action != "continue":
                 return action
-        if ep.finish is None:  # generate stopped on something the episode does not end on
-            ep.finish = "length"
-        return "done"
+        raise RuntimeError("generate ended a sample its episode did not end (stopping rules out of step)")
 
     async def run(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[HfCompletion]]:
         episodes = [[self.new_episode() for _ in range(k)] for _ in prompts]

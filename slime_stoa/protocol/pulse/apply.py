@@ -126,7 +126,8 @@ def apply_patch(
 
 
 class ChangedIndices(Mapping[str, np.ndarray]):
-    """Read-only mapping: tensor name -> sorted unique int64 flat indices that `logs` wrote.
+    """Read-only mapping: tensor name -> sorted unique flat indices (int64, or int32 from staged
+    patches) that `logs` wrote.
 
     Names are known at once; each tensor's indices are computed on first access (then cached),
     so a receiver that needs only some of them pays only for those, on whichever thread reads
