@@ -12,8 +12,8 @@ prefill to its last token, so its recorded version and logprobs are exact.
 The weights are followed beside generation: polling, downloading, verifying (and on the int8
 plane patching the bf16 master) run on the asyncio side while the MLX thread generates. Only
 the install runs between two decode steps, at a safe point: when a version is ready the loop
-stops starting groups, lets those in flight run for at most `swap_drain_steps` more steps (a
-short drain), then drops the ones still unfinished, installs, and starts again on the new
+stops starting groups, lets those in flight run for at most `swap_drain_steps` more steps or
+`swap_drain_s` seconds, tool waits included (a short drain), then drops the ones still unfinished, installs, and starts again on the new
 weights, re-drawing the dropped prompts first. A group that straddles a swap is therefore never
 recorded: its tokens after the swap would come from other weights than its version says, so
 its logprobs would be wrong (the trainer's logprob-gap check and record validation rely on
@@ -125,6 +125,7 @@ class WorkerOptions:
     budget_patience_s: float = 10.0  # after this long without a new version, generate another round
     weights_poll_s: float = 1.0  # pointer poll interval while generating (syncs run beside generation)
     swap_drain_steps: int = 32  # at a new version: decode steps in-flight groups get to finish before the rest are dropped
+    swap_drain_s: float = 2.0  # ... and the longest that drain lasts, waits for tools included
     setup_retry_max_s: float = 30.0  # longest wait between two tries to read the run and its weights
     lock_wait_s: float = 0.0  # spool in use by a live process: wait this long for it to stop, then fail
     repeat_log_s: float = 60.0  # the same error again within this long is counted, not logged again
@@ -340,12 +341,13 @@ class _Feed:
         raise ValueError(f"no prompt of task {self.task.name} fits max_prompt_tokens ({self.manifest.max_prompt_tokens})")
 
 
-def at_safe_point(groups: int, restarted_in_flight: bool, drained: int, drain_steps: int) -> bool:
+def at_safe_point(groups: int, restarted_in_flight: bool, drained: int, drain_steps: int, expired: bool = False) -> bool:
     """Whether a waiting version may be installed now: nothing is in flight, or the short drain
-    (`drain_steps` decode steps) is over and no group restarted at the last swap still runs.
-    Every group is thus dropped at most once, and versions that come faster than groups finish
-    cannot starve them: the worker then installs a version about once per group's duration."""
-    return not groups or (drained >= drain_steps and not restarted_in_flight)
+    (`drain_steps` decode steps, or its time `expired`: episodes waiting for a slow tool take
+    no steps) is over and no group restarted at the last swap still runs. Every group is thus
+    dropped at most once, and versions that come faster than groups finish cannot starve them:
+    the worker then installs a version about once per group's duration."""
+    return not groups or ((drained >= drain_steps or expired) and not restarted_in_flight)
 
 
 def _insert_and_advance(gen: Any, inserts: list[tuple[list[int], _Started]], max_steps: int,
@@ -692,7 +694,9 @@ class Worker:
                     continue  # eval requests (macd/evaluate.py)
                 pending = self._pending
                 restarted = any(tag.restarted for tag in gen.tags())
-                if pending is not None and at_safe_point(gen.groups, restarted, drained, self.options.swap_drain_steps):
+                expired = pending is not None and time.perf_counter() - self._clock.asked >= self.options.swap_drain_s
+                if pending is not None and at_safe_point(gen.groups, restarted, drained, self.options.swap_drain_steps,
+                                                         expired):
                     await self._swap(gen, pending, feed)
                     drained = 0
                     continue

@@ -216,3 +216,37 @@ async def test_worker_runs_search_episodes_end_to_end(
         for f, s in zip(sample_fields(consumed), consumed.group.samples, strict=True):
             assert f["loss_mask"] == s.mask.tolist() and len(f["rollout_log_probs"]) == len(s.response_tokens)
             assert f["metadata"]["stoa_tool_calls"] == s.tool_calls
+
+
+@pytest.mark.file_only
+async def test_a_slow_tool_does_not_hold_a_new_version_back(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Episodes waiting for their tool take no decode steps, so a drain counted in steps alone
+    would wait for the tool (here: its 30 s timeout). The drain also ends after `swap_drain_s`:
+    the waiting groups are dropped and restart on the new weights."""
+    from tests.conftest import async_wait_until
+    from tests.test_worker import scrambled
+
+    class Slow:
+        async def __call__(self, query: str) -> str:
+            await asyncio.sleep(600)
+            return "never"
+
+    monkeypatch.setitem(tools._FACTORIES, "search", lambda task, ctx: Slow())
+    await seed_search_run(store, model_dir)
+    config = DaemonConfig(store=store_url, run=RUN, name="slow-mac", worker_id="slow-mac-1", data_dir=tmp_path / "d", batch=2)
+    worker = Worker(config, store, WorkerOptions(seed=3, heartbeat_s=0.5, weights_poll_s=0.05, swap_drain_s=1.0))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    try:
+        await async_wait_until(lambda: worker.groups_in_flight >= 1 or run.done(), timeout=60, message="groups in flight")
+        pub = Publisher(store, RUN, PublisherConfig(extras_dir=model_dir))
+        await pub.open()
+        await pub.publish(scrambled(load_hf_state(model_dir), np.random.default_rng(1)))
+        await async_wait_until(lambda: worker.swaps or run.done(), timeout=60, message="the swap to v1")
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 120) == 0
+    (swap, *_) = worker.swaps
+    assert swap.version == 1 and swap.drain_s < 10.0  # not the tool's 30 s timeout

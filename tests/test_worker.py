@@ -546,6 +546,8 @@ def test_a_group_is_dropped_at_most_once() -> None:
     assert at_safe_point(0, False, 0, 32)  # nothing in flight
     assert not at_safe_point(3, False, 31, 32)  # draining
     assert at_safe_point(3, False, 32, 32)  # drained: the rest is dropped
+    assert at_safe_point(3, False, 0, 32, expired=True)  # out of time (e.g. every episode waits for its tool)
+    assert not at_safe_point(3, True, 0, 32, expired=True)  # a restarted group still runs to its end
     assert not at_safe_point(3, True, 500, 32)  # a restarted group runs: wait for it
     assert at_safe_point(0, True, 0, 32)
 
