@@ -351,7 +351,7 @@ def at_safe_point(groups: int, restarted_in_flight: bool, drained: int, drain_st
 
 
 def _insert_and_advance(gen: Any, inserts: list[tuple[list[int], _Started]], max_steps: int,
-                        interrupt: threading.Event, release: Callable[[], Any] = lambda: None) -> tuple[list[Any], int]:
+                        interrupt: threading.Event, release: Callable[[], Any]) -> tuple[list[Any], int]:
     """On the MLX thread: start `inserts`, then decode (`ContinuousGenerator.advance`); when
     groups finished, `release` (the worker's `MemoryReleaser`)."""
     for prompt, tag in inserts:

@@ -110,11 +110,10 @@ class _Sampler:
         self.stops = (*stop, self.fmt.answer_close) if self.fmt is not None else tuple(stop)
         self._stop = StopMatcher(tokenizer, self.stops)
         self._call = StopMatcher(tokenizer, (self.fmt.call_close,) if self.fmt is not None else ())
-        self.generator = None
-        if seed is not None:
+        if seed is not None:  # `generate` samples from torch's global generator
             import torch
 
-            self.generator = torch.manual_seed(seed)
+            torch.manual_seed(seed)
 
     def new_episode(self) -> Episode:
         return Episode(budget=self.max_tokens, max_turns=self.fmt.max_turns if self.fmt is not None else 1)

@@ -424,6 +424,18 @@ class ChaosRun:
         }
 
 
+def assert_reconciled(report: dict[str, Any], left: list[Any], seed: int, log: list[str]) -> str:
+    """The end-of-run reconciliation every chaos test holds to: no process left, nothing lost,
+    doubled, reused beyond the limit, mismatched or crashed, no invalid group used. Returns the
+    seed-and-log text for the caller's own assertions."""
+    where = f"seed {seed} (STOA_TEST_SEED={seed} replays it); log:\n" + "\n".join(log[-40:])
+    assert left == [], f"{left}; {where}"
+    for name in ("groups_lost", "duplicates", "reused_beyond_limit", "digest_mismatches", "trainer_crashes", "worker_crashes"):
+        assert report[name] == 0, f"{name} = {report[name]}: {report['details']}; {where}"
+    assert report["invalid_used"] == [], f"{report['invalid_used']}; {where}"
+    return where
+
+
 async def test_a_run_survives_chaos(s3_server: Any, tmp_path: Path, chaos_plan: ChaosPlan) -> None:
     seed = random_seed()
     bucket = s3_server.create_bucket()
@@ -453,11 +465,7 @@ async def test_a_run_survives_chaos(s3_server: Any, tmp_path: Path, chaos_plan: 
         if os.environ.get("STOA_CHAOS_JSON"):
             Path(os.environ["STOA_CHAOS_JSON"]).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
         print(json.dumps(report, indent=2, sort_keys=True))
-    where = f"seed {seed} (STOA_TEST_SEED={seed} replays it); log:\n" + "\n".join(run.log[-40:])
-    assert left == [], f"{left}; {where}"
-    for name in ("groups_lost", "duplicates", "reused_beyond_limit", "digest_mismatches", "trainer_crashes", "worker_crashes"):
-        assert report[name] == 0, f"{name} = {report[name]}: {report['details']}; {where}"
-    assert report["invalid_used"] == [], f"{report['invalid_used']}; {where}"
+    where = assert_reconciled(report, left, seed, run.log)
     # Every kill happened and the forged records were refused.
     kills = report["faults_injected"]
     for point in ("generation", "spooling", "upload", "swap"):
@@ -520,11 +528,7 @@ async def test_a_learner_restarted_from_an_earlier_checkpoint(s3_server: Any, tm
         left = processes_left(run.processes, str(tmp_path))
         report["processes_left"] = len(left)
         print(json.dumps(report, indent=2, sort_keys=True))
-    where = f"seed {seed} (STOA_TEST_SEED={seed} replays it); log:\n" + "\n".join(run.log[-40:])
-    assert left == [], f"{left}; {where}"
-    for name in ("groups_lost", "duplicates", "reused_beyond_limit", "digest_mismatches", "trainer_crashes", "worker_crashes"):
-        assert report[name] == 0, f"{name} = {report[name]}: {report['details']}; {where}"
-    assert report["invalid_used"] == [], f"{report['invalid_used']}; {where}"
+    where = assert_reconciled(report, left, seed, run.log)
     # v<head+1> restored v<back>: a new epoch, and what was trained in between is a branch left behind.
     assert (report["epoch"], report["abandoned"]) == (1, [[back + 1, head]]), where
     assert report["final_version"] >= head + 4 and report["used_after_restore"] > 0, where
