@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from slime_stoa.protocol.cli_fields import Flag
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import check_name, check_worker_id
 from slime_stoa.protocol.run_manifest import Plane, read_run_manifest
@@ -40,7 +41,7 @@ from slime_stoa.protocol.store import Credentials, Store, open_store, parse_stor
 from slime_stoa.protocol.store.credentials import credentials_in, read_env_file
 from slime_stoa.protocol.store.split import SplitStore
 
-from .doctor import memory_bytes, tier_for
+from .machine import memory_bytes, tier_for
 
 CONFIG_ENV = "MACD_CONFIG"
 CONFIG_NAME = "macd.toml"
@@ -129,31 +130,58 @@ def _tier_batch() -> int:
     return tier_for(memory_bytes()).batch
 
 
-def _doc(text: str, **kwargs: Any) -> Any:
-    """A dataclass field documented in place (the text also heads the key in the TOML file)."""
-    return field(metadata={"doc": text}, **kwargs)
+def _doc(text: str, *, join: Flag | str | None = None, run: Flag | str | None = None, **kwargs: Any) -> Any:
+    """A dataclass field documented in place: `text` heads its key in the TOML file; `join` and
+    `run` make it an option of `macd join` / `macd run` with that help (`slime_stoa.protocol.cli_fields`)."""
+    flags = {key: flag for key, flag in (("join", join), ("run", run)) if flag is not None}
+    return field(metadata={"doc": text, **flags}, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
-    """Everything `macd run` needs besides what the run manifest in the bucket says."""
+    """Everything `macd run` needs besides what the run manifest in the bucket says.
 
-    store: str = _doc("Bucket URL of the run: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix.")
-    run: str = _doc("Run name: the daemon follows runs/<run>/ in that bucket.")
-    name: str = _doc("Display name of this worker in the fleet table (default: the host name).")
+    A field with `join=` is an option of `macd join` (`--worker-id` for `worker_id`), one with
+    `run=` an option of `macd run` that overrides the file's value for that run; the others are
+    edited in the file and kept when re-joining.
+    """
+
+    store: str = _doc(
+        "Bucket URL of the run: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix.",
+        join=Flag(
+            positional=True,
+            metavar="BUCKET_URL",
+            help="bucket URL: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix",
+        ),
+    )
+    run: str = _doc(
+        "Run name: the daemon follows runs/<run>/ in that bucket.",
+        join=Flag(required=True, help="run name (created by the operator with `stoa run create`)"),
+    )
+    name: str = _doc(
+        "Display name of this worker in the fleet table (default: the host name).",
+        join="this worker's name in the fleet table (default: the host name)",
+    )
     worker_id: str = _doc(
         "Stable id in the bucket's keys (heartbeat, rollout records): made once by `macd join` and "
-        "kept across restarts and re-joins of the same run. 1-48 lowercase letters, digits or '-'."
+        "kept across restarts and re-joins of the same run. 1-48 lowercase letters, digits or '-'.",
+        join="this worker's id in the bucket's keys, 1-48 lowercase letters, digits or '-' (default: "
+        "kept when re-joining the same run, else made from the name); two workers must never share one",
     )
-    data_dir: Path = _doc("Folder of the anchor cache and the upload spool (absolute; several GB for big models).")  # noqa: RUF009
+    data_dir: Path = _doc(  # noqa: RUF009
+        "Folder of the anchor cache and the upload spool (absolute; several GB for big models).",
+        join="anchor cache and spool folder (default: the user's data folder)",
+    )
     credentials_file: Path | None = _doc(  # noqa: RUF009
         "Env file (mode 0600) with the bucket credentials. Absent: the usual lookup (environment, "
         "~/.r2env, ~/.config/stoa/credentials.env, $STOA_ENV_FILE).",
+        join="use this existing env file (mode 0600) instead of writing one",
         default=None,
     )
     batch: int = _doc(
         "Prompts generated together, each becoming a group of the run's group size. Default: this "
         "machine's memory tier (`macd doctor`).",
+        join="prompts generated together (default: this machine's memory tier)",
         default_factory=_tier_batch,
     )
     max_decode: int = _doc("Most sequences decoding at once; 0: batch x group size, all at once.", default=0)
@@ -167,27 +195,49 @@ class DaemonConfig:
     wandb_project: str | None = _doc(
         "Weights & Biases project to log this worker's heartbeats to (worker/*, one W&B run per "
         "`macd run`; needs the wandb package). Absent: no W&B. `macd run --wandb-project` overrides it.",
+        run=Flag(
+            metavar="NAME",
+            help="log this worker's heartbeats (worker/*) to this Weights & Biases project (default: the "
+            "config's wandb_project; none: no W&B). Needs the wandb package; WANDB_MODE=offline keeps the run local",
+        ),
         default=None,
     )
     run_key: str = _doc(
         "The run key pinned at `macd join` (public key text, ed25519:...): weights, pointers and the "
         "run manifest must be signed by it or by a key it rotated to, else they are refused. Empty: "
         "the run manifest's own key is trusted at each start (an unsigned run: nothing is checked).",
+        join=Flag(
+            metavar="TEXT",
+            help="pin this run key (ed25519:..., from `stoa keys show`) instead of trusting the run manifest's "
+            "on first use; a run whose manifest names another key is refused",
+        ),
         default="",
     )
     worker_key: str = _doc(
         "Path of this worker's key file (mode 0600), installed by `macd join --worker-key`; it signs "
         "this worker's rollout records. Empty: no worker key.",
+        join=Flag(  # the file to install; the config keeps the installed copy's path
+            type=Path,
+            metavar="FILE",
+            help="this worker's key file from `stoa worker add` (mode 0600): installed beside the config, "
+            "it sets the worker id and signs this worker's records",
+        ),
         default="",
     )
     rollouts_store: str = _doc(
         "Least privilege: URL of a second bucket for this worker's rollout records and heartbeat "
         "(runs/<run>/rollouts|evals|workers/); the first (`store`) is then only read. Empty: one bucket.",
+        join=Flag(
+            metavar="URL",
+            help="least privilege: a second bucket for this worker's records and heartbeat; the run's bucket "
+            "is then only read (give the worker a read-only token for it)",
+        ),
         default="",
     )
     rollouts_credentials_file: Path | None = _doc(  # noqa: RUF009
         "Env file (mode 0600) with the credentials of `rollouts_store` (a token that may write that "
         "bucket only). Absent: the usual lookup.",
+        join=Flag(metavar="FILE", help="env file (mode 0600) with the --rollouts-store token (default: the usual lookup)"),
         default=None,
     )
 
@@ -227,11 +277,6 @@ class DaemonConfig:
             not isinstance(self.rollouts_credentials_file, Path) or not self.rollouts_credentials_file.is_absolute()
         ):
             raise ValueError(f"rollouts_credentials_file must be an absolute path, got {self.rollouts_credentials_file!r}")
-
-    @property
-    def is_remote(self) -> bool:
-        """Whether the store needs credentials (s3:// or r2://)."""
-        return not self.store.startswith("file://")
 
     def same_run(self, store: str, run: str) -> bool:
         """Whether this config already works for `run` in the bucket at `store`."""

@@ -33,7 +33,7 @@ import collections
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from slime_stoa.tasks.tools import Tool, call_tool
 
 from .generate import (
     FinishedGroup,
+    Generator,
     SamplingConfig,
     _as_wrapper,
     _batch_generator,
@@ -83,6 +84,21 @@ class _Group:
     tag: Any
     episodes: list[int]
     left: int
+
+
+class ToolGenerator(Generator, Protocol):
+    """A `macd.generate.Generator` of tool episodes: the `EpisodeGenerator` interface the worker's
+    tool hand-off uses (`take_calls` and `deliver` from the asyncio side)."""
+
+    @property
+    def waiting(self) -> int: ...  # episodes waiting for a tool
+
+    @property
+    def decoding(self) -> int: ...  # sequences in (or queued for) the batch
+
+    def take_calls(self) -> list[ToolCall]: ...
+
+    def deliver(self, episode: int, output: str) -> None: ...
 
 
 class EpisodeGenerator:
@@ -365,4 +381,4 @@ async def run_episodes(
     return [done[i] for i in range(len(prompts))]
 
 
-__all__ = ["EpisodeCompletion", "EpisodeGenerator", "ToolCall", "run_episodes"]
+__all__ = ["EpisodeCompletion", "EpisodeGenerator", "ToolCall", "ToolGenerator", "run_episodes"]

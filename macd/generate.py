@@ -44,30 +44,48 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model as build_from_config
+from mlx_lm.utils import load_tokenizer
 
 from slime_stoa.tasks.episode import StopMatcher
 
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
 
+Model = nn.Module  # an mlx-lm model
+Tokenizer = TokenizerWrapper
 
-def load_model(folder: Path | str) -> tuple[Any, Any]:
+
+def load_model(folder: Path | str) -> tuple[Model, Tokenizer]:
     """(model, tokenizer) of an HF/MLX model folder, loaded lazily: the weights are only read
-    when first used (the worker overwrites them with the synced state before that)."""
+    when first used."""
     loaded = mlx_lm.load(str(folder), lazy=True)  # (model, tokenizer) without return_config
     return loaded[0], loaded[1]
 
 
+def build_model(folder: Path | str) -> tuple[Model, Tokenizer]:
+    """(model, tokenizer) of an HF/MLX model folder's config and tokenizer files, built by
+    mlx-lm's own model classes (`mlx_lm.utils.load_model`), for weights the caller installs
+    (`macd.weights.LiveWeights.from_state`). Its parameters are bf16 placeholders never computed
+    (MLX is lazy); a folder without weight files is enough. Weight files, if any, are not read:
+    mapped lazily, they only shape a pre-quantized folder's layers."""
+    path = Path(folder)
+    model, config = build_from_config(path, lazy=True, strict=False)
+    model.set_dtype(mx.bfloat16)  # what the bf16 master's tensors are, so they fit
+    return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
 def release_freed_buffers() -> None:
     """Hand the buffers MLX keeps for reuse back to the system (`mx.clear_cache`; mlx-lm does so
-    every 512 decode steps). The worker calls it when groups finish (`macd.worker.MemoryReleaser`),
+    every 512 decode steps). The worker calls it when groups finish (`macd.mlx_thread.MemoryReleaser`),
     so its memory is the weights and the live KV cache, not also the KV buffers of sequences
     that ended; the next steps refill the cache with what one step needs."""
     mx.clear_cache()
@@ -231,6 +249,41 @@ class _Group:
     tag: Any
     uids: list[int]
     left: int  # samples not finished yet
+
+
+class Generator(Protocol):
+    """A generator of groups the worker's generation loop drives: `ContinuousGenerator`, or for a
+    tool task `macd.episodes.EpisodeGenerator` (`ToolGenerator`). Groups carry the tag they were
+    inserted with; call every method on the thread that owns MLX."""
+
+    steps: int  # decode steps taken
+    tokens: int  # tokens sampled (dropped groups' included)
+    tokens_dropped: int  # sampled for groups `discard` dropped
+
+    @property
+    def groups(self) -> int: ...  # groups not finished (running or queued)
+
+    @property
+    def sequences(self) -> int: ...  # sequences not finished
+
+    @property
+    def cache_bytes(self) -> int: ...  # bytes of KV cache held
+
+    def room(self, capacity: int) -> int: ...  # groups to insert to keep `capacity` sequences busy
+
+    def tags(self) -> list[Any]: ...  # the unfinished groups' tags, in insertion order
+
+    def insert(self, prompt: Sequence[int], tag: Any = None) -> None: ...
+
+    def step(self) -> list[FinishedGroup]: ...
+
+    def advance(self, max_steps: int, interrupt: threading.Event | None = None) -> tuple[list[FinishedGroup], int]: ...
+
+    def quiesce(self) -> list[Any]: ...  # drop every unfinished group so the weights may change; their tags
+
+    def discard(self) -> list[Any]: ...
+
+    def close(self) -> None: ...
 
 
 class ContinuousGenerator:

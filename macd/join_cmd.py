@@ -8,17 +8,47 @@ import asyncio
 import getpass
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from slime_stoa.protocol.cli_fields import add_field_options
 from slime_stoa.protocol.signing import PublicKey, write_private_file
 from slime_stoa.protocol.worker_keys import worker_key_bytes
 
 from . import config as cfg
+from .cmdline import add_config_option, config_path, error
 
 
-def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
+@dataclass(frozen=True, kw_only=True)
+class JoinInputs:
+    """The options of `macd join` that are not config fields: credentials to write, and whether to
+    check the bucket (with `--config`, every other option is a `DaemonConfig` field)."""
+
+    access_key_id: str | None = field(
+        default=None, metadata={"join": "bucket access key id (default: from the environment)"}
+    )
+    secret_access_key: str | None = field(
+        default=None,
+        metadata={
+            "join": "bucket secret key; visible to other users in `ps` and kept in shell history: prefer "
+            "AWS_SECRET_ACCESS_KEY in the environment, --credentials-stdin, or the prompt"
+        },
+    )
+    credentials_stdin: bool = field(
+        default=False,
+        metadata={"join": "read KEY=VALUE lines (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) from stdin"},
+    )
+    no_check: bool = field(default=False, metadata={"join": "write the config without contacting the bucket"})
+
+
+#: The fields a re-join of any run keeps from the previous config unless a flag sets them.
+KEPT_ON_REJOIN = ("batch", "max_decode", "transfer_concurrency", "spool_max_mb", "log_level", "wandb_project")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`macd join`: one option per `DaemonConfig` field with `join=` help (default None: not given,
+    so the previous config's value or the field's default), then the `JoinInputs` and `--config`."""
     join = sub.add_parser(
         "join",
         help="point this Mac at a run: write the config, check the bucket and the run",
@@ -28,70 +58,14 @@ def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
             "go to a separate env file only you can read, never into the config."
         ),
     )
-    join.add_argument(
-        "url",
-        metavar="BUCKET_URL",
-        help="bucket URL: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix",
-    )
-    join.add_argument("--run", required=True, help="run name (created by the operator with `stoa run create`)")
-    join.add_argument("--name", help="this worker's name in the fleet table (default: the host name)")
-    join.add_argument(
-        "--worker-id",
-        help="this worker's id in the bucket's keys, 1-48 lowercase letters, digits or '-' (default: "
-        "kept when re-joining the same run, else made from the name); two workers must never share one",
-    )
-    join.add_argument("--access-key-id", help="bucket access key id (default: from the environment)")
-    join.add_argument(
-        "--secret-access-key",
-        help="bucket secret key; visible to other users in `ps` and kept in shell history: prefer "
-        "AWS_SECRET_ACCESS_KEY in the environment, --credentials-stdin, or the prompt",
-    )
-    join.add_argument(
-        "--credentials-stdin",
-        action="store_true",
-        help="read KEY=VALUE lines (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) from stdin",
-    )
-    join.add_argument(
-        "--credentials-file",
-        type=Path,
-        help="use this existing env file (mode 0600) instead of writing one",
-    )
+    add_field_options(join, cfg.DaemonConfig, "join", with_defaults=False)
+    add_field_options(join, JoinInputs, "join", with_defaults=False)
     add_config_option(join)
-    join.add_argument("--data-dir", type=Path, help="anchor cache and spool folder (default: the user's data folder)")
-    join.add_argument("--batch", type=int, help="prompts generated together (default: this machine's memory tier)")
-    join.add_argument("--no-check", action="store_true", help="write the config without contacting the bucket")
-    join.add_argument(
-        "--run-key",
-        metavar="TEXT",
-        help="pin this run key (ed25519:..., from `stoa keys show`) instead of trusting the run manifest's "
-        "on first use; a run whose manifest names another key is refused",
-    )
-    join.add_argument(
-        "--worker-key",
-        type=Path,
-        metavar="FILE",
-        help="this worker's key file from `stoa worker add` (mode 0600): installed beside the config, "
-        "it sets the worker id and signs this worker's records",
-    )
-    join.add_argument(
-        "--rollouts-store",
-        metavar="URL",
-        help="least privilege: a second bucket for this worker's records and heartbeat; the run's bucket "
-        "is then only read (give the worker a read-only token for it)",
-    )
-    join.add_argument(
-        "--rollouts-credentials-file",
-        type=Path,
-        metavar="FILE",
-        help="env file (mode 0600) with the --rollouts-store token (default: the usual lookup)",
-    )
     join.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     from slime_stoa.protocol.store import StoreError
-
-    from .cli import error
 
     try:
         return _do_join(args)
@@ -103,13 +77,11 @@ def _do_join(args: argparse.Namespace) -> int:
     from slime_stoa.protocol.layout import check_name, check_worker_id
     from slime_stoa.protocol.store import parse_store_url
 
-    from .cli import config_path
-
     path = config_path(args)
-    location = parse_store_url(args.url)
+    location = parse_store_url(args.store)
     if location.scheme == "file" and location.path is not None and not location.path.is_absolute():
         # Kept absolute: the daemon (launchd) and `macd doctor` run from other folders.
-        args.url = f"file://{location.path.resolve()}"
+        args.store = f"file://{location.path.resolve()}"
     check_name("run", args.run)
     if args.worker_id is not None:
         check_worker_id(args.worker_id)
@@ -126,38 +98,37 @@ def _do_join(args: argparse.Namespace) -> int:
         worker_id = args.worker_id
         keep_id = old is not None and old.worker_id == worker_id
     else:
-        keep_id = old is not None and old.same_run(args.url, args.run)
+        keep_id = old is not None and old.same_run(args.store, args.run)
         worker_id = old.worker_id if keep_id and old else cfg.new_worker_id(name)
     data_dir = args.data_dir or (old.data_dir if old else cfg.default_data_dir())
     knobs: dict[str, Any] = {}
     if old is not None:
-        kept = ("batch", "max_decode", "transfer_concurrency", "spool_max_mb", "log_level", "wandb_project")
-        knobs = {k: getattr(old, k) for k in kept}
+        knobs = {k: getattr(old, k) for k in KEPT_ON_REJOIN}
     if args.batch is not None:
         knobs["batch"] = args.batch
     if args.run_key is not None:
         knobs["run_key"] = args.run_key
-    elif old is not None and old.same_run(args.url, args.run) and old.run_key:
+    elif old is not None and old.same_run(args.store, args.run) and old.run_key:
         knobs["run_key"] = old.run_key  # pinned before: kept
     if args.rollouts_store is not None:
         parse_store_url(args.rollouts_store)
         knobs["rollouts_store"] = args.rollouts_store
-    elif old is not None and old.same_run(args.url, args.run):
+    elif old is not None and old.same_run(args.store, args.run):
         knobs["rollouts_store"] = old.rollouts_store
     if args.rollouts_credentials_file is not None:
         file = Path(os.path.abspath(args.rollouts_credentials_file.expanduser()))
         if not file.exists():
             raise ValueError(f"credentials file {file} does not exist")
         knobs["rollouts_credentials_file"] = file
-    elif old is not None and old.same_run(args.url, args.run):
+    elif old is not None and old.same_run(args.store, args.run):
         knobs["rollouts_credentials_file"] = old.rollouts_credentials_file
     key_copy = worker_key_path_for(path) if worker_key is not None else None
     if key_copy is not None:
         knobs["worker_key"] = str(key_copy)
-    elif old is not None and old.same_run(args.url, args.run) and old.worker_id == worker_id:
+    elif old is not None and old.same_run(args.store, args.run) and old.worker_id == worker_id:
         knobs["worker_key"] = old.worker_key
     config = cfg.DaemonConfig(
-        store=args.url,
+        store=args.store,
         run=args.run,
         name=name,
         worker_id=worker_id,
@@ -302,8 +273,6 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> cfg.RunInfo | int:
     """Probe the bucket and the run; an exit status with the error printed when they are not usable."""
     from slime_stoa.protocol.store import open_store
 
-    from .cli import error
-
     async def probe() -> cfg.RunInfo:
         async with open_store(config.store, credentials=creds) as store:
             return await cfg.probe_run(store, config.run, pinned=config.run_key or None)
@@ -332,7 +301,7 @@ def join_report(
     config: cfg.DaemonConfig, path: Path, info: cfg.RunInfo | None, *, kept_id: bool, creds_written: bool
 ) -> list[str]:
     """What join did and what this Mac will do."""
-    from .doctor import memory_bytes
+    from .machine import memory_bytes
 
     who = f"worker {config.worker_id} ({'same id as before' if kept_id else 'new id'}), name {config.name!r}"
     lines = [f"joined run {config.run!r} in {config.store} as {who}", f"  config       {path}"]

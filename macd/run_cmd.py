@@ -12,10 +12,16 @@ import sys
 import threading
 from collections.abc import Callable
 
+from slime_stoa.protocol.cli_fields import add_field_options, field_values
 from slime_stoa.protocol.store import StoreConfigError, StoreError
 
+from . import config as cfg
+from .cmdline import add_config_option, config_path
 
-def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`macd run`: its own options, then the `DaemonConfig` fields with `run=` help (default None:
+    the config file's value)."""
     run = sub.add_parser(
         "run",
         help="run the worker in the foreground (SIGTERM or Ctrl-C: stop, flush uploads, exit 0)",
@@ -43,13 +49,7 @@ def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
         help="if another macd still holds this worker's spool, wait up to this long for it to stop "
         "(default 0: fail at once, naming its pid)",
     )
-    run.add_argument(
-        "--wandb-project",
-        default=None,
-        metavar="NAME",
-        help="log this worker's heartbeats (worker/*) to this Weights & Biases project (default: the "
-        "config's wandb_project; none: no W&B). Needs the wandb package; WANDB_MODE=offline keeps the run local",
-    )
+    add_field_options(run, cfg.DaemonConfig, "run", with_defaults=False)
     run.set_defaults(handler=handle)
 
 
@@ -143,15 +143,14 @@ async def run_daemon(args: argparse.Namespace, config) -> int:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from . import config as cfg
-    from .cli import config_path
     from .spool import SpoolError
     from .tracking import TrackingUnavailable, import_wandb
 
     try:
         config = cfg.load_config(config_path(args))
-        if args.wandb_project is not None:
-            config = dataclasses.replace(config, wandb_project=args.wandb_project)
+        given = {k: v for k, v in field_values(args, cfg.DaemonConfig, "run").items() if v is not None}
+        if given:
+            config = dataclasses.replace(config, **given)
         if config.wandb_project is not None:
             import_wandb()  # a missing package fails here, at once
     except (ValueError, TrackingUnavailable) as exc:

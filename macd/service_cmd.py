@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from . import config as cfg
+from .cmdline import add_config_option, config_path, error
 
 
-def add_parser(sub: argparse._SubParsersAction, add_config_option) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     specs = [
         ("install", "write the launchd agent (runs `macd run` at login, restarts it if it crashes)", _install),
         ("uninstall", "stop the agent and remove it", _uninstall),
@@ -57,7 +58,6 @@ def _service_call(fn):
     """Run a service handler; launchd and config errors become `error: ...` and exit 1."""
 
     def handler(args: argparse.Namespace) -> int:
-        from .cli import error
         from .service import ServiceError
 
         try:
@@ -77,7 +77,6 @@ def _agent(args: argparse.Namespace):
 @_service_call
 def _install(args: argparse.Namespace) -> int:
     from . import service
-    from .cli import config_path
 
     launchctl = service.Launchctl(dry_run=args.dry_run)
     launchctl.require()
@@ -143,7 +142,6 @@ def _uninstall(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     """Exit 0 when the agent runs, 3 when it does not, 1 when launchd cannot be asked."""
     from . import service
-    from .cli import config_path
 
     agent = _agent(args)
     launchctl = service.Launchctl(dry_run=args.dry_run)
@@ -256,7 +254,6 @@ def _print_log_tail(log: Path, count: int) -> None:
 
 def _logs(args: argparse.Namespace) -> int:
     from . import service
-    from .cli import error
 
     log = service.log_path(service.label_for(args.instance))
     if not log.exists() and sys.platform != "darwin":

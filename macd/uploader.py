@@ -51,7 +51,6 @@ class UploaderStats:
     """Counters since the uploader was created (for heartbeats and logs)."""
 
     uploaded: int = 0  # records written by us
-    bytes_uploaded: int = 0
     retries: int = 0  # failed attempts that will be retried
     duplicates_confirmed: int = 0  # key already held our exact bytes
     quarantined: int = 0  # key held other bytes: entry moved aside
@@ -231,7 +230,6 @@ class Uploader:
             return
         self.spool.remove(entry)
         self.stats.uploaded += 1
-        self.stats.bytes_uploaded += len(data)
 
     async def _resolve_existing(self, entry: SpoolEntry, data: bytes) -> None:
         """The key exists: confirm it holds our bytes, or quarantine the entry."""

@@ -4,10 +4,11 @@
 
 - ``"bf16"``: one copy of the weights. The master *is* the model: `from_state` installs each
   tensor into MLX and replaces it, in the caller's state mapping, by a writable numpy view of
-  the MLX parameter's memory (uint16 bits), so the subscriber patches the live weights in place
-  and digests exactly the bits the model computes with. Memory: 2 bytes per weight.
-  Nothing may write into such a state while the model computes: a worker stages and verifies a
-  patch beside the running model and writes it only at a safe point (`pulse.staged`). A state
+  the MLX parameter's memory (uint16 bits), so a patch written into the state writes the live
+  weights in place and the digest covers exactly the bits the model computes with. Memory: 2
+  bytes per weight. Nothing may write into such a state while the model computes: a worker's
+  deferred subscriber stages and verifies a patch beside the running model and the worker
+  commits it only at a safe point (`pulse.staged`, `macd.following`). A state
   tensor that is not the live view (after an anchor sync, which builds a new state) is
   installed and shared in its turn by `apply`.
 - ``"int8"``: Linear/Embedding layers are MLX affine-quantized (8 bits, groups of 64 along the
@@ -37,8 +38,8 @@ yields exactly their rows, which are scattered back. Tests check the result bit 
 quantizing the master from scratch.
 
 Threading: plain synchronous MLX code. Call it only from the thread that owns MLX.
-Load the model with ``mlx_lm.load(path, lazy=True)`` to avoid reading the folder's weights only
-to replace them in `from_state`.
+Build the model from its folder's config alone (`macd.generate.build_model`: no weights read,
+its placeholders never computed) and install the master with `from_state`.
 """
 
 from __future__ import annotations

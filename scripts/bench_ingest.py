@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from slime_stoa.judging.scoring import tokenizer_decode
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.records import (
     RolloutGroup,
@@ -49,10 +50,9 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.tiny_model import IM_END, build_tiny_model
 from slime_stoa.tasks import generate_items, make_task
-from slime_stoa.testing.s3server import LocalS3Server
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
 from slime_stoa.trainer.consumer.counting import CountingStore
-from slime_stoa.trainer.consumer.scoring import tokenizer_decode
+from tests.s3server import LocalS3Server
 
 RUN = "bench"
 G = 8

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.s3:
             import os
 
-            from slime_stoa.testing.s3server import LocalS3Server
+            from tests.s3server import LocalS3Server
 
             server = LocalS3Server().start()
             bucket = server.create_bucket()

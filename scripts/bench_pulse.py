@@ -472,7 +472,7 @@ async def bench_store(use_s3: bool):
             async with open_store(f"file://{tmp}") as store:
                 yield store, "local store (file://, temp folder)"
             return
-        from slime_stoa.testing.s3server import LocalS3Server
+        from tests.s3server import LocalS3Server
 
         with LocalS3Server() as server:
             bucket = server.create_bucket()

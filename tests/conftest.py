@@ -21,7 +21,7 @@ import pytest
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 
 from slime_stoa.protocol.store import Store, open_store
-from slime_stoa.testing.s3server import LocalS3Server
+from tests.s3server import LocalS3Server
 
 BACKENDS = ["file", "s3"]
 T = TypeVar("T")
@@ -133,13 +133,12 @@ async def store(store_url: str, store_env: dict[str, str]) -> AsyncIterator[Stor
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Tests that use `store`/`store_url` run once per backend."""
-    if (
-        "store_url" in metafunc.fixturenames
-        and "backend_param" not in metafunc.fixturenames
-        and not any(m.name == "file_only" for m in metafunc.definition.iter_markers())
-    ):
-        metafunc.parametrize("store_url", BACKENDS, indirect=True)
+    """Tests that use `store`/`store_url` run on the local folder; those marked `both_backends`
+    (where the backend matters: the store itself, names and paths, an end-to-end path per half)
+    run once per backend."""
+    if "store_url" in metafunc.fixturenames and "backend_param" not in metafunc.fixturenames:
+        both = any(m.name == "both_backends" for m in metafunc.definition.iter_markers())
+        metafunc.parametrize("store_url", BACKENDS if both else ["file"], indirect=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -150,7 +149,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "file_only: run a store test on the local backend only")
+    config.addinivalue_line("markers", "both_backends: run a store test on the local folder and on S3")
+    config.addinivalue_line("markers", "file_only: run a store test on the local backend only (the default)")
     config.addinivalue_line("markers", "slow: a long learning run, only with --slow or STOA_SLOW=1")
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
 

@@ -18,6 +18,7 @@ the rollout function returned it; the consumer's log goes to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -27,8 +28,12 @@ from collections.abc import MutableMapping
 from typing import Any
 
 
+@dataclasses.dataclass
 class Sample:
-    """slime's `Sample`, with the fields stoa sets and the defaults its data source relies on."""
+    """slime's `Sample` (slime/utils/types.py at SLIME_COMMIT): the same field names, order and
+    defaults, so constructing one with a field slime does not have fails here as it would there
+    (tests/test_slime_standins.py compares the two whenever slime is importable). Field types are
+    loosened where slime's name torch."""
 
     class Status(enum.Enum):
         PENDING = "pending"
@@ -37,11 +42,40 @@ class Sample:
         ABORTED = "aborted"
         FAILED = "failed"
 
-    def __init__(self, **fields: Any) -> None:
-        self.prompt = ""
-        self.group_index: int | None = None
-        self.index: int | None = None
-        self.__dict__.update(fields)
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
+    prompt: str | list[dict[str, str]] = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
+    multimodal_train_input_id: str | None = None
+    apply_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    response: str = ""
+    response_length: int = 0
+    label: str | None = None
+    reward: float | dict[str, Any] | None = None
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = dataclasses.field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    rollout_top_p_token_ids: Any = None
+    rollout_top_p_token_offsets: Any = None
+    rollout_routed_experts: Any = None
+    remove_sample: bool = False
+    teacher_log_probs: list[float] | None = None
+    status: Status = Status.PENDING
+    metadata: dict = dataclasses.field(default_factory=dict)
+    generate_function_path: str | None = None
+    custom_rm_path: str | None = None
+    train_metadata: dict | None = None
+    session_id: str | None = None
+    non_generation_time: float = 0.0
+    spec_info: Any = None
+    prefix_cache_info: Any = None
+
+
+#: The slime commit whose `Sample` and rollout output types the stand-ins copy.
+SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 
 
 def rollout_fn_train_output(samples: list[list[Any]], metrics: dict | None = None) -> types.SimpleNamespace:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from slime_stoa.judging.scoring import Rescorer
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import published_digests
 from slime_stoa.protocol.pulse.publisher import Publisher
@@ -17,8 +18,13 @@ from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.validate import RecordLimits, RecordRejected
 from slime_stoa.tasks import make_task
 from slime_stoa.tasks.synthetic import generate_items
-from slime_stoa.trainer.consumer.admission import ALL_REASONS, CONSUMER_REASONS, check_published, judge_record
-from slime_stoa.trainer.consumer.scoring import Rescorer
+from slime_stoa.trainer.consumer.admission import (
+    ALL_REASONS,
+    CONSUMER_REASONS,
+    UnpublishedVersion,
+    check_published,
+    judge_record,
+)
 from slime_stoa.trainer.consumer.state import ConsumerState, ReplayLedger, content_digest
 
 RUN = "run-1"
@@ -80,6 +86,9 @@ def test_records_must_claim_published_weights() -> None:
     check_published(group(), DIGESTS)
     assert reason(lambda: check_published(group(weight_version=3, state_digest="ef" * 16), DIGESTS)) == "version"
     assert reason(lambda: check_published(group(state_digest=DIGESTS[2]), DIGESTS)) == "digest"
+    with pytest.raises(UnpublishedVersion) as info:  # it names the version the record claims
+        check_published(group(weight_version=3, state_digest="ef" * 16), DIGESTS)
+    assert (info.value.reason, info.value.version) == ("version", 3)
     assert judge(group(), published=DIGESTS).group == group()
     assert reason(lambda: judge(group(weight_version=5), published=DIGESTS)) == "version"
     assert reason(lambda: judge(group(state_digest="ef" * 16), published=DIGESTS)) == "digest"

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.history import read_pointer, rebuild
+from slime_stoa.protocol.pulse.history import read_pointer
 from slime_stoa.protocol.pulse.publisher import PublishConflict, Publisher, PublisherConfig, PublishResult
+from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.store import open_store
 from slime_stoa.trainer.slime import publish as slime_hook
 from slime_stoa.trainer.slime.publish import Handoff, SyncPublisher

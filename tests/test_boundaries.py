@@ -10,14 +10,20 @@ A name matches a rule's module `m` when it is `m` or starts with `m.`, so `slime
     macd/               from this project, only slime_stoa.protocol and slime_stoa.tasks
     slime               only from slime_stoa/trainer/slime/
     macd                never from slime_stoa
-    aiobotocore, botocore, aiohttp   only from slime_stoa/protocol/store/s3.py (and the test S3 server)
+    aiobotocore, botocore, aiohttp   only from slime_stoa/protocol/store/s3.py
     mlx_lm              only from macd/generate.py
+    slime_stoa.cli      only from slime_stoa/cli/
+    slime_stoa.trainer.slime   never from slime_stoa/quickstart/
+
+and no import cycles: none between files (modules), none between the subpackages of any package
+(`slime_stoa.evaluation` and `slime_stoa.trainer`, say, counting every file below each).
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,33 +169,187 @@ BOUNDARIES: dict[str, dict[str, list[str]]] = {
     "slime_stoa_never_imports_macd": dict(
         files=["slime_stoa/"],
         forbidden=["macd"],
-        # `stoa eval --local` runs the worker's own MLX generation path in-process (worker extra),
-        # so a local score and a fleet score come from the same code.
-        except_files=["slime_stoa/evaluation/local.py"],
     ),
     "only_s3_backend_imports_boto": dict(
         files=["slime_stoa/", "macd/"],
         forbidden=["aiobotocore", "botocore", "aiohttp"],
-        except_files=[
-            "slime_stoa/protocol/store/s3.py",
-            # The test S3 server makes buckets with a plain sync botocore client: test set-up,
-            # not a second S3 client in the product.
-            "slime_stoa/testing/s3server.py",
-        ],
+        except_files=["slime_stoa/protocol/store/s3.py"],
     ),
     "only_macd_generate_imports_mlx_lm": dict(
         files=["slime_stoa/", "macd/"],
         forbidden=["mlx_lm"],
         except_files=["macd/generate.py"],
     ),
+    "only_cli_imports_cli": dict(
+        files=["slime_stoa/", "macd/"],
+        forbidden=["slime_stoa.cli"],
+        except_files=["slime_stoa/cli/"],
+    ),
+    "quickstart_never_imports_trainer_slime": dict(
+        files=["slime_stoa/quickstart/"],
+        forbidden=["slime_stoa.trainer.slime"],
+    ),
 }
-RULES = list(BOUNDARIES)
+
+
+# -- cycles ---------------------------------------------------------------------------------------
+
+
+Edges = dict[str, dict[str, str]]  # module -> {module it imports: where (`path:line`, the first)}
+
+
+def _project_module(root: Path, name: str) -> str | None:
+    """The module (file) of `root` that importing `name` names: `name` itself, else the nearest
+    enclosing module (an attribute path); None outside the scanned packages."""
+    parts = name.split(".")
+    if parts[0] not in PACKAGES:
+        return None
+    while parts and not _is_project_module(root, ".".join(parts)):
+        parts.pop()
+    return ".".join(parts) or None
+
+
+def module_edges(root: Path, graph: Iterable[Import]) -> Edges:
+    """The project-internal import graph between modules (each file a node; a package is its
+    `__init__.py`), every import counted (lazy ones too). Only the module named is an edge, not
+    the packages above it that Python also initialises."""
+    edges: Edges = {}
+    for imp in graph:
+        src = module_name(Path(imp.path))
+        for target in imp.targets:
+            dst = _project_module(root, target)
+            if dst is not None and dst != src:
+                edges.setdefault(src, {}).setdefault(dst, f"{imp.path}:{imp.line}")
+    return edges
+
+
+def _components(edges: Mapping[str, Mapping[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node, each sorted (Tarjan, iterative)."""
+    nodes = sorted(set(edges) | {d for out in edges.values() for d in out})
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in nodes:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def _shortest_cycle(edges: Mapping[str, Mapping[str, str]], start: str, within: set[str]) -> list[str]:
+    """The shortest cycle from `start` back to it inside the component `within` (breadth first,
+    neighbours in name order): [start, ..., start]."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(edges.get(node, ())):
+                if child not in within:
+                    continue
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if child not in came_from:
+                    came_from[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    raise AssertionError(f"{start} is on no cycle in {sorted(within)}")
+
+
+def cycles(edges: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """`a -> b -> a (where a imports b; where b imports a)` for each node on a cycle: the shortest
+    cycle through it, each cycle once (rotated to start at its smallest node)."""
+    out: dict[tuple[str, ...], str] = {}
+    for component in _components(edges):
+        members = set(component)
+        for node in component:
+            cycle = _shortest_cycle(edges, node, members)[:-1]
+            first = cycle.index(min(cycle))
+            cycle = cycle[first:] + cycle[:first] + [cycle[first]]
+            where = "; ".join(edges[a][b] for a, b in itertools.pairwise(cycle))
+            out.setdefault(tuple(cycle), f"{' -> '.join(cycle)} ({where})")
+    return sorted(out.values())
+
+
+def file_cycles(root: Path, graph: Iterable[Import]) -> list[str]:
+    """Import cycles between modules."""
+    return cycles(module_edges(root, graph))
+
+
+def packages_in(root: Path, packages: Iterable[str] = PACKAGES) -> list[str]:
+    """Every package (folder with an `__init__.py`) under `root/<package>/`, as a dotted name."""
+    return sorted(".".join(p.parent.relative_to(root).parts) for pkg in packages for p in (root / pkg).rglob("__init__.py"))
+
+
+def package_cycles(root: Path, graph: Iterable[Import]) -> list[str]:
+    """Import cycles between the subpackages of a package: for each package, the graph of its
+    direct subpackages, with an edge A -> B when any module at or below A imports one at or below
+    B (the modules directly in the package take no part)."""
+    edges = module_edges(root, graph)
+    found: list[str] = []
+    every = packages_in(root)
+    for package in every:
+        subs = [p for p in every if p.rpartition(".")[0] == package]
+
+        def sub_of(module: str, subs: list[str] = subs) -> str | None:
+            return next((p for p in subs if _under(module, [p])), None)
+
+        collapsed: Edges = {}
+        for src, out in edges.items():
+            a = sub_of(src)
+            for dst, where in out.items():
+                b = sub_of(dst)
+                if a is not None and b is not None and a != b:
+                    collapsed.setdefault(a, {}).setdefault(b, where)
+        found += cycles(collapsed)
+    return sorted(found)
+
+
+CYCLE_RULES: dict[str, Callable[[Path, list[Import]], list[str]]] = {
+    "no_import_cycles_between_files": file_cycles,
+    "no_import_cycles_between_packages": package_cycles,
+}
+RULES = [*BOUNDARIES, *CYCLE_RULES]
 
 
 def check_boundaries(root: Path) -> dict[str, list[str]]:
     """Each rule's violations in the tree at `root` (the folder holding slime_stoa/ and macd/)."""
     graph = import_graph(root)
-    return {rule: violations(graph, **spec) for rule, spec in BOUNDARIES.items()}
+    found = {rule: violations(graph, **spec) for rule, spec in BOUNDARIES.items()}
+    return found | {rule: check(root, graph) for rule, check in CYCLE_RULES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +432,67 @@ def test_relative_imports_resolve_from_modules_and_packages() -> None:
     assert _resolve(None, 1, "macd.cli", is_package=False) == "macd"
     assert _resolve("base", 1, "slime_stoa.protocol.store", is_package=True) == "slime_stoa.protocol.store.base"
     assert _resolve("layout", 2, "slime_stoa.protocol.store.s3", is_package=False) == "slime_stoa.protocol.layout"
+
+
+def test_checker_reports_cli_imports_and_quickstart_imports_of_trainer_slime(tmp_path: Path) -> None:
+    _clean_tree(tmp_path)
+    _write(tmp_path, "slime_stoa/cli/__init__.py", "from . import task_cmd\n")
+    _write(tmp_path, "slime_stoa/cli/task_cmd.py", "from slime_stoa.cli.common import error\n")
+    _write(tmp_path, "slime_stoa/cli/common.py", "")
+    _write(tmp_path, "slime_stoa/quickstart/__init__.py", "")
+    _write(tmp_path, "slime_stoa/quickstart/seeding.py", "def f():\n    from slime_stoa.cli.task_cmd import put\n")
+    _write(tmp_path, "slime_stoa/quickstart/run.py", "from ..trainer.slime.publish import publish\nfrom ..trainer import learner\n")
+    _write(tmp_path, "slime_stoa/trainer/learner.py", "from .slime.publish import publish\n")
+    _write(tmp_path, "slime_stoa/trainer/slime/publish.py", "")
+    found = check_boundaries(tmp_path)
+    assert found["only_cli_imports_cli"] == ["slime_stoa/quickstart/seeding.py:2: imports slime_stoa.cli.task_cmd"]
+    assert found["quickstart_never_imports_trainer_slime"] == [
+        "slime_stoa/quickstart/run.py:1: imports slime_stoa.trainer.slime.publish"
+    ]
+    assert sum(map(len, found.values())) == 2, found
+
+
+def test_checker_reports_file_cycles_with_where_each_import_is(tmp_path: Path) -> None:
+    _clean_tree(tmp_path)
+    _write(tmp_path, "macd/cli.py", "from . import run_cmd, join_cmd\n")
+    _write(tmp_path, "macd/run_cmd.py", "def f():\n    from .cli import error\n")
+    _write(tmp_path, "macd/join_cmd.py", "import macd.cli\n")
+    _write(tmp_path, "slime_stoa/protocol/pulse/__init__.py", "")
+    _write(tmp_path, "slime_stoa/protocol/pulse/a.py", "from .b import x\n")
+    _write(tmp_path, "slime_stoa/protocol/pulse/b.py", "\nfrom slime_stoa.protocol.pulse import c\n")
+    _write(tmp_path, "slime_stoa/protocol/pulse/c.py", "import importlib\n\nimportlib.import_module('slime_stoa.protocol.pulse.a')\n")
+    found = check_boundaries(tmp_path)
+    assert found["no_import_cycles_between_files"] == [
+        "macd.cli -> macd.join_cmd -> macd.cli (macd/cli.py:1; macd/join_cmd.py:1)",
+        "macd.cli -> macd.run_cmd -> macd.cli (macd/cli.py:1; macd/run_cmd.py:2)",
+        "slime_stoa.protocol.pulse.a -> slime_stoa.protocol.pulse.b -> slime_stoa.protocol.pulse.c -> "
+        "slime_stoa.protocol.pulse.a (slime_stoa/protocol/pulse/a.py:1; slime_stoa/protocol/pulse/b.py:2; "
+        "slime_stoa/protocol/pulse/c.py:3)",
+    ]
+    assert sum(map(len, found.values())) == 3, found
+
+
+def test_checker_reports_package_cycles_that_no_file_cycle_shows(tmp_path: Path) -> None:
+    _clean_tree(tmp_path)
+    _write(tmp_path, "slime_stoa/evaluation/__init__.py", "")
+    _write(tmp_path, "slime_stoa/evaluation/collect.py", "from slime_stoa.trainer.consumer.admission import judge\n")
+    _write(tmp_path, "slime_stoa/evaluation/fleet.py", "")
+    _write(tmp_path, "slime_stoa/trainer/consumer/__init__.py", "")
+    _write(tmp_path, "slime_stoa/trainer/consumer/admission.py", "")
+    _write(tmp_path, "slime_stoa/trainer/slime/rollout.py", "from slime_stoa.evaluation.fleet import post\n")
+    found = check_boundaries(tmp_path)
+    assert found["no_import_cycles_between_files"] == []
+    assert found["no_import_cycles_between_packages"] == [
+        "slime_stoa.evaluation -> slime_stoa.trainer -> slime_stoa.evaluation "
+        "(slime_stoa/evaluation/collect.py:1; slime_stoa/trainer/slime/rollout.py:1)"
+    ]
+    assert sum(map(len, found.values())) == 1, found
+    # A package importing its own subpackages, and they it, is no cycle between subpackages.
+    _write(tmp_path, "slime_stoa/trainer/slime/rollout.py", "from slime_stoa.trainer.consumer import admission\n")
+    assert check_boundaries(tmp_path)["no_import_cycles_between_packages"] == []
+
+
+def test_cycles_reports_each_cycle_once_from_its_smallest_module() -> None:
+    edges = {"b": {"c": "b.py:1"}, "c": {"a": "c.py:1", "b": "c.py:2"}, "a": {"b": "a.py:1"}, "d": {"a": "d.py:1"}}
+    assert cycles(edges) == ["a -> b -> c -> a (a.py:1; b.py:1; c.py:1)", "b -> c -> b (b.py:1; c.py:2)"]
+    assert cycles({"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}}) == []

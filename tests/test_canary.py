@@ -25,6 +25,7 @@ from slime_stoa.trainer.consumer.canary import (
     new_secret,
 )
 from slime_stoa.trainer.consumer.persistence import state_key
+from slime_stoa.trainer.consumer.quarantine import QuarantineConfig
 from tests.test_consumer import ITEMS, RUN, Tiny, make_group, now_ms, open_consumer, setup_run, tiny, upload  # noqa: F401
 
 
@@ -124,7 +125,7 @@ async def test_a_failed_canary_is_refused_and_quarantines(store: Store, store_ur
     await upload(store, forged, base + 1)
     await upload(store, make_group(tiny, worker="mac-f", seq=1, prompt_index=2), base + 2)
     await upload(store, make_group(tiny, worker="mac-h", seq=1, prompt_index=3), base + 3)
-    consumer = await open_consumer(store, tiny, store_url, canary_rate=1.0, quarantine_canary_strikes=1,
+    consumer = await open_consumer(store, tiny, store_url, canary=CanaryConfig(rate=1.0), quarantine=QuarantineConfig(canary_strikes=1),
                                    download_concurrency=1)
     batch = await consumer.next_batch(2, trainer_version=0)
     assert [g.worker for g in batch.groups] == ["mac-h", "mac-h"]  # honest canaries pass and are used
@@ -138,7 +139,7 @@ async def test_a_failed_canary_is_refused_and_quarantines(store: Store, store_ur
     # The bucket's copy of the state carries no secret (every worker can read it).
     await consumer.save_state()
     raw = await store.get_bytes(state_key(RUN))
-    secret = consumer._canary_secret
+    secret = consumer._trust.canary_secret
     assert secret.hex().encode() not in raw and base64.b64encode(secret) not in raw
     await consumer.close()
 
@@ -148,12 +149,12 @@ async def test_only_the_secret_subset_is_judged_strictly(
 ) -> None:
     await setup_run(store, tiny)
     key_file = tmp_path / "canary.key"
-    consumer = await open_consumer(store, tiny, store_url, canary_rate=0.5, canary_key_file=key_file,
-                                   quarantine_canary_strikes=1, download_concurrency=1)
+    consumer = await open_consumer(store, tiny, store_url, canary=CanaryConfig(rate=0.5, key_file=key_file),
+                                   quarantine=QuarantineConfig(canary_strikes=1), download_concurrency=1)
     canaries = [i for i in range(len(ITEMS)) if consumer.is_canary(i)]
     plain = [i for i in range(len(ITEMS)) if not consumer.is_canary(i)]
     assert canaries and plain  # 32 prompts at 50%
-    reopened = await open_consumer(store, tiny, store_url, canary_rate=0.5, canary_key_file=key_file)
+    reopened = await open_consumer(store, tiny, store_url, canary=CanaryConfig(rate=0.5, key_file=key_file))
     assert [i for i in range(len(ITEMS)) if reopened.is_canary(i)] == canaries  # the same secret, the same subset
     await reopened.close()
 
@@ -174,8 +175,8 @@ async def test_only_the_secret_subset_is_judged_strictly(
 
 async def test_a_canary_gap_measured_by_the_learner_is_a_strike(store: Store, store_url: str, tiny: Tiny) -> None:  # noqa: F811
     await setup_run(store, tiny)
-    consumer = await open_consumer(store, tiny, store_url, canary_rate=0.5, quarantine_canary_strikes=2,
-                                   canary_max_logprob_gap=0.1)
+    consumer = await open_consumer(store, tiny, store_url, canary=CanaryConfig(rate=0.5, max_logprob_gap=0.1),
+                                   quarantine=QuarantineConfig(canary_strikes=2))
     canaries = [i for i in range(len(ITEMS)) if consumer.is_canary(i)]
     plain = [i for i in range(len(ITEMS)) if not consumer.is_canary(i)]
     assert consumer.observe_logprob_gap("mac-f", 0.3, 8, prompt_index=plain[0]) == []  # not a canary: evidence only

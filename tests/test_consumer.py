@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from slime_stoa.judging.scoring import tokenizer_decode
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
@@ -46,7 +47,6 @@ from slime_stoa.trainer.consumer import (
 from slime_stoa.trainer.consumer.counting import CountingStore
 from slime_stoa.trainer.consumer.discovery import advance_cursor, cursor_cap, prune_seen
 from slime_stoa.trainer.consumer.policy import Candidate, all_equal, select
-from slime_stoa.trainer.consumer.scoring import tokenizer_decode
 from tests.conftest import async_wait_until
 
 RUN = "consume"
@@ -433,7 +433,20 @@ async def test_hostile_records_are_rejected_and_counted(store: Store, store_url:
     await consumer.close()
 
 
-async def test_records_must_claim_weights_the_trainer_published(store: Store, store_url: str, tiny: Tiny) -> None:
+async def test_records_must_claim_weights_the_trainer_published(
+    store: Store, store_url: str, tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slime_stoa.trainer.consumer import admission
+
+    decoded: list[int] = []  # the weight version of every record decoded
+
+    def load_record(*args: Any, **kw: Any) -> RolloutGroup:
+        group = real_load_record(*args, **kw)
+        decoded.append(group.weight_version)
+        return group
+
+    real_load_record = admission.load_record
+    monkeypatch.setattr(admission, "load_record", load_record)
     await setup_run(store, tiny, published=1)
     t = now_ms() - 10_000
     await upload(store, make_group(tiny, worker="liar", seq=0, weight_version=2), t)  # never published
@@ -447,15 +460,16 @@ async def test_records_must_claim_weights_the_trainer_published(store: Store, st
     # A record for v2 listed before v2 is published, judged after: the consumer reads the
     # published versions again (v2 is within the slack of the pointer's v1) and admits it.
     await upload(store, make_group(tiny, worker="fast", seq=0, weight_version=2, prompt_index=3), t + 3)
-    await consumer._poll_tail()  # listed (queued), not yet downloaded
+    await consumer._filler.poll_tail()  # listed (queued), not yet downloaded
     assert len(consumer.state_dict()["pending"]) == 1
     await publish_versions(store, 2)
     admitted = consumer.counters["admitted"]
-    consumer._launch(1)  # downloaded and judged without next_batch's own look at the pointer
+    consumer._downloads.launch(1)  # downloaded and judged without next_batch's own look at the pointer
     await async_wait_until(lambda: consumer.counters["admitted"] == admitted + 1, message="the v2 record admitted")
     batch = await consumer.next_batch(1, trainer_version=1)  # the trainer has not moved on
     assert [(g.worker, g.weight_version) for g in batch.groups] == [("fast", 2)]
     assert consumer.counters["rejected/version"] == 1
+    assert decoded.count(2) == 2  # the liar's v2 record and the fast one: each decoded once, judged after a read
     await consumer.close()
 
 

@@ -78,13 +78,13 @@ def test_stoa_run_create_sets_them(tmp_path, capsys: pytest.CaptureFixture) -> N
     from slime_stoa.cli import main
 
     url = f"file://{tmp_path}"
-    base = ["run", "create", url, "--model", "tiny", "--task", "synthetic"]
+    base = ["run", "create", "--store", url, "--model", "tiny", "--task", "synthetic"]
     assert main([*base, "--run", "on", "--dynamic-sampling", "--skip-solved-after", "2"]) == 0
     assert main([*base, "--run", "off"]) == 0
     capsys.readouterr()
     shown = {}
     for run in ("on", "off"):
-        assert main(["run", "show", url, "--run", run]) == 0
+        assert main(["run", "show", "--store", url, "--run", run]) == 0
         shown[run] = RunManifest.from_bytes(capsys.readouterr().out.encode())
     assert (shown["on"].dynamic_sampling, shown["on"].skip_solved_after) == (True, 2)
     assert (shown["off"].dynamic_sampling, shown["off"].skip_solved_after) == (False, 0)

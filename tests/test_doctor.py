@@ -23,7 +23,7 @@ def test_doctor_before_and_after_join(tmp_path: Path) -> None:
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     url = f"file://{bucket}"
-    assert stoa(["run", "create", url, "--run", "r", "--model", "m", "--task", "synthetic"]) == 0
+    assert stoa(["run", "create", "--store", url, "--run", "r", "--model", "m", "--task", "synthetic"]) == 0
     env = {**os.environ, "MACD_CONFIG": str(config)}
     join = subprocess.run([sys.executable, "-m", "macd", "join", url, "--run", "r", "--no-check",
                            "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, env=env, timeout=120)

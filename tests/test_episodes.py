@@ -284,7 +284,7 @@ def test_discard_drops_waiting_episodes_and_ignores_late_answers(loaded: tuple[A
 
 def test_mlx_work_can_run_on_its_own_thread(loaded: tuple[Any, Any], prompts: list[list[int]]) -> None:
     """As in the worker: every MLX call on one thread, the tools on the event loop."""
-    from macd.worker import MLXThread
+    from macd.mlx_thread import MLXThread
 
     mlx = MLXThread()
     loop_thread: list[int] = []

@@ -1,4 +1,4 @@
-"""`stoa eval --local`: every kept version sampled in-process with macd's MLX path, written as
+"""`stoa eval --local`: every kept version sampled with macd's MLX path (in its own process), written as
 CSV, JSON and a learning-curve PNG; and the command's refusals."""
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ pytest.importorskip("mlx_lm")
 
 from macd.config import DaemonConfig
 from macd.worker import Worker, WorkerOptions
-from slime_stoa.cli.task_cmd import put_task_objects, task_objects
 from slime_stoa.evaluation.collect import EvalCollector, open_eval_context
 from slime_stoa.evaluation.fleet import EvalTimeout, await_answers, post_request, read_request, version_result
 from slime_stoa.protocol.eval_request import EvalRequest
@@ -21,6 +20,7 @@ from slime_stoa.protocol.records import decode_group
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
+from slime_stoa.tasks.objects import put_task_objects, task_objects
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
 
 RUN = "eval-fleet"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from slime_stoa.cli import main
-from slime_stoa.cli.task_cmd import put_task_objects, task_objects
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
+from slime_stoa.tasks.objects import put_task_objects, task_objects
 from tests.test_eval_fleet import model_dir  # noqa: F401  (fixture)
 from tests.test_tasks import GSM8K_DIR, needs_gsm8k
 

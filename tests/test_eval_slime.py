@@ -32,7 +32,7 @@ def test_one_function_is_both_the_rollout_and_the_eval_path() -> None:
 
 
 def test_eval_settings_are_checked_before_anything_is_opened() -> None:
-    from slime_stoa.trainer.slime.rollout import eval_datasets_from_args
+    from slime_stoa.trainer.slime.eval_rollout import eval_datasets_from_args
 
     assert eval_datasets_from_args(types.SimpleNamespace(eval_prompt_data=["gsm8k-test", "test", "b", "dev"])) == [
         ("gsm8k-test", "test"), ("b", "dev"),

@@ -358,3 +358,34 @@ def test_room_keeps_one_group_queued_behind_a_full_batch(loaded: tuple[Any, Any]
         gen.advance(8)
     assert gen.room(8) == 3 and gen.tokens >= 12
     gen.close()
+
+
+def test_a_model_built_from_the_config_alone_takes_the_folders_weights(
+    tiny_path: Path, loaded: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """`build_model` reads config.json and the tokenizer files only (a folder without weight
+    files is enough); installed in memory, the folder's state gives the loaded model's logits."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    from macd.generate import build_model
+    from macd.weights import LiveWeights
+    from slime_stoa.protocol.hf.folders import hf_config_files, load_hf_state
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for path in hf_config_files(tiny_path):
+        shutil.copy(path, bare / path.name)
+    assert not list(bare.glob("*.safetensors"))
+    model, tokenizer = build_model(bare)
+    params = dict(tree_flatten(model.parameters()))
+    reference, ref_tok = loaded
+    assert params.keys() == dict(tree_flatten(reference.parameters())).keys()
+    assert {a.dtype for a in params.values()} == {mx.bfloat16}
+    assert tokenizer.eos_token_ids == ref_tok.eos_token_ids and tokenizer.encode("7 + 5 =") == ref_tok.encode("7 + 5 =")
+    state = load_hf_state(tiny_path)
+    live = LiveWeights.from_state(model, state, "bf16")
+    assert live.shares(state) and live.digest_check(state)
+    prompt = mx.array([ref_tok.encode("7 + 5 =")])
+    assert bool(mx.array_equal(model(prompt), reference(prompt)).item())

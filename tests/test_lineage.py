@@ -15,11 +15,11 @@ from slime_stoa.protocol.pulse.history import (
     read_lineage,
     read_manifest,
     read_pointer,
-    rebuild,
 )
 from slime_stoa.protocol.pulse.lineage import Lineage
 from slime_stoa.protocol.pulse.manifests import ManifestError, Origin, Pointer, Ref, VersionManifest
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.store import Store
 from tests.conftest import async_wait_until

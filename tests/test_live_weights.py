@@ -23,7 +23,6 @@ from slime_stoa.protocol.hf.folders import (
 )
 from slime_stoa.protocol.pulse.digest import state_digest
 from slime_stoa.protocol.pulse.publisher import Publisher
-from slime_stoa.protocol.pulse.staged import stage_patches
 from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncResult
 from slime_stoa.protocol.store import open_store
 from slime_stoa.quickstart.tiny_model import build_tiny_model
@@ -171,15 +170,17 @@ def assert_one_copy(live: LiveWeights, state: State) -> None:
     assert live.nbytes == sum(b.nbytes for b in state.values())
 
 
-async def staged_writer(state, digest, fetched, target):
-    """A subscriber writer as a worker's: stage and verify first, then write (here at once)."""
-    staged = stage_patches(state, digest, [(ref.index, frames) for ref, frames in fetched], target.state_digest)
-    return [staged.commit(state)], staged.digest
+async def sync_committed(sub: Subscriber) -> SyncResult | None:
+    """A sync; a deferred subscriber's staged version committed at once (a worker: at a safe point)."""
+    result = await sub.sync()
+    if result is not None and result.staged is not None:
+        sub.commit(result.staged)
+    return result
 
 
 async def test_one_copy_stays_bit_identical_to_a_fresh_load_over_20_patches(tiny: Path, tmp_path: Path) -> None:
     """bf16: the subscriber's state is the model's memory. Twenty patches, written in place by the
-    subscriber or staged and committed, leave it bit-identical to a freshly loaded model of the
+    subscriber or staged by a deferred one and committed, leave it bit-identical to a freshly loaded model of the
     published state; an anchor sync's new state is installed and shared in its turn."""
     rng = np.random.default_rng(5)
     state = load_hf_state(tiny)
@@ -192,8 +193,8 @@ async def test_one_copy_stays_bit_identical_to_a_fresh_load_over_20_patches(tiny
         for v in range(1, 21):
             state = nudge(state, rng)
             await pub.publish(state)
-            sub.writer = staged_writer if v % 2 else None
-            result = await sub.sync()
+            sub.deferred = bool(v % 2)
+            result = await sync_committed(sub)
             assert result is not None and result.version == v and result.path == "step"
             stats = live.apply(sub.state, result.changed, result.touched)
             assert stats.tensors == 0  # nothing to copy: the patch wrote the live weights
@@ -205,8 +206,8 @@ async def test_one_copy_stays_bit_identical_to_a_fresh_load_over_20_patches(tiny
         for _ in range(3):  # three versions behind: a catch-up patch or a chain, staged
             state = nudge(state, rng)
             await pub.publish(state)
-        sub.writer = staged_writer
-        result = await sub.sync()
+        sub.deferred = True
+        result = await sync_committed(sub)
         assert result is not None and result.version == 23 and not result.path.startswith("anchor")
         live.apply(sub.state, result.changed, result.touched)
         assert_one_copy(live, sub.state)

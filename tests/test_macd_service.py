@@ -46,7 +46,7 @@ def bucket(tmp_path: Path, home: Path) -> str:
     root = tmp_path / "bucket"
     root.mkdir()
     url = f"file://{root}"
-    assert stoa(["run", "create", url, "--run", "demo", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+    assert stoa(["run", "create", "--store", url, "--run", "demo", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                  "--task", "gsm8k", "--group-size", "6"]) == 0
     return url
 
@@ -165,7 +165,7 @@ def test_rejoin_keeps_the_worker_id(bucket: str, tmp_path: Path, capsys) -> None
     again = cfg.load_config(path)
     assert (again.worker_id, again.name, again.batch) == (first.worker_id, "first", 3)
     assert "same id as before" in capsys.readouterr().out
-    assert stoa(["run", "create", bucket, "--run", "other", "--model", "m", "--task", "synthetic"]) == 0
+    assert stoa(["run", "create", "--store", bucket, "--run", "other", "--model", "m", "--task", "synthetic"]) == 0
     assert macd(["join", bucket, "--run", "other", "--config", str(path)]) == 0
     assert cfg.load_config(path).worker_id != first.worker_id
 
@@ -308,7 +308,7 @@ def test_join_s3_checks(home: Path, tmp_path: Path, s3_server, s3_bucket: str, m
     assert macd(["join", missing, "--run", "demo", "--config", str(path)]) == 1
     assert "does not exist" in capsys.readouterr().err
 
-    assert stoa(["run", "create", url, "--run", "demo", "--model", "m", "--task", "synthetic"]) == 0
+    assert stoa(["run", "create", "--store", url, "--run", "demo", "--model", "m", "--task", "synthetic"]) == 0
     assert join(url, path) == 0  # credentials from the environment, saved for the agent
     out = capsys.readouterr().out
     assert "group size" in out and good.secret_access_key not in out

@@ -14,6 +14,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model, load_tokenizer
 
 # What macd/generate.py passes or reads (keep in step with it).
 USED = {
@@ -22,6 +23,8 @@ USED = {
     BatchGenerator.remove: {"uids"},
     mlx_lm.load: {"path_or_hf_repo", "lazy"},
     make_prompt_cache: {"model"},
+    load_model: {"model_path", "lazy", "strict"},
+    load_tokenizer: {"model_path", "eos_token_ids"},
 }
 RESPONSE_FIELDS = {"uid", "token", "logprobs", "finish_reason"}
 

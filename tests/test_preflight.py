@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from slime_stoa.cli import preflight_cmd
-from slime_stoa.cli.task_cmd import put_task_objects, task_objects
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import open_store
+from slime_stoa.tasks.objects import put_task_objects, task_objects
 from slime_stoa.trainer.slime import preflight
 from slime_stoa.trainer.slime.preflight import (
     FIX,

@@ -512,3 +512,81 @@ async def test_a_base_relative_catchup_serves_only_its_exact_base(store: Store) 
     assert [r.path for r in results if r is not None] == ["catchup", "step", "anchor+chain"]
     for sub in (at1, at2, tampered):
         assert_same(sub.state, states[3])
+
+
+# -- a deferred subscriber: sync stages, commit writes -------------------------------------------
+
+
+def copies(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: bits.copy() for name, bits in state.items()}
+
+
+async def test_a_deferred_sync_writes_nothing_until_committed(store: Store) -> None:
+    """Cold start, a step, a catch-up and a fallback past a corrupt patch: each sync returns the
+    verified version staged and leaves the state and the version alone; `commit` installs it,
+    `revert` undoes a patch's commit exactly."""
+    rng = np.random.default_rng(21)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
+    states = await publish_versions(pub, rng, 1)
+    result = await sub.sync()
+    assert result is not None and result.path == "anchor" and result.staged is not None
+    assert sub.state is None and sub.version is None and result.staged.state is not None
+    sub.commit(result.staged)
+    assert sub.version == 0 and sub.digest is not None and sub.digest.root() == pub.state_digest
+    assert_same(sub.state, states[0])
+
+    for behind in (1, 3):
+        states += await publish_versions(pub, rng, behind, step_state(states[-1], rng))
+        held, version = copies(sub.state), sub.version
+        result = await sub.sync()
+        assert result is not None and result.staged is not None and result.staged.patch is not None
+        assert result.path == ("step" if behind == 1 else result.path) and not result.path.startswith("anchor")
+        assert sub.version == version and sub.digest is not None and sub.digest.root() == result.staged.base
+        assert_same(sub.state, held)  # staging only reads
+        assert result.changed is not None and set(result.changed) == set(result.touched)
+        for name, at in result.changed.items():
+            assert not at.flags.writeable and np.all(np.diff(at) > 0)
+            changed = np.flatnonzero(held[name].reshape(-1) != states[-1][name].reshape(-1))
+            assert np.isin(changed, at).all(), name  # every changed element is named
+        done = sub.commit(result.staged)
+        assert sub.version == len(states) - 1 and sub.digest.root() == pub.state_digest
+        assert_same(sub.state, states[-1])
+        if behind == 1:
+            sub.revert(done)  # e.g. the model could not take it
+            assert sub.version == version and sub.digest.root() == result.staged.base
+            assert_same(sub.state, held)
+            with pytest.raises(ValueError, match="revert"):
+                sub.revert(done)
+            sub.commit(result.staged)
+            assert_same(sub.state, states[-1])
+
+    # a staged patch is committed only onto the state it was staged on
+    states += await publish_versions(pub, rng, 1, step_state(states[-1], rng))
+    result = await sub.sync()
+    assert result is not None and result.staged is not None
+    sub.state["norm"][0] ^= 1
+    sub.digest = StateDigest.of(sub.state)  # the held state moved on
+    with pytest.raises(ValueError, match="staged on state"):
+        sub.commit(result.staged)
+
+
+async def test_a_deferred_sync_past_a_corrupt_patch_stages_the_next_path(store: Store) -> None:
+    rng = np.random.default_rng(22)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
+    states = await publish_versions(pub, rng, 2)
+    result = await sub.sync()
+    assert result is not None and result.staged is not None
+    sub.commit(result.staged)
+    await pub.publish(step_state(states[-1], rng))
+    step = (await _manifest(store, 2)).patch("step")
+    assert step is not None
+    body = bytearray(await store.get_bytes(step.key))
+    body[len(body) // 2] ^= 0x40
+    await store.put(step.key, bytes(body))
+    held = copies(sub.state)
+    result = await sub.sync()
+    assert result is not None and result.path != "step" and result.staged is not None
+    assert sub.version == 1 and sub.state is not None
+    assert_same(sub.state, held)
+    sub.commit(result.staged)
+    assert sub.version == 2 and sub.digest is not None and sub.digest.root() == pub.state_digest

@@ -149,8 +149,8 @@ def test_decide_order_and_config_checks() -> None:
                 dict(window_samples=0), dict(enabled="yes"), dict(gap_floor=float("inf"))):
         with pytest.raises(ValueError):
             QuarantineConfig(**bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"ConsumerConfig\.quarantine_max_disagreement_rate"):
-        ConsumerConfig(store_url="file:///x", run="r", quarantine_max_disagreement_rate=2.0)
+    with pytest.raises(ValueError, match=r"ConsumerConfig\.quarantine must be a QuarantineConfig"):
+        ConsumerConfig(store_url="file:///x", run="r", quarantine={"min_samples": 5})  # type: ignore[arg-type]
 
 
 def test_records_json_round_trip_and_back_compat() -> None:
@@ -180,7 +180,7 @@ def lying_group(tiny: Tiny, worker: str, seq: int, i: int):  # noqa: F811
     return make_group(tiny, worker=worker, seq=seq, prompt_index=i, answers=[wrong(i)] * 4, worker_rewards=[1.0] * 4)
 
 
-QUICK = dict(quarantine_min_samples=8, download_concurrency=1, wait_timeout_s=5.0)
+QUICK = dict(quarantine=QuarantineConfig(min_samples=8), download_concurrency=1, wait_timeout_s=5.0)
 
 
 async def test_lying_worker_is_quarantined_and_its_groups_are_not_used(
@@ -243,7 +243,7 @@ async def test_honest_workers_are_not_quarantined(store: Store, store_url: str, 
         i = n % len(ITEMS)
         answers = [ITEMS[i].label if (n + k) % 3 else wrong(i) for k in range(4)]
         await upload(store, make_group(tiny, worker=w, seq=n // 3, prompt_index=i, answers=answers), base + n)
-    consumer = await open_consumer(store, tiny, store_url, quarantine_min_samples=8, quarantine_min_gap_tokens=64,
+    consumer = await open_consumer(store, tiny, store_url, quarantine=QuarantineConfig(min_samples=8, min_gap_tokens=64),
                                    filter_all_equal=False)
     batch = await consumer.next_batch(24, trainer_version=0)
     for g in batch.groups:  # the learner's per-group measurement
@@ -262,7 +262,7 @@ async def test_logprob_gap_quarantines_and_drops_buffered_groups(store: Store, s
         await upload(store, make_group(tiny, worker="mac-f", seq=i, prompt_index=i), base + i)
     for i in range(4):
         await upload(store, make_group(tiny, worker="mac-h", seq=i, prompt_index=4 + i), base + 4 + i)
-    consumer = await open_consumer(store, tiny, store_url, quarantine_min_gap_tokens=100, prefetch_groups=6,
+    consumer = await open_consumer(store, tiny, store_url, quarantine=QuarantineConfig(min_gap_tokens=100), prefetch_groups=6,
                                    admission_order="fifo")
     first = await consumer.next_batch(2, trainer_version=0)
     assert [g.worker for g in first.groups] == ["mac-f", "mac-f"]
@@ -281,8 +281,9 @@ async def test_logprob_gap_quarantines_and_drops_buffered_groups(store: Store, s
 
 
 def test_quarantine_settings_reach_the_consumer_config() -> None:
-    cfg = ConsumerConfig(store_url="file:///x", run="r", quarantine_min_samples=5, quarantine_max_gap_ratio=None)
-    assert cfg.quarantine_config == QuarantineConfig(min_samples=5, max_gap_ratio=None)
+    cfg = ConsumerConfig(store_url="file:///x", run="r", quarantine=QuarantineConfig(min_samples=5, max_gap_ratio=None))
+    assert cfg.quarantine == QuarantineConfig(min_samples=5, max_gap_ratio=None)
+    assert ConsumerConfig(store_url="file:///x", run="r").quarantine == QuarantineConfig()
 
 
 def test_fleet_shows_quarantined_workers(
@@ -297,7 +298,7 @@ def test_fleet_shows_quarantined_workers(
             for w in ("mac-h", "mac-f"):
                 await store.put(layout.heartbeat(w), Heartbeat(worker_id=w, name=w, status="generating",
                                                                updated_at=time.time()).to_bytes())
-            consumer = await open_consumer(store, tiny, store_url, quarantine_min_gap_tokens=100)
+            consumer = await open_consumer(store, tiny, store_url, quarantine=QuarantineConfig(min_gap_tokens=100))
             assert consumer.observe_logprob_gap("mac-f", 2.0, 500) == ["mac-f"]
             assert consumer.observe_logprob_gap("mac-gone", 3.0, 500) == ["mac-gone"]  # no heartbeat
             await consumer.save_state()

@@ -28,15 +28,17 @@ from tests.test_quickstart_signed import assert_ran_signed
 def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     summary_path = tmp_path / "summary.json"
-    args = ["quickstart", "--out", str(out), "--minutes", "2.5", "--max-versions", "45",
+    # Bounded by versions: the run ends at the target, or at 40 versions; the minutes only guard
+    # against a hang.
+    args = ["quickstart", "--out", str(out), "--minutes", "30", "--max-versions", "40", "--target", "0.6",
             "--kill-worker-at", "4", "--json", str(summary_path)]
     assert main(args) == 0
     s = json.loads(summary_path.read_text())
     # Learning: the warm start teaches the format only (a random shown digit scores 0.25), and
-    # the RL part takes the reward of every generated group from there to >= 0.6 (measured
-    # ~0.9 after 40 versions).
+    # the RL part takes the reward of every generated group from there to >= 0.6 within 40
+    # versions (measured: 0.6 near v15-20, ~0.9 after 40 versions).
     assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.6, s
-    assert s["versions"] >= 10
+    assert 5 <= s["versions"] <= 40
     # Every (worker, version) seen in the heartbeats held the published digest.
     assert s["digests_checked"] >= 4 and s["digest_mismatches"] == 0
     # The killed worker lost nothing: no sequence gaps, empty spools.
@@ -49,9 +51,9 @@ def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) ->
     assert (out / "learning_curve.png").stat().st_size > 10_000
     assert_ran_signed(out)  # the default path is the signed path
     # Rerunning the same command resumes the run from the bucket.
-    assert main(["quickstart", "--out", str(out), "--minutes", "0.3", "--max-versions", "2", "--json", str(summary_path)]) == 0
+    assert main(["quickstart", "--out", str(out), "--minutes", "30", "--max-versions", "2", "--json", str(summary_path)]) == 0
     again = json.loads(summary_path.read_text())
-    assert again["versions"] >= 1 and again["digest_mismatches"] == 0 and again["groups_lost"] == 0
+    assert again["versions"] == 2 and again["digest_mismatches"] == 0 and again["groups_lost"] == 0
     # ... and its summary and curve cover the whole run, not the rerun: the first RL version is
     # the run's (v0), every version's patch is there, the totals add up.
     assert s["first_version"] == again["first_version"] == 0
@@ -205,7 +207,7 @@ def test_a_sigkilled_quickstart_leaves_no_workers_and_resumes_exactly(tmp_path: 
     assert version >= 3 and batch * version <= counters["groups_used"] <= batch * (version + 1), counters
     assert counters.get("groups_reused", 0) == 0  # reuse limit 1
     summary = tmp_path / "again.json"
-    assert main(["quickstart", "--out", str(out), "--minutes", "2", "--max-versions", "2", "--warmup-steps", "50",
+    assert main(["quickstart", "--out", str(out), "--minutes", "30", "--max-versions", "2", "--warmup-steps", "50",
                  "--json", str(summary)]) == 0
     again = json.loads(summary.read_text())
     assert again["versions"] == 2 and again["groups_lost"] == 0 and again["digest_mismatches"] == 0
@@ -226,7 +228,7 @@ def test_quickstart_over_a_real_s3_server(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", creds.secret_access_key)
     url = f"s3://{s3_bucket}/quickstart-{tmp_path.name}?endpoint={s3_server.endpoint_url}"
     summary_path = tmp_path / "summary.json"
-    args = ["quickstart", "--out", str(tmp_path / "qs"), "--store", url, "--minutes", "2",
+    args = ["quickstart", "--out", str(tmp_path / "qs"), "--store", url, "--minutes", "30",
             "--max-versions", "4", "--json", str(summary_path)]
     assert main(args) == 0
     s = json.loads(summary_path.read_text())

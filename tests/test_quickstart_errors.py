@@ -87,7 +87,7 @@ def test_no_warm_start_run_says_where_and_how_to_inspect(tmp_path: Path) -> None
     pytest.importorskip("mlx_lm")
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
-    done = quickstart(tmp_path, "--no-warm-start", "--minutes", "0.5", "--max-versions", "1", timeout=300)
+    done = quickstart(tmp_path, "--no-warm-start", "--minutes", "30", "--max-versions", "1", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     out, bucket = done.stdout, f"file://{(tmp_path / 'qs' / 'bucket').resolve()}"
     assert f"new run 'quickstart' in bucket {bucket}" in out

@@ -21,7 +21,7 @@ from slime_stoa.quickstart.config import QuickstartConfig
 from slime_stoa.quickstart.progress import Progress, load_progress, save_progress
 from slime_stoa.quickstart.report import COLUMNS, ConsoleReport, curve_figure
 from slime_stoa.quickstart.run import summarize
-from slime_stoa.trainer.consumer.consumer import Batch
+from slime_stoa.trainer.consumer import Batch
 
 RUN = "quickstart"
 

@@ -50,14 +50,14 @@ def test_from_bytes_rejects_foreign_documents() -> None:
 
 def test_cli_create_and_show(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     url = f"file://{tmp_path}"
-    args = ["run", "create", url, "--run", "demo", "--model", "tiny", "--task", "synthetic", "--group-size", "4"]
+    args = ["run", "create", "--store", url, "--run", "demo", "--model", "tiny", "--task", "synthetic", "--group-size", "4"]
     assert main(args) == 0
     assert main(args) == 1
     assert "already exists" in capsys.readouterr().err
-    assert main(["run", "show", url, "--run", "demo"]) == 0
+    assert main(["run", "show", "--store", url, "--run", "demo"]) == 0
     shown = RunManifest.from_bytes(capsys.readouterr().out.encode())
     assert (shown.run, shown.task, shown.group_size) == ("demo", "synthetic", 4)
-    assert main(["run", "show", url, "--run", "nope"]) == 1
+    assert main(["run", "show", "--store", url, "--run", "nope"]) == 1
     assert "stoa run create" in capsys.readouterr().err
 
 

@@ -25,7 +25,7 @@ from slime_stoa.protocol.store.base import (
 from slime_stoa.protocol.store.credentials import Credentials
 from slime_stoa.protocol.store.retry import RetryPolicy, with_retries
 from slime_stoa.protocol.store.s3 import S3Store
-from slime_stoa.testing.s3server import LocalS3Server, free_ports, random_bucket_name
+from tests.s3server import LocalS3Server, free_ports, random_bucket_name
 
 MiB = 1 << 20
 FAST_RETRY = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.01)

@@ -27,7 +27,6 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from macd.config import DaemonConfig
 from macd.worker import Worker, WorkerOptions
-from slime_stoa.cli.task_cmd import put_task_objects
 from slime_stoa.protocol.hf.folders import bf16_bits_to_f32, f32_to_bf16_bits, load_hf_state, save_hf_folder
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
@@ -39,6 +38,7 @@ from slime_stoa.quickstart.seeding import synthetic_texts
 from slime_stoa.quickstart.tiny_model import build_tiny_model
 from slime_stoa.tasks import tools
 from slime_stoa.tasks.episode import extract_query
+from slime_stoa.tasks.objects import put_task_objects
 from slime_stoa.tasks.search import Search
 from slime_stoa.tasks.search.prepare import prepare_search
 from slime_stoa.tasks.search.retriever import Retriever, build_index

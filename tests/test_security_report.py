@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from slime_stoa.judging.scoring import Rescorer
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.hf.folders import INDEX_NAME, load_hf_state, safe_child
 from slime_stoa.protocol.layout import RolloutKey, RunLayout, check_name, check_worker_id
@@ -52,10 +53,9 @@ from slime_stoa.protocol.validate import REJECT_REASONS, RecordLimits, load_reco
 from slime_stoa.tasks import generate_items, make_task
 from slime_stoa.tasks.search.bundle import Chunk, IndexFile, IndexManifest, chunk_name, encode_manifest, parse_manifest
 from slime_stoa.tasks.search.retriever import INDEX_FILES
-from slime_stoa.testing.s3server import LocalS3Server
 from slime_stoa.trainer.consumer.admission import ALL_REASONS, judge_record
-from slime_stoa.trainer.consumer.scoring import Rescorer
 from slime_stoa.trainer.consumer.state import ReplayLedger
+from tests.s3server import LocalS3Server
 
 from . import test_hostile_names as hn
 from . import test_record_hostile as rh

@@ -1,18 +1,41 @@
-"""Plugin settings are derived from the config dataclasses, field by field, by type."""
+"""The plugin's settings: one `StoaSettings`, read from slime's args by walking its fields."""
 
 from __future__ import annotations
 
 import dataclasses
 from argparse import Namespace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_type_hints
 
 import pytest
 
 from slime_stoa.protocol.pulse.publisher import PublisherConfig
 from slime_stoa.trainer.consumer.config import ConsumerConfig
-from slime_stoa.trainer.slime import publish, rollout
-from slime_stoa.trainer.slime.settings import field_parsers
+from slime_stoa.trainer.loss_config import DPPOConfig
+from slime_stoa.trainer.slime import loss, settings
+from slime_stoa.trainer.slime.settings import Section, StoaSettings, parser_for, read, settings_from_args
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Every key users set: renaming one would silently ignore it in existing YAML files.
+KEYS = {
+    "stoa_bucket", "stoa_run", "stoa_rollouts_bucket", "stoa_run_key", "stoa_tokenizer_dir", "stoa_state_in_bucket",
+    "stoa_check_publishing", "stoa_publish_grace_s", "stoa_worker_metrics", "stoa_eval_prompts",
+    "stoa_staleness_limit", "stoa_reuse_limit", "stoa_wait_timeout_s", "stoa_poll_interval_s", "stoa_skew_window_ms",
+    "stoa_sweep_interval_s", "stoa_late_window_ms", "stoa_late_sweep_interval_s", "stoa_download_concurrency",
+    "stoa_max_download_attempts", "stoa_filter_all_equal", "stoa_verify_prompts", "stoa_reward_tolerance",
+    "stoa_quarantine_enabled", "stoa_quarantine_min_samples", "stoa_quarantine_window_samples",
+    "stoa_quarantine_max_disagreement_rate", "stoa_quarantine_min_gap_tokens", "stoa_quarantine_window_tokens",
+    "stoa_quarantine_max_logprob_gap", "stoa_quarantine_max_gap_ratio", "stoa_quarantine_gap_floor",
+    "stoa_quarantine_canary_strikes", "stoa_canary_rate", "stoa_canary_key_file", "stoa_canary_max_logprob_gap",
+    "stoa_canary_min_format_rate", "stoa_admission_order", "stoa_max_pool_groups", "stoa_prefetch_groups",
+    "stoa_version_ahead_slack", "stoa_progress_interval_s", "stoa_store_retry_max_delay_s", "stoa_registry_refresh_s",
+    "stoa_publish", "stoa_publish_retries", "stoa_publish_backoff_s", "stoa_background_publish",
+    "stoa_anchor_every", "stoa_anchor_fraction", "stoa_catchup", "stoa_mode", "stoa_frame_bytes", "stoa_shard_bytes",
+    "stoa_retain_anchors", "stoa_retain_versions", "stoa_extras_dir", "stoa_concurrency", "stoa_threads",
+    "dppo_delta_low", "dppo_delta_high", "dppo_ratio_cap", "dppo_dual_clip", "dppo_eps_clip", "dppo_eps_clip_high",
+    "dppo_reduction", "dppo_drgrpo_max_len",
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +49,7 @@ class _Example:
 
 
 def test_parsers_follow_the_field_types() -> None:
-    parsers = field_parsers(_Example)
+    parsers = {name: parser_for(hint) for name, hint in get_type_hints(_Example).items()}
     assert parsers["count"]("k", "3") == 3 and parsers["rate"]("k", 2) == 2.0
     assert parsers["on"]("k", "off") is False and parsers["mode"]("k", "b") == "b"
     assert parsers["limit"]("k", None) is None and parsers["limit"]("k", 4.0) == 4
@@ -34,34 +57,101 @@ def test_parsers_follow_the_field_types() -> None:
     for name, bad in [("count", 1.5), ("on", "maybe"), ("mode", ""), ("limit", True)]:
         with pytest.raises(ValueError, match="k must be"):
             parsers[name]("k", bad)
+    assert parser_for(dict[str, int]) is None
 
 
-def test_a_field_of_an_unknown_type_is_a_programming_error() -> None:
-    @dataclasses.dataclass
-    class Odd:
-        pairs: dict[str, int]
+def test_every_key_users_set_is_still_read() -> None:
+    assert StoaSettings.keys() == KEYS
+    from slime_stoa.trainer.slime.preflight import known_settings
 
-    with pytest.raises(AssertionError, match=r"Odd\.pairs"):
-        field_parsers(Odd)
-    assert field_parsers(Odd, exclude=("pairs",)) == {}
+    assert known_settings() == KEYS
 
 
-def test_every_config_field_is_a_setting_and_defaults_round_trip() -> None:
-    """A YAML that spells out every default gives the default configs back."""
-    consumer_defaults = ConsumerConfig(store_url="file:///b", run="r")
+def test_a_yaml_spelling_out_every_default_gives_the_defaults_back() -> None:
+    defaults = StoaSettings.from_args(Namespace(stoa_bucket="file:///b", stoa_run="r"))
+    assert defaults.consumer == ConsumerConfig(store_url="file:///b", run="r")
+    assert defaults.publisher == PublisherConfig() and defaults.dppo == DPPOConfig(reduction="seq_mean")
     args = Namespace(stoa_bucket="file:///b", stoa_run="r")
-    for name in rollout.CONFIG_FIELDS:
-        value = getattr(consumer_defaults, name)
-        if value is not None:
-            setattr(args, "stoa_" + name, value)
-    assert rollout.config_from_args(args) == consumer_defaults
-    # run_key comes from the run key file (stoa_run_key), rollouts_url from stoa_rollouts_bucket
-    derived = {"store_url", "run", "record_limits", "run_key", "rollouts_url"}
-    settable = {f.name for f in dataclasses.fields(ConsumerConfig)} - derived
-    assert set(rollout.CONFIG_FIELDS) == settable
-    assert {"rollouts_bucket", "run_key"} <= set(rollout.OTHER_SETTINGS)
+    for leaf in settings.leaves():
+        obj = defaults
+        for name in leaf.path:
+            obj = getattr(obj, name)
+        if leaf.key not in ("stoa_bucket", "stoa_run") and obj is not None:
+            setattr(args, leaf.key, obj)
+    assert StoaSettings.from_args(args) == defaults
 
-    for name in publish.CONFIG_FIELDS:
-        setattr(args, "stoa_" + name, getattr(PublisherConfig(), name))
-    assert publish.publisher_config_from_args(args) == ("file:///b", "r", PublisherConfig())
-    assert set(publish.CONFIG_FIELDS) == {f.name for f in dataclasses.fields(PublisherConfig)}
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Inner:
+    min_records: int = 3
+    cap: float | None = 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Outer:
+    quarantine: Inner = Inner()
+    flat: bool = False
+
+
+def test_nested_dataclasses_are_keys_with_their_field_name_as_prefix() -> None:
+    keys = {leaf.key for leaf in settings.leaves(Outer, Section(prefix="stoa_"))}
+    assert keys == {"stoa_quarantine_min_records", "stoa_quarantine_cap", "stoa_flat"}
+    args = Namespace(stoa_quarantine_min_records="5", stoa_quarantine_cap=None, stoa_flat="yes")
+    values, errors = read(Outer, args, Section(prefix="stoa_"))
+    assert not errors and values == {"quarantine": Inner(min_records=5, cap=None), "flat": True}
+    values, _ = read(Outer, args, Section(prefix="stoa_", null_is_default=True))
+    assert values["quarantine"] == Inner(min_records=5)  # null keeps the default
+    _, errors = read(Outer, Namespace(stoa_quarantine_min_records=1.5), Section(prefix="stoa_"))
+    assert [e.key for e in errors] == ["stoa_quarantine_min_records"]
+
+
+def test_errors_name_the_key() -> None:
+    base = {"stoa_bucket": "file:///b", "stoa_run": "r"}
+    for extra, key in [
+        ({"stoa_staleness_limit": -1}, "stoa_staleness_limit"),
+        ({"stoa_quarantine_min_samples": -1}, "stoa_quarantine_min_samples"),
+        ({"stoa_mode": "xor"}, "stoa_mode"),
+        ({"stoa_publish_retries": -1}, "stoa_publish_retries"),
+        ({"dppo_eps_clip_high": 0.3}, "dppo_eps_clip_high"),
+        ({"stoa_bucket": "ftp://x"}, "stoa_bucket"),
+    ]:
+        with pytest.raises(settings.SettingError, match=f"^{key}") as info:
+            StoaSettings.from_args(Namespace(**{**base, **extra}))
+        assert info.value.key == key
+    with pytest.raises(ValueError, match="needs the setting 'stoa_run'"):
+        StoaSettings.from_args(Namespace(stoa_bucket="file:///b"))
+    errors = StoaSettings.check(Namespace(stoa_run="r", stoa_anchor_every=0, dppo_delta_low=-1))
+    assert [(e.part, e.key) for e in errors] == [
+        ("shared", "stoa_bucket"), ("publisher", "stoa_anchor_every"), ("loss", "dppo_delta_low"),
+    ]
+
+
+def test_defaults_derived_from_slime_flags(tmp_path: Path) -> None:
+    args = Namespace(
+        stoa_bucket="file:///b", stoa_run="r", hf_checkpoint=str(tmp_path), use_wandb=True,
+        dppo_reduction="drgrpo", rollout_max_response_len=64,
+    )
+    got = StoaSettings.from_args(args)
+    assert got.publisher.extras_dir == tmp_path and got.worker_metrics is True and got.dppo.drgrpo_max_len == 64
+    args.stoa_extras_dir, args.stoa_worker_metrics = "", False
+    got = StoaSettings.from_args(args)
+    assert got.publisher.extras_dir is None and got.worker_metrics is False
+
+
+def test_parsed_once_while_the_settings_stay_the_same() -> None:
+    args = Namespace(stoa_bucket="file:///b", stoa_run="r", calculate_per_token_loss=True)
+    first = settings_from_args(args)
+    assert settings_from_args(Namespace(**vars(args))) is first
+    args.stoa_staleness_limit = 3
+    assert settings_from_args(args) is not first and settings_from_args(args).consumer.staleness_limit == 3
+    dppo = loss.config_from_args(args)
+    assert loss.config_from_args(args) is dppo  # not parsed again for every micro-batch
+    args.dppo_delta_low = 0.1
+    assert loss.config_from_args(args).delta_low == 0.1
+
+
+def test_the_docs_table_is_the_rendered_one() -> None:
+    doc = (REPO / "docs" / "slime.md").read_text(encoding="utf-8")
+    assert settings.doc_with_table(doc) == doc, (
+        "docs/slime.md's settings table is out of date: python -m slime_stoa.trainer.slime.settings docs/slime.md"
+    )

@@ -3,7 +3,6 @@ signed run refused and counted, with the trainer keeping its data, on both store
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -39,6 +38,7 @@ from slime_stoa.tasks import make_task
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.admission import CONSUMER_REASONS, SIGNATURE_REASONS, check_signature
 from slime_stoa.trainer.consumer.persistence import UntrustedState, state_key
+from tests.conftest import async_wait_until
 from tests.test_consumer import (
     ITEMS,
     MAX_TOKENS,
@@ -234,7 +234,7 @@ async def test_revocation_reaches_groups_waiting_in_the_pool(store: Store, store
     first = await consumer.next_batch(4, trainer_version=0)
     assert {g.worker for g in first.groups} == {"mac-a", "mac-b"}  # all four stay in the pool for a second use
     await update_registry(store, RUN, run.run_key, lambda r: revoke_worker(r, "mac-a", now=3.0))
-    await asyncio.sleep(0.05)
+    await async_wait_until(consumer._trust.signers_due)  # the next batch reads the registry again
     second = await consumer.next_batch(2, trainer_version=0)
     assert {g.worker for g in second.groups} == {"mac-b"} and {g.use for g in second.groups} == {2}
     assert consumer.counters["rejected/revoked"] == 2  # mac-a's two groups, dropped before their second use
@@ -398,7 +398,7 @@ async def test_stoa_worker_release_lifts_a_quarantine_through_the_registry(store
     assert "mac-a" in consumer.quarantined and consumer.counters["rejected/quarantined"] == 1
 
     await update_registry(store, RUN, run.run_key, lambda r: release_worker(r, "mac-a"))
-    await asyncio.sleep(0.05)
+    await async_wait_until(consumer._trust.signers_due)  # the next batch reads the registry again
     await put(store, signed(make_group(tiny, worker="mac-a", seq=1, prompt_index=1), run.workers["mac-a"]), "mac-a", 1, base + 1)
     batch = await consumer.next_batch(1, trainer_version=0)
     assert [g.worker for g in batch.groups] == ["mac-a"] and "mac-a" not in consumer.quarantined

@@ -10,9 +10,10 @@ import pytest
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.anchor import fetch_verified
-from slime_stoa.protocol.pulse.history import HistoryError, read_pointer, rebuild
+from slime_stoa.protocol.pulse.history import HistoryError, read_pointer
 from slime_stoa.protocol.pulse.manifests import AnchorFile, PatchRef
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
+from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.pulse.subscriber import Subscriber, WeightsRefused
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, read_run_manifest
 from slime_stoa.protocol.run_trust import (

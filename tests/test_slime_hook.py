@@ -24,17 +24,23 @@ from slime_stoa.protocol.pulse.publisher import (
     PublisherConfig,
     PublishError,
 )
+from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.store import StoreUnavailable, open_store
 from slime_stoa.trainer.slime import patching as aps
 from slime_stoa.trainer.slime import publish as slime_hook
-from slime_stoa.trainer.slime.publish import (
-    SyncPublisher,
-    chunks_to_state,
-    publish_with_retries,
-    publisher_config_from_args,
-    retry_settings_from_args,
-)
+from slime_stoa.trainer.slime.publish import SyncPublisher, chunks_to_state
+from slime_stoa.trainer.slime.settings import StoaSettings, leaves
+
+
+def publisher_settings(args: Namespace) -> tuple[str, str, PublisherConfig]:
+    settings = StoaSettings.from_args(args)
+    return settings.bucket, settings.run, settings.publisher
+
+
+def retry_settings(args: Namespace) -> tuple[int, float]:
+    settings = StoaSettings.from_args(Namespace(stoa_bucket="file:///b", stoa_run="r", **vars(args)))
+    return settings.publish_retries, settings.publish_backoff_s
 
 REPO = Path(__file__).resolve().parent.parent
 PATCH = REPO / "patches" / "slime_publish_weights.patch"
@@ -109,28 +115,29 @@ def test_chunks_to_state_rejects_bad_chunks(chunks, match: str) -> None:
 # -- settings -------------------------------------------------------------------------------------
 def test_config_needs_bucket_and_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="stoa_bucket"):
-        publisher_config_from_args(Namespace(stoa_run="r"))
+        publisher_settings(Namespace(stoa_run="r"))
     with pytest.raises(ValueError, match="stoa_run"):
-        publisher_config_from_args(Namespace(stoa_bucket=f"file://{tmp_path}"))
+        publisher_settings(Namespace(stoa_bucket=f"file://{tmp_path}"))
     with pytest.raises(ValueError, match="stoa_bucket: unsupported store URL"):
-        publisher_config_from_args(Namespace(stoa_bucket="ftp://x", stoa_run="r"))
+        publisher_settings(Namespace(stoa_bucket="ftp://x", stoa_run="r"))
     with pytest.raises(ValueError, match="stoa_run: invalid run name"):
-        publisher_config_from_args(Namespace(stoa_bucket=f"file://{tmp_path}", stoa_run="a/b"))
+        publisher_settings(Namespace(stoa_bucket=f"file://{tmp_path}", stoa_run="a/b"))
 
 
 def test_config_reads_every_publisher_field(tmp_path: Path) -> None:
-    assert set(slime_hook.CONFIG_FIELDS) == {f.name for f in dataclasses.fields(PublisherConfig)}
+    keys = {leaf.key for leaf in leaves() if leaf.path[0] == "publisher"}
+    assert keys == {"stoa_" + f.name for f in dataclasses.fields(PublisherConfig)}
     hf = tmp_path / "hf"
     hf.mkdir()
     url = "s3://bucket/prefix?endpoint=http://127.0.0.1:9"
     args = Namespace(stoa_bucket=url, stoa_run="run-1", hf_checkpoint=str(hf))
-    assert publisher_config_from_args(args) == (url, "run-1", PublisherConfig(extras_dir=hf))
+    assert publisher_settings(args) == (url, "run-1", PublisherConfig(extras_dir=hf))
     args = Namespace(
         stoa_bucket=url, stoa_run="run-1", hf_checkpoint=str(hf), stoa_anchor_every="10", stoa_anchor_fraction=0.25,
         stoa_catchup="false", stoa_mode="rel", stoa_frame_bytes=1 << 20, stoa_shard_bytes=1 << 22,
         stoa_retain_anchors=0, stoa_extras_dir="", stoa_concurrency=2, stoa_threads=None,
     )
-    _, _, config = publisher_config_from_args(args)
+    _, _, config = publisher_settings(args)
     assert config == PublisherConfig(
         anchor_every=10, anchor_fraction=0.25, catchup=False, mode="rel", frame_bytes=1 << 20,
         shard_bytes=1 << 22, retain_anchors=0, extras_dir=None, concurrency=2, threads=None,
@@ -138,15 +145,15 @@ def test_config_reads_every_publisher_field(tmp_path: Path) -> None:
     for key, bad, match in [
         ("stoa_anchor_every", "often", "stoa_anchor_every must be an integer"),
         ("stoa_catchup", "maybe", "stoa_catchup must be true or false"),
-        ("stoa_mode", "xor", "invalid stoa publisher settings: mode"),
+        ("stoa_mode", "xor", "stoa_mode: mode must be one of"),
         ("stoa_anchor_every", 0, "anchor_every must be >= 1"),
     ]:
         with pytest.raises(ValueError, match=match):
-            publisher_config_from_args(Namespace(stoa_bucket=url, stoa_run="r", **{key: bad}))
-    assert retry_settings_from_args(Namespace()) == (slime_hook.DEFAULT_RETRIES, slime_hook.DEFAULT_BACKOFF_S)
-    assert retry_settings_from_args(Namespace(stoa_publish_retries=5, stoa_publish_backoff_s="0.5")) == (5, 0.5)
+            publisher_settings(Namespace(stoa_bucket=url, stoa_run="r", **{key: bad}))
+    assert retry_settings(Namespace()) == (DEFAULT_RETRIES, DEFAULT_BACKOFF_S)
+    assert retry_settings(Namespace(stoa_publish_retries=5, stoa_publish_backoff_s="0.5")) == (5, 0.5)
     with pytest.raises(ValueError, match="stoa_publish_retries"):
-        retry_settings_from_args(Namespace(stoa_publish_retries=-1))
+        retry_settings(Namespace(stoa_publish_retries=-1))
 
 
 def test_waits_out_outages_retries_other_failures_but_never_a_conflict() -> None:
@@ -425,15 +432,14 @@ def test_apply_script_keeps_crlf_line_ends(tmp_path: Path, capsys: pytest.Captur
 
 def test_the_names_slime_is_given_resolve_to_stoas_functions() -> None:
     """The patch imports `slime_stoa.publish_weights`; launch scripts name the rollout function and
-    the loss by their public paths (and the loss by its 0.1 path too)."""
+    the loss by their public paths."""
     import slime_stoa
-    from slime_stoa.loss import dppo_loss as old_loss_path
     from slime_stoa.trainer.slime.loss import dppo_loss
     from slime_stoa.trainer.slime.rollout import generate_rollout
 
     assert slime_stoa.publish_weights is slime_hook.publish_weights
     assert slime_stoa.generate_rollout is generate_rollout
-    assert slime_stoa.dppo_loss is dppo_loss is old_loss_path
+    assert slime_stoa.dppo_loss is dppo_loss
     with pytest.raises(AttributeError):
         slime_stoa.no_such_entry_point  # noqa: B018 - the access itself must raise
 

@@ -11,7 +11,7 @@ import pytest
 from slime_stoa.protocol.layout import ROLLOUT_KINDS, RunLayout
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreConfigError, open_store
 from slime_stoa.protocol.store.split import SplitStore, routes_to_rollouts
-from slime_stoa.testing.s3server import LocalS3Server
+from tests.s3server import LocalS3Server
 
 LAYOUT = RunLayout("demo")
 RECORD = LAYOUT.rollout("mac-1", 1_700_000_000_000, 3)

@@ -33,8 +33,8 @@ from slime_stoa.protocol.records import (
 from slime_stoa.protocol.store import Store, StoreConfigError, open_store
 from slime_stoa.protocol.store.retry import RetryPolicy
 from slime_stoa.protocol.store.s3 import S3Store
-from slime_stoa.testing.s3server import LOOPBACK, LocalS3Server, free_ports
 from tests.conftest import async_wait_until, random_seed
+from tests.s3server import LOOPBACK, LocalS3Server, free_ports
 
 RUN = "spool-test"
 WORKER = "mac-07"
@@ -432,7 +432,7 @@ async def test_producer_thread_and_uploader_share_a_bounded_spool(store: Store, 
 
 WORKER_SCRIPT = textwrap.dedent(
     """
-    import asyncio, json, os, sys, time
+    import asyncio, json, os, sys
     from pathlib import Path
 
     from macd.spool import Spool
@@ -464,7 +464,6 @@ WORKER_SCRIPT = textwrap.dedent(
                 spool.commit(r, record(r.seq))
                 log(out, r.seq)
                 done += 1
-                time.sleep(0.003)
 
     async def main():
         spool = Spool(folder, worker_id=worker, run=run, max_bytes=1 << 30, max_items=100_000)
@@ -515,7 +514,10 @@ async def test_kill_9_at_random_moments_loses_and_duplicates_nothing(
     args[4] = str(10**6)  # killed rounds never reach their target
     for _ in range(rounds):
         proc = await _start_worker(script, args, env)
-        await asyncio.sleep(rng.uniform(0.05, 0.3))
+        # The kill lands after a random number of further records were spooled (and some of them
+        # are mid-upload): a moment chosen by what the worker did, not by the clock.
+        spooled_before, more = len(_lines(logs / "spooled")), rng.randint(1, 12)
+        await async_wait_until(lambda: len(_lines(logs / "spooled")) >= spooled_before + more, interval=0.001)  # noqa: B023
         proc.send_signal(signal.SIGKILL)
         killed += await asyncio.to_thread(proc.wait) == -signal.SIGKILL
         proc.stdout.close()  # type: ignore[union-attr]

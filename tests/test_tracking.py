@@ -462,7 +462,7 @@ def test_quickstart_logs_train_rollout_and_worker_metrics(tmp_path: Path) -> Non
     env = {**os.environ, **wandb_env(tmp_path)}
     out = tmp_path / "qs"
     cmd = [sys.executable, "-m", "slime_stoa.cli", "quickstart", "--out", str(out), "--no-warm-start", "--workers", "1",
-           "--minutes", "1", "--max-versions", "1", "--batch-groups", "4", "--wandb", "--wandb-project", "qs-test"]
+           "--minutes", "30", "--max-versions", "1", "--batch-groups", "4", "--wandb", "--wandb-project", "qs-test"]
     quickstart = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     printed = finish(quickstart, timeout=300)
     assert quickstart.returncode == 0, printed

@@ -251,7 +251,7 @@ async def test_heartbeat_reports_quarantined_groups(
 @pytest.mark.parametrize("ticks", [0, 1, 2, 3])
 async def test_wait_never_swallows_a_cancellation(ticks: int) -> None:
     """A cancel that lands just as the stop event fires still cancels (a 3.11 wait_for pitfall)."""
-    from macd.worker import _wait
+    from macd.aio import wait as _wait
 
     stop = asyncio.Event()
     waiting = asyncio.create_task(_wait(stop, 30))
@@ -541,7 +541,7 @@ async def test_a_store_outage_mid_run_only_delays_uploads(
 
 
 def test_a_group_is_dropped_at_most_once() -> None:
-    from macd.worker import at_safe_point
+    from macd.generation import at_safe_point
 
     assert at_safe_point(0, False, 0, 32)  # nothing in flight
     assert not at_safe_point(3, False, 31, 32)  # draining
@@ -558,7 +558,7 @@ def test_versions_faster_than_groups_cannot_starve_generation(model_dir: Path) -
     import mlx_lm
 
     from macd.generate import ContinuousGenerator, SamplingConfig
-    from macd.worker import at_safe_point
+    from macd.generation import at_safe_point
 
     model, tok = mlx_lm.load(str(model_dir))
     gen = ContinuousGenerator(model, tok, SamplingConfig(temperature=1.0, max_tokens=24, group_size=4, seed=0),
@@ -590,7 +590,8 @@ def test_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
     import mlx_lm
 
     from macd.generate import ContinuousGenerator, SamplingConfig
-    from macd.worker import MemoryReleaser, _insert_and_advance
+    from macd.generation import _insert_and_advance
+    from macd.mlx_thread import MemoryReleaser
 
     model, tok = mlx_lm.load(str(model_dir))
     gen = ContinuousGenerator(model, tok, SamplingConfig(temperature=1.0, max_tokens=24, group_size=4, seed=0),
@@ -611,7 +612,7 @@ def test_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
 
 
 def test_memory_is_released_at_most_every_so_often() -> None:
-    from macd.worker import MemoryReleaser
+    from macd.mlx_thread import MemoryReleaser
 
     release = MemoryReleaser(every_s=3600.0)
     assert release() and not release() and not release()  # the first call releases, then it waits

@@ -8,8 +8,9 @@ import dataclasses
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any
 
+from slime_stoa.protocol.cli_fields import add_field_options
 from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
 
 INTERRUPTED = 130  # the exit status after Ctrl-C or SIGTERM (the run resumes on a rerun)
@@ -32,19 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """One option per QuickstartConfig field, with its type, default and help."""
-    hints = get_type_hints(QuickstartConfig)
-    for f in dataclasses.fields(QuickstartConfig):
-        kind = next((a for a in get_args(hints[f.name]) if a is not type(None)), hints[f.name])
-        default = f.default
-        option = "--" + f.name.replace("_", "-")
-        if kind is bool:  # a flag: `--no-warm-start`, off unless given
-            parser.add_argument(option, action="store_true", default=default, help=f.metadata["help"])
-            continue
-        shown = "" if default is None else f" (default: {default})"
-        if get_origin(hints[f.name]) is Literal:  # a choice: `--task {synthetic,search}`
-            parser.add_argument(option, choices=get_args(hints[f.name]), default=default, help=f.metadata["help"] + shown)
-            continue
-        parser.add_argument(option, type=kind, default=default, help=f.metadata["help"] + shown)
+    add_field_options(parser, QuickstartConfig)
 
 
 def inspect_commands(cfg: QuickstartConfig) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write a run's manifest: model, task, sampling and limits",
         description="Write runs/<run>/run.json. Workers read everything they need from it.",
     )
-    add_store_options(create)
+    add_run_options(create)
     create.add_argument("--model", required=True, help="model reference for people (HF id or folder)")
     create.add_argument("--task", required=True, help="task name, e.g. gsm8k or synthetic")
     create.add_argument("--task-split", default="train", help="task file workers draw prompts from")
@@ -65,22 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     create.set_defaults(handler=_run_create)
 
     show = cmds.add_parser("show", help="print a run's manifest")
-    add_store_options(show)
+    add_run_options(show)
     show.set_defaults(handler=_run_show)
-
-
-def add_store_options(parser: argparse.ArgumentParser) -> None:
-    """`--store` and `--run` as in every stoa command (the store may also come first, as in 0.1)."""
-    parser.add_argument("legacy_store", nargs="?", metavar="STORE", help=argparse.SUPPRESS)
-    add_run_options(parser)
-
-
-def _store_and_run(args: argparse.Namespace) -> tuple[str, str]:
-    if args.legacy_store:
-        if args.store and args.store != args.legacy_store and args.store != os.environ.get("STOA_STORE"):
-            raise ValueError(f"two buckets given ({args.legacy_store} and --store {args.store}): pass one")
-        args.store = args.legacy_store
-    return require_run_options(args)
 
 
 def manifest_from_args(args: argparse.Namespace) -> RunManifest:
@@ -119,7 +104,7 @@ async def read_run(url: str, run: str) -> RunManifest:
 
 def _run_create(args: argparse.Namespace) -> int:
     try:
-        _store_and_run(args)
+        require_run_options(args)
         manifest = manifest_from_args(args)
         key = read_key_file(args.key) if args.key is not None else None
         if key is not None:
@@ -147,7 +132,7 @@ def retention_text(retain_anchors: int) -> str:
 
 def _run_show(args: argparse.Namespace) -> int:
     try:
-        manifest = asyncio.run(read_run(*_store_and_run(args)))
+        manifest = asyncio.run(read_run(*require_run_options(args)))
     except (StoreError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

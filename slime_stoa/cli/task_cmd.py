@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError, open_store
-from slime_stoa.tasks import TASKS, TaskItem, encode_task_data, generate_items, load_gsm8k_jsonl
+from slime_stoa.protocol.store import StoreError, open_store
+from slime_stoa.tasks import TASKS, TaskItem
+from slime_stoa.tasks.objects import put_task_objects, task_objects
 from slime_stoa.tasks.search.data import Columns, load_corpus, load_qa
 from slime_stoa.tasks.search.rewards import MATCH_KINDS
 from slime_stoa.tasks.search.synthetic import generate as generate_search
@@ -52,38 +53,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     search.add_argument("--max-observation-chars", type=int, default=1500, help="characters of passages per search (default: 1500)")
     search.add_argument("--chunk-mb", type=int, default=64, help="size of the index's bucket objects in MiB (default: 64)")
     prep.set_defaults(handler=_prepare)
-
-
-def task_objects(task: str, files: list[Path], *, split: str | None, count: int, seed: int, limit: int | None) -> dict[str, bytes]:
-    """{split: encoded task data} for the `prepare` command (pure but for reading `files`)."""
-    if task == "synthetic":
-        if files:
-            raise ValueError("the synthetic task is generated: give no files (use --count and --seed)")
-        return {split or "train": encode_task_data(task, generate_items(count, seed=seed), meta={"seed": seed})}
-    if not files:
-        raise ValueError(f"give the {task} files to prepare, e.g. train.jsonl test.jsonl")
-    if split and len(files) > 1:
-        raise ValueError("--split names one file's split; give one file or drop --split")
-    out = {}
-    for path in files:
-        items = load_gsm8k_jsonl(path, limit=limit)
-        out[split or path.name.split(".")[0]] = encode_task_data(task, items, meta={"source": path.name})
-    return out
-
-
-async def put_task_objects(store: Store, run: str, task: str, objects: dict[str, bytes]) -> list[str]:
-    """Write each split with put-if-absent; an identical existing object is fine."""
-    layout = RunLayout(run)
-    written = []
-    for split, data in objects.items():
-        key = layout.task_data(task, split)
-        try:
-            await store.put_if_absent(key, data)
-        except PreconditionFailed:
-            if await store.get_bytes(key) != data:
-                raise ValueError(f"{key} already holds different data; tasks are immutable within a run") from None
-        written.append(key)
-    return written
 
 
 async def _put(url: str, run: str, task: str, objects: dict[str, bytes]) -> list[str]:

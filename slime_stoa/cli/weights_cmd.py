@@ -19,11 +19,11 @@ from slime_stoa.protocol.pulse.history import (
     read_anchor_manifest,
     read_manifest,
     read_pointer,
-    rebuild,
     walk_back,
 )
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError
+from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import read_key_file

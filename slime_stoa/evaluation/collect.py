@@ -11,28 +11,26 @@ prompt the first `k` samples, in key order, are kept.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from slime_stoa.judging.run_data import load_decoding, read_task
+from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
+from slime_stoa.judging.signature import check_signature
+from slime_stoa.judging.signers import Signers
 from slime_stoa.protocol.eval_request import EvalRequest
 from slime_stoa.protocol.layout import RolloutKey, RunLayout
 from slime_stoa.protocol.pulse.history import find_manifest
-from slime_stoa.protocol.records import SCHEMA_V2, RecordError, RolloutGroup
+from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.registry import Registry
 from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
-from slime_stoa.protocol.signed_record import is_signed, open_signed
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.protocol.validate import RecordLimits, RecordRejected, load_record
 from slime_stoa.tasks import Task
-from slime_stoa.trainer.consumer.admission import check_signature
-from slime_stoa.trainer.consumer.run_context import load_decoding, read_task
-from slime_stoa.trainer.consumer.scoring import Decode, PromptOf, Rescorer
-from slime_stoa.trainer.consumer.signers import Signers
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +56,7 @@ class EvalContext:
         """Read the registry again when a record names a key it does not hold (a worker added
         since) or the last read is old; a forged registry is ignored (the last good one kept)."""
         signers = self.signers
-        if signers is None:
-            return
-        unknown = False
-        if is_signed(data):
-            with contextlib.suppress(RecordError):
-                unknown = signers.registry.by_key_id(open_signed(data).key_id) is None
-        if unknown or signers.due():
+        if signers is not None and signers.needs_read(data):
             await signers.refresh(signers.clock(), through=lambda op: op())
 
 
@@ -227,7 +219,3 @@ class EvalCollector:
             out.append(g.head(left))
             left -= len(out[-1].rewards)
         return tuple(out)
-
-
-def has_tool_samples(groups: tuple[EvalGroup, ...]) -> bool:
-    return any(g.group.schema_version == SCHEMA_V2 for g in groups)

@@ -1,8 +1,10 @@
-"""Eval without the fleet: a version's weights rebuilt from the bucket and sampled in-process,
+"""Eval without the fleet: a version's weights rebuilt from the bucket and sampled on this machine,
 scored with the split's task reward. Two engines:
 
 * ``mlx`` (the default): macd's MLX generation path (`macd.evaluate.answer_prompts`, the one
-  workers use); needs the worker extra (mlx, mlx-lm).
+  workers use), run as its own process, ``python -m macd.evaluate`` (`mlx_sample`); needs the
+  worker extra (mlx, mlx-lm). A tool task's tool runs here, and the process asks it over its
+  pipes (`macd.evaluate.ParentTool`).
 * ``transformers``: `slime_stoa.evaluation.hf_generate` on the trainer box (a GPU when there is
   one), the same episodes driven by transformers' `generate`; needs the trainer extra.
 
@@ -12,17 +14,25 @@ The int8 plane is not emulated: the version's bf16 state is what is sampled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import sys
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from slime_stoa.protocol.hf.folders import save_hf_folder
 from slime_stoa.protocol.pulse.anchor import download_extras
-from slime_stoa.protocol.pulse.history import read_anchor_manifest, rebuild
+from slime_stoa.protocol.pulse.history import read_anchor_manifest
+from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import Store
+from slime_stoa.tasks import Task, TaskItem
 from slime_stoa.tasks.prompting import prompt_tokens
-from slime_stoa.tasks.tools import ToolContext, tool_for
+from slime_stoa.tasks.tools import Tool, ToolContext, call_tool, tool_for
 
 from .collect import read_split
 from .report import PromptResult, VersionResult
@@ -30,9 +40,21 @@ from .report import PromptResult, VersionResult
 Engine = Literal["mlx", "transformers"]
 ENGINES: tuple[Engine, ...] = ("mlx", "transformers")
 
+MLX_SAMPLER = ("-m", "macd.evaluate")  # the mlx engine's process: `sys.executable -m macd.evaluate`
+MAX_LINE = 64 << 20  # the longest tool-call line read from it
 
-async def _inline(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return fn(*args, **kwargs)
+
+class EngineFailed(ChildProcessError):
+    """The mlx engine's process did not sample (not installed, a bad model folder, killed...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """What is scored of one completion."""
+
+    text: str
+    finish_reason: str
+    tool_calls: int
 
 
 async def local_eval(
@@ -54,25 +76,10 @@ async def local_eval(
     tool = None
     if task.tool_format is not None:
         tool = tool_for(task, ToolContext(run=manifest.run, store=store, data_dir=work_dir))
-    if engine == "transformers":
-        from .hf_generate import default_device, hf_answer_prompts, load_hf_model
-
-        model, tokenizer = await asyncio.to_thread(load_hf_model, folder, device or default_device())
-        prompts = [prompt_tokens(tokenizer, task, item) for item in items]
-        groups: list[list[Any]] = await hf_answer_prompts(
-            model, tokenizer, task, prompts, temperature=temperature, max_tokens=max_tokens, k=k,
-            stop=manifest.stop, seed=seed, tool=tool,
-        )
-    else:
-        from macd.evaluate import answer_prompts
-        from macd.generate import load_model
-
-        model, tokenizer = load_model(folder)
-        prompts = [prompt_tokens(tokenizer, task, item) for item in items]
-        groups = await answer_prompts(
-            model, tokenizer, task, prompts, temperature=temperature, max_tokens=max_tokens, k=k,
-            stop=manifest.stop, seed=seed, mlx=_inline, tool=tool,
-        )
+    groups = await _sample(
+        engine, folder, task, items, k=k, temperature=temperature, max_tokens=max_tokens, stop=manifest.stop,
+        seed=seed, tool=tool, work_dir=work_dir, device=device,
+    )
     results = tuple(
         PromptResult(
             prompt_index=item.index,
@@ -83,3 +90,124 @@ async def local_eval(
         for item, group in zip(items, groups, strict=True)
     )
     return VersionResult(version, split, k, results, threshold)
+
+
+async def _sample(
+    engine: Engine, folder: Path, task: Task, items: Sequence[TaskItem], *, k: int, temperature: float,
+    max_tokens: int, stop: tuple[str, ...], seed: int | None, tool: Tool | None, work_dir: Path, device: str | None,
+) -> Sequence[Sequence[Any]]:
+    """k completions per item, in item order (`text`, `finish_reason`, `tool_calls` each)."""
+    if engine == "transformers":
+        from .hf_generate import default_device, hf_answer_prompts, load_hf_model
+
+        model, tokenizer = await asyncio.to_thread(load_hf_model, folder, device or default_device())
+        prompts = [prompt_tokens(tokenizer, task, item) for item in items]
+        return await hf_answer_prompts(
+            model, tokenizer, task, prompts, temperature=temperature, max_tokens=max_tokens, k=k,
+            stop=stop, seed=seed, tool=tool,
+        )
+    return await mlx_sample(
+        folder, task, n_prompts=len(items), k=k, temperature=temperature, max_tokens=max_tokens,
+        stop=stop, seed=seed, tool=tool, work_dir=work_dir,
+    )
+
+
+def mlx_command(
+    folder: Path, task_file: Path, out_file: Path, *, n_prompts: int, k: int, temperature: float, max_tokens: int,
+    stop: tuple[str, ...], seed: int | None, tool: bool,
+) -> list[str]:
+    """The command line of the mlx engine's process (`macd.evaluate.build_parser`)."""
+    return [
+        sys.executable, *MLX_SAMPLER, "--model", str(folder), "--task", str(task_file), "--prompts", str(n_prompts),
+        "--k", str(k), "--max-tokens", str(max_tokens), "--temperature", repr(float(temperature)),
+        *(f"--stop={s}" for s in stop), *(() if seed is None else ("--seed", str(seed))),
+        *(("--tool-stdio",) if tool else ()), "--out", str(out_file),
+    ]
+
+
+async def mlx_sample(
+    folder: Path, task: Task, *, n_prompts: int, k: int, temperature: float, max_tokens: int,
+    stop: tuple[str, ...], seed: int | None, tool: Tool | None, work_dir: Path,
+) -> list[list[Sampled]]:
+    """k completions for each of `task`'s first `n_prompts` prompts from the model `folder`,
+    sampled by ``python -m macd.evaluate`` (its tool calls answered here by `tool`); EngineFailed
+    when the process fails."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    task_file, out_file = work_dir / "eval-task.data", work_dir / "eval-completions.json"
+    await asyncio.to_thread(task_file.write_bytes, task.encode())
+    out_file.unlink(missing_ok=True)
+    cmd = mlx_command(folder, task_file, out_file, n_prompts=n_prompts, k=k, temperature=temperature,
+                      max_tokens=max_tokens, stop=stop, seed=seed, tool=tool is not None)
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdin=asyncio.subprocess.PIPE if tool is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=MAX_LINE,
+    )
+    stderr_tail: deque[str] = deque(maxlen=20)
+    try:
+        await asyncio.gather(_answer_tool_calls(proc, tool), _keep_tail(proc.stderr, stderr_tail))
+        code = await proc.wait()
+    finally:
+        if proc.returncode is None:  # cancelled, or a bad line from it
+            proc.kill()
+            await proc.wait()
+    if code != 0:
+        raise EngineFailed(f"the mlx engine (`{' '.join(cmd[:3])}`) {_exit_text(code)}: "
+                           f"{_last_line(stderr_tail) or 'it printed nothing'}")
+    try:
+        doc = json.loads(await asyncio.to_thread(out_file.read_text, encoding="utf-8"))
+        groups = [[Sampled(str(c["text"]), str(c["finish_reason"]), int(c["tool_calls"])) for c in g]
+                  for g in doc["completions"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineFailed(f"the mlx engine wrote no readable completions to {out_file}: {exc}") from None
+    if len(groups) != n_prompts or any(len(g) != k for g in groups):
+        raise EngineFailed(f"the mlx engine answered {[len(g) for g in groups]} samples per prompt; "
+                           f"asked for {k} for each of {n_prompts}")
+    return groups
+
+
+async def _answer_tool_calls(proc: asyncio.subprocess.Process, tool: Tool | None) -> None:
+    """Answer each `{"tool_call": {"id", "query"}}` line of the process with `call_tool` (as a
+    worker's episodes do), until its stdout closes. Without a tool, its stdout is read and dropped."""
+    assert proc.stdout is not None
+    calls: set[asyncio.Task[None]] = set()
+
+    async def answer(tool: Tool, n: int, query: str) -> None:
+        text = await call_tool(tool, query)  # never raises: an error or a timeout is the text
+        assert proc.stdin is not None
+        with contextlib.suppress(ConnectionError):  # it finished (or timed out) without this answer
+            proc.stdin.write((json.dumps({"id": n, "text": text}) + "\n").encode())
+            await proc.stdin.drain()
+
+    try:
+        while line := await proc.stdout.readline():
+            if tool is None:
+                continue
+            try:
+                call = json.loads(line)["tool_call"]
+                n, query = int(call["id"]), call["query"]
+                if not isinstance(query, str):
+                    raise TypeError("the query is not text")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise EngineFailed(f"the mlx engine wrote a line that is no tool call ({exc}): {line[:200]!r}") from None
+            task = asyncio.create_task(answer(tool, n, query))
+            calls.add(task)
+            task.add_done_callback(calls.discard)
+    finally:
+        for task in calls:
+            task.cancel()
+        if proc.stdin is not None:
+            proc.stdin.close()
+
+
+async def _keep_tail(stream: asyncio.StreamReader | None, tail: deque[str]) -> None:
+    assert stream is not None
+    while line := await stream.readline():
+        tail.append(line.decode(errors="replace").rstrip())
+
+
+def _last_line(lines: deque[str]) -> str:
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
+def _exit_text(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"

@@ -36,7 +36,6 @@ from .strict_json import load_json
 
 ROTATION_FORMAT = "stoa.key-rotation/1"
 MAX_ROTATIONS = 1000  # a reader stops reading rotation documents after this many
-SHA256_HEX = 64
 
 
 class Untrusted(ValueError):

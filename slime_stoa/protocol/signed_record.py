@@ -28,14 +28,6 @@ _KEY_ID_BYTES = KEY_ID_HEX // 2
 HEADER_LEN = len(SIGNED_MAGIC) + 1 + _KEY_ID_BYTES + SIGNATURE_BYTES
 CONTEXT = "record"
 
-# Stable reason codes of SignedRecordError.
-SIGNED_REASONS = frozenset(
-    {
-        "unsigned",  # a plain record (or anything else) where a signed one is required
-        "bad_signature",  # a truncated envelope, an unknown envelope format, or a signature over other bytes
-    }
-)
-
 
 class SignedRecordError(RecordError):
     """A signed record's envelope is missing or malformed, or its signature does not verify."""

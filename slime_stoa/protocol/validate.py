@@ -17,7 +17,7 @@ Finish reasons follow the worker's generation (`macd.generate`): "length" only f
 exactly `sampling.max_tokens` tokens ("finish_mismatch" otherwise); "stop" for one that ended on
 an EOS token or a stop string, at any length up to the limit. Whether a "stop" at the limit really
 ends on a stop token (and a "length" does not) needs the tokenizer: the trainer's re-scoring
-checks that (`slime_stoa.trainer.consumer.scoring`).
+checks that (`slime_stoa.judging.scoring`).
 
 Schema v2 (tool episodes, see `slime_stoa.protocol.records`): the response is the whole episode,
 so `max_response_tokens` and `sampling.max_tokens` bound model and tool tokens together (the

@@ -1,11 +1,12 @@
 """Eval pass@1 of a quickstart run on its held-out `test` split, at given versions.
 
 Each version's weights are rebuilt from the bucket (verified against the run key of a signed
-run) and the test prompts sampled in this process with macd's MLX path, the one the workers use
-(`evaluation.local.local_eval`; a search task's index is fetched and queried as a worker does),
-each sample scored with the task's reward. It runs after the workers have stopped, so it has the
-cores to itself. The synthetic task's test split is generated with another seed than its train
-split; the search task's (questions never trained on) is written with the run's index.
+run) and the test prompts sampled with macd's MLX path, the one the workers use, in its own
+process (`evaluation.local.local_eval`; a search task's index is fetched and queried here, as a
+worker does), each sample scored with the task's reward. It runs after the workers have stopped,
+so it has the cores to itself. The synthetic task's test split is generated with another seed
+than its train split; the search task's (questions never trained on) is written with the run's
+index.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from slime_stoa.cli.task_cmd import put_task_objects, task_objects
 from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import Store
+from slime_stoa.tasks.objects import put_task_objects, task_objects
 
 SPLIT = "test"
 EVAL_PROMPTS = 64  # prompts of the test split evaluated
@@ -33,7 +34,7 @@ async def put_synthetic_test_split(store: Store, run: str) -> None:
 
 async def pass1_at(store: Store, run: str, versions: Iterable[int], *, seed: int, work_dir: Path | None = None) -> dict[int, float]:
     """{version: pass@1 on the test split} with the run's sampling (temperature, max tokens)."""
-    from slime_stoa.evaluation.local import local_eval  # mlx
+    from slime_stoa.evaluation.local import local_eval
 
     manifest = await read_run_manifest(store, run)
     trust = RunTrust.from_text(run, manifest.run_key) if manifest.run_key else None

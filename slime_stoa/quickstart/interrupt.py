@@ -33,10 +33,6 @@ class Interrupt:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
 
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
     def request(self, signum: int = signal.SIGINT) -> None:
         """What a signal does (also callable directly)."""
         if self.signum is None:

@@ -46,8 +46,11 @@ from slime_stoa.protocol.hf.folders import (
     save_hf_folder,
 )
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.history import HistoryError, rebuild
+from slime_stoa.protocol.pulse.history import HistoryError
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.pulse.rebuild import rebuild
+from slime_stoa.protocol.pulse.retry import is_publish_outage as is_startup_outage
+from slime_stoa.protocol.pulse.retry import publish_with_retries
 from slime_stoa.protocol.registry import Registry, add_worker, read_registry, update_registry
 from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.signing import SigningKey, read_key_file, write_key_file
@@ -61,8 +64,6 @@ from slime_stoa.tasks.synthetic import baseline_reward
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
-from slime_stoa.trainer.slime.publish import is_publish_outage as is_startup_outage
-from slime_stoa.trainer.slime.publish import publish_with_retries
 from slime_stoa.trainer.tracking import TrackedRun, TrackingUnavailable, fleet_metrics, import_wandb
 
 from . import heldout

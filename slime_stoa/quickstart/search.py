@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from slime_stoa.cli.task_cmd import put_task_objects
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
@@ -35,6 +34,7 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import PreconditionFailed, Store
 from slime_stoa.tasks.base import TaskItem
+from slime_stoa.tasks.objects import put_task_objects
 from slime_stoa.tasks.search.formats import SearchTags
 from slime_stoa.tasks.search.rewards import decode_label
 from slime_stoa.tasks.search.synthetic import generate, task_items

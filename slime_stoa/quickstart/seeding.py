@@ -6,7 +6,6 @@ import contextlib
 from dataclasses import replace
 from pathlib import Path
 
-from slime_stoa.cli.task_cmd import put_task_objects, task_objects
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
@@ -14,6 +13,7 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import PreconditionFailed, Store
 from slime_stoa.tasks import generate_items
+from slime_stoa.tasks.objects import put_task_objects, task_objects
 
 from .tiny_model import build_tiny_model
 

@@ -39,7 +39,6 @@ Delta = dict[str, tuple[np.ndarray, np.ndarray]]
 # Elements per pass of the chunked loops: their temporaries stay in cache.
 _CHUNK = 1 << 18
 INDEX_WIDTHS = (1, 2, 4, 8)
-VALUE_BYTES = 2
 
 
 class PatchError(Exception):

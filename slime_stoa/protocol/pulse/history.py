@@ -1,19 +1,15 @@
 """Reading a run's weight plane: one reader per document (the pointer, version manifests,
 anchor manifests), then the history built on them: find any version's manifest, walk the
-chain, read the weight lineage, rebuild a state.
+chain, read the weight lineage (`rebuild` rebuilds a version's state on these).
 
 Every reader takes an optional `RunTrust`: given one, a document must be signed by the run key
 of its version (`run_trust`), else it is refused (`UntrustedDocument`, a ManifestError)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations, signer_of
-from slime_stoa.protocol.store import NotFound, Store, StoreError
+from slime_stoa.protocol.store import NotFound, Store
 
 from .lineage import Lineage
 from .manifests import AnchorManifest, ManifestError, Pointer, UntrustedDocument, VersionManifest
@@ -191,27 +187,3 @@ async def find_manifest(store: Store, run: str, version: int, *, trust: RunTrust
         if manifest.version == version:
             return manifest
     raise HistoryError(f"v{version} of run {run!r} is not on the committed chain")
-
-
-@dataclass(frozen=True, slots=True)
-class Rebuilt:
-    state: dict[str, np.ndarray]
-    manifest: VersionManifest
-    path: str
-
-
-async def rebuild(store: Store, run: str, version: int | None = None, *, trust: RunTrust | None = None) -> Rebuilt:
-    """Reconstruct a version's verified bf16 state from the bucket (the current one by default);
-    with `trust`, every document and object it reads is checked against the run keys."""
-    from .subscriber import Subscriber, SyncError  # the subscriber reads documents with the readers above
-
-    try:
-        if version is None:
-            version = (await read_pointer(store, run, trust=trust)).version
-        manifest = await find_manifest(store, run, version, trust=trust)
-        sub = Subscriber(store, run, trust=trust)
-        result = await sub.sync_to(manifest)
-    except (StoreError, ManifestError, SyncError) as exc:
-        raise HistoryError(f"cannot rebuild v{version} of run {run!r}: {exc}") from None
-    assert sub.state is not None
-    return Rebuilt(sub.state, manifest, result.path)

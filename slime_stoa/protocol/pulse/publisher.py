@@ -98,23 +98,32 @@ async def publisher_trust(store: Store, run: str, key: SigningKey) -> RunTrust:
 class PublisherConfig:
     """How the trainer publishes weights (one per run)."""
 
-    anchor_every: int = 50  # write a full anchor at least every this many versions
-    anchor_fraction: float = 0.5  # ... or once step patches since the last anchor exceed this share of it
-    catchup: bool = True  # publish a merged catch-up patch each version, so laggers download one patch
-    mode: Mode = "rel"  # step patches: "rel" (smaller, valid only on the exact base: receivers check its digest) or "abs"
-    frame_bytes: int = 16 << 20  # target uncompressed bytes per independently compressed frame
-    shard_bytes: int = 1 << 30  # anchor safetensors shard size
-    # Keep this many anchors and everything after the oldest (0: keep all); None: the run's
-    # `retain_anchors` (`stoa run create --retain-anchors`), read from its manifest.
+    anchor_every: int = 50
+    """Write a full anchor at least every this many versions."""
+    anchor_fraction: float = 0.5
+    """... or once the step patches since the last anchor exceed this share of it."""
+    catchup: bool = True
+    """Publish a merged catch-up patch each version, so lagging workers download one patch."""
+    mode: Mode = "rel"
+    """Step patches: "rel" (smaller, valid only on the exact base: receivers check its digest) or "abs"."""
+    frame_bytes: int = 16 << 20
+    """Target uncompressed bytes per independently compressed frame."""
+    shard_bytes: int = 1 << 30
+    """Anchor safetensors shard size."""
     retain_anchors: int | None = None
-    # Versions behind the head always kept, whatever retain_anchors says: a consumer checks a
-    # record against the published versions of its staleness window (staleness_limit +
-    # version_ahead_slack + 1 back), so deleting them would refuse honest, fresh records. The
-    # publisher keeps max(this, the run's staleness_limit + 2).
+    """Keep this many anchors and everything after the oldest (0: keep all); None: the run's
+    `retain_anchors` (`stoa run create --retain-anchors`), read from its manifest."""
     retain_versions: int = 8
-    extras_dir: Path | None = None  # HF folder whose config and tokenizer files ship with anchors
-    concurrency: int = 8  # uploads in flight
-    threads: int | None = None  # compression threads (None: one per CPU)
+    """Versions behind the head always kept, whatever retain_anchors says: a consumer checks a
+    record against the published versions of its staleness window (staleness_limit +
+    version_ahead_slack + 1 back), so deleting them would refuse honest, fresh records. The
+    publisher keeps max(this, the run's staleness_limit + 2)."""
+    extras_dir: Path | None = None
+    """An HF folder whose config and tokenizer files ship with anchors (`""`: none)."""
+    concurrency: int = 8
+    """Uploads in flight."""
+    threads: int | None = None
+    """Compression threads (None: one per CPU)."""
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:

@@ -6,7 +6,8 @@ with MLX) cannot let anything write while the model generates. `stage_patches` d
 work that does not need the state to change, beside the running model: decode and verify every
 frame, compute the final bits at every written index and check that the resulting state digest
 is the target's. What remains for the safe point is `StagedPatch.commit`: scatter the final
-bits into the state, work proportional to the patch.
+bits into the state, work proportional to the patch. A deferred `subscriber.Subscriber` syncs
+this way and hands the staged patch to its receiver (`Subscriber.commit`).
 
 Extra memory while staging, about 6 bytes per change (an int32 index and the bf16 bits, held as
 decoded and kept as the staged writes), one frame's decoding buffers (frames are ~16 MiB of

@@ -40,9 +40,10 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -58,17 +59,11 @@ from .frames import PatchIndex
 from .history import MalformedPointer, NotPublished, read_anchor_manifest, read_manifest, read_pointer_etag
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
 from .route import Route, SpeedMeter, Speeds, chain_guess, estimate_s, rank
+from .staged import StagedPatch, stage_patches
 
 log = logging.getLogger("stoa.pulse")
 
 WHOLE_BODY_BYTES = 8 << 20  # smaller patches are fetched with one GET instead of one per frame
-
-
-#: (state, its digest, [(patch, its frames)] in order, target) -> (undo logs, new digest); see `Subscriber.writer`.
-StateWriter = Callable[
-    [dict[str, np.ndarray], StateDigest, list[tuple[PatchRef, Mapping[int, bytes]]], VersionManifest],
-    Awaitable[tuple[list[UndoLog], StateDigest]],
-]
 
 
 class SyncError(Exception):
@@ -95,6 +90,35 @@ class SubscriberConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedSync:
+    """A verified version a deferred subscriber has not written yet (`Subscriber.commit` does).
+
+    `patch`: the verified writes that take the held state, whose root digest is `base`, to
+    `digest` (patch paths); `state`: a whole new verified state (anchor paths)."""
+
+    manifest: VersionManifest
+    digest: StateDigest
+    base: str | None = None
+    patch: StagedPatch | None = None
+    state: dict[str, np.ndarray] | None = None
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A patch's commit: its undo log and what the subscriber held before (`Subscriber.revert`)."""
+
+    staged: StagedSync
+    undo: UndoLog | None
+    version: int | None
+    digest: StateDigest | None
+    current: VersionManifest | None
+
+
+@dataclass(frozen=True, slots=True)
 class SyncResult:
     version: int
     previous: int | None
@@ -107,6 +131,7 @@ class SyncResult:
     # changed, e.g. re-quantize touched groups.
     changed: Mapping[str, np.ndarray] | None = None
     estimate_s: float = 0.0  # what path choice expected the path to take
+    staged: StagedSync | None = None  # a deferred subscriber's: what `commit` installs
 
 
 @dataclass(slots=True)
@@ -120,7 +145,9 @@ class _Plan:
 
 
 class Subscriber:
-    """Holds a bf16 state (`dict[str, np.ndarray]` of uint16) at a verified version."""
+    """Holds a bf16 state (`dict[str, np.ndarray]` of uint16) at a verified version.
+
+    `deferred`: a sync writes nothing and returns the verified version to `commit` (module doc)."""
 
     def __init__(
         self,
@@ -129,7 +156,7 @@ class Subscriber:
         config: SubscriberConfig = SubscriberConfig(),
         *,
         trust: RunTrust | None = None,
-        writer: StateWriter | None = None,
+        deferred: bool = False,
     ):
         self.store = store
         self.layout = RunLayout(run)
@@ -140,10 +167,7 @@ class Subscriber:
         self.refused = 0  # distinct objects refused (signature or content hash)
         self.last_refusal = ""  # why the latest was
         self._refused_ids: OrderedDict[str, None] = OrderedDict()
-        # Writes fetched patches into the held state instead of `apply_patch` (e.g. a worker whose
-        # state is its live model: it verifies beside the running model and writes at a safe
-        # point); it must write only if the target digest verifies. Anchor states never use it.
-        self.writer = writer
+        self.deferred = deferred
         self.state: dict[str, np.ndarray] | None = None
         self.version: int | None = None
         self.digest: StateDigest | None = None
@@ -213,7 +237,7 @@ class Subscriber:
         refused = False
         for plan in plans:
             try:
-                touched, changed = await self._execute(plan, target)
+                touched, changed, staged = await self._execute(plan, target)
             except Untrusted as exc:
                 refused = True
                 self._refuse(exc.key or f"{plan.name} of v{target.version}", str(exc))
@@ -228,17 +252,43 @@ class Subscriber:
                 errors.append(f"{plan.name}: {type(exc).__name__}: {exc}")
                 log.exception("weights v%d via %s failed unexpectedly; trying the next path", target.version, plan.name)
                 continue
-            self.version = target.version
-            self.current = target
+            if staged is None:
+                self.version = target.version
+                self.current = target
             return SyncResult(
                 target.version, previous, plan.name, plan.cost, touched, time.perf_counter() - start, changed,
-                plan.estimate_s,
+                plan.estimate_s, staged,
             )
         where = f"v{previous}" if previous is not None else "no weights"
         raise (WeightsRefused if refused else SyncError)(
             f"could not reach weights v{target.version} from {where}; keeping the current state. "
             + "; ".join(errors or ["no path available"])
         )
+
+    def commit(self, staged: StagedSync) -> Committed:
+        """Hold the version a deferred sync staged: write its patch into the held state in place,
+        or take its new state. Call it where nothing reads the state (a worker: at a safe point).
+        ValueError when the held state is no longer the one the patch was staged on; on any
+        error nothing changed. A new state replaces the held one for good; a patch's commit can
+        be undone with `revert`."""
+        held = self.digest.root() if self.digest is not None else None
+        undo = None
+        if staged.patch is not None:
+            if self.state is None or staged.base != held:
+                raise ValueError(f"v{staged.version} was staged on state {staged.base}, the subscriber holds {held}")
+            undo = staged.patch.commit(self.state)
+        done = Committed(staged, undo, self.version, self.digest, self.current)
+        if staged.state is not None:
+            self.state = staged.state
+        self.version, self.digest, self.current = staged.version, staged.digest, staged.manifest
+        return done
+
+    def revert(self, done: Committed) -> None:
+        """Undo the latest `commit` of a patch: the held bits, version and digest as before it."""
+        if done.undo is None or self.digest is not done.staged.digest or self.state is None:
+            raise ValueError(f"cannot revert v{done.staged.version}: not the latest commit of a patch")
+        done.undo.rollback(self.state)
+        self.version, self.digest, self.current = done.version, done.digest, done.current
 
     def _keeping(self) -> str:
         return f"keeping weights v{self.version}" if self.version is not None else "no weights yet"
@@ -363,24 +413,49 @@ class Subscriber:
         return plan
 
     # -- execution ---------------------------------------------------------------------------
-    async def _execute(self, plan: _Plan, target: VersionManifest):
-        """Run a plan; the subscriber's state changes only if the target digest verifies.
+    async def _execute(
+        self, plan: _Plan, target: VersionManifest
+    ) -> tuple[tuple[str, ...], Mapping[str, np.ndarray] | None, StagedSync | None]:
+        """Run a plan; the subscriber's state changes only if the target digest verifies, and
+        not at all when deferred (the staged version is returned instead).
 
-        Returns (touched names, changed indices per tensor or None for a whole new state)."""
+        Returns (touched names, changed indices per tensor or None for a whole new state, staged)."""
         if plan.anchor is None:
             assert self.state is not None and self.digest is not None
-            if self.writer is not None:
-                frames = await asyncio.gather(*(self._fetch_frames(ref) for ref in plan.patches))
-                fetched = list(zip(plan.patches, frames, strict=True))
-                logs, self.digest = await self.writer(self.state, self.digest, fetched, target)
-            else:
-                logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
-            return _touched(logs), ChangedIndices(logs)
+            if self.deferred:
+                staged = await self._stage(self.state, self.digest, plan.patches, target)
+                assert staged.patch is not None
+                return staged.patch.touched, _written(staged.patch), staged
+            logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
+            return _touched(logs), ChangedIndices(logs), None
         anchor = await read_anchor_manifest(self.store, plan.anchor, trust=self.trust)
         state, digest = await read_anchor(self.store, anchor, concurrency=self.config.concurrency, meter=self.meter)
         _, digest = await self._apply_verified(state, digest, plan.patches, target.state_digest)
+        if self.deferred:
+            return tuple(sorted(state)), None, StagedSync(target, digest, state=state)
         self.state, self.digest = state, digest
-        return tuple(sorted(state)), None
+        return tuple(sorted(state)), None, None
+
+    async def _stage(
+        self, state: dict[str, np.ndarray], digest: StateDigest, patches: list[PatchRef], target: VersionManifest
+    ) -> StagedSync:
+        """Fetch and verify `patches` against `state` without writing it (`stage_patches`, on a
+        thread); its cost feeds the speed estimates (the commit's scatter is tiny)."""
+        if patches and patches[0].base_digest not in (None, digest.root()):
+            raise SyncError(f"{patches[0].key} needs base {patches[0].base_digest}, we hold {digest.root()}")
+        fetches = [asyncio.ensure_future(self._fetch_frames(ref)) for ref in patches]
+        try:
+            frames = await asyncio.gather(*fetches)
+        finally:
+            for fetch in fetches:
+                fetch.cancel()  # the others, when one failed
+        patch = await asyncio.to_thread(
+            stage_patches, state, digest, [(ref.index, f) for ref, f in zip(patches, frames, strict=True)],
+            target.state_digest,
+        )
+        self.meter.apply(patch.changes, patch.apply_s)
+        self.meter.hash(patch.hashed, patch.hash_s)
+        return StagedSync(target, patch.digest, digest.root(), patch=patch)
 
     async def _apply_verified(
         self,
@@ -508,3 +583,13 @@ def _apply_hashing(
 
 def _touched(logs: list[UndoLog]) -> tuple[str, ...]:
     return tuple(sorted({name for undo in logs for name in undo.touched}))
+
+
+def _written(patch: StagedPatch) -> Mapping[str, np.ndarray]:
+    """A staged patch's sorted unique written indices per tensor, read-only."""
+    out = {}
+    for w in patch.writes:
+        view = w.indices.view()
+        view.flags.writeable = False
+        out[w.name] = view
+    return MappingProxyType(out)

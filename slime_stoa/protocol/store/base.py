@@ -160,10 +160,3 @@ class Store(abc.ABC):
             return False
         return True
 
-
-async def collect_payload(data: Payload) -> bytes:
-    """Join a payload into bytes (backends that need it whole)."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    chunks = [bytes(c) async for c in data]
-    return b"".join(chunks)

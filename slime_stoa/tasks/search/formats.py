@@ -47,9 +47,6 @@ class SearchTags:
             raise ValueError(f"meta['tags'] must be a mapping with keys among {list(TAG_KEYS)}, got {tags!r}")
         return cls(**dict(tags))
 
-    def as_meta(self) -> dict[str, str]:
-        return {k: getattr(self, k) for k in TAG_KEYS}
-
     def open(self, key: str) -> str:
         return f"<{getattr(self, key)}>"
 

@@ -43,7 +43,7 @@ async def prepare_search(
     """Index `passages`, upload the index, and encode each split's task data naming it.
 
     The index objects are written here (put-if-absent); the task data is returned for the caller
-    to write the same way (`cli.task_cmd.put_task_objects`), so an identical re-run is a no-op."""
+    to write the same way (`slime_stoa.tasks.objects.put_task_objects`), so an identical re-run is a no-op."""
     meta = dict(meta or {})
     SearchConfig.from_meta(meta)  # refuse bad options before the slow part
     with tempfile.TemporaryDirectory(prefix="stoa-index-") as tmp:

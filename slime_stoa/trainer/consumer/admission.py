@@ -5,38 +5,29 @@ and the published weights, refuse replays, re-score.
 reason: the validator's (`slime_stoa.protocol.validate.REJECT_REASONS`) or one of `CONSUMER_REASONS`.
 Nothing a worker uploads can make it raise anything else. It is pure except for the optional
 replay ledger, which it updates when it admits a record.
+
+It runs in two steps, which the consumer calls apart: `open_record` (signature, decode,
+validation, key: the record's bytes are decoded here, once) and `admit` (published weights,
+replays, re-scoring: the decoded group). A record whose weights are not among the published
+versions as last read fails `admit` with `UnpublishedVersion`, naming the version it claims, so
+the consumer can read the published versions again and `admit` the same group once more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal, get_args
 
+from slime_stoa.judging.scoring import Rescorer
+from slime_stoa.judging.signature import SIGNATURE_REASONS, check_signature
 from slime_stoa.protocol.layout import RolloutKey
-from slime_stoa.protocol.records import RecordError, RolloutGroup
+from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.registry import Registry
-from slime_stoa.protocol.signed_record import open_signed, record_bytes, verify_signed
-from slime_stoa.protocol.validate import (
-    REJECT_REASONS,
-    RecordLimits,
-    RecordRejected,
-    load_record,
-)
+from slime_stoa.protocol.validate import REJECT_REASONS, RecordLimits, RecordRejected, load_record
 
+from .groups import Admitted
 from .quarantine import QUARANTINE_REASONS
-from .scoring import Rescorer
 from .state import ReplayLedger
 
-#: Why a record of a signed run (its manifest has a run key) fails the signature check.
-SignatureReason = Literal[
-    "unsigned",  # not a signed envelope
-    "unknown_key",  # signed by a key the run's registry does not hold (read again first)
-    "revoked",  # signed by a key the registry revoked (also groups admitted before, not yet used)
-    "key_mismatch",  # the key's worker is not the worker of the record's object key (also below)
-    "bad_signature",  # a malformed envelope, or the signature is not over these bytes for this run
-]
-SIGNATURE_REASONS: frozenset[str] = frozenset(get_args(SignatureReason))
 CONSUMER_REASONS = SIGNATURE_REASONS | QUARANTINE_REASONS | frozenset(
     {
         "bad_key",  # a key under the rollouts prefix that is not a record name
@@ -57,22 +48,14 @@ CONSUMER_REASONS = SIGNATURE_REASONS | QUARANTINE_REASONS | frozenset(
 ALL_REASONS = REJECT_REASONS | CONSUMER_REASONS
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """A record that passed every check, with the trainer's rewards."""
+class UnpublishedVersion(RecordRejected):
+    """`check_published` failed ("version" or "digest"); `version` is the weight version the
+    record claims."""
 
-    name: str  # key name relative to the rollouts prefix
-    group: RolloutGroup
-    prompt: str  # the task item's prompt text
-    label: str  # the task item's label
-    texts: tuple[str, ...]  # decoded completions
-    rewards: tuple[float, ...]  # the trainer's rewards
-    disagreements: int  # samples whose worker reward differs from the trainer's
-    signer: str | None = None  # key id of the worker key that signed it (None: an unsigned run)
-
-    @property
-    def worker(self) -> str:
-        return self.group.worker_id
+    def __init__(self, reason: str, detail: str, version: int) -> None:
+        super().__init__(reason, detail)
+        self.args = (reason, detail, version)  # so it pickles
+        self.version = version
 
 
 def check_key(group: RolloutGroup, key: RolloutKey) -> None:
@@ -87,48 +70,65 @@ def check_key(group: RolloutGroup, key: RolloutKey) -> None:
 
 def check_published(group: RolloutGroup, published: Mapping[int, str]) -> None:
     """The record's weights must be weights the trainer published: `published` maps each
-    published version to its state digest (from the version manifests). RecordRejected
+    published version to its state digest (from the version manifests). UnpublishedVersion
     "version" for a version not in it, "digest" for another state digest than that version's."""
-    digest = published.get(group.weight_version)
+    version = group.weight_version
+    digest = published.get(version)
     if digest is None:
-        raise RecordRejected("version", f"weight_version {group.weight_version} was never published (or is not known yet)")
+        raise UnpublishedVersion("version", f"weight_version {version} was never published (or is not known yet)", version)
     if group.state_digest != digest:
-        raise RecordRejected(
-            "digest",
-            f"state_digest {group.state_digest[:40]} is not v{group.weight_version}'s published {digest[:40]}",
+        raise UnpublishedVersion(
+            "digest", f"state_digest {group.state_digest[:40]} is not v{version}'s published {digest[:40]}", version
         )
 
 
-def reject(reason: SignatureReason, detail: str) -> RecordRejected:
-    return RecordRejected(reason, detail)
+def open_record(
+    data: bytes, *, key: RolloutKey, limits: RecordLimits, now: float | None = None, registry: Registry | None = None
+) -> tuple[RolloutGroup, str | None]:
+    """(group, signer key id) of a downloaded object that passes the signature check (`registry`:
+    a signed run's worker registry, None for an unsigned run), decodes, validates against
+    `limits` and is what its key says; RecordRejected otherwise."""
+    record, signer = check_signature(data, key=key, registry=registry)
+    group = load_record(record, limits, now=now)
+    check_key(group, key)
+    return group, signer
 
 
-def check_signature(data: bytes, *, key: RolloutKey, registry: Registry | None) -> tuple[bytes, str | None]:
-    """(record bytes, signer key id) of a downloaded object, RecordRejected with a
-    `SignatureReason` if a signed run's record fails the signature check.
-
-    `registry`: the run's worker registry (verified with the run key), or None for an unsigned
-    run, whose records may come in an envelope too: it is unwrapped, its signature not trusted
-    (there is no run key to trust it by)."""
-    try:
-        if registry is None:
-            return record_bytes(data), None
-        signed = open_signed(data)
-        entry = registry.by_key_id(signed.key_id)
-        if entry is None:
-            raise reject("unknown_key", f"signed by key {signed.key_id}, which the registry (serial {registry.serial}) does not hold")
-        if entry.revoked:
-            raise reject("revoked", f"signed by the revoked key {signed.key_id} of worker {entry.worker!r}")
-        if entry.worker != key.worker:
-            raise reject(
-                "key_mismatch", f"signed by the key of worker {entry.worker!r}; its key says worker {key.worker!r}"
-            )
-        verify_signed(signed, entry.key, run=registry.run)
-    except RecordRejected:
-        raise
-    except RecordError as exc:
-        raise RecordRejected(exc.reason, exc.detail) from None
-    return signed.record, signed.key_id
+def admit(
+    name: str,
+    group: RolloutGroup,
+    signer: str | None,
+    *,
+    rescorer: Rescorer,
+    reward_tolerance: float,
+    published: Mapping[int, str] | None = None,
+    replay: ReplayLedger | None = None,
+) -> Admitted:
+    """The opened `group` (from key `name`) checked against the published weights and the replay
+    ledger and re-scored; RecordRejected (UnpublishedVersion for the published check) if it
+    fails. The replay ledger is updated only when it is admitted."""
+    if published is not None:
+        check_published(group, published)
+    if replay is not None:
+        replay.check(group, name)
+    scored = rescorer.score(group)
+    disagreements = sum(
+        1
+        for sample, reward in zip(group.samples, scored.rewards, strict=True)
+        if abs(sample.reward - reward) > reward_tolerance
+    )
+    if replay is not None:
+        replay.add(group, name)
+    return Admitted(
+        name=name,
+        group=group,
+        prompt=scored.item.prompt,
+        label=scored.item.label,
+        texts=scored.texts,
+        rewards=scored.rewards,
+        disagreements=disagreements,
+        signer=signer,
+    )
 
 
 def judge_record(
@@ -152,28 +152,7 @@ def judge_record(
     already admitted under another key is refused as "duplicate", and an admitted record is
     added to it. `registry`: the worker registry of a signed run (see `check_signature`);
     None for an unsigned run."""
-    record, signer = check_signature(data, key=key, registry=registry)
-    group = load_record(record, limits, now=now)
-    check_key(group, key)
-    if published is not None:
-        check_published(group, published)
-    if replay is not None:
-        replay.check(group, name)
-    scored = rescorer.score(group)
-    disagreements = sum(
-        1
-        for sample, reward in zip(group.samples, scored.rewards, strict=True)
-        if abs(sample.reward - reward) > reward_tolerance
-    )
-    if replay is not None:
-        replay.add(group, name)
-    return Admitted(
-        name=name,
-        group=group,
-        prompt=scored.item.prompt,
-        label=scored.item.label,
-        texts=scored.texts,
-        rewards=scored.rewards,
-        disagreements=disagreements,
-        signer=signer,
+    group, signer = open_record(data, key=key, limits=limits, now=now, registry=registry)
+    return admit(
+        name, group, signer, rescorer=rescorer, reward_tolerance=reward_tolerance, published=published, replay=replay
     )

@@ -25,7 +25,7 @@ the worker (`quarantine.Quarantine.observe_canary`) on top of the record being r
   default because a model early in training may not have the format yet (and a group of
   unparseable answers scores all zero and is filtered anyway).
 
-The consumer's `canary_*` settings configure it (`CanaryConfig`); `rate` 0 turns canaries off.
+`ConsumerConfig.canary` configures it (`CanaryConfig`); `rate` 0 turns canaries off.
 """
 
 from __future__ import annotations
@@ -53,10 +53,13 @@ LOGPROB_SLACK_NATS = 1.0
 
 @dataclass(frozen=True, kw_only=True)
 class CanaryConfig:
-    """Canary settings (the consumer's `canary_*` settings)."""
+    """Canary settings (`ConsumerConfig.canary`)."""
 
     rate: float = 0.0
     """Share of the task's prompts that are canaries, in [0, 1]; 0 turns canaries off."""
+    key_file: Path | None = None
+    """A 0600 file holding the secret that picks the canaries (created if missing). None: a fresh
+    secret in memory each time the consumer starts (the subset then changes with every restart)."""
     max_logprob_gap: float = 0.1
     """Largest mean |trainer - worker| logprob per token (nats) the learner may measure on a
     canary group before it counts as failed."""
@@ -71,6 +74,13 @@ class CanaryConfig:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
         if not (_number(self.max_logprob_gap) and self.max_logprob_gap > 0):
             raise ValueError(f"max_logprob_gap must be a number > 0, got {self.max_logprob_gap!r}")
+        if self.key_file is not None and not isinstance(self.key_file, Path):
+            raise ValueError(f"key_file must be a Path or None, got {self.key_file!r}")
+
+    def secret(self) -> bytes:
+        """The secret that picks the canaries: `key_file`'s (when set and canaries are on), else a
+        fresh one."""
+        return load_or_create_secret(self.key_file) if self.key_file is not None and self.rate > 0 else new_secret()
 
 
 def new_secret() -> bytes:

@@ -1,16 +1,17 @@
 """`ConsumerConfig`: every knob of the rollout consumer, typed, frozen and checked.
 
-Two fields may be left unset (`None`) and are then taken from the run manifest when the consumer
-opens the run (`resolved`): the staleness and reuse limits, and the record limits (vocabulary,
-group size, lengths, sampling parameters).
+Three fields may be left unset (`None`) and are then taken from the run manifest when the
+consumer opens the run: the staleness and reuse limits, and the record limits (vocabulary, group
+size, lengths, sampling parameters). `ConsumerConfig.resolved` builds that form,
+`ResolvedConfig`: the same settings with those three definite, what a `RolloutConsumer` runs on.
+The quarantine and canary settings are nested configs (`QuarantineConfig`, `CanaryConfig`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from slime_stoa.protocol.layout import check_name
@@ -79,39 +80,13 @@ class ConsumerConfig:
     reward_tolerance: float = 1e-6
     """A worker reward further than this from the trainer's counts as a disagreement."""
 
-    # Quarantine of dishonest workers and canaries: `quarantine_X` is `QuarantineConfig.X` and
-    # `canary_X` is `CanaryConfig.X` (defaults and meaning live there; `quarantine_config` /
-    # `canary_config` build them).
-    quarantine_enabled: bool = QuarantineConfig.enabled
-    """Quarantine workers whose statistics are outliers: their records are then refused as
-    `quarantined` and their groups not yet used are dropped, until `stoa worker release`."""
-    quarantine_min_samples: int = QuarantineConfig.min_samples
-    """`QuarantineConfig.min_samples`."""
-    quarantine_window_samples: int = QuarantineConfig.window_samples
-    """`QuarantineConfig.window_samples`."""
-    quarantine_max_disagreement_rate: float = QuarantineConfig.max_disagreement_rate
-    """`QuarantineConfig.max_disagreement_rate`."""
-    quarantine_min_gap_tokens: int = QuarantineConfig.min_gap_tokens
-    """`QuarantineConfig.min_gap_tokens`."""
-    quarantine_window_tokens: int = QuarantineConfig.window_tokens
-    """`QuarantineConfig.window_tokens`."""
-    quarantine_max_logprob_gap: float | None = QuarantineConfig.max_logprob_gap
-    """`QuarantineConfig.max_logprob_gap`."""
-    quarantine_max_gap_ratio: float | None = QuarantineConfig.max_gap_ratio
-    """`QuarantineConfig.max_gap_ratio`."""
-    quarantine_gap_floor: float = QuarantineConfig.gap_floor
-    """`QuarantineConfig.gap_floor`."""
-    quarantine_canary_strikes: int = QuarantineConfig.canary_strikes
-    """`QuarantineConfig.canary_strikes`."""
-    canary_rate: float = CanaryConfig.rate
-    """`CanaryConfig.rate`: the share of prompts that are (undisclosed) canaries."""
-    canary_key_file: Path | None = None
-    """A 0600 file holding the secret that picks the canaries (created if missing). None: a fresh
-    secret in memory each time the consumer starts (the subset then changes with every restart)."""
-    canary_max_logprob_gap: float = CanaryConfig.max_logprob_gap
-    """`CanaryConfig.max_logprob_gap`."""
-    canary_min_format_rate: float = CanaryConfig.min_format_rate
-    """`CanaryConfig.min_format_rate`."""
+    quarantine: QuarantineConfig = field(default_factory=QuarantineConfig)
+    """Quarantine of workers whose statistics are outliers: their records are then refused as
+    `quarantined` and their groups not yet used are dropped, until `stoa worker release`
+    (`QuarantineConfig`; the plugin settings `stoa_quarantine_<field>`)."""
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+    """Canaries: an undisclosed share of the prompts judged strictly (`CanaryConfig`; the plugin
+    settings `stoa_canary_<field>`). Off by default (`rate` 0)."""
 
     admission_order: AdmissionOrder = "oldest_version"
     """Which ready groups a batch takes first, after the least-used ones:
@@ -193,13 +168,10 @@ class ConsumerConfig:
         tol = self.reward_tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (math.isfinite(tol) and tol >= 0):
             raise ValueError(f"ConsumerConfig.reward_tolerance must be a number >= 0, got {tol!r}")
-        for prefix, build in (("quarantine_", lambda: self.quarantine_config), ("canary_", lambda: self.canary_config)):
-            try:  # their messages start with the field name
-                build()
-            except ValueError as exc:
-                raise ValueError(f"ConsumerConfig.{prefix}{exc}") from None
-        if self.canary_key_file is not None and not isinstance(self.canary_key_file, Path):
-            raise ValueError(f"ConsumerConfig.canary_key_file must be a Path or None, got {self.canary_key_file!r}")
+        if not isinstance(self.quarantine, QuarantineConfig):
+            raise ValueError(f"ConsumerConfig.quarantine must be a QuarantineConfig, got {self.quarantine!r}")
+        if not isinstance(self.canary, CanaryConfig):
+            raise ValueError(f"ConsumerConfig.canary must be a CanaryConfig, got {self.canary!r}")
         if self.admission_order not in ADMISSION_ORDERS:
             raise ValueError(
                 f"ConsumerConfig.admission_order must be one of {ADMISSION_ORDERS}, got {self.admission_order!r}"
@@ -207,33 +179,31 @@ class ConsumerConfig:
         if self.record_limits is not None and not isinstance(self.record_limits, RecordLimits):
             raise ValueError("ConsumerConfig.record_limits must be a RecordLimits or None")
 
-    @property
-    def quarantine_config(self) -> QuarantineConfig:
-        """The `quarantine_*` settings as the quarantine policy's config."""
-        return QuarantineConfig(
-            **{f.name: getattr(self, "quarantine_" + f.name) for f in dataclasses.fields(QuarantineConfig)}
-        )
-
-    @property
-    def canary_config(self) -> CanaryConfig:
-        """The `canary_*` settings (but the key file) as the canary checks' config."""
-        return CanaryConfig(**{f.name: getattr(self, "canary_" + f.name) for f in dataclasses.fields(CanaryConfig)})
-
-    @property
-    def is_resolved(self) -> bool:
-        """True when no field is left to the run manifest."""
-        return None not in (self.staleness_limit, self.reuse_limit, self.record_limits)
-
-    def resolved(self, manifest: RunManifest, *, vocab_size: int) -> ConsumerConfig:
-        """A copy with every unset field taken from the run manifest (`vocab_size`: the model's)."""
+    def resolved(self, manifest: RunManifest, *, vocab_size: int) -> ResolvedConfig:
+        """These settings with every unset field taken from the run manifest (`vocab_size`: the model's)."""
         if manifest.run != self.run:
             raise ValueError(f"run manifest is for run {manifest.run!r}, the consumer reads {self.run!r}")
-        return dataclasses.replace(
-            self,
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        settings.update(
             staleness_limit=manifest.staleness_limit if self.staleness_limit is None else self.staleness_limit,
             reuse_limit=manifest.reuse_limit if self.reuse_limit is None else self.reuse_limit,
             record_limits=self.record_limits or limits_for_run(manifest, vocab_size=vocab_size),
         )
+        return ResolvedConfig(**settings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedConfig(ConsumerConfig):
+    """A `ConsumerConfig` with nothing left to the run manifest (`ConsumerConfig.resolved`)."""
+
+    staleness_limit: int
+    reuse_limit: int
+    record_limits: RecordLimits
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if None in (self.staleness_limit, self.reuse_limit, self.record_limits):
+            raise ValueError("ResolvedConfig needs staleness_limit, reuse_limit and record_limits")
 
 
 def limits_for_run(manifest: RunManifest, *, vocab_size: int) -> RecordLimits:

@@ -15,6 +15,7 @@ Counter names:
     groups_used / groups_reused       groups put in batches (reused: not for the first time)
     late_keys                         keys found behind the cursor by a sweep
     list_requests / get_requests      store requests
+    store_outage_retries              store calls tried again while the store was down
     registry_invalid / registry_rollback  reads of a signed run's worker registry ignored: not
                                       signed by the run key, or older than the one already read
     worker/<id>/groups                groups of this worker put in batches
@@ -96,6 +97,7 @@ def batch_metrics(
         "rollout/stoa_late_keys": float(gained.get("late_keys", 0)),
         "rollout/stoa_list_requests": float(gained.get("list_requests", 0)),
         "rollout/stoa_get_requests": float(gained.get("get_requests", 0)),
+        "rollout/stoa_store_outage_retries": float(gained.get("store_outage_retries", 0)),
         "rollout/stoa_wait_s": float(wait_s),
         "rollout/stoa_pool_groups": float(pool),
         "rollout/stoa_pending_groups": float(pending),

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_trust import RunTrust, load_rotations
 from slime_stoa.protocol.signing import (
     SIGNATURE_FIELD,
     PublicKey,
@@ -135,3 +137,54 @@ async def write_state_retried(
             raise
 
     return await retry(attempt)
+
+
+class SavedState:
+    """One consumer's state in the bucket: the ETag it last read or wrote (for the next
+    compare-and-swap), the run key that signs what it writes (`key`), and the keys a state read
+    back must be signed by (`key`'s, and with `trust` the run's pinned and rotated keys). Every
+    call runs through `retry` (store outages)."""
+
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        *,
+        retry: Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]],
+        key: SigningKey | None = None,
+        trust: RunTrust | None = None,
+    ) -> None:
+        self.store = store
+        self.run = run
+        self.retry = retry
+        self.key = key
+        self.trust = trust
+        self.etag: str | None = None
+
+    async def read(self) -> ConsumerState | None:
+        """The bucket's state, or None; remembers its ETag (also of an `UntrustedState`, so a
+        save replaces the forgery)."""
+        try:
+            state, etag = await self.retry(self._read, f"reading the consumer state of run {self.run!r}")
+        except UntrustedState as exc:
+            self.etag = exc.etag
+            raise
+        self.etag = etag
+        return state
+
+    async def _read(self) -> tuple[ConsumerState | None, str | None]:
+        if self.key is None:
+            return await read_state(self.store, self.run)
+        keys = [self.key.public]
+        if self.trust is not None:
+            await load_rotations(self.store, self.trust)
+            keys += self.trust.keys
+        return await read_state(self.store, self.run, signed_by=keys)
+
+    async def write(self, state: ConsumerState) -> None:
+        """Write `state` by compare-and-swap (`StateConflict` if another trainer wrote since)."""
+        self.etag = await write_state_retried(
+            self.store, state, self.etag,
+            retry=lambda attempt: self.retry(attempt, f"saving the consumer state of run {self.run!r}"),
+            key=self.key,
+        )

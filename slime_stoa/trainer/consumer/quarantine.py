@@ -45,7 +45,7 @@ MEDIAN_MIN_WORKERS = 3
 
 @dataclass(frozen=True, kw_only=True)
 class QuarantineConfig:
-    """Thresholds of the quarantine policy (the consumer's `quarantine_*` settings)."""
+    """Thresholds of the quarantine policy (`ConsumerConfig.quarantine`)."""
 
     enabled: bool = True
     """False: evidence is still gathered, nobody is quarantined."""

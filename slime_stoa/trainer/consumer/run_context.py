@@ -1,105 +1,35 @@
 """What the consumer needs from the run before it can judge a record: the run manifest, the
-task data (prompts and labels) and the tokenizer (to decode completions), all from the bucket.
-
-The tokenizer comes from the run's latest anchor (`tokenizer.json` among its extras, with
-`config.json` for the vocabulary and the end-of-sequence ids), unless a `decode` function is
-injected (tests) or a local folder is given.
+task data (prompts and labels) and the tokenizer (to decode completions), all from the bucket
+(`slime_stoa.judging.run_data`), and the resolved config.
 
 The run key: a run whose manifest names one is a signed run (records must carry a worker key's
-signature, see `signers`). The manifest is in the bucket, which every worker can write, so a
-trainer given the key it expects (`ConsumerConfig.run_key`) refuses a manifest naming another
-key or none.
+signature, see `slime_stoa.judging.signers`). The manifest is in the bucket, which every worker
+can write, so a trainer given the key it expects (`ConsumerConfig.run_key`) refuses a manifest
+naming another key or none.
 """
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.anchor import download_extras
-from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
+from slime_stoa.judging.run_data import load_decoding, read_task
+from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
 from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
 from slime_stoa.protocol.signing import PublicKey
-from slime_stoa.protocol.store import NotFound, Store
-from slime_stoa.tasks import Task, load_task
+from slime_stoa.protocol.store import Store
+from slime_stoa.tasks import Task
 
-from .config import ConsumerConfig
-from .scoring import (
-    Decode,
-    PromptOf,
-    Rescorer,
-    load_prompt_builder,
-    load_tokenizer,
-    vocab_size_of,
-)
+from .config import ConsumerConfig, ResolvedConfig
 
 
 @dataclass(frozen=True)
 class RunContext:
     manifest: RunManifest
     task: Task
-    config: ConsumerConfig  # resolved: every limit filled in
+    config: ResolvedConfig
     rescorer: Rescorer
     run_key: PublicKey | None = None  # None: an unsigned run
-
-
-def task_data_key(manifest: RunManifest, split: str | None = None) -> str:
-    """The key of the run's task data: its `split` (default: the manifest's training split)."""
-    return RunLayout(manifest.run).task_data(manifest.task, manifest.task_split if split is None else split)
-
-
-async def read_task(store: Store, manifest: RunManifest, split: str | None = None) -> Task:
-    """The run's task, `split` of it (default: the manifest's training split), checked to be the
-    task the manifest names."""
-    key = task_data_key(manifest, split)
-    try:
-        data = await store.get_bytes(key)
-    except NotFound:
-        which = "task data" if split is None else f"{split!r} split of task {manifest.task!r}"
-        raise ValueError(f"run {manifest.run!r} has no {which} at {key} in {store.url}") from None
-    task = load_task(data)
-    if task.name != manifest.task:
-        raise ValueError(f"{key} holds task {task.name!r}; the run manifest says {manifest.task!r}")
-    return task
-
-
-async def download_tokenizer(store: Store, run: str, folder: Path) -> Path:
-    """Write the latest anchor's config and tokenizer files into `folder`; returns `folder`."""
-    pointer = await read_pointer(store, run)
-    manifest = await read_anchor_manifest(store, pointer.anchor.manifest)
-    await download_extras(store, manifest, folder)
-    return folder
-
-
-async def load_decoding(
-    store: Store,
-    manifest: RunManifest,
-    task: Task,
-    *,
-    decode: Decode | None,
-    eos_ids: frozenset[int],
-    tokenizer_dir: Path | None,
-    prompt_of: PromptOf | None,
-    verify_prompts: bool,
-) -> tuple[Decode, frozenset[int], PromptOf | None, int | None]:
-    """(decode, eos_ids, prompt_of, vocabulary size or None) for judging the run's records.
-
-    An injected `decode` is used as given (with `eos_ids` and `prompt_of`; the vocabulary is then
-    the manifest's). Else the tokenizer of `tokenizer_dir`, or of the run's latest anchor when it
-    is None (downloaded); `prompt_of` is built from it when `verify_prompts` and none is given;
-    the vocabulary is the manifest's, else the tokenizer folder's."""
-    vocab = manifest.vocab_size or None
-    if decode is None:
-        folder = tokenizer_dir
-        if folder is None:
-            folder = await download_tokenizer(store, manifest.run, Path(tempfile.mkdtemp(prefix="stoa-tokenizer-")))
-        decode, eos_ids = load_tokenizer(folder)
-        if verify_prompts and prompt_of is None:
-            prompt_of = load_prompt_builder(folder, task)
-        vocab = vocab or vocab_size_of(folder)
-    return decode, eos_ids, prompt_of, vocab
 
 
 async def open_run_context(

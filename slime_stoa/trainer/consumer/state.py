@@ -42,7 +42,7 @@ import xxhash
 from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.validate import RecordRejected
 
-from .quarantine import WorkerRecord, records_from_json, records_to_json
+from .quarantine import WorkerRecord, copy_records, records_from_json, records_to_json
 
 FORMAT = "stoa.consumer/1"
 _NAME = re.compile(r"\d{13}-[a-z0-9][a-z0-9-]{0,47}-\d{10}\.rec")
@@ -77,6 +77,21 @@ class ConsumerState:
     replay: ReplayLedger = field(default_factory=lambda: ReplayLedger())
     quarantine: dict[str, WorkerRecord] = field(default_factory=dict)
     registry_serial: int = 0
+
+    def snapshot(self, *, ledger: dict[str, int], registry_serial: int) -> ConsumerState:
+        """A copy (sharing only the replay ledger) with this reuse `ledger` and registry serial."""
+        return ConsumerState(
+            run=self.run,
+            cursor=self.cursor,
+            seen=set(self.seen),
+            pending=dict(self.pending),
+            ledger=ledger,
+            counters=dict(self.counters),
+            last_seen=dict(self.last_seen),
+            replay=self.replay,
+            quarantine=copy_records(self.quarantine),
+            registry_serial=registry_serial,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -7,31 +7,31 @@ slime until slime calls the loss, so `stoa preflight` can check the settings wit
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from slime_stoa.trainer.loss_config import DPPOConfig
+
+from .settings import DPPO_PREFIX, SLIME_FLAGS_READ, SettingsCache, StoaSettings, cached, leaves, read_section
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["SLIME_ARG_PREFIX", "config_from_args", "dppo_loss"]
 
-SLIME_ARG_PREFIX = "dppo_"
-_MISSING = object()
+SLIME_ARG_PREFIX = DPPO_PREFIX
 # slime flags that only its built-in policy loss honours; with this loss they would do nothing.
 _UNSUPPORTED_SLIME_FLAGS = ("use_kl_loss", "use_tis", "use_opsm", "custom_pg_loss_reducer_function_path")
+_CACHE = SettingsCache()
+# What the DPPO config is read from: its keys and the slime flags it depends on.
+_READS = (
+    *(leaf.key for leaf in leaves(StoaSettings) if leaf.path[0] == "dppo"), *SLIME_FLAGS_READ, *_UNSUPPORTED_SLIME_FLAGS,
+)
 
 
 def config_from_args(args: Any) -> DPPOConfig:
-    """Build the DPPO config from slime's `args`.
-
-    stoa sets these through slime's `--custom-config-path` YAML (its keys become attributes of
-    `args`); a missing attribute takes the DPPOConfig default, YAML null means None:
-
-        dppo_delta_low, dppo_delta_high, dppo_ratio_cap, dppo_dual_clip, dppo_eps_clip,
-        dppo_eps_clip_high, dppo_reduction, dppo_drgrpo_max_len
+    """The DPPO config from slime's `args` (`StoaSettings.dppo`: the `dppo_*` keys of the
+    `--custom-config-path` YAML), parsed once and reused while those settings stay the same.
 
     dppo_reduction defaults to what slime's own reducer gives: "token_mean" with
     `--calculate-per-token-loss`, "seq_mean" without. dppo_drgrpo_max_len defaults to
@@ -42,21 +42,17 @@ def config_from_args(args: Any) -> DPPOConfig:
     (`--use-kl-loss`, `--use-tis`, `--use-opsm`, `--custom-pg-loss-reducer-function-path`),
     which this loss would otherwise ignore silently.
     """
+    return cached(_CACHE, args, _READS, lambda: _config(args))
+
+
+def _config(args: Any) -> DPPOConfig:
     for flag in _UNSUPPORTED_SLIME_FLAGS:
         if getattr(args, flag, None):
             raise ValueError(
                 f"slime's --{flag.replace('_', '-')} is not supported by slime_stoa.dppo_loss"
             )
     per_token = bool(getattr(args, "calculate_per_token_loss", False))
-    values: dict[str, Any] = {}
-    for name in (f.name for f in dataclasses.fields(DPPOConfig)):
-        value = getattr(args, SLIME_ARG_PREFIX + name, _MISSING)
-        if value is not _MISSING:
-            values[name] = value
-    values.setdefault("reduction", "token_mean" if per_token else "seq_mean")
-    if values["reduction"] == "drgrpo":
-        values.setdefault("drgrpo_max_len", getattr(args, "rollout_max_response_len", None))
-    config = DPPOConfig(**values)
+    config: DPPOConfig = read_section(args, "dppo")
     if config.reduction == "token_mean" and not per_token:
         raise ValueError(
             'dppo_reduction "token_mean" needs --calculate-per-token-loss (slime then normalises '

@@ -38,7 +38,6 @@ from typing import Any, NoReturn, TypeGuard
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.store import StoreError, open_store, parse_store_url
-from slime_stoa.trainer.loss_config import DPPOConfig
 
 Config = Mapping[str, Any] | None  # the custom-config YAML, if read
 
@@ -569,33 +568,34 @@ def same_store(a: Any, b: str) -> bool:
 
 
 def known_settings() -> frozenset[str]:
-    """Every stoa_* and dppo_* key some stoa module reads from slime's args."""
-    from . import loss, publish, rollout
+    """Every stoa_* and dppo_* key the plugin reads from slime's args (`StoaSettings.keys`)."""
+    from .settings import StoaSettings
 
-    names = {rollout.PREFIX + n for n in (*rollout.CONFIG_FIELDS, *rollout.OTHER_SETTINGS)}
-    names |= {publish.PREFIX + n for n in (*publish.CONFIG_FIELDS, *publish.OTHER_SETTINGS)}
-    names |= {loss.SLIME_ARG_PREFIX + f.name for f in dataclasses.fields(DPPOConfig)}
-    return frozenset(names)
+    return StoaSettings.keys()
 
 
 def check_settings(args: argparse.Namespace) -> list[Finding]:
-    """The stoa_* and dppo_* values parse the way the trainer's modules will parse them."""
+    """The stoa_* and dppo_* values parse: `StoaSettings` is built as the trainer's modules build
+    it, its errors reported by the piece that reads the key."""
+    from .settings import StoaSettings, read_fields
+
     out: list[Finding] = []
+    errors = StoaSettings.check(args)
+
+    def problems(*parts: str) -> str:
+        return "; ".join(str(e) for e in errors if e.part in parts)
+
     rollout_path = getattr(args, "rollout_function_path", SLIME_DEFAULT_ROLLOUT_FUNCTION)
     is_stoa_rollout = rollout_path != SLIME_DEFAULT_ROLLOUT_FUNCTION and _same_function(
         rollout_path, "slime_stoa.trainer.slime.rollout.generate_rollout"
     )
     if is_stoa_rollout:
-        from . import rollout
-
-        try:
-            rollout.config_from_args(args)
-            rollout.tokenizer_dir_from_args(args)
-            rollout.state_in_bucket_from_args(args)
-            rollout.worker_metrics_from_args(args)
-            grace = rollout.publishing_check_from_args(args)
+        bad = problems("shared", "rollout")
+        if bad:
+            out.append(fix("rollout-settings", f"rollout function settings: {bad}"))
+        else:
             out.append(ok("rollout-settings", "the rollout function's stoa_* settings parse"))
-            if grace is None:
+            if not read_fields(args, "check_publishing")["check_publishing"]:
                 out.append(
                     warn(
                         "check-publishing",
@@ -604,17 +604,12 @@ def check_settings(args: argparse.Namespace) -> list[Finding]:
                         "keep it only for slime's train_async.py or --update-weights-interval > 1",
                     )
                 )
-        except ValueError as exc:
-            out.append(fix("rollout-settings", f"rollout function settings: {exc}"))
     if getattr(args, "stoa_publish", None) is True:
-        from . import publish
-
-        try:
-            publish.publisher_config_from_args(args)
-            publish.retry_settings_from_args(args)
+        bad = problems("shared", "publisher")
+        if bad:
+            out.append(fix("publisher-settings", f"weight publishing settings: {bad}"))
+        else:
             out.append(ok("publisher-settings", "the publisher's stoa_* settings parse"))
-        except ValueError as exc:
-            out.append(fix("publisher-settings", f"weight publishing settings: {exc}"))
     loss_path = getattr(args, "custom_loss_function_path", None)
     is_stoa_loss = isinstance(loss_path, str) and bool(loss_path) and _same_function(loss_path, STOA_LOSS_FUNCTION)
     if getattr(args, "loss_type", None) == "custom_loss" and is_stoa_loss:
@@ -625,6 +620,9 @@ def check_settings(args: argparse.Namespace) -> list[Finding]:
             out.append(ok("dppo-settings", f"DPPO loss settings parse (reduction {cfg.reduction})"))
         except (TypeError, ValueError) as exc:
             out.append(fix("dppo-settings", f"DPPO loss settings: {exc}"))
+    elif problems("loss") and (is_stoa_rollout or getattr(args, "stoa_publish", None) is True):
+        # the plugin reads every setting, so a bad dppo_* key fails the rollout function too
+        out.append(fix("dppo-settings", f"DPPO loss settings: {problems('loss')}"))
     return out
 
 
@@ -649,12 +647,12 @@ def check_tokenizer(args: argparse.Namespace, facts: StoreFacts) -> Finding | No
 def check_run_key(args: argparse.Namespace, manifest: RunManifest) -> Finding:
     """A publishing trainer of a signed run holds its run key: `stoa_run_key` names a 0600 key
     file whose public half is the run manifest's `run_key`."""
-    from .settings import run_key_setting
+    from .settings import read_fields
 
     try:
-        key = run_key_setting(args)
+        key = read_fields(args, "run_key")["run_key"]
     except ValueError as exc:
-        return fix("run-key", f"stoa_run_key: {exc}")
+        return fix("run-key", str(exc))
     if manifest.run_key is None:
         if key is None:
             return ok("run-key", "the run is unsigned (no run_key): weights are published unsigned")

@@ -7,33 +7,9 @@ when `args.stoa_publish` is true. slime calls `update_weights` once before its t
 first call of a new run writes the anchor v0) and once after every rollout's training.
 
 Settings are attributes of slime's `args`, normally from the `--custom-config-path` YAML (slime
-sets every key of that file on `args`, in every process):
-
-    stoa_publish: true                     # read by the patch: publish instead of skipping
-    stoa_bucket: s3://bucket/prefix?endpoint=https://host   # required: store URL (file://, s3://, r2://)
-    stoa_run: my-run                       # required: run name in the bucket
-    # optional, PublisherConfig fields (defaults in slime_stoa.protocol.pulse.publisher):
-    stoa_anchor_every: 50                  # full anchor at least every this many versions
-    stoa_anchor_fraction: 0.5              # ... or once patches since the anchor exceed this share
-    stoa_catchup: true                     # merged catch-up patch for lagging workers
-    stoa_mode: rel                         # step patches: rel (base-relative, smaller) or abs
-    stoa_frame_bytes: 16777216             # bytes per compressed frame
-    stoa_shard_bytes: 1073741824           # anchor safetensors shard size
-    stoa_retain_anchors: null              # anchors kept in the bucket (0: all; null: the run's
-                                           #   retain_anchors, `stoa run create --retain-anchors`)
-    stoa_extras_dir: /path/to/hf           # config/tokenizer shipped with anchors
-                                           #   (default: --hf-checkpoint if it is a local folder;
-                                           #    "" to ship none)
-    stoa_concurrency: 8                    # uploads in flight
-    stoa_threads: null                     # compression threads (null: one per CPU)
-    # retries of a failed publish (store errors; never a conflict with another publisher):
-    stoa_publish_retries: 3
-    stoa_publish_backoff_s: 2.0            # doubled after each failed attempt
-    stoa_background_publish: true          # diff, encode and upload off the training path
-    stoa_run_key: /path/to/run.key         # a signed run: the run key file (mode 0600, `stoa keys
-                                           #   create`); every version is signed with it
-
-Store credentials come from the environment as for every stoa store URL.
+sets every key of that file on `args`, in every process): `stoa_publish: true`, `stoa_bucket`,
+`stoa_run` and the publisher's knobs, parsed by `slime_stoa.trainer.slime.settings.StoaSettings`
+and listed in docs/slime.md.
 
 Background publishing (the default). The weights are gathered on every rank as before (slime's
 collective HF weight iterator); rank 0's copy of them is the snapshot: it is handed to the
@@ -61,41 +37,29 @@ import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook before any SyncPublisher registers one
 import contextlib
 import logging
-import math
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from slime_stoa.protocol.pulse.codec import check_bits
-from slime_stoa.protocol.pulse.publisher import (
-    PublishConflict,
-    Publisher,
-    PublisherConfig,
-    PublishError,
-    PublishResult,
-)
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult
+from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
 from slime_stoa.protocol.signing import SigningKey
-from slime_stoa.protocol.store import Store, StoreUnavailable, open_store
-from slime_stoa.protocol.store.retry import RetryPolicy, through_outages, with_retries
+from slime_stoa.protocol.store import Store, open_store
 
 from ..loop_thread import LoopThread
-from .settings import as_bool, as_float, as_int, check_bucket_and_run, field_parsers, required_setting, run_key_setting
+from .settings import StoaSettings, settings_from_args
 
 log = logging.getLogger(__name__)
 
-PREFIX = "stoa_"
-DEFAULT_RETRIES = 3
-DEFAULT_BACKOFF_S = 2.0
 MiB = 1 << 20
 
-T = TypeVar("T")
 NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor) pairs: one slime chunk
 
 
@@ -137,104 +101,6 @@ def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
     if not state:
         raise ValueError("slime produced no weight tensors")
     return state
-
-
-# -- settings ------------------------------------------------------------------------------------
-
-
-
-
-
-
-# One parser per PublisherConfig field (by the field's type); the setting is PREFIX + field name.
-CONFIG_FIELDS = field_parsers(PublisherConfig)
-# The settings read besides those (PREFIX + name); `stoa_publish` itself is read by the patch.
-OTHER_SETTINGS = ("bucket", "run", "publish", "publish_retries", "publish_backoff_s", "background_publish", "run_key")
-
-
-def publisher_config_from_args(args: Any) -> tuple[str, str, PublisherConfig]:
-    """(store URL, run name, PublisherConfig) from `args.stoa_*`; ValueError naming a bad setting."""
-    url, run = check_bucket_and_run(
-        *(required_setting(args, PREFIX + name, needed_by="stoa weight publishing") for name in ("bucket", "run")),
-        prefix=PREFIX,
-    )
-    fields = {
-        name: parse(PREFIX + name, getattr(args, PREFIX + name))
-        for name, parse in CONFIG_FIELDS.items()
-        if hasattr(args, PREFIX + name)
-    }
-    if not hasattr(args, PREFIX + "extras_dir"):
-        hf = getattr(args, "hf_checkpoint", None)
-        if isinstance(hf, str) and Path(hf).is_dir():
-            fields["extras_dir"] = Path(hf)
-    try:
-        config = PublisherConfig(**fields)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"invalid stoa publisher settings: {exc}") from None
-    return url, run, config
-
-
-def retry_settings_from_args(args: Any) -> tuple[int, float]:
-    """(retries, initial backoff seconds) from `args.stoa_publish_retries` / `stoa_publish_backoff_s`."""
-    retries = as_int(f"{PREFIX}publish_retries", getattr(args, f"{PREFIX}publish_retries", DEFAULT_RETRIES))
-    backoff = as_float(f"{PREFIX}publish_backoff_s", getattr(args, f"{PREFIX}publish_backoff_s", DEFAULT_BACKOFF_S))
-    if retries < 0 or backoff < 0:
-        raise ValueError(f"{PREFIX}publish_retries and {PREFIX}publish_backoff_s must be >= 0")
-    return retries, backoff
-
-
-def background_from_args(args: Any) -> bool:
-    """`args.stoa_background_publish` (default true): publish off the training path."""
-    value = getattr(args, f"{PREFIX}background_publish", None)
-    return True if value is None else as_bool(f"{PREFIX}background_publish", value)
-
-
-def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, (PublishError, StoreUnavailable)) and not isinstance(exc, PublishConflict)
-
-
-def is_publish_outage(exc: BaseException) -> bool:
-    """The store did not answer: directly, or under the PublishError the publisher wraps it in."""
-    if isinstance(exc, PublishConflict):
-        return False
-    return isinstance(exc, StoreUnavailable) or (
-        isinstance(exc, PublishError) and isinstance(exc.__cause__, StoreUnavailable)
-    )
-
-
-async def publish_with_retries(
-    op: Callable[[], Awaitable[T]],
-    *,
-    retries: int,
-    backoff_s: float,
-    what: str,
-    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-) -> T:
-    """Await `op()`: a store outage of any length is waited out (the training pauses, logging
-    every minute, and goes on when the store answers: a failed publish never moved the pointer,
-    so trying again is safe); any other `PublishError` is retried up to `retries` times.
-
-    The delay between those starts at `backoff_s` and doubles (no jitter: one publisher per
-    run). A `PublishConflict` (another publisher owns the run) is raised at once; after the
-    last attempt a `PublishError` says how many were made.
-    """
-
-    def note(exc: BaseException, attempt: int, delay: float) -> None:
-        log.warning("stoa: %s: attempt %d failed (%s); retrying in %.1fs", what, attempt, exc, delay)
-
-    async def attempt() -> T:
-        return await through_outages(op, describe=what, is_retryable=is_publish_outage, logger=log, sleep=sleep)
-
-    return await with_retries(
-        attempt,
-        policy=RetryPolicy(attempts=retries + 1, base_delay=backoff_s, max_delay=math.inf, jitter=False),
-        is_retryable=_is_retryable,
-        describe=what,
-        advice=lambda exc: "The pointer did not move.",
-        sleep=sleep,
-        on_retry=note,
-        gave_up=PublishError,
-    )
 
 
 # -- a Publisher for synchronous callers ---------------------------------------------------------
@@ -458,14 +324,14 @@ def _finish_at_exit(publisher: SyncPublisher) -> None:
 _PUBLISHER: SyncPublisher | None = None
 
 
-def get_publisher(args: Any) -> SyncPublisher:
-    """The process-wide SyncPublisher, created from `args.stoa_*` on first use."""
+def get_publisher(settings: StoaSettings) -> SyncPublisher:
+    """The process-wide SyncPublisher, created from the settings on first use."""
     global _PUBLISHER
     if _PUBLISHER is None:
-        url, run, config = publisher_config_from_args(args)
-        retries, backoff = retry_settings_from_args(args)
-        key = run_key_setting(args)
-        _PUBLISHER = SyncPublisher(url, run, config, retries=retries, backoff_s=backoff, key=key)  # closed at exit
+        s = settings
+        _PUBLISHER = SyncPublisher(  # closed at exit
+            s.bucket, s.run, s.publisher, retries=s.publish_retries, backoff_s=s.publish_backoff_s, key=s.run_key
+        )
     return _PUBLISHER
 
 
@@ -484,16 +350,14 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
     from slime.utils.distributed_utils import get_gloo_group
 
     # Same args on every rank: a bad setting fails everywhere, before any collective starts.
-    publisher_config_from_args(args)
-    retry_settings_from_args(args)
-    run_key_setting(args)
-    background = background_from_args(args)
+    settings = settings_from_args(args)
+    background = settings.background_publish
     rank = dist.get_rank()
     error: Exception | None = None
     waited = 0.0
     if rank == 0 and background:
         try:  # before the gather: at most one more copy of the weights in memory
-            waited = get_publisher(args).wait()
+            waited = get_publisher(settings).wait()
         except Exception as exc:  # reported to every rank below, after the collective
             error = exc
     start = time.perf_counter()
@@ -503,7 +367,7 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
     result: PublishResult | Handoff | None = None
     if rank == 0 and error is None:
         try:
-            publisher = get_publisher(args)
+            publisher = get_publisher(settings)
             if background:  # the gathered arrays are fresh copies: hand them over
                 handoff = publisher.submit(state, copy=False, gather_s=gathered - start)
                 result = replace(handoff, wait_s=handoff.wait_s + waited, blocked_s=handoff.blocked_s + waited)

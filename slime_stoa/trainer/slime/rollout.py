@@ -4,45 +4,9 @@ Run slime with `--rollout-function-path slime_stoa.generate_rollout --rollout-nu
 --data-source-path slime_stoa.StoaDataSource` (the module paths
 `slime_stoa.trainer.slime.rollout.generate_rollout` and
 `slime_stoa.trainer.slime.data_source.StoaDataSource` are the same objects) and put the settings
-in the `--custom-config-path` YAML, which slime sets as attributes of `args` in every process:
-
-    stoa_bucket: s3://bucket/prefix?endpoint=https://host   # required: store URL (file://, s3://, r2://)
-    stoa_run: my-run                                       # required: run name in the bucket
-    stoa_rollouts_bucket: null       # least privilege: the workers' records and heartbeats in a
-                                     #   second bucket (their token writes only there)
-    stoa_run_key: /path/run.key      # a signed run: the run key file (0600); the run manifest must
-                                     #   name its public half, records need registered worker keys
-    # optional (ConsumerConfig fields; defaults in slime_stoa.trainer.consumer.config):
-    stoa_staleness_limit: 4          # default: the run manifest's staleness_limit
-    stoa_reuse_limit: 1              # default: the run manifest's reuse_limit
-    stoa_wait_timeout_s: null        # default: wait as long as it takes; a number: then the
-                                     #   rollout fails, naming the workers last seen
-    stoa_poll_interval_s: 1.0        # pause between listings while waiting
-    stoa_skew_window_ms: 60000       # late keys are still found this far behind the cursor
-    stoa_sweep_interval_s: 5.0       # how often that window is listed again
-    stoa_late_window_ms: 1800000     # records uploaded this late (a Mac back online) still count
-    stoa_late_sweep_interval_s: 60   # how often that longer window is listed
-    stoa_download_concurrency: 16    # record downloads in flight
-    stoa_max_download_attempts: 3
-    stoa_filter_all_equal: true      # drop groups whose rewards are all equal (no GRPO signal)
-    stoa_verify_prompts: true        # reject records whose prompt is not their prompt_index's
-    stoa_reward_tolerance: 1.0e-6    # worker vs trainer reward gap counted as a disagreement
-    stoa_admission_order: oldest_version   # or fifo
-    stoa_max_pool_groups: 4096       # backpressure: groups discovered but not yet used
-    stoa_prefetch_groups: 0          # download this many groups in the background while the
-                                     #   trainer trains (e.g. the rollout batch size)
-    stoa_version_ahead_slack: 1
-    stoa_progress_interval_s: 60     # progress of a wait (and a store outage) logged this often
-    stoa_store_retry_max_delay_s: 30 # longest pause between tries while the store is down
-    # optional, read here:
-    stoa_tokenizer_dir: /path/to/hf  # local folder with tokenizer.json (default: the anchor's)
-    stoa_state_in_bucket: true       # also write the consumer state to the bucket every rollout
-    stoa_check_publishing: true      # fail when the trainer stops publishing (see below)
-    stoa_publish_grace_s: 120        # how long a rollout waits for the previous step's version
-    stoa_worker_metrics: null        # add worker/* from the heartbeats to the metrics; default:
-                                     #   on with --use-wandb or --use-tensorboard
-
-Store credentials come from the environment, as for every stoa store URL.
+in the `--custom-config-path` YAML, which slime sets as attributes of `args` in every process.
+The keys, their defaults and meaning: docs/slime.md (generated from
+`slime_stoa.trainer.slime.settings.StoaSettings`, which parses them).
 
 What one call does: reads the trainer's published version from the run's pointer, waits for
 `--rollout-batch-size` usable groups (`slime_stoa.trainer.consumer.RolloutConsumer`: validated,
@@ -98,18 +62,9 @@ answer skips them for that rollout). With `--use-wandb` the rollout function als
 `worker/*` against `rollout/step` in the run slime's rollout process joined (slime defines
 `train/*`, `rollout/*`, ... but not `worker/*`); see `slime_stoa.trainer.tracking`.
 
-Evaluation (`--eval-interval`, with this function as the eval path too, slime's default). An
+Evaluation (`--eval-interval`, with this function as the eval path too, slime's default): an
 `evaluation=True` call asks the fleet for an eval of the pointer's version
-(`slime_stoa.protocol.eval_request`): for each dataset of `--eval-prompt-data NAME SPLIT ...`
-(slime's name/path pairs; here the "path" is a split of the run's task in the bucket, e.g.
-`--eval-prompt-data gsm8k-test test`) it writes the request (signed with `stoa_run_key` on a
-signed run), waits (`stoa_wait_timeout_s`, `stoa_poll_interval_s`) until every prompt has
-`--n-samples-per-eval-prompt` (default 1) samples from workers holding that version, re-scores
-them with the split's labels and returns `RolloutFnEvalOutput(data={NAME: {"rewards",
-"truncated", "samples"}}, metrics)`, the samples built like training samples, k per prompt in
-prompt order. Sampling: `--eval-max-response-len` and `--eval-temperature` when set, else the
-run manifest's. `stoa_eval_prompts: N` evaluates the split's first N prompts (default: all).
-metrics: `eval/stoa_<NAME>_pass@1`, `..._pass@k`, `..._n_prompts`, `..._rejects`.
+(`slime_stoa.trainer.slime.eval_rollout`).
 
 One consumer lives per process (the RolloutManager actor), on its own event-loop thread, with
 its store connections.
@@ -125,19 +80,12 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from slime_stoa.evaluation.collect import EvalCollector, open_eval_context, read_split
-from slime_stoa.evaluation.fleet import await_answers, post_request, version_result
-from slime_stoa.evaluation.passk import DEFAULT_PASS_THRESHOLD
-from slime_stoa.protocol.eval_request import EvalRequest
-from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
-from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, StoreError, open_store
 from slime_stoa.protocol.store.split import SplitStore
 from slime_stoa.trainer.consumer import (
     Batch,
-    ConsumedGroup,
     ConsumerConfig,
     RolloutConsumer,
     sample_fields,
@@ -147,24 +95,14 @@ from slime_stoa.trainer.consumer.persistence import UntrustedState
 from .. import tracking
 from ..loop_thread import LoopThread
 from .data_source import StoaDataSource
-from .publish import background_from_args
-from .settings import (
-    as_bool,
-    as_float,
-    as_int,
-    as_path,
-    check_bucket_and_run,
-    field_parsers,
-    required_setting,
-    run_key_setting,
-)
+from .eval_rollout import eval_output
+from .settings import DEFAULT_PUBLISH_GRACE_S as DEFAULT_PUBLISH_GRACE_S
+from .settings import StoaSettings, read_fields, settings_from_args
 
 log = logging.getLogger(__name__)
 
-PREFIX = "stoa_"
 METADATA_KEY = "stoa_consumer"
 DATA_SOURCE_PATH = "slime_stoa.StoaDataSource"
-DEFAULT_PUBLISH_GRACE_S = 120.0
 T = TypeVar("T")
 
 
@@ -172,69 +110,27 @@ class PublishingStalled(RuntimeError):
     """The run's pointer did not move after a train step: the trainer publishes nothing."""
 
 
-# -- settings -------------------------------------------------------------------------------------
-# ConsumerConfig field -> parser (by the field's type); the setting is PREFIX + field name.
-CONFIG_FIELDS = field_parsers(ConsumerConfig, exclude=("store_url", "run", "record_limits", "run_key", "rollouts_url"))
-# The settings read besides those (PREFIX + name).
-OTHER_SETTINGS = (
-    "bucket", "run", "tokenizer_dir", "state_in_bucket", "check_publishing", "publish_grace_s", "worker_metrics",
-    "eval_prompts", "rollouts_bucket", "run_key",
-)
-
-
+# -- settings (StoaSettings; these read a few from args alone) ---------------------------------------
 def config_from_args(args: Any) -> ConsumerConfig:
-    """The ConsumerConfig from `args.stoa_*` (see the module doc); ValueError naming a bad setting."""
-    if args is None:
-        raise ValueError("the stoa rollout function needs slime's args (with stoa_bucket and stoa_run)")
-    url, run = check_bucket_and_run(
-        *(required_setting(args, PREFIX + name, needed_by="the stoa rollout function") for name in ("bucket", "run")),
-        prefix=PREFIX,
-    )
-    fields = {
-        name: parse(PREFIX + name, getattr(args, PREFIX + name))
-        for name, parse in CONFIG_FIELDS.items()
-        if getattr(args, PREFIX + name, None) is not None
-    }
-    key = run_key_setting(args)  # the trainer's own run key file: the run manifest must name its public half
-    if key is not None:
-        fields["run_key"] = key.public.to_text()
-    rollouts = getattr(args, PREFIX + "rollouts_bucket", None)
-    if rollouts:
-        fields["rollouts_url"] = rollouts
-    try:
-        return ConsumerConfig(store_url=url, run=run, **fields)
-    except ValueError as exc:
-        raise ValueError(f"invalid stoa rollout settings: {exc}") from None
+    """The ConsumerConfig from `args.stoa_*`; ValueError naming a bad setting."""
+    return settings_from_args(args).consumer
 
 
-def tokenizer_dir_from_args(args: Any) -> Path | None:
-    value = getattr(args, PREFIX + "tokenizer_dir", None)
-    return as_path(PREFIX + "tokenizer_dir", value) if value else None
-
-
-def state_in_bucket_from_args(args: Any) -> bool:
-    value = getattr(args, PREFIX + "state_in_bucket", None)
-    return True if value is None else as_bool(PREFIX + "state_in_bucket", value)
-
-
-def worker_metrics_from_args(args: Any) -> bool:
-    """Whether each rollout's metrics carry the workers' heartbeats (module doc, Metrics)."""
-    value = getattr(args, PREFIX + "worker_metrics", None)
-    if value is None:
-        return bool(getattr(args, "use_wandb", False) or getattr(args, "use_tensorboard", False))
-    return as_bool(PREFIX + "worker_metrics", value)
+def publishing_check(settings: StoaSettings) -> float | None:
+    """The grace (seconds) the publisher-liveness check gives a version, or None when the check
+    is off (`stoa_check_publishing: false`)."""
+    return settings.publish_grace_s if settings.check_publishing else None
 
 
 def publishing_check_from_args(args: Any) -> float | None:
-    """The grace (seconds) the publisher-liveness check gives a version, or None when the check
-    is off (`stoa_check_publishing: false`). ValueError naming a bad setting."""
-    value = getattr(args, PREFIX + "check_publishing", None)
-    enabled = True if value is None else as_bool(PREFIX + "check_publishing", value)
-    raw = getattr(args, PREFIX + "publish_grace_s", None)
-    grace = DEFAULT_PUBLISH_GRACE_S if raw is None else as_float(PREFIX + "publish_grace_s", raw)
-    if not grace >= 0 or grace == float("inf"):
-        raise ValueError(f"{PREFIX}publish_grace_s must be a finite number >= 0, got {raw!r}")
-    return grace if enabled else None
+    """`publishing_check` of `args.stoa_check_publishing` and `stoa_publish_grace_s` alone."""
+    read = read_fields(args, "check_publishing", "publish_grace_s")
+    return read["publish_grace_s"] if read["check_publishing"] else None
+
+
+def worker_metrics_from_args(args: Any) -> bool:
+    """Whether each rollout's metrics carry the workers' heartbeats (`stoa_worker_metrics`)."""
+    return bool(read_fields(args, "worker_metrics")["worker_metrics"])
 
 
 def _positive(args: Any, name: str) -> int:
@@ -291,7 +187,7 @@ class _Session:
             self.consumer: RolloutConsumer = self.call(
                 RolloutConsumer.open(self.store, config, tokenizer_dir=tokenizer_dir, restore=False, state_key=state_key)
             )
-            self.group_size = self.consumer.config.record_limits.expected_group_size  # type: ignore[union-attr]
+            self.group_size = self.consumer.config.record_limits.expected_group_size
         except BaseException:
             self.close()
             raise
@@ -435,8 +331,10 @@ _SESSION: _Session | None = None
 _LOCK = threading.Lock()
 
 
-def _session(config: ConsumerConfig, args: Any) -> _Session:
+def session_for(settings: StoaSettings) -> _Session:
+    """The process's consumer session for these settings (reopened when they changed)."""
     global _SESSION
+    config = settings.consumer
     with _LOCK:
         if _SESSION is not None and _SESSION.config != config:
             log.info("stoa: rollout settings changed; reopening the consumer")
@@ -444,8 +342,8 @@ def _session(config: ConsumerConfig, args: Any) -> _Session:
             _SESSION = None
         if _SESSION is None:
             _SESSION = _Session(
-                config, tokenizer_dir=tokenizer_dir_from_args(args), state_in_bucket=state_in_bucket_from_args(args),
-                state_key=run_key_setting(args),
+                config, tokenizer_dir=settings.tokenizer_dir, state_in_bucket=settings.state_in_bucket,
+                state_key=settings.run_key,
             )
         return _SESSION
 
@@ -470,8 +368,8 @@ def _slime_samples(batch: Batch, slots: list[list[Any]], sample_cls: Any) -> lis
     return out
 
 
-def _publish_grace(args: Any, session: _Session) -> float | None:
-    grace = publishing_check_from_args(args)
+def _publish_grace(args: Any, settings: StoaSettings, session: _Session) -> float | None:
+    grace = publishing_check(settings)
     if grace is None:
         return None
     for flag in ("debug_train_only", "debug_rollout_only"):
@@ -492,108 +390,19 @@ def _attach_worker_axis(args: Any, session: _Session) -> None:
         session.warn_once("wandb", "stoa: worker/* not given the rollout/step axis in W&B: %s", exc)
 
 
-# -- evaluation (module doc, Evaluation) -----------------------------------------------------------
-def eval_datasets_from_args(args: Any) -> list[tuple[str, str]]:
-    """(name, task split) pairs of `--eval-prompt-data NAME SPLIT ...`; ValueError when unusable."""
-    pairs = getattr(args, "eval_prompt_data", None)
-    if not pairs or isinstance(pairs, str) or len(pairs) % 2:
-        raise ValueError(
-            "an eval needs --eval-prompt-data NAME SPLIT [NAME SPLIT ...] (each SPLIT a split of the run's task "
-            f"in the bucket, e.g. `gsm8k-test test`), got {pairs!r}"
-        )
-    out = [(str(pairs[i]), str(pairs[i + 1])) for i in range(0, len(pairs), 2)]
-    for _name, split in out:
-        check_name("task split", split)
-    return out
-
-
-def _optional(args: Any, name: str, parse: Any) -> Any:
-    value = getattr(args, name, None)
-    return None if value is None else parse(name, value)
-
-
-async def _evaluate(session: _Session, args: Any, datasets: list[tuple[str, str]]) -> tuple[int, dict[str, Any]]:
-    """(version, {name: (collector, result)}) of one eval of the pointer's version."""
-    assert session.store is not None
-    store, config = session.store, session.config
-    version = await session._read_version()
-    if version is None:
-        raise ValueError(f"run {config.run!r} has published no weights yet: nothing to evaluate")
-    manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
-    k = _optional(args, "n_samples_per_eval_prompt", as_int) or 1
-    max_tokens = _optional(args, "eval_max_response_len", as_int) or manifest.max_tokens
-    temperature = _optional(args, "eval_temperature", as_float) or manifest.temperature
-    limit = _optional(args, PREFIX + "eval_prompts", as_int)
-    key = run_key_setting(args)
-    out: dict[str, Any] = {}
-    for name, split in datasets:
-        task = await read_split(store, manifest, split)
-        n = len(task) if limit is None else min(limit, len(task))
-        wanted = EvalRequest(
-            run=config.run, version=version, split=split, k=k, prompts=tuple(range(n)),
-            max_tokens=max_tokens, temperature=temperature,
-        )
-        posted = await post_request(store, wanted, signing_key=key)
-        ctx = await open_eval_context(
-            store, posted, tokenizer_dir=tokenizer_dir_from_args(args), verify_prompts=config.verify_prompts,
-            run_key=manifest.run_key,
-        )
-        collector = EvalCollector(store, ctx, posted)
-        log.info("stoa: eval %s: v%d, split %s, %d prompts x %d samples: waiting for the fleet", name, version, split, n, k)
-        await await_answers(collector, signing_key=key, timeout_s=config.wait_timeout_s, poll_s=config.poll_interval_s)
-        out[name] = (collector, version_result(collector, DEFAULT_PASS_THRESHOLD))
-    return version, out
-
-
-def _eval_output(args: Any, rollout_id: Any) -> Any:
-    from slime.rollout.base_types import RolloutFnEvalOutput
-    from slime.utils.types import Sample
-
-    config = config_from_args(args)
-    datasets = eval_datasets_from_args(args)
-    session = _session(config, args)
-    version, results = session.call(_evaluate(session, args, datasets))
-    data: dict[str, dict[str, list[Any]]] = {}
-    metrics: dict[str, float] = {"eval/stoa_trainer_version": float(version)}
-    for name, (collector, result) in results.items():
-        samples = []
-        for p in collector.request.prompts:
-            for g in collector.kept(p):
-                consumed = ConsumedGroup(
-                    key=g.key, group=g.group, prompt=g.prompt, label=g.label, texts=g.texts, rewards=g.rewards,
-                    version_lag=0, use=1,
-                )
-                samples += [Sample(**{**f, "status": Sample.Status(f["status"])}) for f in sample_fields(consumed)]
-        data[name] = {
-            "rewards": [float(r) for p in result.prompts for r in p.rewards],
-            "truncated": [bool(t) for p in result.prompts for t in p.truncated],
-            "samples": samples,
-        }
-        row = result.row()
-        prefix = f"eval/stoa_{name}_"
-        metrics.update({
-            prefix + "pass@1": row["pass@1"], prefix + "pass@k": row["pass@k"],
-            prefix + "n_prompts": float(row["n_prompts"]), prefix + "rejects": float(sum(collector.rejects.values())),
-        })
-        log.info("stoa: eval %s at rollout %s: v%d pass@1 %.3f pass@%d %.3f over %d prompts",
-                 name, rollout_id, version, row["pass@1"], row["k"], row["pass@k"], row["n_prompts"])
-    return RolloutFnEvalOutput(data=data, metrics=metrics)
-
-
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     """slime rollout function: `rollout_batch_size` groups from the run's bucket, or with
     `evaluation` the fleet's answers to an eval of the pointer's version (module doc)."""
     if evaluation:
-        return _eval_output(args, rollout_id)
+        return eval_output(args, rollout_id, session_for)
     from slime.rollout.base_types import RolloutFnTrainOutput
     from slime.utils.types import Sample
 
-    config = config_from_args(args)
+    settings = settings_from_args(args)  # a bad setting fails before anything is opened
+    config = settings.consumer
     n_groups = _positive(args, "rollout_batch_size")
     group_size = _positive(args, "n_samples_per_prompt")
-    publishing_check_from_args(args)  # a bad setting fails before anything is opened
-    with_fleet = worker_metrics_from_args(args)
-    session = _session(config, args)  # opening the run waits out store outages
+    session = session_for(settings)  # opening the run waits out store outages
     if group_size != session.group_size:
         raise ValueError(
             f"--n-samples-per-prompt is {group_size} but run {config.run!r} has groups of {session.group_size}"
@@ -614,8 +423,8 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         else:
             source = session.resume(metadata.get(METADATA_KEY) if metadata is not None else None)
         log.info("stoa: consumer of run %s resumed from %s state", config.run, source)
-    behind = 1 if background_from_args(args) else 0  # the last step's version may still be uploading
-    batch, state = session.batch(n_groups, rollout_id, _publish_grace(args, session), behind)
+    behind = 1 if settings.background_publish else 0  # the last step's version may still be uploading
+    batch, state = session.batch(n_groups, rollout_id, _publish_grace(args, settings, session), behind)
     slots = data_source.get_samples(n_groups)
     samples = _slime_samples(batch, slots, Sample)
     # Persist the state with this batch taken BEFORE slime gets the batch: a kill at any moment
@@ -628,7 +437,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         session.save(state)
     metrics = dict(batch.metrics)
     metrics["rollout/stoa_trainer_version"] = float(batch.trainer_version)
-    if with_fleet:
+    if settings.worker_metrics:
         metrics.update(session.fleet_metrics(batch.trainer_version))
     _attach_worker_axis(args, session)
     log.info("stoa: rollout %s: %d groups at trainer v%d", rollout_id, len(samples), batch.trainer_version)

@@ -1,9 +1,19 @@
-"""A consumed group as training samples: plain field dicts named after slime's `Sample` fields.
+"""The shapes a rollout record takes on the trainer's side, in the order it takes them.
 
-Pure and slime-free: the slime layer only turns each dict into `Sample(**fields)` (mapping the
-`status` string to `Sample.Status`), and stoa's own learner reads the same dicts.
+    bytes           the object a worker uploaded (a signed envelope in a signed run)
+    RolloutGroup    decoded and validated (`slime_stoa.protocol.records`, `protocol.validate`)
+    Admitted        judged (`admission.judge_record`): the trainer's rewards, decoded texts, the
+                    task item's prompt and label, reward disagreements, the signing key
+    (in the pool)   an Admitted with its use count (`pool.Pool`; the counts are the reuse ledger)
+    ConsumedGroup   in a batch: its object key, version lag and which use this is
+    sample dicts    `sample_fields`: one dict per sample, named after slime's `Sample` fields
 
-Per sample of a group of G (contiguous, in the record's order):
+The slime plugin turns each dict into `Sample(**fields)` (`slime_stoa.trainer.slime.rollout`).
+stoa's own learner does not read these dicts: the quickstart builds its
+`learner.TrainSequence`s straight from a ConsumedGroup (the record's prompt and response tokens,
+the worker's logprobs as recorded, the mask, the trainer's rewards).
+
+Per sample of a group of G (contiguous, in the record's order), `sample_fields` gives:
 
     tokens             prompt tokens + response tokens
     response_length    number of response tokens (a tool episode's: model and tool tokens)
@@ -23,21 +33,77 @@ Per sample of a group of G (contiguous, in the record's order):
     weight_versions    [str(weight version)] (informational in slime)
     metadata           stoa_* provenance: worker, weight version, version lag, use, key, worker
                        reward, task, prompt index, finish reason, turns, tool calls
+
+Pure and free of slime and torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from slime_stoa.protocol.records import SCHEMA_V2
-
-from .consumer import ConsumedGroup
+from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup
 
 STATUS_COMPLETED = "completed"
 STATUS_TRUNCATED = "truncated"
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A record that passed every check, with the trainer's rewards."""
+
+    name: str  # key name relative to the rollouts prefix
+    group: RolloutGroup
+    prompt: str  # the task item's prompt text
+    label: str  # the task item's label
+    texts: tuple[str, ...]  # decoded completions
+    rewards: tuple[float, ...]  # the trainer's rewards
+    disagreements: int  # samples whose worker reward differs from the trainer's
+    signer: str | None = None  # key id of the worker key that signed it (None: an unsigned run)
+
+    @property
+    def worker(self) -> str:
+        return self.group.worker_id
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumedGroup:
+    """One group of a batch, ready to train on."""
+
+    key: str  # the record's object key
+    group: RolloutGroup
+    prompt: str  # the task item's prompt text
+    label: str  # the task item's label
+    texts: tuple[str, ...]  # decoded completions
+    rewards: tuple[float, ...]  # the trainer's rewards (the worker's are in group.samples)
+    version_lag: int  # training steps the weights lag the trainer's (along the lineage) when this batch was made
+    use: int  # 1 the first time this group is used, 2 the second, ...
+
+    @classmethod
+    def of(cls, admitted: Admitted, *, key: str, version_lag: int, use: int) -> ConsumedGroup:
+        a = admitted
+        return cls(
+            key=key, group=a.group, prompt=a.prompt, label=a.label, texts=a.texts, rewards=a.rewards,
+            version_lag=version_lag, use=use,
+        )
+
+    @property
+    def worker(self) -> str:
+        return self.group.worker_id
+
+    @property
+    def weight_version(self) -> int:
+        return self.group.weight_version
+
+
+@dataclass(frozen=True)
+class Batch:
+    groups: tuple[ConsumedGroup, ...]
+    metrics: dict[str, float]
+    trainer_version: int
 
 
 def sample_status(finish_reason: str) -> str:

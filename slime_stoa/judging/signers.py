@@ -1,4 +1,4 @@
-"""The worker keys a consumer of a signed run trusts: the run's registry, as last read.
+"""The worker keys a judge of a signed run's records trusts: the run's registry, as last read.
 
 The registry (`protocol.registry`) is verified with the run key and cached by ETag (a read that
 finds it unchanged is one conditional GET). It is read again when a record names a key it does
@@ -12,13 +12,16 @@ reported and ignored: the last good one stays.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
+from slime_stoa.protocol.records import RecordError
 from slime_stoa.protocol.registry import Registry, RegistryError, RegistryRead, read_registry
 from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signed_record import is_signed, open_signed
 from slime_stoa.protocol.store import Store
 
 log = logging.getLogger(__name__)
@@ -28,7 +31,8 @@ ReadOutcome = Literal["unchanged", "updated", "invalid", "rollback"]
 
 
 class Signers:
-    """The run's worker registry for one consumer. One read at a time; not thread-safe."""
+    """The run's worker registry for one reader (the consumer, an eval collector). One read at a
+    time; not thread-safe."""
 
     def __init__(
         self,
@@ -53,6 +57,17 @@ class Signers:
     def due(self) -> bool:
         """True when the last read started `refresh_s` or more ago."""
         return self.clock() - self._read_started >= self.refresh_s
+
+    def needs_read(self, data: bytes) -> bool:
+        """Before judging the downloaded object `data`: True when it names a key the registry does
+        not hold (a worker added since) or a read is `due`. A malformed envelope needs no read
+        (it is judged as such)."""
+        if self.due():
+            return True
+        if is_signed(data):
+            with contextlib.suppress(RecordError):
+                return self.registry.by_key_id(open_signed(data).key_id) is None
+        return False
 
     async def refresh(
         self, since: float, *, through: Callable[[Callable[[], Awaitable[RegistryRead | None]]], Awaitable[RegistryRead | None]]

@@ -1,0 +1,300 @@
+"""Following the run's weights beside generation and installing each version at a safe point.
+
+Polling, downloading and verifying run on the asyncio side while the MLX thread generates: the
+subscriber is deferred (`pulse.subscriber`), so a sync writes nothing and returns the verified
+version staged (a patch's final bits, or an anchor's new state). The worker installs it in one
+direction, at the generation loop's next safe point (`WeightFollower.swap`): on the bf16 plane,
+where the subscriber's state *is* the model's memory (one copy of the weights, `weights.py`),
+the commit scatters the patch's bits into the live weights there; on the int8 plane the bf16
+master is not the model, so it is written beside generation and the safe point re-quantizes the
+groups that changed. A commit the model cannot take is undone (the state and the subscriber back
+at the version the model computes with); the next version is then installed whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from slime_stoa.protocol.pulse.anchor import download_extras
+from slime_stoa.protocol.pulse.history import read_anchor_manifest
+from slime_stoa.protocol.pulse.subscriber import Committed, Subscriber, SyncError, SyncResult
+from slime_stoa.protocol.run_manifest import Plane
+from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
+from slime_stoa.protocol.store.retry import describe_error
+
+from .aio import Wakeup, wait
+from .config import DaemonConfig
+from .mlx_thread import MLXThread, return_freed_memory
+from .options import WorkerOptions
+from .reporting import Reporter
+
+if TYPE_CHECKING:
+    from .generate import Generator, Model, Tokenizer
+    from .weights import LiveWeights
+
+log = logging.getLogger("macd")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapRecord:
+    """One version change of the live model (seconds)."""
+
+    version: int  # installed
+    path: str  # how the subscriber reached it ("step", "catchup", "chain", "anchor...")
+    ready_s: float  # poll, download, verify (int8: patch the master), all beside generation
+    drain_s: float  # from then to the safe point; in-flight groups kept decoding
+    pause_s: float  # decoding stopped: drop what was in flight, wait for MLX, install
+    install_s: float  # the install itself, on the MLX thread (bf16: the patch's scatter into the weights)
+    dropped: int  # groups in flight at the safe point, dropped and restarted on the new weights
+
+
+@dataclass
+class _SwapClock:
+    """perf_counter() marks of one version change."""
+
+    synced: float = 0.0  # the sync started
+    asked: float = 0.0  # the install was asked for
+    paused: float = 0.0  # decoding stopped
+    installed: float = 0.0  # the install started
+    resumed: float = 0.0  # decoding may go on
+    dropped: int = 0
+
+
+@dataclass
+class Pending:
+    """An install waiting for the generation loop's next safe point."""
+
+    install: Callable[[], Any]  # runs on the MLX thread
+    version: int
+    digest: str
+    future: asyncio.Future
+
+
+class WeightFollower:
+    """The worker's weights: the subscriber, the live model it installs into (`live`), the
+    version and digest the model computes with (`installed`), and the install waiting for a safe
+    point (`pending`, taken by the generation loop with `swap`)."""
+
+    def __init__(
+        self, store: Store, config: DaemonConfig, options: WorkerOptions, mlx: MLXThread, reporter: Reporter,
+        wake: Wakeup,
+    ) -> None:
+        self.store, self.config, self.options, self.mlx, self.reporter, self.wake = (
+            store, config, options, mlx, reporter, wake
+        )
+        self.sub: Subscriber | None = None
+        self.live: LiveWeights | None = None
+        self.installed: tuple[int, str] = (-1, "")  # (version, state digest) the model computes with
+        self.generating = False  # a generation loop takes installs at its safe points
+        self.pending: Pending | None = None
+        self.clock = _SwapClock()  # the version change under way
+        self.swaps: collections.deque[SwapRecord] = collections.deque(maxlen=1000)  # the latest version changes
+        self._whole = False  # the next version is installed whole (an install failed)
+
+    def subscriber(self, trust: RunTrust | None) -> Subscriber:
+        if self.sub is None:
+            self.sub = Subscriber(self.store, self.config.run, trust=trust, deferred=True)
+        return self.sub
+
+    # -- cold start ------------------------------------------------------------------------------
+    async def first_sync(self, sub: Subscriber, stop: asyncio.Event) -> bool:
+        """Wait for the run's weights and sync to them; False if stopped first. Nothing computes
+        with the state yet, so what a sync staged is committed at once.
+
+        A malformed or unreadable pointer or manifest, or a store outage, is reported and the
+        pointer polled again."""
+        while not stop.is_set():
+            try:
+                result = await sub.sync()
+            except StoreConfigError:
+                raise
+            except (SyncError, StoreError) as exc:
+                self.reporter.error(f"weights: {exc}")
+            else:
+                if result is not None and result.staged is not None:
+                    sub.commit(result.staged)
+                if sub.state is None:
+                    log.info("waiting for the trainer to publish weights for run %s", self.config.run)
+            self.count_refused(sub)
+            if sub.state is not None:
+                return True
+            await wait(stop, self.options.idle_poll_s)
+        return False
+
+    async def load_model(self, sub: Subscriber, plane: Plane) -> tuple[Model, Tokenizer]:
+        """The model, built from the anchor's config and tokenizer files and holding the synced
+        state in memory (`LiveWeights.from_state`, on the MLX thread)."""
+        assert sub.state is not None and sub.current is not None
+        anchor = await read_anchor_manifest(self.store, sub.current.anchor.manifest, trust=sub.trust)
+        folder = self.config.data_dir / "models" / self.config.run
+        extras = folder / "extras"
+        await download_extras(self.store, anchor, extras)
+        await asyncio.to_thread(_drop_weight_files, folder)
+        model, tokenizer, self.live = await self.mlx.run(_build_model, extras, sub.state, plane)
+        return model, tokenizer
+
+    # -- following -------------------------------------------------------------------------------
+    async def follow(self, stop: asyncio.Event) -> None:
+        """Poll the pointer and sync beside generation; each new version is installed at a safe
+        point."""
+        assert self.sub is not None
+        while not stop.is_set():
+            result = await self._sync(self.sub)
+            if result is not None and result.staged is not None:
+                await self._install(self.sub, result)
+            del result  # its staged writes: as large as the patch
+            waiting = self.reporter.beat.status == "waiting"
+            await wait(stop, self.options.budget_poll_s if waiting else self.options.weights_poll_s)
+
+    async def _sync(self, sub: Subscriber) -> SyncResult | None:
+        """One sync (None when nothing changed); errors are reported, the state stays verified."""
+        self.clock = _SwapClock(synced=time.perf_counter())
+        try:
+            return await sub.sync()
+        except SyncError as exc:  # the subscriber's state is still the last verified one (it says so)
+            self.reporter.error(f"weights: {exc}")  # a refusal (WeightsRefused) too: its reason in last_error
+        except StoreError as exc:
+            self.reporter.error(f"weights: {describe_error(exc)}; serving v{self.installed[0]}")
+        except Exception as exc:  # never leave a bad object in the bucket to stop generation
+            log.exception("unexpected error syncing weights")
+            self.reporter.error(f"weights: {describe_error(exc)}; serving v{self.installed[0]}")
+        finally:
+            self.count_refused(sub)
+        return None
+
+    def count_refused(self, sub: Subscriber) -> None:
+        """The heartbeat's `weights_refused`: weight objects refused (each logged once by the subscriber)."""
+        if sub.refused != self.reporter.beat.weights_refused:
+            self.reporter.update(weights_refused=sub.refused)
+
+    async def _install(self, sub: Subscriber, result: SyncResult) -> None:
+        """Commit what a sync staged and refresh the model from it, at a safe point (module doc).
+        A version that does not fit the model is reported and the next one installed whole."""
+        staged, live = result.staged, self.live
+        assert staged is not None and live is not None
+        before = self.installed[0]
+        whole = self._whole or staged.patch is None
+        changed = None if whole else result.changed
+        early: Committed | None = None
+        if live.plane == "int8":  # the master is not the model: written beside generation
+            early = await asyncio.to_thread(sub.commit, staged)
+
+        def install() -> None:
+            done = early or sub.commit(staged)
+            assert sub.state is not None
+            try:
+                live.apply(sub.state, changed, result.touched)
+            except BaseException:
+                if done.undo is not None:
+                    sub.revert(done)  # the state back at the version the model computes with
+                raise
+
+        try:
+            await self.install_at_safe_point(install, staged.version, staged.digest.root())
+        except ValueError as exc:
+            self._whole = True
+            self.reporter.error(
+                f"weights: v{staged.version} does not fit the model ({exc}); serving v{self.installed[0]}"
+            )
+            return
+        self._whole = False
+        if changed is None:
+            return_freed_memory()  # the replaced state's
+        c = self.clock
+        record = SwapRecord(
+            version=self.installed[0], path=result.path,
+            ready_s=c.asked - c.synced, drain_s=c.paused - c.asked, pause_s=c.resumed - c.paused,
+            install_s=c.resumed - c.installed, dropped=c.dropped,
+        )
+        self.swaps.append(record)
+        self.reporter.update(
+            version=self.installed[0], pointer_version=staged.version, swaps=self.reporter.beat.swaps + 1,
+            last_swap_s=c.resumed - c.synced, state_digest=self.installed[1],
+        )
+        log.info(
+            "weights v%s -> v%d via %s: %.1f KB ready in %.2fs beside generation, %.2fs to the safe point; "
+            "generation paused %.3fs (install %.3fs), %d group(s) dropped to restart on the new weights",
+            before, record.version, record.path, result.bytes / 1e3,
+            record.ready_s, record.drain_s, record.pause_s, record.install_s, record.dropped,
+        )
+
+    async def install_at_safe_point(self, install: Callable[[], T], version: int, digest: str) -> T:
+        """Run `install` on the MLX thread where no sequence is in flight, then label the groups
+        started from then on (`version`, `digest`). While generating, that is the generation
+        loop's next safe point: after a short drain (`swap_drain_steps`) it drops the groups
+        still unfinished (their prompts restart on the new weights); otherwise at once."""
+        c = self.clock
+        c.asked = time.perf_counter()
+        if not self.generating:
+            c.paused = c.installed = time.perf_counter()
+            result = await self.mlx.run(install)
+            self.installed = (version, digest)
+            c.resumed = time.perf_counter()
+            return result
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.pending = Pending(install, version, digest, future)
+        self.wake()
+        return await future
+
+    async def swap(self, gen: Generator) -> list[Any]:
+        """At a safe point: install the pending version now. Drop what is in flight, install, and
+        from now on label new groups with its version; the dropped groups' tags (to restart).
+        The pending install's future gets its result or error."""
+        pending = self.pending
+        assert pending is not None
+        self.reporter.update(status="syncing")
+        c = self.clock
+        c.paused = time.perf_counter()
+        self.pending = None
+        dropped: list[Any] = []
+        try:
+            dropped = await self.mlx.run(gen.quiesce)
+            c.dropped = len(dropped)
+            c.installed = time.perf_counter()
+            result = await self.mlx.run(pending.install)
+        except Exception as exc:
+            if not pending.future.done():
+                pending.future.set_exception(exc)
+            return dropped
+        self.installed = (pending.version, pending.digest)
+        c.resumed = time.perf_counter()
+        if not pending.future.done():
+            pending.future.set_result(result)
+        return dropped
+
+    def stop_generating(self) -> None:
+        """The generation loop ended: an install waiting for it is cancelled."""
+        self.generating = False
+        if self.pending is not None and not self.pending.future.done():
+            self.pending.future.cancel()
+        self.pending = None
+
+
+def _build_model(folder: Path, state: dict[str, np.ndarray], plane: Plane) -> tuple[Model, Tokenizer, LiveWeights]:
+    """(model, tokenizer, LiveWeights) on the MLX thread: the model of `folder`'s config holding `state`."""
+    from .generate import build_model
+    from .weights import LiveWeights
+
+    model, tokenizer = build_model(folder)
+    live = LiveWeights.from_state(model, state, plane)
+    return_freed_memory()  # what the state's own arrays held before it lent the model's memory
+    return model, tokenizer, live
+
+
+def _drop_weight_files(folder: Path) -> None:
+    """Remove weight files a cold start of an earlier macd wrote into the model folder."""
+    if folder.is_dir():
+        for path in [*folder.glob("model*.safetensors"), folder / "model.safetensors.index.json"]:
+            if path.is_file():
+                path.unlink()

@@ -1,0 +1,49 @@
+"""A run's task objects: each split's encoded task data (`encode_task_data`), built from source
+files or generated, and written to the bucket put-if-absent (tasks are immutable within a run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import PreconditionFailed, Store
+from slime_stoa.tasks.base import encode_task_data
+from slime_stoa.tasks.gsm8k import load_gsm8k_jsonl
+from slime_stoa.tasks.synthetic import generate_items
+
+
+def task_objects(task: str, files: list[Path], *, split: str | None, count: int, seed: int, limit: int | None) -> dict[str, bytes]:
+    """{split: encoded task data} of `stoa task prepare` for gsm8k (one split per file, named
+    after it) or synthetic (generated; pure but for reading `files`)."""
+    if task == "synthetic":
+        if files:
+            raise ValueError("the synthetic task is generated: give no files (use --count and --seed)")
+        return {split or "train": encode_task_data(task, generate_items(count, seed=seed), meta={"seed": seed})}
+    if not files:
+        raise ValueError(f"give the {task} files to prepare, e.g. train.jsonl test.jsonl")
+    if split and len(files) > 1:
+        raise ValueError("--split names one file's split; give one file or drop --split")
+    out = {}
+    for path in files:
+        items = load_gsm8k_jsonl(path, limit=limit)
+        out[split or path.name.split(".")[0]] = encode_task_data(task, items, meta={"source": path.name})
+    return out
+
+
+async def put_task_objects(store: Store, run: str, task: str, objects: dict[str, bytes]) -> list[str]:
+    """Write each split with put-if-absent; an identical existing object is fine. The keys written,
+    in the order of `objects`."""
+    layout = RunLayout(run)
+    written = []
+    for split, data in objects.items():
+        key = layout.task_data(task, split)
+        try:
+            await store.put_if_absent(key, data)
+        except PreconditionFailed:
+            if await store.get_bytes(key) != data:
+                raise ValueError(f"{key} already holds different data; tasks are immutable within a run") from None
+        written.append(key)
+    return written
+
+
+__all__ = ["put_task_objects", "task_objects"]

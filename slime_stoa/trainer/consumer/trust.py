@@ -1,0 +1,158 @@
+"""Which workers the trainer trusts: the worker keys of a signed run (`slime_stoa.judging.signers`),
+the quarantine book (`quarantine`) and the canaries (`canary`).
+
+A revoked or vanished key refuses the pool's groups it signed; a quarantined worker's records
+are refused before they are downloaded and its pool groups dropped; a canary group is held to
+the strict checks. The quarantine book lives in the consumer state; the canary secret never
+leaves this process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from slime_stoa.judging.signers import Signers
+from slime_stoa.protocol.registry import Registry
+
+from . import canary
+from .groups import Admitted
+from .metrics import worker_counter
+from .pool import Pool
+from .quarantine import Quarantine
+from .shared import Shared
+from .state import name_worker
+
+log = logging.getLogger(__name__)
+
+
+class WorkerTrust:
+    def __init__(self, shared: Shared, pool: Pool, *, task: str, signers: Signers | None) -> None:
+        self.shared = shared
+        self.pool = pool
+        self.task = task  # the run's task name (canaries are keyed by it)
+        self.signers = signers  # None: an unsigned run
+        self.quarantine = Quarantine(shared.config.quarantine, shared.state.quarantine)
+        self.canary_secret = shared.config.canary.secret()
+
+    # -- worker keys (signed runs) ----------------------------------------------------------------
+    @property
+    def registry(self) -> Registry | None:
+        return None if self.signers is None else self.signers.registry
+
+    def registry_serial(self, floor: int) -> int:
+        """The registry serial a restarted consumer must not go below (saved with the state)."""
+        s = self.signers
+        return floor if s is None else max(floor, s.floor, s.registry.serial)
+
+    def signers_due(self) -> bool:
+        return self.signers is not None and self.signers.due()
+
+    async def know_signer(self, data: bytes) -> None:
+        """Before judging a record of a signed run: read the registry again if the record names
+        a key it does not hold (a worker added since), or if the last read is `registry_refresh_s` old."""
+        if self.signers is not None and self.signers.needs_read(data):
+            await self.refresh_signers()
+
+    async def refresh_signers(self) -> None:
+        """Read the registry (unless a read started since this call did), apply its releases and
+        drop the pool's groups whose key is now revoked or gone, counted as rejected."""
+        signers, shared = self.signers, self.shared
+        assert signers is not None
+        outcome = await signers.refresh(
+            signers.clock(),
+            through=lambda op: shared.patiently(op, f"reading the worker registry of run {shared.config.run!r}"),
+        )
+        if outcome in ("invalid", "rollback"):
+            shared.count(f"registry_{outcome}")
+        if outcome != "updated":
+            return
+        registry = signers.registry
+        self.apply_releases({worker: e.releases for worker, e in registry.workers.items()})  # `stoa worker release`
+
+        def trusted(a: Admitted) -> bool:
+            found = None if a.signer is None else registry.by_key_id(a.signer)
+            return found is not None and not found.revoked
+
+        for a in self.pool.drop(trusted):
+            reason = "unknown_key" if a.signer is None or registry.by_key_id(a.signer) is None else "revoked"
+            shared.reject(a.name, reason, f"its key {a.signer} was {reason.replace('_', ' ')} before the group was used")
+
+    # -- quarantine and canaries ------------------------------------------------------------------
+    def quarantined(self) -> dict[str, str]:
+        return self.quarantine.quarantined()
+
+    def is_canary(self, prompt_index: int) -> bool:
+        return canary.is_canary(self.canary_secret, self.task, prompt_index, self.shared.config.canary.rate)
+
+    def observe_logprob_gap(
+        self, worker: str, mean_abs_gap: float, tokens: int, *, prompt_index: int | None = None
+    ) -> list[str]:
+        """See `RolloutConsumer.observe_logprob_gap`."""
+        shared = self.shared
+        now = int(shared.clock() * 1000)
+        newly = self.quarantine.observe_gap(worker, mean_abs_gap, tokens, now_ms=now)
+        if (
+            prompt_index is not None and tokens > 0 and self.is_canary(prompt_index)
+            and mean_abs_gap > shared.config.canary.max_logprob_gap
+        ):
+            shared.count("canary_gap_failures")
+            shared.count(worker_counter(worker, "canary_failed"))
+            log.warning("stoa: worker %r failed a canary: logprob gap %.3g per token", worker, mean_abs_gap)
+            newly += self.quarantine.observe_canary(worker, passed=False, now_ms=now)
+        self._on_quarantined(newly)
+        return newly
+
+    def apply_releases(self, releases: Mapping[str, int]) -> list[str]:
+        """See `RolloutConsumer.apply_releases`."""
+        lifted = self.quarantine.apply_releases(releases)
+        for worker in lifted:
+            log.warning("stoa: worker %r released from quarantine", worker)
+        return lifted
+
+    def refuse_quarantined(self, name: str) -> bool:
+        """True (counted as rejected) when the record `name` is a quarantined worker's."""
+        worker = name_worker(name)
+        if not self.quarantine.is_quarantined(worker):
+            return False
+        self.shared.reject(name, "quarantined", f"worker {worker!r} is quarantined ({self.quarantined().get(worker)})")
+        return True
+
+    def refuses(self, admitted: Admitted, uses: int | None) -> bool:
+        """After a record passed admission: feed its evidence to the quarantine (the first time
+        it is judged, `uses` None) and run a canary's strict checks. True (counted) when it is
+        refused: a failed canary (`canary_failed`) or a quarantined worker (`quarantined`)."""
+        shared, worker = self.shared, admitted.worker
+        if uses is None:
+            now = int(shared.clock() * 1000)
+            newly = self.quarantine.observe_scored(
+                worker, samples=len(admitted.rewards), disagreements=admitted.disagreements, now_ms=now
+            )
+            problem = None
+            if self.is_canary(admitted.group.prompt_index):
+                problem = canary.canary_problem(
+                    admitted.group, rewards=admitted.rewards, texts=admitted.texts,
+                    vocab_size=shared.config.record_limits.vocab_size, config=shared.config.canary,
+                )
+                newly += self.quarantine.observe_canary(worker, passed=problem is None, now_ms=now)
+            self._on_quarantined(newly)
+            if problem is not None:
+                shared.count(worker_counter(worker, "canary_failed"))
+                shared.reject(admitted.name, "canary_failed", problem)
+                return True
+        return self.refuse_quarantined(admitted.name)
+
+    def _on_quarantined(self, workers: list[str]) -> None:
+        """Drop the pool's groups of newly quarantined workers (counted `quarantine_dropped`)."""
+        for worker in workers:
+            dropped = self.pool.drop(_not_of(worker))
+            self.shared.count("quarantine_dropped", len(dropped))
+            self.shared.count("quarantined_workers")
+            log.warning(
+                "stoa: worker %r quarantined (%s): its records are refused and %d group(s) not yet used dropped, "
+                "until `stoa worker release %s`", worker, self.quarantined().get(worker), len(dropped), worker,
+            )
+
+
+def _not_of(worker: str) -> Callable[[Admitted], bool]:
+    return lambda a: a.worker != worker

@@ -1,0 +1,224 @@
+"""The wait for a batch: discover, download and judge until the pool holds enough groups.
+
+Listing new keys after the cursor only when the queue cannot cover the need and there is room
+(backpressure: `max_pool_groups` groups discovered but not yet used), sweeping the skew window
+and, more rarely, the late window behind the cursor; progress logged every
+`progress_interval_s`. `ConsumerTimeout` names the workers last seen and the rejects by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from .discovery import Discovery, PollResult
+from .downloads import Downloads
+from .metrics import reject_counter, rejects_by_reason
+from .pool import Pool
+from .shared import Shared
+from .trust import WorkerTrust
+from .versions import PublishedVersions
+from .workers import SHOWN, describe_workers, heartbeat_summaries, heartbeat_times, newest_first
+
+log = logging.getLogger(__name__)
+
+
+class ConsumerTimeout(TimeoutError):
+    """`next_batch` waited `wait_timeout_s` (when set) without getting enough groups."""
+
+    def __init__(self, message: str, *, needed: int, ready: int, rejects: dict[str, int]) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.ready = ready
+        self.rejects = rejects
+
+
+class Filler:
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        discovery: Discovery,
+        downloads: Downloads,
+        pool: Pool,
+        versions: PublishedVersions,
+        trust: WorkerTrust,
+    ) -> None:
+        self.shared = shared
+        self.discovery = discovery
+        self.downloads = downloads
+        self.pool = pool
+        self.versions = versions
+        self.trust = trust
+        config = shared.config
+        self._next_tail = -math.inf
+        self._next_sweep = time.monotonic() + config.sweep_interval_s
+        self._next_late_sweep = time.monotonic() + config.late_sweep_interval_s
+        self._prefetch: asyncio.Task[bool] | None = None
+
+    # -- discovery -----------------------------------------------------------------------------
+    def capacity(self) -> int:
+        return self.shared.config.max_pool_groups - len(self.pool) - self.downloads.waiting()
+
+    async def poll_tail(self) -> int:
+        shared = self.shared
+        result = await shared.patiently(
+            lambda: self.discovery.tail(self.capacity()), f"listing new records of run {shared.config.run!r}"
+        )
+        self._count_poll(result)
+        return len(result.new)
+
+    async def poll_sweep(self, window_ms: int | None = None) -> int:
+        shared = self.shared
+        result = await shared.patiently(
+            lambda: self.discovery.sweep(window_ms), f"listing late records of run {shared.config.run!r}"
+        )
+        self._count_poll(result)
+        if result.late:
+            log.info("stoa: found %d late record(s) behind the cursor", result.late)
+        return len(result.new)
+
+    def _count_poll(self, result: PollResult) -> None:
+        self.shared.count("list_requests", result.requests)
+        self.shared.count("late_keys", result.late)
+        self.shared.count(reject_counter("bad_key"), result.bad)
+
+    # -- the wait ------------------------------------------------------------------------------
+    async def ready(self, n_groups: int, timeout: float | None) -> float:
+        """Wait until the pool holds `n_groups` groups (after a look at the pointer: one GET, the
+        published versions read again only when it moved) and no worker-registry read is due
+        (a revocation reaches groups waiting in the pool); the seconds waited.
+        `ConsumerTimeout` after `timeout` seconds (None: no limit)."""
+        versions, trust = self.versions, self.trust
+        await versions.refresh(versions.started)
+        if self.shared.fatal is not None:
+            raise self.shared.fatal
+        start = time.monotonic()
+        while True:
+            if not await self.fill(n_groups, None if timeout is None else start + timeout):
+                raise await self.timeout_error(n_groups, time.monotonic() - start)
+            if not trust.signers_due():
+                break
+            await trust.refresh_signers()
+            if len(self.pool) >= n_groups:
+                break
+        return time.monotonic() - start
+
+    def expire(self) -> None:
+        """Drop pool groups that became too stale for the trainer's version, or whose branch a
+        trainer restart abandoned (when the version or the lineage read moved)."""
+        v = self.versions
+        off, stale = self.pool.expire((v.trainer_version, v.pointer_seen), v.lag, self.shared.config.staleness_limit)
+        self.shared.count("off_lineage", off)
+        self.shared.count("stale", stale)
+
+    async def fill(self, target: int, deadline: float | None, *, quiet: bool = False) -> bool:
+        """Discover, download and judge until the pool holds `target` groups (True), or until
+        `deadline` (monotonic seconds; None: no limit) passes (False). Progress is logged every
+        `progress_interval_s` unless `quiet` (the background prefetch)."""
+        shared, cfg, downloads = self.shared, self.shared.config, self.downloads
+        started = time.monotonic()
+        next_log = started + cfg.progress_interval_s
+        while True:
+            if shared.fatal is not None:
+                raise shared.fatal
+            self.expire()
+            need = target - len(self.pool)
+            if need <= 0:
+                return True
+            downloads.launch(need)
+            now = time.monotonic()
+            # List again only when the queue cannot cover the need and there is room for more.
+            listing_helps = downloads.queued() < need - len(downloads.inflight) and self.capacity() > 0
+            if listing_helps and now >= self._next_tail:
+                self._next_tail = now + cfg.poll_interval_s
+                if self.trust.signers_due():
+                    await self.trust.refresh_signers()  # a release (or revocation) also while nothing is admitted
+                await self.poll_tail()
+                continue
+            if cfg.late_window_ms and now >= self._next_late_sweep:
+                self._next_late_sweep = now + cfg.late_sweep_interval_s
+                self._next_sweep = now + cfg.sweep_interval_s  # it covers the short window too
+                await self.poll_sweep(cfg.late_window_ms)
+                continue
+            if now >= self._next_sweep:
+                self._next_sweep = now + cfg.sweep_interval_s
+                await self.poll_sweep()
+                continue
+            if deadline is not None and now >= deadline:
+                return False
+            wake = min(
+                self._next_tail if listing_helps else math.inf,
+                self._next_sweep,
+                self._next_late_sweep if cfg.late_window_ms else math.inf,
+                math.inf if deadline is None else deadline,
+                next_log,
+            )
+            timeout = max(wake - now, 0.0)
+            if downloads.inflight:
+                await asyncio.wait(set(downloads.inflight.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(timeout)
+            if time.monotonic() >= next_log:
+                next_log = time.monotonic() + cfg.progress_interval_s
+                if not quiet:
+                    log.info("stoa: %s", self.progress(target, time.monotonic() - started))
+
+    def progress(self, target: int, waited: float) -> str:
+        shared = self.shared
+        rejects = rejects_by_reason(shared.state.counters)
+        reject_text = ", ".join(f"{r}={c}" for r, c in rejects.items()) or "none"
+        newest = max(shared.state.last_seen.items(), key=lambda kv: kv[1], default=None)
+        seen = (
+            f"newest record from {newest[0]} {max(shared.clock() - newest[1] / 1000, 0):.0f} s ago"
+            if newest
+            else "no record discovered yet"
+        )
+        return (
+            f"waited {waited:.0f} s for {target} groups of run {shared.config.run!r} (trainer v{self.versions.trainer_version}): "
+            f"have {len(self.pool)} of {target} ready, {len(self.downloads.inflight)} downloading, "
+            f"{self.downloads.queued()} queued; rejected so far: {reject_text}; {seen}"
+        )
+
+    async def timeout_error(self, needed: int, waited: float) -> ConsumerTimeout:
+        shared = self.shared
+        store, run, state = shared.store, shared.config.run, shared.state
+        heartbeats, error = await heartbeat_times(store, run)
+        recent = [w for w in newest_first(state.last_seen, heartbeats)[:SHOWN] if w in heartbeats]
+        summaries = await heartbeat_summaries(store, run, recent)
+        workers = describe_workers(state.last_seen, heartbeats, now=shared.clock(), heartbeat_error=error, summaries=summaries)
+        counters = state.counters
+        rejects = rejects_by_reason(counters)
+        reject_text = (
+            f"{sum(rejects.values())} record(s) rejected ({', '.join(f'{r}={c}' for r, c in rejects.items())})"
+            if rejects
+            else "no record rejected"
+        )
+        message = (
+            f"stoa: waited {waited:.0f} s for {needed} rollout groups of run {run!r} in "
+            f"{store.url} and have {len(self.pool)} (trainer at v{self.versions.trainer_version}, "
+            f"staleness limit {shared.config.staleness_limit}). {workers}. Since start: {reject_text}; "
+            f"{counters.get('stale', 0)} group(s) dropped as stale; "
+            f"{counters.get('filtered_all_equal', 0)} filtered for all-equal rewards."
+        )
+        return ConsumerTimeout(message, needed=needed, ready=len(self.pool), rejects=rejects)
+
+    # -- the background prefetch ---------------------------------------------------------------
+    @property
+    def prefetching(self) -> bool:
+        return self._prefetch is not None
+
+    def start_prefetch(self, target: int) -> None:
+        self._prefetch = asyncio.create_task(self.fill(target, None, quiet=True))
+
+    async def stop_prefetch(self) -> None:
+        task, self._prefetch = self._prefetch, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:  # the next batch tries again
+            exc = task.exception()
+            log.warning("stoa: background prefetch failed: %s: %s", type(exc).__name__, exc)

@@ -1,0 +1,158 @@
+"""The options of `macd join` and `macd run` come from `DaemonConfig`'s fields
+(`slime_stoa.protocol.cli_fields`), and that helper itself."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from macd.cli import build_parser
+from macd.config import DaemonConfig
+from macd.join_cmd import KEPT_ON_REJOIN, JoinInputs
+from slime_stoa.protocol.cli_fields import Flag, add_field_options, field_values, flag_of, option_name
+from slime_stoa.quickstart.config import TASKS, QuickstartConfig
+
+#: Every option of `macd join` as users type it (`store` is the positional BUCKET_URL).
+JOIN_OPTIONS = {
+    "store": [],
+    "run": ["--run"],
+    "name": ["--name"],
+    "worker_id": ["--worker-id"],
+    "data_dir": ["--data-dir"],
+    "credentials_file": ["--credentials-file"],
+    "batch": ["--batch"],
+    "run_key": ["--run-key"],
+    "worker_key": ["--worker-key"],
+    "rollouts_store": ["--rollouts-store"],
+    "rollouts_credentials_file": ["--rollouts-credentials-file"],
+    "access_key_id": ["--access-key-id"],
+    "secret_access_key": ["--secret-access-key"],
+    "credentials_stdin": ["--credentials-stdin"],
+    "no_check": ["--no-check"],
+    "config": ["--config"],
+}
+RUN_OWN_OPTIONS = {"max_cohorts", "seed", "parent_pid", "lock_wait", "config"}
+
+
+def command(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if not isinstance(a, argparse._HelpAction)}
+
+
+def names(cls: type, key: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if flag_of(f, key) is not None}
+
+
+def test_every_join_flag_is_a_field_and_every_join_field_a_flag() -> None:
+    join = options(command("join"))
+    config_fields = names(DaemonConfig, "join")
+    assert set(join) == config_fields | {f.name for f in dataclasses.fields(JoinInputs)} | {"config"}
+    assert {name: join[name].option_strings for name in join} == JOIN_OPTIONS
+    # a field join does not set is kept from the previous config: none is lost on a re-join
+    assert {f.name for f in dataclasses.fields(DaemonConfig)} - config_fields == set(KEPT_ON_REJOIN) - config_fields
+    for name in config_fields:  # the rule, as no join field needs an override
+        assert join[name].option_strings in ([], [option_name(name)])
+        flag = flag_of(DaemonConfig.__dataclass_fields__[name], "join")
+        assert flag is not None and join[name].help == flag.help
+
+
+def test_join_flags_take_the_fields_types_and_default_to_not_given() -> None:
+    join = command("join")
+    got = join.parse_args(["file:///b", "--run", "r"])
+    assert got.store == "file:///b" and got.run == "r"
+    assert all(getattr(got, name) is None for name in names(DaemonConfig, "join") - {"store", "run"})
+    assert got.credentials_stdin is False and got.no_check is False
+    got = join.parse_args([
+        "s3://b/p", "--run", "r", "--batch", "3", "--data-dir", "d", "--worker-key", "k.json",
+        "--credentials-file", "c.env", "--rollouts-credentials-file", "w.env", "--no-check", "--credentials-stdin",
+    ])
+    assert got.batch == 3 and got.data_dir == Path("d") and got.worker_key == Path("k.json")
+    assert got.credentials_file == Path("c.env") and got.rollouts_credentials_file == Path("w.env")
+    assert got.no_check is True and got.credentials_stdin is True
+    assert options(join)["store"].metavar == "BUCKET_URL" and options(join)["run_key"].metavar == "TEXT"
+    with pytest.raises(SystemExit):
+        join.parse_args(["file:///b"])  # --run is required
+    with pytest.raises(SystemExit):
+        join.parse_args(["file:///b", "--run", "r", "--batch", "many"])
+
+
+def test_run_overrides_the_config_fields_it_names() -> None:
+    run = options(command("run"))
+    assert set(run) - RUN_OWN_OPTIONS == names(DaemonConfig, "run") == {"wandb_project"}
+    assert run["wandb_project"].option_strings == ["--wandb-project"]
+    assert run["wandb_project"].default is None and run["wandb_project"].metavar == "NAME"
+
+
+# -- the helper ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    where: str = dataclasses.field(metadata={"cmd": Flag(positional=True, metavar="URL", help="where")})
+    level: Literal["low", "high"] = dataclasses.field(default="low", metadata={"cmd": "how hard"})
+    count: int | None = dataclasses.field(default=None, metadata={"cmd": "how many"})
+    folder: Path = dataclasses.field(default=Path("out"), metadata={"cmd": "folder"})
+    lines: int = dataclasses.field(default=50, metadata={"cmd": Flag(aliases=("-n",), help="lines")})
+    quiet: bool = dataclasses.field(default=False, metadata={"cmd": "say less"})
+    colour: str = dataclasses.field(default="red", metadata={"cmd": Flag(option="--color", help="colour")})
+    ident: str = dataclasses.field(default="", metadata={"cmd": Flag(type=int, required=True, help="id")})
+    hidden: int = 0  # no metadata for the command: no option
+
+
+def sample_parser(**kwargs: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    assert add_field_options(parser, Sample, "cmd", **kwargs) == [
+        "where", "level", "count", "folder", "lines", "quiet", "colour", "ident"
+    ]
+    return parser
+
+
+def test_options_follow_the_fields() -> None:
+    parser = sample_parser()
+    got = parser.parse_args(["x", "--ident", "7"])
+    assert field_values(got, Sample, "cmd") == {
+        "where": "x", "level": "low", "count": None, "folder": Path("out"), "lines": 50, "quiet": False,
+        "colour": "red", "ident": 7,
+    }
+    got = parser.parse_args(["x", "--level", "high", "--count", "2", "--folder", "f", "-n", "3", "--quiet",
+                             "--color", "blue", "--ident", "1"])
+    assert (got.level, got.count, got.folder, got.lines, got.quiet, got.colour) == ("high", 2, Path("f"), 3, True, "blue")
+    assert not hasattr(got, "hidden")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["x", "--ident", "1", "--level", "mid"])  # not a choice
+    with pytest.raises(SystemExit):
+        parser.parse_args(["x"])  # --ident is required
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["level"] == "how hard (default: low)" and helps["count"] == "how many" and helps["quiet"] == "say less"
+
+
+def test_without_defaults_every_option_is_not_given() -> None:
+    got = sample_parser(with_defaults=False).parse_args(["x", "--ident", "1"])
+    assert (got.level, got.count, got.folder, got.lines, got.quiet, got.colour) == (None, None, None, None, False, None)
+    helps = {a.dest: a.help for a in sample_parser(with_defaults=False)._actions}
+    assert helps["level"] == "how hard"
+
+
+def test_bad_metadata_is_a_type_error() -> None:
+    @dataclasses.dataclass
+    class Bad:
+        x: int = dataclasses.field(default=0, metadata={"cmd": 3})
+
+    with pytest.raises(TypeError, match="help text or a Flag"):
+        add_field_options(argparse.ArgumentParser(), Bad, "cmd")
+
+
+def test_quickstart_options_come_from_the_same_helper() -> None:
+    parser = argparse.ArgumentParser()
+    assert add_field_options(parser, QuickstartConfig) == [f.name for f in dataclasses.fields(QuickstartConfig)]
+    task = options(parser)["task"]
+    assert task.choices == TASKS and task.default == "synthetic" and task.help.endswith("(default: synthetic)")
+    assert parser.parse_args(["--max-versions", "3"]).max_versions == 3
