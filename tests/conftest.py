@@ -135,9 +135,10 @@ async def store(store_url: str, store_env: dict[str, str]) -> AsyncIterator[Stor
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Tests that use `store`/`store_url` run on the local folder; those marked `both_backends`
     (where the backend matters: the store itself, names and paths, an end-to-end path per half)
-    run once per backend."""
+    run once per backend, but for those also marked `file_only`."""
     if "store_url" in metafunc.fixturenames and "backend_param" not in metafunc.fixturenames:
-        both = any(m.name == "both_backends" for m in metafunc.definition.iter_markers())
+        marks = {m.name for m in metafunc.definition.iter_markers()}
+        both = "both_backends" in marks and "file_only" not in marks
         metafunc.parametrize("store_url", BACKENDS if both else ["file"], indirect=True)
 
 
@@ -150,7 +151,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_backends: run a store test on the local folder and on S3")
-    config.addinivalue_line("markers", "file_only: run a store test on the local backend only (the default)")
+    config.addinivalue_line("markers", "file_only: in a both_backends module, run this test on the local folder only")
     config.addinivalue_line("markers", "slow: a long learning run, only with --slow or STOA_SLOW=1")
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
 

@@ -13,6 +13,8 @@ A name matches a rule's module `m` when it is `m` or starts with `m.`, so `slime
     aiobotocore, botocore, aiohttp   only from slime_stoa/protocol/store/s3.py
     mlx_lm              only from macd/generate.py
     slime_stoa.cli      only from slime_stoa/cli/
+    judging/            from this project, only slime_stoa.protocol and slime_stoa.tasks; no torch,
+                        mlx, mlx_lm or slime (the trainer and evaluation both stand on it)
     slime_stoa.trainer.slime   never from slime_stoa/quickstart/
 
 and no import cycles: none between files (modules), none between the subpackages of any package
@@ -155,6 +157,11 @@ BOUNDARIES: dict[str, dict[str, list[str]]] = {
     "protocol_tasks_no_other_halves": dict(
         files=["slime_stoa/protocol/", "slime_stoa/tasks/"],
         forbidden=["slime_stoa.trainer", "slime_stoa.quickstart", "slime_stoa.cli", "macd"],
+    ),
+    "judging_uses_only_protocol_and_tasks": dict(
+        files=["slime_stoa/judging/"],
+        forbidden=["slime_stoa", "torch", "mlx", "mlx_lm", "slime"],
+        allowed=["slime_stoa.protocol", "slime_stoa.tasks", "slime_stoa.judging"],
     ),
     "macd_uses_only_protocol_and_tasks": dict(
         files=["macd/"],
@@ -496,3 +503,14 @@ def test_cycles_reports_each_cycle_once_from_its_smallest_module() -> None:
     edges = {"b": {"c": "b.py:1"}, "c": {"a": "c.py:1", "b": "c.py:2"}, "a": {"b": "a.py:1"}, "d": {"a": "d.py:1"}}
     assert cycles(edges) == ["a -> b -> c -> a (a.py:1; b.py:1; c.py:1)", "b -> c -> b (b.py:1; c.py:2)"]
     assert cycles({"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}}) == []
+
+
+def test_checker_keeps_judging_below_the_trainer(tmp_path: Path) -> None:
+    _clean_tree(tmp_path)
+    _write(tmp_path, "slime_stoa/judging/__init__.py", "")
+    _write(tmp_path, "slime_stoa/judging/scoring.py", "from slime_stoa.protocol import store\nfrom . import signers\n")
+    _write(tmp_path, "slime_stoa/judging/signers.py", "def f():\n    from slime_stoa.trainer.consumer import state\n")
+    found = check_boundaries(tmp_path)
+    assert found["judging_uses_only_protocol_and_tasks"] == [
+        "slime_stoa/judging/signers.py:2: imports slime_stoa.trainer.consumer"
+    ], found

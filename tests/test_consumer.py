@@ -180,6 +180,7 @@ async def open_consumer(store: Store, tiny: Tiny, store_url: str, *, restore: bo
 
 
 # -- batches -------------------------------------------------------------------------------------
+@pytest.mark.both_backends
 async def test_batch_across_workers(store: Store, store_url: str, tiny: Tiny) -> None:
     await setup_run(store, tiny)
     base = now_ms() - 10_000
@@ -263,6 +264,7 @@ def test_cursor_never_passes_the_clock_and_seen_set_is_bounded() -> None:
 
 
 # -- discovery cost ------------------------------------------------------------------------------
+@pytest.mark.both_backends
 async def test_listing_cost_grows_with_new_records_only(store: Store, store_url: str, tiny: Tiny) -> None:
     await setup_run(store, tiny)
     base = now_ms() - 20_000
@@ -295,6 +297,7 @@ async def test_listing_cost_grows_with_new_records_only(store: Store, store_url:
     await consumer.close()
 
 
+@pytest.mark.both_backends
 async def test_sweep_finds_late_keys_and_future_clocks_do_not_hide_others(store: Store, store_url: str, tiny: Tiny) -> None:
     await setup_run(store, tiny)
     t = now_ms()
@@ -339,6 +342,7 @@ async def test_late_sweep_finds_a_backlog_uploaded_long_after_it_was_made(
 
 
 # -- persistence ---------------------------------------------------------------------------------
+@pytest.mark.both_backends
 async def test_restart_neither_reconsumes_nor_skips(store: Store, store_url: str, tiny: Tiny) -> None:
     await setup_run(store, tiny, reuse=2)
     base = now_ms() - 30_000
@@ -603,8 +607,14 @@ async def test_open_reads_tokenizer_from_the_anchor(store: Store, store_url: str
 
 
 # -- slime glue (slime itself is not installed here: its two types are stood in) -------------------
+def config_from_args(args: types.SimpleNamespace) -> ConsumerConfig:
+    """The consumer's part of the plugin's settings object, parsed from slime's args."""
+    from slime_stoa.trainer.slime.settings import StoaSettings
+
+    return StoaSettings.from_args(args).consumer
+
+
 def test_config_from_args_names_missing_and_bad_settings() -> None:
-    from slime_stoa.trainer.slime.rollout import config_from_args
 
     with pytest.raises(ValueError, match="stoa_bucket"):
         config_from_args(types.SimpleNamespace(stoa_run="r"))
@@ -623,7 +633,6 @@ def test_config_from_args_names_missing_and_bad_settings() -> None:
 
 def test_config_from_args_takes_the_run_key_file_and_a_rollouts_bucket(tmp_path: Path) -> None:
     from slime_stoa.protocol.signing import write_key_file
-    from slime_stoa.trainer.slime.rollout import config_from_args
 
     key = SigningKey.generate()
     path = write_key_file(tmp_path / "run.key", key)
@@ -665,7 +674,6 @@ class _DataSource:
         return groups
 
 
-@pytest.mark.file_only
 async def test_generate_rollout_end_to_end(store: Store, store_url: str, tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     from slime_stoa.trainer.slime import rollout
 
@@ -757,7 +765,6 @@ class _FlakyStore(CountingStore):
         return await super().get(key, **kw)
 
 
-@pytest.mark.file_only
 @pytest.mark.parametrize("attempts", [1, 3])
 async def test_download_failures_are_retried_then_rejected(store: Store, store_url: str, tiny: Tiny, attempts: int) -> None:
     await setup_run(store, tiny)

@@ -18,6 +18,7 @@ from slime_stoa.protocol.store import Store
 from tests.test_eval_fleet import RUN, model_dir, seed_eval_run  # noqa: F401  (fixture)
 
 
+@pytest.mark.both_backends
 async def test_local_eval_of_every_version_writes_csv_json_and_png(
     store: Store, store_url: str, store_env: dict[str, str], model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -51,7 +52,6 @@ async def test_local_eval_of_every_version_writes_csv_json_and_png(
     assert (out / "e.png").read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.file_only
 async def test_refusals_name_the_problem(
     store: Store, store_url: str, model_dir: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
 ) -> None:

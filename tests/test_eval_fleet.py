@@ -94,7 +94,6 @@ async def test_worker_answers_an_eval_request_and_the_trainer_never_trains_on_it
     assert all(g.key.startswith(layout.rollouts_prefix("train")) and g.group.kind == "train" for g in batch.groups)
 
 
-@pytest.mark.file_only
 async def test_an_unanswered_request_times_out_naming_the_version(store: Store, model_dir: Path) -> None:
     await seed_eval_run(store, model_dir)
     posted = await post_request(store, request(range(2)), signing_key=None)

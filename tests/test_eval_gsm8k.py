@@ -34,7 +34,6 @@ async def seed_gsm8k_run(store: Store, model_dir: Path) -> None:  # noqa: F811
 
 
 @needs_gsm8k
-@pytest.mark.file_only
 @pytest.mark.parametrize("engine", ["mlx", "transformers"])
 async def test_local_eval_on_the_gsm8k_test_split(
     engine: str, store: Store, store_url: str, model_dir: Path, tmp_path: Path  # noqa: F811

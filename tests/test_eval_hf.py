@@ -46,7 +46,6 @@ class Recording:
         return await self.inner(query)
 
 
-@pytest.mark.file_only  # the store is not under test here (test_eval_cli runs both backends)
 async def test_search_episodes_follow_the_worker_rules(
     store: Store, scripted_model_dir: Path, tmp_path: Path  # noqa: F811
 ) -> None:
@@ -85,7 +84,6 @@ async def test_search_episodes_follow_the_worker_rules(
     assert calls > 0 and set(tool.queries) == {QUERY} and len(tool.queries) >= calls
 
 
-@pytest.mark.file_only
 async def test_a_stop_string_is_matched_within_a_turn_only(
     store: Store, scripted_model_dir: Path, tmp_path: Path  # noqa: F811
 ) -> None:
@@ -159,7 +157,6 @@ async def test_the_model_folders_sampling_defaults_are_not_applied(
     assert len({c.tokens for c in group}) > 1  # min_p 1.0 would give four equal (greedy) samples
 
 
-@pytest.mark.file_only  # the store is not under test here (test_eval_cli runs both backends)
 async def test_cli_evaluates_every_version_with_transformers(
     store: Store, store_url: str, store_env: dict[str, str], synthetic_model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -173,7 +170,6 @@ async def test_cli_evaluates_every_version_with_transformers(
     assert 0.0 <= row["pass@1"] <= row["pass@k"] <= 1.0
 
 
-@pytest.mark.file_only  # the store is not under test here (test_eval_cli runs both backends)
 async def test_cli_search_eval_with_transformers_reports_the_search_rate(
     store: Store, store_url: str, store_env: dict[str, str], scripted_model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -187,7 +183,6 @@ async def test_cli_search_eval_with_transformers_reports_the_search_rate(
     assert row["pass@1"] == 0.0  # the script's answer is never the label
 
 
-@pytest.mark.file_only
 async def test_engine_needs_local(store: Store, store_url: str, synthetic_model_dir: Path,  # noqa: F811
                                   capsys: pytest.CaptureFixture[str]) -> None:
     await seed_eval_run(store, synthetic_model_dir)

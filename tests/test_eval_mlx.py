@@ -59,7 +59,6 @@ async def test_the_process_samples_what_macd_samples_in_process(
     assert got == await asyncio.to_thread(in_process, synthetic_model_dir, task, 4, **sampling)
 
 
-@pytest.mark.file_only  # the store is not under test here
 async def test_a_tool_task_is_answered_by_the_tool_of_this_process(
     store: Store, scripted_model_dir: Path, tmp_path: Path  # noqa: F811
 ) -> None:
@@ -74,7 +73,6 @@ async def test_a_tool_task_is_answered_by_the_tool_of_this_process(
     assert {c.finish_reason for g in groups for c in g} <= {"stop", "length", "turns"}
 
 
-@pytest.mark.file_only
 async def test_cli_search_eval_with_mlx_reports_the_search_rate(
     store: Store, store_url: str, scripted_model_dir: Path, tmp_path: Path  # noqa: F811
 ) -> None:
@@ -87,7 +85,6 @@ async def test_cli_search_eval_with_mlx_reports_the_search_rate(
     assert 0.0 < row["search_rate"] < 1.0 and row["pass@1"] == 0.0  # the script's answer is never the label
 
 
-@pytest.mark.file_only
 async def test_a_failing_process_is_one_error_line(
     store: Store, store_url: str, synthetic_model_dir: Path, tmp_path: Path,  # noqa: F811
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,

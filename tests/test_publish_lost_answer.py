@@ -54,7 +54,6 @@ async def synced(store: Store) -> dict[str, np.ndarray]:
     return sub.state
 
 
-@pytest.mark.file_only
 async def test_a_retried_publish_whose_pointer_write_landed_is_that_version(store: Store) -> None:
     lossy = PointerAnswerLost(store)
     pub = Publisher(lossy, RUN, PublisherConfig(catchup=False, retain_anchors=0))
@@ -71,7 +70,6 @@ async def test_a_retried_publish_whose_pointer_write_landed_is_that_version(stor
     assert all(np.array_equal(got[k], s2[k]) for k in s2)
 
 
-@pytest.mark.file_only
 async def test_after_a_lost_answer_a_newer_state_is_the_next_version(store: Store) -> None:
     lossy = PointerAnswerLost(store)
     pub = Publisher(lossy, RUN, PublisherConfig(catchup=False, retain_anchors=0))
@@ -85,7 +83,6 @@ async def test_after_a_lost_answer_a_newer_state_is_the_next_version(store: Stor
     assert all(np.array_equal(got[k], s2[k]) for k in s2)
 
 
-@pytest.mark.file_only
 async def test_a_pointer_write_that_never_landed_and_a_real_conflict(store: Store) -> None:
     lossy = PointerAnswerLost(store)
     pub = Publisher(lossy, RUN, PublisherConfig(catchup=False, retain_anchors=0))

@@ -56,6 +56,7 @@ async def publish_versions(pub: Publisher, rng: np.random.Generator, n: int, sta
     return states
 
 
+@pytest.mark.both_backends
 async def test_follower_steps_through_every_version(store: Store) -> None:
     rng = np.random.default_rng(0)
     pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
@@ -243,6 +244,7 @@ async def test_corrupt_anchor_and_patches_leave_the_state_untouched(store: Store
     assert sub.state is None and sub.version is None
 
 
+@pytest.mark.both_backends
 async def test_racing_publishers_one_commit_per_version(store: Store) -> None:
     rng = np.random.default_rng(11)
     base = random_state(rng)
@@ -263,6 +265,7 @@ async def test_racing_publishers_one_commit_per_version(store: Store) -> None:
     assert_same(sub.state, winner_state)
 
 
+@pytest.mark.both_backends
 async def test_resumed_publisher_continues_the_chain(store: Store) -> None:
     rng = np.random.default_rng(12)
     states = await publish_versions(Publisher(store, RUN), rng, 3)
@@ -322,6 +325,7 @@ async def test_publish_rejects_a_different_model(store: Store) -> None:
     assert pub.version == 0
 
 
+@pytest.mark.both_backends
 async def test_multi_frame_patches_arrive_by_ranged_gets(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     import slime_stoa.protocol.pulse.subscriber as subscriber_module
 

@@ -40,7 +40,7 @@ def test_short_quickstart_learns_and_survives_a_killed_worker(tmp_path: Path) ->
     assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.6, s
     assert 5 <= s["versions"] <= 40
     # Every (worker, version) seen in the heartbeats held the published digest.
-    assert s["digests_checked"] >= 4 and s["digest_mismatches"] == 0
+    assert s["digests_checked"] >= 2 and s["digest_mismatches"] == 0
     # The killed worker lost nothing: no sequence gaps, empty spools.
     assert s["groups_lost"] == 0 and s["groups_used"] >= 10 * 8
     # Worker (MLX) and learner (torch) logprobs of the same tokens at the same version:

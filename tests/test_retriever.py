@@ -313,7 +313,6 @@ def test_cli_prepare_search_end_to_end(store_url: str, store_env: dict[str, str]
     asyncio.run(check())
 
 
-@pytest.mark.file_only
 def test_cli_prepare_search_synthetic_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     url = f"file://{tmp_path / 'bucket'}"
     (tmp_path / "bucket").mkdir()

@@ -36,6 +36,7 @@ from slime_stoa.trainer.consumer import ConsumerTimeout, StateConflict, read_sta
 from slime_stoa.trainer.consumer.counting import CountingStore
 from slime_stoa.trainer.slime import rollout
 from slime_stoa.trainer.slime.data_source import STATE_FILE, StoaDataSource, state_path
+from slime_stoa.trainer.slime.settings import settings_from_args
 from tests import slime_standins
 from tests.conftest import async_wait_until, random_seed, wait_until
 from tests.faultproxy import FaultyProxy
@@ -196,15 +197,19 @@ def test_the_new_settings_and_their_defaults() -> None:
     for name, bad in (("wait_timeout_s", 0), ("wait_timeout_s", float("inf")), ("store_retry_max_delay_s", -1)):
         with pytest.raises(ValueError, match=name):
             ConsumerConfig(store_url="file:///b", run="r", **{name: bad})
-    base = dict(stoa_bucket="file:///b", stoa_run="r")
-    assert rollout.config_from_args(types.SimpleNamespace(**base, stoa_wait_timeout_s=None)).wait_timeout_s is None
-    assert rollout.config_from_args(types.SimpleNamespace(**base, stoa_wait_timeout_s="90")).wait_timeout_s == 90.0
-    assert rollout.publishing_check_from_args(types.SimpleNamespace()) == rollout.DEFAULT_PUBLISH_GRACE_S == 120.0
-    assert rollout.publishing_check_from_args(types.SimpleNamespace(stoa_publish_grace_s="5")) == 5.0
-    assert rollout.publishing_check_from_args(types.SimpleNamespace(stoa_check_publishing="false")) is None
+    from slime_stoa.trainer.slime.settings import DEFAULT_PUBLISH_GRACE_S, StoaSettings
+
+    def settings(**keys: object) -> StoaSettings:
+        return StoaSettings.from_args(types.SimpleNamespace(stoa_bucket="file:///b", stoa_run="r", **keys))
+
+    assert settings(stoa_wait_timeout_s=None).consumer.wait_timeout_s is None
+    assert settings(stoa_wait_timeout_s="90").consumer.wait_timeout_s == 90.0
+    assert rollout.publishing_check(settings()) == DEFAULT_PUBLISH_GRACE_S == 120.0
+    assert rollout.publishing_check(settings(stoa_publish_grace_s="5")) == 5.0
+    assert rollout.publishing_check(settings(stoa_check_publishing="false")) is None
     for bad_args in (dict(stoa_publish_grace_s=-1), dict(stoa_publish_grace_s="soon"), dict(stoa_check_publishing="x")):
         with pytest.raises(ValueError, match="stoa_"):
-            rollout.publishing_check_from_args(types.SimpleNamespace(**bad_args))
+            settings(**bad_args)
 
 
 # -- the consumer through outages --------------------------------------------------------------------
@@ -233,7 +238,6 @@ class SwitchStore(CountingStore):
         return await super().head(key)
 
 
-@pytest.mark.file_only
 async def test_downloads_wait_out_an_outage_without_rejecting(store: Store, store_url: str, tiny: Any) -> None:
     await setup_run(store, tiny)
     await upload_groups(store, tiny, 3)
@@ -278,7 +282,6 @@ class LostAnswerStore(CountingStore):
         return await self._maybe_lose(await super().put_if_absent(key, data))
 
 
-@pytest.mark.file_only
 async def test_a_state_write_whose_answer_was_lost_is_not_a_conflict(store: Store, store_url: str, tiny: Any) -> None:
     await setup_run(store, tiny)
     await upload_groups(store, tiny, 2)
@@ -362,7 +365,7 @@ async def test_a_rollout_waits_for_a_quiet_fleet(
         await asyncio.to_thread(rollout.generate_rollout, timed, 0, StoaDataSource(timed))  # opted in: fails
     await close_session()
     args = rollout_args(store_url, tiny)  # the default: no timeout
-    assert rollout.config_from_args(args).wait_timeout_s is None
+    assert settings_from_args(args).consumer.wait_timeout_s is None
     task = asyncio.ensure_future(asyncio.to_thread(rollout.generate_rollout, args, 0, StoaDataSource(args)))
 
     def waited() -> int:
@@ -643,7 +646,6 @@ def test_the_data_source_hands_out_ids_and_keeps_the_state_next_to_the_checkpoin
         StoaDataSource(args).load(7)
 
 
-@pytest.mark.file_only
 async def test_slimes_default_data_source_keeps_the_metadata_path_and_says_so(
     store: Store, store_url: str, tiny: Any, slime: None, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -218,7 +218,6 @@ async def test_worker_runs_search_episodes_end_to_end(
             assert f["metadata"]["stoa_tool_calls"] == s.tool_calls
 
 
-@pytest.mark.file_only
 async def test_a_slow_tool_does_not_hold_a_new_version_back(
     store: Store, store_url: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -130,7 +130,6 @@ async def test_rebuild_with_a_trust_refuses_a_forged_state(store: Store) -> None
 # -- content hashes ------------------------------------------------------------------------------
 
 
-@pytest.mark.file_only
 async def test_a_matching_xxh3_does_not_pass_a_wrong_sha256(store: Store) -> None:
     """xxh3 is not cryptographic: an object whose xxh3 an attacker matched (here: the entry's xxh3
     IS the forged bytes') is still refused on its sha256, before it is used."""

@@ -13,6 +13,8 @@ from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, Store
 from slime_stoa.protocol.store.split import SplitStore, routes_to_rollouts
 from tests.s3server import LocalS3Server
 
+pytestmark = pytest.mark.both_backends  # the store itself: every test on both backends
+
 LAYOUT = RunLayout("demo")
 RECORD = LAYOUT.rollout("mac-1", 1_700_000_000_000, 3)
 EVAL = LAYOUT.rollout("mac-1", 1_700_000_000_000, 4, kind="eval")

@@ -201,6 +201,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path, caplog: py
 # uploads
 
 
+@pytest.mark.both_backends
 async def test_records_land_once_under_their_spool_keys(store: Store, spool: Spool) -> None:
     entries = [spool.add(builder()) for _ in range(8)] + [spool.add(builder("eval"), kind="eval")]
     uploader = Uploader(store, spool, concurrency=3)
@@ -240,6 +241,7 @@ async def test_already_uploaded_entry_is_confirmed_not_reuploaded(store: Store, 
     assert spool.depth == 0 and (await store.head(entry.key)).etag == etag
 
 
+@pytest.mark.both_backends
 async def test_conflicting_object_is_quarantined_never_overwritten(store: Store, spool: Spool) -> None:
     entry = spool.add(builder())
     other = make_record(entry.seq, salt=1)
@@ -498,6 +500,7 @@ async def _start_worker(script: Path, args: list[str], env: dict[str, str]) -> s
     return proc
 
 
+@pytest.mark.both_backends
 async def test_kill_9_at_random_moments_loses_and_duplicates_nothing(
     store: Store, store_url: str, store_env: dict[str, str], tmp_path: Path
 ) -> None:

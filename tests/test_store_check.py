@@ -12,6 +12,8 @@ import pytest
 
 from slime_stoa.cli import main
 
+pytestmark = pytest.mark.both_backends  # the store itself: every test on both backends
+
 
 def test_store_check_passes_on_a_real_store(
     store_url: str, store_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -15,6 +15,8 @@ from slime_stoa.protocol.store.credentials import (
     require_credentials,
 )
 
+pytestmark = pytest.mark.both_backends  # the store itself: every test on both backends
+
 ACCOUNT = "0123456789abcdef0123456789abcdef"
 
 

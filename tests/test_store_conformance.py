@@ -17,6 +17,8 @@ from slime_stoa.protocol.store import (
     open_store,
 )
 
+pytestmark = pytest.mark.both_backends  # the store itself: every test on both backends
+
 
 async def keys_of(store: Store, prefix: str = "", start_after: str | None = None) -> list[str]:
     return [info.key async for info in store.list(prefix, start_after=start_after)]

@@ -248,7 +248,6 @@ async def write_beat(store: Store, heartbeat: Heartbeat) -> None:
     await store.put(RunLayout(RUN).heartbeat(heartbeat.worker_id), heartbeat.to_bytes())
 
 
-@pytest.mark.file_only
 async def test_slime_logs_rollout_and_worker_metrics_on_rollout_step(
     store: Store, store_url: str, tiny: Any, slime: None, offline_wandb: Path
 ) -> None:
@@ -278,7 +277,6 @@ async def test_slime_logs_rollout_and_worker_metrics_on_rollout_step(
     assert row["rollout/stoa_fleet_bad_heartbeats"] == 0
 
 
-@pytest.mark.file_only
 async def test_without_tracking_the_rollout_reads_no_heartbeats(store: Store, store_url: str, tiny: Any, slime: None) -> None:
     await setup_run(store, tiny)
     for i in range(4):
@@ -295,13 +293,17 @@ async def test_without_tracking_the_rollout_reads_no_heartbeats(store: Store, st
 
 
 def test_the_worker_metrics_setting() -> None:
-    parse = rollout.worker_metrics_from_args
-    assert parse(types.SimpleNamespace()) is False
-    assert parse(types.SimpleNamespace(use_wandb=True)) is True
-    assert parse(types.SimpleNamespace(use_tensorboard=True)) is True
-    assert parse(types.SimpleNamespace(use_wandb=True, stoa_worker_metrics=False)) is False
+    from slime_stoa.trainer.slime.settings import StoaSettings
+
+    def parse(**keys: object) -> bool:
+        return StoaSettings.from_args(types.SimpleNamespace(stoa_bucket="file:///b", stoa_run="r", **keys)).worker_metrics
+
+    assert parse() is False
+    assert parse(use_wandb=True) is True
+    assert parse(use_tensorboard=True) is True
+    assert parse(use_wandb=True, stoa_worker_metrics=False) is False
     with pytest.raises(ValueError, match="stoa_worker_metrics must be true or false"):
-        parse(types.SimpleNamespace(stoa_worker_metrics="sometimes"))
+        parse(stoa_worker_metrics="sometimes")
     from slime_stoa.trainer.slime.preflight import known_settings
 
     assert "stoa_worker_metrics" in known_settings()
@@ -325,7 +327,6 @@ def test_wandb_is_imported_only_when_asked_for() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.file_only
 async def test_a_rollout_with_use_wandb_but_no_wandb_still_returns_its_metrics(
     store: Store, store_url: str, tiny: Any, slime: None, no_wandb: None, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -77,6 +77,7 @@ class PointerPolls(CountingStore):
         return await super().get(key, **kw)
 
 
+@pytest.mark.both_backends
 async def test_worker_generates_uploads_and_hot_swaps(store: Store, store_url: str, model_dir: Path, tmp_path: Path) -> None:
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, temperature=1.0)
     pub = await seed_run(store, manifest, model_dir, task_count=50)

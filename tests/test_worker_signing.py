@@ -77,7 +77,6 @@ def _config(store_url: str, tmp_path: Path, **kw: object) -> DaemonConfig:
     return DaemonConfig(store=store_url, run=RUN, name="mac", worker_id="mac-a", data_dir=tmp_path / "data", batch=1, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.file_only
 async def test_a_worker_of_a_signed_run_without_a_key_stops_at_start(store: Store, store_url: str, tmp_path: Path) -> None:
     run_key = SigningKey.generate()
     manifest = dataclasses.replace(MANIFEST, run_key=run_key.public.to_text())

@@ -8,8 +8,8 @@
 Fleet mode (the default) writes an eval request for the version (signed with --run-key on a
 signed run) and waits up to --timeout seconds for the workers holding that version to answer;
 their records are checked and re-scored here. Workers hold the current version only, so --all
-needs --local: every kept version is rebuilt from the bucket and sampled in-process, with macd's
-MLX generation path (`--engine mlx`, the default; the worker extra) or with transformers on the
+needs --local: every kept version is rebuilt from the bucket and sampled on this machine, with macd's
+MLX generation path (`--engine mlx`, the default: a `python -m macd.evaluate` process; the worker extra) or with transformers on the
 trainer box (`--engine transformers`, on `--device`, by default a GPU when there is one; the
 trainer extra): the same episodes, tool calls and budget either way. pass@k is the unbiased estimator (Chen et al., 2021)
 from k samples per prompt; a sample passes with reward >= --pass-threshold (default 1: full
@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, help="sampling temperature (default: the run manifest's)")
     p.add_argument("--pass-threshold", type=float, default=DEFAULT_PASS_THRESHOLD,
                    help="a sample passes with a reward at least this (default: 1.0)")
-    p.add_argument("--local", action="store_true", help="sample in-process (see --engine) instead of asking the fleet")
+    p.add_argument("--local", action="store_true", help="sample on this machine (see --engine) instead of asking the fleet")
     p.add_argument("--engine", choices=ENGINES, default="mlx",
                    help="--local: sample with MLX (macd's path, the default) or transformers (the trainer box)")
     p.add_argument("--device", help="--local --engine transformers: torch device (default: cuda if available)")

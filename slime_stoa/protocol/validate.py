@@ -25,7 +25,7 @@ episode's token budget). Each sample's `mask` must have one 0/1 value per respon
 start with a model token; `turns` and `tool_calls` must be its runs of 1s and 0s; no run of tool
 tokens may exceed `max_tool_tokens` and no episode `max_turns` model turns; a tool position's
 logprob must be +0.0 exactly (one byte form). "turns" (the last allowed turn called a tool) is a
-v2 finish reason and ends on a model token; v1 samples are checked as before.
+v2 finish reason and ends on a model token; v1 samples have neither tool positions nor "turns".
 """
 
 from __future__ import annotations

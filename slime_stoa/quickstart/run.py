@@ -287,7 +287,7 @@ async def at_startup(op: Callable[[], Any], what: str, stop: Interrupt) -> Any:
 
 
 async def rebuild_published(store: Store, run: str) -> Any:
-    """`history.rebuild` of the pointer's version, for `at_startup`: rebuild reports a store that
+    """`rebuild` (`protocol.pulse.rebuild`) of the pointer's version, for `at_startup`: rebuild reports a store that
     does not answer as a HistoryError, so after one the store is asked a cheap question (an
     outage raises StoreUnavailable there, and is waited out); a HistoryError while the store
     answers is tried twice more, then raised (damaged weights)."""

@@ -11,19 +11,19 @@ sets every key of that file on `args`, in every process): `stoa_publish: true`, 
 `stoa_run` and the publisher's knobs, parsed by `slime_stoa.trainer.slime.settings.StoaSettings`
 and listed in docs/slime.md.
 
-Background publishing (the default). The weights are gathered on every rank as before (slime's
+Background publishing (the default). The weights are gathered on every rank (slime's
 collective HF weight iterator); rank 0's copy of them is the snapshot: it is handed to the
 publisher's own thread, which diffs, encodes and uploads it while training goes on, and
 `update_weights` returns. The next publish first waits for the previous one if it is still
 running (that wait is logged and returned as `Handoff.wait_s`), so at most one version is in
 flight and versions commit in order. A failure of the background publish is logged when it
 happens and raised by the next `update_weights` on every rank (as a synchronous publish would
-have raised it); store outages are waited out inside the background publish, as before. At exit
+have raised it); store outages are waited out inside the background publish. At exit
 the version in flight is finished before the store is closed. Rank 0 holds one more copy of
 the weights in CPU memory while a version is in flight (the snapshot, beside the publisher's
 baseline). The rollout function waits for the pointer to move after each train step
-(`stoa_publish_grace_s`), which now includes the upload: give it more than the longest publish
-(an anchor). `stoa_background_publish: false` publishes inside `update_weights`, as before.
+(`stoa_publish_grace_s`), which includes the upload: give it more than the longest publish
+(an anchor). `stoa_background_publish: false` publishes inside `update_weights`.
 
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never

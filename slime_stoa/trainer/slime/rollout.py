@@ -49,7 +49,7 @@ slime, and (with `stoa_state_in_bucket`) to `runs/<run>/trainer/consumer.json` i
 trainer killed at any moment resumes from the newer of the two: no group used twice, none
 skipped; the groups of a batch that was handed out but whose training was lost are not trained
 again. With slime's default data source the state goes into `data_source.metadata` (which slime
-marks for removal and saves only with checkpoints), as before: a restart from checkpoint R
+marks for removal and saves only with checkpoints): a restart from checkpoint R
 consumes again the groups of the rollouts after R; a warning suggests the data source above.
 
 Metrics. The returned `metrics` are what slime logs for the rollout (`log_rollout_data`, with
@@ -210,7 +210,7 @@ class _Session:
     def resume(self, checkpoint_state: Any, *, newest: bool = False) -> str:
         """Resume once, from the checkpoint's state (if it has one for this run) or the bucket's:
         with `newest`, whichever got further (the checkpoint's on a tie); else the checkpoint's
-        first (slime's metadata path, as before). Returns where from."""
+        first (slime's metadata path). Returns where from."""
         self.resumed = True
         return self.call(self._resume(checkpoint_state, newest))
 
