@@ -96,8 +96,7 @@ from .. import tracking
 from ..loop_thread import LoopThread
 from .data_source import StoaDataSource
 from .eval_rollout import eval_output
-from .settings import DEFAULT_PUBLISH_GRACE_S as DEFAULT_PUBLISH_GRACE_S
-from .settings import StoaSettings, read_fields, settings_from_args
+from .settings import StoaSettings, settings_from_args
 
 log = logging.getLogger(__name__)
 
@@ -111,26 +110,10 @@ class PublishingStalled(RuntimeError):
 
 
 # -- settings (StoaSettings; these read a few from args alone) ---------------------------------------
-def config_from_args(args: Any) -> ConsumerConfig:
-    """The ConsumerConfig from `args.stoa_*`; ValueError naming a bad setting."""
-    return settings_from_args(args).consumer
-
-
 def publishing_check(settings: StoaSettings) -> float | None:
     """The grace (seconds) the publisher-liveness check gives a version, or None when the check
     is off (`stoa_check_publishing: false`)."""
     return settings.publish_grace_s if settings.check_publishing else None
-
-
-def publishing_check_from_args(args: Any) -> float | None:
-    """`publishing_check` of `args.stoa_check_publishing` and `stoa_publish_grace_s` alone."""
-    read = read_fields(args, "check_publishing", "publish_grace_s")
-    return read["publish_grace_s"] if read["check_publishing"] else None
-
-
-def worker_metrics_from_args(args: Any) -> bool:
-    """Whether each rollout's metrics carry the workers' heartbeats (`stoa_worker_metrics`)."""
-    return bool(read_fields(args, "worker_metrics")["worker_metrics"])
 
 
 def _positive(args: Any, name: str) -> int:
