@@ -251,8 +251,9 @@ class LocalS3Server:
             f"{self.startup_timeout:.0f}s (last: {last})\n{self.log_tail()}"
         )
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, wait for exit (SIGKILL after `timeout`), remove the temp folder."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, wait for exit (SIGKILL after `timeout`: weed may wait on idle client connections;
+        a test server's data need not survive), remove the temp folder."""
         proc, self._proc = self._proc, None
         if proc is not None:
             atexit.unregister(self.stop)

@@ -1,0 +1,216 @@
+"""The S3 backend's connection: one aiobotocore client per store, and requests through it.
+
+botocore's own retries are off: every request goes through `RetryPolicy` (`S3Connection._call`),
+and its errors come out as the store's (`StoreConfigError`, `PreconditionFailed`, `NotFound`,
+`StoreError`) with advice that names the endpoint, the bucket and the credentials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import TypeVar
+
+import aiohttp
+from aiobotocore.client import AioBaseClient
+from aiobotocore.config import AioConfig
+from aiobotocore.httpsession import AIOHTTPSession
+from aiobotocore.session import get_session
+from botocore.exceptions import ClientError, SSLError
+
+from .base import NotFound, PreconditionFailed, StoreConfigError, StoreError
+from .credentials import Credentials, default_env_file
+from .retry import RetryPolicy, with_retries
+from .s3_errors import CREDENTIAL_CODES, error_code, error_message, error_status, is_retryable
+
+T = TypeVar("T")
+
+
+def unquote_etag(etag: str) -> str:
+    return etag.strip().removeprefix("W/").strip('"')
+
+
+def quote_etag(etag: str) -> str:
+    return f'"{unquote_etag(etag)}"'
+
+
+class _OneShotHTTPSession(AIOHTTPSession):
+    """aiobotocore's HTTP session, minus aiohttp's hidden resend of idempotent requests.
+
+    aiohttp silently resends a PUT once when the connection drops before the answer. For a
+    conditional PUT that resend can meet our own landed write and turn success into a 412 that
+    `S3Writer._conditional` cannot tell from a lost race. Every retry must go through `RetryPolicy`.
+    """
+
+    async def _get_session(self, proxy_url: str | None) -> aiohttp.ClientSession:
+        session = await super()._get_session(proxy_url)
+        if hasattr(session, "_retry_connection"):  # aiohttp >= 3.9 (private flag)
+            session._retry_connection = False
+        return session
+
+
+class S3Connection:
+    """The client for `bucket` at `endpoint_url` (None: AWS S3 in `region`), opened on first use.
+
+    `max_concurrency` (requests in flight at once) sizes the connection pool.
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        endpoint_url: str | None,
+        region: str,
+        credentials: Credentials | None,
+        url: str,
+        retry: RetryPolicy,
+        max_concurrency: int,
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> None:
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.credentials = credentials
+        self.url = url
+        self.retry = retry
+        self.max_concurrency = max_concurrency
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._client: AioBaseClient | None = None
+        self._stack: AsyncExitStack | None = None
+        self._lock = asyncio.Lock()
+
+    # -- client ------------------------------------------------------------------------------
+    @property
+    def _endpoint(self) -> str:
+        return self.endpoint_url or f"AWS S3 ({self.region})"
+
+    def _config(self) -> AioConfig:
+        return AioConfig(
+            region_name=self.region,
+            signature_version="s3v4",
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            max_pool_connections=max(10, 2 * self.max_concurrency),
+            s3={"addressing_style": "path" if self.endpoint_url else "auto"},
+            # Checksums only where the API demands them: not every S3-compatible service takes
+            # the newer flexible checksums; PutObject/UploadPart carry Content-MD5 instead.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            http_session_cls=_OneShotHTTPSession,
+        )
+
+    def _missing_credentials(self) -> StoreConfigError:
+        scheme = self.url.partition("://")[0] or "s3"
+        where = default_env_file(scheme, os.environ)
+        return StoreConfigError(
+            f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            f"(or STOA_ACCESS_KEY_ID / STOA_SECRET_ACCESS_KEY) in the environment, or write them "
+            f"to {where} (chmod 600), or point STOA_ENV_FILE at such a file"
+        )
+
+    async def _s3(self) -> AioBaseClient:
+        """The aiobotocore client, created on first use."""
+        if self._client is not None:
+            return self._client
+        async with self._lock:
+            if self._client is None:
+                await self._open()
+        return self._client
+
+    async def _open(self) -> None:
+        creds = self.credentials
+        if creds is None:
+            raise self._missing_credentials()
+        stack = AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(
+                get_session().create_client(
+                    "s3",
+                    endpoint_url=self.endpoint_url,
+                    region_name=self.region,
+                    aws_access_key_id=creds.access_key_id,
+                    aws_secret_access_key=creds.secret_access_key,
+                    aws_session_token=creds.session_token,
+                    config=self._config(),
+                )
+            )
+        except ValueError as exc:  # botocore rejects a malformed endpoint URL
+            await stack.aclose()
+            raise StoreConfigError(
+                f"invalid endpoint URL {self.endpoint_url!r} for {self.url}: {exc}"
+            ) from None
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+
+    async def close(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    # -- calls and errors --------------------------------------------------------------------
+    def _where(self, action: str, key: str | None) -> str:
+        target = f"{key!r} in {self.url}" if key is not None else self.url
+        return f"{action} {target} (endpoint {self._endpoint})"
+
+    def _advice(self, exc: BaseException) -> str:
+        if isinstance(exc, ClientError):
+            answer = error_code(exc) or error_status(exc)
+            return f"{self._endpoint} kept answering {answer}: it is overloaded or failing; try again later"
+        if isinstance(exc, asyncio.TimeoutError) or "timeout" in type(exc).__name__.lower():
+            return f"{self._endpoint} did not answer in time: check the network and the endpoint URL"
+        return f"could not reach {self._endpoint}: check the endpoint URL in {self.url} and the network"
+
+    async def _call(
+        self, action: str, key: str | None, fn: Callable[[AioBaseClient], Awaitable[T]], *, cas: bool = False
+    ) -> T:
+        """Run one S3 request with retries, mapping its errors onto the store's."""
+        client = await self._s3()
+        try:
+            return await with_retries(
+                lambda: fn(client),
+                policy=self.retry,
+                is_retryable=is_retryable,
+                describe=self._where(action, key),
+                advice=self._advice,
+            )
+        except ClientError as exc:
+            raise self._map_error(exc, action, key, cas=cas) from exc
+        except SSLError as exc:
+            raise StoreConfigError(
+                f"{self._where(action, key)}: TLS failed ({exc}); check the endpoint URL (https vs http)"
+            ) from exc
+
+    def _map_error(self, exc: ClientError, action: str, key: str | None, *, cas: bool) -> StoreError:
+        code, status, where = error_code(exc), error_status(exc), self._where(action, key)
+        if code == "RequestTimeTooSkewed":
+            return StoreConfigError(
+                f"{where}: this machine's clock differs too much from the server's "
+                f"(RequestTimeTooSkewed); synchronise it with NTP (e.g. `timedatectl set-ntp true`)"
+            )
+        if code == "NoSuchBucket":
+            return StoreConfigError(
+                f"{where}: bucket {self.bucket!r} does not exist at {self._endpoint}; create it or "
+                f"fix the bucket name in {self.url}"
+            )
+        if code == "PreconditionFailed" or status == 412:
+            reason = "its ETag moved" if cas else "the key exists"
+            return PreconditionFailed(f"{where}: precondition failed ({reason})")
+        if cas and status == 404:
+            return PreconditionFailed(f"{where}: the object does not exist, so its ETag cannot match")
+        if code in CREDENTIAL_CODES or status in (401, 403):
+            creds = str(self.credentials) if self.credentials else "no credentials"
+            return StoreConfigError(
+                f"{where}: access refused ({code or status}); check the credentials ({creds}): "
+                f"the access key id, the secret key, and that they may read and write bucket "
+                f"{self.bucket!r} (if they are right, check this machine's clock)"
+            )
+        if code in ("NoSuchKey", "NotFound", "404") or status == 404:
+            return NotFound(f"{key!r} not found in {self.url}")
+        return StoreError(f"{where}: {code or 'error'} (HTTP {status}): {error_message(exc)}")
