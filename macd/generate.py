@@ -39,6 +39,7 @@ the last token's characters.
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from collections.abc import Sequence
@@ -58,6 +59,8 @@ from mlx_lm.utils import load_tokenizer
 
 from slime_stoa.tasks.episode import StopMatcher
 
+from .lfm2_fixes import fix_moe_routing
+
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
 
 Model = nn.Module  # an mlx-lm model
@@ -68,6 +71,7 @@ def load_model(folder: Path | str) -> tuple[Model, Tokenizer]:
     """(model, tokenizer) of an HF/MLX model folder, loaded lazily: the weights are only read
     when first used."""
     loaded = mlx_lm.load(str(folder), lazy=True)  # (model, tokenizer) without return_config
+    apply_model_fixes(loaded[0], _folder_config(folder))
     return loaded[0], loaded[1]
 
 
@@ -80,7 +84,22 @@ def build_model(folder: Path | str) -> tuple[Model, Tokenizer]:
     path = Path(folder)
     model, config = build_from_config(path, lazy=True, strict=False)
     model.set_dtype(mx.bfloat16)  # what the bf16 master's tensors are, so they fit
+    apply_model_fixes(model, config)
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+def apply_model_fixes(model: Model, config: dict[str, Any]) -> list[str]:
+    """Make an mlx-lm model compute what the trainer's transformers model does where this mlx-lm
+    release differs (`macd.lfm2_fixes`: LFM2-MoE routing in mlx-lm 0.31.x); the fixes applied."""
+    return ["lfm2_moe routing"] if fix_moe_routing(model, config) else []
+
+
+def _folder_config(folder: Path | str) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return {}
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
 
 
 def release_freed_buffers() -> None:

@@ -6,14 +6,24 @@ import argparse
 import os
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> None:
+def add_store_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",
         default=os.environ.get("STOA_STORE"),
         help="bucket URL (file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix); "
         "default $STOA_STORE",
     )
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    add_store_option(parser)
     parser.add_argument("--run", default=os.environ.get("STOA_RUN"), help="run name; default $STOA_RUN")
+
+
+def require_store(args: argparse.Namespace) -> str:
+    if not args.store:
+        raise SystemExit("error: no bucket given: pass --store URL or set STOA_STORE")
+    return str(args.store)
 
 
 def os_error_text(exc: OSError) -> str:
@@ -25,8 +35,7 @@ def os_error_text(exc: OSError) -> str:
 
 
 def require_run_options(args: argparse.Namespace) -> tuple[str, str]:
-    if not args.store:
-        raise SystemExit("error: no bucket given: pass --store URL or set STOA_STORE")
+    require_store(args)
     if not args.run:
         raise SystemExit("error: no run given: pass --run NAME or set STOA_RUN")
     return args.store, args.run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -15,6 +16,8 @@ from slime_stoa.protocol.store import (
     StoreError,
     open_store,
 )
+
+from .common import add_store_option, require_store
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,13 +32,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "<prefix>/stoa-check/ to prove the bucket works for stoa (conditional writes included)."
         ),
     )
-    check.add_argument("url", help="store URL, e.g. file:///tmp/stoa-bucket or r2://<account>/<bucket>")
+    check.add_argument(
+        "url", nargs="?", default=None,
+        help="store URL, e.g. file:///tmp/stoa-bucket or r2://<account>/<bucket>; default --store / $STOA_STORE",
+    )  # fmt: skip
+    add_store_option(check)
     check.add_argument("--create", action="store_true", help="create a missing local folder")
     check.set_defaults(handler=run_check)
 
     ls = cmds.add_parser("ls", help="list objects under a prefix")
-    ls.add_argument("url", help="store URL")
+    ls.add_argument("url", nargs="?", default=None, help="store URL; default --store / $STOA_STORE")
     ls.add_argument("prefix", nargs="?", default="", help="key prefix, e.g. runs/demo/")
+    add_store_option(ls)
     ls.set_defaults(handler=run_ls)
 
 
@@ -108,9 +116,21 @@ async def _keys(store, prefix: str) -> list[str]:
     return [info.key async for info in store.list(prefix)]
 
 
+def _url_and_prefix(args: argparse.Namespace) -> tuple[str, str]:
+    """The positional URL, else --store / $STOA_STORE; a lone positional without a scheme is the
+    prefix of `stoa store ls` (`STOA_STORE=... stoa store ls runs/demo/`)."""
+    url, prefix = args.url, getattr(args, "prefix", "")
+    if url is not None and "://" not in url and not prefix and hasattr(args, "prefix"):
+        url, prefix = None, url
+    if url is not None and args.store and url != args.store and args.store != os.environ.get("STOA_STORE"):
+        raise SystemExit(f"error: two buckets given ({url} and --store {args.store}): pass one")
+    return url or require_store(args), prefix
+
+
 def run_check(args: argparse.Namespace) -> int:
+    url, _ = _url_and_prefix(args)
     try:
-        asyncio.run(check_store(args.url, create=args.create))
+        asyncio.run(check_store(url, create=args.create))
     except (StoreError, ValueError, StoreCheckFailed) as exc:
         sys.stdout.flush()
         print(f"store check FAILED: {exc}", file=sys.stderr)
@@ -125,8 +145,9 @@ async def _ls(url: str, prefix: str) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    url, prefix = _url_and_prefix(args)
     try:
-        asyncio.run(_ls(args.url, args.prefix))
+        asyncio.run(_ls(url, prefix))
     except (StoreError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

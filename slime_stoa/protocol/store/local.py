@@ -75,11 +75,19 @@ class LocalStore(Store):
         return self.root.joinpath(*check_key(key).split("/"))
 
     def _check_root(self) -> None:
-        if not self.root.is_dir():
+        if self.root.is_dir():
+            return
+        relative = self.url.startswith("file://") and not self.url.startswith("file:///")
+        absolute = Path("/") / self.url.removeprefix("file://")
+        if relative and not self.root.is_absolute() and absolute.parent.is_dir():
             raise StoreConfigError(
-                f"store folder {self.root} does not exist: create it (mkdir -p {self.root}) "
-                f"or fix the file:// URL"
+                f"store folder {self.root} does not exist: {self.url} (two slashes) is the folder "
+                f"{self.root} relative to here; for {absolute} write file://{absolute}"
             )
+        raise StoreConfigError(
+            f"store folder {self.root} does not exist: create it (mkdir -p {self.root}) "
+            f"or fix the file:// URL"
+        )
 
     def _lock_path(self, key: str) -> Path:
         return self.root / _LOCKS / f"{xxhash.xxh3_64_hexdigest(key.encode())}.lock"

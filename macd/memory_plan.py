@@ -1,0 +1,227 @@
+"""What a worker's memory holds for a model, and whether that fits a Mac: a pure function of the
+model's config.json, the run's group size and lengths.
+
+Terms (bytes):
+
+- weights, per plane (`macd.weights`): ``bf16`` 2 per parameter (the master is the model);
+  ``int8`` the bf16 master (2 per parameter) plus the served copy: 1 + 4/64 per quantizable
+  parameter (Linear/Embedding/expert weights whose input size is a multiple of 64: 8-bit codes,
+  a bf16 scale and bias per group of 64) and 2 per other parameter (norms, conv kernels, biases).
+- KV cache, attention layers only: K and V, ``num_key_value_heads * head_dim`` bf16 values each,
+  per token of every live sequence, allocated in steps of 256 tokens (mlx-lm's `KVCache.step`);
+  a batch's cache is as long as its longest sequence (left padding), so every sequence is
+  counted at prompt + response length.
+- conv state, conv layers only: ``conv_L_cache - 1`` positions of ``hidden_size`` bf16 values
+  per sequence, whatever its length.
+- activations: the logits of one prefill chunk (``prefill_step * vocab`` bf16, mlx-lm computes
+  every position's) and of one decode step (float32, tempered), plus one chunk's widest
+  intermediate.
+- the search index, as the task's retriever files say (`index_bytes`).
+
+Usable memory: what MLX may wire on the GPU, macOS's recommended working set (about 2/3 of RAM
+below 64 GB, 3/4 from 64 GB), unless the caller passes the device's own figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1 << 30
+KV_STEP = 256  # mlx-lm KVCache allocation step (tokens)
+QUANT_GROUP = 64
+INT8_BYTES = 1 + 4 / QUANT_GROUP  # 8-bit code, bf16 scale and bias per 64
+PREFILL_STEP = 2048  # macd.generate.PREFILL_STEP
+
+#: LFM2.5-8B-A1B as published (LiquidAI/LFM2.5-8B-A1B config.json): 24 layers, 18 conv and 6
+#: attention. transformers' `Lfm2MoeConfig()` defaults differ (32 layers, vocab 65536, no
+#: layer_types, so no model can be built from them alone).
+LFM2_5_8B_A1B: dict[str, Any] = {
+    "model_type": "lfm2_moe",
+    "vocab_size": 128000,
+    "hidden_size": 2048,
+    "intermediate_size": 7168,
+    "moe_intermediate_size": 1792,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_dense_layers": 2,
+    "conv_L_cache": 3,
+    "tie_word_embeddings": True,
+    "layer_types": [
+        "conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv",
+        "conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv",
+        "conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv",
+    ],
+}
+
+MAC_SIZES_GB = (16, 24, 32, 64)
+
+
+def usable_bytes(ram_gb: float) -> int:
+    """macOS's default GPU working-set limit for a Mac with `ram_gb` of memory (approximate)."""
+    return int(ram_gb * GIB * (0.75 if ram_gb >= 64 else 2 / 3))
+
+
+def _layer_types(config: Mapping[str, Any]) -> list[str]:
+    n = int(config["num_hidden_layers"])
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    if config.get("full_attn_idxs") is not None:
+        return ["full_attention" if i in config["full_attn_idxs"] else "conv" for i in range(n)]
+    return ["full_attention"] * n  # attention-only families
+
+
+def _dense_ff(config: Mapping[str, Any]) -> int:
+    """The dense feed-forward width (LFM2's ``block_auto_adjust_ff_dim`` rule, as mlx-lm has it)."""
+    ff = int(config.get("block_ff_dim") or config["intermediate_size"])
+    if config.get("model_type") == "lfm2" and config.get("block_auto_adjust_ff_dim"):
+        ff = int(2 * ff / 3)
+        if config.get("block_ffn_dim_multiplier") is not None:
+            ff = int(config["block_ffn_dim_multiplier"] * ff)
+        multiple = int(config["block_multiple_of"])
+        ff = multiple * ((ff + multiple - 1) // multiple)
+    return ff
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    quantizable: int  # Linear/Embedding/expert weights with an input size divisible by 64
+    other: int  # norms, conv kernels, biases, misfit layers
+
+    @property
+    def total(self) -> int:
+        return self.quantizable + self.other
+
+
+def param_count(config: Mapping[str, Any]) -> ParamCount:
+    """Parameters of an LFM2 / LFM2-MoE (or a plain GQA transformer) config, split by whether
+    the int8 plane quantizes them."""
+    h, v = int(config["hidden_size"]), int(config["vocab_size"])
+    heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    hd = int(config.get("head_dim") or h // heads)
+    kernel = int(config.get("conv_L_cache", 3))
+    experts = int(config.get("num_experts") or 0)
+    dense_layers = int(config.get("num_dense_layers", 0)) if experts else 10**9
+    ff = _dense_ff(config)
+    moe_ff = int(config.get("moe_intermediate_size") or 0)
+    q = o = 0
+
+    def linear(n_out: int, n_in: int) -> None:
+        nonlocal q, o
+        if n_in % QUANT_GROUP == 0:
+            q += n_out * n_in
+        else:
+            o += n_out * n_in
+
+    linear(v, h)  # embedding (quantized along its rows of h)
+    if not config.get("tie_word_embeddings", True):
+        linear(v, h)
+    o += h  # final norm
+    for i, kind in enumerate(_layer_types(config)):
+        o += 2 * h  # operator / ffn norms
+        if kind == "conv":
+            linear(3 * h, h)
+            linear(h, h)
+            o += h * kernel
+        else:
+            linear(heads * hd, h)
+            linear(2 * kv * hd, h)
+            linear(h, heads * hd)
+            o += 2 * hd  # q / k norms
+        if i < dense_layers:
+            linear(2 * ff, h)
+            linear(h, ff)
+        else:
+            linear(experts, h)  # router
+            o += experts  # expert bias
+            linear(2 * experts * moe_ff, h)
+            linear(experts * h, moe_ff)
+    return ParamCount(q, o)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes a worker holds for one model and run shape, and what fits where."""
+
+    params: int
+    weights: dict[str, int]  # per plane
+    kv_bytes_per_token: int  # all attention layers, one sequence
+    conv_bytes_per_sequence: int  # all conv layers
+    sequences: int  # live sequences planned for (group size x concurrent groups)
+    cache: int  # KV + conv state of every live sequence at full length
+    activations: int
+    index: int
+    macs: list[dict[str, Any]] = field(default_factory=list)  # one row per (RAM, plane)
+
+    def total(self, plane: str) -> int:
+        return self.weights[plane] + self.cache + self.activations + self.index
+
+
+def plan(
+    config: Mapping[str, Any],
+    *,
+    group_size: int,
+    groups: int = 1,
+    prompt_tokens: int,
+    response_tokens: int,
+    index_bytes: int = 0,
+    mac_sizes_gb: Sequence[float] = MAC_SIZES_GB,
+    usable: Mapping[float, int] | None = None,
+) -> MemoryPlan:
+    """The memory plan of `config` for `groups` concurrent groups of `group_size` sequences of at
+    most `prompt_tokens + response_tokens` tokens, on each Mac of `mac_sizes_gb` (usable bytes
+    from `usable` where given, else `usable_bytes`). Per (RAM, plane) row: ``fits``, the
+    headroom, and ``max_sequences``: how many full-length sequences would fit beside the weights."""
+    if min(group_size, groups, prompt_tokens + response_tokens) < 1:
+        raise ValueError("need group_size, groups >= 1 and a positive length")
+    counts = param_count(config)
+    types = _layer_types(config)
+    h, v = int(config["hidden_size"]), int(config["vocab_size"])
+    heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    hd = int(config.get("head_dim") or h // heads)
+    kv_token = types.count("full_attention") * 2 * kv * hd * 2
+    conv_seq = types.count("conv") * (int(config.get("conv_L_cache", 3)) - 1) * h * 2
+    seqs = group_size * groups
+    length = KV_STEP * math.ceil((prompt_tokens + response_tokens) / KV_STEP)
+    per_seq = kv_token * length + conv_seq
+    chunk = min(PREFILL_STEP, prompt_tokens)
+    widest = max(3 * h, 2 * int(config.get("intermediate_size") or 0),
+                 2 * int(config.get("num_experts_per_tok") or 0) * int(config.get("moe_intermediate_size") or 0))
+    activations = chunk * v * 2 + seqs * v * 4 + chunk * widest * 4
+    weights = {
+        "bf16": 2 * counts.total,
+        "int8": int(2 * counts.total + INT8_BYTES * counts.quantizable + 2 * counts.other),
+    }
+    result = MemoryPlan(counts.total, weights, kv_token, conv_seq, seqs, seqs * per_seq, activations, index_bytes)
+    for gb in mac_sizes_gb:
+        limit = (usable or {}).get(gb, usable_bytes(gb))
+        for plane in weights:
+            room = limit - weights[plane] - activations - index_bytes
+            result.macs.append({
+                "ram_gb": gb, "plane": plane, "usable_bytes": limit, "total_bytes": result.total(plane),
+                "fits": result.total(plane) <= limit, "headroom_bytes": limit - result.total(plane),
+                "max_sequences": max(0, room // per_seq),
+            })
+    return result
+
+
+def describe(p: MemoryPlan) -> list[str]:
+    """Lines for `macd doctor` / `macd join`: the terms, then one line per (RAM, plane)."""
+    lines = [
+        f"model: {p.params / 1e9:.2f}B parameters; weights bf16 {p.weights['bf16'] / GIB:.1f} GiB, "
+        f"int8 {p.weights['int8'] / GIB:.1f} GiB (bf16 master + int8 copy)",
+        f"cache: {p.sequences} sequences, KV {p.kv_bytes_per_token / 1024:.0f} KiB/token (attention layers), "
+        f"conv state {p.conv_bytes_per_sequence / 1024:.0f} KiB/sequence: {p.cache / GIB:.2f} GiB; "
+        f"activations {p.activations / GIB:.2f} GiB; search index {p.index / GIB:.2f} GiB",
+    ]
+    for row in p.macs:
+        verdict = "fits" if row["fits"] else ("does not fit" if row["max_sequences"] == 0 else
+                                              f"fits only {row['max_sequences']} sequences")
+        lines.append(f"{row['ram_gb']:g} GB Mac, {row['plane']}: needs {row['total_bytes'] / GIB:.1f} of "
+                     f"{row['usable_bytes'] / GIB:.1f} GiB usable: {verdict}")
+    return lines
