@@ -5,8 +5,11 @@ generates until it closes a tool call (``</search>``), ends (the answer tag, a s
 or spends the token budget. At a call the sequence leaves the batch with its KV cache, its query
 (the text after the last ``<search>`` of this turn) goes to the tool on the asyncio side (never
 on the MLX thread), and the tool's output comes back as an observation: the observation tags
-around the output (tags removed from it, cut to `max_observation_tokens`), tokenized and
-appended as forced tokens (mask 0, logprob 0.0). The sequence then re-enters the batch with the
+around the output (escaped, tags removed from it, cut to `max_observation_tokens`), tokenized
+and appended as forced tokens (mask 0, logprob 0.0). A closed call with no ``<search>`` in its
+turn is an invalid action: the tool is not run and `ToolFormat.invalid_action_text` is the
+observation (the turn counts); a call closed inside an open answer ends the episode "stop"
+(`slime_stoa.tasks.episode.turn_action`). The sequence then re-enters the batch with the
 cache it left with, so only the observation tokens are prefilled (mlx-lm's `BatchGenerator`
 cannot append tokens to a live sequence, but `remove(..., return_prompt_caches=True)` hands its
 cache back and `insert(..., caches=...)` takes one: no re-prefill of prompt and history).
@@ -14,9 +17,10 @@ cache back and `insert(..., caches=...)` takes one: no re-prefill of prompt and 
 Budget and turns: the response (every model and tool token after the prompt) is at most
 `SamplingConfig.max_tokens` tokens (the record's `sampling.max_tokens`); an observation is cut
 to what is left, and an episode whose budget is spent ends "length". At most
-`ToolFormat.max_turns` model turns: a call in the last one ends the episode "turns" (the tool is
-not run). Precedence at a token: EOS or a stop/answer string ("stop"), then the budget
-("length"), then a call.
+`ToolFormat.max_turns` model turns: a call (or invalid action) in the last one ends the episode
+"turns" (the tool is not run). Precedence at a token: EOS or a stop/answer string ("stop"), then
+the budget ("length"), then a call inside an open answer ("stop"), then the turn limit, then a
+call.
 
 `slime_stoa.tasks.episode.Episode` is the pure state machine of one episode; `EpisodeGenerator` drives a cohort of them
 through one `BatchGenerator` with the interface of `macd.generate.ContinuousGenerator` (insert,
@@ -37,7 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from slime_stoa.tasks.episode import Episode, StopMatcher, extract_query, observation_tokens
+from slime_stoa.tasks.episode import Episode, StopMatcher, observation_tokens, turn_action
 from slime_stoa.tasks.tool_format import ToolFormat
 from slime_stoa.tasks.tools import Tool, call_tool
 
@@ -76,7 +80,8 @@ class EpisodeCompletion:
     finish_reason: str
     text: str
     turns: int
-    tool_calls: int
+    tool_calls: int  # observations, invalid-action feedback included (the mask's tool spans)
+    invalid_actions: int = 0
 
 
 @dataclass
@@ -197,12 +202,17 @@ class EpisodeGenerator:
             eos = r.finish_reason == "stop"  # mlx-lm's only stop sequences are the EOS tokens
             turn = [*ep.turn_tokens, r.token]
             stopped = not eos and self._stop.hit(turn)
-            called = not (eos or stopped) and self._call.hit(turn)
-            action = ep.sampled(r.token, lp, eos=eos, stopped=stopped, called=called)
+            call, query = None, ""
+            if not (eos or stopped) and self._call.hit(turn):
+                call, query = turn_action(self.tokenizer.decode(turn), self.format)
+            action = ep.sampled(r.token, lp, eos=eos, stopped=stopped, call=call)
             if action == "call":
                 paused.append(r.uid)
-                ep.ask(extract_query(self.tokenizer.decode(ep.turn_tokens), self.format))
-                self._calls.append(ToolCall(eid, ep.query or ""))
+                ep.ask(query)
+                self._calls.append(ToolCall(eid, query))
+            elif action == "invalid":
+                paused.append(r.uid)
+                self._inbox.append((eid, self.format.invalid_action_text))  # taken in at the next step
             elif action == "done":
                 del self._live[r.uid]
                 if r.finish_reason is None:
@@ -278,7 +288,7 @@ class EpisodeGenerator:
         while self._inbox:
             eid, output = self._inbox.popleft()
             ep = self._episodes.get(eid)
-            if ep is None or ep.query is None:
+            if ep is None or not ep.waiting:
                 continue  # dropped at a swap meanwhile
             action, appended = ep.observe(self.observation_tokens(output))
             self.tool_tokens += len(appended)
@@ -316,6 +326,7 @@ class EpisodeGenerator:
             text=self.tokenizer.decode(text_tokens),
             turns=ep.turns,
             tool_calls=ep.tool_calls,
+            invalid_actions=ep.invalid_actions,
         )
 
 

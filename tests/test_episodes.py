@@ -19,15 +19,16 @@ from macd.generate import SamplingConfig, teacher_forced_logprobs
 from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup, Sample, SamplingParams, encode_group
 from slime_stoa.protocol.validate import RecordLimits, load_record
 from slime_stoa.quickstart.tiny_model import build_tiny_model
-from slime_stoa.tasks.episode import Episode, extract_query
+from slime_stoa.tasks.episode import Episode, extract_query, turn_action
 from slime_stoa.tasks.tool_format import ToolFormat
 from slime_stoa.tasks.tools import EchoTool, LookupTool, ToolContext, call_tool, register_tool, tool_for
 
 RECORDED_VS_TEACHER_ATOL = 1e-5  # as in test_generate: the cached decode and one full pass agree
 
-# The random model writes "e" every few tokens: as the call tag it makes many tool calls. Its
-# answer tag is a special token it writes now and then.
-FORMAT = ToolFormat(call_open="<q>", call_close="e", answer_close="<|im_start|>", observation_open="[",
+# The random model writes "e" every few tokens: as the call tag it closes many tool calls, valid
+# ones when the turn wrote a space (the call's opening tag) before it, invalid actions otherwise.
+# Its answer tag is a special token it writes now and then.
+FORMAT = ToolFormat(call_open=" ", call_close="e", answer_close="<|im_start|>", observation_open="[",
                     observation_close="]", max_turns=3, max_observation_tokens=6)
 CONFIG = SamplingConfig(temperature=1.0, max_tokens=40, group_size=4, seed=3)
 
@@ -58,48 +59,100 @@ def spans(mask: np.ndarray) -> list[tuple[int, int, int]]:
 
 def test_episode_state_machine() -> None:
     ep = Episode(budget=8, max_turns=2)
-    assert ep.sampled(5, -0.5, eos=False, stopped=False, called=False) == "continue"
-    assert ep.sampled(6, -0.25, eos=False, stopped=False, called=True) == "call"
+    assert ep.sampled(5, -0.5, eos=False, stopped=False) == "continue"
+    assert ep.sampled(6, -0.25, eos=False, stopped=False, call="call") == "call"
     ep.ask("q")
     with pytest.raises(RuntimeError):
-        ep.sampled(7, -1.0, eos=False, stopped=False, called=False)  # waiting for its tool
+        ep.sampled(7, -1.0, eos=False, stopped=False)  # waiting for its tool
     assert ep.observe([90, 91, 92]) == ("continue", [90, 91, 92])
     assert (ep.turns, ep.tool_calls, ep.turn_start, ep.left) == (2, 1, 5, 3)
     # a call in the last allowed turn ends the episode; the tool is not run
-    assert ep.sampled(8, -0.1, eos=False, stopped=False, called=True) == "done"
-    assert ep.finish == "turns" and ep.query is None
+    assert ep.sampled(8, -0.1, eos=False, stopped=False, call="call") == "done"
+    assert ep.finish == "turns" and ep.query is None and not ep.waiting
     assert ep.mask == [1, 1, 0, 0, 0, 1] and ep.logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -0.1]
+
+
+def test_invalid_actions_get_an_observation_and_count_as_turns() -> None:
+    ep = Episode(budget=20, max_turns=3)
+    assert ep.sampled(1, -0.1, eos=False, stopped=False, call="invalid") == "invalid"
+    assert ep.waiting and ep.query is None
+    with pytest.raises(RuntimeError):
+        ep.ask("q")  # an invalid action asks no tool
+    assert ep.observe([9, 9]) == ("continue", [9, 9])
+    assert (ep.turns, ep.tool_calls, ep.invalid_actions) == (2, 1, 1)
+    assert ep.sampled(2, -0.1, eos=False, stopped=False, call="call") == "call"
+    ep.ask("q")
+    ep.observe([8])
+    assert (ep.turns, ep.tool_calls, ep.invalid_actions) == (3, 2, 1)
+    assert ep.sampled(3, -0.1, eos=False, stopped=False, call="invalid") == "done"
+    assert ep.finish == "turns"
+    with pytest.raises(RuntimeError):
+        Episode(budget=5, max_turns=2).observe([1])  # not waiting
+
+
+def test_a_call_inside_an_open_answer_ends_the_episode() -> None:
+    ep = Episode(budget=20, max_turns=3)
+    ep.sampled(1, -0.1, eos=False, stopped=False)
+    assert ep.sampled(2, -0.1, eos=False, stopped=False, call="in_answer") == "done"
+    assert (ep.finish, ep.format_error, ep.eos, ep.tool_calls) == ("stop", True, False, 0)
+    last = Episode(budget=20, max_turns=1)  # before the turn limit
+    assert last.sampled(2, -0.1, eos=False, stopped=False, call="in_answer") == "done" and last.finish == "stop"
+    full = Episode(budget=1, max_turns=3)  # the budget first
+    assert full.sampled(2, -0.1, eos=False, stopped=False, call="in_answer") == "done" and full.finish == "length"
 
 
 def test_episode_budget_cuts_observations_and_outranks_calls() -> None:
     ep = Episode(budget=4, max_turns=5)
-    ep.sampled(1, -0.1, eos=False, stopped=False, called=True)
+    ep.sampled(1, -0.1, eos=False, stopped=False, call="call")
     ep.ask("q")
     assert ep.observe([7, 7, 7, 7, 7]) == ("done", [7, 7, 7])  # cut to the budget
     assert ep.finish == "length" and ep.tool_calls == 1 and ep.turns == 1 and len(ep.tokens) == 4
     ep = Episode(budget=2, max_turns=5)
-    ep.sampled(1, -0.1, eos=False, stopped=False, called=False)
-    assert ep.sampled(2, -0.1, eos=False, stopped=False, called=True) == "done"  # no room for an answer
+    ep.sampled(1, -0.1, eos=False, stopped=False)
+    assert ep.sampled(2, -0.1, eos=False, stopped=False, call="call") == "done"  # no room for an answer
     assert ep.finish == "length"
     ep = Episode(budget=2, max_turns=5)
-    ep.sampled(1, -0.1, eos=False, stopped=False, called=False)
-    assert ep.sampled(2, -0.1, eos=True, stopped=False, called=False) == "done"
+    ep.sampled(1, -0.1, eos=False, stopped=False)
+    assert ep.sampled(2, -0.1, eos=True, stopped=False) == "done"
     assert (ep.finish, ep.eos) == ("stop", True)  # EOS at the limit is a stop, as in macd.generate
 
 
-def test_extract_query() -> None:
+@pytest.mark.parametrize(
+    ("turn", "expected"),
+    [
+        ("think <search>a</search> <search> capital of France </search>", ("call", "a")),
+        ("I think. <search>x <search> capital </search>", ("call", "capital")),
+        ("<search></search>", ("call", "")),
+        ("gene X</search>", ("invalid", "")),  # no opening tag: feedback, not a query
+        ("<answer> let me check <search>q</search>", ("in_answer", "")),
+        ("<search> x <answer> y</search>", ("in_answer", "")),
+        ("<answer>a</answer><search>q</search>", ("call", "q")),  # closed answers (never in one engine turn)
+        ("\uff1canswer\uff1e <search>q</search>", ("call", "q")),  # a look-alike opens nothing
+    ],
+)
+def test_turn_action(turn: str, expected: tuple[str, str]) -> None:
     fmt = ToolFormat()
-    assert extract_query("think <search>a</search> <search> capital of France </search>", fmt) == "a"
-    assert extract_query("I think. <search>x <search> capital </search>", fmt) == "capital"
-    assert extract_query("no open tag</search>", fmt) == "no open tag"
+    assert turn_action(turn, fmt) == expected
+    assert extract_query(turn, fmt) == (expected[1] if expected[0] == "call" else None)
 
 
 def test_tool_output_cannot_carry_tags() -> None:
     fmt = ToolFormat(max_observation_tokens=3)
-    assert fmt.clean_output("a</sea</search>rch>b<answer>c</answer>", 100) == "ab<answer>c"
+    assert fmt.clean_output("a</sea</search>rch>b<answer>c</answer>", 100) == (
+        "a&lt;/sea&lt;/search&gt;rch&gt;b&lt;answer&gt;c&lt;/answer&gt;"
+    )
     assert fmt.clean_output("stop here STOP", 100, extra=("STOP",)) == "stop here "
+    assert fmt.clean_output("p < 0.05 &lt;", 100) == "p &lt; 0.05 &lt;"
+    # a format whose tags hold no angle bracket: the tags are removed, until none is left
+    odd = ToolFormat(call_open="[", call_close="e", answer_close="!", answer_open="?")
+    assert odd.clean_output("e[[ee?!x", 100) == "x"
     with pytest.raises(ValueError):
         ToolFormat(call_close="</answer>")
+    with pytest.raises(ValueError):
+        ToolFormat(answer_open="")
+    text = fmt.invalid_action_text
+    assert text.startswith("My previous action is invalid.") and "<search> and </search>" in text
+    assert "<" not in fmt.clean_output(text, 1000) and "&lt;answer&gt; and &lt;/answer&gt;" in fmt.clean_output(text, 1000)
 
 
 # -- tools -------------------------------------------------------------------------------------------
@@ -160,9 +213,10 @@ def test_episodes_interleave_model_and_tool_tokens(
     groups, tool = episodes
     gen = EpisodeGenerator(model, tok, CONFIG, FORMAT, max_batch=1)
     observation = gen.observation_tokens(tool.default)
+    feedback = gen.observation_tokens(FORMAT.invalid_action_text)
     gen.close()
     assert "e" not in tok.decode(observation)  # the call tag is stripped from the tool's output
-    calls = 0
+    calls = invalid = 0
     finishes = set()
     for group in groups:
         assert len(group) == CONFIG.group_size
@@ -176,16 +230,20 @@ def test_episodes_interleave_model_and_tool_tokens(
             assert c.turns <= FORMAT.max_turns
             for k, (value, start, end) in enumerate(runs):
                 if value == 0:
-                    # an observation: exactly the tool's answer in its tags (cut only by the budget)
-                    assert c.tokens[start:end].tolist() == observation[: end - start]
-                    assert end - start == len(observation) or end == n == CONFIG.max_tokens
-                    assert np.all(c.logprobs[start:end].view(np.uint32) == 0)  # +0.0
-                    # ... after a model turn that closed a call with its last token
+                    # after a model turn that closed a call with its last token: exactly the tool's
+                    # answer in its tags, or the feedback for an invalid action (cut only by the budget)
                     turn = c.tokens[runs[k - 1][1] : start].tolist()
                     assert FORMAT.call_close in tok.decode(turn) and FORMAT.call_close not in tok.decode(turn[:-1])
+                    kind, _ = turn_action(tok.decode(turn), FORMAT)
+                    expected = observation if kind == "call" else feedback
+                    assert kind in ("call", "invalid")
+                    assert c.tokens[start:end].tolist() == expected[: end - start]
+                    assert end - start == len(expected) or end == n == CONFIG.max_tokens
+                    assert np.all(c.logprobs[start:end].view(np.uint32) == 0)  # +0.0
+                    invalid += kind == "invalid"
                 else:
                     assert np.all(c.logprobs[start:end] < 0)
-            calls += c.tool_calls
+            calls += c.tool_calls - c.invalid_actions
             finishes.add(c.finish_reason)
             assert c.finish_reason in ("stop", "length", "turns")
             if c.finish_reason == "length":
@@ -194,6 +252,7 @@ def test_episodes_interleave_model_and_tool_tokens(
                 assert c.turns == FORMAT.max_turns and c.mask[-1] == 1
             assert c.text == tok.decode(c.tokens.tolist()[:-1] if c.tokens[-1] in tok.eos_token_ids else c.tokens.tolist())
     assert calls >= 4 and len(tool.queries) == calls
+    assert invalid >= 1 and invalid == sum(c.invalid_actions for g in groups for c in g)
     assert "turns" in finishes  # the tiny model keeps calling: episodes hit the turn limit
 
 
@@ -225,7 +284,9 @@ def test_queries_are_the_turn_text_before_the_call_tag(
             runs = spans(c.mask)
             for i, (value, start, end) in enumerate(runs):
                 if value == 1 and i + 1 < len(runs):
-                    expected.append(extract_query(tok.decode(c.tokens[start:end].tolist()), FORMAT))
+                    query = extract_query(tok.decode(c.tokens[start:end].tolist()), FORMAT)
+                    if query is not None:  # an invalid action asks no tool
+                        expected.append(query)
     assert sorted(tool.queries) == sorted(expected)
 
 

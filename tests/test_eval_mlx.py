@@ -83,6 +83,7 @@ async def test_cli_search_eval_with_mlx_reports_the_search_rate(
     assert await asyncio.to_thread(main, argv) == 0
     (row,) = json.loads(out.read_text())["versions"]
     assert 0.0 < row["search_rate"] < 1.0 and row["pass@1"] == 0.0  # the script's answer is never the label
+    assert row["match"] == "cover_em"  # the search task's default match mode, in every reported row
 
 
 async def test_a_failing_process_is_one_error_line(

@@ -20,7 +20,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import NotFound, Store
 
 from .collect import EvalCollector
-from .report import PromptResult, VersionResult
+from .report import PromptResult, VersionResult, task_match
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,9 @@ def version_result(collector: EvalCollector, threshold: float) -> VersionResult:
                 tool_calls=tuple(s.tool_calls for s in samples) if tool else None,
             )
         )
-    return VersionResult(request.version, request.split, request.k, tuple(prompts), threshold)
+    return VersionResult(
+        request.version, request.split, request.k, tuple(prompts), threshold, match=task_match(collector.ctx.task)
+    )
 
 
 async def await_answers(

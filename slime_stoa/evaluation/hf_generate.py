@@ -6,8 +6,10 @@ tokens `generate` sampled one by one with what their text holds (an EOS id, a st
 answer tag, a closed tool call), so a call, an answer, a stop and the token budget end a sample
 exactly where they would on a Mac. A tool call's query goes to the task's tool (never raising:
 `slime_stoa.tasks.tools.call_tool`) and its output comes back as observation tokens the next
-turn starts from. Each turn re-prefills prompt and history (no KV cache across turns: eval, not
-the hot path). Sampling is plain temperature sampling (top-k and top-p off, as on workers).
+turn starts from; an invalid action gets the format's feedback instead, and a call closed inside
+an open answer ends the sample (`slime_stoa.tasks.episode.turn_action`). Each turn re-prefills
+prompt and history (no KV cache across turns: eval, not the hot path). Sampling is plain
+temperature sampling (top-k and top-p off, as on workers).
 
 Logprobs are not kept: eval scores text. Torch and transformers are the trainer extra.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_stoa.tasks import Task
-from slime_stoa.tasks.episode import Episode, StopMatcher, extract_query, observation_tokens
+from slime_stoa.tasks.episode import Episode, StopMatcher, observation_tokens, turn_action
 from slime_stoa.tasks.tools import Tool, call_tool
 
 DEFAULT_MAX_BATCH = 16  # sequences per `generate` call
@@ -36,7 +38,8 @@ class HfCompletion:
     text: str
     finish_reason: str
     turns: int
-    tool_calls: int
+    tool_calls: int  # observations, invalid-action feedback included
+    invalid_actions: int = 0
 
 
 def default_device() -> str:
@@ -145,8 +148,13 @@ class _Sampler:
         for token in new:
             turn, eos = [*ep.turn_tokens, token], token in self.eos
             stopped = not eos and self._stop.hit(turn)
-            called = not (eos or stopped) and self._call.hit(turn)
-            action = ep.sampled(token, 0.0, eos=eos, stopped=stopped, called=called)
+            call, query = None, ""
+            if not (eos or stopped) and self._call.hit(turn):
+                assert self.fmt is not None
+                call, query = turn_action(self.tokenizer.decode(turn), self.fmt)
+            action = ep.sampled(token, 0.0, eos=eos, stopped=stopped, call=call)
+            if action == "call":
+                ep.ask(query)
             if action != "continue":
                 return action
         raise RuntimeError("generate ended a sample its episode did not end (stopping rules out of step)")
@@ -161,7 +169,7 @@ class _Sampler:
                 histories = [[*prompts[p], *ep.tokens] for p, ep in chunk]
                 news = await asyncio.to_thread(self._generate, histories, max(ep.left for _, ep in chunk))
                 for (p, ep), new in zip(chunk, news, strict=True):
-                    if self.feed(ep, new) == "call":
+                    if self.feed(ep, new) in ("call", "invalid"):
                         calls.append((p, ep))
             await asyncio.gather(*(self._answer(ep) for _, ep in calls))
             active = [(p, ep) for p, ep in calls if ep.finish is None]
@@ -169,8 +177,10 @@ class _Sampler:
 
     async def _answer(self, ep: Episode) -> None:
         assert self.fmt is not None and self.tool is not None
-        ep.ask(extract_query(self.tokenizer.decode(ep.turn_tokens), self.fmt))
-        output = await call_tool(self.tool, ep.query or "")
+        if ep.pending == "invalid":
+            output = self.fmt.invalid_action_text
+        else:
+            output = await call_tool(self.tool, ep.query or "")
         ep.observe(observation_tokens(self.fmt, self._encode, output, self.stop))
 
     def _encode(self, text: str) -> list[int]:
@@ -180,7 +190,8 @@ class _Sampler:
         assert ep.finish is not None
         text_tokens = ep.tokens[:-1] if ep.eos else ep.tokens
         return HfCompletion(tokens=tuple(ep.tokens), text=self.tokenizer.decode(text_tokens),
-                            finish_reason=ep.finish, turns=ep.turns, tool_calls=ep.tool_calls)
+                            finish_reason=ep.finish, turns=ep.turns, tool_calls=ep.tool_calls,
+                            invalid_actions=ep.invalid_actions)
 
 
 async def hf_answer_prompts(

@@ -35,7 +35,7 @@ from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.tools import Tool, ToolContext, call_tool, tool_for
 
 from .collect import read_split
-from .report import PromptResult, VersionResult
+from .report import PromptResult, VersionResult, task_match
 
 Engine = Literal["mlx", "transformers"]
 ENGINES: tuple[Engine, ...] = ("mlx", "transformers")
@@ -89,7 +89,7 @@ async def local_eval(
         )
         for item, group in zip(items, groups, strict=True)
     )
-    return VersionResult(version, split, k, results, threshold)
+    return VersionResult(version, split, k, results, threshold, match=task_match(task))
 
 
 async def _sample(

@@ -3,10 +3,12 @@
 A `VersionResult` holds, per prompt, the k kept samples' trainer rewards, truncation flags and
 (tool tasks) tool calls. Its `row` is what every writer prints:
 
-    version, split, k, n_prompts, pass@1, pass@k, reward_mean, search_rate
+    version, split, k, n_prompts, pass@1, pass@k, reward_mean, search_rate, match
 
-`search_rate` (the share of samples that called a tool at least once) is None when the records
-carry no tool calls (single-turn, schema v1).
+`search_rate` (the share of samples with at least one observation, invalid-action feedback
+included) is None when the records carry no tool calls (single-turn, schema v1). `match` is the
+answer match mode the rewards were scored with (a search task's "em", "cover_em" or "subem",
+`task_match`); the row has it only when the result was given one (CSV: empty otherwise).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 
 from .passk import DEFAULT_PASS_THRESHOLD, mean_pass_at_k
 
-COLUMNS = ("version", "split", "k", "n_prompts", "pass@1", "pass@k", "reward_mean", "search_rate")
+COLUMNS = ("version", "split", "k", "n_prompts", "pass@1", "pass@k", "reward_mean", "search_rate", "match")
+
+
+def task_match(task: Any) -> str | None:
+    """The match mode of `task`'s reward (a search task's `config.match`), None if it has none."""
+    match = getattr(getattr(task, "config", None), "match", None)
+    return match if isinstance(match, str) else None
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class VersionResult:
     k: int
     prompts: tuple[PromptResult, ...]
     threshold: float = DEFAULT_PASS_THRESHOLD  # a sample passes with reward >= this
+    match: str | None = None  # the reward's answer match mode (`task_match`)
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -50,7 +59,7 @@ class VersionResult:
         rewards = [p.rewards for p in self.prompts]
         calls = [c for p in self.prompts if p.tool_calls is not None for c in p.tool_calls]
         flat = [r for rs in rewards for r in rs]
-        return {
+        row = {
             "version": self.version,
             "split": self.split,
             "k": self.k,
@@ -60,6 +69,9 @@ class VersionResult:
             "reward_mean": sum(flat) / len(flat),
             "search_rate": sum(1 for c in calls if c > 0) / len(calls) if calls else None,
         }
+        if self.match is not None:
+            row["match"] = self.match
+        return row
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:

@@ -2,11 +2,13 @@
 logprob), which the tool's observations forced (mask 0, logprob 0.0), and what happens next.
 
 An episode is one sample of a tool task (`slime_stoa.tasks.tool_format.ToolFormat`). A driver
-reports each sampled token with what the tokenizer saw in it (`Episode.sampled`), runs the tool
-on the query of a closed call (`extract_query`) and hands its output back as observation tokens
-(`observation_tokens`, then `Episode.observe`). Two drivers share it: the worker's batched MLX
-decode (`macd.episodes`) and the trainer box's transformers eval
-(`slime_stoa.evaluation.hf_generate`), so a call, an answer and a budget mean the same in both.
+reports each sampled token with what the tokenizer saw in it (`Episode.sampled`, with what a
+closed call means: `turn_action`), runs the tool on the query of a valid call and hands its
+output back as observation tokens (`observation_tokens`, then `Episode.observe`); an invalid
+action gets `ToolFormat.invalid_action_text` the same way. Two drivers share it: the worker's
+batched MLX decode (`macd.episodes`) and the trainer box's transformers eval
+(`slime_stoa.evaluation.hf_generate`), so a call, an invalid action, an answer and a budget mean
+the same in both.
 
 Pure Python: imports neither torch, mlx nor slime.
 """
@@ -19,14 +21,21 @@ from typing import Any, Literal
 
 from .tool_format import ToolFormat
 
-Action = Literal["continue", "call", "done"]
+Action = Literal["continue", "call", "invalid", "done"]
+CallKind = Literal["call", "invalid", "in_answer"]
 
 
 @dataclass
 class Episode:
     """One episode's tokens so far: model tokens (mask 1, sampled logprob) and forced tool
     tokens (mask 0, logprob 0.0). Pure: the driver reports each sampled token with what the
-    tokenizer saw in it; the episode decides what happens next."""
+    tokenizer saw in it; the episode decides what happens next.
+
+    A turn that closed a call (`turn_action`) either asks the tool ("call": `ask`, then
+    `observe` its output), gets the invalid-action feedback as its observation ("invalid":
+    `observe` it at once; the turn counts), or, when the call was closed inside an open answer,
+    ends the episode "stop" (`format_error`: the reward scores it 0). `tool_calls` counts the
+    observations (a record's tool spans), `invalid_actions` those that were feedback."""
 
     budget: int  # most response tokens, model and tool together
     max_turns: int
@@ -36,9 +45,12 @@ class Episode:
     turn_start: int = 0  # index of this turn's first token
     turns: int = 1
     tool_calls: int = 0
+    invalid_actions: int = 0
     finish: str | None = None
     eos: bool = False  # ended on an EOS token
-    query: str | None = None  # waiting for the tool's answer to this query
+    format_error: bool = False  # ended on a call inside an open answer
+    pending: CallKind | None = None  # "call" or "invalid": waiting for an observation
+    query: str | None = None  # the query of a pending call, once asked
 
     @property
     def left(self) -> int:
@@ -49,10 +61,20 @@ class Episode:
     def turn_tokens(self) -> list[int]:
         return self.tokens[self.turn_start :]
 
-    def sampled(self, token: int, logprob: float, *, eos: bool, stopped: bool, called: bool) -> Action:
+    @property
+    def waiting(self) -> bool:
+        """Whether the episode waits for an observation."""
+        return self.pending is not None
+
+    def sampled(self, token: int, logprob: float, *, eos: bool, stopped: bool, call: CallKind | None = None) -> Action:
         """The model sampled `token`: `eos` if it is an EOS token, `stopped` if this turn's text
-        now holds a stop string (the answer tag), `called` if it closed a tool call."""
-        if self.finish is not None or self.query is not None:
+        now holds a stop string (the answer tag), `call` what closing a call in this turn's text
+        means (`turn_action`), None if it closed none.
+
+        Precedence: EOS or a stop string ("stop"), the budget ("length"), a call inside an open
+        answer ("stop", `format_error`), the turn limit ("turns": the tool is not run), then the
+        call ("call") or the invalid action ("invalid")."""
+        if self.finish is not None or self.pending is not None:
             raise RuntimeError("a finished or waiting episode sampled a token")
         self.tokens.append(int(token))
         self.logprobs.append(float(logprob))
@@ -61,28 +83,35 @@ class Episode:
             self.finish, self.eos = "stop", eos
         elif self.left <= 0:
             self.finish = "length"
-        elif called and self.turns >= self.max_turns:
+        elif call == "in_answer":
+            self.finish, self.format_error = "stop", True
+        elif call is not None and self.turns >= self.max_turns:
             self.finish = "turns"
-        elif called:
-            return "call"
+        elif call is not None:
+            self.pending = call
+            return call
         else:
             return "continue"
         return "done"
 
     def ask(self, query: str) -> None:
+        """The query of a pending call (the driver sends it to the tool)."""
+        if self.pending != "call":
+            raise RuntimeError("a query for an episode with no pending call")
         self.query = query
 
     def observe(self, tokens: Sequence[int]) -> tuple[Action, list[int]]:
         """Append an observation (cut to the budget): ("done", appended) when the budget is then
         spent, else ("continue", appended) and a new model turn starts."""
-        if self.query is None:
-            raise RuntimeError("an observation for an episode that asked nothing")
+        if self.pending is None:
+            raise RuntimeError("an observation for an episode that is not waiting for one")
         appended = [int(t) for t in tokens[: self.left]]
         self.tokens += appended
         self.logprobs += [0.0] * len(appended)
         self.mask += [0] * len(appended)
-        self.query = None
         self.tool_calls += 1
+        self.invalid_actions += self.pending == "invalid"
+        self.pending = self.query = None
         if self.left <= 0:
             self.finish = "length"
             return "done", appended
@@ -109,22 +138,38 @@ class StopMatcher:
         return any(s in tail for s in self.stop)
 
 
-def extract_query(turn_text: str, fmt: ToolFormat) -> str:
-    """The query of a call closed in `turn_text`: after the last `call_open` before the first
-    `call_close` (the whole text before it when there is no `call_open`), stripped."""
+def turn_action(turn_text: str, fmt: ToolFormat) -> tuple[CallKind, str]:
+    """What the call closed in `turn_text` (the first `call_close`) means, and its query:
+
+    - ("in_answer", ""): an answer is open before it (its last `answer_open` is not closed
+      after it): a format error, the episode ends;
+    - ("invalid", ""): no `call_open` before it: the invalid-action feedback;
+    - ("call", query): the text after the last `call_open` before it, stripped."""
     end = turn_text.find(fmt.call_close)
     head = turn_text if end < 0 else turn_text[:end]
+    opened = head.rfind(fmt.answer_open)
+    if opened >= 0 and opened > head.rfind(fmt.answer_close):
+        return "in_answer", ""
     start = head.rfind(fmt.call_open)
-    return (head if start < 0 else head[start + len(fmt.call_open) :]).strip()
+    if start < 0:
+        return "invalid", ""
+    return "call", head[start + len(fmt.call_open) :].strip()
+
+
+def extract_query(turn_text: str, fmt: ToolFormat) -> str | None:
+    """The query of a valid call closed in `turn_text` (`turn_action`), None if it is none."""
+    kind, query = turn_action(turn_text, fmt)
+    return query if kind == "call" else None
 
 
 def observation_tokens(fmt: ToolFormat, encode: Callable[[str], list[int]], output: str,
                        stop: tuple[str, ...] = ()) -> list[int]:
-    """The forced tokens of a tool's output: the observation tags around the output cleaned of
-    the format's tags and the run's `stop` strings, cut to `fmt.max_observation_tokens`."""
+    """The forced tokens of a tool's output: the observation tags around the output escaped and
+    cleaned of the format's tags and the run's `stop` strings (`ToolFormat.clean_output`), cut
+    to `fmt.max_observation_tokens`."""
     cap = fmt.max_observation_tokens
     content = fmt.clean_output(str(output), max_chars=16 * cap, extra=tuple(stop))
     return encode(fmt.observation_open) + encode(content)[:cap] + encode(fmt.observation_close)
 
 
-__all__ = ["Action", "Episode", "StopMatcher", "extract_query", "observation_tokens"]
+__all__ = ["Action", "CallKind", "Episode", "StopMatcher", "extract_query", "observation_tokens", "turn_action"]

@@ -3,8 +3,14 @@
 An episode (`macd.episodes`): the model generates until it closes a tool call
 (``<search>query</search>``) or an answer (``</answer>``); a call's query goes to the task's tool
 and its output comes back as an observation (``<information>...</information>``) the model
-continues from, as forced tokens it did not sample. At most `max_turns` model turns; the whole
-continuation (model and tool tokens) is bounded by the run's ``max_tokens``.
+continues from, as forced tokens it did not sample. A turn that closes a call with no opening
+tag gets `invalid_action_text` as its observation instead; a call closed inside an open answer
+ends the episode (a format error: `slime_stoa.tasks.episode.turn_action`). At most `max_turns`
+model turns; the whole continuation (model and tool tokens) is bounded by the run's
+``max_tokens``.
+
+Tool output is escaped (`escape_tags`: ``<`` and ``>`` become ``&lt;`` and ``&gt;``) before the
+format's tags are removed from it, so no text a tool returns can open or close a tag.
 
 Pure Python: imports neither torch, mlx nor slime.
 """
@@ -22,6 +28,8 @@ class ToolFormat:
     """Opens a tool call; the query is the text after the last one before `call_close`."""
     call_close: str = "</search>"
     """Closes a tool call: generation pauses here and the tool runs on the query."""
+    answer_open: str = "<answer>"
+    """Opens the final answer: a call closed after it in the same turn is a format error."""
     answer_close: str = "</answer>"
     """Ends the episode (the final answer; list it in the run's stop strings too)."""
     observation_open: str = "\n<information>"
@@ -34,7 +42,7 @@ class ToolFormat:
     """Longest tool output, in tokens (cut beyond), not counting the observation tags."""
 
     def __post_init__(self) -> None:
-        for name in ("call_open", "call_close", "answer_close", "observation_open", "observation_close"):
+        for name in ("call_open", "call_close", "answer_open", "answer_close", "observation_open", "observation_close"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"ToolFormat.{name} must be a non-empty string")
         if self.call_close == self.answer_close:
@@ -45,14 +53,30 @@ class ToolFormat:
     @property
     def tags(self) -> tuple[str, ...]:
         """Every tag of the format: a tool's output may not contain any (`clean_output`)."""
-        return (self.call_open, self.call_close, self.answer_close,
+        return (self.call_open, self.call_close, self.answer_open, self.answer_close,
                 self.observation_open.strip(), self.observation_close.strip())
 
+    @property
+    def invalid_action_text(self) -> str:
+        """The observation after a turn with no valid action (Search-R1's words, in this
+        format's tags; escaped like any tool output when it becomes an observation)."""
+        return (
+            "My previous action is invalid. If I want to search, I should put the query between "
+            f"{self.call_open} and {self.call_close}. If I want to give the final answer, I should "
+            f"put the answer between {self.answer_open} and {self.answer_close}. Let me try again."
+        )
+
     def clean_output(self, text: str, max_chars: int, extra: tuple[str, ...] = ()) -> str:
-        """A tool's output without the format's tags (or `extra` stop strings), cut to
-        `max_chars`: an observation must neither end the episode, nor open a call, nor look like
-        the model's own tags to the trainer's re-scoring."""
-        return strip_all(text[:max_chars], (*self.tags, *extra))
+        """A tool's output cut to `max_chars`, escaped (`escape_tags`), without the format's tags
+        or `extra` stop strings: an observation must neither end the episode, nor open a call or
+        an answer, nor look like the model's own tags to the trainer's re-scoring."""
+        return strip_all(escape_tags(text[:max_chars]), (*self.tags, *extra))
+
+
+def escape_tags(text: str) -> str:
+    """`text` with ``<`` and ``>`` as ``&lt;`` and ``&gt;``: no tag can start or end in it.
+    Idempotent (``&`` is kept as it is)."""
+    return text.replace("<", "&lt;").replace(">", "&gt;")
 
 
 def strip_all(text: str, needles: tuple[str, ...]) -> str:
@@ -67,4 +91,4 @@ def strip_all(text: str, needles: tuple[str, ...]) -> str:
             return text
 
 
-__all__ = ["ToolFormat", "strip_all"]
+__all__ = ["ToolFormat", "escape_tags", "strip_all"]

@@ -1,7 +1,7 @@
 """Search tasks: questions answered by searching a passage corpus with BM25.
 
 Pure parts, importable anywhere (workers, trainer): `rewards` (answer extraction, SQuAD
-normalisation, EM and cover-EM), `formats` (the tool tags and observation text), `stats`
+normalisation, EM, cover-EM and substring EM, the final answer of an episode), `formats` (the tool tags and observation text), `stats`
 (episode metrics), `synthetic` (a seeded corpus + questions that need searching), `task` (the
 registered `search` Task), `data` (reading question and corpus files).
 
@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from slime_stoa.tasks.search.formats import SearchTags, format_passages, observation
 from slime_stoa.tasks.search.rewards import (
+    DEFAULT_MATCH,
+    MATCH_KINDS,
+    AnswerTags,
+    FormatReward,
     answer_reward,
     cover_exact_match,
     decode_label,
@@ -21,12 +25,18 @@ from slime_stoa.tasks.search.rewards import (
     exact_match,
     extract_answer,
     normalize_answer,
+    parse_completion,
+    substring_exact_match,
 )
 from slime_stoa.tasks.search.stats import EpisodeStats, SearchMetrics, summarize
 from slime_stoa.tasks.search.task import Search, SearchConfig
 
 __all__ = [
+    "DEFAULT_MATCH",
+    "MATCH_KINDS",
+    "AnswerTags",
     "EpisodeStats",
+    "FormatReward",
     "Search",
     "SearchConfig",
     "SearchMetrics",
@@ -40,5 +50,7 @@ __all__ = [
     "format_passages",
     "normalize_answer",
     "observation",
+    "parse_completion",
+    "substring_exact_match",
     "summarize",
 ]

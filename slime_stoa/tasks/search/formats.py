@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from slime_stoa.tasks.tool_format import escape_tags
+
 _TAG = re.compile(r"[a-z][a-z0-9_]{0,31}")
 TAG_KEYS = ("search", "information", "answer")
 
@@ -63,28 +65,49 @@ class SearchTags:
         )
 
 
-def format_passages(passages: Sequence[str], *, max_chars: int) -> str:
-    """Passages as one observation body, "Doc 1: ...\\nDoc 2: ...", at most `max_chars` long.
+MIN_DOC_CHARS = 40
+"""A passage is shown only when it can keep at least this many characters (or all of it)."""
 
-    Passages are kept in rank order until the next one would go over the budget; that one and
-    the rest are dropped, except that a top passage longer than the budget is cut to fit (the
-    model always sees something). Whitespace runs become one space. No passage: "No results.".
-    The budget counts the body only; `observation` adds the tags around it."""
+
+def _overhead(count: int) -> int:
+    """Characters of the "Doc i: " headers and the newlines between `count` entries."""
+    return sum(len(f"Doc {rank}: ") for rank in range(1, count + 1)) + max(count - 1, 0)
+
+
+def _shares(lengths: Sequence[int], room: int) -> list[int]:
+    """Characters each text keeps when `room` is shared fairly: a text shorter than its share
+    keeps all of itself and leaves the rest to the others (water-filling)."""
+    out = [0] * len(lengths)
+    left, todo = room, sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for n, i in enumerate(todo):
+        share = left // (len(todo) - n)
+        out[i] = min(lengths[i], share)
+        left -= out[i]
+    return out
+
+
+def format_passages(passages: Sequence[str], *, max_chars: int) -> str:
+    """Passages as one observation body, "Doc 1: ...\nDoc 2: ...", at most `max_chars` long.
+
+    Whitespace runs become one space and angle brackets are escaped (`escape_tags`), so no
+    passage can open or close a tag. Every passage is shown, in rank order, each cut to its fair
+    share of the budget (a short one leaves its unused share to the others), unless the budget
+    cannot give each at least `MIN_DOC_CHARS` characters: then the lowest-ranked ones are left
+    out. The top passage is always shown, if need be in part. No passage: "No results.". The
+    budget counts the body only; `observation` adds the tags around it."""
     if max_chars < 1:
         raise ValueError(f"max_chars must be at least 1, got {max_chars}")
     if not passages:
         return "No results."[:max_chars]
-    out: list[str] = []
-    used = 0
-    for rank, text in enumerate(passages, 1):
-        entry = ("\n" if out else "") + f"Doc {rank}: " + " ".join(text.split())
-        if used + len(entry) > max_chars:
-            if not out:
-                out.append(entry[: max_chars - used])
-            break
-        out.append(entry)
-        used += len(entry)
-    return "".join(out)
+    texts = [" ".join(escape_tags(t).split()) for t in passages]
+    count = len(texts)
+    while count > 1 and _overhead(count) + sum(min(len(t), MIN_DOC_CHARS) for t in texts[:count]) > max_chars:
+        count -= 1
+    room = max_chars - _overhead(count)
+    if room < 0:  # not even the top passage's header fits
+        return f"Doc 1: {texts[0]}"[:max_chars]
+    shares = _shares([len(t) for t in texts[:count]], room)
+    return "\n".join(f"Doc {rank}: {t[:share]}" for rank, (t, share) in enumerate(zip(texts[:count], shares, strict=True), 1))
 
 
 def observation(body: str, fmt: SearchTags) -> str:

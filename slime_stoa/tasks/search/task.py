@@ -1,10 +1,12 @@
 """The `search` task: questions answered by searching a BM25 index of passages.
 
-Item labels are JSON lists of gold answers (`rewards.encode_label`). The reward reads the last
-`<answer>` of the completion (`rewards.extract_answer`) and scores it with cover-EM (default) or
-EM against every gold answer. Task meta (`SearchConfig.from_meta`, all keys optional):
+Item labels are JSON lists of gold answers (`rewards.encode_label`). The reward reads the final
+answer the model wrote within one turn (`rewards.parse_completion`) and scores it against every
+gold answer with the task's match mode: cover-EM when the meta names none, EM or Search-R1's
+substring EM. Task meta (`SearchConfig.from_meta`, all keys optional):
 
-    {"match": "cover_em" | "em", "tags": {"search": ..., "information": ..., "answer": ...},
+    {"match": "cover_em" | "em" | "subem", "format_reward": null | true | {"structure": 0.2,
+     "final": 0.1, "retrieval": 0.0}, "tags": {"search": ..., "information": ..., "answer": ...},
      "top_k": 3, "max_observation_chars": 1500, "max_searches": 4,
      "index": {"name": ..., "manifest_sha256": ..., "passages": ...}}
 
@@ -20,7 +22,14 @@ from typing import Any, ClassVar
 
 from slime_stoa.tasks.base import Task, TaskItem
 from slime_stoa.tasks.search.formats import SearchTags
-from slime_stoa.tasks.search.rewards import MATCH_KINDS, MatchKind, answer_reward
+from slime_stoa.tasks.search.rewards import (
+    DEFAULT_MATCH,
+    MATCH_KINDS,
+    AnswerTags,
+    FormatReward,
+    MatchKind,
+    answer_reward,
+)
 from slime_stoa.tasks.tool_format import ToolFormat
 
 
@@ -35,7 +44,10 @@ def _positive(meta: Mapping[str, Any], key: str, default: int) -> int:
 class SearchConfig:
     """How episodes of a search task run and are scored.
 
-    - `match`: "cover_em" (a gold answer appears in the answer as whole words) or "em".
+    - `match`: "cover_em" (default: a gold answer appears in the answer as whole words), "em",
+      or "subem" (Search-R1's: a gold answer is a substring of the answer, once normalised).
+    - `format_reward`: Search-R1's graded format reward (`rewards.FormatReward`); None (default):
+      the reward is 1 or 0.
     - `tags`: the tool format's tag names.
     - `top_k`: passages returned per search.
     - `max_observation_chars`: budget of one observation's passage text (`format_passages`).
@@ -44,7 +56,8 @@ class SearchConfig:
       sha256, passage count); empty when the task was built without one.
     """
 
-    match: MatchKind = "cover_em"
+    match: MatchKind = DEFAULT_MATCH
+    format_reward: FormatReward | None = None
     tags: SearchTags = field(default_factory=SearchTags)
     top_k: int = 3
     max_observation_chars: int = 1500
@@ -53,7 +66,7 @@ class SearchConfig:
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> SearchConfig:
-        match = meta.get("match", "cover_em")
+        match = meta.get("match", DEFAULT_MATCH)
         if match not in MATCH_KINDS:
             raise ValueError(f"search task meta['match'] must be one of {list(MATCH_KINDS)}, got {match!r}")
         index = meta.get("index", {})
@@ -61,6 +74,7 @@ class SearchConfig:
             raise ValueError(f"search task meta['index'] must be an object, got {type(index).__name__}")
         return cls(
             match=match,
+            format_reward=FormatReward.from_meta(meta.get("format_reward")),
             tags=SearchTags.from_meta(meta),
             top_k=_positive(meta, "top_k", 3),
             max_observation_chars=_positive(meta, "max_observation_chars", 1500),
@@ -70,7 +84,7 @@ class SearchConfig:
 
 
 class Search(Task):
-    """Questions whose answers are in a passage corpus; reward cover-EM (or EM) of the last answer."""
+    """Questions whose answers are in a passage corpus; reward the final answer's match (cover-EM by default)."""
 
     name: ClassVar[str] = "search"
     default_system_prompt: ClassVar[str | None] = SearchTags().system_prompt()
@@ -86,6 +100,7 @@ class Search(Task):
         self.tool_format = ToolFormat(
             call_open=tags.open("search"),
             call_close=tags.close("search"),
+            answer_open=tags.open("answer"),
             answer_close=tags.close("answer"),
             observation_open="\n" + tags.open("information"),
             observation_close=tags.close("information") + "\n",
@@ -93,7 +108,14 @@ class Search(Task):
         )
 
     def reward(self, completion: str, label: str) -> float:
+        return answer_reward(completion, label, match=self.config.match, tags=self.answer_tags,
+                             format_reward=self.config.format_reward)
+
+    @property
+    def answer_tags(self) -> AnswerTags:
         tags = self.config.tags
-        return answer_reward(
-            completion, label, match=self.config.match, open_tag=tags.open("answer"), close_tag=tags.close("answer")
+        return AnswerTags(
+            answer_open=tags.open("answer"), answer_close=tags.close("answer"), call_open=tags.open("search"),
+            call_close=tags.close("search"), observation_open=tags.open("information"),
+            observation_close=tags.close("information"),
         )
