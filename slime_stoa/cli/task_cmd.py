@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     search.add_argument("--contents-field", default="contents", help="corpus passage column (default: contents)")
     search.add_argument("--title-field", default="title", help="corpus title column, used with --text-field when a row has no contents (default: title)")
     search.add_argument("--text-field", default="text", help="corpus text column (default: text)")
-    search.add_argument("--match", choices=MATCH_KINDS, default="cover_em", help="reward: cover exact match (default) or exact match")
+    search.add_argument("--match", choices=MATCH_KINDS, default="cover_em", help="answer match of the reward: cover_em (the gold answer as whole words in the answer; default), em (exact) or subem (the gold answer as a substring, as Search-R1 scores)")
     search.add_argument("--top-k", type=int, default=3, help="passages per search (default: 3)")
     search.add_argument("--max-observation-chars", type=int, default=1500, help="characters of passages per search (default: 1500)")
     search.add_argument("--chunk-mb", type=int, default=64, help="size of the index's bucket objects in MiB (default: 64)")
