@@ -154,7 +154,20 @@ def _do_join(args: argparse.Namespace) -> int:
         print(line)
     for line in key_lines(config, pinned_now=pinned_now, explicit=args.run_key is not None):
         print(line)
+    if warning := no_worker_key_warning(config):
+        print(warning, file=sys.stderr)
     return 0
+
+
+def no_worker_key_warning(config: cfg.DaemonConfig) -> str | None:
+    """One line when the run is signed (a run key is pinned) but this Mac holds no worker key."""
+    if not config.run_key or config.worker_key:
+        return None
+    return (
+        f"warning: run {config.run!r} is signed and this Mac has no worker key: the trainer will refuse its "
+        f"records; issue one with `stoa worker add NAME --key RUN_KEY_FILE --out FILE` and join again with "
+        f"--worker-key FILE"
+    )
 
 
 def worker_key_path_for(config_path: Path) -> Path:

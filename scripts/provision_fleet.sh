@@ -5,6 +5,12 @@
 # `macd start`. Re-running it is safe: the venv is reused, the package upgraded, and `macd join`
 # keeps each Mac's worker id.
 #
+# Signed runs: --run-key pins the run key on every Mac (`macd join --run-key`), and --key (the run
+# key file, kept on this machine) issues one worker key per host here (`stoa worker add`, kept
+# 0600 under --worker-keys and reused on a re-run), copies it to the Mac and installs it
+# (`macd join --worker-key`, which keeps its own 0600 copy; the copied file is then removed).
+# Without a worker key a Mac's records are refused by the trainer of a signed run.
+#
 # Secrets: the bucket credentials are taken from this shell's environment (STOA_ACCESS_KEY_ID /
 # STOA_SECRET_ACCESS_KEY, else AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, plus AWS_SESSION_TOKEN)
 # or from --credentials-file, and sent on ssh's stdin to `macd join --credentials-stdin`, which
@@ -42,6 +48,13 @@ options:
   --remote-dir DIR          folder on each Mac, relative to its home (default: .stoa)
   --credentials-file FILE   env file with AWS_ACCESS_KEY_ID=/AWS_SECRET_ACCESS_KEY= lines
                             (default: those variables in this shell's environment)
+  --run-key TEXT            pin this run key (ed25519:..., \`stoa keys show RUN_KEY_FILE\`) on
+                            every Mac (default with --key: that key's public half)
+  --key RUN_KEY_FILE        issue a worker key per host with this run key (\`stoa worker add\`,
+                            run here) and install it on the Mac
+  --worker-keys DIR         where the issued worker keys are kept, one per host, reused when
+                            the script runs again (default: worker-keys-RUN)
+  --stoa PATH               the stoa command used here for --key (default: stoa)
   --parallel N              provision N Macs at a time (default: 1)
   --dry-run                 print the commands for each host and exit; contacts nothing
   -h, --help                show this help
@@ -81,6 +94,7 @@ shjoin() {
 
 BUCKET="" RUN="" PACKAGE="" WHEEL="" PYTHON="python3" REMOTE_DIR=".stoa"
 CRED_FILE="" PARALLEL=1 DRY_RUN=0 HOSTS_FILE=""
+RUN_KEY="" KEY_FILE="" KEYS_DIR="" STOA=stoa
 
 need_value() {
   [ $# -ge 2 ] && [ -n "$2" ] || usage_error "$1 needs a value"
@@ -98,6 +112,10 @@ while [ $# -gt 0 ]; do
     --remote-dir) need_value "$@"; REMOTE_DIR=$2; shift 2 ;;
     --credentials-file) need_value "$@"; CRED_FILE=$2; shift 2 ;;
     --parallel) need_value "$@"; PARALLEL=$2; shift 2 ;;
+    --run-key) need_value "$@"; RUN_KEY=$2; shift 2 ;;
+    --key) need_value "$@"; KEY_FILE=$2; shift 2 ;;
+    --worker-keys) need_value "$@"; KEYS_DIR=$2; shift 2 ;;
+    --stoa) need_value "$@"; STOA=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; break ;;
     -*) usage_error "unknown option $1" ;;
@@ -124,6 +142,19 @@ if [ -n "$WHEEL" ]; then
 fi
 if [ -n "$CRED_FILE" ]; then
   [ -r "$CRED_FILE" ] || fail "credentials file $CRED_FILE does not exist or is not readable"
+fi
+case $RUN_KEY in ''|ed25519:*) ;; *) usage_error "--run-key expects a public key ed25519:... (\`stoa keys show RUN_KEY_FILE\`), got '$RUN_KEY'" ;; esac
+[ -z "$KEYS_DIR" ] || [ -n "$KEY_FILE" ] || usage_error "--worker-keys needs --key RUN_KEY_FILE (the key that issues them)"
+if [ -n "$KEY_FILE" ]; then
+  [ -r "$KEY_FILE" ] || fail "run key file $KEY_FILE does not exist or is not readable"
+  KEYS_DIR=${KEYS_DIR:-worker-keys-$RUN}
+  if [ -z "$RUN_KEY" ]; then  # pin the key that signs the run: its public half
+    RUN_KEY=$("$STOA" keys show "$KEY_FILE" 2>/dev/null | awk '$1 == "public" && $2 == "key" { print $3; exit }') || true
+    case $RUN_KEY in
+      ed25519:*) ;;
+      *) fail "could not read the public key of $KEY_FILE with \`$STOA keys show\`: pass --stoa PATH, or --run-key TEXT" ;;
+    esac
+  fi
 fi
 
 # -- hosts ------------------------------------------------------------------------------------
@@ -188,6 +219,23 @@ credentials_source_text() {
 # -- the steps for one host ---------------------------------------------------------------------
 
 VENV="$REMOTE_DIR/venv"
+REMOTE_WORKER_KEY="$REMOTE_DIR/worker-key.json"  # the copied worker key, until macd join installs it
+
+worker_key_file() {  # TARGET: the issued worker key of a host, on this machine
+  printf '%s/%s.worker-key' "$KEYS_DIR" "$(printf '%s' "$1" | tr -c 'A-Za-z0-9._-' '_')"
+}
+
+worker_name() {  # TARGET NAME: the worker's display name (the hosts file's, else the host name)
+  if [ -n "$2" ]; then printf '%s' "$2"; else local host=${1#*@}; printf '%s' "${host%%:*}"; fi
+}
+
+# local_issue_cmd TARGET NAME: issue the host's worker key here, unless it was issued before.
+local_issue_cmd() {
+  local file argv
+  file=$(worker_key_file "$1")
+  argv=("$STOA" worker add "$(worker_name "$1" "$2")" --store "$BUCKET" --run "$RUN" --key "$KEY_FILE" --out "$file")
+  printf 'test -e %s || %s%s' "$(shq "$file")" "${CRED_FILE:+STOA_ENV_FILE=$(shq "$CRED_FILE") }" "$(shjoin "${argv[@]}")"
+}
 PY_CHECK='import sys; sys.exit(sys.version_info < (3, 11) and "stoa needs Python 3.11+: pass --python PATH")'
 
 remote_venv_cmd() {
@@ -206,14 +254,23 @@ remote_join_cmd() {  # NAME
   local argv=("$VENV/bin/macd" join "$BUCKET" --run "$RUN")
   [ -z "$1" ] || argv+=(--name "$1")
   [ "$HAVE_CREDS" = 0 ] || argv+=(--credentials-stdin)
-  shjoin "${argv[@]}"
+  [ -z "$RUN_KEY" ] || argv+=(--run-key "$RUN_KEY")
+  if [ -n "$KEY_FILE" ]; then
+    argv+=(--worker-key "$REMOTE_WORKER_KEY")
+    printf '%s && %s' "$(shjoin "${argv[@]}")" "$(shjoin rm -f "$REMOTE_WORKER_KEY")"
+  else
+    shjoin "${argv[@]}"
+  fi
 }
 
-# step_lines TARGET NAME: one line per step, "label<TAB>kind<TAB>command" (kind: ssh, scp, join).
+# step_lines TARGET NAME: one line per step, "label<TAB>kind<TAB>command" (kind: local, run here;
+# ssh; scp, the wheel; scpkey, the worker key; join).
 step_lines() {
   local target=$1 name=$2
+  [ -z "$KEY_FILE" ] || printf 'worker key\tlocal\t%s\n' "$(local_issue_cmd "$target" "$name")"
   printf 'venv\tssh\t%s\n' "$(remote_venv_cmd)"
   [ -z "$WHEEL" ] || printf 'copy wheel\tscp\t%s\n' "$REMOTE_DIR/"
+  [ -z "$KEY_FILE" ] || printf 'copy worker key\tscpkey\t%s\n' "$REMOTE_WORKER_KEY"
   printf 'pip install\tssh\t%s\n' "$(remote_pip_cmd)"
   printf 'macd join\tjoin\t%s\n' "$(remote_join_cmd "$name")"
   printf 'macd install\tssh\t%s\n' "$(shjoin "$VENV/bin/macd" install)"
@@ -223,7 +280,9 @@ step_lines() {
 # step_argv TARGET KIND CMD: sets ARGV to the local command of a step.
 step_argv() {
   case $2 in
+    local) ARGV=(bash -c "$3") ;;
     scp) ARGV=(scp -q "${SSH_OPTS[@]}" "$WHEEL" "$1:$3") ;;
+    scpkey) ARGV=(scp -q "${SSH_OPTS[@]}" "$(worker_key_file "$1")" "$1:$3") ;;
     *) ARGV=(ssh "${SSH_OPTS[@]}" "$1" "$3") ;;
   esac
 }
@@ -231,7 +290,9 @@ step_argv() {
 # print_step TARGET KIND CMD: the exact command line of a step, stdin included.
 print_step() {
   step_argv "$@"
-  if [ "$2" = join ] && [ "$HAVE_CREDS" = 1 ] && [ -z "$CRED_FILE" ]; then
+  if [ "$2" = local ]; then
+    printf '%s\n' "$3"
+  elif [ "$2" = join ] && [ "$HAVE_CREDS" = 1 ] && [ -z "$CRED_FILE" ]; then
     printf '%s %s\n' "$(credentials_source_text)" "$(shjoin "${ARGV[@]}")"
   elif [ "$2" = join ] && [ "$HAVE_CREDS" = 1 ]; then
     printf '%s %s\n' "$(shjoin "${ARGV[@]}")" "$(credentials_source_text)"
@@ -291,6 +352,9 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 
+if [ -n "$KEY_FILE" ]; then
+  mkdir -p "$KEYS_DIR" && chmod 700 "$KEYS_DIR" || fail "cannot create the worker key folder $KEYS_DIR"
+fi
 STATUS_DIR=$(mktemp -d "${TMPDIR:-/tmp}/provision_fleet.XXXXXX")
 trap 'rm -rf "$STATUS_DIR"' EXIT
 PIDS=()

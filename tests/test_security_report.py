@@ -4,8 +4,9 @@ real code and tallied.
     STOA_SECURITY_JSON=security.json python -m pytest -q tests/test_security_report.py
 
 writes {"records_tried", "records_admitted_invalid", "crashes", "names_tried", "names_escaped",
-"weights_forged_tried", "weights_forged_applied"} (plus per-category breakdowns) to that path; the
-test fails unless every second figure of a pair, and `crashes`, is 0.
+"weights_forged_tried", "weights_forged_applied", "oversize_tried", "max_bytes_read_over_limit"}
+(plus per-category breakdowns) to that path; the test fails unless every second figure of a pair,
+and `crashes`, is 0.
 
 - records: the hand-made hostile corpora (invalid by construction), several hundred seeded
   mutations of valid v1/v2 payloads and framed records, judged by the independent reference
@@ -16,6 +17,9 @@ test fails unless every second figure of a pair, and `crashes`, is 0.
 - names: every name of `HOSTILE_NAMES` thrown at every reader that takes a name from the bucket;
   a probe escapes when the reader accepts it or a file appears outside its folder.
 - weights: every case of `forged_weights` on both store backends.
+- oversize: every small document a reader takes from the bucket, written a megabyte past its
+  limit (`oversize_reads`), on both backends: each must be refused after at most limit + 1 bytes
+  (`max_bytes_read_over_limit`: the most any read took past that).
 
 The mutations are seeded (`$STOA_TEST_SEED` replays another seed) so the figures repeat.
 """
@@ -57,6 +61,7 @@ from slime_stoa.trainer.consumer.admission import ALL_REASONS, judge_record
 from slime_stoa.trainer.consumer.state import ReplayLedger
 from tests.s3server import LocalS3Server
 
+from . import oversize_reads as ov
 from . import test_hostile_names as hn
 from . import test_record_hostile as rh
 from . import test_records_v2 as v2
@@ -504,6 +509,7 @@ async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int)
     name_counts = names_report(name_readers(readers_tmp), names)
     weights: dict[str, Counter[str]] = {}
     by_backend: dict[str, dict[str, int]] = {}
+    oversize: dict[str, dict[str, int]] = {}
     async with AsyncExitStack() as stack:
         for backend, factory in (await open_backends(stack, tmp, server, bucket)).items():
             name_counts[f"download_extras.{backend}"] = await probe_extras(await factory("extras"), tmp / f"extras-{backend}", names)
@@ -515,6 +521,7 @@ async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int)
             by_backend[backend] = await tally(same, seed=seed)
             for kind, c in (await weights_by_kind(await factory("kinds"))).items():
                 weights.setdefault(kind, Counter()).update(c)
+            oversize[backend] = await ov.tally(factory)
     r, n = totals(records), totals(name_counts)
     return {
         "records_tried": sum(r.values()),
@@ -524,6 +531,8 @@ async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int)
         "names_escaped": n["escaped"],
         "weights_forged_tried": sum(t["weights_forged_tried"] for t in by_backend.values()),
         "weights_forged_applied": sum(t["weights_forged_applied"] for t in by_backend.values()),
+        "oversize_tried": sum(t["oversize_tried"] for t in oversize.values()),
+        "max_bytes_read_over_limit": max(t["max_bytes_read_over_limit"] for t in oversize.values()),
         "seed": seed,
         "records_admitted_valid": r["admitted"],
         "names_distinct": len(set(names)),
@@ -531,6 +540,7 @@ async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int)
         "names_by_reader": plain(name_counts),
         "weights_by_kind": plain(weights),
         "weights_by_backend": by_backend,
+        "oversize_by_backend": oversize,
     }
 
 
@@ -538,13 +548,16 @@ async def test_security_report(s3_server: LocalS3Server, s3_bucket: str, tmp_pat
     report = await build_report(tmp_path, s3_server, s3_bucket, SEED)
     if path := os.environ.get(REPORT_ENV):
         Path(path).write_text(json.dumps(report, indent=1) + "\n")
-    summary = {k: report[k] for k in list(report)[:7]}
+    summary = {k: report[k] for k in list(report)[:9]}
     print(json.dumps(summary))
     where = f"seed {SEED}: {summary}"
     assert report["records_admitted_invalid"] == 0, (where, report["records_by_source"])
     assert report["crashes"] == 0, (where, report["records_by_source"], report["names_by_reader"])
     assert report["names_escaped"] == 0, (where, report["names_by_reader"])
     assert report["weights_forged_applied"] == 0, (where, report["weights_by_kind"])
+    assert report["max_bytes_read_over_limit"] == 0, (where, report["oversize_by_backend"])
+    assert report["oversize_tried"] == 2 * len(ov.cases()), where
+    assert all(t["oversize_refused"] == t["oversize_tried"] for t in report["oversize_by_backend"].values()), report
     # The corpus is the size the report claims, and the checks can say yes: honest and
     # harmlessly mutated records are admitted (and agree with the reference).
     assert report["records_tried"] >= 300 and report["names_distinct"] >= 50, where

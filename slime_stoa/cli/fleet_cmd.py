@@ -101,14 +101,17 @@ async def _show(url: str, run: str, watch: bool, interval: float) -> None:
         while True:
             beats, bad = await read_heartbeats(store, run)
             quarantine, problem = await read_quarantine(store, run)
+            head: int | None = None
             try:
-                head: int | None = (await read_pointer(store, run)).version
-            except (NotPublished, ManifestError):
-                head = None
+                head = (await read_pointer(store, run)).version
+                at = f"at v{head}"
+            except NotPublished:
+                at = "no weights published yet"
+            except ManifestError as exc:
+                at = f"pointer unreadable ({exc})"
             now = time.time()
             if watch:
                 print("\033[2J\033[H", end="")
-            at = "no weights published yet" if head is None else f"at v{head}"
             running = sum(shown_status(b, now) not in NOT_RUNNING for b in beats)
             held = sorted(w for w, r in quarantine.items() if r.quarantined)
             print(f"run {run} {at}: {len(beats)} worker(s), {running} running"

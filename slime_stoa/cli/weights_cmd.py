@@ -7,6 +7,7 @@ import asyncio
 import datetime as dt
 import sys
 import tempfile
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from slime_stoa.protocol.hf.folders import load_hf_state, save_hf_folder
@@ -14,20 +15,23 @@ from slime_stoa.protocol.layout import RunLayout, parse_versioned
 from slime_stoa.protocol.pulse.anchor import download_extras
 from slime_stoa.protocol.pulse.history import (
     HistoryError,
+    MalformedPointer,
     NotPublished,
     find_manifest,
     read_anchor_manifest,
     read_manifest,
     read_pointer,
+    read_pointer_etag,
     walk_back,
 )
-from slime_stoa.protocol.pulse.manifests import ManifestError
-from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError
+from slime_stoa.protocol.pulse.manifests import ManifestError, Pointer
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError, publisher_trust
 from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
-from slime_stoa.protocol.signing import read_key_file
-from slime_stoa.protocol.store import NotFound, Store, StoreError, open_store
+from slime_stoa.protocol.signing import PublicKey, read_key_file
+from slime_stoa.protocol.store import GetResult, NotFound, ObjectInfo, Store, StoreError, open_store
+from slime_stoa.protocol.store.base import Payload
 
 from .common import add_run_options, human_bytes, os_error_text, require_run_options
 
@@ -105,24 +109,94 @@ def _sync(fn):
 
 
 async def publish_anchor(args: argparse.Namespace) -> int:
+    """Seed v0. Refused on a run that does not exist, unsigned on a signed run, and on a run that
+    has weights, except one repair: the key holder of a signed run replaces a v0 its keys did not
+    sign (`_UnsignedPointerReplaced`)."""
     url, run = require_run_options(args)
     if not args.hf_dir.is_dir():
         raise ValueError(f"model folder {args.hf_dir} does not exist: pass the HF checkpoint folder to seed the run from")
-    state = load_hf_state(args.hf_dir)
+    key = read_key_file(args.key) if args.key is not None else None
     async with open_store(url) as store:
-        try:
-            pointer = await read_pointer(store, run)
-            print(f"error: run {run!r} already has weights (v{pointer.version}); seed a new run name", file=sys.stderr)
+        manifest = await read_run_manifest(store, run)  # RunNotFound says to `stoa run create` it
+        run_key = manifest.public_key
+        if run_key is not None and key is None:
+            print(
+                f"error: run {run!r} is signed (run key {run_key.key_id}): pass its run key file with --key, "
+                f"or workers will refuse the anchor",
+                file=sys.stderr,
+            )
             return 1
+        target: Store = store
+        try:
+            pointer, etag = await _pointer_and_etag(store, run)
         except NotPublished:
-            pass
-        key = read_key_file(args.key) if args.key is not None else None
-        result = await Publisher(store, run, PublisherConfig(extras_dir=args.hf_dir), key=key).publish(state)
+            pointer = None
+        if pointer is not None:
+            if key is None or run_key is None or pointer.version != 0 or await _signed(store, run, run_key):
+                print(f"error: run {run!r} already has weights (v{pointer.version}); seed a new run name", file=sys.stderr)
+                return 1
+            await publisher_trust(store, run, key)  # the key must be the run's current key
+            print(f"replacing the unsigned v0 of signed run {run!r} with one signed by key {key.key_id}")
+            target = _UnsignedPointerReplaced(store, RunLayout(run).pointer, etag)
+        state = load_hf_state(args.hf_dir)
+        result = await Publisher(target, run, PublisherConfig(extras_dir=args.hf_dir), key=key).publish(state)
     print(
         f"published anchor v{result.version} of run {run!r}: {len(state)} tensors, "
         f"{result.elements:,} bf16 weights, {human_bytes(result.anchor_bytes)} in {result.seconds:.1f}s"
     )
     return 0
+
+
+async def _pointer_and_etag(store: Store, run: str) -> tuple[Pointer, str]:
+    found = await read_pointer_etag(store, run)
+    assert found is not None  # an unconditional read always returns the object
+    return found
+
+
+async def _signed(store: Store, run: str, run_key: PublicKey) -> bool:
+    """Whether the run's pointer is signed by its newest run key."""
+    try:
+        await read_pointer(store, run, trust=RunTrust(run, run_key))
+    except MalformedPointer as exc:
+        if exc.untrusted:
+            return False
+        raise
+    return True
+
+
+class _UnsignedPointerReplaced(Store):
+    """The store as the publisher repairing a signed run's unsigned v0 sees it: the pointer with
+    ETag `etag` reads as absent, and creating the pointer replaces exactly that object
+    (If-Match: a pointer moved meanwhile makes the publish a conflict). All else is `inner`'s."""
+
+    def __init__(self, inner: Store, pointer: str, etag: str) -> None:
+        self.inner, self.pointer, self.etag, self.url = inner, pointer, etag, inner.url
+
+    async def get(
+        self, key: str, *, offset: int = 0, length: int | None = None, if_none_match: str | None = None
+    ) -> GetResult | None:
+        if key == self.pointer:
+            got = await self.inner.get(key, length=0)
+            if got is not None and got.etag == self.etag:
+                raise NotFound(f"{key!r} is being replaced")
+        return await self.inner.get(key, offset=offset, length=length, if_none_match=if_none_match)
+
+    async def put(self, key: str, data: Payload, *, if_match: str | None = None) -> str:
+        return await self.inner.put(key, data, if_match=if_match)
+
+    async def put_if_absent(self, key: str, data: Payload) -> str:
+        if key == self.pointer:
+            return await self.inner.put(key, data, if_match=self.etag)
+        return await self.inner.put_if_absent(key, data)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
 
 
 async def show_status(args: argparse.Namespace) -> int:

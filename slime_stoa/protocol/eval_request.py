@@ -16,7 +16,8 @@ generating what is already in. Coverage is judged only by the requester (records
 re-scored), never by workers from the records they list: those could be forged.
 
 Parsing is strict (`parse_request`): strict JSON, no unknown or missing field, every value in
-range, the document's version and split those of its key; `EvalRequestError` otherwise.
+range, the document's version and split those of its key; `EvalRequestError` otherwise. A
+request is read from the bucket with `get_request`, at most MAX_REQUEST_BYTES + 1 bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from .layout import RunLayout, check_name
 from .records import SamplingParams
 from .run_trust import RunTrust, Untrusted
 from .signing import SIGNATURE_FIELD, SigningKey, sign_document
+from .store import GetResult, Store
+from .store.capped import read_capped
 from .strict_json import load_json
 
 FORMAT = "stoa.eval-request/1"
@@ -122,6 +125,13 @@ class EvalRequest:
         return json.dumps(doc, sort_keys=True).encode() + b"\n"
 
 
+async def get_request(store: Store, key: str, *, if_none_match: str | None = None) -> GetResult | None:
+    """The stored eval request at `key` (bytes and ETag), read with one GET of at most
+    MAX_REQUEST_BYTES + 1 bytes; None when its ETag is still `if_none_match`. TooLarge (a
+    ValueError) when larger, NotFound when missing."""
+    return await read_capped(store, key, MAX_REQUEST_BYTES, if_none_match=if_none_match)
+
+
 def parse_request(data: bytes, *, key: str, run: str, trust: RunTrust | None = None) -> EvalRequest:
     """The request stored at `key` of `run`; EvalRequestError unless it is well-formed, its
     version and split are its key's, and (with `trust`, a signed run) it is signed by the run key."""
@@ -153,4 +163,4 @@ def parse_request(data: bytes, *, key: str, run: str, trust: RunTrust | None = N
     return request
 
 
-__all__ = ["FORMAT", "MAX_REQUEST_BYTES", "EvalRequest", "EvalRequestError", "parse_request"]
+__all__ = ["FORMAT", "MAX_REQUEST_BYTES", "EvalRequest", "EvalRequestError", "get_request", "parse_request"]

@@ -2,8 +2,8 @@
 
 Each worker rewrites its own heartbeat object every few seconds; the operator's `stoa fleet` and
 the trainer's wait-timeout message read them. Pure data with strict parsing, what a heartbeat
-means as of now (`shown_status`, `shown_lag`, `worker_metrics`), and the one reader of a run's
-heartbeats (`read_heartbeats`).
+means as of now (`shown_status`, `shown_lag`, `worker_metrics`), and the readers of heartbeats
+(`read_heartbeat`, `read_heartbeats`), which read at most MAX_HEARTBEAT_BYTES + 1 bytes of each.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import PurePosixPath
 
 from .layout import RunLayout, check_worker_id
 from .store import Store, StoreError
+from .store.capped import read_capped_bytes
 from .strict_json import load_json
 
 FORMAT = "stoa.heartbeat/1"
@@ -159,21 +160,34 @@ def worker_metrics(beat: Heartbeat, now: float, *, prefix: str = "worker", head:
     return {f"{prefix}/{name}": float(value) for name, value in values.items()}
 
 
+async def read_heartbeat(store: Store, run: str, worker: str) -> Heartbeat:
+    """The heartbeat of `worker`, read with at most MAX_HEARTBEAT_BYTES + 1 bytes. NotFound when
+    it has none, ValueError (TooLarge for an oversize object) when it does not parse, another
+    StoreError when the store fails."""
+    key = RunLayout(run).heartbeat(worker)
+    return Heartbeat.from_bytes(await read_capped_bytes(store, key, MAX_HEARTBEAT_BYTES), worker=worker)
+
+
 async def read_heartbeats(store: Store, run: str, *, concurrency: int = 16) -> tuple[list[Heartbeat], int]:
     """Every parseable heartbeat of the run (one listing, `concurrency` reads at a time), and
-    how many objects could not be read or parsed. A failed listing raises its StoreError."""
+    how many objects could not be read or parsed (oversize ones among them: never read past
+    MAX_HEARTBEAT_BYTES + 1 bytes, nor at all when the listing already shows them too large).
+    A failed listing raises its StoreError."""
     prefix = RunLayout(run).workers_prefix
-    keys = [info.key async for info in store.list(prefix) if info.key.endswith(".json")]
+    infos = [info async for info in store.list(prefix) if info.key.endswith(".json")]
     gate = asyncio.Semaphore(concurrency)
 
-    async def read(key: str) -> Heartbeat | None:
+    async def read(key: str, size: int) -> Heartbeat | None:
+        if size > MAX_HEARTBEAT_BYTES:
+            return None
         async with gate:
             try:
-                return Heartbeat.from_bytes(await store.get_bytes(key), worker=PurePosixPath(key).stem)
+                data = await read_capped_bytes(store, key, MAX_HEARTBEAT_BYTES)
+                return Heartbeat.from_bytes(data, worker=PurePosixPath(key).stem)
             except (StoreError, ValueError):
                 return None
 
-    beats = await asyncio.gather(*(read(key) for key in keys))
+    beats = await asyncio.gather(*(read(info.key, info.size) for info in infos))
     return [b for b in beats if b is not None], sum(b is None for b in beats)
 
 

@@ -40,6 +40,7 @@ from slime_stoa.protocol.signing import (
     verify_document,
 )
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store
+from slime_stoa.protocol.store.capped import TooLarge, read_capped
 from slime_stoa.protocol.strict_json import load_json
 
 REGISTRY_FORMAT = "stoa.registry/1"
@@ -243,13 +244,15 @@ async def read_registry(
 ) -> RegistryRead | None:
     """The run's registry, verified with `run_key`; None when its ETag still is `if_none_match`.
 
-    RegistryError when the object does not parse or is not signed by the run key; StoreError
-    when the store cannot be read."""
+    RegistryError when the object does not parse, is larger than MAX_REGISTRY_BYTES (read no
+    further than that) or is not signed by the run key; StoreError when the store cannot be read."""
     key = RunLayout(run).registry
     try:
-        result = await store.get(key, if_none_match=if_none_match)
+        result = await read_capped(store, key, MAX_REGISTRY_BYTES, if_none_match=if_none_match)
     except NotFound:
         return RegistryRead(Registry(run=run), None)
+    except TooLarge as exc:
+        raise RegistryError(f"registry of run {run!r}: {exc}") from None
     if result is None:
         return None
     return RegistryRead(load_registry(result.data, run=run, run_key=run_key), result.etag)

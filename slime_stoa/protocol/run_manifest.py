@@ -23,6 +23,7 @@ from typing import Literal, get_args
 from .layout import RunLayout, check_name
 from .signing import SIGNATURE_FIELD, PublicKey, SignatureError, SigningKey, sign_document, verify_document
 from .store import NotFound, Store
+from .store.capped import TooLarge, read_capped_bytes
 from .strict_json import load_json
 
 log = logging.getLogger("stoa.run")
@@ -35,6 +36,9 @@ MAX_MODEL_CHARS = 512
 MAX_STOP = 16  # the trainer's RecordLimits.max_stop_sequences default
 MAX_STOP_CHARS = 256
 MAX_COUNT = 2**31 - 1  # every integer field (tokens, group sizes, limits) fits in int32
+#: Largest run manifest read: its longest fields (16 stop strings of 256 characters, the model
+#: name) take under 30 KiB even with every character escaped.
+MAX_RUN_MANIFEST_BYTES = 64 << 10
 #: Anchors a run keeps when its manifest does not say (manifests written before the field existed).
 DEFAULT_RETAIN_ANCHORS = 2
 _INT_FIELDS = (
@@ -135,7 +139,7 @@ class RunManifest:
     @classmethod
     def from_bytes(cls, data: bytes) -> RunManifest:
         try:
-            doc = load_json(data)
+            doc = load_json(data, max_bytes=MAX_RUN_MANIFEST_BYTES)
         except ValueError as exc:
             raise ValueError(f"run manifest is not valid JSON: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -177,16 +181,19 @@ async def read_run_manifest(store: Store, run: str, *, pinned: str | None = None
     """The manifest of `run` in `store` (`runs/<run>/run.json`): the one reader of it.
 
     RunNotFound when the run does not exist; ValueError when the manifest does not parse or
-    describes another run; StoreError when the bucket cannot be read. With `pinned` (public key
-    text), RunKeyMismatch unless the manifest is signed by that key.
+    describes another run (or is larger than MAX_RUN_MANIFEST_BYTES: read no further); StoreError
+    when the bucket cannot be read. With `pinned` (public key text), RunKeyMismatch unless the
+    manifest is signed by that key.
     """
     key = RunLayout(run).run_manifest
     try:
-        data = await store.get_bytes(key)
+        data = await read_capped_bytes(store, key, MAX_RUN_MANIFEST_BYTES)
     except NotFound:
         raise RunNotFound(
             f"run {run!r} does not exist in {store.url} (no {key}): create it with `stoa run create`"
         ) from None
+    except TooLarge as exc:
+        raise ValueError(f"{exc} (in {store.url})") from None
     try:
         manifest = RunManifest.from_bytes(data)
     except ValueError as exc:

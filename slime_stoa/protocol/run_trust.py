@@ -32,10 +32,12 @@ from .signing import (
     verify_document,
 )
 from .store import NotFound, Store
+from .store.capped import TooLarge, read_capped_bytes
 from .strict_json import load_json
 
 ROTATION_FORMAT = "stoa.key-rotation/1"
 MAX_ROTATIONS = 1000  # a reader stops reading rotation documents after this many
+MAX_ROTATION_BYTES = 16 << 10  # a rotation document is about 400 bytes
 
 
 class Untrusted(ValueError):
@@ -168,11 +170,13 @@ async def load_rotations(store: Store, trust: RunTrust) -> int:
     while trust.rotations < MAX_ROTATIONS:
         key = layout.key_rotation(trust.rotations + 1)
         try:
-            data = await store.get_bytes(key)
+            data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
         except NotFound:
             break
+        except TooLarge as exc:
+            raise Untrusted(f"{key}: not a rotation document ({exc})", key) from None
         try:
-            doc = load_json(data, max_bytes=16 << 10)
+            doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
         except ValueError as exc:
             raise Untrusted(f"{key}: not a rotation document ({exc})", key) from None
         trust.learn(doc, key)

@@ -1,9 +1,10 @@
 """One strict JSON reader for every document read from the bucket (run manifest, pointer,
-version and anchor manifests, heartbeats).
+version and anchor manifests, registry, key rotations, eval requests, consumer state, heartbeats).
 
 Python's `json.loads` takes the last of two equal keys, accepts `NaN` and `Infinity`, and raises
 `RecursionError` (not `ValueError`) on deeply nested input. `load_json` refuses all three, and
-bounds the document's size before parsing, so a hostile object fails with one `ValueError`.
+bounds the document's size before parsing, so a hostile object fails with one `ValueError`. The
+bytes themselves are bounded earlier, as they are read (`store.capped.read_capped`).
 """
 
 from __future__ import annotations

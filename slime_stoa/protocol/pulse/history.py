@@ -3,13 +3,17 @@ anchor manifests), then the history built on them: find any version's manifest, 
 chain, read the weight lineage (`rebuild` rebuilds a version's state on these).
 
 Every reader takes an optional `RunTrust`: given one, a document must be signed by the run key
-of its version (`run_trust`), else it is refused (`UntrustedDocument`, a ManifestError)."""
+of its version (`run_trust`), else it is refused (`UntrustedDocument`, a ManifestError).
+
+Each document is read with a size limit (`MAX_POINTER_BYTES`, `MAX_VERSION_MANIFEST_BYTES`,
+`MAX_ANCHOR_MANIFEST_BYTES`): a larger object is refused after at most limit + 1 bytes."""
 
 from __future__ import annotations
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations, signer_of
 from slime_stoa.protocol.store import NotFound, Store
+from slime_stoa.protocol.store.capped import TooLarge, read_capped, read_capped_bytes
 
 from .lineage import Lineage
 from .manifests import AnchorManifest, ManifestError, Pointer, UntrustedDocument, VersionManifest
@@ -24,6 +28,18 @@ class NotPublished(HistoryError):
 
 
 # -- the documents: every reader of the bucket parses them here -----------------------------------
+
+#: A pointer is a few hundred bytes.
+MAX_POINTER_BYTES = 64 << 10
+#: Tensors a version manifest is sized for: LFM2-8B-A1B, a mixture of experts with one tensor
+#: per expert matrix, has about 2,600; this leaves 25x headroom.
+MAX_MODEL_TENSORS = 65_536
+#: A version manifest: two patch indexes (step and catch-up), each naming every tensor once per
+#: frame it spans. Of MAX_MODEL_TENSORS tensors in 20,000 frames, an index takes 0.6 MB as
+#: stoa-pulse/2 (what publishers write) and 7 MB as the verbose stoa-pulse/1 JSON.
+MAX_VERSION_MANIFEST_BYTES = 16 << 20
+#: An anchor manifest: about 350 bytes per shard or HF file (an 8B model has 16 shards of 1 GiB).
+MAX_ANCHOR_MANIFEST_BYTES = 4 << 20
 
 
 class MalformedPointer(ManifestError):
@@ -49,9 +65,11 @@ async def read_pointer_etag(
     """
     key = RunLayout(run).pointer
     try:
-        got = await store.get(key, if_none_match=if_none_match)
+        got = await read_capped(store, key, MAX_POINTER_BYTES, if_none_match=if_none_match)
     except NotFound:
         raise NotPublished(f"run {run!r} has no published weights in {store.url}") from None
+    except TooLarge as exc:
+        raise MalformedPointer(str(exc), exc.etag) from None
     if got is None:
         return None
     try:
@@ -75,13 +93,23 @@ async def read_pointer(store: Store, run: str, *, trust: RunTrust | None = None)
 async def read_manifest(store: Store, key: str, *, trust: RunTrust | None = None) -> VersionManifest:
     """The version manifest at `key`; NotFound when it is gone (retention), ManifestError when bad
     or when it is not the manifest that belongs at `key` (another run, version or attempt)."""
-    return VersionManifest.from_bytes(await store.get_bytes(key), key, key=key, trust=trust)
+    data = await _read_document(store, key, MAX_VERSION_MANIFEST_BYTES)
+    return VersionManifest.from_bytes(data, key, key=key, trust=trust)
 
 
 async def read_anchor_manifest(store: Store, key: str, *, trust: RunTrust | None = None) -> AnchorManifest:
     """The anchor manifest at `key`; NotFound when it is gone (retention), ManifestError when bad
     or when it is not the manifest that belongs at `key` (another run, version or attempt)."""
-    return AnchorManifest.from_bytes(await store.get_bytes(key), key, key=key, trust=trust)
+    data = await _read_document(store, key, MAX_ANCHOR_MANIFEST_BYTES)
+    return AnchorManifest.from_bytes(data, key, key=key, trust=trust)
+
+
+async def _read_document(store: Store, key: str, limit: int) -> bytes:
+    """At most `limit` bytes of `key`; ManifestError when the object is larger."""
+    try:
+        return await read_capped_bytes(store, key, limit)
+    except TooLarge as exc:
+        raise ManifestError(str(exc)) from None
 
 
 # -- history --------------------------------------------------------------------------------------

@@ -31,11 +31,15 @@ from slime_stoa.protocol.signing import (
     verify_document,
 )
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
+from slime_stoa.protocol.store.capped import TooLarge, read_capped
 from slime_stoa.protocol.strict_json import load_json
 
 from .state import ConsumerState
 
 STATE_FILE = "consumer.json"
+#: Largest consumer state read back: the replay ledger takes under 3 MiB, the rest grows with the
+#: records landing within one sweep window (about 60 bytes each).
+MAX_STATE_BYTES = 64 << 20
 
 
 class StateConflict(RuntimeError):
@@ -59,16 +63,19 @@ async def read_state(
     store: Store, run: str, *, signed_by: Iterable[PublicKey] | None = None
 ) -> tuple[ConsumerState | None, str | None]:
     """(state, etag) from the bucket, or (None, None) when the run has none yet.
-    ValueError if the object is not a valid consumer state of this run; with `signed_by` (the
-    run's keys), UntrustedState unless one of them signed it."""
+    ValueError if the object is not a valid consumer state of this run (or is larger than
+    MAX_STATE_BYTES: read no further); with `signed_by` (the run's keys), UntrustedState unless
+    one of them signed it."""
     key = state_key(run)
     try:
-        result = await store.get(key)
+        result = await read_capped(store, key, MAX_STATE_BYTES)
     except NotFound:
         return None, None
+    except TooLarge as exc:
+        raise ValueError(f"{exc} (in {store.url}): not a valid consumer state") from None
     assert result is not None
     try:
-        doc = load_json(result.data)
+        doc = load_json(result.data, max_bytes=MAX_STATE_BYTES)
     except ValueError as exc:
         raise ValueError(f"{key} in {store.url} is not a valid consumer state: {exc}") from None
     if signed_by is not None:
