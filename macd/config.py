@@ -465,13 +465,14 @@ async def _kv_bytes_per_token(store: Any, anchor_manifest_key: str) -> int | Non
     import json
 
     from slime_stoa.protocol.pulse.history import read_anchor_manifest
+    from slime_stoa.protocol.store.capped import read_capped_bytes
 
     try:
         anchor = await read_anchor_manifest(store, anchor_manifest_key)
         entry = next((f for f in anchor.extras if f.name == "config.json"), None)
         if entry is None:
             return None
-        return kv_bytes_per_token(json.loads(await store.get_bytes(entry.key)))
+        return kv_bytes_per_token(json.loads(await read_capped_bytes(store, entry.key, 1 << 20)))  # a config.json
     except Exception:  # best effort: the estimate falls back to a guess
         return None
 

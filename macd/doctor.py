@@ -56,12 +56,12 @@ async def bucket_rows(config) -> list[tuple[str, str, bool]]:
         async with config.open_store() as store:
             start = time.perf_counter()
             try:
-                await store.get(RunLayout(config.run).run_manifest)
+                await store.head(RunLayout(config.run).run_manifest)
             except NotFound:
                 return [("bucket", f"reachable, but run {config.run!r} is missing: create it with `stoa run create`", False)]
             latency = 1000 * (time.perf_counter() - start)
             start = time.perf_counter()
-            await store.get(RunLayout(config.run).run_manifest)
+            await store.head(RunLayout(config.run).run_manifest)
             latency = min(latency, 1000 * (time.perf_counter() - start))
     except (StoreError, ValueError) as exc:
         return [("bucket", f"{config.store}: {exc}", False)]

@@ -13,11 +13,12 @@ import logging
 import time
 from dataclasses import replace
 
-from slime_stoa.protocol.eval_request import EvalRequest, EvalRequestError, parse_request
+from slime_stoa.protocol.eval_request import EvalRequest, EvalRequestError, get_request, parse_request
 from slime_stoa.protocol.records import SCHEMA_V2
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import NotFound, Store
+from slime_stoa.protocol.store.capped import TooLarge
 
 from .collect import EvalCollector
 from .report import PromptResult, VersionResult, task_match
@@ -31,11 +32,15 @@ class EvalTimeout(TimeoutError):
 
 async def read_request(store: Store, run: str, key: str, trust: RunTrust | None) -> EvalRequest | None:
     try:
-        data = await store.get_bytes(key)
+        got = await get_request(store, key)  # at most MAX_REQUEST_BYTES + 1 bytes
     except NotFound:
         return None
+    except TooLarge as exc:
+        log.warning("stoa eval: replacing the request at %s: %s", key, exc)
+        return None
+    assert got is not None  # no if_none_match: a read always returns the object
     try:
-        return parse_request(data, key=key, run=run, trust=trust)
+        return parse_request(got.data, key=key, run=run, trust=trust)
     except EvalRequestError as exc:
         log.warning("stoa eval: replacing the request at %s: %s", key, exc)
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 
-from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.heartbeat import Heartbeat, read_heartbeat
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store, StoreError
 
@@ -54,11 +54,10 @@ def heartbeat_summary(beat: Heartbeat) -> str:
 
 async def heartbeat_summaries(store: Store, run: str, workers: list[str]) -> dict[str, str]:
     """{worker: heartbeat_summary} for `workers` whose heartbeat reads and parses. Never raises."""
-    layout = RunLayout(run)
     out = {}
     for worker in workers:
         try:
-            beat = Heartbeat.from_bytes(await store.get_bytes(layout.heartbeat(worker)), worker=worker)
+            beat = await read_heartbeat(store, run, worker)  # at most MAX_HEARTBEAT_BYTES + 1 bytes
         except (StoreError, ValueError):
             continue
         out[worker] = heartbeat_summary(beat)
