@@ -1,0 +1,325 @@
+"""MLX's affine quantization in numpy, bit-exact with ``mx.quantize`` on bf16 weights, and the
+quantized weight plane a worker serves.
+
+Arithmetic (that of ``mx.quantize`` on MLX's CPU backend; everything in float32, each step
+rounded as IEEE float32, rounding to integers half to even):
+
+- a weight of shape ``(..., K)`` is cut into groups of `group_size` consecutive elements along
+  its last axis (K must be a multiple of it: ValueError otherwise, as MLX raises);
+- per group: ``w_max``, ``w_min`` of its values; ``n_bins = 2**bits - 1``, ``eps = 1e-7``;
+  ``scale = max((w_max - w_min) / n_bins, eps)``; the *edge* is the endpoint of larger
+  magnitude (``w_min`` if ``|w_min| > |w_max|``, else ``w_max``), and the scale takes the sign
+  that maps the edge to a positive code: ``+scale`` when the edge is ``w_min``, ``-scale``
+  otherwise; ``q0 = rint(edge / scale)``; if ``q0 != 0``: ``scale = edge / q0`` and
+  ``bias = edge`` (the edge is then represented exactly by code 0), else ``bias = 0`` (a group
+  of zeros, or one whose range is within ``eps * n_bins`` and whose values are within half an
+  eps of zero);
+- per element: ``code = clip(rint((w - bias) / scale), 0, n_bins)`` with the float32 scale and
+  bias (not their bf16 roundings);
+- `32 // bits` codes per uint32 word, the first in the lowest bits;
+- scales and biases are stored in the input's dtype, bf16 (float32 rounded to nearest even).
+
+NaN and infinity are refused (ValueError): MLX does not define their codes (its reduction skips
+NaNs and the cast of a NaN code is undefined behaviour in C++), so no bit-exact answer exists. So
+is a group whose float32 arithmetic breaks down, which needs values beyond ~3.4e31: its range
+overflows (e.g. -2e38 and 2e38: MLX's scale is inf, and it dequantizes to NaN), or ``edge / scale``
+does (a narrow group near 3e38: the scale becomes 0 and the codes 0 / 0).
+
+`dequantize` equals ``mx.dequantize`` on the CPU backend: codes times the bf16 scale, rounded
+to bf16, plus the bf16 bias, rounded to bf16 (two roundings, as MLX computes in the output dtype).
+
+MLX's Metal kernel (by its source; untested on a Mac) differs from its CPU backend in two places, so a
+Mac's GPU ``mx.quantize`` can disagree with this (and with MLX on CPU): it starts its maximum at 0, not -inf (a group of
+negative values is quantized over ``[w_min, 0]``), and its ``round`` takes halves away from zero.
+A worker on a published plane serves the plane's bytes and never re-quantizes, so its digest does
+not depend on its backend.
+
+The plane
+---------
+`quantized_state` maps a bf16 state to the tensors a worker on a quantized plane serves, named
+as mlx-lm names a quantized layer's arrays: a quantized ``<module>.weight`` becomes the uint32
+codes under the same name plus ``<module>.scales`` and ``<module>.biases`` (bf16 bits); every
+other tensor stays as it is (bf16). Which tensors are quantized follows mlx-lm's
+``quantize_model`` (`mlx_lm_predicate`).
+
+A PULSE patch over the plane
+----------------------------
+The codec patches uint16 arrays, so a plane is patched through a uint16 view of its codes
+(``codes.view(np.uint16)``, two halves per word; scales and biases are bf16 already). When a few
+bf16 weights change, only their groups can change: each changed weight's code may change (and
+with it one half-word of codes); when the group's min or max moved, its scale and bias change and
+any of its codes can. A patch is the diff of the old and the new plane; nothing else travels. The
+fraction of the plane that changes per 1% of bf16 weights changed is measured in the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .codec import bf16_bits_to_float32, float32_to_bf16_bits
+from .digest import StateDigest, tensor_digest
+
+GROUP_SIZES = (32, 64, 128)
+BITS = (2, 4, 8)  # the power-of-two widths, whose codes fill uint32 words exactly
+DEFAULT_GROUP_SIZE = 64
+EPS = np.float32(1e-7)
+CANONICAL_NAN = np.uint16(0x7FC0)
+SCALES = "scales"
+BIASES = "biases"
+
+# Groups per pass: the float32 temporaries of one pass stay a few MB.
+_GROUPS_PER_PASS = 1 << 14
+
+#: A predicate on a tensor's (name, shape): False to keep it bf16, True to quantize it with the
+#: plane's (group_size, bits), or a (group_size, bits) pair of its own.
+Predicate = Callable[[str, tuple[int, ...]], "bool | tuple[int, int]"]
+
+#: Layers that mlx-lm's models quantize with their own parameters (``Model.quant_predicate``):
+#: model type -> [(module path suffix, (group_size, bits))]. MoE routers stay at 8 bits.
+MODEL_OVERRIDES: dict[str, list[tuple[str, tuple[int, int]]]] = {
+    "lfm2_moe": [("feed_forward.gate", (64, 8))],
+    "qwen3_moe": [("mlp.gate", (64, 8))],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Quantized:
+    """One quantized weight: uint32 `codes` (..., K * bits // 32), bf16-bit `scales` and
+    `biases` (..., K // group_size), as ``mx.quantize`` returns them."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    group_size: int
+    bits: int
+
+
+def check_params(group_size: int, bits: int) -> None:
+    """ValueError unless (group_size, bits) is supported."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+
+
+def _check_input(w: np.ndarray, name: str) -> None:
+    """ValueError unless `w` is bf16 bits (uint16) or bf16-representable float32 values."""
+    if not isinstance(w, np.ndarray):
+        raise ValueError(f"tensor {name!r}: expected a numpy array, got {type(w).__name__}")
+    if w.dtype == np.float32:
+        if not np.array_equal(bf16_bits_to_float32(float32_to_bf16_bits(w)), w, equal_nan=True):
+            raise ValueError(f"tensor {name!r}: float32 values not representable in bf16; round them first")
+    elif w.dtype != np.uint16:
+        raise ValueError(f"tensor {name!r}: expected bf16 bits (uint16) or float32 values, got {w.dtype}")
+
+
+def quantize(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE, bits: int = 8, *, name: str = "w") -> Quantized:
+    """``mx.quantize(w, group_size, bits)`` (affine) of a bf16 weight, bit for bit.
+
+    `w` is bf16 bits (uint16) or float32 values exactly representable in bf16, with at least two
+    dimensions and a last dimension divisible by `group_size`. ValueError (naming `name`) for
+    other shapes, unsupported parameters and non-finite values.
+    """
+    check_params(group_size, bits)
+    _check_input(w, name)
+    if w.ndim < 2:
+        raise ValueError(f"tensor {name!r}: quantizing needs at least 2 dimensions, got shape {w.shape}")
+    k = w.shape[-1]
+    if k % group_size:
+        raise ValueError(
+            f"tensor {name!r}: the last dimension ({k}) must be divisible by the group size "
+            f"{group_size}; shape {w.shape}"
+        )
+    per_word = 32 // bits
+    words = group_size // per_word
+    groups = w.reshape(-1, group_size)
+    n = groups.shape[0]
+    codes = np.empty((n, words), dtype=np.uint32)
+    scales = np.empty(n, dtype=np.uint16)
+    biases = np.empty(n, dtype=np.uint16)
+    n_bins = np.float32((1 << bits) - 1)
+    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
+    for start in range(0, n, _GROUPS_PER_PASS):
+        part = slice(start, min(start + _GROUPS_PER_PASS, n))
+        g = bf16_bits_to_float32(groups[part]) if groups.dtype == np.uint16 else groups[part]
+        if not np.isfinite(g).all():
+            bad = int(np.flatnonzero(~np.isfinite(g.reshape(-1)))[0]) + start * group_size
+            raise ValueError(f"tensor {name!r}: non-finite value at flat index {bad}; MLX's codes for it are undefined")
+        with np.errstate(over="ignore"):
+            s, b = _scale_bias(g, n_bins)
+        broken = ~np.isfinite(s) | (s == 0)
+        if broken.any():
+            bad = int(np.flatnonzero(broken)[0])
+            raise ValueError(
+                f"tensor {name!r}: group {bad + start}: MLX's scale for it would be {abs(float(s[bad]))} "
+                "(values too large for float32 arithmetic), so its codes are undefined"
+            )
+        q = np.rint((g - b[:, None]) / s[:, None])
+        np.clip(q, 0, n_bins, out=q)
+        packed = q.astype(np.uint32).reshape(-1, words, per_word) << shifts
+        codes[part] = np.bitwise_or.reduce(packed, axis=2)
+        scales[part] = float32_to_bf16_bits(s)
+        biases[part] = float32_to_bf16_bits(b)
+    lead = w.shape[:-1]
+    return Quantized(
+        codes.reshape(*lead, k * bits // 32),
+        scales.reshape(*lead, k // group_size),
+        biases.reshape(*lead, k // group_size),
+        group_size,
+        bits,
+    )
+
+
+def _scale_bias(g: np.ndarray, n_bins: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (scale, bias) of each row of groups `g` (see the module docstring)."""
+    w_max = g.max(axis=1)
+    w_min = g.min(axis=1)
+    scale = np.maximum((w_max - w_min) / n_bins, EPS)
+    low = np.abs(w_min) > np.abs(w_max)
+    scale = np.where(low, scale, -scale)
+    edge = np.where(low, w_min, w_max)
+    q0 = np.rint(edge / scale)
+    at_zero = q0 == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(at_zero, scale, edge / q0)
+    bias = np.where(at_zero, np.float32(0), edge)
+    return scale.astype(np.float32, copy=False), bias.astype(np.float32, copy=False)
+
+
+def dequantize(
+    codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE, bits: int = 8
+) -> np.ndarray:
+    """``mx.dequantize`` (affine, bf16 scales and biases) as bf16 bits of shape (..., K)."""
+    check_params(group_size, bits)
+    if codes.dtype != np.uint32 or scales.dtype != np.uint16 or biases.dtype != np.uint16:
+        raise ValueError("dequantize needs uint32 codes and bf16-bit (uint16) scales and biases")
+    per_word = 32 // bits
+    k = codes.shape[-1] * per_word
+    if scales.shape != biases.shape or scales.shape[:-1] != codes.shape[:-1] or scales.shape[-1] * group_size != k:
+        raise ValueError(
+            f"shapes do not fit group size {group_size} and {bits} bits: codes {codes.shape}, "
+            f"scales {scales.shape}, biases {biases.shape}"
+        )
+    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
+    mask = np.uint32((1 << bits) - 1)
+    q = ((codes[..., None] >> shifts) & mask).astype(np.float32).reshape(-1, group_size)
+    s = bf16_bits_to_float32(scales).reshape(-1, 1)
+    b = bf16_bits_to_float32(biases).reshape(-1, 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = bf16_bits_to_float32(float32_to_bf16_bits(q * s))  # exact product, rounded to bf16
+        total = scaled + b
+    out = float32_to_bf16_bits(total)
+    out[np.isnan(total)] = CANONICAL_NAN  # as MLX casts any NaN to bf16
+    return out.reshape(*codes.shape[:-1], k)
+
+
+# -- the plane -----------------------------------------------------------------------------
+def mlx_lm_predicate(model_type: str | None = None) -> Predicate:
+    """Which tensors mlx-lm's ``quantize_model`` quantizes, from names and shapes alone.
+
+    mlx-lm quantizes the weights of layers with ``to_quantized`` (Linear, Embedding, the MoE
+    experts' SwitchLinear; a state under HF names holds each expert's 2-D weight, and quantizing
+    rows is the same stacked or not) whose last dimension is divisible by the plane's group size,
+    with the model type's overrides (`MODEL_OVERRIDES`). Everything else stays bf16: norms,
+    biases, the MoE expert bias, convolution kernels. Here a tensor is a layer weight when its
+    name ends in ``.weight``, it has at least two dimensions and it is not a convolution kernel
+    (a module path ending in ``conv``, as LFM2's ``conv.conv``); the divisibility check is
+    `quantized_state`'s.
+    """
+    overrides = MODEL_OVERRIDES.get(model_type or "", [])
+
+    def predicate(name: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or len(shape) < 2 or module.endswith("conv"):
+            return False
+        for suffix, params in overrides:
+            if module.endswith(suffix):
+                return params
+        return True
+
+    return predicate
+
+
+def plane_names(name: str) -> tuple[str, str, str]:
+    """(codes, scales, biases) names of quantized weight `name` (``<module>.weight``)."""
+    module = name.rpartition(".")[0] if name.endswith(".weight") else name
+    join = (module + ".") if module else ""
+    return name, join + SCALES, join + BIASES
+
+
+def plane_layout(
+    shapes: Mapping[str, tuple[int, ...]], group_size: int, bits: int, predicate: Predicate | None = None
+) -> dict[str, tuple[int, int]]:
+    """The quantized tensors of a state with these shapes: name -> (group_size, bits).
+
+    As mlx-lm decides: a weight whose last dimension is not divisible by the plane's
+    `group_size` stays bf16, whatever the predicate says; a predicate's own parameters must then
+    fit too (ValueError, as ``mx.quantize`` raises)."""
+    check_params(group_size, bits)
+    rule = predicate or mlx_lm_predicate()
+    layout: dict[str, tuple[int, int]] = {}
+    for name, shape in shapes.items():
+        shape = tuple(shape)
+        if len(shape) < 2 or shape[-1] % group_size:
+            continue
+        verdict = rule(name, shape)
+        if verdict is False:
+            continue
+        params = (group_size, bits) if verdict is True else (int(verdict[0]), int(verdict[1]))
+        check_params(*params)
+        if shape[-1] % params[0]:
+            raise ValueError(f"tensor {name!r}: last dimension {shape[-1]} not divisible by group size {params[0]}")
+        layout[name] = params
+    for name in layout:
+        for extra in plane_names(name)[1:]:
+            if extra in shapes:
+                raise ValueError(f"tensor {name!r}: its plane name {extra!r} is taken by a tensor of the state")
+    return layout
+
+
+def quantized_state(
+    bf16_state: Mapping[str, np.ndarray],
+    group_size: int = DEFAULT_GROUP_SIZE,
+    bits: int = 8,
+    predicate: Predicate | None = None,
+) -> dict[str, np.ndarray]:
+    """The plane a worker serves for a bf16 state (uint16 bits): each quantized weight as its
+    uint32 codes (same name) and bf16-bit ``<module>.scales`` / ``<module>.biases``, every other
+    tensor as it is. `predicate` defaults to `mlx_lm_predicate()` (no model overrides)."""
+    layout = plane_layout({n: a.shape for n, a in bf16_state.items()}, group_size, bits, predicate)
+    plane: dict[str, np.ndarray] = {}
+    for name, bits_ in bf16_state.items():
+        params = layout.get(name)
+        if params is None:
+            plane[name] = bits_
+            continue
+        q = quantize(bits_, *params, name=name)
+        codes, scales, biases = plane_names(name)
+        plane[codes], plane[scales], plane[biases] = q.codes, q.scales, q.biases
+    return plane
+
+
+def plane_dtype(array: np.ndarray) -> str:
+    """The digest label of a plane tensor: ``uint32`` for codes, ``bfloat16`` for the rest."""
+    if array.dtype == np.uint32:
+        return "uint32"
+    if array.dtype == np.uint16:
+        return "bfloat16"
+    raise ValueError(f"plane tensors are uint32 codes or bf16 bits, got {array.dtype}")
+
+
+def plane_digest(plane: Mapping[str, np.ndarray]) -> StateDigest:
+    """Per-tensor digests of a plane (`digest.tensor_digest`, each labelled by `plane_dtype`).
+
+    Its ``update`` labels every tensor bfloat16 and refuses uint32 codes; re-hash changed
+    tensors with `update_plane_digest`."""
+    return StateDigest({name: tensor_digest(name, a, plane_dtype(a)) for name, a in plane.items()})
+
+
+def update_plane_digest(digest: StateDigest, plane: Mapping[str, np.ndarray], names: Iterable[str]) -> StateDigest:
+    """`digest` with the plane tensors `names` re-hashed (equals `plane_digest(plane)` when
+    `names` covers every tensor that changed; the plane's names must not change)."""
+    return digest.with_digests({n: tensor_digest(n, plane[n], plane_dtype(plane[n])) for n in names})
