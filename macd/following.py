@@ -222,10 +222,13 @@ class WeightFollower:
             version=self.installed[0], pointer_version=staged.version, swaps=self.reporter.beat.swaps + 1,
             last_swap_s=c.resumed - c.synced, state_digest=self.installed[1],
         )
+        moved = f"v{record.version} reinstalled" if before == record.version else (
+            f"v{record.version}" if before < 0 else f"v{before} -> v{record.version}"
+        )
         log.info(
-            "weights v%s -> v%d via %s: %.1f KB ready in %.2fs beside generation, %.2fs to the safe point; "
+            "weights %s via %s: %.1f KB ready in %.2fs beside generation, %.2fs to the safe point; "
             "generation paused %.3fs (install %.3fs), %d group(s) dropped to restart on the new weights",
-            before, record.version, record.path, result.bytes / 1e3,
+            moved, record.path, result.bytes / 1e3,
             record.ready_s, record.drain_s, record.pause_s, record.install_s, record.dropped,
         )
 

@@ -3,7 +3,8 @@
     macd install   write ~/Library/LaunchAgents/dev.stoa.macd.plist (loaded at every login)
     macd start     launchctl enable + bootstrap (or kickstart -k when already loaded)
     macd stop      launchctl bootout + disable (stays stopped across logins)
-    macd status    launchctl print, parsed: state, pid, last exit code
+    macd status    launchctl print, parsed: state, pid, last exit code (without launchd, on
+                   Linux: the worker's heartbeat decides)
     macd logs      tail ~/Library/Logs/stoa/macd.log
 
 Everything that decides something is a pure function (the plist, every launchctl argv);
@@ -221,6 +222,12 @@ def disable_cmd(agent: Agent) -> list[str]:
 # -- running them -------------------------------------------------------------------------------
 
 
+def has_launchctl() -> bool:
+    """Whether this system has launchd's launchctl (macOS)."""
+    return shutil.which("launchctl") is not None
+
+
+
 class Launchctl:
     """Runs launchctl argv lists, or prints them (`dry_run`)."""
 
@@ -230,7 +237,7 @@ class Launchctl:
 
     def require(self) -> None:
         """ServiceError with the `macd run` advice when launchctl is not on this system."""
-        if not self.dry_run and shutil.which("launchctl") is None:
+        if not self.dry_run and not has_launchctl():
             raise ServiceError(LAUNCHCTL_MISSING)
 
     def __call__(self, argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:

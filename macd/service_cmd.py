@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ("uninstall", "stop the agent and remove it", _uninstall),
         ("start", "start the agent now (restart it when running, e.g. after a config change)", _start),
         ("stop", "stop the agent (SIGTERM: the spool is flushed) and keep it stopped across logins", _stop),
-        ("status", "the agent's state, pid and last exit code, the last heartbeat and log lines", _status),
+        ("status", "the agent's state, pid and last exit code (macOS), the last heartbeat and log lines", _status),
     ]
     for name, help_text, handler in specs:
         cmd = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
@@ -140,11 +140,14 @@ def _uninstall(args: argparse.Namespace) -> int:
 
 @_service_call
 def _status(args: argparse.Namespace) -> int:
-    """Exit 0 when the agent runs, 3 when it does not, 1 when launchd cannot be asked."""
+    """Exit 0 when the worker runs, 3 when it does not, 1 when that cannot be told. On macOS the
+    agent's state decides (launchctl); elsewhere, with no launchd, the worker's heartbeat does."""
     from . import service
 
     agent = _agent(args)
     launchctl = service.Launchctl(dry_run=args.dry_run)
+    if not args.dry_run and not service.has_launchctl():
+        return _status_from_heartbeat(config_path(args))
     rc = 0
     try:
         state = service.status(agent, launchctl)
@@ -163,6 +166,28 @@ def _status(args: argparse.Namespace) -> int:
     return rc
 
 
+def _status_from_heartbeat(path: Path) -> int:
+    """`macd status` without launchd: the worker's config, heartbeat and log; 0 when the
+    heartbeat says it runs, 3 when it says it does not (or there is none), 1 when unreadable."""
+    print("agent      none: launchd agents are macOS-only; the worker's heartbeat says how it is doing")
+    running = _print_config_and_heartbeat(path)
+    log = beside_config_log(path)
+    if log is not None:
+        _print_log_tail(log, 10)
+    else:
+        print(
+            "log        `macd run` logs to the terminal it runs in (under systemd: "
+            "`journalctl --user -u <unit>`)"
+        )
+    return 1 if running is None else 0 if running else 3
+
+
+def beside_config_log(path: Path) -> Path | None:
+    """A `macd.log` beside the config (where `stoa quickstart` writes each worker's), if any."""
+    log = path.parent / "macd.log"
+    return log if log.is_file() else None
+
+
 def _state_text(state: Any) -> str:
     if not state.loaded:
         return "not loaded (stopped): `macd start` starts it"
@@ -178,28 +203,40 @@ def _state_text(state: Any) -> str:
     return ", ".join(parts)
 
 
-def _print_config_and_heartbeat(path: Path) -> None:
+def _print_config_and_heartbeat(path: Path) -> bool | None:
+    """Print the config and the heartbeat lines; whether the heartbeat says the worker runs
+    (None: no config, or the heartbeat could not be read)."""
     try:
         config = cfg.load_config(path)
     except ValueError as exc:
         print(f"config     {exc}")
-        return
+        return None
     print(f"config     {path}: run {config.run} in {config.store}, worker {config.worker_id} ({config.name})")
-    print(f"heartbeat  {heartbeat_text(config)}")
+    text, running = heartbeat_status(config)
+    print(f"heartbeat  {text}")
+    return running
 
 
 def heartbeat_text(config: cfg.DaemonConfig, timeout_s: float = 10.0) -> str:
     """The worker's last heartbeat in the bucket and the run's current version, in one line (or
     why there is none)."""
-    from slime_stoa.protocol.heartbeat import Heartbeat
+    return heartbeat_status(config, timeout_s)[0]
+
+
+def heartbeat_status(config: cfg.DaemonConfig, timeout_s: float = 10.0) -> tuple[str, bool | None]:
+    """`heartbeat_text`, and whether the heartbeat says the worker runs (False when it has none
+    in the bucket; None when the bucket could not be read)."""
+    from slime_stoa.protocol.heartbeat import MAX_HEARTBEAT_BYTES, NOT_RUNNING, Heartbeat, shown_status
     from slime_stoa.protocol.layout import RunLayout
     from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
     from slime_stoa.protocol.pulse.manifests import ManifestError
     from slime_stoa.protocol.store import NotFound, StoreError
+    from slime_stoa.protocol.store.capped import read_capped_bytes
 
     async def read() -> tuple[bytes, int | None]:
         async with config.open_store() as store:
-            data = await store.get_bytes(RunLayout(config.run).heartbeat(config.worker_id))
+            key = RunLayout(config.run).heartbeat(config.worker_id)
+            data = await read_capped_bytes(store, key, MAX_HEARTBEAT_BYTES)
             try:
                 head: int | None = (await read_pointer(store, config.run)).version
             except (NotPublished, ManifestError):
@@ -210,10 +247,11 @@ def heartbeat_text(config: cfg.DaemonConfig, timeout_s: float = 10.0) -> str:
         data, head = asyncio.run(asyncio.wait_for(read(), timeout_s))
         beat = Heartbeat.from_bytes(data, worker=config.worker_id)
     except NotFound:
-        return "none yet in the bucket"
+        return "none yet in the bucket", False
     except (StoreError, ValueError, OSError, TimeoutError) as exc:
-        return f"unavailable ({str(exc) or 'timed out'})"
-    return heartbeat_line(beat, time.time(), head)
+        return f"unavailable ({str(exc) or 'timed out'})", None
+    now = time.time()
+    return heartbeat_line(beat, now, head), shown_status(beat, now) not in NOT_RUNNING
 
 
 def heartbeat_line(beat: Any, now: float, head: int | None) -> str:
@@ -232,7 +270,9 @@ def heartbeat_line(beat: Any, now: float, head: int | None) -> str:
     else:
         lag = shown_lag(beat, now, head)
         text = f"{ago(now - beat.updated_at)}: {status}, {held}" + ("" if lag is None else f", lag {lag}")
-        text += f"{run_at}, {beat.tokens_per_s:.0f} tok/s"
+        # The rate of the last finished cohort: none before the first (0 would read as a stall).
+        rate = f"{beat.tokens_per_s:.0f} tok/s" if beat.tokens_per_s > 0 else "tok/s not measured yet (no cohort finished)"
+        text += f"{run_at}, {rate}"
     text += f", {beat.groups_uploaded} groups uploaded"
     if beat.groups_spooled:
         text += f", {beat.groups_spooled} spooled"

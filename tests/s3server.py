@@ -116,16 +116,22 @@ class LocalS3Server:
         startup_timeout: float = 60.0,
         weed: Path | None = None,
         scoped: dict[str, list[str]] | None = None,
+        root: Path | None = None,
+        s3_port: int | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
     ):
         self.region = region
+        self.root = root  # a folder kept across stops (the data survives); None: a temp folder, removed
+        self.s3_port = s3_port  # the S3 port; None: one picked free
         self.scoped = {
             name: (actions, "STOA" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30))
             for name, actions in (scoped or {}).items()
         }
         self.startup_timeout = startup_timeout
         self.weed = weed
-        self.access_key = "STOA" + secrets.token_hex(8).upper()
-        self.secret_key = secrets.token_urlsafe(30)
+        self.access_key = access_key or "STOA" + secrets.token_hex(8).upper()
+        self.secret_key = secret_key or secrets.token_urlsafe(30)
         self.endpoint_url = ""
         self.startup_seconds: float | None = None
         self.command: list[str] = []
@@ -159,13 +165,15 @@ class LocalS3Server:
         return self
 
     def _launch(self, weed: Path) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="stoa-s3-"))
+        self._dir = self.root if self.root is not None else Path(tempfile.mkdtemp(prefix="stoa-s3-"))
         for name in ("data", "logs", "home", "tmp", "config"):
-            (self._dir / name).mkdir()
+            (self._dir / name).mkdir(parents=True, exist_ok=True)
         config = self._dir / "s3.json"
         config.write_text(json.dumps(self._identity_config()))
         config.chmod(0o600)
         self._ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=False))
+        if self.s3_port is not None:
+            self._ports["s3.port"] = self.s3_port
         self.endpoint_url = f"http://{LOOPBACK}:{self._ports['s3.port']}"
         self.command = self._command(weed, config)
         # The server's log stays open for the life of the process; stop() closes it.
@@ -269,7 +277,8 @@ class LocalS3Server:
             self._log = None
         self._remove_grpc_sockets()
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            if self.root is None:
+                shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
     def _remove_grpc_sockets(self) -> None:
@@ -340,6 +349,10 @@ class LocalS3Server:
         )
 
     # -- isolation checks (Linux) ------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None

@@ -1,5 +1,6 @@
-"""`stoa eval --local` on GSM8K's real test split (read from shared/data/gsm8k beside the
-checkout), with both engines: macd's MLX path and transformers."""
+"""`stoa eval --local` on GSM8K's real test split (found as `tests.test_tasks.gsm8k_dirs` says:
+$STOA_GSM8K_DIR, else shared/data/gsm8k beside the checkout), with both engines: macd's MLX path
+and transformers."""
 
 from __future__ import annotations
 

@@ -419,9 +419,48 @@ def test_without_launchctl_the_error_says_what_to_do(bucket: str, tmp_path: Path
     for command in (["start"], ["stop"], ["install", "--config", str(path)], ["uninstall"]):
         assert macd(command) == 1
         assert service.LAUNCHCTL_MISSING in capsys.readouterr().err
-    assert macd(["status", "--config", str(path)]) == 1  # still shows the config and heartbeat
+    assert macd(["status", "--config", str(path)]) == 3  # no launchd: the heartbeat decides, and there is none
     out = capsys.readouterr().out
-    assert service.LAUNCHCTL_MISSING in out and "heartbeat  none yet in the bucket" in out
+    assert "launchd agents are macOS-only" in out and "heartbeat  none yet in the bucket" in out
+    assert "Library" not in out and "journalctl --user" in out  # no macOS log path on this system
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS has launchctl")
+@pytest.mark.parametrize("beat, rc", [
+    (dict(status="generating", age=2, tokens_per_s=106.0), 0),
+    (dict(status="stopped", age=60), 3),
+    (dict(status="generating", age=600, tokens_per_s=106.0), 3),  # silent
+])
+def test_status_without_launchd_is_the_heartbeats(
+    bucket: str, tmp_path: Path, capsys, beat: dict, rc: int
+) -> None:
+    import time
+
+    path = tmp_path / "worker" / "macd.toml"
+    path.parent.mkdir()
+    assert join(bucket, path) == 0
+    (path.parent / "macd.log").write_text("cohort 1: v0, 4 groups\ncohort 2: v0, 4 groups\n")
+    config = cfg.load_config(path)
+    age = beat.pop("age")
+    _write_heartbeat(bucket, config, version=0, updated_at=time.time() - age, **beat)
+    capsys.readouterr()
+    assert macd(["status", "--config", str(path)]) == rc
+    out = capsys.readouterr().out
+    assert f"log        {path.parent / 'macd.log'}, last lines:" in out and "  cohort 2: v0, 4 groups" in out
+    assert "Library" not in out
+
+
+def test_status_before_the_first_cohort_does_not_say_0_tok_s() -> None:
+    import time
+
+    from macd.service_cmd import heartbeat_line
+    from slime_stoa.protocol.heartbeat import Heartbeat
+
+    now = time.time()
+    beat = Heartbeat(worker_id="w", name="w", status="generating", version=1, updated_at=now)
+    line = heartbeat_line(beat, now, 1)
+    assert "0 tok/s" not in line and "tok/s not measured yet" in line
+    assert "106 tok/s" in heartbeat_line(Heartbeat(**{**beat.__dict__, "tokens_per_s": 106.0}), now, 1)
 
 
 def _publish_versions(url: str, run: str, count: int) -> None:
@@ -485,7 +524,7 @@ def test_status_shows_the_worker_as_fleet_does(
     _write_heartbeat(bucket, config, updated_at=time.time() - age, **beat)
     capsys.readouterr()
     rc = macd(["status", "--config", str(path)])
-    assert rc in (0, 1, 3)  # 1 without launchctl (not macOS): it still shows config and heartbeat
+    assert rc in (0, 3)
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
     line = next(x for x in captured.out.splitlines() if x.startswith("heartbeat  "))

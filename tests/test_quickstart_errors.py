@@ -43,6 +43,45 @@ def test_missing_model_folder(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     assert_one_error_line(quickstart(tmp_path, "--model", str(empty)), "no config.json")
+    assert not (tmp_path / "qs").exists()
+
+
+def model_folder(root: Path, *, config: bytes = b'{"model_type": "qwen2"}', weights: bytes | None = None) -> Path:
+    """A model folder with a config.json, a tokenizer and, when given, one weight file."""
+    folder = root / "model"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(config)
+    (folder / "tokenizer.json").write_text("{}")
+    if weights is not None:
+        (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+def good_weights() -> bytes:
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    return len(header).to_bytes(8, "little") + header + b"\0" * 4
+
+
+@pytest.mark.parametrize(
+    "config, weights, expected",
+    [
+        (b'{"model_type": "qwen2",', good_weights(), "config.json is not valid JSON"),
+        (b"[1, 2]", good_weights(), "config.json is not a JSON object"),
+        (b'{"model_type": "qwen2"}', None, "no weight files in it"),
+        (b'{"model_type": "qwen2"}', b"not a safetensors file", "model.safetensors is not a safetensors file"),
+    ],
+)
+def test_broken_model_folder_is_one_error_line_before_any_write(
+    tmp_path: Path, config: bytes, weights: bytes | None, expected: str
+) -> None:
+    folder = model_folder(tmp_path, config=config, weights=weights)
+    done = quickstart(tmp_path, "--model", str(folder))
+    assert_one_error_line(done, f"--model {folder}: {expected}")
+    assert "new run" not in done.stdout and not (tmp_path / "qs").exists()  # nothing written, bucket included
+
+
+def test_a_whole_model_folder_passes_the_check(tmp_path: Path) -> None:
+    QuickstartConfig(model=model_folder(tmp_path, weights=good_weights())).check_model()
 
 
 URL = "s3://bkt/p?endpoint=http://127.0.0.1:9"  # nothing listens on the discard port

@@ -16,6 +16,9 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.signing import SigningKey, write_key_file
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.worker_keys import read_worker_key_file
+from slime_stoa.trainer.consumer.persistence import write_state
+from slime_stoa.trainer.consumer.quarantine import WorkerRecord
+from slime_stoa.trainer.consumer.state import ConsumerState
 
 RUN = "fleet-run"
 
@@ -71,7 +74,20 @@ async def test_add_revoke_release_list(
     assert reg.workers[studio.worker].key == studio.key.public and reg.workers["mini-000001"].key == mini.key.public
 
     assert await asyncio.to_thread(stoa, "worker", "revoke", "mini-000001", "--key", str(key_file)) == 0
+    capsys.readouterr()
+    # Not quarantined (the trainer has saved no state yet): said so, nothing counted.
     assert await asyncio.to_thread(stoa, "worker", "release", "studio", "--key", str(key_file)) == 0
+    said = capsys.readouterr().out
+    assert f"worker {studio.worker} is not quarantined" in said and "no release counted" in said, said
+    read = await read_registry(store, RUN, run_key.public)
+    assert read is not None and read.registry.serial == 3 and read.registry.workers[studio.worker].releases == 0
+    # Quarantined by the trainer: the release is counted, once; a second one waits for the trainer.
+    quarantined = ConsumerState(run=RUN, quarantine={studio.worker: WorkerRecord(reason="logprob gap", since_ms=1)})
+    await write_state(store, quarantined, None, key=run_key)
+    assert await asyncio.to_thread(stoa, "worker", "release", "studio", "--key", str(key_file)) == 0
+    assert f"released worker {studio.worker} (release 1)" in capsys.readouterr().out
+    assert await asyncio.to_thread(stoa, "worker", "release", "studio", "--key", str(key_file)) == 0
+    assert "not applied yet" in capsys.readouterr().out
     read = await read_registry(store, RUN, run_key.public)
     assert read is not None
     assert read.registry.workers["mini-000001"].revoked and read.registry.workers[studio.worker].releases == 1

@@ -53,6 +53,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         return 2
     interrupt = Interrupt()  # Ctrl-C and SIGTERM: stop at the next safe point, workers included
     try:
+        cfg.check_model()  # a broken --model folder fails before the slow imports, before any write
         with interrupt.installed():
             summary, report = _run(args, cfg, interrupt)
             interrupt.check()  # a signal after the run's last check still means "interrupted"

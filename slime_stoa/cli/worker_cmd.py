@@ -2,7 +2,8 @@
 
     stoa worker add NAME --key RUN_KEY_FILE [--out FILE]   a new worker id and key (0600 file)
     stoa worker revoke WORKER --key RUN_KEY_FILE           refuse everything its key signs, from now on
-    stoa worker release WORKER --key RUN_KEY_FILE          lift a quarantine (counts a release)
+    stoa worker release WORKER --key RUN_KEY_FILE          lift a quarantine (counts a release; none
+                                                           for a worker that is not quarantined)
     stoa worker list [--key RUN_KEY_FILE]                  the registry
 
 Every edit rewrites `runs/<run>/registry.json` signed by the run key, by a conditional put. The
@@ -28,6 +29,7 @@ from slime_stoa.protocol.registry import (
     WorkerEntry,
     add_worker,
     check_display_name,
+    find_worker,
     read_registry,
     release_worker,
     revoke_worker,
@@ -38,6 +40,7 @@ from slime_stoa.protocol.run_trust import RunTrust, load_rotations
 from slime_stoa.protocol.signing import PublicKey, SigningKey, read_key_file
 from slime_stoa.protocol.store import StoreError, open_store
 from slime_stoa.protocol.worker_keys import WorkerKeyFile, write_worker_key_file
+from slime_stoa.trainer.consumer.persistence import read_state
 
 from .common import add_run_options, require_run_options
 
@@ -66,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     for name, text, handler in (
         ("revoke", "revoke a worker's key: nothing it signs is accepted from now on, also records not yet consumed", _revoke),
-        ("release", "lift a worker's quarantine (counts one release in the registry)", _release),
+        ("release", "lift a worker's quarantine (counts one release in the registry; a worker that is "
+                    "not quarantined gets none)", _release),
     ):
         cmd = cmds.add_parser(name, help=text, description=text)
         cmd.add_argument("worker", help="worker id (or its display name, if only one worker has it)")
@@ -190,8 +194,44 @@ def _revoke(args: argparse.Namespace) -> int:
     return _edit(args, partial(revoke_worker, worker=args.worker, now=time.time()), f"revoked worker {args.worker}")
 
 
+async def release(store_url: str, run: str, run_key: SigningKey, worker: str) -> tuple[Registry | None, str]:
+    """Count one release of `worker` when the trainer's saved state has it quarantined; (the
+    registry, what was done), or (None, why nothing was counted) when it is not quarantined or a
+    release of it is already waiting for the trainer. A state that cannot be read or verified
+    does not say: the release is counted, and the message says so."""
+    keys = await _run_key(store_url, run, run_key)
+    async with open_store(store_url) as store:
+        read = await read_registry(store, run, keys)
+        assert read is not None
+        entry = find_worker(read.registry, worker)
+        note = ""
+        try:
+            state, _ = await read_state(store, run, signed_by=keys)
+        except ValueError as exc:  # UntrustedState among them
+            state, note = None, f" (the trainer's state could not be checked: {exc})"
+        if not note:
+            record = None if state is None else state.quarantine.get(entry.worker)
+            if record is None or not record.quarantined:
+                return None, (f"worker {entry.worker} is not quarantined by the trainer of run {run!r}: "
+                              f"nothing to release, no release counted")
+            if entry.releases > record.releases:
+                return None, (f"worker {entry.worker} already has a release the trainer has not applied yet "
+                              f"(it does when it next reads the registry): no release counted")
+        registry = await update_registry(
+            store, run, run_key, partial(release_worker, worker=entry.worker), trusted=keys
+        )
+    count = registry.workers[entry.worker].releases
+    return registry, f"released worker {entry.worker} (release {count}){note}"
+
+
 def _release(args: argparse.Namespace) -> int:
-    return _edit(args, partial(release_worker, worker=args.worker), f"released worker {args.worker}")
+    try:
+        store_url, run = require_run_options(args)
+        registry, said = asyncio.run(release(store_url, run, read_key_file(args.key), args.worker))
+    except (StoreError, ValueError) as exc:
+        return _fail(exc)
+    print(said if registry is None else f"{said}, in the registry of run {run!r} (serial {registry.serial})")
+    return 0
 
 
 def _list(args: argparse.Namespace) -> int:

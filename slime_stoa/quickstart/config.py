@@ -7,6 +7,8 @@ parser from these fields.
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -96,20 +98,61 @@ class QuickstartConfig:
             raise ValueError(f"--minutes must be more than 0 (got {self.minutes}): pass e.g. --minutes 10")
 
     def check_model(self) -> None:
-        """QuickstartError when --model is given but is not a model folder (the CLI prints it)."""
-        if self.model is None:
-            return
-        if not self.model.is_dir():
-            raise QuickstartError(
-                f"--model {self.model}: no such folder: pass a local HF/MLX model folder (one with "
-                f"config.json, the weights and the tokenizer), or leave --model out for the tiny model"
-            )
-        if not (self.model / "config.json").is_file():
-            raise QuickstartError(
-                f"--model {self.model}: no config.json in it, so it is not an HF/MLX model folder: pass "
-                f"the folder that holds config.json, the weights and the tokenizer"
-            )
+        """QuickstartError naming the folder and the problem when --model is given but is not a
+        usable model folder (the CLI prints it): read before anything is written anywhere."""
+        if self.model is not None:
+            check_model_folder(self.model)
 
     @property
     def store_url(self) -> str:
         return self.store or f"file://{(self.out / 'bucket').resolve()}"
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def check_model_folder(folder: Path) -> None:
+    """QuickstartError unless `folder` is an HF/MLX model folder: a config.json holding a JSON
+    object, weight files (each .safetensors file's header readable) and a tokenizer."""
+    what = "pass a local HF/MLX model folder (config.json, the weights, the tokenizer), or leave --model out for the tiny model"
+    if not folder.is_dir():
+        raise QuickstartError(f"--model {folder}: no such folder: {what}")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise QuickstartError(f"--model {folder}: no config.json in it, so it is not an HF/MLX model folder: {what}")
+    try:
+        doc = json.loads(config.read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise QuickstartError(f"--model {folder}: {config.name} is not valid JSON ({exc}): {what}") from None
+    if not isinstance(doc, dict):
+        raise QuickstartError(f"--model {folder}: {config.name} is not a JSON object: {what}")
+    weights = sorted({p for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern)})
+    if not weights:
+        raise QuickstartError(f"--model {folder}: no weight files in it (*.safetensors or pytorch_model*.bin): {what}")
+    for path in weights:
+        if path.suffix == ".safetensors":
+            problem = safetensors_problem(path)
+            if problem:
+                raise QuickstartError(f"--model {folder}: {path.name} is not a safetensors file ({problem}): {what}")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise QuickstartError(f"--model {folder}: no tokenizer in it ({', '.join(TOKENIZER_FILES)}): {what}")
+
+
+def safetensors_problem(path: Path) -> str:
+    """Why `path` is not a readable safetensors file ("" when its header reads)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return "shorter than its header"
+            (size,) = struct.unpack("<Q", head)
+            if size > min(_MAX_SAFETENSORS_HEADER, path.stat().st_size - 8):
+                return f"a header of {size} bytes does not fit"
+            header = json.loads(f.read(size))
+    except OSError as exc:
+        return str(exc)
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"its header is not JSON: {exc}"
+    return "" if isinstance(header, dict) else "its header is not a JSON object"

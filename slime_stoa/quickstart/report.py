@@ -91,6 +91,12 @@ def write_json(summary: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(clean(summary), indent=2, sort_keys=True) + "\n")
 
 
+#: A legend to the right of its axes, outside them: it never covers a curve (the constrained
+#: layout makes room for it).
+LEGEND_BESIDE: dict[str, Any] = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0,
+                                 "fontsize": "small"}
+
+
 def plot_curve(summary: dict[str, Any], path: Path) -> Path:
     """Write `curve_figure(summary)` to `path` (PNG)."""
     import matplotlib.pyplot as plt
@@ -113,7 +119,9 @@ def curve_figure(summary: dict[str, Any]) -> Any:
     rewards = {int(k): v for k, v in summary["reward_by_version"].items() if v is not None}
     searched = {int(k): v for k, v in summary.get("search_rate_by_version", {}).items() if v is not None}
     patches = {int(k): v for k, v in summary["patch_bytes_by_version"].items()}
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}, layout="constrained"
+    )
     top.plot(list(rewards), list(rewards.values()), marker=".", color="tab:blue", label="reward")
     if summary.get("task") == "search":
         top.plot(list(searched), list(searched.values()), marker=".", color="tab:purple", label="search rate")
@@ -123,14 +131,13 @@ def curve_figure(summary: dict[str, Any]) -> Any:
                     label=f"chance: a random shown digit ({summary['chance']:.2f})")
     top.set_ylabel("mean of groups\ngenerated at this version")
     top.set_ylim(-0.02, 1.02)
-    top.legend(loc="lower right")
+    top.legend(**LEGEND_BESIDE)
     top.grid(alpha=0.3)
     top.set_title(f"stoa quickstart: GRPO on the {summary.get('task', 'synthetic')} task")
     bottom.bar(list(patches), [b / 1e3 for b in patches.values()], color="tab:orange", label="PULSE patch")
     bottom.axhline(summary["full_bytes"] / 1e3, color="gray", linestyle="--", label="full bf16 sync")
     bottom.set_ylabel("KB per version")
     bottom.set_xlabel("weight version")
-    bottom.legend(loc="upper right")
+    bottom.legend(**LEGEND_BESIDE)
     bottom.grid(alpha=0.3)
-    fig.tight_layout()
     return fig

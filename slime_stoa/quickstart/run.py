@@ -13,7 +13,9 @@ float32 weights and optimizer state to `<out>/learner.pt` after every publish (b
 rerun after any kind of stop resumes where the bucket says: no group is used, or counted, twice.
 A checkpoint of each of the last few versions (`checkpoints`: learner and consumer state of then)
 lets `--restart-from N` restart the run from an earlier version, as slime does. Store outages at
-start-up (seeding, the publisher, the keys, the rebuild) pause it, as they pause training.
+start-up (seeding, the publisher, the keys, the rebuild) pause it, as they pause training. A
+stopped warm start resumes from its last saved step (`warmstate`). One quickstart at a time per
+run folder (`lock`): a second one on the same --out is refused at start.
 
 Signed by default, as a real fleet: a new run gets a run key (`<out>/run.key`, 0600) that signs
 its manifest, weights and worker registry, and every worker a worker key
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from slime_stoa.protocol.fsutil import atomic_write
-from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.heartbeat import Heartbeat, read_heartbeat
 from slime_stoa.protocol.hf.folders import (
     bf16_bits_to_f32,
     save_hf_folder,
@@ -78,8 +80,11 @@ from .checkpoints import (
 )
 from .config import QuickstartConfig, QuickstartError
 from .interrupt import Interrupt
+from .lock import run_lock
+from .meter import StepMeter, report_console
 from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
 from .seeding import seed_run, tiny_synthetic_model
+from .warmstate import WARM_FILE, WarmState, run_warm_steps
 
 log = logging.getLogger("stoa.quickstart")
 
@@ -237,14 +242,17 @@ def _train_sequences(group: Any) -> list[TrainSequence]:
     ]
 
 
-def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig, interrupt: Interrupt | None = None) -> str:
+def warm_start(
+    learner: Learner, model_dir: Path, cfg: QuickstartConfig, interrupt: Interrupt | None = None, *,
+    path: Path | None = None, meter: StepMeter | None = None, on_resume: Callable[[WarmState], None] = lambda s: None,
+) -> str:
     """Supervised steps on the answer FORMAT only (a random shown digit), not the rule.
 
     Each step draws fresh targets, so the model learns "answer with one of the shown digits and
     stop" rather than memorising one random digit per prompt. `interrupt` is checked before
-    every step (`Interrupted`)."""
+    every step (`Interrupted`); `path`: where the warm start's state is saved and resumed from
+    (`warmstate`); `meter` shows the steps."""
     from transformers import AutoTokenizer
-
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     items = generate_items(2048, seed=cfg.seed + 1)
@@ -252,23 +260,34 @@ def warm_start(learner: Learner, model_dir: Path, cfg: QuickstartConfig, interru
     prompts = [np.array(prompt_tokens(tokenizer, task, item)) for item in items]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rng = np.random.default_rng(cfg.seed)
-    losses = []
+
+    def step(i: int) -> float:
+        picked = rng.choice(len(items), size=32, replace=False)
+        targets = warmup_pairs([items[j] for j in picked], seed=cfg.seed * 1_000_003 + i)
+        batch = [
+            (prompts[j], np.array(tokenizer.encode(target, add_special_tokens=False) + [eos]))
+            for j, (_, target) in zip(picked, targets, strict=True)
+        ]
+        return learner.supervised_step(batch)
+
     for group in learner.optimizer.param_groups:
         group["lr"] = cfg.warmup_lr
-    for step in range(cfg.warmup_steps):
-        if interrupt is not None:
-            interrupt.check()
-        picked = rng.choice(len(items), size=32, replace=False)
-        targets = warmup_pairs([items[i] for i in picked], seed=cfg.seed * 1_000_003 + step)
-        batch = [
-            (prompts[i], np.array(tokenizer.encode(target, add_special_tokens=False) + [eos]))
-            for i, (_, target) in zip(picked, targets, strict=True)
-        ]
-        losses.append(learner.supervised_step(batch))
-    for group in learner.optimizer.param_groups:
-        group["lr"] = cfg.lr
-    start, end = np.mean(losses[:10]), np.mean(losses[-10:])
-    return f"supervised warm start on the answer format: {cfg.warmup_steps} steps, loss {start:.2f} -> {end:.2f}"
+    try:
+        state = run_warm_steps(
+            learner, steps=cfg.warmup_steps, step=step, rng=rng, path=path, key=warm_key(cfg, model_dir),
+            check=interrupt.check if interrupt is not None else lambda: None, meter=meter, on_resume=on_resume,
+        )
+    finally:
+        for group in learner.optimizer.param_groups:
+            group["lr"] = cfg.lr
+    losses = state.losses
+    start, end = (np.mean(losses[:10]), np.mean(losses[-10:])) if losses else (float("nan"),) * 2
+    return f"supervised warm start on the answer format: {state.step} steps, loss {start:.2f} -> {end:.2f}"
+
+
+def warm_key(cfg: QuickstartConfig, model_dir: Path) -> dict[str, Any]:
+    """What makes two warm starts the same one (a saved state of another is not resumed)."""
+    return {"run": cfg.run, "task": cfg.task, "seed": cfg.seed, "lr": cfg.warmup_lr, "model": str(model_dir.resolve())}
 
 
 def warm_start_note(cfg: QuickstartConfig) -> str:
@@ -367,14 +386,12 @@ def load_published(learner: Learner, state: dict[str, np.ndarray]) -> None:
 async def read_worker_states(store: Store, run: str, workers: int) -> list[Heartbeat]:
     """The latest heartbeat of each of the quickstart's `workers` (their ids are fixed, see
     `worker_id`); a worker that has written none yet is left out."""
-    layout = RunLayout(run)
     beats = []
     for i in range(workers):
         try:
-            data = await through_outages(
-                partial(store.get_bytes, layout.heartbeat(worker_id(i))), describe=f"reading the heartbeats of run {run!r}"
-            )
-            beats.append(Heartbeat.from_bytes(data))
+            beats.append(await through_outages(
+                partial(read_heartbeat, store, run, worker_id(i)), describe=f"reading the heartbeats of run {run!r}"
+            ))  # fmt: skip
         except (NotFound, ValueError):
             continue
     return beats
@@ -565,14 +582,19 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
     """Run the loop; `report` gets progress calls (see quickstart_report.ConsoleReport).
 
     `interrupt` (a stop flag the caller routes Ctrl-C/SIGTERM to) is checked between steps of
-    every phase; when it is raised the run stops cleanly and `Interrupted` propagates."""
-    import torch
-
-    stop = interrupt or Interrupt()
+    every phase; when it is raised the run stops cleanly and `Interrupted` propagates. The run
+    holds the run folder's lock (`lock`) throughout: a second one on the same --out is refused."""
     cfg.check_model()
     check_tracking(cfg)
+    with run_lock(cfg.out):  # one quickstart per run folder, for its whole life
+        return await _run_locked(cfg, report, interrupt or Interrupt())
+
+
+async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> dict[str, Any]:
+    """`run_quickstart` once the run folder's lock is held."""
+    import torch
+
     torch.set_num_threads(1)  # leave the other core(s) to the MLX workers
-    cfg.out.mkdir(parents=True, exist_ok=True)
     url = cfg.store_url
     progress = Progress()
     new_run = await probe_store(url, cfg.run, stop)  # before any slow work: a bad --store fails at once
@@ -597,15 +619,27 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
         if new_run and not warmed:
             progress.warm_start = f"no warm start: RL starts from {model_dir} as it is"
             report.note(progress.warm_start)
-        elif warmed and search_data is not None:  # how to query and read, not when to search
-            report.note(qsearch.warm_start_search_note(cfg.warmup_steps))
-            progress.warm_start = qsearch.warm_start_search(
-                learner, model_dir, cfg.out, search_data, steps=cfg.warmup_steps, lr=cfg.warmup_lr, rl_lr=cfg.lr,
-                seed=cfg.seed, interrupt=stop,
+        warm_file = cfg.out / WARM_FILE
+
+        def resumed(state: WarmState) -> None:
+            report.note(
+                f"resumed the warm start at step {state.step} of {cfg.warmup_steps} (saved in {warm_file})"
             )
+
+        meter = StepMeter(report_console(report), "warm start", cfg.warmup_steps)
+        if warmed and search_data is not None:  # how to query and read, not when to search
+            report.note(qsearch.warm_start_search_note(cfg.warmup_steps))
+            with meter:
+                progress.warm_start = qsearch.warm_start_search(
+                    learner, model_dir, cfg.out, search_data, steps=cfg.warmup_steps, lr=cfg.warmup_lr,
+                    rl_lr=cfg.lr, seed=cfg.seed, interrupt=stop, path=warm_file, key=warm_key(cfg, model_dir),
+                    meter=meter, on_resume=resumed,
+                )
         elif warmed:
             report.note(warm_start_note(cfg))
-            progress.warm_start = warm_start(learner, model_dir, cfg, stop)
+            with meter:
+                progress.warm_start = warm_start(learner, model_dir, cfg, stop, path=warm_file, meter=meter,
+                                                 on_resume=resumed)
         if warmed:
             report.note(progress.warm_start)
             warm_dir = cfg.out / "warm-start"
@@ -627,6 +661,7 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
                     store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg, key=run_key),
             f"seeding run {cfg.run!r} and opening its publisher", stop,
         )
+        warm_file.unlink(missing_ok=True)  # the run is seeded: a rerun resumes it, not its warm start
         registry: Registry | None = None
         if run_key is not None:
             registry = await at_startup(partial(register_workers, store, cfg, run_key), "registering the worker keys", stop)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,9 @@ from slime_stoa.tasks.search.rewards import decode_label
 from slime_stoa.tasks.search.synthetic import generate, task_items
 from slime_stoa.tasks.search.task import Search
 
+from .meter import StepMeter
 from .tiny_model import build_tiny_model
+from .warmstate import WarmState, run_warm_steps
 
 #: Task meta: one passage per search, one search per episode (a second call ends it, "turns"),
 #: no system prompt (the tiny model learns the tool format from the warm start, not from prose).
@@ -202,34 +204,42 @@ def demonstrations(tokenizer: Any, items: Sequence[TaskItem], passages: Sequence
 
 
 def warm_start_search(learner: Any, model_dir: Path, work_dir: Path, data: SearchData, *, steps: int, lr: float,
-                      rl_lr: float, seed: int, interrupt: Any = None, batch: int = 16) -> str:
+                      rl_lr: float, seed: int, interrupt: Any = None, batch: int = 16, path: Path | None = None,
+                      key: dict[str, Any] | None = None, meter: StepMeter | None = None,
+                      on_resume: Callable[[WarmState], None] = lambda s: None) -> str:
     """Supervised steps on `demonstrations` of the train split (see the module doc); returns a
-    one-line account. `interrupt` is checked before every step (`Interrupted`)."""
+    one-line account. `interrupt` is checked before every step (`Interrupted`); `path`: where
+    the warm start's state is saved and resumed from (`warmstate`, `key` naming this warm start);
+    `meter` shows the steps."""
     import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     demos = demonstrations(tokenizer, data.train, data.passages, work_dir)
     rng = np.random.default_rng(seed)
+
+    def step(_: int) -> float:
+        picked = rng.choice(len(demos), size=min(batch, len(demos)), replace=False)
+        pairs = [p for i in picked for p in demos[i].pairs(bool(rng.random() < SEARCH_SHARE))]
+        return learner.supervised_step(pairs)
+
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # no worker runs yet: every core is the learner's
     for group in learner.optimizer.param_groups:
         group["lr"] = lr
-    losses = []
     try:
-        for _ in range(steps):
-            if interrupt is not None:
-                interrupt.check()
-            picked = rng.choice(len(demos), size=min(batch, len(demos)), replace=False)
-            pairs = [p for i in picked for p in demos[i].pairs(bool(rng.random() < SEARCH_SHARE))]
-            losses.append(learner.supervised_step(pairs))
+        state = run_warm_steps(
+            learner, steps=steps, step=step, rng=rng, path=path, key={"batch": batch, **(key or {})},
+            check=interrupt.check if interrupt is not None else lambda: None, meter=meter, on_resume=on_resume,
+        )
     finally:
         torch.set_num_threads(threads)
         for group in learner.optimizer.param_groups:
             group["lr"] = rl_lr
+    losses = state.losses
     start, end = (np.mean(losses[:10]), np.mean(losses[-10:])) if losses else (float("nan"),) * 2
     return (
-        f"supervised warm start on search demonstrations: {steps} steps, loss {start:.2f} -> {end:.2f} "
+        f"supervised warm start on search demonstrations: {state.step} steps, loss {start:.2f} -> {end:.2f} "
         f"(taught: the query and reading the answer; first move: search {SEARCH_SHARE:.0%}, else answer {GUESS!r} at once)"
     )
 
