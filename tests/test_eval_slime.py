@@ -34,9 +34,8 @@ def test_one_function_is_both_the_rollout_and_the_eval_path() -> None:
 def test_eval_settings_are_checked_before_anything_is_opened() -> None:
     from slime_stoa.trainer.slime.eval_rollout import eval_datasets_from_args
 
-    assert eval_datasets_from_args(types.SimpleNamespace(eval_prompt_data=["gsm8k-test", "test", "b", "dev"])) == [
-        ("gsm8k-test", "test"), ("b", "dev"),
-    ]
+    datasets = eval_datasets_from_args(types.SimpleNamespace(eval_prompt_data=["gsm8k-test", "test", "b", "dev"]))
+    assert [(d.name, d.split) for d in datasets] == [("gsm8k-test", "test"), ("b", "dev")]
     for bad in (None, [], ["only-a-name"], ["n", "../x"]):
         with pytest.raises(ValueError):
             eval_datasets_from_args(types.SimpleNamespace(eval_prompt_data=bad))
@@ -76,6 +75,8 @@ async def test_generate_rollout_evaluation_returns_slimes_eval_output(
     assert len(entry["rewards"]) == len(entry["truncated"]) == len(entry["samples"]) == 4 * 2
     samples = entry["samples"]
     assert [s.metadata["stoa_prompt_index"] for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.group_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]  # slime's zero_std/* groups by it
+    assert [s.index for s in samples] == list(range(8))
     assert [s.reward for s in samples] == entry["rewards"]
     assert all(isinstance(s.status, slime_standins.Sample.Status) for s in samples)
     assert [s.status is slime_standins.Sample.Status.TRUNCATED for s in samples] == entry["truncated"]

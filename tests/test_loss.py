@@ -439,6 +439,7 @@ def test_slime_side_loss_and_metrics() -> None:
         pg_reducer=reducer,
         entropy=entropy,
         entropy_coef=0.01,
+        pg_clip=(0.2, 0.28),
     )
     loss.backward()
     # Sample 0: pos_inside (w 1.2) and pos_outside (gated); sample 1: capped (w 2) and dual-clipped.
@@ -455,12 +456,13 @@ def test_slime_side_loss_and_metrics() -> None:
         "loss": pg - 0.01 * ent,
         "pg_loss": pg,
         "entropy_loss": ent,
-        "pg_clipfrac": 1 / 2 + 1 / 2,
+        "pg_clipfrac": 1 / 2 + 1 / 2,  # slime's PPO clip: r 1.6 and r 10 (A > 0); not r 1.2, not A < 0 at r 5
         "ppo_kl": -(math.log(1.2) + math.log(1.6)) / 2 - (math.log(10) + math.log(5)) / 2,
         "train_rollout_logprob_abs_diff": (math.log(1.2) + math.log(1.6)) / 2
         + (math.log(10) + math.log(5)) / 2,
         "dppo_gate_frac": 1 / 2,
         "dppo_clip_frac": 1 / 2,
+        "dppo_drop_frac": 1 / 2 + 1 / 2,
         "dppo_cap_frac": 1 / 2,
         "dppo_ratio_mean": (1.2 + 1.6) / 2 + (10 + 5) / 2,
     }
@@ -495,3 +497,49 @@ def test_slime_side_rejects_misaligned_inputs() -> None:
             sum_of_sample_mean=torch.sum,
             pg_reducer=torch.sum,
         )
+
+
+def test_pg_clipfrac_is_slimes_ppo_clip_and_the_gate_has_its_own_name() -> None:
+    """slime's `compute_policy_loss`: clipfrac = pg_losses2 > pg_losses1, i.e. A > 0 and
+    r > 1 + ε_high or A < 0 and r < 1 − ε, whatever drops the token; the DPPO drops are
+    dppo_gate_frac / dppo_clip_frac / dppo_drop_frac."""
+    # token: (p, μ, A)  gate δ 0.2, dual clip 3, pg_clip (0.3, 0.3)
+    tokens = [
+        (0.69, 0.9, -1.0),  # gated (μ − p 0.21), r 0.77 inside [0.7, 1.3]: not slime-clipped
+        (0.5, 0.1, -1.0),  # dual-clipped (r 5), A < 0 and r > 1: not slime-clipped
+        (0.55, 0.4, 1.0),  # kept, r 1.375 > 1.3: slime-clipped
+        (0.3, 0.5, -1.0),  # kept? μ − p 0.2 is not > 0.2: kept; r 0.6 < 0.7: slime-clipped
+    ]
+    p, mu, a = (torch.tensor(col, dtype=F64) for col in zip(*tokens, strict=True))
+    mask = torch.ones(4)
+    reducer = _per_sample_mean([mask])
+    _, metrics = slime_loss_and_metrics(
+        config=DPPOConfig(reduction="seq_mean"), log_probs=[p.log()], rollout_log_probs=[mu.log()],
+        advantages=[a], loss_masks=[mask], sum_of_sample_mean=reducer, pg_reducer=reducer, pg_clip=(0.3, 0.3),
+    )
+    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 4)
+    assert metrics["dppo_gate_frac"].item() == pytest.approx(1 / 4)
+    assert metrics["dppo_clip_frac"].item() == pytest.approx(1 / 4)
+    assert metrics["dppo_drop_frac"].item() == pytest.approx(2 / 4)
+    # Without pg_clip: the loss's own PPO clip when set, else slime's default ε = 0.2.
+    _, own = slime_loss_and_metrics(
+        config=DPPOConfig(reduction="seq_mean", eps_clip=0.38), log_probs=[p.log()], rollout_log_probs=[mu.log()],
+        advantages=[a], loss_masks=[mask], sum_of_sample_mean=reducer, pg_reducer=reducer,
+    )
+    assert own["pg_clipfrac"].item() == pytest.approx(1 / 4)  # r 0.6 < 0.62; r 1.375 < 1.38
+    _, default = slime_loss_and_metrics(
+        config=DPPOConfig(reduction="seq_mean"), log_probs=[p.log()], rollout_log_probs=[mu.log()],
+        advantages=[a], loss_masks=[mask], sum_of_sample_mean=reducer, pg_reducer=reducer,
+    )
+    assert default["pg_clipfrac"].item() == pytest.approx(3 / 4)  # r 0.77 < 0.8 too
+
+
+def test_the_adapter_measures_pg_clipfrac_with_slimes_eps_clip_flags() -> None:
+    from types import SimpleNamespace
+
+    from slime_stoa.trainer.slime.loss import slime_pg_clip
+
+    assert slime_pg_clip(SimpleNamespace(eps_clip=0.2, eps_clip_high=0.28), DPPOConfig()) == (0.2, 0.28)
+    assert slime_pg_clip(SimpleNamespace(eps_clip=0.1, eps_clip_high=None), DPPOConfig()) == (0.1, 0.1)
+    assert slime_pg_clip(SimpleNamespace(), DPPOConfig()) is None  # slime's defaults
+    assert slime_pg_clip(SimpleNamespace(eps_clip=0.2), DPPOConfig(eps_clip=0.3)) is None  # the loss's own

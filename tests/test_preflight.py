@@ -248,8 +248,12 @@ def test_slime_args_file(setup: Setup, tmp_path: Path, capsys: pytest.CaptureFix
         (["--global-batch-size", "64"], "global-batch-size", "set --global-batch-size 32"),
         (["--num-steps-per-rollout", "2"], "global-batch-size", "contradicts --num-steps-per-rollout 2"),
         (["--num-steps-per-rollout", "3"], "global-batch-size", "pick a divisor of 32"),
-        (["--eval-interval", "5"], "eval-interval", "give NAME SPLIT pairs"),
-        (["--eval-interval", "5", "--eval-prompt-data", "gsm8k-test"], "eval-interval", "give NAME SPLIT pairs"),
+        (["--eval-interval", "5"], "eval-interval", "--eval-prompt-data NAME SPLIT"),
+        (["--eval-interval", "5", "--eval-prompt-data", "gsm8k-test"], "eval-interval", "--eval-prompt-data NAME SPLIT"),
+        (["--eval-interval", "5", "--eval-prompt-data", "g", "test", "--eval-temperature", "0"], "eval-interval",
+         "temperature 0"),
+        (["--eval-interval", "5", "--eval-prompt-data", "g", "test", "--eval-top-p", "0.9"], "eval-interval", "top_p"),
+        (["--get-mismatch-metrics"], "get-mismatch-metrics", "remove it"),
         (["--use-kl-loss"], "dppo-settings", "--use-kl-loss is not supported"),
     ],
 )  # fmt: skip
@@ -263,7 +267,27 @@ def test_an_inconsistent_flag_fails_with_what_to_change(
 
 def test_evaluation_with_prompt_data_splits_passes(setup: Setup) -> None:
     findings = setup.findings(["--eval-interval", "5", "--eval-prompt-data", "gsm8k-test", "test"])
-    assert by_check(findings)["eval-interval"].message == "eval every 5 rollouts on gsm8k-test (split test), answered by the fleet"
+    assert by_check(findings)["eval-interval"].message == (
+        "eval every 5 rollouts on gsm8k-test (split test, 1 per prompt, temperature 0.7, max 256 tokens), "
+        "answered by the fleet"
+    )
+
+
+def test_evaluation_reads_the_eval_config_per_dataset(setup: Setup) -> None:
+    """slime's --eval-config: each dataset's own settings, then eval.defaults, then the flags."""
+    config = write_yaml(setup.root / "eval.yaml", {"eval": {
+        "defaults": {"temperature": 0.6},
+        "datasets": [
+            {"name": "a", "path": "test", "n_samples_per_eval_prompt": 4, "max_response_len": 64},
+            {"name": "b", "path": "dev", "temperature": 1.0},
+        ],
+    }})
+    findings = setup.findings(["--eval-interval", "2", "--eval-config", str(config), "--eval-max-response-len", "99"])
+    message = by_check(findings)["eval-interval"].message
+    assert "a (split test, 4 per prompt, temperature 0.6, max 64 tokens)" in message
+    assert "b (split dev, 1 per prompt, temperature 1, max 99 tokens)" in message
+    write_yaml(config, {"eval": {"datasets": [{"name": "a", "path": "test", "temperature": 0}]}})
+    assert_fix(setup.findings(["--eval-interval", "2", "--eval-config", str(config)]), "eval-interval", "temperature 0")
 
 
 def test_missing_flags(setup: Setup) -> None:
@@ -474,5 +498,38 @@ def test_the_scripts_flags_and_yaml_pass_preflight(tmp_path: Path) -> None:
     config.write_text(yaml_text)
     flags = flags + ["--custom-config-path", str(config)]
     findings = run_checks(url, RUN, flags, slime_dir=None, facts=asyncio.run(inspect_store(url, RUN)))
-    problems = [f for f in findings if f.status != OK and f.check != "slime-patch"]
+    problems = [f for f in findings if f.status != OK and f.check not in ("slime-patch", "hf-names")]
     assert not problems, preflight.format_findings(findings)
+    assert "is not a local folder here" in by_check(findings)["hf-names"].message  # the model is not on this box
+
+
+# -- the published tensor names: the HF folder's, and the anchor's ------------------------------------
+def hf_folder(root: Path, names: list[str], *, tie: bool | None) -> Path:
+    from slime_stoa.protocol.hf.safetensors_io import write_safetensors
+
+    root.mkdir(parents=True)
+    config = {"vocab_size": 64} if tie is None else {"vocab_size": 64, "tie_word_embeddings": tie}
+    (root / "config.json").write_text(__import__("json").dumps(config))
+    write_safetensors(root / "model.safetensors", {n: np.zeros((2, 2), np.float32) for n in names})
+    return root
+
+
+def test_the_anchor_must_have_the_hf_folders_tensor_names(setup: Setup) -> None:
+    assert setup._facts.anchor_tensors == ("model.w",)  # read from the anchor's safetensors header
+    same = hf_folder(setup.root / "same", ["model.w"], tie=True)
+    for pp in ("1", "4"):
+        findings = setup.findings(["--hf-checkpoint", str(same), "--pipeline-model-parallel-size", pp])
+        f = by_check(findings)["hf-names"]
+        assert f.status == OK and "the 1 tensor names" in f.message, f
+        assert ("last stage's copy is left out" in f.message) == (pp == "4")
+    tied_with_head = hf_folder(setup.root / "head", ["model.w", "lm_head.weight"], tie=True)
+    assert_fix(setup.findings(["--hf-checkpoint", str(tied_with_head)]), "hf-names", "lacks lm_head.weight")
+    assert_fix(
+        setup.findings(["--hf-checkpoint", str(same), "--untie-embeddings-and-output-weights"]),
+        "untie-embeddings", "remove --untie-embeddings-and-output-weights",
+    )
+    untied = hf_folder(setup.root / "untied", ["model.w"], tie=False)
+    assert_fix(setup.findings(["--hf-checkpoint", str(untied)]), "untie-embeddings",
+               "add --untie-embeddings-and-output-weights")
+    f = by_check(setup.findings(["--hf-checkpoint", str(untied), "--untie-embeddings-and-output-weights"]))["hf-names"]
+    assert f.status == OK and "untied output head" in f.message

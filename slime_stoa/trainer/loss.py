@@ -106,6 +106,9 @@ __all__ = [
     "slime_loss_and_metrics",
 ]
 
+SLIME_EPS_CLIP = (0.2, 0.2)  # slime's --eps-clip default; --eps-clip-high defaults to it
+
+
 @dataclass(frozen=True)
 class DPPOTerms:
     """Per-token pieces of the loss, all of the input shape.
@@ -328,6 +331,7 @@ def slime_loss_and_metrics(
     pg_reducer: Callable[[Tensor], Tensor],
     entropy: Sequence[Tensor] | None = None,
     entropy_coef: float = 0.0,
+    pg_clip: tuple[float, float] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The slime-independent part of `dppo_loss`: per-sample lists in, (loss, metrics) out.
 
@@ -339,11 +343,18 @@ def slime_loss_and_metrics(
         loss = pg_reducer(ℓ) − entropy_coef · sum_of_sample_mean(entropy)
 
     Metrics (detached 0-dim tensors, reduced like slime's own so slime can all-reduce them):
-    loss, pg_loss, entropy_loss (if entropy is given), pg_clipfrac (the fraction of tokens with
-    zero gradient, gate or clip), ppo_kl (mean worker_logp − logp, slime's definition with
-    --use-rollout-logprobs), train_rollout_logprob_abs_diff (mean |logp − worker_logp|),
-    dppo_gate_frac, dppo_clip_frac, dppo_cap_frac, dppo_ratio_mean. Max/min are left out: slime
-    sums metrics across ranks and micro-batches.
+    loss, pg_loss, entropy_loss (if entropy is given), pg_clipfrac, ppo_kl (mean worker_logp −
+    logp, slime's definition with --use-rollout-logprobs), train_rollout_logprob_abs_diff (mean
+    |logp − worker_logp|), dppo_gate_frac (dropped by the trust region), dppo_clip_frac (dropped
+    by the PPO or dual clip, not gated), dppo_drop_frac (zero gradient for any reason),
+    dppo_cap_frac, dppo_ratio_mean. Max/min are left out: slime sums metrics across ranks and
+    micro-batches.
+
+    pg_clipfrac is slime's (`compute_policy_loss` in slime/utils/ppo_utils.py): the fraction of
+    tokens where PPO's clipped term is active, A > 0 and r > 1 + ε_high or A < 0 and r < 1 − ε,
+    whatever the gate decided. `pg_clip` = (ε, ε_high); None: the config's eps_clip when set,
+    else slime's defaults (0.2, 0.2). With the PPO clip off it is the share of tokens slime's
+    clip would have cut, comparable with a run of slime's own loss.
     """
     logp = torch.cat(list(log_probs))
     worker_logp = torch.cat(list(rollout_log_probs)).to(device=logp.device)
@@ -364,12 +375,21 @@ def slime_loss_and_metrics(
         metrics["entropy_loss"] = entropy_loss
     lp = logp.detach()
     wlp = torch.where(t.valid, worker_logp.to(lp.dtype), lp)  # padding: gap 0, never NaN
+    if pg_clip is None:
+        pg_clip = (config.eps_clip, config.eps_clip_high) if config.eps_clip is not None else SLIME_EPS_CLIP  # type: ignore[assignment]
+    assert pg_clip is not None
+    eps_low, eps_high = (real_number("pg_clip", e) for e in pg_clip)
+    adv_v = torch.where(t.valid, adv.detach().to(lp.dtype), 0)
+    ppo_active = t.valid & (
+        ((adv_v > 0) & (t.ratio > 1 + eps_high)) | ((adv_v < 0) & (t.ratio < 1 - eps_low))
+    )
     per_token = {
-        "pg_clipfrac": t.valid & ~t.kept,
+        "pg_clipfrac": ppo_active,
         "ppo_kl": wlp - lp,
         "train_rollout_logprob_abs_diff": (lp - wlp).abs(),
         "dppo_gate_frac": t.gated,
         "dppo_clip_frac": t.ppo_clipped | t.dual_clipped,
+        "dppo_drop_frac": t.valid & ~t.kept,
         "dppo_cap_frac": t.capped,
         "dppo_ratio_mean": t.ratio,
     }

@@ -71,7 +71,7 @@ class StoaDataSource:
         """`num_samples` groups of `n_samples_per_prompt` blank samples with fresh ids."""
         from slime.utils.types import Sample
 
-        n = self.args.n_samples_per_prompt
+        n = getattr(self.args, "n_samples_per_prompt", None) or 1  # no args (slime's contract checks): 1
         groups = []
         for _ in range(num_samples):
             group = []

@@ -17,7 +17,7 @@ from .settings import DPPO_PREFIX, SLIME_FLAGS_READ, SettingsCache, StoaSettings
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["SLIME_ARG_PREFIX", "config_from_args", "dppo_loss"]
+__all__ = ["SLIME_ARG_PREFIX", "config_from_args", "dppo_loss", "slime_pg_clip"]
 
 SLIME_ARG_PREFIX = DPPO_PREFIX
 # slime flags that only its built-in policy loss honours; with this loss they would do nothing.
@@ -66,6 +66,20 @@ def _config(args: Any) -> DPPOConfig:
     return config
 
 
+def slime_pg_clip(args: Any, config: DPPOConfig) -> tuple[float, float] | None:
+    """The (ε, ε_high) slime's `pg_clipfrac` is measured with: None (the loss's own eps_clip)
+    when dppo_eps_clip is set, else slime's `--eps-clip` / `--eps-clip-high` (None: its defaults)."""
+    if config.eps_clip is not None:
+        return None
+    low = getattr(args, "eps_clip", None)
+    if isinstance(low, bool) or not isinstance(low, int | float):
+        return None
+    high = getattr(args, "eps_clip_high", None)
+    if isinstance(high, bool) or not isinstance(high, int | float):
+        high = low
+    return float(low), float(high)
+
+
 def dppo_loss(
     args: Any, batch: dict[str, Any], logits: Tensor, sum_of_sample_mean: Callable
 ) -> tuple[Tensor, dict]:
@@ -84,6 +98,8 @@ def dppo_loss(
       slime flags only its built-in policy loss uses (KL loss, TIS, OPSM, custom pg reducer) are
       rejected rather than silently ignored. Pair with `--use-rollout-logprobs` so slime skips
       recomputing old log-probs this loss never reads.
+    - Metrics: `slime_loss_and_metrics`; `pg_clipfrac` is slime's, measured with dppo_eps_clip
+      when set, else slime's `--eps-clip` / `--eps-clip-high` (`slime_pg_clip`).
     """
     from slime.backends.megatron_utils.cp_utils import (
         get_sum_of_sample_mean,
@@ -131,6 +147,7 @@ def dppo_loss(
         pg_reducer=pg_reducer,
         entropy=out["entropy"],
         entropy_coef=float(getattr(args, "entropy_coef", 0.0)),
+        pg_clip=slime_pg_clip(args, config),
     )
     if sum(lp.numel() for lp in out["log_probs"]) == 0:
         loss = loss + 0 * logits.sum()  # keep the backward pass alive on an empty micro-batch

@@ -30,6 +30,7 @@ import importlib
 import importlib.util
 import math
 import shlex
+import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,17 @@ def slime_flag_parser() -> argparse.ArgumentParser:
     add("--eval-prompt-data", nargs="+", default=None)
     add("--prompt-data", default=None)
     add("--disable-rollout-global-dataset", action="store_false", dest="rollout_global_dataset")
+    add("--eval-config", default=None)
+    add("--n-samples-per-eval-prompt", type=int, default=1)
+    add("--eval-temperature", type=float, default=None)
+    add("--eval-top-p", type=float, default=None)
+    add("--eval-top-k", type=int, default=None)
+    add("--eval-max-response-len", type=int, default=None)
+    add("--eval-min-new-tokens", type=int, default=None)
+    add("--rollout-top-k", type=int, default=-1)
+    add("--get-mismatch-metrics", action="store_true", default=False)
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--untie-embeddings-and-output-weights", action="store_true", default=False)
     add("--hf-checkpoint", default=None)
     add("--save", default=None)
     add("--load", default=None)
@@ -360,19 +372,7 @@ def check_schedule(args: argparse.Namespace) -> list[Finding]:
             )
         )
     if getattr(args, "eval_interval", None) is not None:
-        pairs = getattr(args, "eval_prompt_data", None) or []
-        if not pairs or len(pairs) % 2:
-            out.append(
-                fix(
-                    "eval-interval",
-                    f"--eval-interval is set but --eval-prompt-data is {_shown(pairs or None)}: give NAME SPLIT pairs "
-                    "(e.g. --eval-prompt-data gsm8k-test test: a split of the run's task in the bucket), or remove "
-                    "--eval-interval",
-                )
-            )
-        else:
-            names = ", ".join(f"{pairs[i]} (split {pairs[i + 1]})" for i in range(0, len(pairs), 2))
-            out.append(ok("eval-interval", f"eval every {args.eval_interval} rollouts on {names}, answered by the fleet"))
+        out.append(check_eval(args))
     if getattr(args, "prompt_data", None):
         out.append(warn("prompt-data", "--prompt-data is set but ignored (prompts come from the bucket): remove it"))
     if not getattr(args, "rollout_global_dataset", True):
@@ -385,6 +385,94 @@ def check_schedule(args: argparse.Namespace) -> list[Finding]:
         )
     if not getattr(args, "save", None):
         out.append(warn("save", "--save is not set: no checkpoints, so a restart starts over from the initial weights"))
+    return out
+
+
+def check_eval(args: argparse.Namespace) -> Finding:
+    """The eval datasets (`--eval-config`, else `--eval-prompt-data`) resolve as slime resolves
+    them, each with settings the fleet can honour."""
+    from .eval_rollout import eval_datasets_from_args
+
+    try:
+        datasets = eval_datasets_from_args(args)
+    except ValueError as exc:
+        return fix("eval-interval", f"--eval-interval is set but {exc}; or remove --eval-interval")
+
+    def shown(d: Any) -> str:
+        temperature = "the run's temperature" if d.temperature is None else f"temperature {d.temperature:g}"
+        tokens = "the run's max_tokens" if d.max_tokens is None else f"max {d.max_tokens} tokens"
+        return f"{d.name} (split {d.split}, {d.k} per prompt, {temperature}, {tokens})"
+
+    names = ", ".join(shown(d) for d in datasets)
+    return ok("eval-interval", f"eval every {args.eval_interval} rollouts on {names}, answered by the fleet")
+
+
+def check_mismatch_metrics(args: argparse.Namespace) -> Finding | None:
+    """`--get-mismatch-metrics` is refused: slime would recompute log-probs for metrics stoa's
+    loss never computes (the rollout function fails on it)."""
+    if not getattr(args, "get_mismatch_metrics", False):
+        return None
+    return fix(
+        "get-mismatch-metrics",
+        "--get-mismatch-metrics is set: remove it (slime would recompute the old log-probs, one more forward pass "
+        "per rollout, for metrics slime_stoa.dppo_loss never computes; the rollout function refuses it; "
+        "train/train_rollout_logprob_abs_diff and train/ppo_kl measure the trainer-worker mismatch)",
+    )
+
+
+def check_hf_names(args: argparse.Namespace, facts: StoreFacts) -> list[Finding]:
+    """The published tensor names will be the HF folder's (`--hf-checkpoint`) and the run's
+    anchor has them. Seen here: the folder's config and tensor names, the anchor's tensor names,
+    the tying flags. Not seen before training: the names slime's converter emits for this model
+    family (the first `update_weights` gathers them); a family the converter does not know fails there."""
+    from .hf_names import TIED_HEAD, config_ties, folder_tensor_names, head_plan, read_config
+
+    hf = getattr(args, "hf_checkpoint", None)
+    check = "hf-names"
+    if not hf:
+        return []
+    folder = Path(str(hf)).expanduser()
+    if not folder.is_dir():
+        return [warn(check, f"--hf-checkpoint {hf} is not a local folder here: the published tensor names were not "
+                            "checked against it")]
+    config, names = read_config(folder), folder_tensor_names(folder)
+    if config is None or names is None:
+        return [warn(check, f"--hf-checkpoint {hf} has no readable config.json or safetensors weights here: the "
+                            "published tensor names were not checked against it")]
+    untied = bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    plan = head_plan(folder, untied=untied, hf_config=None)
+    if plan.error is not None:
+        return [fix("untie-embeddings", plan.error)]
+    out: list[Finding] = []
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    tied = config_ties(config)
+    head = (
+        f"tied output head ({TIED_HEAD} not published: at --pipeline-model-parallel-size {pp} the last stage's copy "
+        "is left out)" if plan.drop and pp > 1 else
+        "tied output head (no lm_head)" if plan.drop else
+        f"tied output head stored as {TIED_HEAD} (published as a copy of the embedding)" if tied else
+        "untied output head"
+    )
+    anchor = facts.anchor_tensors
+    if anchor is None:
+        out.append(ok(check, f"--hf-checkpoint {hf}: {len(names)} tensors, {head}; the anchor's tensor names were "
+                             "not read, the converter's are seen only at the first update_weights"))
+        return out
+    missing, extra = sorted(names - set(anchor)), sorted(set(anchor) - names)
+    if missing or extra:
+        def few(xs: list[str]) -> str:
+            return ", ".join(xs[:5]) + (f" (+{len(xs) - 5} more)" if len(xs) > 5 else "")
+
+        parts = ([f"lacks {few(missing)}"] if missing else []) + ([f"has {few(extra)} too"] if extra else [])
+        out.append(fix(
+            check,
+            f"the run's anchor v{facts.anchor_version} {' and '.join(parts)} compared with --hf-checkpoint {hf}, "
+            "whose names the trainer publishes: the first update_weights would be refused. Publish the anchor "
+            f"from that folder (`stoa weights publish-anchor {hf} ...`) or point --hf-checkpoint at the anchor's model",
+        ))
+        return out
+    out.append(ok(check, f"the anchor v{facts.anchor_version} has the {len(names)} tensor names of --hf-checkpoint "
+                         f"{hf} ({head}); the converter's names are seen only at the first update_weights"))
     return out
 
 
@@ -684,6 +772,9 @@ def check_flags(args: argparse.Namespace, manifest: RunManifest | None, config: 
     out.append(check_rollout_function(args, config))
     out.append(check_data_source(args, config))
     out += check_loss(args, config)
+    mismatch = check_mismatch_metrics(args)
+    if mismatch is not None:
+        out.append(mismatch)
     return out
 
 
@@ -703,6 +794,7 @@ class StoreFacts:
     pointer_error: str | None = None
     anchor_version: int | None = None
     anchor_extras: tuple[str, ...] | None = None  # file names beside the anchor's weights
+    anchor_tensors: tuple[str, ...] | None = None  # the anchor's tensor names (None: not read)
 
 
 async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None = None) -> StoreFacts:
@@ -738,9 +830,31 @@ async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None
             facts["anchor_version"] = pointer.anchor.version
             anchor = await read_anchor_manifest(store, pointer.anchor.manifest)
             facts["anchor_extras"] = tuple(f.name for f in anchor.extras)
+            facts["anchor_tensors"] = await anchor_tensor_names(store, anchor.weights)
         except (StoreError, ManifestError, ValueError) as exc:
             facts["pointer_error"] = str(exc)
         return StoreFacts(url, run, **facts)
+
+
+async def anchor_tensor_names(store: Any, weights: Sequence[Any]) -> tuple[str, ...] | None:
+    """The tensor names in the safetensors headers of an anchor's weight files (two ranged reads
+    each); None when one cannot be read."""
+    from slime_stoa.protocol.hf.safetensors_io import MAX_HEADER_BYTES, parse_header
+
+    names: list[str] = []
+    try:
+        for f in weights:
+            if not f.name.endswith(".safetensors"):
+                continue
+            head = await store.get(f.key, offset=0, length=8)
+            (n,) = struct.unpack("<Q", head.data[:8])
+            if n > MAX_HEADER_BYTES:
+                return None
+            body = await store.get(f.key, offset=8, length=n)
+            names += [t.name for t in parse_header(head.data[:8] + body.data, f.bytes).tensors]
+    except (StoreError, ValueError, struct.error, AttributeError):
+        return None
+    return tuple(sorted(names))
 
 
 def check_store(facts: StoreFacts) -> list[Finding]:
@@ -853,6 +967,7 @@ def run_checks(
     tokenizer = check_tokenizer(args, facts)
     if tokenizer is not None:
         out.append(tokenizer)
+    out += check_hf_names(args, facts)
     out.append(check_patch(slime_dir))
     return out
 

@@ -25,6 +25,12 @@ baseline). The rollout function waits for the pointer to move after each train s
 (`stoa_publish_grace_s`), which includes the upload: give it more than the longest publish
 (an anchor). `stoa_background_publish: false` publishes inside `update_weights`.
 
+The published names are exactly the `--hf-checkpoint` folder's (`hf_names.head_plan`): a tied
+model at pipeline parallelism > 1 gathers the last stage's `output_layer.weight`, which slime's
+converter names `lm_head.weight`; for a folder that ties its head and stores none it is left out
+(a warning if it drifted from the embedding), and a tied folder that stores one gets the
+embedding's copy.
+
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
 reaches the patched branch, and slime's `keep_old_actor` queue is not advanced by a publish.
@@ -40,9 +46,10 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +61,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, open_store
 
 from ..loop_thread import LoopThread
+from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan, head_plan
 from .settings import StoaSettings, settings_from_args
 
 log = logging.getLogger(__name__)
@@ -83,14 +91,39 @@ def tensor_bits(name: str, tensor: Any) -> np.ndarray:
     return bits.to("cpu", copy=True).numpy().view(np.uint16)
 
 
-def add_chunk(state: dict[str, np.ndarray], chunk: NamedTensors) -> None:
-    """Add one chunk of (HF name, tensor) pairs to `state` as bf16 bits; ValueError on a duplicate."""
+def add_chunk(
+    state: dict[str, np.ndarray], chunk: NamedTensors, *, drop: Collection[str] = (),
+    dropped: dict[str, np.ndarray] | None = None,
+) -> None:
+    """Add one chunk of (HF name, tensor) pairs to `state` as bf16 bits; ValueError on a duplicate.
+    Names in `drop` are left out (their bits go to `dropped`, when given)."""
     for name, tensor in chunk:
         if not isinstance(name, str) or not name:
             raise ValueError(f"invalid tensor name {name!r}")
-        if name in state:
+        if name in state or (dropped is not None and name in dropped):
             raise ValueError(f"duplicate HF tensor {name!r} in slime's weight chunks")
+        if name in drop:
+            if dropped is not None:
+                dropped[name] = tensor_bits(name, tensor)
+            continue
         state[name] = tensor_bits(name, tensor)
+
+
+def check_tied_head(state: Mapping[str, np.ndarray], dropped: Mapping[str, np.ndarray]) -> str | None:
+    """A warning when a dropped tied head differs from the embedding it is tied to (None: equal,
+    or nothing to compare)."""
+    head, embedding = dropped.get(TIED_HEAD), state.get(EMBEDDING)
+    if head is None or embedding is None:
+        return None
+    if head.shape != embedding.shape:
+        return f"{TIED_HEAD} has shape {head.shape}, {EMBEDDING} {embedding.shape}"
+    differ = int(np.count_nonzero(head != embedding))
+    if not differ:
+        return None
+    return (
+        f"the last pipeline stage's output layer ({TIED_HEAD}) differs from {EMBEDDING} in {differ} of "
+        f"{head.size} elements; the tied HF model uses the embedding for both (published)"
+    )
 
 
 def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
@@ -414,7 +447,12 @@ def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.nda
         reload_process_groups()
         guard = torch_memory_saver.disable()
     state: dict[str, np.ndarray] = {}
+    dropped: dict[str, np.ndarray] = {}
     error: Exception | None = None
+    plan = tied_head(actor, args) if keep else HeadPlan()
+    drop = frozenset({TIED_HEAD}) if plan.drop else frozenset()
+    if plan.error is not None:
+        error = ValueError(f"stoa: {plan.error}")
     try:
         with guard, torch.no_grad():
             chunks = hf_weight_iterator(actor, args).get_hf_weight_chunks(
@@ -425,7 +463,7 @@ def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.nda
             for chunk in chunks:
                 if keep and error is None:
                     try:
-                        add_chunk(state, chunk)
+                        add_chunk(state, chunk, drop=drop, dropped=dropped)
                     except Exception as exc:
                         error = exc
                 del chunk
@@ -435,7 +473,29 @@ def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.nda
             destroy_process_groups()
     if keep and error is None and not state:
         error = ValueError("slime produced no weight tensors")
+    if keep and error is None and (mismatch := check_tied_head(state, dropped)):
+        log.warning("stoa: %s", mismatch)
+    if keep and error is None and plan.copy and TIED_HEAD not in state and EMBEDDING in state:
+        state[TIED_HEAD] = state[EMBEDDING].copy()  # a tied folder that stores its head
     return state, error
+
+
+def tied_head(actor: Any, args: Any) -> HeadPlan:
+    """`hf_names.head_plan` for slime's `--hf-checkpoint` folder and the actor's HF config
+    (cached on the actor: it does not change during a run)."""
+    plan = getattr(actor, "_stoa_head_plan", None)
+    if plan is None:
+        hf = getattr(args, "hf_checkpoint", None)
+        folder = Path(hf) if isinstance(hf, str) and hf and Path(hf).is_dir() else None
+        plan = head_plan(
+            folder, untied=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+            hf_config=getattr(actor, "hf_config", None),
+        )
+        if plan.drop:
+            log.info("stoa: the HF folder ties its output head: %s (the last pipeline stage's copy) is not published",
+                     TIED_HEAD)
+        actor._stoa_head_plan = plan
+    return plan
 
 
 def hf_weight_iterator(actor: Any, args: Any) -> Any:

@@ -62,6 +62,13 @@ answer skips them for that rollout). With `--use-wandb` the rollout function als
 `worker/*` against `rollout/step` in the run slime's rollout process joined (slime defines
 `train/*`, `rollout/*`, ... but not `worker/*`); see `slime_stoa.trainer.tracking`.
 
+Refused flags. `--get-mismatch-metrics` fails the first call (and every one after it) with one
+line: slime would recompute the old log-probs for metrics the DPPO loss never computes.
+
+Without args. slime's plugin contract tests (tests/plugin_contracts) call the function with
+`args=None`; with no settings there is no bucket to read, so it returns one group of the data
+source's own samples unchanged (a warning says so). A training launch always passes args.
+
 Evaluation (`--eval-interval`, with this function as the eval path too, slime's default): an
 `evaluation=True` call asks the fleet for an eval of the pointer's version
 (`slime_stoa.trainer.slime.eval_rollout`).
@@ -373,9 +380,51 @@ def _attach_worker_axis(args: Any, session: _Session) -> None:
         session.warn_once("wandb", "stoa: worker/* not given the rollout/step axis in W&B: %s", exc)
 
 
+MISMATCH_METRICS = (
+    "--get-mismatch-metrics is not supported with stoa: slime would recompute the old log-probs "
+    "(one more forward pass per rollout) for metrics slime_stoa.dppo_loss never computes; remove it "
+    "(the loss reports train/train_rollout_logprob_abs_diff and train/ppo_kl against the workers' log-probs)"
+)
+
+
+def refuse_unsupported(args: Any) -> None:
+    """ValueError for slime flags this plugin cannot honour (`MISMATCH_METRICS`)."""
+    if getattr(args, "get_mismatch_metrics", False):
+        raise ValueError(MISMATCH_METRICS)
+
+
+def _without_args(rollout_id: Any, data_source: Any, evaluation: bool) -> Any:
+    """The answer to a call without slime's args (slime's plugin contract tests,
+    tests/plugin_contracts, call `fn(None, rollout_id, data_source, evaluation)`): with no
+    settings there is no bucket to read, so one group of `data_source.get_samples(1)` goes back
+    as the data source made it, as a train batch or as the eval dataset `stoa_no_args`."""
+    from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+    from slime.utils.types import Sample
+
+    log.warning(
+        "stoa: rollout %s called without slime's args: no bucket or run to read, so the data source's own "
+        "samples are returned unchanged (slime's plugin contract check; a training launch always passes args)",
+        rollout_id,
+    )
+    groups = data_source.get_samples(1)
+    metrics = {"rollout/stoa_no_args": 1.0}
+    if not evaluation:
+        return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+    samples = [s for group in groups for s in group]
+    entry = {
+        "rewards": [s.reward for s in samples],
+        "truncated": [s.status == Sample.Status.TRUNCATED for s in samples],
+        "samples": samples,
+    }
+    return RolloutFnEvalOutput(data={"stoa_no_args": entry}, metrics={"eval/stoa_no_args": 1.0})
+
+
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     """slime rollout function: `rollout_batch_size` groups from the run's bucket, or with
     `evaluation` the fleet's answers to an eval of the pointer's version (module doc)."""
+    if args is None:
+        return _without_args(rollout_id, data_source, evaluation)
+    refuse_unsupported(args)
     if evaluation:
         return eval_output(args, rollout_id, session_for)
     from slime.rollout.base_types import RolloutFnTrainOutput
