@@ -7,8 +7,9 @@ direction, at the generation loop's next safe point (`WeightFollower.swap`): on 
 where the subscriber's state *is* the model's memory (one copy of the weights, `weights.py`),
 the commit scatters the patch's bits into the live weights there; on the int8 plane the bf16
 master is not the model, so it is written beside generation and the safe point re-quantizes the
-groups that changed. A commit the model cannot take is undone (the state and the subscriber back
-at the version the model computes with); the next version is then installed whole.
+groups that changed. A patch commit the model cannot take is undone (the state and the
+subscriber back at the version the model computes with; an anchor's new state stays, as the
+subscriber's); either way the next version is installed whole.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ class WeightFollower:
 
     async def _install(self, sub: Subscriber, result: SyncResult) -> None:
         """Commit what a sync staged and refresh the model from it, at a safe point (module doc).
-        A version that does not fit the model is reported and the next one installed whole."""
+        A version that does not fit the model, or whose install fails, is reported (the model
+        keeps serving the version it holds) and the next one is installed whole."""
         staged, live = result.staged, self.live
         assert staged is not None and live is not None
         before = self.installed[0]
@@ -189,8 +191,10 @@ class WeightFollower:
         early: Committed | None = None
         if live.plane == "int8":  # the master is not the model: written beside generation
             early = await asyncio.to_thread(sub.commit, staged)
+        reverted = False
 
         def install() -> None:
+            nonlocal reverted
             done = early or sub.commit(staged)
             assert sub.state is not None
             try:
@@ -198,15 +202,21 @@ class WeightFollower:
             except BaseException:
                 if done.undo is not None:
                     sub.revert(done)  # the state back at the version the model computes with
+                    reverted = True
                 raise
 
         try:
             await self.install_at_safe_point(install, staged.version, staged.digest.root())
-        except ValueError as exc:
+        except Exception as exc:  # the model keeps its version; the follow loop goes on
+            if early is not None and early.undo is not None and not reverted:
+                await asyncio.to_thread(sub.revert, early)  # the install never ran: the master back too
             self._whole = True
-            self.reporter.error(
-                f"weights: v{staged.version} does not fit the model ({exc}); serving v{self.installed[0]}"
-            )
+            if isinstance(exc, ValueError):
+                problem = f"does not fit the model ({exc})"
+            else:
+                log.exception("installing weights v%d failed", staged.version)
+                problem = f"failed to install ({describe_error(exc)})"
+            self.reporter.error(f"weights: v{staged.version} {problem}; serving v{self.installed[0]}")
             return
         self._whole = False
         if changed is None:

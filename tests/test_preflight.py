@@ -533,3 +533,17 @@ def test_the_anchor_must_have_the_hf_folders_tensor_names(setup: Setup) -> None:
                "add --untie-embeddings-and-output-weights")
     f = by_check(setup.findings(["--hf-checkpoint", str(untied), "--untie-embeddings-and-output-weights"]))["hf-names"]
     assert f.status == OK and "untied output head" in f.message
+
+
+def test_a_bad_key_of_a_piece_not_in_use_is_reported_as_it_fails_the_piece_in_use() -> None:
+    """Every stoa piece builds the whole settings object: with only the rollout function in use,
+    a bad publisher key fails it; with only the publisher, a bad rollout key does."""
+    from slime_stoa.trainer.slime.preflight import check_settings
+
+    base = dict(stoa_bucket="file:///b", stoa_run="r")
+    rollout_only = argparse.Namespace(**base, rollout_function_path="slime_stoa.generate_rollout", stoa_anchor_every=0)
+    publisher_only = argparse.Namespace(**base, stoa_publish=True, stoa_admission_order="lifo")
+    assert_fix(check_settings(rollout_only), "publisher-settings", "anchor_every", "read by the rollout function too")
+    assert_fix(check_settings(publisher_only), "rollout-settings", "admission_order", "read by the publisher too")
+    clean = argparse.Namespace(**base, stoa_publish=True, rollout_function_path="slime_stoa.generate_rollout")
+    assert all(f.status == "ok" for f in check_settings(clean) if f.check.endswith("-settings")), check_settings(clean)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 from typing import Any
 
@@ -383,6 +384,36 @@ async def test_the_trainer_signs_its_state_and_refuses_a_forged_one(store: Store
     await victim.save_state()  # replaces the forgery
     assert json.loads(await store.get_bytes(state_key(RUN)))["signature"]["key"] == run.run_key.key_id
     await victim.close()
+
+
+async def test_a_revocation_read_while_a_record_waits_for_its_version_refuses_it(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    """A record claiming a version the consumer has not read yet waits for a read of the published
+    versions; a registry read during that wait that revokes its key refuses it (it never reaches
+    the pool, where the revocation's sweep has already run)."""
+    run = await setup_signed_run(store, tiny)
+    consumer = await open_signed_consumer(store, tiny, store_url, run, wait_timeout_s=1.0)
+    versions, trust = consumer._versions, consumer._trust
+    real_refresh = versions.refresh
+    revoked_during: list[int] = []
+
+    async def refresh(after: int) -> None:
+        if inspect.stack()[1].function == "take" and not revoked_during:  # the record's own wait
+            await publish_versions(store, 1, key=run.run_key)  # what it waits for
+            await update_registry(store, RUN, run.run_key, lambda r: revoke_worker(r, "mac-a", now=3.0))
+            await trust.refresh_signers()  # another download's registry read, landing during this one
+            revoked_during.append(after)
+        await real_refresh(after)
+
+    versions.refresh = refresh  # type: ignore[method-assign]
+    group = make_group(tiny, worker="mac-a", seq=0, prompt_index=0, weight_version=1)
+    await put(store, signed(group, run.workers["mac-a"]), "mac-a", 0, now_ms() - 10_000)
+    with pytest.raises(ConsumerTimeout):
+        await consumer.next_batch(1, trainer_version=1)
+    assert revoked_during, "the record never waited for a read of the published versions"
+    assert consumer.counters["rejected/revoked"] == 1 and consumer.counters.get("admitted", 0) == 0
+    await consumer.close()
 
 
 async def test_stoa_worker_release_lifts_a_quarantine_through_the_registry(store: Store, store_url: str, tiny: Tiny) -> None:

@@ -225,6 +225,50 @@ async def test_int8_plane_serves_quantized_weights_from_the_bf16_master(
     assert len(got) == worker.groups_recorded and {g.weight_version for g in got} == {0, 1}
 
 
+@pytest.mark.parametrize("plane", ["bf16", "int8"])
+async def test_a_failed_install_is_reported_and_the_next_version_installed_whole(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, plane: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An install that raises (an MLX error, not a patch that does not fit) leaves the model on the
+    version it holds, says so in the heartbeat, and the weights keep being followed: the next
+    version is installed whole and the live weights are its, bit for bit."""
+    from macd.weights import LiveWeights
+
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, plane=plane)  # type: ignore[arg-type]
+    pub = await seed_run(store, manifest, model_dir, task_count=50)
+    failures: list[int] = []
+    real_apply = LiveWeights.apply
+
+    def apply_failing_once(self, state, changed, touched):  # type: ignore[no-untyped-def]
+        if changed is not None and not failures:
+            failures.append(1)
+            raise RuntimeError("out of memory (a test's)")
+        return real_apply(self, state, changed, touched)
+
+    monkeypatch.setattr(LiveWeights, "apply", apply_failing_once)
+    worker = Worker(daemon_config(store_url, tmp_path / "data"), store, WorkerOptions(seed=8, heartbeat_s=0.2))
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    await async_wait_until(lambda: worker.cohorts >= 1 or run.done(), timeout=120, message="a first cohort")
+    state = load_hf_state(model_dir)
+    state["model.layers.0.mlp.up_proj.weight"].reshape(-1)[:100] ^= 1
+    await pub.publish(state)  # v1: its install fails
+    await async_wait_until(lambda: failures or run.done(), timeout=120, message="the failed install of v1")
+    await async_wait_until(lambda: "failed to install" in (worker.beat.last_error or "") or run.done(), timeout=60,
+                           message=lambda: f"the failure in the heartbeat (last_error {worker.beat.last_error!r})")
+    assert not run.done() and worker.weights.installed[0] == 0  # still serving v0
+    # the subscriber went back with the model: it holds v0, and the live weights are v0's bit for bit
+    assert worker.sub is not None and worker.sub.version == 0 and worker.live is not None
+    assert worker.live.digest_check(worker.sub.state)
+    state["model.layers.1.mlp.up_proj.weight"].reshape(-1)[:100] ^= 1
+    await pub.publish(state)  # v2: installed whole
+    await async_wait_until(lambda: worker.weights.installed[0] == 2 or run.done(), timeout=120, message="the install of v2")
+    stop.set()
+    assert await asyncio.wait_for(run, 120) == 0
+    assert worker.sub.version == 2 and worker.sub.digest.root() == pub.state_digest
+    assert worker.live.digest_check(worker.sub.state)
+
+
 async def test_heartbeat_reports_quarantined_groups(
     store: Store, store_url: str, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -97,6 +97,10 @@ class Intake:
             self.scored_rewards.extend(admitted.rewards)
             shared.count("reward_disagreements", admitted.disagreements)
             shared.count(worker_counter(admitted.worker, "reward_disagreements"), admitted.disagreements)
+        reason = self.trust.distrust(admitted)
+        if reason is not None:  # the registry read while this record was judged revoked its key
+            shared.reject(admitted.name, reason, f"its key {admitted.signer} was {reason.replace('_', ' ')} while it was judged")
+            return
         if self.trust.refuses(admitted, uses):
             return
         verdict = self.versions.verdict(admitted.group.weight_version)

@@ -69,14 +69,21 @@ class WorkerTrust:
             return
         registry = signers.registry
         self.apply_releases({worker: e.releases for worker, e in registry.workers.items()})  # `stoa worker release`
-
-        def trusted(a: Admitted) -> bool:
-            found = None if a.signer is None else registry.by_key_id(a.signer)
-            return found is not None and not found.revoked
-
-        for a in self.pool.drop(trusted):
-            reason = "unknown_key" if a.signer is None or registry.by_key_id(a.signer) is None else "revoked"
+        for a in self.pool.drop(lambda a: self.distrust(a) is None):
+            reason = self.distrust(a)
+            assert reason is not None
             shared.reject(a.name, reason, f"its key {a.signer} was {reason.replace('_', ' ')} before the group was used")
+
+    def distrust(self, admitted: Admitted) -> str | None:
+        """In a signed run, why the registry as last read no longer trusts the key that signed
+        `admitted` ("revoked", or "unknown_key" when it is gone); None when it does, or when the
+        run is unsigned."""
+        if self.signers is None:
+            return None
+        found = None if admitted.signer is None else self.signers.registry.by_key_id(admitted.signer)
+        if found is None:
+            return "unknown_key"
+        return "revoked" if found.revoked else None
 
     # -- quarantine and canaries ------------------------------------------------------------------
     def quarantined(self) -> dict[str, str]:

@@ -664,7 +664,8 @@ def known_settings() -> frozenset[str]:
 
 def check_settings(args: argparse.Namespace) -> list[Finding]:
     """The stoa_* and dppo_* values parse: `StoaSettings` is built as the trainer's modules build
-    it, its errors reported by the piece that reads the key."""
+    it, its errors reported by the piece that reads the key. Every stoa piece builds the whole
+    object, so while one is in use a bad key of a piece not in use fails it too, and is reported."""
     from .settings import StoaSettings, read_fields
 
     out: list[Finding] = []
@@ -692,12 +693,17 @@ def check_settings(args: argparse.Namespace) -> list[Finding]:
                         "keep it only for slime's train_async.py or --update-weights-interval > 1",
                     )
                 )
-    if getattr(args, "stoa_publish", None) is True:
+    publishing = getattr(args, "stoa_publish", None) is True
+    if publishing:
         bad = problems("shared", "publisher")
         if bad:
             out.append(fix("publisher-settings", f"weight publishing settings: {bad}"))
         else:
             out.append(ok("publisher-settings", "the publisher's stoa_* settings parse"))
+    elif is_stoa_rollout and problems("publisher"):
+        out.append(fix("publisher-settings", f"weight publishing settings (read by the rollout function too): {problems('publisher')}"))
+    if publishing and not is_stoa_rollout and problems("rollout"):
+        out.append(fix("rollout-settings", f"rollout function settings (read by the publisher too): {problems('rollout')}"))
     loss_path = getattr(args, "custom_loss_function_path", None)
     is_stoa_loss = isinstance(loss_path, str) and bool(loss_path) and _same_function(loss_path, STOA_LOSS_FUNCTION)
     if getattr(args, "loss_type", None) == "custom_loss" and is_stoa_loss:
