@@ -72,7 +72,9 @@ def assert_ran_signed(out: Path, run: str = "quickstart", workers: int = 2) -> N
     run_key = read_key_file(out / RUN_KEY_FILE)
     for i in range(workers):
         assert _mode(out / "workers" / f"worker-{i}" / "worker.key") == 0o600
-        assert "worker_key" in (out / "workers" / f"worker-{i}" / "macd.toml").read_text()
+        config = (out / "workers" / f"worker-{i}" / "macd.toml").read_text()
+        assert "worker_key" in config
+        assert f'run_key = "{run_key.public.to_text()}"' in config  # pinned at join, not trusted at each start
 
     async def bucket() -> None:
         async with open_store(f"file://{out / 'bucket'}") as store:

@@ -160,8 +160,8 @@ class WorkerProcesses:
     `macd join` writes each one's config, `macd run` runs it; each has its own config, data and
     log under `<out>/workers/worker-<i>/`."""
 
-    def __init__(self, cfg: QuickstartConfig, url: str, *, signed: bool = False):
-        self.cfg, self.url, self.signed = cfg, url, signed
+    def __init__(self, cfg: QuickstartConfig, url: str, *, run_key: str | None = None):
+        self.cfg, self.url, self.run_key = cfg, url, run_key
         self.procs: dict[int, subprocess.Popen] = {}
 
     def _config_path(self, i: int) -> Path:
@@ -169,7 +169,8 @@ class WorkerProcesses:
 
     def write_configs(self, check: Callable[[], None] = lambda: None) -> None:
         """`macd join --no-check` for each worker, with a fixed `--worker-id` so that a rerun
-        resumes the same workers (and drains their spools), and in a signed run the worker's key
+        resumes the same workers (and drains their spools), and in a signed run the run key pinned
+        (`--run-key`: a worker then refuses an unsigned or re-keyed run) and the worker's key
         (`--worker-key`: it names the same id); RuntimeError with macd's message when a join
         fails. `check()` runs before each join (it raises to stop)."""
         for i in range(self.cfg.workers):
@@ -181,8 +182,8 @@ class WorkerProcesses:
                 "--name", f"worker-{i}", "--worker-id", worker_id(i), "--config", str(self._config_path(i)),
                 "--data-dir", str(folder / "data"), "--batch", str(self.cfg.worker_batch), "--no-check",
             ]
-            if self.signed:
-                cmd += ["--worker-key", str(worker_key_path(self.cfg, i))]
+            if self.run_key is not None:
+                cmd += ["--run-key", self.run_key, "--worker-key", str(worker_key_path(self.cfg, i))]
             done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
             if done.returncode != 0:
                 check()  # a Ctrl-C at the terminal reaches the join too: that is a stop, not a failure
@@ -718,7 +719,7 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         if new_run:  # eval the first version now: by the end the bucket may have pruned it
             await stop.race(first_eval(store, cfg, progress, report, synthetic=search_data is None))
         tracker = start_tracking(cfg)
-        workers = WorkerProcesses(cfg, url, signed=run_key is not None)
+        workers = WorkerProcesses(cfg, url, run_key=None if run_key is None else run_key.public.to_text())
         consumer: RolloutConsumer | None = None
         try:
             workers.write_configs(stop.check)
