@@ -9,17 +9,28 @@ batches of 256 groups, validating and re-scoring every record with the tiny test
 store is wrapped in a counting proxy, so every request it makes is counted (a listing counts
 one request per 1,000 keys).
 
-Per W, three timed batches:
+The run is real: its manifest and task, and anchor v0 of the tiny model published by the
+project's publisher; every record claims v0 with v0's published state digest, and its
+"length" responses end on a token that is not EOS, so the consumer admits them all.
+
+Per W (each fleet in its own bucket, with its own consumer), timed batches:
   first    a fresh consumer, the whole fleet's records (at least 256, one or more per worker)
-           waiting in the bucket;
+           waiting in the bucket (once per W);
   steady   the consumer has consumed everything, then 256 new records land (from all workers);
   steady+  the same after a further pile of old records landed and was consumed, so the
            bucket holds many more records in total: the request count must not change.
+The steady and steady+ batches run in `--rounds` interleaved rounds (one batch of every W per
+round); each is reported as min / median / max over the rounds.
 
 `requests_per_new_record` = requests of the batch / records that landed since the consumer's
 previous batch. Expect ~1 (one GET each, plus one LIST per 1,000 keys) whatever W and the total.
+Headlines (medians): `requests_ratio_pile` = steady+ / steady requests (1.0: the pile costs
+nothing), `seconds_ratio_workers` = the largest fleet's steady seconds / the smallest's.
 
-Usage: python scripts/bench_ingest.py [--quick] [--workers 10,100,1000] [--pile N] [--json PATH]
+The S3 server is stopped on any exit, SIGTERM and SIGHUP included (not on SIGKILL).
+
+Usage: python scripts/bench_ingest.py [--quick | --smoke] [--workers 10,100,1000] [--pile N] [--rounds N]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -38,8 +50,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, spread
+
 from slime_stoa.judging.scoring import tokenizer_decode
+from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.records import (
     RolloutGroup,
     Sample,
@@ -58,23 +74,30 @@ RUN = "bench"
 G = 8
 PROMPT_TOKENS = 48
 RESPONSE_TOKENS = 64
-BATCH = 256
+BATCH = 256  # groups per timed batch (--smoke: 64)
 RATE = 50  # records per second the simulated fleet produces (key timestamps)
 ITEMS = generate_items(1024, seed=7)
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=RESPONSE_TOKENS, stop=())
 
 
 class Fleet:
-    """Makes and uploads records of W workers, each with its own sequence numbers."""
+    """Makes and uploads records of W workers, each with its own sequence numbers, all on the
+    published version `version` (state digest `digest`)."""
 
-    def __init__(self, tokenizer: Any, vocab: int, workers: int, seed: int = 0) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, workers: int, version: int, digest: str, seed: int = 0) -> None:
         self.tok, self.vocab, self.eos = tokenizer, vocab, tokenizer.token_to_id(IM_END)
+        self.version, self.digest = version, digest
         self.workers = [f"mac-{i:04d}" for i in range(workers)]
         self.seq = dict.fromkeys(self.workers, 0)
         self.rng = random.Random(seed)
         # Keys stamped in the past, strictly increasing, as a fleet producing `RATE` records/s
         # would stamp them (the skew-window sweep re-lists the keys of one window).
         self.clock_ms = int(time.time() * 1000) - 3_600_000
+
+    def random_token(self) -> int:
+        """Any token but EOS: a "length" response never ends on (or holds) one."""
+        token = self.rng.randrange(self.vocab - 1)
+        return token + 1 if token >= self.eos else token
 
     def group(self, worker: str) -> RolloutGroup:
         index = self.rng.randrange(len(ITEMS))
@@ -86,7 +109,7 @@ class Fleet:
                 text = item.label if i % 4 == 0 else "x"
                 tokens, finish = self.tok.encode(text).ids + [self.eos], "stop"
             else:
-                tokens, finish = [self.rng.randrange(self.vocab) for _ in range(RESPONSE_TOKENS)], "length"
+                tokens, finish = [self.random_token() for _ in range(RESPONSE_TOKENS)], "length"
             reward = float(i % 4 == 0)
             samples.append(Sample(response_tokens=tokens, logprobs=[-1.25] * len(tokens), finish_reason=finish, reward=reward))
         now = time.time()
@@ -94,7 +117,7 @@ class Fleet:
         self.seq[worker] += 1
         return RolloutGroup(
             kind="train", run=RUN, task_id="synthetic", prompt_index=index, prompt_tokens=prompt,
-            samples=tuple(samples), weight_version=0, state_digest="cd" * 16, sampling=SAMPLING,
+            samples=tuple(samples), weight_version=self.version, state_digest=self.digest, sampling=SAMPLING,
             worker_id=worker, seq=seq, started_at=now - 5, finished_at=now,
         )
 
@@ -116,7 +139,9 @@ class Fleet:
         await asyncio.gather(*(put(k, d) for k, d in jobs))
 
 
-async def setup_run(store: Store, vocab: int) -> None:
+async def setup_run(store: Store, vocab: int, model_dir: Path) -> tuple[int, str]:
+    """The run's manifest and task, and anchor v0 of `model_dir` through the publisher; returns
+    (version, state digest) as published."""
     layout = RunLayout(RUN)
     manifest = RunManifest(
         run=RUN, model="tiny", task="synthetic", group_size=G, temperature=1.0, max_tokens=RESPONSE_TOKENS,
@@ -124,70 +149,135 @@ async def setup_run(store: Store, vocab: int) -> None:
     )
     await store.put_if_absent(layout.run_manifest, manifest.to_bytes())
     await store.put_if_absent(layout.task_data("synthetic", "train"), make_task("synthetic", ITEMS).encode())
+    pub = Publisher(store, RUN, PublisherConfig(extras_dir=model_dir))
+    result = await pub.publish(load_hf_state(model_dir))
+    assert pub.state_digest is not None
+    return result.version, pub.state_digest
 
 
-async def timed_batch(consumer: RolloutConsumer, counting: CountingStore, n: int) -> tuple[float, dict[str, int]]:
-    counting.reset()
-    start = time.perf_counter()
-    batch = await consumer.next_batch(n, trainer_version=0)
-    seconds = time.perf_counter() - start
-    assert len(batch.groups) == n
-    calls = dict(counting.calls)
-    calls["requests"] = counting.requests
-    return seconds, calls
+class Bench:
+    """One fleet of W workers, its bucket and its consumer."""
 
+    def __init__(self, server: LocalS3Server, tok: Any, vocab: int, workers: int, model_dir: Path, batch: int) -> None:
+        self.server, self.tok, self.vocab, self.workers, self.model_dir = server, tok, vocab, workers, model_dir
+        self.batch = batch
+        bucket = server.create_bucket()
+        self.uploader = server.store(bucket, "b", max_concurrency=32)
+        self.reader = server.store(bucket, "b")
+        self.counting = CountingStore(self.reader)
+        self.consumer: RolloutConsumer | None = None
+        self.total = 0
+        self.version = 0
 
-async def consume(consumer: RolloutConsumer, count: int) -> None:
-    """Consume `count` groups (untimed)."""
-    while count > 0:
-        n = min(count, 1024)
-        await consumer.next_batch(n, trainer_version=0)
-        count -= n
-
-
-async def bench_fleet(server: LocalS3Server, tok: Any, vocab: int, workers: int, *, pile: int) -> list[dict[str, Any]]:
-    bucket = server.create_bucket()
-    uploader = server.store(bucket, "b", max_concurrency=32)
-    reader = server.store(bucket, "b")
-    counting = CountingStore(reader)
-    rows = []
-    try:
-        await setup_run(uploader, vocab)
-        fleet = Fleet(tok, vocab, workers)
-        total = workers * math.ceil(BATCH / workers)
-        await fleet.upload(uploader, total)
-        config = ConsumerConfig(store_url=reader.url, run=RUN, poll_interval_s=0.05)
-        consumer = await RolloutConsumer.open(
-            counting, config, decode=tokenizer_decode(tok), eos_ids=frozenset({fleet.eos}), restore=False
+    async def open(self) -> None:
+        self.version, digest = await setup_run(self.uploader, self.vocab, self.model_dir)
+        self.fleet = Fleet(self.tok, self.vocab, self.workers, self.version, digest)
+        self.total = self.workers * math.ceil(self.batch / self.workers)
+        await self.fleet.upload(self.uploader, self.total)
+        config = ConsumerConfig(store_url=self.reader.url, run=RUN, poll_interval_s=0.05)
+        self.consumer = await RolloutConsumer.open(
+            self.counting, config, decode=tokenizer_decode(self.tok), eos_ids=frozenset({self.fleet.eos}),
+            restore=False,
         )
 
-        def row(phase: str, new: int, seconds: float, calls: dict[str, int]) -> dict[str, Any]:
-            return {
-                "workers": workers, "phase": phase, "total_records": total, "new_records": new, "groups": BATCH,
-                "seconds": round(seconds, 4), "requests": calls["requests"], "list_pages": calls.get("list_pages", 0),
-                "gets": calls.get("get", 0), "requests_per_new_record": round(calls["requests"] / new, 4),
-            }
+    async def close(self) -> None:
+        try:
+            if self.consumer is not None:
+                await self.consumer.close()
+        finally:
+            await self.uploader.close()
+            await self.reader.close()
 
-        seconds, calls = await timed_batch(consumer, counting, BATCH)
-        rows.append(row("first", total, seconds, calls))
-        await consume(consumer, total - BATCH)
-        await fleet.upload(uploader, BATCH)
-        total += BATCH
-        seconds, calls = await timed_batch(consumer, counting, BATCH)
-        rows.append(row("steady", BATCH, seconds, calls))
+    async def timed_batch(self, phase: str, new: int) -> dict[str, Any]:
+        assert self.consumer is not None
+        self.counting.reset()
+        start = time.perf_counter()
+        batch = await self.consumer.next_batch(self.batch, trainer_version=self.version)
+        seconds = time.perf_counter() - start
+        assert len(batch.groups) == self.batch
+        calls = dict(self.counting.calls)
+        requests = self.counting.requests
+        return {
+            "workers": self.workers, "phase": phase, "total_records": self.total, "new_records": new,
+            "groups": self.batch, "seconds": round(seconds, 4), "requests": requests,
+            "list_pages": calls.get("list_pages", 0), "gets": calls.get("get", 0),
+            "requests_per_new_record": round(requests / new, 4),
+        }
+
+    async def consume(self, count: int) -> None:
+        """Consume `count` groups (untimed)."""
+        assert self.consumer is not None
+        while count > 0:
+            n = min(count, 1024)
+            await self.consumer.next_batch(n, trainer_version=self.version)
+            count -= n
+
+    async def first(self) -> dict[str, Any]:
+        row = await self.timed_batch("first", self.total)
+        await self.consume(self.total - self.batch)
+        return row
+
+    async def steady(self, phase: str) -> dict[str, Any]:
+        await self.fleet.upload(self.uploader, self.batch)
+        self.total += self.batch
+        return await self.timed_batch(phase, self.batch)
+
+    async def add_pile(self, pile: int) -> None:
+        await self.fleet.upload(self.uploader, pile)
+        self.total += pile
+        await self.consume(pile)
+
+
+async def run_benches(server: LocalS3Server, tok: Any, vocab: int, model_dir: Path, workers: list[int], pile: int,
+                      rounds: int, batch: int) -> list[dict[str, Any]]:
+    """first per W, then `rounds` rounds of steady batches (every W in each round), the piles,
+    then `rounds` rounds of steady+ batches."""
+    benches = [Bench(server, tok, vocab, w, model_dir, batch) for w in workers]
+    rows: list[dict[str, Any]] = []
+    try:
+        for bench in benches:
+            await bench.open()
+            rows.append(await bench.first())
+        for r in range(rounds):
+            for bench in benches:
+                rows.append(await bench.steady("steady") | {"round": r})
         if pile:
-            await fleet.upload(uploader, pile)
-            total += pile
-            await consume(consumer, pile)
-            await fleet.upload(uploader, BATCH)
-            total += BATCH
-            seconds, calls = await timed_batch(consumer, counting, BATCH)
-            rows.append(row("steady+", BATCH, seconds, calls))
-        await consumer.close()
+            for bench in benches:
+                await bench.add_pile(pile)
+            for r in range(rounds):
+                for bench in benches:
+                    rows.append(await bench.steady("steady+") | {"round": r})
     finally:
-        await uploader.close()
-        await reader.close()
+        for bench in benches:
+            await bench.close()
     return rows
+
+
+def summarize(rows: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
+    """min / median / max per (W, phase), and the headline ratios of medians."""
+    cells: dict[str, dict[str, Any]] = {}
+    for w in workers:
+        for phase in ("first", "steady", "steady+"):
+            mine = [r for r in rows if r["workers"] == w and r["phase"] == phase]
+            if mine:
+                cells[f"{w}/{phase}"] = {
+                    "workers": w, "phase": phase,
+                    **{f: spread([r[f] for r in mine]) for f in ("seconds", "requests", "requests_per_new_record")},
+                }
+    out: dict[str, Any] = {"cells": cells}
+
+    def median(w: int, phase: str, field: str) -> float:
+        cell = cells.get(f"{w}/{phase}")
+        return cell[field]["median"] if cell else math.nan
+
+    small, large = min(workers), max(workers)
+    out["requests_per_new_record_median"] = max(median(w, "steady", "requests_per_new_record") for w in workers)
+    if any(f"{w}/steady+" in cells for w in workers):
+        out["requests_ratio_pile"] = max(ratio(median(w, "steady+", "requests"), median(w, "steady", "requests"))
+                                         for w in workers)
+    out["seconds_ratio_workers"] = ratio(median(large, "steady", "seconds"), median(small, "steady", "seconds"))
+    out["steady_seconds_median"] = max(median(w, "steady", "seconds") for w in workers)
+    return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -201,36 +291,55 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-async def run(workers: list[int], pile: int) -> list[dict[str, Any]]:
+async def run(workers: list[int], pile: int, rounds: int, batch: int) -> list[dict[str, Any]]:
     from tokenizers import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="stoa-bench-") as tmp:
+        on_signal_exit(lambda: shutil.rmtree(tmp, ignore_errors=True))
         folder = build_tiny_model(Path(tmp) / "tiny", hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        rows: list[dict[str, Any]] = []
         with LocalS3Server() as server:
-            for w in workers:
-                rows += await bench_fleet(server, tok, vocab, w, pile=pile)
-        return rows
+            on_signal_exit(server.stop)
+            return await run_benches(server, tok, vocab, folder, workers, pile, rounds, batch)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fleets of 10 and 1000, a smaller pile (under a minute)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fleets of 10 and 1000, a smaller pile (under a minute)")
+    size.add_argument("--smoke", action="store_true", help="fleets of 10 and 100, batches of 64, a small pile, 2 rounds (the test's size)")
     parser.add_argument("--workers", default=None, help="comma-separated fleet sizes (default 10,100,1000)")
-    parser.add_argument("--pile", type=int, default=None, help="old records added before the steady+ batch")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--pile", type=int, default=None, help="old records added before the steady+ batches")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of steady batches (default 5, quick 3)")
+    parser.add_argument("--json", type=Path, help="write the rows and the summary as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    default_workers = "10,1000" if args.quick else "10,100,1000"
+    default_workers = "10,100" if args.smoke else "10,1000" if args.quick else "10,100,1000"
     workers = [int(w) for w in (args.workers or default_workers).split(",") if w]
-    pile = args.pile if args.pile is not None else (1000 if args.quick else 5000)
-    rows = asyncio.run(run(workers, pile))
-    print(f"rollout ingestion, SeaweedFS on loopback, batches of {BATCH} groups of {G} samples")
+    pile = args.pile if args.pile is not None else (300 if args.smoke else 1000 if args.quick else 5000)
+    rounds = args.rounds or (2 if args.smoke else 3 if args.quick else 5)
+    batch = 64 if args.smoke else BATCH
+    if not workers or min(workers) < 1 or pile < 0 or rounds < 1:
+        parser.error("--workers must be >= 1, --pile >= 0 and --rounds >= 1")
+    session = Session()
+    with exit_on_signals():
+        rows = asyncio.run(run(workers, pile, rounds, batch))
+    summary = summarize(rows, workers)
+    print(f"rollout ingestion, SeaweedFS on loopback, batches of {batch} groups of {G} samples, {rounds} rounds")
     print_table(rows)
+    print()
+    print_spreads("seconds per batch", {k: c["seconds"] for k, c in summary["cells"].items()})
+    print_spreads("requests per new record", {k: c["requests_per_new_record"] for k, c in summary["cells"].items()},
+                  unit="requests", digits=3)
+    print(f"medians: requests per new record {summary['requests_per_new_record_median']:.3f} (steady, worst W); "
+          f"steady+ / steady requests {summary.get('requests_ratio_pile', math.nan):.3f}; "
+          f"{max(workers)} / {min(workers)} workers, steady seconds {summary['seconds_ratio_workers']:.2f}x")
+    session.print_load()
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        doc = {"workers": workers, "pile": pile, "rounds": rounds, "batch": batch, **session.meta(), **summary,
+               "rows": rows}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

@@ -32,8 +32,13 @@ of `Subscriber.sync()` (pointer GET, manifest, patch GET, verify, apply, digest)
 the best time of verify + decode + apply of the same patches already in memory. Subscribers that
 followed until 4 and 16 versions behind then reach the head: path choice picks one; every alternative path is
 timed too (each on its own copy of the state). `anchor_s`: a fresh subscriber syncing to the
-head, which is an anchor, timed in the same rounds. Times are the best of repeated, interleaved
-runs (the machine may be shared).
+head, which is an anchor, timed in the same rounds. Receive times are medians (with min and max)
+of `--repeat` interleaved rounds (every path, then the anchor, per round; the machine may be
+shared); `sync_over_apply_median` is the median 1-step sync over the median in-memory apply.
+`lagger_download_over_best_measured`: per lag (1, 4, 16), the bytes the lagger's chosen path
+downloads over the cheapest of the chain, the catch-up and the anchor, and their max. (The
+issue's `lagger_download_over_best`, over lags 1..32, needs a head 33 versions past v0 and a
+subscriber per lag; it is not computed.) The codec table's encode / apply speeds are best-of.
 
 Usage: python scripts/bench_pulse.py [--quick] [--layers N] [--s3] [--json PATH]
 """
@@ -52,6 +57,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +65,8 @@ import numpy as np
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, spread
 
 from slime_stoa.protocol.pulse.apply import ChangedIndices, apply_patch
 from slime_stoa.protocol.pulse.codec import (
@@ -377,16 +385,21 @@ def all_frames(index: PatchIndex, body: bytes) -> dict[int, bytes]:
     return {i: frame_slice(index, i, body) for i in range(len(index.frames))}
 
 
-def time_apply(state: State, index: PatchIndex, body: bytes, repeat: int) -> float:
-    """Best verify + decode + apply time; the state is rolled back after each run."""
+def apply_times(state: State, index: PatchIndex, body: bytes, repeat: int) -> list[float]:
+    """verify + decode + apply times of `repeat` runs; the state is rolled back after each run."""
     frames = all_frames(index, body)
-    best = math.inf
+    times = []
     for _ in range(repeat):
         start = time.perf_counter()
         undo = apply_patch(state, index, frames)
-        best = min(best, time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
         undo.rollback(state)
-    return best
+    return times
+
+
+def time_apply(state: State, index: PatchIndex, body: bytes, repeat: int) -> float:
+    """Best verify + decode + apply time."""
+    return min(apply_times(state, index, body, repeat))
 
 
 def index_bytes(index: PatchIndex) -> int:
@@ -436,8 +449,8 @@ def run_case(label: str, base: State, new: State, repeat: int, *, speed: bool = 
         assert all(np.array_equal(work[n], new[n]) for n in new), f"{key} round trip differs"
         undo.rollback(work)
         if speed:
-            enc_s, _ = timed(lambda options=options: encode_patch(base, new, threads=1, **options), repeat)
-            enc_mt_s, mt = timed(lambda options=options: encode_patch(base, new, **options), repeat)
+            enc_s, _ = timed(partial(encode_patch, base, new, threads=1, **options), repeat)
+            enc_mt_s, mt = timed(partial(encode_patch, base, new, **options), repeat)
             assert mt == (index, body), "encoding must not depend on threads"
             row[f"{key}_encode_mb_s"] = state_bytes / 1e6 / enc_s
             row[f"{key}_encode_mb_s_mt"] = state_bytes / 1e6 / enc_mt_s
@@ -475,6 +488,7 @@ async def bench_store(use_s3: bool):
         from tests.s3server import LocalS3Server
 
         with LocalS3Server() as server:
+            on_signal_exit(server.stop)  # SIGTERM / SIGHUP end the process without unwinding
             bucket = server.create_bucket()
             creds = server.credentials()
             env = {"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
@@ -492,30 +506,45 @@ def clone(sub: Subscriber) -> Subscriber:
     return twin
 
 
-async def reach_head(sub: Subscriber, target, expected: str, repeat: int) -> tuple[list[dict], float]:
+async def download_over_best(sub: Subscriber, target) -> dict[str, Any]:
+    """Bytes of the path `sub` takes to the target over the cheapest of the chain of step patches
+    (walked whether or not path choice considered it), the catch-up patch and the anchor path."""
+    plans = await sub._plans(target)
+    assert sub.version is not None
+    options = {p.name: p.cost for p in plans}
+    chain = await sub._chain(target, sub.version)
+    if chain:
+        options["chain"] = sum(ref.bytes for ref in chain)
+    best = min(options.values())
+    return {"taken": plans[0].name, "bytes": plans[0].cost, "options": options, "best_bytes": best,
+            "ratio": plans[0].cost / best}
+
+
+async def reach_head(sub: Subscriber, target, expected: str, repeat: int) -> tuple[list[dict], list[float]]:
     """Every path `sub` could take to the target, ranked as path choice ranks them (the first is
     the one it takes), each timed on a copy of the state, and a fresh subscriber's sync (pointer,
-    manifest, anchor): `repeat` rounds, interleaved, best time of each."""
+    manifest, anchor): `repeat` rounds, interleaved; min / median / max of each."""
     plans = await sub._plans(target)  # the ranked plans, as sync() would try them
     speeds = sub.meter.speeds  # what they were ranked with
-    best = [math.inf] * (len(plans) + 1)
+    times: list[list[float]] = [[] for _ in range(len(plans) + 1)]
     for _ in range(repeat):
         for i, plan in enumerate(plans):
             twin = clone(sub)
             start = time.perf_counter()
             await twin._execute(plan, target)
-            best[i] = min(best[i], time.perf_counter() - start)
+            times[i].append(time.perf_counter() - start)
             assert twin.digest is not None and twin.digest.root() == expected, plan.name
             del twin
         fresh = Subscriber(sub.store, RUN)
         start = time.perf_counter()
         got = await fresh.sync()
-        best[-1] = min(best[-1], time.perf_counter() - start)
+        times[-1].append(time.perf_counter() - start)
         assert got is not None and got.path == "anchor" and fresh.digest is not None
         del fresh
-    rows = [{"path": plan.name, "taken": i == 0, "bytes": plan.cost, "seconds": best[i], "estimate_s": plan.estimate_s,
-             "speeds": dataclasses.asdict(speeds)} for i, plan in enumerate(plans)]
-    return rows, best[-1]
+    rows = [{"path": plan.name, "taken": i == 0, "bytes": plan.cost, "seconds": statistics.median(times[i]),
+             "spread": spread(times[i]), "estimate_s": plan.estimate_s, "speeds": dataclasses.asdict(speeds)}
+            for i, plan in enumerate(plans)]
+    return rows, times[-1]
 
 
 def old_changed(logs) -> dict[str, np.ndarray]:
@@ -535,7 +564,7 @@ async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: in
     config = PublisherConfig(mode=DEFAULT_MODE, anchor_every=HEAD, anchor_fraction=100.0)
     async with bench_store(use_s3) as (store, where):
         pub, follower = Publisher(store, RUN, config), Subscriber(store, RUN)
-        laggers = {k: Subscriber(store, RUN) for k in LAGS if k > 1}
+        laggers = {k: Subscriber(store, RUN) for k in LAGS}  # lag 1: download bytes only
         sync_s, publish_s = [], []
         for v, state in enumerate(simulate(qwen_shapes(layers), HEAD, lr, snr, seed)):
             start = time.perf_counter()
@@ -559,23 +588,31 @@ async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: in
         assert step is not None and step.index.mode == DEFAULT_MODE
         body = await store.get_bytes(step.key)
         base = {n: a.copy() for n, a in kept[HEAD - 1].items()}
-        apply_s = time_apply(base, step.index, body, max(repeat, 5))
+        apply_all = apply_times(base, step.index, body, max(repeat, 5))
         undo = apply_patch(base, step.index, all_frames(step.index, body))
         lazy_s, _ = timed(lambda: dict(ChangedIndices([undo]).items()), 3)
         unique_s, _ = timed(lambda: old_changed([undo]), 1)
         assert follower.digest is not None
         rehash_s, _ = timed(lambda: follower.digest.update(base, undo.touched), max(repeat, 5))
-        paths, fresh_s = {}, []
+        downloads = {str(k): await download_over_best(sub, target) for k, sub in laggers.items()}
+        paths: dict[int, list[dict]] = {}
+        fresh_s: list[float] = []
         for k, sub in laggers.items():
-            paths[k], seconds = await reach_head(sub, target, pub.state_digest or "", repeat)
-            fresh_s.append(seconds)
-        anchor_s = min(fresh_s)
+            if k > 1:
+                paths[k], fresh = await reach_head(sub, target, pub.state_digest or "", repeat)
+                fresh_s += fresh
+        sync_spread, apply_spread, anchor_spread = spread(sync_s), spread(apply_all), spread(fresh_s)
         out = {
             "store": where, "state_mb": target.elements * 2 / 1e6, "step_bytes": step.bytes,
-            "step_changes": step.count, "sync_s_step": min(sync_s), "sync_s_median": statistics.median(sync_s),
-            "sync_s_all": sync_s, "apply_s_step": apply_s, "rehash_s_step": rehash_s,
+            "step_changes": step.count, "sync_s_step": sync_spread["median"], "sync_s_best": sync_spread["min"],
+            "sync_s_median": sync_spread["median"], "sync_s_all": sync_s, "sync_s_spread": sync_spread,
+            "apply_s_step": apply_spread["median"], "apply_s_spread": apply_spread,
+            "sync_over_apply_median": ratio(sync_spread["median"], apply_spread["median"]),
+            "rehash_s_step": rehash_s, "anchor_s_spread": anchor_spread,
+            "lagger_download_over_best_measured": {"lags": downloads,
+                                                   "max": max(d["ratio"] for d in downloads.values())},
             "changed_s_lazy_all": lazy_s, "changed_s_np_unique": unique_s,
-            "publish_s_median": statistics.median(publish_s[1:]), "anchor_s": anchor_s,
+            "publish_s_median": statistics.median(publish_s[1:]), "anchor_s": anchor_spread["median"],
             "anchor_bytes": target.anchor_bytes, "paths": {str(k): rows for k, rows in paths.items()},
         }
         for k, rows in paths.items():
@@ -583,6 +620,7 @@ async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: in
             out[f"catchup_s_{k}"] = taken["seconds"]
             out[f"catchup_path_{k}"] = taken["path"]
             out[f"catchup_best_s_{k}"] = min(r["seconds"] for r in rows)
+            out[f"catchup_over_anchor_{k}"] = ratio(taken["seconds"], anchor_spread["median"])
         return out, kept
 
 
@@ -631,9 +669,8 @@ def print_receive(r: dict) -> None:
     print(f"\nReceive, {r['state_mb']:.0f} MB model through a {r['store']}, step patch {r['step_bytes'] / 1e6:.2f} MB "
           f"({r['step_changes']} changes, {DEFAULT_MODE}):")
     lines = [
-        ("1-step sync (best of {}; median {:.3f} s)".format(len(r["sync_s_all"]), r["sync_s_median"]), "step",
-         r["step_bytes"], r["sync_s_step"], None),
-        ("  verify + decode + apply a step patch in memory", "", r["step_bytes"], r["apply_s_step"], None),
+        ("1-step sync (median of {})".format(len(r["sync_s_all"])), "step", r["step_bytes"], r["sync_s_step"], None),
+        ("  verify + decode + apply a step patch in memory (median)", "", r["step_bytes"], r["apply_s_step"], None),
         ("  re-hash the tensors it touched (sequential)", "", 0, r["rehash_s_step"], None),
         ("  changed indices, every tensor (was np.unique: {:.3f} s)".format(r["changed_s_np_unique"]), "", 0,
          r["changed_s_lazy_all"], None),
@@ -642,13 +679,21 @@ def print_receive(r: dict) -> None:
         for row in rows:
             mark = "taken" if row["taken"] else "alternative"
             lines.append((f"{k} behind: {mark}", row["path"], row["bytes"], row["seconds"], row["estimate_s"]))
-    lines.append(("fresh subscriber: anchor fetch (the head is an anchor)", "anchor", r["anchor_bytes"], r["anchor_s"],
-                  None))
+    lines.append(("fresh subscriber: anchor fetch (the head is an anchor; median)", "anchor", r["anchor_bytes"],
+                  r["anchor_s"], None))
     width = max(len(line[0]) for line in lines)
     print(f"{'':{width}}  {'path':>15}  {'MB':>8}  {'seconds':>8}  {'estimate':>8}")
     for what, path, nbytes, seconds, estimate in lines:
         est = f"{estimate:8.3f}" if estimate is not None else " " * 8
         print(f"{what:{width}}  {path:>15}  {nbytes / 1e6:8.2f}  {seconds:8.3f}  {est}")
+    spreads = {"1-step sync": r["sync_s_spread"], "in-memory apply": r["apply_s_spread"],
+               "anchor fetch": r["anchor_s_spread"]}
+    for k, rows in r["paths"].items():
+        spreads |= {f"{k} behind: {row['path']}": row["spread"] for row in rows}
+    print_spreads("receive times, min / median / max (interleaved rounds)", spreads, digits=3)
+    lag = r["lagger_download_over_best_measured"]
+    print("lagger download / cheapest of chain, catch-up, anchor: " + ", ".join(
+        f"{k} behind {d['ratio']:.2f} ({d['taken']})" for k, d in lag["lags"].items()) + f"; max {lag['max']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -660,24 +705,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--density", type=float, default=0.009, help="torch trajectory target density per step")
     parser.add_argument("--warmup", type=int, help="torch pretraining steps (default 40, quick 20)")
     parser.add_argument("--s3", action="store_true", help="receive through a loopback S3 server, not a local store")
-    parser.add_argument("--repeat", type=int, help="timing runs, best taken (default 3, quick 1)")
+    parser.add_argument("--repeat", type=int, help="interleaved timing rounds (default 5, quick 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     layers = args.layers or (1 if args.quick else 2)
-    repeat = args.repeat or (1 if args.quick else 3)
+    repeat = args.repeat or (3 if args.quick else 5)
     if PublisherConfig().mode != DEFAULT_MODE:
         print(f"note: PublisherConfig().mode is {PublisherConfig().mode!r}; measuring the intended default "
               f"{DEFAULT_MODE!r}")
     started = time.perf_counter()
+    session = Session()
 
     shapes = qwen_shapes(layers)
     params = sum(math.prod(s) for s in shapes.values())
     print(f"adam: Qwen2.5-1.5B shapes, {layers}/{LAYERS} layers, vocab {shapes['model.embed_tokens.weight'][0]}: "
           f"{params / 1e6:.1f}M params ({2 * params / 1e6:.0f} MB bf16); AdamW lr {args.lr:g}, snr {args.snr:g}")
-    receive, kept = asyncio.run(receive_case(layers, args.lr, args.snr, args.seed, repeat, args.s3))
+    with exit_on_signals():
+        receive, kept = asyncio.run(receive_case(layers, args.lr, args.snr, args.seed, repeat, args.s3))
     print(f"receive case: {HEAD + 1} versions simulated, published and synced ({time.perf_counter() - started:.0f} s)")
-    hash_s, _ = timed(lambda state=kept[HEAD]: state_digest(state), repeat)
+    hash_s, _ = timed(partial(state_digest, kept[HEAD]), repeat)
     rows = [run_case(f"adam k={k}", kept[HEAD - k], kept[HEAD], repeat, speed=k == 1) for k in LAGS]
     state_mb = rows[0]["state_mb"]
     del kept
@@ -706,12 +753,14 @@ def main(argv: list[str] | None = None) -> int:
     head = torch_rows[0]
     print(f"\nheadline (torch k=1, {head['density']:.3%} density): default (rel) {head['rel_bits_per_changed']:.2f} "
           f"b/chg, {head['rel_ratio_vs_full']:.0f}x smaller than a full sync; peer v3.1 "
-          f"{head['peer_v31_bits_per_changed']:.2f} b/chg. sync/apply = "
-          f"{receive['sync_s_step'] / receive['apply_s_step']:.2f}; catch-up 4 / anchor = "
-          f"{receive['catchup_s_4'] / receive['anchor_s']:.2f}, 16 / anchor = "
-          f"{receive['catchup_s_16'] / receive['anchor_s']:.2f}. Total {time.perf_counter() - started:.0f} s.")
+          f"{head['peer_v31_bits_per_changed']:.2f} b/chg. Medians: sync/apply = "
+          f"{receive['sync_over_apply_median']:.2f}; catch-up 4 / anchor = "
+          f"{receive['catchup_over_anchor_4']:.2f}, 16 / anchor = "
+          f"{receive['catchup_over_anchor_16']:.2f}. Total {time.perf_counter() - started:.0f} s.")
+    session.print_load()
 
     summary = {
+        **session.meta(), "repeat": repeat,
         "scale": {"layers": layers, "params": params, "lr": args.lr, "snr": args.snr},
         "torch": torch_info,
         "default_mode": DEFAULT_MODE,
@@ -722,6 +771,10 @@ def main(argv: list[str] | None = None) -> int:
         "default_ratio_vs_full": head["rel_ratio_vs_full"],
         "sync_s_step": receive["sync_s_step"],
         "apply_s_step": receive["apply_s_step"],
+        "sync_over_apply_median": receive["sync_over_apply_median"],
+        "catchup_over_anchor_4": receive["catchup_over_anchor_4"],
+        "catchup_over_anchor_16": receive["catchup_over_anchor_16"],
+        "lagger_download_over_best_measured": receive["lagger_download_over_best_measured"]["max"],
         "catchup_s_4": receive["catchup_s_4"],
         "catchup_s_16": receive["catchup_s_16"],
         "anchor_s": receive["anchor_s"],

@@ -32,6 +32,13 @@ same batch of B*G sequences, in one process:
   * with `--swap-run`, macd again with a version asked for every `--swap-every` seconds and
     installed at the worker's safe points (no new weights: the drain-and-drop policy's cost).
 
+Rounds: the three contenders (mlx_lm, macd, macd drained) run one after the other in each of
+`--rounds` rounds (default 3, `--quick` 2), so a load change touches all of them; tok/s figures
+are min / median / max over the rounds and `ratio_vs_mlx_lm_median` is the median macd tok/s over
+the median mlx_lm tok/s. `tokens_per_step_ratio`: tokens per decode step, macd over mlx_lm (a
+batch_generate call steps until its longest sample ends: its steps are the cohort's longest
+response), medians over the rounds.
+
 Batch size: B=2 x G=8 = 16 by default. A worker's decode on a Mac GPU is memory-bound at the
 batch sizes it uses (a step costs about the same with 4 or 32 sequences), which is what makes a
 half-empty tail expensive. This 2-core CPU is only close to that up to ~16 sequences of the
@@ -48,14 +55,15 @@ reports: rss_bytes (its resident memory while generating, over the RSS it had af
 i.e. without the Python/MLX runtime), weight_bytes, kv_bytes (KV cache held, sampled on the MLX
 thread), and for each version change the time ready beside generation, the drain, the decode
 pause (swap_stall_s: decoding stopped, in-flight groups dropped, MLX synchronised, patch
-scattered into the live weights) and the install itself; and mlx_install_s, the time to install
+scattered into the live weights) and the install itself (`install_delay_s_max`: the longest time from a version being ready to its
+install done, drain + pause); and mlx_install_s, the time to install
 a whole version's tensors into MLX (what an install costs without patching the live weights in
 place). bf16 decoding is slow on a Linux CPU; only the pause and the memory matter here.
 
 Targets (issue 13): ratio_vs_mlx_lm >= 1.3 with variable lengths; rss <= 1.2 x (weights + KV
 cache) on bf16; swap_stall_s <= mlx_install_s.
 
-Usage: python scripts/bench_worker.py [--quick] [--json PATH] [--no-openblas] [--dtype D]
+Usage: python scripts/bench_worker.py [--quick] [--json PATH] [--no-openblas] [--dtype D] [--rounds N]
        [--cohorts N] [--prompts B] [--group-size G] [--max-tokens M] [--mean-tokens L]
 """
 
@@ -67,6 +75,7 @@ import ctypes.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,6 +86,8 @@ from typing import Any
 
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, spread
 
 _PRELOAD_MARK = "STOA_BENCH_BLAS_PRELOADED"
 MODEL_SIZE = dict(
@@ -188,7 +199,7 @@ def run_mlx_lm(model: Any, tok: Any, prompts: list[list[int]], g: int, b: int, m
     from macd.generate import _KeyedSampler, _TemperedModel
 
     wrapped, sampler = _TemperedModel(model, TEMPERATURE), _KeyedSampler(seed)
-    tokens, lengths = 0, []
+    tokens, lengths, steps = 0, [], 0
     tic = time.perf_counter()
     for start in range(0, len(prompts), b):
         cohort = prompts[start : start + b]
@@ -206,7 +217,8 @@ def run_mlx_lm(model: Any, tok: Any, prompts: list[list[int]], g: int, b: int, m
         tokens += out.stats.generation_tokens
         assert out.logprobs is not None
         lengths += [len(x) for x in out.logprobs]
-    return {"tokens": tokens, "seconds": time.perf_counter() - tic, "lengths": lengths}
+        steps += max((len(x) for x in out.logprobs), default=0)  # the call steps until its longest ends
+    return {"tokens": tokens, "seconds": time.perf_counter() - tic, "lengths": lengths, "steps": steps}
 
 
 def run_macd(model: Any, tok: Any, prompts: list[list[int]], g: int, capacity: int, max_tokens: int,
@@ -262,7 +274,7 @@ def run_macd(model: Any, tok: Any, prompts: list[list[int]], g: int, capacity: i
     if endless:
         useful = gen.tokens - gen.tokens_dropped
     gen.close()
-    return {"tokens": useful, "sampled": gen.tokens, "seconds": seconds, "lengths": lengths,
+    return {"tokens": useful, "sampled": gen.tokens, "seconds": seconds, "lengths": lengths, "steps": gen.steps,
             "swaps": swaps, "dropped": dropped, "pause_s": sum(pauses) / max(len(pauses), 1)}
 
 
@@ -273,9 +285,22 @@ def bench_throughput(model: Any, tok: Any, args: argparse.Namespace) -> dict[str
     g, b, capacity = args.group_size, args.prompts, args.prompts * args.group_size
     run_mlx_lm(model, tok, prompts[:1], 2, 1, 4, seed=1)  # warm-up
     run_macd(model, tok, prompts[:1], 2, 2, 4, seed=1)
-    base = run_mlx_lm(model, tok, prompts, g, b, args.max_tokens, seed=0)
-    ours = run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=0, endless=True)
-    drained = run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=0)
+    runs: dict[str, list[dict[str, Any]]] = {"mlx_lm": [], "macd": [], "macd_drained": []}
+    for r in range(args.rounds):  # interleaved: every contender once per round; seeds differ per round
+        runs["mlx_lm"].append(run_mlx_lm(model, tok, prompts, g, b, args.max_tokens, seed=r))
+        runs["macd"].append(run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=r, endless=True))
+        runs["macd_drained"].append(run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=r))
+        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{name} {x[-1]['tokens'] / x[-1]['seconds']:.0f} tok/s" for name, x in runs.items()), flush=True)
+    tok_s = {name: spread([x["tokens"] / x["seconds"] for x in rs]) for name, rs in runs.items()}
+    per_step = {name: spread([x["tokens"] / max(x["steps"], 1) for x in rs]) for name, rs in runs.items()}
+
+    def median_run(name: str) -> dict[str, Any]:
+        """The round whose tok/s is the median (the lower middle for an even count)."""
+        ordered = sorted(runs[name], key=lambda x: x["tokens"] / x["seconds"])
+        return ordered[(len(ordered) - 1) // 2]
+
+    base, ours, drained = median_run("mlx_lm"), median_run("macd"), median_run("macd_drained")
     swapping = ours if not args.swap_run else run_macd(
         model, tok, prompts, g, capacity, args.max_tokens, seed=0, swap_every_s=args.swap_every,
         drain_steps=args.drain_steps, endless=True,
@@ -286,9 +311,13 @@ def bench_throughput(model: Any, tok: Any, args: argparse.Namespace) -> dict[str
         "lengths_macd": lengths_note(ours["lengths"], args.max_tokens),
         "tokens_mlx_lm": base["tokens"], "seconds_mlx_lm": base["seconds"],
         "tokens_macd": ours["tokens"], "seconds_macd": ours["seconds"],
-        "tok_s_mlx_lm": base["tokens"] / base["seconds"], "tok_s_macd": ours["tokens"] / ours["seconds"],
-        "ratio_vs_mlx_lm": (ours["tokens"] / ours["seconds"]) / (base["tokens"] / base["seconds"]),
-        "tok_s_macd_drained": drained["tokens"] / drained["seconds"], "lengths_macd_drained":
+        "tok_s_mlx_lm": tok_s["mlx_lm"]["median"], "tok_s_macd": tok_s["macd"]["median"],
+        "ratio_vs_mlx_lm": ratio(tok_s["macd"]["median"], tok_s["mlx_lm"]["median"]),
+        "ratio_vs_mlx_lm_median": ratio(tok_s["macd"]["median"], tok_s["mlx_lm"]["median"]),
+        "ratio_drained_vs_mlx_lm_median": ratio(tok_s["macd_drained"]["median"], tok_s["mlx_lm"]["median"]),
+        "tokens_per_step_ratio": ratio(per_step["macd"]["median"], per_step["mlx_lm"]["median"]),
+        "tok_s_spread": tok_s, "tokens_per_step_spread": per_step, "rounds": args.rounds,
+        "tok_s_macd_drained": tok_s["macd_drained"]["median"], "lengths_macd_drained":
         lengths_note(drained["lengths"], args.max_tokens), "tokens_macd_drained": drained["tokens"],
         "seconds_macd_drained": drained["seconds"],
         "tok_s_macd_swapping": swapping["tokens"] / swapping["seconds"],
@@ -366,6 +395,7 @@ def bench_bf16_worker(model_dir: Path, args: argparse.Namespace) -> dict[str, An
         spec = {"bucket": str(bucket), "data": str(Path(tmp) / "data"), "out": str(out), "stop": str(stop_file),
                 "batch": args.bf16_prompts, "drain": args.drain_steps}
         child = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)])
+        on_signal_exit(child.kill)
         try:
             published = asyncio.run(_publish_while_serving(bucket, model_dir, args.swaps, child,
                                                            time.monotonic() + args.bf16_timeout))
@@ -438,8 +468,12 @@ def _print_throughput(gen: dict[str, Any]) -> None:
         n = gen[f"lengths_{key}"]
         print(f"{name:22} {gen[f'tokens_{key}']:>8} {gen[f'seconds_{key}']:>8.1f} {gen[f'tok_s_{key}']:>8.0f} "
               f"{n['mean']:>8.1f} {n['p10']:>5.0f} {n['p50']:>5.0f} {n['p90']:>5.0f} {n['at_max_tokens']:>6.0%}")
-    print(f"ratio macd / mlx-lm: {gen['ratio_vs_mlx_lm']:.2f}x (target >= 1.3); draining to the last group "
-          f"(no prompt after the last, which a worker never sees): {gen['tok_s_macd_drained'] / gen['tok_s_mlx_lm']:.2f}x")
+    print("(the round with the median tok/s of each contender)")
+    print_spreads("tok/s over the rounds", gen["tok_s_spread"], unit="tok/s", digits=1)
+    print_spreads("tokens per decode step over the rounds", gen["tokens_per_step_spread"], unit="tokens", digits=2)
+    print(f"ratio of medians macd / mlx-lm: {gen['ratio_vs_mlx_lm_median']:.2f}x (target >= 1.3); draining to the "
+          f"last group (no prompt after the last, which a worker never sees): "
+          f"{gen['ratio_drained_vs_mlx_lm_median']:.2f}x; tokens per step {gen['tokens_per_step_ratio']:.2f}x")
     if not gen["swapping_swaps"]:
         return
     print(f"macd with a version change every ~{gen['swap_every']:.0f} s ({gen['swapping_swaps']} changes, "
@@ -459,6 +493,9 @@ def _print_bf16(bf16: dict[str, Any]) -> None:
     for r in bf16["swaps"]:
         print(f"{r['version']:>7} {r['path']:>7} {r['ready_s']:>8.3f} {r['drain_s']:>8.3f} {r['pause_s']:>8.3f} "
               f"{r['install_s']:>9.4f} {r['dropped']:>7}")
+    delay = bf16["install_delay_s"]
+    if delay["n"]:
+        print(f"ready -> installed (drain + pause): median {delay['median']:.3f} s, max {delay['max']:.3f} s")
     print(f"swap stall (decoding paused per version change) {bf16['swap_stall_s']:.4f} s vs MLX install of a whole "
           f"version {bf16['mlx_install_s']:.3f} s (target: stall <= install)")
 
@@ -471,6 +508,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         default="float32" if sys.platform == "linux" else "bfloat16",
                         help="compute dtype of the throughput part (default: float32 on Linux)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of the throughput contenders (default 3, "
+                        "--quick 2)")
     parser.add_argument("--cohorts", type=int, default=3, help="cohorts of prompts (mlx-lm: one call each)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per cohort (B)")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
@@ -490,6 +529,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.bf16_prompts, args.bf16_group_size, args.bf16_max_tokens = 2, 4, 16
     if args.quick:
         args.cohorts, args.max_tokens, args.mean_tokens = 2, 128, 40.0
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
     if args.swap_every is None:
         args.swap_every = 8.0 if args.quick else 20.0
     return args
@@ -510,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     from slime_stoa.quickstart.tiny_model import build_tiny_model
 
     size = QUICK_MODEL_SIZE if args.quick else MODEL_SIZE
-    with tempfile.TemporaryDirectory() as tmp:
+    session = Session()
+    with exit_on_signals(), tempfile.TemporaryDirectory() as tmp:
+        on_signal_exit(lambda: shutil.rmtree(tmp, ignore_errors=True))
         path = build_tiny_model(Path(tmp) / "model", **size)
         model, tok = mlx_lm.load(str(path))
         n_params = sum(a.size for _, a in tree_flatten(model.parameters()))
@@ -534,12 +577,14 @@ def main(argv: list[str] | None = None) -> int:
             bf16["rss_ratio"] = bf16["rss_bytes"] / (bf16["weight_bytes"] + bf16["kv_bytes"])
             pauses = sorted(r["pause_s"] for r in bf16["swaps"])
             bf16["swap_stall_s"] = pauses[len(pauses) // 2] if pauses else float("nan")  # the median
-    print(f"load average at the end: {_load():.1f}")
+            delays = [r["drain_s"] + r["pause_s"] for r in bf16["swaps"]]
+            bf16["install_delay_s"] = spread(delays)
     if bf16 is not None:
         _print_bf16(bf16)
+    session.print_load()
     result = {
         "quick": args.quick, "model": size, "params": n_params, "dtype": args.dtype, "blas": _blas_note(),
-        "load_average": _load(), "cohorts": args.cohorts, "prompts": args.prompts, "group_size": args.group_size,
+        **session.meta(), "load_average": _load(), "cohorts": args.cohorts, "prompts": args.prompts, "group_size": args.group_size,
         "max_tokens": args.max_tokens, "mean_tokens_target": args.mean_tokens, "temperature": TEMPERATURE, **gen,
     }  # fmt: skip
     if bf16 is not None:
@@ -547,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             "rss_bytes": bf16["rss_bytes"], "weight_bytes": bf16["weight_bytes"], "kv_bytes": bf16["kv_bytes"],
             "rss_ratio": bf16["rss_ratio"], "rss_baseline_bytes": bf16["rss_baseline_bytes"],
             "swap_stall_s": bf16["swap_stall_s"], "mlx_install_s": bf16["mlx_install_s"], "bf16_swaps": bf16["swaps"],
+            "install_delay_s": bf16["install_delay_s"],
+            **({"install_delay_s_max": bf16["install_delay_s"]["max"]} if bf16["install_delay_s"]["n"] else {}),
             "bf16_rss_samples": bf16["rss_samples"], "bf16_mlx_active_bytes": bf16["mlx_active_bytes"],
             "bf16_mlx_cache_bytes": bf16["mlx_cache_bytes"],
         })  # fmt: skip
