@@ -14,25 +14,17 @@ Which prompts are still wanted is the request's `prompts`, which the requester n
 accepts records: workers never judge coverage from the records they list (those could be forged).
 
 `answer_prompts` is the generation itself (single-turn groups, or tool episodes for a tool
-task). `python -m macd.evaluate` (`main`) runs it on a model folder and a split's task data and
-writes the completions as JSON: the sampler of `stoa eval --local` (its `mlx` engine), which
-answers the episodes' tool calls over the pipes (`--tool-stdio`, `ParentTool`).
+task); `python -m macd.eval_process` (macd/eval_process.py) runs it for `stoa eval --local`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import itertools
-import json
 import logging
-import os
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
@@ -217,151 +209,4 @@ class EvalResponder:
         return True
 
 
-# -- `python -m macd.evaluate`: sampling a split for `stoa eval --local` ----------------------------
-
-MAX_TOOL_LINE = 64 << 20  # the longest answer line read from the parent
-
-
-class ParentTool:
-    """A tool answered by the process at the other end of the pipes: a query is one JSON line out,
-    ``{"tool_call": {"id": N, "query": Q}}``, its answer one line in, ``{"id": N, "text": T}``, in
-    any order (the parent runs the task's tool with `slime_stoa.tasks.tools.call_tool`, so the text
-    is what the tool would have answered here)."""
-
-    def __init__(self, out: TextIO) -> None:
-        self._out = out
-        self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[str]] = {}
-        self._closed = False
-
-    async def __call__(self, query: str) -> str:
-        if self._closed:
-            raise EOFError("the tool's pipe is closed")
-        n = next(self._ids)
-        answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiting[n] = answer
-        try:
-            self._out.write(json.dumps({"tool_call": {"id": n, "query": query}}) + "\n")
-            self._out.flush()
-            return await answer
-        finally:
-            self._waiting.pop(n, None)
-
-    async def read_answers(self, reader: asyncio.StreamReader) -> None:
-        """Hand each answer line to its query until the pipe closes (queries then still waiting fail)."""
-        try:
-            while line := await reader.readline():
-                msg = json.loads(line)
-                answer = self._waiting.get(int(msg["id"]))
-                if answer is not None and not answer.done():
-                    answer.set_result(str(msg["text"]))
-        finally:
-            self._closed = True
-            for answer in self._waiting.values():
-                if not answer.done():
-                    answer.set_exception(EOFError("the tool's pipe closed before the answer"))
-
-
-def completion_doc(completion: Any) -> dict[str, Any]:
-    """What `stoa eval --local` scores of a completion: text, finish reason, tool calls (0 for a
-    single-turn one)."""
-    return {
-        "text": completion.text,
-        "finish_reason": completion.finish_reason,
-        "tool_calls": int(getattr(completion, "tool_calls", 0)),
-    }
-
-
-async def _inline(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return fn(*args, **kwargs)
-
-
-async def sample_split(args: argparse.Namespace, protocol: TextIO) -> dict[str, Any]:
-    """The completions of `args` (see `build_parser`): {"completions": [[doc, ...k], ...per prompt]}."""
-    from .generate import load_model
-
-    task = load_task(await asyncio.to_thread(args.task.read_bytes))
-    if task.tool_format is not None and not args.tool_stdio:
-        raise ValueError(f"task {task.name!r} uses a tool: sample it with --tool-stdio, the tool answering on stdin")
-    if not (args.model / "config.json").is_file():
-        raise ValueError(f"{args.model} is no model folder (no config.json)")
-    items = task.items[: len(task) if args.prompts is None else args.prompts]
-    model, tokenizer = load_model(args.model)
-    prompts = [prompt_tokens(tokenizer, task, item) for item in items]
-    tool, reading = None, None
-    if args.tool_stdio:
-        tool = ParentTool(protocol)
-        reader = asyncio.StreamReader(limit=MAX_TOOL_LINE)
-        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        reading = asyncio.create_task(tool.read_answers(reader))
-    try:
-        groups = await answer_prompts(
-            model, tokenizer, task, prompts, temperature=args.temperature, max_tokens=args.max_tokens, k=args.k,
-            stop=tuple(args.stop), seed=args.seed, mlx=_inline, tool=tool, max_batch=args.max_batch,
-        )
-    finally:
-        if reading is not None:
-            reading.cancel()
-    return {"completions": [[completion_doc(c) for c in group] for group in groups]}
-
-
-def _protocol_stream() -> TextIO:
-    """This process's stdout, kept for the tool lines; whatever else writes to stdout (a library's
-    print, at the Python or the C level) goes to stderr instead."""
-    sys.stdout.flush()
-    kept = os.dup(1)
-    os.dup2(2, 1)
-    return os.fdopen(kept, "w", encoding="utf-8", buffering=1)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m macd.evaluate",
-        description=(
-            "Sample k completions for each of a task split's first prompts with MLX (macd's generation "
-            "path) and write their text, finish reason and tool calls as JSON."
-        ),
-    )
-    parser.add_argument("--model", type=Path, required=True, help="HF/MLX model folder")
-    parser.add_argument("--task", type=Path, required=True, help="a split's task data file (as stored in the bucket)")
-    parser.add_argument("--prompts", type=int, help="sample the split's first N prompts (default: all)")
-    parser.add_argument("--k", type=int, default=1, help="samples per prompt (default: 1)")
-    parser.add_argument("--max-tokens", type=int, required=True, help="longest response")
-    parser.add_argument("--temperature", type=float, required=True, help="sampling temperature")
-    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                        help="a stop string (repeat for more; --stop=TEXT for one starting with '-')")
-    parser.add_argument("--seed", type=int, help="sampling seed")
-    parser.add_argument("--max-batch", type=int, help="sequences decoded at once (default: all)")
-    parser.add_argument("--tool-stdio", action="store_true",
-                        help="a tool task: ask for each tool answer on stdout and read it from stdin (see ParentTool)")
-    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout, as one line)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    protocol = _protocol_stream() if args.tool_stdio else sys.stdout
-    try:
-        from . import generate  # noqa: F401  (mlx, mlx-lm: the worker extra)
-    except ImportError as exc:
-        print(f"error: sampling with MLX needs the worker extra (mlx, mlx-lm): {exc}", file=sys.stderr)
-        return 2
-    try:
-        doc = asyncio.run(sample_split(args, protocol))
-    except (OSError, ValueError) as exc:  # no such file, bad task data or settings, a tool task without its pipes
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    text = json.dumps(doc)
-    if args.out is not None:
-        args.out.write_text(text + "\n", encoding="utf-8")
-    else:
-        protocol.write(text + "\n")
-        protocol.flush()
-    return 0
-
-
-__all__ = ["EvalResponder", "ParentTool", "answer_prompts", "build_parser", "eval_record", "main", "sample_split"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["EvalResponder", "answer_prompts", "eval_record"]

@@ -27,7 +27,8 @@ import numpy as np
 
 from slime_stoa.protocol.pulse.anchor import download_extras
 from slime_stoa.protocol.pulse.history import read_anchor_manifest
-from slime_stoa.protocol.pulse.subscriber import Committed, Subscriber, SyncError, SyncResult
+from slime_stoa.protocol.pulse.subscriber import Subscriber
+from slime_stoa.protocol.pulse.sync_result import Committed, SyncError, SyncResult
 from slime_stoa.protocol.run_manifest import Plane
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError

@@ -1,4 +1,4 @@
-"""`stoa eval --local --engine mlx`: sampling runs in `python -m macd.evaluate`, its own process,
+"""`stoa eval --local --engine mlx`: sampling runs in `python -m macd.eval_process`, its own process,
 and gives what macd's generation path gives in this one; a tool task's calls are answered by the
 tool here, over the process's pipes; a process that fails is one clear error."""
 
@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytest.importorskip("bm25s")
 
-from macd.evaluate import _inline, answer_prompts
+from macd.eval_process import _inline
+from macd.evaluate import answer_prompts
 from macd.generate import load_model
 from slime_stoa.cli import main
 from slime_stoa.evaluation import local
@@ -91,7 +92,7 @@ async def test_a_failing_process_is_one_error_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     task = Synthetic(generate_items(2, seed=3))
-    with pytest.raises(EngineFailed, match=r"the mlx engine \(`.* -m macd.evaluate`\) exited with status 1: error: "):
+    with pytest.raises(EngineFailed, match=r"the mlx engine \(`.* -m macd.eval_process`\) exited with status 1: error: "):
         await mlx_sample(tmp_path / "no-model", task, n_prompts=2, k=1, temperature=1.0, max_tokens=4, stop=(),
                          seed=None, tool=None, work_dir=tmp_path / "w")
     await seed_eval_run(store, synthetic_model_dir)
@@ -107,7 +108,7 @@ def test_the_sampler_refuses_a_tool_task_without_its_pipes(scripted_model_dir: P
 
     task_file = tmp_path / "task.data"
     task_file.write_bytes(Search([], meta={"top_k": 1}).encode())
-    done = subprocess.run([sys.executable, "-m", "macd.evaluate", "--model", str(scripted_model_dir), "--task",
+    done = subprocess.run([sys.executable, "-m", "macd.eval_process", "--model", str(scripted_model_dir), "--task",
                            str(task_file), "--max-tokens", "4", "--temperature", "1"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "uses a tool" in done.stderr.splitlines()[-1], done.stderr

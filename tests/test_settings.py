@@ -12,8 +12,10 @@ import pytest
 from slime_stoa.protocol.pulse.publisher import PublisherConfig
 from slime_stoa.trainer.consumer.config import ConsumerConfig
 from slime_stoa.trainer.loss_config import DPPOConfig
-from slime_stoa.trainer.slime import loss, settings
-from slime_stoa.trainer.slime.settings import Section, StoaSettings, parser_for, read, settings_from_args
+from slime_stoa.trainer.slime import loss, settings, settings_table
+from slime_stoa.trainer.slime.settings import StoaSettings, settings_from_args
+from slime_stoa.trainer.slime.settings_parsers import parser_for
+from slime_stoa.trainer.slime.settings_walk import Section, read
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -152,6 +154,6 @@ def test_parsed_once_while_the_settings_stay_the_same() -> None:
 
 def test_the_docs_table_is_the_rendered_one() -> None:
     doc = (REPO / "docs" / "slime.md").read_text(encoding="utf-8")
-    assert settings.doc_with_table(doc) == doc, (
-        "docs/slime.md's settings table is out of date: python -m slime_stoa.trainer.slime.settings docs/slime.md"
+    assert settings_table.doc_with_table(doc) == doc, (
+        "docs/slime.md's settings table is out of date: python -m slime_stoa.trainer.slime.settings_table docs/slime.md"
     )

@@ -9,7 +9,7 @@ Fleet mode (the default) writes an eval request for the version (signed with --r
 signed run) and waits up to --timeout seconds for the workers holding that version to answer;
 their records are checked and re-scored here. Workers hold the current version only, so --all
 needs --local: every kept version is rebuilt from the bucket and sampled on this machine, with macd's
-MLX generation path (`--engine mlx`, the default: a `python -m macd.evaluate` process; the worker extra) or with transformers on the
+MLX generation path (`--engine mlx`, the default: a `python -m macd.eval_process` process; the worker extra) or with transformers on the
 trainer box (`--engine transformers`, on `--device`, by default a GPU when there is one; the
 trainer extra): the same episodes, tool calls and budget either way. pass@k is the unbiased estimator (Chen et al., 2021)
 from k samples per prompt; a sample passes with reward >= --pass-threshold (default 1: full

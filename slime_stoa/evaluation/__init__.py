@@ -2,6 +2,6 @@
 
 `passk` (the unbiased estimator), `collect` (judging and re-scoring the eval records that answer
 a request), `fleet` (posting a request and waiting for the fleet's answers), `local` (sampling a
-version on this machine: macd's MLX path in a `python -m macd.evaluate` process, or transformers), `report` (per-version rows, CSV, JSON, PNG). The
+version on this machine: macd's MLX path in a `python -m macd.eval_process` process, or transformers), `report` (per-version rows, CSV, JSON, PNG). The
 request document itself is `slime_stoa.protocol.eval_request`; workers answer in `macd.evaluate`.
 """

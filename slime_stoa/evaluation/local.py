@@ -2,9 +2,9 @@
 scored with the split's task reward. Two engines:
 
 * ``mlx`` (the default): macd's MLX generation path (`macd.evaluate.answer_prompts`, the one
-  workers use), run as its own process, ``python -m macd.evaluate`` (`mlx_sample`); needs the
+  workers use), run as its own process, ``python -m macd.eval_process`` (`mlx_sample`); needs the
   worker extra (mlx, mlx-lm). A tool task's tool runs here, and the process asks it over its
-  pipes (`macd.evaluate.ParentTool`).
+  pipes (`macd.eval_process.ParentTool`).
 * ``transformers``: `slime_stoa.evaluation.hf_generate` on the trainer box (a GPU when there is
   one), the same episodes driven by transformers' `generate`; needs the trainer extra.
 
@@ -40,7 +40,7 @@ from .report import PromptResult, VersionResult, task_match
 Engine = Literal["mlx", "transformers"]
 ENGINES: tuple[Engine, ...] = ("mlx", "transformers")
 
-MLX_SAMPLER = ("-m", "macd.evaluate")  # the mlx engine's process: `sys.executable -m macd.evaluate`
+MLX_SAMPLER = ("-m", "macd.eval_process")  # the mlx engine's process: `sys.executable -m macd.eval_process`
 MAX_LINE = 64 << 20  # the longest tool-call line read from it
 
 
@@ -116,7 +116,7 @@ def mlx_command(
     folder: Path, task_file: Path, out_file: Path, *, n_prompts: int, k: int, temperature: float, max_tokens: int,
     stop: tuple[str, ...], seed: int | None, tool: bool,
 ) -> list[str]:
-    """The command line of the mlx engine's process (`macd.evaluate.build_parser`)."""
+    """The command line of the mlx engine's process (`macd.eval_process.build_parser`)."""
     return [
         sys.executable, *MLX_SAMPLER, "--model", str(folder), "--task", str(task_file), "--prompts", str(n_prompts),
         "--k", str(k), "--max-tokens", str(max_tokens), "--temperature", repr(float(temperature)),
@@ -130,7 +130,7 @@ async def mlx_sample(
     stop: tuple[str, ...], seed: int | None, tool: Tool | None, work_dir: Path,
 ) -> list[list[Sampled]]:
     """k completions for each of `task`'s first `n_prompts` prompts from the model `folder`,
-    sampled by ``python -m macd.evaluate`` (its tool calls answered here by `tool`); EngineFailed
+    sampled by ``python -m macd.eval_process`` (its tool calls answered here by `tool`); EngineFailed
     when the process fails."""
     work_dir.mkdir(parents=True, exist_ok=True)
     task_file, out_file = work_dir / "eval-task.data", work_dir / "eval-completions.json"

@@ -29,6 +29,8 @@ the run key of its version and every patch object and anchor file must match the
 signed manifest carries, checked on download before use. A refused object is counted once
 (`refused`), logged once, and when no path is left the sync raises `WeightsRefused` (a
 SyncError): the state stays at its last verified version.
+
+What a sync returns and raises, and what a deferred sync stages, are in `sync_result.py`.
 """
 
 from __future__ import annotations
@@ -60,21 +62,11 @@ from .history import MalformedPointer, NotPublished, read_anchor_manifest, read_
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
 from .route import Route, SpeedMeter, Speeds, chain_guess, estimate_s, rank
 from .staged import StagedPatch, stage_patches
+from .sync_result import Committed, StagedSync, SyncError, SyncResult, WeightsRefused
 
 log = logging.getLogger("stoa.pulse")
 
 WHOLE_BODY_BYTES = 8 << 20  # smaller patches are fetched with one GET instead of one per frame
-
-
-class SyncError(Exception):
-    """No path reached the target version; the state was left as it was."""
-
-
-class WeightsRefused(SyncError):
-    """The weights were refused: a pointer, manifest or object failed its signature or content
-    hash (a forgery or tampering, see `Subscriber.refused`); the state was left as it was."""
-
-
 MAX_REFUSALS_KEPT = 4096  # distinct refused objects remembered (so each is counted and logged once)
 
 
@@ -87,51 +79,6 @@ class SubscriberConfig:
     speeds: Speeds = field(default_factory=Speeds)  # rate guesses for path choice until measured
     manifest_cache: int = 256  # version manifests kept in memory (most recently used)
     hash_threads: int | None = None  # threads re-hashing patched tensors (None: one per CPU)
-
-
-@dataclass(frozen=True, slots=True)
-class StagedSync:
-    """A verified version a deferred subscriber has not written yet (`Subscriber.commit` does).
-
-    `patch`: the verified writes that take the held state, whose root digest is `base`, to
-    `digest` (patch paths); `state`: a whole new verified state (anchor paths)."""
-
-    manifest: VersionManifest
-    digest: StateDigest
-    base: str | None = None
-    patch: StagedPatch | None = None
-    state: dict[str, np.ndarray] | None = None
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """A patch's commit: its undo log and what the subscriber held before (`Subscriber.revert`)."""
-
-    staged: StagedSync
-    undo: UndoLog | None
-    version: int | None
-    digest: StateDigest | None
-    current: VersionManifest | None
-
-
-@dataclass(frozen=True, slots=True)
-class SyncResult:
-    version: int
-    previous: int | None
-    path: str  # "step", "catchup", "chain" or "anchor" (+ how the anchor was advanced)
-    bytes: int  # downloaded
-    touched: tuple[str, ...]  # tensors whose bits may have changed
-    seconds: float
-    # Flat indices written per tensor (sorted, unique, read-only, computed on first access);
-    # None when the whole state was replaced (anchor paths). Lets a receiver refresh only what
-    # changed, e.g. re-quantize touched groups.
-    changed: Mapping[str, np.ndarray] | None = None
-    estimate_s: float = 0.0  # what path choice expected the path to take
-    staged: StagedSync | None = None  # a deferred subscriber's: what `commit` installs
 
 
 @dataclass(slots=True)

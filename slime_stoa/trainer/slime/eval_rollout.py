@@ -43,7 +43,8 @@ from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.trainer.consumer import ConsumedGroup, sample_fields
 
-from .settings import StoaSettings, as_int, settings_from_args
+from .settings import StoaSettings, settings_from_args
+from .settings_parsers import as_int
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,287 @@
+"""The field walk: a settings dataclass read from slime's `args`, key by key, by its fields' types.
+
+A field `x` read under a `Section` is the key `<prefix>x`; a field `y` of a dataclass nested
+under the name `x` is `<prefix>x_y`, read under that field's own `Section` or one derived from
+the parent's; a `Spec` in a field's metadata (or in the parent Section's `fields`) names a key
+that does not follow the rule, a parser, a default derived from slime's flags, or a value derived
+from the parent's fields. A key that is not set keeps the field's default; a YAML null means None,
+or the default in a `Section(null_is_default)`. Every error is a `SettingError` naming the key.
+
+`read` parses the keys, `leaves_of` lists them (with the default and meaning the reference
+table shows).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import re
+import sys
+import textwrap
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeVar, get_type_hints
+
+from .settings_parsers import Parser, parser_for
+
+T = TypeVar("T")
+
+MISSING: Any = object()
+"""An attribute that is not set (and a field read from no key)."""
+
+
+# -- how a field is read -----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """How one field is read, where its key, type or default is not enough."""
+
+    key: str | None = None
+    """The key, where it is not the prefix + the field name."""
+    parse: Parser | None = None
+    """The parser, where the field's type does not choose it."""
+    default_from: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    """The default when the key is not set, from slime's args and the fields read before it."""
+    shown_default: str | None = None
+    """The default as the reference table shows it."""
+    derived: Callable[[Mapping[str, Any]], Any] | None = None
+    """Not a key: the value, from the parent's fields (StoaSettings' own)."""
+    part: str = ""
+    """Which piece reads it (a heading of the reference table): shared, rollout, publisher, loss."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """How a nested dataclass field is read: the key prefix of its fields and its own rules."""
+
+    prefix: str | None = None
+    """The key prefix of the nested fields (default: the parent's prefix + the field name + _)."""
+    null_is_default: bool = False
+    """A YAML null keeps a field's default (else null means None, an error where None is not allowed)."""
+    fields: Mapping[str, Spec] = field(default_factory=dict)
+    """Specs of the nested class's own fields (it may not be ours to annotate)."""
+    skip: tuple[str, ...] = ()
+    """Fields that are no settings: they keep their defaults."""
+    reads: tuple[str, ...] = ()
+    """The parent's fields its derived fields read: when one of them failed, the section is not
+    read (the error is reported once, there)."""
+    part: str = ""
+    what: str = ""
+    """The section in an error that names no field."""
+
+
+def spec(**kw: Any) -> Mapping[str, Spec]:
+    """The metadata of a field read by a `Spec`."""
+    return MappingProxyType({"stoa": Spec(**kw)})
+
+
+def nested(sec: Section) -> Mapping[str, Section]:
+    """The metadata of a nested config read by a `Section`."""
+    return MappingProxyType({"stoa": sec})
+
+
+class SettingError(ValueError):
+    """A setting that does not parse; `key` names it when one does, `part` is its piece."""
+
+    def __init__(self, message: str, *, key: str | None = None, part: str = "") -> None:
+        super().__init__(message)
+        self.key, self.part = key, part
+
+
+# -- the walk ---------------------------------------------------------------------------------------
+def _meta(f: dataclasses.Field) -> Any:
+    return f.metadata.get("stoa")
+
+
+def _nested(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    """The resolved type hints of `cls`'s fields."""
+    return get_type_hints(cls)
+
+
+def section_of(f: dataclasses.Field, parent: Section) -> Section:
+    """How the nested field `f` of a class read under `parent` is read."""
+    own = _meta(f)
+    if isinstance(own, Section):
+        return own
+    return Section(
+        prefix=(parent.prefix or "") + f.name + "_", null_is_default=parent.null_is_default, part=parent.part,
+        what=parent.what,
+    )
+
+
+def _spec_of(f: dataclasses.Field, parent: Section) -> Spec:
+    own = _meta(f)
+    return own if isinstance(own, Spec) else parent.fields.get(f.name, Spec())
+
+
+def read(cls: type, args: Any, parent: Section, top: Mapping[str, Any] | None = None,
+         only: Collection[str] | None = None) -> tuple[dict[str, Any], list[SettingError]]:
+    """(the values of `cls`'s fields read from `args`, the errors): a field whose key is not set
+    is left out (it keeps its default); nested dataclasses are built. `only` limits the fields."""
+    if args is None:
+        return {}, [SettingError("stoa's plugin needs slime's args (with stoa_bucket and stoa_run)")]
+    values: dict[str, Any] = {}
+    errors: list[SettingError] = []
+    failed: set[str] = set()
+    top_values = values if top is None else top
+    types = hints(cls)
+    for f in dataclasses.fields(cls):
+        if (only is not None and f.name not in only) or f.name in parent.skip:
+            continue
+        if _nested(types[f.name]):
+            sub = section_of(f, parent)
+            if failed & set(sub.reads):
+                continue  # its inputs did not parse: reported once, there
+            inner, inner_errors = read(types[f.name], args, sub, top_values)
+            errors += inner_errors
+            if not inner_errors:
+                try:
+                    values[f.name] = build(types[f.name], inner, sub)
+                except SettingError as exc:
+                    errors.append(exc)
+            continue
+        spec = _spec_of(f, parent)
+        try:
+            value = _read_leaf(f, types[f.name], spec, parent, args, values, top_values)
+        except SettingError as exc:
+            errors.append(exc)
+            failed.add(f.name)
+            continue
+        if value is not MISSING:
+            values[f.name] = value
+    return values, errors
+
+
+def _read_leaf(
+    f: dataclasses.Field, hint: Any, spec: Spec, parent: Section, args: Any, read_so_far: Mapping[str, Any],
+    top: Mapping[str, Any],
+) -> Any:
+    if spec.derived is not None:
+        return spec.derived(top)
+    key = spec.key or (parent.prefix or "") + f.name
+    part = spec.part or parent.part
+    raw = getattr(args, key, MISSING)
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    if (raw is None and parent.null_is_default) or (required and raw == ""):
+        raw = MISSING
+    if raw is MISSING:
+        if spec.default_from is not None:
+            return spec.default_from(args, read_so_far)
+        if required:
+            raise SettingError(
+                f"stoa needs the setting {key!r} (e.g. in the --custom-config-path YAML)", key=key, part=part
+            )
+        return MISSING
+    parse = spec.parse or parser_for(hint)
+    assert parse is not None, f"{f.name}: no setting parser for {hint!r}"
+    try:
+        return parse(key, raw)
+    except ValueError as exc:
+        raise SettingError(str(exc), key=key, part=part) from None
+
+
+def build(cls: type[T], values: Mapping[str, Any], sec: Section) -> T:
+    """`cls(**values)`; its ValueError as a SettingError naming the key of the field it names."""
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        key = _key_named(cls, message, sec)
+        text = f"{key}: {message}" if key else f"invalid {sec.what or cls.__name__} settings: {message}"
+        raise SettingError(text, key=key, part=sec.part) from None
+
+
+def _key_named(cls: type, message: str, sec: Section) -> str | None:
+    """The key of the field of `cls` the message names first (None: none)."""
+    best: tuple[int, str] | None = None
+    types = hints(cls)
+    for f in dataclasses.fields(cls):
+        if _nested(types[f.name]) or f.name in sec.skip:
+            continue
+        spec = _spec_of(f, sec)
+        if spec.derived is not None:
+            continue
+        found = re.search(rf"(?<![\w.]){re.escape(f.name)}\b|\.{re.escape(f.name)}\b", message)
+        if found and (best is None or found.start() < best[0]):
+            best = (found.start(), spec.key or (sec.prefix or "") + f.name)
+    return best[1] if best else None
+
+
+# -- the keys ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Leaf:
+    """One key: where it lands (`path` of field names), its default and meaning."""
+
+    key: str
+    path: tuple[str, ...]
+    part: str
+    default: str
+    doc: str
+
+
+def leaves_of(cls: type, parent: Section, path: tuple[str, ...] = ()) -> Iterator[Leaf]:
+    """Every key of `cls` read under `parent`, in field order."""
+    types = hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in parent.skip:
+            continue
+        if _nested(types[f.name]):
+            yield from leaves_of(types[f.name], section_of(f, parent), (*path, f.name))
+            continue
+        spec = _spec_of(f, parent)
+        if spec.derived is not None:
+            continue
+        key = spec.key or (parent.prefix or "") + f.name
+        yield Leaf(key, (*path, f.name), spec.part or parent.part, _shown(f, spec), docs.get(f.name, ""))
+
+
+def _shown(f: dataclasses.Field, spec: Spec) -> str:
+    if spec.shown_default is not None:
+        return spec.shown_default
+    if f.default is not dataclasses.MISSING:
+        return _yaml(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return _yaml(f.default_factory())
+    return "required"
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring (the string literal after it), on one line}; a docstring that only
+    names another class's field (`` `QuarantineConfig.min_samples`. ``) is that field's."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    out: dict[str, str] = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+        ):
+            out[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    module = sys.modules.get(cls.__module__)
+    for name, doc in out.items():
+        ref = re.fullmatch(r"`(\w+)\.(\w+)`\.?", doc)
+        other = getattr(module, ref.group(1), None) if ref else None
+        if ref and isinstance(other, type) and other is not cls:
+            out[name] = field_docs(other).get(ref.group(2), doc)
+    return out
