@@ -40,6 +40,7 @@ def check_load(doc: dict[str, Any]) -> None:
     assert finite(doc["load_average_start"]) and finite(doc["load_average_end"])
 
 
+@pytest.mark.slow  # ~16 s: python -m pytest --slow tests/test_bench_quick.py
 def test_bench_ingest_smoke(tmp_path: Path) -> None:
     pytest.importorskip("tokenizers")
     try:

@@ -18,7 +18,6 @@ from slime_stoa.protocol.store import Store
 from tests.test_eval_fleet import RUN, model_dir, seed_eval_run  # noqa: F401  (fixture)
 
 
-@pytest.mark.both_backends
 async def test_local_eval_of_every_version_writes_csv_json_and_png(
     store: Store, store_url: str, store_env: dict[str, str], model_dir: Path, tmp_path: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,

@@ -44,8 +44,6 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.validate import RecordLimits, RecordRejected, load_record
 
-pytestmark = pytest.mark.both_backends  # the store itself: every test on both backends
-
 #: (label, name): names no reader may accept as a run, task, file or worker name, key segment or
 #: file name. Labels are ASCII and unique (test ids).
 HOSTILE_NAMES: list[tuple[str, str]] = [

@@ -219,6 +219,7 @@ def test_a_sigkilled_quickstart_leaves_no_workers_and_resumes_exactly(tmp_path: 
     assert not qs.workers()  # the rerun stopped its workers too
 
 
+@pytest.mark.slow  # the chaos suite runs workers and the learner over S3 in the default suite
 def test_quickstart_over_a_real_s3_server(
     tmp_path: Path, s3_server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -44,7 +44,6 @@ def test_new_worker_ids() -> None:
     assert new_worker_id("!!!").startswith("mac-") and len(new_worker_id("x" * 100)) <= 48
 
 
-@pytest.mark.both_backends
 async def test_add_revoke_release_list(
     store: Store, env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

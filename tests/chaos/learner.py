@@ -33,7 +33,7 @@ from tests.chaos.harness import EVENTS, INTERRUPTED
 class NoWorkers:
     """Stands in for the quickstart's `WorkerProcesses`: the test runs the workers itself."""
 
-    def __init__(self, cfg: QuickstartConfig, url: str, *, signed: bool = False) -> None:
+    def __init__(self, cfg: QuickstartConfig, url: str, *, run_key: str | None = None) -> None:
         self.cfg = cfg
 
     def write_configs(self, check: Any = None) -> None:
