@@ -145,14 +145,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--slow", action="store_true", default=False,
-        help="also run the long learning runs marked `slow` (e.g. the search quickstart); also STOA_SLOW=1",
+        help="also run the long tests marked `slow` (the learning runs, the wheel install); also STOA_SLOW=1",
     )  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_backends: run a store test on the local folder and on S3")
     config.addinivalue_line("markers", "file_only: in a both_backends module, run this test on the local folder only")
-    config.addinivalue_line("markers", "slow: a long learning run, only with --slow or STOA_SLOW=1")
+    config.addinivalue_line("markers", "slow: a long test (a learning run, the wheel install), only with --slow or STOA_SLOW=1")
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
 
 
@@ -160,7 +160,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked `slow` run only with `--slow` (or STOA_SLOW=1): the default suite stays short."""
     if config.getoption("--slow", default=False) or os.environ.get("STOA_SLOW", "") == "1":
         return
-    skip = pytest.mark.skip(reason="a long learning run: python -m pytest --slow (or STOA_SLOW=1)")
+    skip = pytest.mark.skip(reason="a long test: python -m pytest --slow (or STOA_SLOW=1)")
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)

@@ -128,7 +128,7 @@ def test_no_warm_start_run_says_where_and_how_to_inspect(tmp_path: Path) -> None
     pytest.importorskip("matplotlib")
     # A model that was never warm-started almost always scores 0 on every sample: the consumer drops
     # such all-equal groups, so one step of two groups is what a short wait can gather.
-    done = quickstart(tmp_path, "--no-warm-start", "--minutes", "30", "--max-versions", "1", "--batch-groups", "2",
+    done = quickstart(tmp_path, "--no-warm-start", "--minutes", "30", "--max-versions", "1", "--batch-groups", "2", "--workers", "1",
                       timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     out, bucket = done.stdout, f"file://{(tmp_path / 'qs' / 'bucket').resolve()}"

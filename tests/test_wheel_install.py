@@ -51,6 +51,7 @@ def run(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> su
     return done
 
 
+@pytest.mark.slow  # ~45 s (a wheel build and a fresh venv): CI runs it with the other slow tests
 def test_the_wheel_installs_with_the_worker_extra_into_a_fresh_venv(tmp_path: Path) -> None:
     why = unreachable(index_url())
     if why is not None:

@@ -54,7 +54,7 @@ class ChaosPlan:
     """How hard and how long the suite hits the run."""
 
     workers: int = 2
-    chaos_s: float = 40.0  # the phase of faults (then a clean end phase)
+    chaos_s: float = 30.0  # the phase of faults (then a clean end phase)
     outage_s: tuple[float, float] = (2.0, 4.0)  # full outages of one proxy (or of all of them)
     burst_s: tuple[float, float] = (1.0, 2.0)  # 503 bursts
     network_gap_s: tuple[float, float] = (4.0, 10.0)  # between two outages or bursts
