@@ -22,7 +22,7 @@ from tests.chaos.harness import INTERRUPTED, LEARNER, RUN, LearnerProcess, child
 from tests.conftest import async_wait_until
 from tests.faultproxy import FaultyProxy
 
-OUTAGE_S = 3.0  # longer than the S3 client retries a request by itself (6 attempts in about 1.2 s)
+OUTAGE_S = 6.0  # well past the S3 client's own retries of a request (6 attempts, up to about 2.5 s)
 WAIT_S = 180.0
 
 
