@@ -30,17 +30,8 @@ from slime_stoa.tasks.tools import ToolContext, tool_for
 from tests.test_eval_fleet import RUN as SYNTHETIC_RUN
 from tests.test_eval_fleet import model_dir as synthetic_model_dir  # noqa: F401  (fixture)
 from tests.test_eval_fleet import seed_eval_run
-from tests.test_search_worker import MAX_TOKENS, QUERY, RUN, seed_search_run
+from tests.test_search_worker import MAX_TOKENS, QUERY, RUN, Recording, seed_search_run
 from tests.test_search_worker import model_dir as scripted_model_dir  # noqa: F401  (fixture)
-
-
-class Recording:
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.queries = inner, []
-
-    async def __call__(self, query: str) -> str:
-        self.queries.append(query)
-        return await self.inner(query)
 
 
 def in_process(folder: Path, task: Any, n: int, **sampling: Any) -> list[list[Sampled]]:
