@@ -15,6 +15,7 @@ from pathlib import Path
 from . import config as cfg
 from . import join_cmd, run_cmd, service_cmd
 from .cmdline import add_config_option, config_path
+from .doctor import add_plan_options
 
 
 def default_data_dir() -> Path:
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--data-dir", type=Path, default=default_data_dir(), help="anchor cache and spool folder")
     add_config_option(doctor)
+    add_plan_options(doctor)
     doctor.set_defaults(handler=_doctor)
     join_cmd.add_parser(sub)
     run_cmd.add_parser(sub)
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
+    if args.plan_for is not None:
+        return doctor.print_plan(args)
     return doctor.main(args.data_dir, config_path(args))
 
 

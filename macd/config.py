@@ -34,7 +34,7 @@ from typing import Any, Literal
 from slime_stoa.protocol.cli_fields import Flag
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import check_name, check_worker_id
-from slime_stoa.protocol.run_manifest import Plane, read_run_manifest
+from slime_stoa.protocol.run_manifest import PLANES, Plane, RunManifest, read_run_manifest
 from slime_stoa.protocol.run_manifest import RunNotFound as RunNotFound  # probe_run raises it
 from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import Credentials, Store, open_store, parse_store_url
@@ -126,6 +126,20 @@ def check_label(name: str) -> str:
 # -- the config ---------------------------------------------------------------------------------
 
 
+def plane_override(manifest: RunManifest, plane: str) -> Plane:
+    """`plane` (a config's override) checked against the run of `manifest`: ValueError when the
+    run cannot be served on it (a larger plane than the run's, or int4 the run does not publish;
+    int8 a Mac can always make from the bf16 weights)."""
+    if plane not in PLANES:
+        raise ValueError(f"plane must be one of {', '.join(PLANES)}, got {plane!r}")
+    if PLANES.index(plane) < PLANES.index(manifest.plane):
+        raise ValueError(f"plane {plane}: run {manifest.run!r} serves {manifest.plane}; serve it on that plane or a smaller one")
+    if plane == "int4" and not manifest.offers("int4"):
+        offered = ", ".join(p for p in PLANES if PLANES.index(p) >= PLANES.index(manifest.plane) and p != "int4")
+        raise ValueError(f"plane int4: run {manifest.run!r} does not publish the int4 plane (serve {offered})")
+    return plane
+
+
 def _tier_batch() -> int:
     return tier_for(memory_bytes()).batch
 
@@ -205,7 +219,8 @@ class DaemonConfig:
     run_key: str = _doc(
         "The run key pinned at `macd join` (public key text, ed25519:...): weights, pointers and the "
         "run manifest must be signed by it or by a key it rotated to, else they are refused. Empty: "
-        "the run manifest's own key is trusted at each start (an unsigned run: nothing is checked).",
+        "the first run key the worker sees is trusted and kept in its data folder (an unsigned run: "
+        "nothing is checked, unless the worker holds a worker key: then it is refused).",
         join=Flag(
             metavar="TEXT",
             help="pin this run key (ed25519:..., from `stoa keys show`) instead of trusting the run manifest's "
@@ -231,6 +246,17 @@ class DaemonConfig:
             metavar="URL",
             help="least privilege: a second bucket for this worker's records and heartbeat; the run's bucket "
             "is then only read (give the worker a read-only token for it)",
+        ),
+        default="",
+    )
+    plane: str = _doc(
+        "The weight plane this Mac serves the run on: bf16, int8 or int4 (int4 only when the run "
+        "publishes it), never a larger one than the run's. Empty: the largest that fits this Mac's "
+        "memory (the run's plane, or a smaller one the run publishes; `macd join` shows it).",
+        join=Flag(
+            metavar="PLANE",
+            help="serve this weight plane: bf16, int8, or int4 when the run publishes it (default: the "
+            "largest that fits this Mac's memory)",
         ),
         default="",
     )
@@ -273,6 +299,8 @@ class DaemonConfig:
             raise ValueError("rollouts_store must be a string")
         if self.rollouts_store:
             parse_store_url(self.rollouts_store)
+        if self.plane not in ("", *PLANES):
+            raise ValueError(f"plane must be one of {', '.join(PLANES)} (or empty: picked for this Mac), got {self.plane!r}")
         if self.rollouts_credentials_file is not None and (
             not isinstance(self.rollouts_credentials_file, Path) or not self.rollouts_credentials_file.is_absolute()
         ):
@@ -289,7 +317,7 @@ class DaemonConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and not (f.name in ("run_key", "worker_key", "rollouts_store") and not value):
+            if value is not None and not (f.name in ("run_key", "worker_key", "rollouts_store", "plane") and not value):
                 out[f.name] = str(value) if isinstance(value, Path) else value
         return out
 
@@ -413,7 +441,9 @@ def write_credentials(path: Path, creds: Credentials) -> Path:
 #: Resident bytes per weight: bf16 (the one copy patches apply to and MLX serves), or int8: the
 #: bf16 master patches apply to (2 bytes, exact) plus the MLX int8 copy served from it (8 bits
 #: plus a bf16 scale and bias per 64 weights, 1.0625 bytes).
-BYTES_PER_WEIGHT: dict[Plane, float] = {"bf16": 2.0, "int8": 2.0 + 1.0625}
+#: int4 is served only from the run's published 4-bit plane, held alone (4 bits plus a bf16 scale
+#: and bias per 64); `macd.plane_choice` counts a published int8 plane held alone too.
+BYTES_PER_WEIGHT: dict[Plane, float] = {"bf16": 2.0, "int8": 2.0 + 1.0625, "int4": 0.5625}
 #: Runtime overhead besides weights and KV cache (Python, MLX, activations), a rough figure.
 OVERHEAD_BYTES = 1 << 30
 #: Share of unified memory macOS lets the GPU wire by default (about 2/3 to 3/4).
@@ -431,6 +461,7 @@ class RunInfo:
     version: int | None = None  # current weight version; None before the first publish
     elements: int | None = None  # bf16 weights in the state
     kv_bytes_per_token: int | None = None  # from the anchor's config.json, when readable
+    model_config: Mapping[str, Any] | None = None  # the anchor's config.json, when readable
 
 
 async def probe_run(store: Any, run: str, *, pinned: str | None = None) -> RunInfo:
@@ -452,16 +483,18 @@ async def probe_run(store: Any, run: str, *, pinned: str | None = None) -> RunIn
         elements = (await read_manifest(store, pointer.manifest)).elements
     except NotFound:  # retention removed it between the two reads: sizes unknown
         return RunInfo(manifest=manifest, version=pointer.version)
+    model_config = await _anchor_config(store, pointer.anchor.manifest)
     return RunInfo(
         manifest=manifest,
         version=pointer.version,
         elements=elements,
-        kv_bytes_per_token=await _kv_bytes_per_token(store, pointer.anchor.manifest),
+        kv_bytes_per_token=None if model_config is None else kv_bytes_per_token(model_config),
+        model_config=model_config,
     )
 
 
-async def _kv_bytes_per_token(store: Any, anchor_manifest_key: str) -> int | None:
-    """KV-cache bytes per token (bf16 K and V of every layer) from the anchor's config.json."""
+async def _anchor_config(store: Any, anchor_manifest_key: str) -> dict[str, Any] | None:
+    """The anchor's config.json (a JSON object), or None when it cannot be read."""
     import json
 
     from slime_stoa.protocol.pulse.history import read_anchor_manifest
@@ -472,9 +505,10 @@ async def _kv_bytes_per_token(store: Any, anchor_manifest_key: str) -> int | Non
         entry = next((f for f in anchor.extras if f.name == "config.json"), None)
         if entry is None:
             return None
-        return kv_bytes_per_token(json.loads(await read_capped_bytes(store, entry.key, 1 << 20)))  # a config.json
+        doc = json.loads(await read_capped_bytes(store, entry.key, 1 << 20))  # a config.json
     except Exception:  # best effort: the estimate falls back to a guess
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 def kv_bytes_per_token(config: Mapping[str, Any]) -> int | None:

@@ -1,12 +1,17 @@
-"""`macd doctor`: what this machine can do as a rollout worker (the tiers: `macd.machine`)."""
+"""`macd doctor`: what this machine can do as a rollout worker (the tiers: `macd.machine`), the
+memory plan of the joined run's model on it, and with `--plan-for` the plan of a model shape
+(LFM2.5-8B-A1B unless `--plan-config`) on Macs of other sizes (`macd.memory_plan`)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import json
 import platform
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from .machine import memory_bytes, tier_for
 
@@ -68,6 +73,74 @@ async def bucket_rows(config) -> list[tuple[str, str, bool]]:
     return [("bucket", f"{config.store} run {config.run!r}: credentials ok, {latency:.0f} ms per request", True)]
 
 
+async def plan_rows(config: Any) -> list[tuple[str, str, bool]]:
+    """The memory plan of the joined run's model on this Mac (`join_cmd.memory_plan_lines`), one
+    row per line; not ok when the run's plane does not fit. Nothing when the run cannot be read."""
+    from slime_stoa.protocol.store import StoreError
+
+    from .config import RunNotFound, probe_run
+    from .join_cmd import memory_plan_lines
+
+    try:
+        async with config.open_store() as store:
+            info = await probe_run(store, config.run, pinned=config.run_key or None)
+    except (StoreError, ValueError, RunNotFound):
+        return []
+    lines, warning = memory_plan_lines(config, info, memory_bytes())
+    rows = [("plan", line.strip().removeprefix("memory plan").strip(), True) for line in lines]
+    return rows + ([("plan", warning.removeprefix("warning: "), False)] if warning else [])
+
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """`macd doctor --plan-for 16,24,32,64` and the run shape it plans for."""
+    parser.add_argument("--plan-for", metavar="GB[,GB...]", default=None,
+                        help="print the memory plan of LFM2.5-8B-A1B (or --plan-config) on Macs of these sizes, e.g. 16,24,32,64")
+    parser.add_argument("--plan-config", type=Path, default=None, help="a model's config.json to plan for instead")
+    parser.add_argument("--plan-group-size", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--plan-batch", type=int, default=2, help="prompts decoding at once (default 2)")
+    parser.add_argument("--plan-prompt-tokens", type=int, default=512, help="longest prompt (default 512)")
+    parser.add_argument("--plan-response-tokens", type=int, default=1536, help="longest response (default 1536)")
+    parser.add_argument("--plan-index-gb", type=float, default=0.0, help="the search index's size in GB (default 0)")
+
+
+def print_plan(args: argparse.Namespace) -> int:
+    """`macd doctor --plan-for`: the plan's lines on stdout; 1 with an error line on bad input."""
+    from .memory_plan import LFM2_5_8B_A1B, config_plan, describe
+
+    try:
+        sizes = tuple(float(x) for x in str(args.plan_for).split(",") if x.strip())
+        if not sizes or min(sizes) <= 0:
+            raise ValueError
+    except ValueError:
+        print(f"error: --plan-for {args.plan_for!r}: expected memory sizes in GB, e.g. 16,24,32,64", file=sys.stderr)
+        return 1
+    name, model = "LFM2.5-8B-A1B", LFM2_5_8B_A1B
+    if args.plan_config is not None:
+        try:
+            model = json.loads(args.plan_config.read_bytes())
+        except (OSError, ValueError) as exc:
+            print(f"error: --plan-config {args.plan_config}: {exc}", file=sys.stderr)
+            return 1
+        name = str(args.plan_config)
+    for option in ("plan_group_size", "plan_batch", "plan_prompt_tokens", "plan_response_tokens"):
+        if getattr(args, option) < 1:
+            flag = "--" + option.replace("_", "-")
+            print(f"error: {flag} must be 1 or more (got {getattr(args, option)})", file=sys.stderr)
+            return 1
+    plan = config_plan(
+        model, group_size=args.plan_group_size, groups=args.plan_batch, prompt_tokens=args.plan_prompt_tokens,
+        response_tokens=args.plan_response_tokens, index_bytes=int(args.plan_index_gb * 2**30), mac_sizes_gb=sizes,
+    ) if isinstance(model, dict) else None
+    if plan is None:
+        print(f"error: --plan-config {name}: not a model config with the sizes a plan needs", file=sys.stderr)
+        return 1
+    print(f"memory plan of {name}: {args.plan_batch} prompts x {args.plan_group_size} samples, "
+          f"{args.plan_prompt_tokens} + {args.plan_response_tokens} tokens")
+    for line in describe(plan):
+        print(f"  {line}")
+    return 0
+
+
 def main(data_dir: Path, config_file: Path | None = None) -> int:
     import asyncio
 
@@ -75,7 +148,10 @@ def main(data_dir: Path, config_file: Path | None = None) -> int:
     if config_file is not None and config_file.exists():
         from .config import load_config
 
-        rows += asyncio.run(bucket_rows(load_config(config_file)))
+        joined = load_config(config_file)
+        rows += asyncio.run(bucket_rows(joined))
+        if rows[-1][2]:  # the bucket answers: the plan of the run's model here
+            rows += asyncio.run(plan_rows(joined))
     else:
         rows.append(("bucket", "not joined yet: run `macd join <bucket-url> --run <run>`", True))
     for name, finding, ok in rows:

@@ -345,11 +345,13 @@ async def run_episodes(
     *,
     max_batch: int | None = None,
     mlx: Callable[..., Awaitable[Any]] | None = None,
+    on_group: Callable[[int], None] | None = None,
 ) -> list[list[EpisodeCompletion]]:
     """G episodes per prompt, batched; one list of G completions per prompt, in prompt order.
 
     `mlx(fn, *args)` runs MLX work (default: inline on the event loop's thread); tools run as
-    asyncio tasks (a sync tool in a worker thread, `slime_stoa.tasks.tools.call_tool`), beside decoding."""
+    asyncio tasks (a sync tool in a worker thread, `slime_stoa.tasks.tools.call_tool`), beside decoding.
+    `on_group(n)` is called as each prompt's group finishes, `n` the groups finished so far."""
 
     async def inline(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
@@ -379,6 +381,8 @@ async def run_episodes(
             finished, steps = await run(gen.advance, STEPS_PER_CALL)
             for group in finished:
                 done[group.tag] = group.completions
+                if on_group is not None:
+                    on_group(len(done))
             for call in gen.take_calls():
                 task = asyncio.create_task(answer(call))
                 tasks.add(task)

@@ -3,7 +3,8 @@
 It runs `macd.evaluate.answer_prompts` (macd's generation path, the one workers use) on a model
 folder and a split's task data and writes the completions as JSON (`completion_doc`). A tool
 task's calls are answered by the parent over the pipes (`--tool-stdio`, `ParentTool`): stdout
-then carries only the tool lines, whatever else writes there goes to stderr.
+then carries only the tool lines, whatever else writes there goes to stderr. With --progress,
+stderr gets a `progress_line` as each prompt's group finishes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from slime_stoa.tasks.prompting import prompt_tokens
 from .evaluate import answer_prompts
 
 MAX_TOOL_LINE = 64 << 20  # the longest answer line read from the parent
+PROGRESS_PREFIX = "stoa-eval-progress "  # a --progress line (stoa eval reads it): the prefix, "DONE/TOTAL" prompts
+
+
+def progress_line(done: int, total: int) -> str:
+    return f"{PROGRESS_PREFIX}{done}/{total}"
 
 
 class ParentTool:
@@ -102,6 +108,7 @@ async def sample_split(args: argparse.Namespace, protocol: TextIO) -> dict[str, 
         groups = await answer_prompts(
             model, tokenizer, task, prompts, temperature=args.temperature, max_tokens=args.max_tokens, k=args.k,
             stop=tuple(args.stop), seed=args.seed, mlx=_inline, tool=tool, max_batch=args.max_batch,
+            on_group=(lambda n: print(progress_line(n, len(prompts)), file=sys.stderr, flush=True)) if args.progress else None,
         )
     finally:
         if reading is not None:
@@ -139,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-stdio", action="store_true",
                         help="a tool task: ask for each tool answer on stdout and read it from stdin (see ParentTool)")
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout, as one line)")
+    parser.add_argument("--progress", action="store_true", help="write a progress line to stderr as each prompt is done")
     return parser
 
 
@@ -164,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ParentTool", "build_parser", "completion_doc", "main", "sample_split"]
+__all__ = ["ParentTool", "build_parser", "completion_doc", "main", "progress_line", "sample_split"]
 
 
 if __name__ == "__main__":

@@ -7,15 +7,20 @@ direction, at the generation loop's next safe point (`WeightFollower.swap`): on 
 where the subscriber's state *is* the model's memory (one copy of the weights, `weights.py`),
 the commit scatters the patch's bits into the live weights there; on the int8 plane the bf16
 master is not the model, so it is written beside generation and the safe point re-quantizes the
-groups that changed. A patch commit the model cannot take is undone (the state and the
-subscriber back at the version the model computes with; an anchor's new state stays, as the
-subscriber's); either way the next version is installed whole.
+groups that changed. On a quantized plane the run publishes (the Mac's pick, `plane_for`), the
+worker follows that plane and holds it alone (`held_plane`, `macd.plane_weights`): like bf16, its
+state is the model's memory; the groups it makes carry the state digest of the bf16 version the
+plane quantizes (the plane's manifest names it, signed), the one the trainer checks records
+against. A patch commit the model cannot take is undone (the state and the subscriber back at
+the version the model computes with; an anchor's new state stays, as the subscriber's); either
+way the next version is installed whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,20 +30,25 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from slime_stoa.protocol.pulse.anchor import download_extras
-from slime_stoa.protocol.pulse.history import read_anchor_manifest
+from slime_stoa.protocol.layout import QuantPlane, check_plane
+from slime_stoa.protocol.pulse.anchor import download_extras, fetch_verified
+from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
+from slime_stoa.protocol.pulse.manifests import VersionManifest
 from slime_stoa.protocol.pulse.subscriber import Subscriber
-from slime_stoa.protocol.pulse.sync_result import Committed, SyncError, SyncResult
-from slime_stoa.protocol.run_manifest import Plane
+from slime_stoa.protocol.pulse.sync_result import Committed, SyncError, SyncResult, WeightsRefused
+from slime_stoa.protocol.run_manifest import Plane, RunManifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.protocol.store.retry import describe_error
 
 from .aio import Wakeup, wait
-from .config import DaemonConfig
+from .config import DaemonConfig, decoding_sequences, plane_override
+from .machine import memory_bytes
 from .mlx_thread import MLXThread, return_freed_memory
 from .options import WorkerOptions
+from .plane_choice import choose_plane
 from .reporting import Reporter
+from .run_pin import head_path, remember_head, remembered_head
 
 if TYPE_CHECKING:
     from .generate import Generator, Model, Tokenizer
@@ -53,9 +63,10 @@ class SwapRecord:
     """One version change of the live model (seconds)."""
 
     version: int  # installed
-    path: str  # how the subscriber reached it ("step", "catchup", "chain", "anchor...")
+    path: str  # how the subscriber reached it ("step", "chain", "catchup", "catchup+chain", "anchor...")
     ready_s: float  # poll, download, verify (int8: patch the master), all beside generation
     drain_s: float  # from then to the safe point; in-flight groups kept decoding
+    drain_steps: int  # decode steps taken from then to the safe point (at most swap_drain_s's worth + 1)
     pause_s: float  # decoding stopped: drop what was in flight, wait for MLX, install
     install_s: float  # the install itself, on the MLX thread (bf16: the patch's scatter into the weights)
     dropped: int  # groups in flight at the safe point, dropped and restarted on the new weights
@@ -71,6 +82,7 @@ class _SwapClock:
     installed: float = 0.0  # the install started
     resumed: float = 0.0  # decoding may go on
     dropped: int = 0
+    steps: int = 0  # decode steps taken while the install waited for a safe point
 
 
 @dataclass
@@ -98,16 +110,62 @@ class WeightFollower:
         self.sub: Subscriber | None = None
         self.live: LiveWeights | None = None
         self.installed: tuple[int, str] = (-1, "")  # (version, state digest) the model computes with
+        self.plane: Plane = "bf16"  # the plane the model serves (`load_model`); records name it
         self.generating = False  # a generation loop takes installs at its safe points
         self.pending: Pending | None = None
         self.clock = _SwapClock()  # the version change under way
         self.swaps: collections.deque[SwapRecord] = collections.deque(maxlen=1000)  # the latest version changes
         self._whole = False  # the next version is installed whole (an install failed)
 
-    def subscriber(self, trust: RunTrust | None) -> Subscriber:
+    def subscriber(self, trust: RunTrust | None, plane: QuantPlane | None = None) -> Subscriber:
+        """The worker's subscriber, of the run's bf16 weights or of its published `plane`
+        (`held_plane`); in a signed run it refuses pointers below the highest weights this
+        worker installed before (`run_pin`), across restarts."""
         if self.sub is None:
-            self.sub = Subscriber(self.store, self.config.run, trust=trust, deferred=True)
+            self.sub = Subscriber(self.store, self.config.run, trust=trust, deferred=True, plane=plane)
+            if trust is not None:
+                self.sub.floor = remembered_head(self.config.data_dir, self.config.run)
         return self.sub
+
+    async def plane_for(self, manifest: RunManifest, trust: RunTrust | None) -> Plane:
+        """The plane this Mac serves the run on (`plane_choice`): the run's, or, when the run
+        publishes quantized planes, a smaller one if the run's does not fit this Mac's memory.
+        The model's config is read from the run's bf16 anchor; the run's plane when it cannot be.
+        The daemon config's `plane` overrides the pick (ValueError when the run cannot be served on it)."""
+        if self.config.plane:
+            plane = plane_override(manifest, self.config.plane)
+            log.info("plane for this Mac: %s (the daemon config's)", plane)
+            return plane
+        if not manifest.planes:
+            return manifest.plane
+        try:
+            pointer = await read_pointer(self.store, self.config.run, trust=trust)
+            anchor = await read_anchor_manifest(self.store, pointer.anchor.manifest, trust=trust)
+            entry = next((f for f in anchor.extras if f.name == "config.json"), None)
+            model_config = None if entry is None else json.loads(await fetch_verified(self.store, entry))
+        except StoreConfigError:
+            raise
+        except Exception as exc:  # nothing published yet, or a malformed object: the run's plane
+            log.info("serving the run's %s plane: its model config is not readable (%s)", manifest.plane, describe_error(exc))
+            return manifest.plane
+        sequences = decoding_sequences(self.config, manifest.group_size)
+        choice = None if not isinstance(model_config, dict) else choose_plane(
+            model_config, manifest, memory=memory_bytes(), sequences=sequences
+        )
+        if choice is None:
+            return manifest.plane
+        log.info("plane for this Mac: %s", choice.describe())
+        return choice.plane
+
+    def keep_head(self) -> None:
+        """Keep the head of a signed run's installed weights for the next start (best effort)."""
+        sub = self.sub
+        if sub is None or sub.trust is None or sub.head is None:
+            return
+        try:
+            remember_head(self.config.data_dir, self.config.run, sub.head)
+        except OSError as exc:
+            log.warning("could not keep the installed weights' version in %s: %s", self.config.data_dir, exc)
 
     # -- cold start ------------------------------------------------------------------------------
     async def first_sync(self, sub: Subscriber, stop: asyncio.Event) -> bool:
@@ -122,10 +180,15 @@ class WeightFollower:
             except StoreConfigError:
                 raise
             except (SyncError, StoreError) as exc:
-                self.reporter.error(f"weights: {exc}")
+                hint = ""
+                if isinstance(exc, WeightsRefused) and sub.floor is not None and sub.version is None:
+                    hint = (f" (this worker installed {sub.floor} before; if the run was re-created on purpose, "
+                            f"delete {head_path(self.config.data_dir, self.config.run)})")
+                self.reporter.error(f"weights: {exc}{hint}")
             else:
                 if result is not None and result.staged is not None:
                     sub.commit(result.staged)
+                    self.keep_head()
                 if sub.state is None:
                     log.info("waiting for the trainer to publish weights for run %s", self.config.run)
             self.count_refused(sub)
@@ -143,7 +206,10 @@ class WeightFollower:
         extras = folder / "extras"
         await download_extras(self.store, anchor, extras)
         await asyncio.to_thread(_drop_weight_files, folder)
-        model, tokenizer, self.live = await self.mlx.run(_build_model, extras, sub.state, plane)
+        held = sub.layout.plane
+        model, tokenizer, self.live = await self.mlx.run(_build_model, extras, sub.state, held or plane, held is not None)
+        self.plane = held or plane
+        self.reporter.update(plane=self.plane)
         return model, tokenizer
 
     # -- following -------------------------------------------------------------------------------
@@ -190,7 +256,7 @@ class WeightFollower:
         whole = self._whole or staged.patch is None
         changed = None if whole else result.changed
         early: Committed | None = None
-        if live.plane == "int8":  # the master is not the model: written beside generation
+        if live.master_apart:  # the master is not the model: written beside generation
             early = await asyncio.to_thread(sub.commit, staged)
         reverted = False
 
@@ -207,7 +273,7 @@ class WeightFollower:
                 raise
 
         try:
-            await self.install_at_safe_point(install, staged.version, staged.digest.root())
+            await self.install_at_safe_point(install, staged.version, served_digest(staged.manifest, staged.digest.root()))
         except Exception as exc:  # the model keeps its version; the follow loop goes on
             if early is not None and early.undo is not None and not reverted:
                 await asyncio.to_thread(sub.revert, early)  # the install never ran: the master back too
@@ -220,12 +286,13 @@ class WeightFollower:
             self.reporter.error(f"weights: v{staged.version} {problem}; serving v{self.installed[0]}")
             return
         self._whole = False
+        self.keep_head()
         if changed is None:
             return_freed_memory()  # the replaced state's
         c = self.clock
         record = SwapRecord(
             version=self.installed[0], path=result.path,
-            ready_s=c.asked - c.synced, drain_s=c.paused - c.asked, pause_s=c.resumed - c.paused,
+            ready_s=c.asked - c.synced, drain_s=c.paused - c.asked, drain_steps=c.steps, pause_s=c.resumed - c.paused,
             install_s=c.resumed - c.installed, dropped=c.dropped,
         )
         self.swaps.append(record)
@@ -295,13 +362,37 @@ class WeightFollower:
         self.pending = None
 
 
-def _build_model(folder: Path, state: dict[str, np.ndarray], plane: Plane) -> tuple[Model, Tokenizer, LiveWeights]:
-    """(model, tokenizer, LiveWeights) on the MLX thread: the model of `folder`'s config holding `state`."""
+def held_plane(manifest: RunManifest, plane: Plane) -> QuantPlane | None:
+    """The quantized plane a worker serving `plane` follows and holds alone: `plane` when the
+    run publishes it (`RunManifest.planes`), else None (the bf16 weights: served as they are, or
+    quantized to int8 here from them). ValueError for a 4-bit plane the run does not publish."""
+    if plane != "bf16" and manifest.offers(plane):
+        return check_plane(plane)
+    if plane == "int4":
+        raise ValueError(f"run {manifest.run!r} does not publish the int4 plane; serve bf16 or int8")
+    return None
+
+
+def served_digest(manifest: VersionManifest | None, digest: str) -> str:
+    """The state digest the groups made on a version are labelled with: a plane's bf16 source
+    version's (what the trainer published and checks records against), else `digest`."""
+    return manifest.source.state_digest if manifest is not None and manifest.source is not None else digest
+
+
+def _build_model(
+    folder: Path, state: dict[str, np.ndarray], plane: Plane, held: bool = False
+) -> tuple[Model, Tokenizer, LiveWeights]:
+    """(model, tokenizer, LiveWeights) on the MLX thread: the model of `folder`'s config holding
+    `state` (with `held`, the quantized `plane` itself: `PlaneWeights`)."""
     from .generate import build_model
-    from .weights import LiveWeights
+    from .hf_layout import live_weights
+    from .plane_weights import PlaneWeights
 
     model, tokenizer = build_model(folder)
-    live = LiveWeights.from_state(model, state, plane)
+    if held:
+        live: LiveWeights = PlaneWeights.from_state(model, state, check_plane(plane))
+    else:
+        live = live_weights(model, state, plane)  # through the model's own layout of the checkpoint (LFM2)
     return_freed_memory()  # what the state's own arrays held before it lent the model's memory
     return model, tokenizer, live
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,6 +59,7 @@ from mlx_lm.utils import load_tokenizer
 
 from slime_stoa.tasks.episode import StopMatcher
 
+from .cpu_fixes import fix_cpu_expert_matmul
 from .lfm2_fixes import fix_moe_routing
 
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
@@ -90,8 +91,10 @@ def build_model(folder: Path | str) -> tuple[Model, Tokenizer]:
 
 def apply_model_fixes(model: Model, config: dict[str, Any]) -> list[str]:
     """Make an mlx-lm model compute what the trainer's transformers model does where this mlx-lm
-    release differs (`macd.lfm2_fixes`: LFM2-MoE routing in mlx-lm 0.31.x); the fixes applied."""
-    return ["lfm2_moe routing"] if fix_moe_routing(model, config) else []
+    release differs (`macd.lfm2_fixes`: LFM2-MoE routing in mlx-lm 0.31.x), and run where this
+    MLX backend cannot (`macd.cpu_fixes`: bf16 experts on the CPU); the fixes applied."""
+    fixes = ["lfm2_moe routing"] if fix_moe_routing(model, config) else []
+    return fixes + (["float32 experts on the CPU"] if fix_cpu_expert_matmul(model) else [])
 
 
 def _folder_config(folder: Path | str) -> dict[str, Any]:
@@ -464,13 +467,15 @@ def generate_groups(
     max_batch: int | None = None,
     share_prefill: bool = True,
     cancel: threading.Event | None = None,
+    on_group: Callable[[int], None] | None = None,
 ) -> list[list[Completion]]:
     """Sample `config.group_size` completions for each prompt (token ids), batched.
 
     Returns one list of G completions per prompt, in prompt order. `max_batch` bounds the
     number of sequences decoded together (default: all B*G at once). Deterministic for a given
     `config.seed`, model, prompts and batch settings. Setting `cancel` (from any thread) ends
-    generation at the next decode step with `GenerationCancelled`.
+    generation at the next decode step with `GenerationCancelled`. `on_group(n)` is called as
+    each prompt's group finishes, `n` the groups finished so far.
     """
     prompts = [[int(t) for t in p] for p in prompts]
     if any(not p for p in prompts):
@@ -487,6 +492,8 @@ def generate_groups(
         while gen.groups:
             for group in gen.step():
                 done[group.tag] = group.completions
+                if on_group is not None:
+                    on_group(len(done))
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled("generation cancelled")
     finally:

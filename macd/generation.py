@@ -12,9 +12,10 @@ tool waits included (a short drain), then drops the ones still unfinished, insta
 again on the new weights, re-drawing the dropped prompts first. A group that straddles a swap is
 therefore never recorded: its tokens after the swap would come from other weights than its
 version says, so its logprobs would be wrong (the trainer's logprob-gap check and record
-validation rely on them). A group is dropped at most once: the drain waits for restarted groups
-to finish, so versions that come faster than groups finish cannot starve generation
-(`at_safe_point`).
+validation rely on them). Groups restarted at the last swap get the whole `swap_drain_s` to
+finish, not only `swap_drain_steps` (`at_safe_point`). While a version waits, the clock is read
+after every decode step (`_insert_and_advance`'s deadline), so a ready version is installed
+within `swap_drain_s` plus one decode step.
 
 A tool task (`Task.tool_format`, e.g. search) runs multi-turn episodes instead: an
 `EpisodeGenerator` (`episodes.py`) with the same interface. A sequence that closes a tool call
@@ -93,21 +94,32 @@ class Feed:
 
 
 def at_safe_point(groups: int, restarted_in_flight: bool, drained: int, drain_steps: int, expired: bool = False) -> bool:
-    """Whether a waiting version may be installed now: nothing is in flight, or the short drain
-    (`drain_steps` decode steps, or its time `expired`: episodes waiting for a slow tool take
-    no steps) is over and no group restarted at the last swap still runs. Every group is thus
-    dropped at most once, and versions that come faster than groups finish cannot starve them:
-    the worker then installs a version about once per group's duration."""
-    return not groups or ((drained >= drain_steps or expired) and not restarted_in_flight)
+    """Whether a waiting version may be installed now: nothing is in flight, the drain's time
+    (`swap_drain_s`) `expired` (episodes waiting for a slow tool take no steps), or the short
+    drain of `drain_steps` decode steps is over and no group restarted at the last swap still
+    runs (those get the whole drain time to finish, so a group is dropped twice only when it
+    outlasts `swap_drain_s`). The install thus never waits past the drain's time."""
+    return not groups or expired or (drained >= drain_steps and not restarted_in_flight)
 
 
 def _insert_and_advance(gen: Generator, inserts: list[tuple[list[int], Started]], max_steps: int,
-                        interrupt: threading.Event, release: Callable[[], Any]) -> tuple[list[FinishedGroup], int]:
+                        interrupt: threading.Event, release: Callable[[], Any],
+                        deadline: float | None = None) -> tuple[list[FinishedGroup], int]:
     """On the MLX thread: start `inserts`, then decode (`Generator.advance`); when groups
-    finished, `release` (the worker's `MemoryReleaser`)."""
+    finished, `release` (the worker's `MemoryReleaser`). With a `deadline` (perf_counter), one
+    step at a time and none once it passed: the drain of a waiting version ends within one
+    decode step of its time."""
     for prompt, tag in inserts:
         gen.insert(prompt, tag)
-    finished, steps = gen.advance(max_steps, interrupt)
+    if deadline is None:
+        finished, steps = gen.advance(max_steps, interrupt)
+    else:
+        finished, steps = [], 0
+        while steps < max_steps and not finished and time.perf_counter() < deadline and not interrupt.is_set():
+            finished, taken = gen.advance(1, interrupt)
+            if not taken:
+                break
+            steps += taken
     if finished:
         release()
     return finished, steps
@@ -201,7 +213,7 @@ class GenerationLoop:
         recorder = self.recorder = Recorder(
             manifest=manifest, task=task, picker=picker, spool=spool, reporter=self.reporter,
             worker_id=self.config.worker_id, signer=signer, batch=self.config.batch, budget=budget,
-            tool_task=tools is not None,
+            tool_task=tools is not None, plane=self.weights.plane,
         )
         limit = None if self.options.max_cohorts is None else self.options.max_cohorts * self.config.batch
         eval_poll = asyncio.create_task(evals.poll_forever(stop))
@@ -220,7 +232,8 @@ class GenerationLoop:
                     continue  # eval requests (macd/evaluate.py)
                 pending = self.weights.pending
                 restarted = any(tag.restarted for tag in gen.tags())
-                expired = pending is not None and time.perf_counter() - self.weights.clock.asked >= self.options.swap_drain_s
+                deadline = None if pending is None else self.weights.clock.asked + self.options.swap_drain_s
+                expired = deadline is not None and time.perf_counter() >= deadline
                 if pending is not None and at_safe_point(gen.groups, restarted, drained, self.options.swap_drain_steps,
                                                          expired):
                     dropped = await self.weights.swap(gen)
@@ -236,14 +249,19 @@ class GenerationLoop:
                     continue
                 draining = pending is not None and drained < self.options.swap_drain_steps
                 steps = self.options.swap_drain_steps - drained if draining else STEPS_PER_CALL
-                finished, taken = await self.mlx.run(_insert_and_advance, gen, inserts, steps, self.wake.poke, release)
-                drained += taken if pending is not None else 0
+                finished, taken = await self.mlx.run(
+                    _insert_and_advance, gen, inserts, steps, self.wake.poke, release, deadline
+                )
+                if pending is not None:
+                    drained += taken
+                    self.weights.clock.steps += taken
                 for group in finished:
                     recorder.score(group)
                 if tools is not None:  # tool calls asked in this run of steps; idle while all wait
                     tools.start()
                     if not tools.gen.decoding and tools.gen.waiting:
-                        await wait(self.wake.idle, self.options.budget_poll_s)
+                        left = self.options.budget_poll_s if deadline is None else deadline - time.perf_counter()
+                        await wait(self.wake.idle, max(0.0, min(left, self.options.budget_poll_s)))
             if recording.done():
                 recording.result()  # a spool error: raise it
         finally:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,10 @@ def _do_join(args: argparse.Namespace) -> int:
         knobs = {k: getattr(old, k) for k in KEPT_ON_REJOIN}
     if args.batch is not None:
         knobs["batch"] = args.batch
+    if args.plane is not None:
+        knobs["plane"] = args.plane
+    elif old is not None and old.same_run(args.store, args.run):
+        knobs["plane"] = old.plane  # a plane override holds for its run only
     if args.run_key is not None:
         knobs["run_key"] = args.run_key
     elif old is not None and old.same_run(args.store, args.run) and old.run_key:
@@ -143,6 +149,11 @@ def _do_join(args: argparse.Namespace) -> int:
         if isinstance(checked, int):
             return checked
         info = checked
+        if config.plane:
+            try:
+                cfg.plane_override(info.manifest, config.plane)
+            except ValueError as exc:
+                return error(f"--plane: {exc}")
         if not config.run_key and info.manifest.run_key:  # trust on first use
             config, pinned_now = replace(config, run_key=info.manifest.run_key), True
     if creds is not None and credentials_file is not None:
@@ -347,6 +358,9 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list
         f"  group size   {m.group_size} samples per prompt, temperature {m.temperature}, up to {m.max_tokens} tokens",
         f"  batch        {config.batch} prompts at once ({sequences} sequences decoding)",
     ]
+    plane = plane_line(config, info, memory)
+    if plane is not None:
+        lines.append(plane)
     elements, guessed = info.elements, False
     if info.version is None:
         lines.append("  weights      none published yet: the worker waits for the trainer's first anchor")
@@ -357,7 +371,8 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list
         lines.append(f"  weights      v{info.version} ({info.elements:,} weights)")
     if elements is None:
         lines.append(f"  memory       unknown until the weights' size is known ({memory / 2**30:.0f} GiB here)")
-        return lines
+        plan, warning = memory_plan_lines(config, info, memory)
+        return lines + plan + ([] if warning is None else [warning])
     est = cfg.estimate_memory(
         elements=elements,
         plane=m.plane,
@@ -376,7 +391,52 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list
         lines.append(
             "               lower `batch` (or set `max_decode`) in the config, or join a run of a smaller model"
         )
-    return lines
+    plan, warning = memory_plan_lines(config, info, memory)
+    return lines + plan + ([] if warning is None else [warning])
+
+
+def plane_line(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> str | None:
+    """The plane this Mac serves the run on: the config's `plane`, else (`plane_choice`, as the
+    worker picks it) when the run publishes quantized planes and its model config is known."""
+    from .plane_choice import choose_plane
+
+    m, model = info.manifest, model_config_of(info)
+    if config.plane:
+        return f"  plane        {config.plane} (this config's `plane`)"
+    if not m.planes or model is None:
+        return None
+    choice = choose_plane(model, m, memory=memory, sequences=cfg.decoding_sequences(config, m.group_size))
+    return None if choice is None else f"  plane        {choice.describe()}"
+
+
+def model_config_of(info: cfg.RunInfo) -> Mapping[str, Any] | None:
+    """The run's model config: the anchor's config.json, else the manifest's model folder when it
+    is a folder on this machine (a run not yet published); None when neither is readable."""
+    if info.model_config is not None:
+        return info.model_config
+    try:
+        doc = json.loads((Path(info.manifest.model).expanduser() / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def memory_plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> tuple[list[str], str | None]:
+    """`memory_plan.this_mac` for the run's model, group size, lengths and this config's batch:
+    (indented lines, warning or None); nothing when the model config is unknown."""
+    from .memory_plan import this_mac
+
+    model = model_config_of(info)
+    if model is None:
+        return ["  memory plan  unknown until the model's config.json is published"], None
+    m = info.manifest
+    lines, warning = this_mac(
+        model, memory=memory, plane=m.plane, group_size=cfg.decoding_sequences(config, m.group_size), groups=1,
+        prompt_tokens=m.max_prompt_tokens, response_tokens=m.max_tokens, published=m.planes,
+    )
+    if not lines:
+        return ["  memory plan  the model's config.json lacks the sizes a plan needs"], None
+    return [f"  {'memory plan' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)], warning
 
 
 def _gib(n: float) -> str:

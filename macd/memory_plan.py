@@ -7,6 +7,9 @@ Terms (bytes):
   ``int8`` the bf16 master (2 per parameter) plus the served copy: 1 + 4/64 per quantizable
   parameter (Linear/Embedding/expert weights whose input size is a multiple of 64: 8-bit codes,
   a bf16 scale and bias per group of 64) and 2 per other parameter (norms, conv kernels, biases).
+  A plane the run publishes (`published`, `RunManifest.planes`) is held alone, no master:
+  ``int8`` 1 + 4/64 per quantizable parameter, ``int4`` 0.5 + 4/64, 2 per other parameter
+  (int4 only that way).
 - KV cache, attention layers only: K and V, ``num_key_value_heads * head_dim`` bf16 values each,
   per token of every live sequence, allocated in steps of 256 tokens (mlx-lm's `KVCache.step`);
   a batch's cache is as long as its longest sequence (left padding), so every sequence is
@@ -33,6 +36,7 @@ GIB = 1 << 30
 KV_STEP = 256  # mlx-lm KVCache allocation step (tokens)
 QUANT_GROUP = 64
 INT8_BYTES = 1 + 4 / QUANT_GROUP  # 8-bit code, bf16 scale and bias per 64
+INT4_BYTES = 0.5 + 4 / QUANT_GROUP  # 4-bit code, bf16 scale and bias per 64
 PREFILL_STEP = 2048  # macd.generate.PREFILL_STEP
 
 #: LFM2.5-8B-A1B as published (LiquidAI/LFM2.5-8B-A1B config.json): 24 layers, 18 conv and 6
@@ -144,12 +148,27 @@ def param_count(config: Mapping[str, Any]) -> ParamCount:
     return ParamCount(q, o)
 
 
+def weights_by_plane(counts: ParamCount, published: Sequence[str] = ()) -> dict[str, int]:
+    """Bytes of the weights of each plane a worker can serve (module doc): bf16; int8 quantized
+    here beside the bf16 master, or held alone when `published`; int4 only when published."""
+    held = {"int8": INT8_BYTES, "int4": INT4_BYTES}
+    out = {"bf16": 2 * counts.total}
+    for plane, per in held.items():
+        alone = int(per * counts.quantizable + 2 * counts.other)
+        if plane in published:
+            out[plane] = alone
+        elif plane == "int8":
+            out[plane] = 2 * counts.total + alone
+    return out
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Bytes a worker holds for one model and run shape, and what fits where."""
 
     params: int
     weights: dict[str, int]  # per plane
+    published: tuple[str, ...]  # the quantized planes the run publishes (held alone)
     kv_bytes_per_token: int  # all attention layers, one sequence
     conv_bytes_per_sequence: int  # all conv layers
     sequences: int  # live sequences planned for (group size x concurrent groups)
@@ -172,11 +191,13 @@ def plan(
     index_bytes: int = 0,
     mac_sizes_gb: Sequence[float] = MAC_SIZES_GB,
     usable: Mapping[float, int] | None = None,
+    published: Sequence[str] = (),
 ) -> MemoryPlan:
     """The memory plan of `config` for `groups` concurrent groups of `group_size` sequences of at
     most `prompt_tokens + response_tokens` tokens, on each Mac of `mac_sizes_gb` (usable bytes
-    from `usable` where given, else `usable_bytes`). Per (RAM, plane) row: ``fits``, the
-    headroom, and ``max_sequences``: how many full-length sequences would fit beside the weights."""
+    from `usable` where given, else `usable_bytes`), with the quantized planes the run
+    `published` held alone. Per (RAM, plane) row: ``fits``, the headroom, and ``max_sequences``:
+    how many full-length sequences would fit beside the weights."""
     if min(group_size, groups, prompt_tokens + response_tokens) < 1:
         raise ValueError("need group_size, groups >= 1 and a positive length")
     counts = param_count(config)
@@ -193,11 +214,11 @@ def plan(
     widest = max(3 * h, 2 * int(config.get("intermediate_size") or 0),
                  2 * int(config.get("num_experts_per_tok") or 0) * int(config.get("moe_intermediate_size") or 0))
     activations = chunk * v * 2 + seqs * v * 4 + chunk * widest * 4
-    weights = {
-        "bf16": 2 * counts.total,
-        "int8": int(2 * counts.total + INT8_BYTES * counts.quantizable + 2 * counts.other),
-    }
-    result = MemoryPlan(counts.total, weights, kv_token, conv_seq, seqs, seqs * per_seq, activations, index_bytes)
+    offered = tuple(p for p in ("int8", "int4") if p in published)
+    weights = weights_by_plane(counts, offered)
+    result = MemoryPlan(
+        counts.total, weights, offered, kv_token, conv_seq, seqs, seqs * per_seq, activations, index_bytes
+    )
     for gb in mac_sizes_gb:
         limit = (usable or {}).get(gb, usable_bytes(gb))
         for plane in weights:
@@ -212,9 +233,13 @@ def plan(
 
 def describe(p: MemoryPlan) -> list[str]:
     """Lines for `macd doctor` / `macd join`: the terms, then one line per (RAM, plane)."""
+    sizes = [f"bf16 {p.weights['bf16'] / GIB:.1f} GiB"] + [
+        f"{plane} {p.weights[plane] / GIB:.1f} GiB "
+        + ("(published, held alone)" if plane in p.published else "(bf16 master + int8 copy)")
+        for plane in ("int8", "int4") if plane in p.weights
+    ]
     lines = [
-        f"model: {p.params / 1e9:.2f}B parameters; weights bf16 {p.weights['bf16'] / GIB:.1f} GiB, "
-        f"int8 {p.weights['int8'] / GIB:.1f} GiB (bf16 master + int8 copy)",
+        f"model: {p.params / 1e9:.2f}B parameters; weights {', '.join(sizes)}",
         f"cache: {p.sequences} sequences, KV {p.kv_bytes_per_token / 1024:.0f} KiB/token (attention layers), "
         f"conv state {p.conv_bytes_per_sequence / 1024:.0f} KiB/sequence: {p.cache / GIB:.2f} GiB; "
         f"activations {p.activations / GIB:.2f} GiB; search index {p.index / GIB:.2f} GiB",
@@ -225,3 +250,45 @@ def describe(p: MemoryPlan) -> list[str]:
         lines.append(f"{row['ram_gb']:g} GB Mac, {row['plane']}: needs {row['total_bytes'] / GIB:.1f} of "
                      f"{row['usable_bytes'] / GIB:.1f} GiB usable: {verdict}")
     return lines
+
+
+def config_plan(config: Mapping[str, Any], **shape: Any) -> MemoryPlan | None:
+    """`plan` of an HF config.json (a multimodal one's ``text_config``), or None when it lacks the
+    sizes a plan needs (hidden size, vocabulary, layers, heads)."""
+    text = config.get("text_config")
+    model = text if isinstance(text, Mapping) else config
+    try:
+        return plan(model, **shape)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def this_mac(
+    config: Mapping[str, Any], *, memory: int, plane: str, group_size: int, groups: int, prompt_tokens: int,
+    response_tokens: int, index_bytes: int = 0, published: Sequence[str] = (),
+) -> tuple[list[str], str | None]:
+    """(plan lines, warning or None) for serving `config` on this Mac (`memory` bytes) on `plane`:
+    the weights of each plane (those the run `published` held alone), the cache and the index,
+    then total vs usable per plane; the warning says what to change when the run's plane does not
+    fit. ([], None): not plannable."""
+    ram_gb = memory / GIB
+    p = config_plan(
+        config, group_size=group_size, groups=groups, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+        index_bytes=index_bytes, mac_sizes_gb=(ram_gb,), published=published,
+    )
+    if p is None:
+        return [], None
+    lines = describe(p)
+    lines[2:] = [line.replace(f"{ram_gb:g} GB Mac", "this Mac") + (" (the run's plane)" if f", {plane}:" in line else "")
+                 for line in lines[2:]]
+    row = next((r for r in p.macs if r["plane"] == plane), None)
+    if row is None or row["fits"]:
+        return lines, None
+    fit = row["max_sequences"]
+    warning = (
+        f"warning: the run's model does not fit this Mac's usable memory on the {plane} plane "
+        f"({row['total_bytes'] / GIB:.1f} of {row['usable_bytes'] / GIB:.1f} GiB): "
+        + (f"lower `batch` (or set `max_decode`) to at most {fit} sequences decoding" if fit else
+           "its weights alone do not fit; join a run of a smaller model or use a Mac with more memory")
+    )
+    return lines, warning

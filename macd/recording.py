@@ -56,11 +56,12 @@ def build_group(
     finished_at: float,
     signer: SigningKey | None = None,
     tool_task: bool = False,
+    plane: str = "bf16",
 ) -> Callable[[int, int], bytes]:
     """A spool builder: the record's bytes for the seq the spool assigns, signed by the worker
     key `signer` when given (`signed_record`: the envelope the trainer of a signed run requires).
     A `tool_task`'s group (`macd.episodes.EpisodeCompletion`s) is a schema v2 record with each
-    sample's mask, turns and tool calls."""
+    sample's mask, turns and tool calls. `plane`: the weight plane the worker sampled with."""
     samples = tuple(
         Sample(
             response_tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish_reason, reward=float(r),
@@ -89,6 +90,7 @@ def build_group(
                 seq=seq,
                 started_at=started_at,
                 finished_at=finished_at,
+                plane=plane,
             )
         )
         return record if signer is None else sign_record(record, signer, run=manifest.run)
@@ -185,7 +187,9 @@ class Recorder:
     def __init__(
         self, *, manifest: RunManifest, task: Task, picker: PromptPicker, spool: Spool, reporter: Reporter,
         worker_id: str, signer: SigningKey | None, batch: int, budget: VersionBudget, tool_task: bool,
+        plane: str = "bf16",
     ) -> None:
+        self.plane = plane  # the weight plane the groups are sampled with (each record names it)
         self.manifest, self.task, self.picker, self.spool, self.reporter = manifest, task, picker, spool, reporter
         self.worker_id, self.signer, self.batch, self.budget, self.tool_task = worker_id, signer, batch, budget, tool_task
         self.cohorts = 0  # every `batch` groups finished (spooled or filtered) make a cohort
@@ -217,6 +221,7 @@ class Recorder:
                     manifest=self.manifest, worker_id=self.worker_id, item=s.item, prompt=s.prompt,
                     completions=group.completions, rewards=group.rewards, version=s.version, digest=s.digest,
                     started_at=s.started_at, finished_at=time.time(), signer=self.signer, tool_task=self.tool_task,
+                    plane=self.plane,
                 )
                 await asyncio.to_thread(self.spool.add, build)
                 self.recorded += 1

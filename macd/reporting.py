@@ -1,4 +1,5 @@
-"""The worker's heartbeat: the fields every part of the worker sets, its errors, its writes."""
+"""The worker's heartbeat: the fields every part of the worker sets, its errors, its writes (signed
+by the worker key in a signed run: `Reporter.signer`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 
 from .aio import wait
@@ -31,6 +33,7 @@ class Reporter:
         self.store, self.layout, self.worker_id, self.repeat_log_s = store, layout, worker_id, repeat_log_s
         self.beat = Heartbeat(worker_id=worker_id, name=name, status="starting", started_at=time.time())
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # sees every heartbeat (macd.tracking)
+        self.signer: SigningKey | None = None  # the worker key: signs every heartbeat written (a signed run's)
         self._logged: dict[str, float] = {}  # error message -> when it was last logged (monotonic)
 
     def update(self, **fields: Any) -> None:
@@ -66,7 +69,8 @@ class Reporter:
         if self.on_heartbeat is not None:
             self.on_heartbeat(self.beat)
         try:
-            await self.store.put(self.layout.heartbeat(self.worker_id), self.beat.to_bytes())
+            data = self.beat.to_bytes(self.signer, run=self.layout.run)
+            await self.store.put(self.layout.heartbeat(self.worker_id), data)
         except StoreConfigError:
             raise
         except StoreError as exc:

@@ -21,6 +21,9 @@
   (8 bits and a bf16 scale and bias per 64) and 2 for each tensor left in bf16, so ~3.06 bytes
   per weight, against 2 on the bf16 plane.
 
+On a quantized plane the run publishes, the worker holds that plane alone instead
+(`macd.plane_weights.PlaneWeights`, a subclass of this one, the 4-bit plane only that way).
+
 The subscriber's ``state`` dict (uint16 bit patterns) is the master; this class keeps no copy of
 it (on bf16 it lends the state its own memory) and is handed it on every call.
 
@@ -58,6 +61,7 @@ from slime_stoa.protocol.run_manifest import PLANES, Plane
 
 INT8_BITS = 8
 INT8_GROUP_SIZE = 64
+MASTER_PLANES = ("bf16", "int8")  # planes served from a bf16 master held here
 TIED_HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
 
@@ -98,6 +102,8 @@ class LiveWeights:
         """Wrap `model` as it is; use `from_state` to install a master into it."""
         if plane not in PLANES:
             raise ValueError(f"plane must be one of {PLANES}, got {plane!r}")
+        if plane not in MASTER_PLANES:
+            raise ValueError(f"plane {plane} is served only from the run's published {plane} plane (PlaneWeights)")
         self.model = model
         self.plane = plane
         self._index()
@@ -122,6 +128,12 @@ class LiveWeights:
             live._index()
         live._install(state)
         return live
+
+    @property
+    def master_apart(self) -> bool:
+        """Whether the subscriber's state is kept apart from the served weights (int8: the bf16
+        master they are quantized from), so a commit into it may run beside generation."""
+        return self.plane != "bf16"
 
     def shares(self, state: Mapping[str, np.ndarray]) -> bool:
         """True when every bf16 tensor of `state` the model holds is the model's own memory

@@ -32,6 +32,11 @@ keeps retrying; after, it keeps generating with its last verified weights and mo
 first good pointer. A store outage of any length only delays uploads: groups wait in the spool,
 which drains when the store is back. Only a configuration error (`StoreConfigError`: credentials,
 bucket) stops it, since retrying cannot fix that.
+
+In a signed run the worker signs its heartbeat with its worker key, and reads the run's registry
+at start and every `registry_poll_s` (`revocation.py`). Once its key is revoked it stops
+uploading and generating, says so in one log line, and stays up with the heartbeat status
+"revoked" until stopped; its spool is kept.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
-from slime_stoa.protocol.run_trust import RunTrust
-from slime_stoa.protocol.signing import SigningKey
+from slime_stoa.protocol.run_trust import RunKeyRefused, RunTrust, run_key_refusal
+from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import Store, StoreConfigError
 from slime_stoa.protocol.store.retry import describe_error
 from slime_stoa.tasks import Task, load_task
@@ -59,12 +64,15 @@ from slime_stoa.tasks.tools import Tool, ToolContext, prepare_tool, tool_for
 from .aio import Wakeup, settle_task, wait
 from .config import DaemonConfig
 from .evaluate import EvalResponder
-from .following import SwapRecord, WeightFollower
+from .following import SwapRecord, WeightFollower, held_plane, served_digest
 from .generation import GenerationLoop, Ready, ToolCalls, at_safe_point
 from .mlx_thread import MLXThread, return_freed_memory
 from .options import WorkerOptions
 from .recording import WorkerKeyError, build_group, check_signing, load_worker_key
 from .reporting import Reporter, tier
+from .revocation import RevocationWatch
+from .run_pin import remember_run_key, remembered_run_key
+from .shared_dir import machine_shared_dir
 from .spool import Spool, SpoolLocked
 from .uploader import Uploader
 
@@ -100,6 +108,7 @@ class Worker:
         self.trust: RunTrust | None = None  # the run keys weights must be signed by (None: an unsigned run)
         self._signer: SigningKey | None = None  # the worker key: signs every record (`load_worker_key`)
         self.evals: EvalResponder | None = None  # answers eval requests while generating (macd/evaluate.py)
+        self.revocation: RevocationWatch | None = None  # a signed run's: is this worker's key revoked?
 
     # -- what the parts hold, for inspection (tests, benchmarks, the CLI) ---------------------
     @property
@@ -162,17 +171,30 @@ class Worker:
 
     # -- setup -------------------------------------------------------------------------------
     async def _load_run(self) -> tuple[RunManifest, Task]:
-        # A pinned run key (`macd join`) must be the manifest's; without one, a signed run's own key.
-        manifest = await read_run_manifest(self.store, self.config.run, pinned=self.config.run_key or None)
-        key_text = self.config.run_key or manifest.run_key
+        manifest = await read_run_manifest(self.store, self.config.run)
+        self._check_run_key(manifest)
+        key_text = manifest.run_key
         if key_text and (self.trust is None or self.trust.pinned.to_text() != key_text):
             self.trust = RunTrust.from_text(self.config.run, key_text)
-            if not self.config.run_key:
-                log.warning("run key not pinned in the config: trusting the run manifest's key %s", self.trust.pinned.key_id)
         task = await asyncio.to_thread(load_task, await self.store.get_bytes(task_key(manifest)))
         if task.name != manifest.task:
             raise ValueError(f"task file {task_key(manifest)} holds task {task.name!r}, the run says {manifest.task!r}")
         return manifest, task
+
+    def _check_run_key(self, manifest: RunManifest) -> None:
+        """RunKeyRefused unless the manifest's run key is the one this worker trusts: the key
+        pinned at `macd join`, else the first one it trusted (`run_pin`); a worker holding a
+        worker key refuses an unsigned run. A first signed run key is kept (trust on first use)."""
+        data_dir, run = self.config.data_dir, self.config.run
+        expected = self.config.run_key or remembered_run_key(data_dir, run)
+        problem = run_key_refusal(run, manifest.run_key, expected, holds_worker_key=self._signer is not None)
+        if problem is not None:
+            raise RunKeyRefused(problem, self.layout.run_manifest)
+        if manifest.run_key:
+            if not self.config.run_key and expected is None:
+                log.warning("run key not pinned in the config: trusting run %s's key %s from now on",
+                            run, PublicKey.from_text(manifest.run_key).key_id)
+            remember_run_key(data_dir, run, manifest.run_key)
 
     async def _open_spool(self, stop: asyncio.Event) -> Spool | None:
         """This worker's spool; while a live process holds it, wait up to `lock_wait_s` for it to
@@ -207,15 +229,23 @@ class Worker:
             try:
                 if loaded is None:
                     loaded = await self._load_run()
+                    if self.reporter.beat.status == "refused":
+                        self.reporter.update(status="starting")
                 manifest, task = loaded
                 check_signing(manifest, self._signer)
-                sub = self.weights.subscriber(self.trust)
+                if self.trust is not None and self.revocation is not None and await self.revocation.check(self.trust):
+                    return None
+                plane = await self.weights.plane_for(manifest, self.trust)
+                sub = self.weights.subscriber(self.trust, held_plane(manifest, plane))
                 if not await self.weights.first_sync(sub, stop):
                     return None
-                model, tokenizer = await self.weights.load_model(sub, manifest.plane)
+                model, tokenizer = await self.weights.load_model(sub, plane)
                 return Ready(manifest, task, model, tokenizer)
             except (StoreConfigError, WorkerKeyError):
                 raise
+            except RunKeyRefused as exc:  # one line per `repeat_log_s`; the bucket may be put right
+                self.reporter.update(status="refused")
+                self.reporter.error(str(exc))
             except Exception as exc:  # malformed or missing objects, a store outage, a model mlx-lm refuses
                 what = "run" if loaded is None else "weights"
                 self.reporter.error(f"{what}: {describe_error(exc)}; retrying in {delay:.0f} s")
@@ -234,7 +264,8 @@ class Worker:
                 "will be refused by the trainer (create the run with --stop %s)",
                 manifest.run, fmt.answer_close, fmt.answer_close,
             )
-        tool = tool_for(task, ToolContext(run=manifest.run, store=self.store, data_dir=self.config.data_dir))
+        context = ToolContext(run=manifest.run, store=self.store, data_dir=self.config.data_dir, shared_dir=machine_shared_dir())
+        tool = tool_for(task, context)  # the search index: one copy per Mac (`shared_dir`)
         delay = self.options.idle_poll_s
         while not stop.is_set():
             try:
@@ -255,7 +286,11 @@ class Worker:
         Raises `SpoolLocked` when another live macd holds this worker's spool, and
         `StoreConfigError` when the store's configuration is wrong."""
         return_freed_memory()
-        self._signer = load_worker_key(self.config)  # a bad key file fails here, at once
+        self._signer = self.reporter.signer = load_worker_key(self.config)  # a bad key file fails here, at once
+        if self._signer is not None:
+            self.revocation = RevocationWatch(
+                self.store, self.config.run, self.config.worker_id, self._signer.key_id, poll_s=self.options.registry_poll_s
+            )
         spool = await self._open_spool(stop)
         if spool is None:
             return 0
@@ -264,23 +299,32 @@ class Worker:
         upload_task = asyncio.create_task(uploader.run_forever(stop_uploads))  # drains what a last run left
         stop_beats = asyncio.Event()
         beat_task = asyncio.create_task(self.reporter.beat_forever(stop_beats, spool, uploader, self.options.heartbeat_s))
+        stop_watch = asyncio.Event()
+        watch_task: asyncio.Task | None = None
         try:
             ready = await self._setup(stop, upload_task)
-            if ready is not None:
+            if ready is not None and self.trust is not None and self.revocation is not None:
+                watch_task = asyncio.create_task(self._watch_revocation(self.trust, stop_watch, stop_uploads))
+            if ready is not None and not self.revoked:
                 await self._generate(ready, spool, upload_task, stop)
             upload_error = upload_task.exception() if upload_task.done() else None
             if upload_error is not None:
                 raise upload_error  # a configuration error: the user must act
+            if self.revoked:
+                await self._stay_revoked(spool, stop_uploads, stop)
         finally:
-            self.reporter.update(status="stopping")
+            stop_watch.set()
+            if watch_task is not None:
+                await asyncio.gather(watch_task, return_exceptions=True)
+            self.reporter.update(status="revoked" if self.revoked else "stopping")
             stop_uploads.set()
             await asyncio.gather(upload_task, return_exceptions=True)
-            left = await uploader.flush(self.options.flush_timeout_s)
-            if left:
+            left = spool.depth if self.revoked else await uploader.flush(self.options.flush_timeout_s)
+            if left and not self.revoked:
                 log.warning("%d group(s) stay in the spool; they upload first on the next start", left)
             stop_beats.set()
             await settle_task(beat_task, self.options.heartbeat_s)
-            self.reporter.update(status="stopped")
+            self.reporter.update(status="revoked" if self.revoked else "stopped")
             self.reporter.count_spool(spool, uploader)
             try:
                 async with asyncio.timeout(self.options.final_beat_timeout_s):
@@ -291,6 +335,34 @@ class Worker:
             await asyncio.to_thread(self.mlx.close)
         return 0
 
+    # -- revocation (signed runs) -------------------------------------------------------------
+    @property
+    def revoked(self) -> bool:
+        return self.revocation is not None and self.revocation.revoked is not None
+
+    async def _watch_revocation(self, trust: RunTrust, stop_watch: asyncio.Event, stop_uploads: asyncio.Event) -> None:
+        """Read the registry every `registry_poll_s`; at a revocation, stop the uploads (which ends
+        generation: the loop stops with the uploader)."""
+        assert self.revocation is not None
+        if await self.revocation.watch(trust, stop_watch) is not None:
+            self.reporter.update(status="revoked")
+            stop_uploads.set()
+
+    async def _stay_revoked(self, spool: Spool, stop_uploads: asyncio.Event, stop: asyncio.Event) -> None:
+        """The worker's key is revoked: no upload from now on, one log line, the heartbeat
+        status "revoked" until `stop` (a service manager restarting the worker would only
+        find the same revocation)."""
+        assert self.revocation is not None and self.revocation.revoked is not None
+        stop_uploads.set()
+        self.reporter.update(status="revoked")
+        log.error(
+            "worker %s: its key was revoked in the registry of run %s (serial %d): it uploads nothing more and stays "
+            "idle until stopped; %d group(s) are kept in the spool at %s (a new key: `stoa worker add`, then "
+            "`macd join --worker-key`)",
+            self.config.worker_id, self.config.run, self.revocation.serial, spool.depth, spool.folder,
+        )
+        await stop.wait()
+
     async def _generate(self, ready: Ready, spool: Spool, upload_task: asyncio.Task, stop: asyncio.Event) -> None:
         """Generate until `stop` (or max_cohorts, or an upload configuration error): a tool task's
         tool prepared first (e.g. the search index fetched), eval requests answered between decode
@@ -298,11 +370,12 @@ class Worker:
         manifest, task = ready.manifest, ready.task
         sub = self.weights.sub
         assert sub is not None and sub.digest is not None and sub.version is not None  # a first sync verified them
-        self.weights.installed = (sub.version, sub.digest.root())
-        self.reporter.update(version=sub.version, pointer_version=sub.version, tier=tier(), state_digest=sub.digest.root())
+        self.weights.installed = (sub.version, served_digest(sub.current, sub.digest.root()))
+        self.reporter.update(version=sub.version, pointer_version=sub.version, tier=tier(), state_digest=self.weights.installed[1])
         log.info(
-            "worker %s joined run %s at weights v%d (%s plane, task %s, group size %d, batch %d)",
-            self.config.worker_id, manifest.run, sub.version, manifest.plane, manifest.task,
+            "worker %s joined run %s at weights v%d (%s plane%s, task %s, group size %d, batch %d)",
+            self.config.worker_id, manifest.run, sub.version, self.live.plane if self.live else manifest.plane,
+            ", published, held alone" if sub.layout.plane else "", manifest.task,
             manifest.group_size, self.config.batch,
         )
         tool = None if task.tool_format is None else await self._open_tool(manifest, task, stop)

@@ -16,8 +16,8 @@ gathers them (a copy, as slime's HF weight iterator makes on rank 0: the same fo
 reported apart as `gather_s`) and publishes them:
 
   sync        `SyncPublisher.publish(state)`: diff, encode, upload, commit; blocked = all of it.
-  sync_t1     the same with one compression thread (`PublisherConfig.threads=1`; only on a
-              machine with more than one CPU).
+  sync_t1     the same on one thread (`PublisherConfig.threads=1`; only on a machine with more
+              than one CPU).
   background  `SyncPublisher.submit(state, copy=False)` (the hook's call): blocked = the hand-off,
               plus any wait for the previous version. The bench then waits for the commit and
               reports how long the background publish took (`background_s_*`): a train step
@@ -27,7 +27,21 @@ Versions: v0 (the first anchor), then `--cycles` times `--patches` step-patch ve
 its catch-up patch) and an anchored version. Figures per kind (patch, anchor) are min / median /
 max over its versions; ratios are blocked / synchronous of the medians, in one run (target
 <= 0.10). `cpu_s_per_gb`: process CPU seconds of a synchronous publish per GB of bf16 state
-(median), per compression thread count (diff, digest and merge use one thread whatever it is).
+(median), per thread count (`PublisherConfig.threads`: diff, digest, merge and encode), and
+`wall_s_per_gb` the same for the wall time.
+
+Receive side, per thread count (`SubscriberConfig.threads`: 1 and the default), after the
+publishes: one subscriber per thread count follows the `sync` run version by version
+(`Subscriber.sync_to`, in turn per version, so load drift touches each alike): fetch, decode,
+apply and re-hash of each step patch. `receive`: per thread count, the median wall seconds and
+process CPU seconds of a step sync, `wall_s_per_gb` and `cpu_s_per_gb` of bf16 state (every
+tensor is touched, so all of it is re-hashed) and `ns_per_change` (wall per changed element).
+
+Per-element rates of each stage, per thread count (`stage_ns`, in memory, one train step of the
+same state, contenders interleaved over `--repeat` rounds, medians): the publisher's `diff` and
+`digest` (ns per element of the state), `merge` (two steps' deltas into a catch-up) and `encode`
+(a base-relative step patch), ns per change; the receiver's `apply` (decode and write in place)
+and `stage` (decode, merge and re-hash without writing), ns per change.
 
 Usage: python scripts/bench_publish.py [--quick | --smoke] [--layers 28] [--vocab N] [--patches 2] [--cycles 1]
        [--density 0.01] [--s3] [--json PATH]
@@ -36,6 +50,7 @@ Usage: python scripts/bench_publish.py [--quick | --smoke] [--layers 28] [--voca
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -43,6 +58,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +66,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, spread
+from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, rounds, spread
 
+from slime_stoa.protocol.pulse.apply import apply_patch
+from slime_stoa.protocol.pulse.codec import diff, merge_deltas, shapes_of
+from slime_stoa.protocol.pulse.digest import StateDigest
+from slime_stoa.protocol.pulse.frames import encode_delta
+from slime_stoa.protocol.pulse.history import find_manifest
+from slime_stoa.protocol.pulse.parallel import thread_count
 from slime_stoa.protocol.pulse.publisher import PublisherConfig
+from slime_stoa.protocol.pulse.staged import stage_patches
+from slime_stoa.protocol.pulse.subscriber import Subscriber, SubscriberConfig
+from slime_stoa.protocol.store import open_store
 from slime_stoa.trainer.slime.publish import SyncPublisher
 
 VOCAB, HIDDEN, MLP, HEADS, KV_HEADS, LAYERS = 151_936, 1536, 8960, 12, 2, 28
@@ -99,12 +124,88 @@ def train_step(state: dict[str, np.ndarray], density: float, seed: int) -> None:
 
 
 def contenders() -> dict[str, int | None]:
-    """Contender -> compression threads (None: the publisher's default, one per CPU)."""
+    """Contender -> publisher threads (None: the publisher's default, `parallel.thread_count`)."""
     out: dict[str, int | None] = {"sync": None}
-    if (os.cpu_count() or 1) > 1:
+    if thread_count(None) > 1:
         out["sync_t1"] = 1
     out["background"] = None
     return out
+
+
+def receive_threads() -> tuple[int, ...]:
+    """The subscriber thread counts timed: 1 and the default (when it is more)."""
+    return tuple(sorted({1, thread_count(None)}))
+
+
+async def receive_rounds(url: str, versions: int, every: int) -> list[dict[str, Any]]:
+    """Per version, each thread count's subscriber syncs the `sync` run to it in turn; one row each."""
+    rows = []
+    async with open_store(url) as store:
+        subs = {t: Subscriber(store, "sync", SubscriberConfig(threads=t)) for t in receive_threads()}
+        for version in range(versions):
+            manifest = await find_manifest(store, "sync", version)
+            step = manifest.patch("step")
+            for threads, sub in subs.items():
+                cpu, start = time.process_time(), time.perf_counter()
+                result = await sub.sync_to(manifest)
+                rows.append({"threads": threads, "version": version, "kind": kind_of(version, every), "path": result.path,
+                             "wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
+                             "changes": step.count if step is not None else 0, "bytes": result.bytes})
+                print(f"  receive v{version:<3} {threads} thread(s) {result.path:<8} {rows[-1]['wall_s']:8.3f} s", flush=True)
+    return rows
+
+
+def summarize_receive(rows: list[dict[str, Any]], state_gb: float) -> dict[str, dict[str, float]]:
+    """Per thread count: medians over the versions reached by their step patch."""
+    out = {}
+    for threads in sorted({r["threads"] for r in rows}):
+        steps = [r for r in rows if r["threads"] == threads and r["path"] == "step"]
+        wall = spread([r["wall_s"] for r in steps])["median"]
+        cpu = spread([r["cpu_s"] for r in steps])["median"]
+        changes = spread([r["changes"] for r in steps])["median"]
+        out[str(threads)] = {"wall_s": wall, "cpu_s": cpu, "wall_s_per_gb": wall / state_gb, "cpu_s_per_gb": cpu / state_gb,
+                             "ns_per_change": 1e9 * ratio(wall, changes), "syncs": len(steps)}
+    return out
+
+
+def stage_rates(shapes: dict[str, tuple[int, ...]], density: float, seed: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Median ns per element (diff, digest) or per change (the others) of each stage, per thread count."""
+    base = initial_state(shapes, seed)
+    mid = {n: b.copy() for n, b in base.items()}
+    train_step(mid, density, seed + 1)
+    new = {n: b.copy() for n, b in mid.items()}
+    train_step(new, density, seed + 2)
+    first, step = diff(base, mid), diff(mid, new)
+    index, body = encode_delta(step, shapes_of(new), base=mid, mode="rel")
+    frames = {i: body[f.offset : f.offset + f.length] for i, f in enumerate(index.frames)}
+    digest = StateDigest.of(mid)
+    expected = StateDigest.of(new).root()
+    elements = sum(b.size for b in base.values())
+    changes = sum(i.size for i, _ in step.values())
+    target = {n: b.copy() for n, b in mid.items()}
+
+    def applied(threads: int) -> None:
+        apply_patch(target, index, frames, threads=threads).rollback(target)
+
+    units = {"diff": elements, "digest": elements, "merge": changes + sum(i.size for i, _ in first.values()),
+             "encode": changes, "apply": changes, "stage": changes}
+    work = {
+        "diff": lambda t: diff(mid, new, threads=t),
+        "digest": lambda t: StateDigest.of(new, threads=t),
+        "merge": lambda t: merge_deltas([first, step], threads=t),
+        "encode": lambda t: encode_delta(step, shapes_of(new), base=mid, mode="rel", threads=t),
+        "apply": applied,
+        "stage": lambda t: stage_patches(mid, digest, [(index, frames)], expected, threads=t),
+    }
+    counts = receive_threads()
+    def wall(fn: Any, threads: int) -> None:  # `rounds` times a call that returns None
+        fn(threads)
+
+    timed = rounds({f"{stage}/{t}": partial(wall, fn, t) for stage, fn in work.items() for t in counts}, repeat)
+    return {
+        stage: {str(t): 1e9 * spread(timed[f"{stage}/{t}"])["median"] / max(1, units[stage]) for t in counts}
+        for stage in work
+    }
 
 
 def kind_of(version: int, every: int) -> str:
@@ -187,12 +288,15 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace, shapes: dict
     out["ratio_patch"] = ratio(out["blocked_s_patch"], out["sync_s_patch"])
     out["ratio_anchor"] = ratio(out["blocked_s_anchor"], out["sync_s_anchor"])
     cpu: dict[str, dict[str, float]] = {}
+    wall: dict[str, dict[str, float]] = {}
     for path, threads in contenders().items():
         if path == "background":
             continue
-        label = str(threads if threads is not None else os.cpu_count() or 1)
+        label = str(thread_count(threads))
         cpu[label] = {kind: spread(values(path, kind, "cpu_s"))["median"] / state_gb for kind in ("patch", "anchor")}
+        wall[label] = {kind: spread(values(path, kind, "blocked_s"))["median"] / state_gb for kind in ("patch", "anchor")}
     out["cpu_s_per_gb"] = cpu
+    out["wall_s_per_gb"] = wall
     out |= {"layers": args.layers, "vocab": args.vocab, "hidden": args.hidden, "elements": elements,
             "state_gib": 2 * elements / 2**30, "density": args.density, "patch_versions": args.patches,
             "cycles": args.cycles, "store": store, "rows": rows}
@@ -209,8 +313,16 @@ def print_table(summary: dict[str, Any]) -> None:
     print("(medians; ratio = blocked / sync of the medians)")
     print_spreads("min / median / max per contender and kind", summary["spreads"])
     for threads, per in summary["cpu_s_per_gb"].items():
-        print(f"sync publish CPU, {threads} compression thread(s): {per['patch']:.2f} s/GB (patch), "
-              f"{per['anchor']:.2f} s/GB (anchor)")
+        wall = summary["wall_s_per_gb"][threads]
+        print(f"sync publish, {threads} thread(s): CPU {per['patch']:.2f} s/GB (patch), {per['anchor']:.2f} s/GB (anchor); "
+              f"wall {wall['patch']:.2f} s/GB (patch), {wall['anchor']:.2f} s/GB (anchor)")
+    print("ns per element (diff, digest) or per change, per thread count:")
+    for stage, per in summary["stage_ns"].items():
+        print(f"  {stage:<8}" + "".join(f"{threads:>4} thread(s) {ns:9.2f}" for threads, ns in per.items()))
+    for threads, got in summary.get("receive", {}).items():
+        print(f"receive a step, {threads} thread(s): {got['wall_s']:.3f} s wall, {got['cpu_s']:.3f} s CPU "
+              f"({got['wall_s_per_gb']:.2f} s/GB wall, {got['cpu_s_per_gb']:.2f} s/GB CPU, "
+              f"{got['ns_per_change']:.0f} ns per changed element; median of {got['syncs']})")
     print(f"(every contender also gathers the state first: {summary['gather_s']:.2f} s; a hand-off with copy=True "
           f"would add {summary['snapshot_copy_s']:.2f} s; target ratio <= 0.10)")
 
@@ -226,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, help="anchor intervals published (default 1, quick 2)")
     parser.add_argument("--density", type=float, default=0.01, help="share of elements a train step changes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds of the per-stage rates")
     parser.add_argument("--s3", action="store_true", help="publish to the loopback S3 server instead of a folder")
     parser.add_argument("--dir", type=Path, help="folder for the local store (default: a temp folder)")
     parser.add_argument("--json", type=Path, help="write the summary as JSON here")
@@ -236,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     args.hidden, args.mlp = (256, 1024) if args.smoke else (HIDDEN, MLP)
     args.patches = args.patches or (3 if small else 2)
     args.cycles = args.cycles or (2 if small else 1)
-    if args.layers < 1 or args.patches < 1 or args.cycles < 1 or args.vocab < 1 or not 0 < args.density < 1:
-        parser.error("--layers, --vocab, --patches and --cycles must be >= 1 and --density in (0, 1)")
+    if args.layers < 1 or args.patches < 1 or args.cycles < 1 or args.vocab < 1 or args.repeat < 1 or not 0 < args.density < 1:
+        parser.error("--layers, --vocab, --patches, --cycles and --repeat must be >= 1 and --density in (0, 1)")
     logging.basicConfig(level=logging.WARNING)
     shapes = qwen_shapes(args.layers, args.vocab, args.hidden, args.mlp)
     session = Session()
@@ -259,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                 url, store = f"file://{root / 'bucket'}", "local folder (fsync)"
             rows = run_rounds(url, args, shapes)
             summary = summarize(rows, args, shapes, store)
+            received = asyncio.run(receive_rounds(url, args.cycles * (args.patches + 1) + 1, args.patches + 1))
+            summary["receive"] = summarize_receive(received, 2 * summary["elements"] / 1e9)
+            summary["receive_rows"] = received
+            summary["stage_ns"] = stage_rates(shapes, args.density, args.seed, args.repeat)
         finally:
             if server is not None:
                 server.stop()

@@ -36,9 +36,16 @@ head, which is an anchor, timed in the same rounds. Receive times are medians (w
 of `--repeat` interleaved rounds (every path, then the anchor, per round; the machine may be
 shared); `sync_over_apply_median` is the median 1-step sync over the median in-memory apply.
 `lagger_download_over_best_measured`: per lag (1, 4, 16), the bytes the lagger's chosen path
-downloads over the cheapest of the chain, the catch-up and the anchor, and their max. (The
-issue's `lagger_download_over_best`, over lags 1..32, needs a head 33 versions past v0 and a
-subscriber per lag; it is not computed.) The codec table's encode / apply speeds are best-of.
+downloads over the cheapest of the chain, the catch-up and the anchor, and their max.
+
+Lag sweep (`adam` trajectory again, its own run with the default `PublisherConfig`: catch-ups at
+powers of two from the anchor within 1.5x the step bytes): versions 0..33, one anchor interval.
+`catchup_bytes_over_step`: the catch-up bytes published over v1..v33 over the step bytes;
+`lagger_download_over_best`: for every lag 1..32 from the head v33, the bytes of the path the
+subscriber picks (planned from the manifests, with the follower's measured speeds) over the
+cheapest of the chain, each catch-up plus the steps after it, and the anchor path, computed here
+from the manifests alone; the max over the lags. The codec table's encode / apply speeds are
+best-of.
 
 Usage: python scripts/bench_pulse.py [--quick] [--layers N] [--s3] [--json PATH]
 """
@@ -511,7 +518,9 @@ async def download_over_best(sub: Subscriber, target) -> dict[str, Any]:
     (walked whether or not path choice considered it), the catch-up patch and the anchor path."""
     plans = await sub._plans(target)
     assert sub.version is not None
-    options = {p.name: p.cost for p in plans}
+    options: dict[str, int] = {}
+    for p in plans:  # the cheapest plan of each name (catch-ups at several versions share one)
+        options[p.name] = min(p.cost, options.get(p.name, p.cost))
     chain = await sub._chain(target, sub.version)
     if chain:
         options["chain"] = sum(ref.bytes for ref in chain)
@@ -545,6 +554,61 @@ async def reach_head(sub: Subscriber, target, expected: str, repeat: int) -> tup
              "spread": spread(times[i]), "estimate_s": plan.estimate_s, "speeds": dataclasses.asdict(speeds)}
             for i, plan in enumerate(plans)]
     return rows, times[-1]
+
+
+SWEEP_HEAD = 33  # lags 1..32 behind it, all after the anchor at v0
+
+
+def cheapest_bytes(manifests: dict[int, Any], base: int, head: int) -> int:
+    """The fewest bytes from version `base` to `head` by the manifests alone: the chain of step
+    patches, a catch-up covering `base` plus the steps after it, or the anchor plus the cheapest
+    of those from it."""
+
+    def steps(lo: int) -> int:
+        return sum(manifests[v].patch("step").bytes for v in range(lo + 1, head + 1))
+
+    def from_state(b: int) -> int:
+        options = [steps(b)]
+        for c in range(b + 1, head + 1):
+            cu = manifests[c].patch("catchup")
+            if cu is not None and cu.covers(b):
+                options.append(cu.bytes + steps(c))
+        return min(options)
+
+    target = manifests[head]
+    a = target.anchor.version
+    return min(from_state(base), target.anchor_bytes + (from_state(a) if a < head else 0))
+
+
+async def lag_sweep(layers: int, lr: float, snr: float, seed: int, use_s3: bool) -> dict[str, Any]:
+    """Publish v0..SWEEP_HEAD with the default publisher config; the upload bound and, for every
+    lag 1..SWEEP_HEAD - 1, the chosen path's bytes over the cheapest (module docstring)."""
+    async with bench_store(use_s3) as (store, _):
+        pub, follower = Publisher(store, "sweep"), Subscriber(store, "sweep")
+        digests, manifests = {}, {}
+        step_bytes = catchup_bytes = 0
+        for v, state in enumerate(simulate(qwen_shapes(layers), SWEEP_HEAD, lr, snr, seed)):
+            result = await pub.publish(state)
+            assert not result.anchored or v == 0, "the sweep must stay within one anchor interval"
+            step_bytes += result.patch_bytes
+            catchup_bytes += result.catchup_bytes
+            await follower.sync()
+            digests[v], manifests[v] = follower.digest, follower.current
+        target = manifests[SWEEP_HEAD]
+        lags = {}
+        for lag in range(1, SWEEP_HEAD):
+            planner = Subscriber(store, "sweep")
+            planner.version, planner.digest, planner.current = SWEEP_HEAD - lag, digests[SWEEP_HEAD - lag], manifests[SWEEP_HEAD - lag]
+            planner.meter.speeds = follower.meter.speeds
+            chosen = (await planner._plans(target))[0]
+            best = cheapest_bytes(manifests, SWEEP_HEAD - lag, SWEEP_HEAD)
+            lags[str(lag)] = {"taken": chosen.name, "bytes": chosen.cost, "best_bytes": best, "ratio": chosen.cost / best}
+        return {
+            "catchup_versions": [v for v in range(1, SWEEP_HEAD + 1) if manifests[v].patch("catchup")],
+            "step_bytes": step_bytes, "catchup_bytes": catchup_bytes,
+            "catchup_bytes_over_step": catchup_bytes / step_bytes,
+            "lags": lags, "lagger_download_over_best": max(d["ratio"] for d in lags.values()),
+        }
 
 
 def old_changed(logs) -> dict[str, np.ndarray]:
@@ -724,6 +788,11 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_signals():
         receive, kept = asyncio.run(receive_case(layers, args.lr, args.snr, args.seed, repeat, args.s3))
     print(f"receive case: {HEAD + 1} versions simulated, published and synced ({time.perf_counter() - started:.0f} s)")
+    with exit_on_signals():
+        sweep = asyncio.run(lag_sweep(layers, args.lr, args.snr, args.seed, args.s3))
+    print(f"lag sweep: {SWEEP_HEAD + 1} versions, catch-ups at {sweep['catchup_versions']}: catch-up / step bytes "
+          f"{sweep['catchup_bytes_over_step']:.2f}; lagger download / cheapest, max over lags 1..{SWEEP_HEAD - 1}: "
+          f"{sweep['lagger_download_over_best']:.2f} ({time.perf_counter() - started:.0f} s)")
     hash_s, _ = timed(partial(state_digest, kept[HEAD]), repeat)
     rows = [run_case(f"adam k={k}", kept[HEAD - k], kept[HEAD], repeat, speed=k == 1) for k in LAGS]
     state_mb = rows[0]["state_mb"]
@@ -775,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
         "catchup_over_anchor_4": receive["catchup_over_anchor_4"],
         "catchup_over_anchor_16": receive["catchup_over_anchor_16"],
         "lagger_download_over_best_measured": receive["lagger_download_over_best_measured"]["max"],
+        "catchup_bytes_over_step": sweep["catchup_bytes_over_step"],
+        "lagger_download_over_best": sweep["lagger_download_over_best"],
+        "lag_sweep": sweep,
         "catchup_s_4": receive["catchup_s_4"],
         "catchup_s_16": receive["catchup_s_16"],
         "anchor_s": receive["anchor_s"],

@@ -1,89 +1,264 @@
-"""Benchmark the search task's BM25 retriever (bm25s, memory-mapped) against rank-bm25, in one run.
+"""Benchmark the search task's BM25 retriever: retrieval quality and speed on real text, and the
+streaming index build's peak memory at scale.
 
-Corpus: synthetic passages of 40-80 words drawn from a Zipf(1.1) vocabulary of 200k made-up words
-(a heavy-tailed word distribution like real text); queries are 3-6 words taken from a random
-passage, so every query has matches. Per corpus size:
+Quality and speed (the default). Corpus: real English text present on this machine, cut into
+passages of 20-200 words: the paragraphs of the installed packages' METADATA files (their
+READMEs) and the docstrings of Python's standard library modules. Queries: a span of 5-9 words
+taken from a random passage (its source); recall@1/3/10 is how often the source passage comes
+back in the top 1/3/10. Contenders, each on the same corpus and queries:
 
-- bm25s: `build_index` (tokenise, index, save the folder with the passage texts), the folder's
-  bytes, `Retriever.open` (memory-mapped), then top-10 queries one at a time (`Retriever.search`:
-  what a worker does per `<search>`);
-- rank-bm25 (`BM25Okapi`, the pure-Python reference), at the sizes up to `--rank-max` only (its
-  queries scan every document in Python): build time, pickled size, top-10 queries.
+- `stoa` (the default preset: Snowball English stemming, k1 1.5, b 0.75), `stoa-search-r1`
+  (Porter stemming, k1 0.9, b 0.4, as Search-R1's pyserini): this project's index
+  (`build.build_index`, `Retriever`, memory-mapped);
+- `bm25s-plain`: the index as this project built it before (bm25s's own tokeniser: drops
+  one-character tokens, no stemming; k1 1.5, b 0.75);
+- `rank-bm25`: rank-bm25's BM25Okapi on the search-r1 tokens with k1 0.9, b 0.4, the reference of
+  the top-10 overlap (pyserini, Search-R1's engine, needs Java and does not install here; when it
+  is importable it is named in the output but not run).
 
-Tokenisation is the same for both (bm25s's tokenizer; rank-bm25 is given the tokens). Query
-latency p50/p99 and queries/s are over `--queries` queries (rank-bm25: a tenth of them, at least
-10). Ratios compare the two at the sizes both ran; at larger sizes rank-bm25's figures are
-extrapolated linearly from its largest measured size (its build and query costs are linear in
-the corpus) and marked as such. A last row projects bm25s to 16M passages (PaperSearchQA's
-corpus) from the largest measured size: index bytes and query latency linear in the corpus.
+Top-10 overlap: |top10(contender) & top10(rank-bm25)| / the longer of the two lists (10 unless
+fewer passages match), averaged over the queries. Queries/s
+are measured in interleaved rounds (one batch of queries per contender per round), reported as
+min / median / max with the load average (scripts/benchlib.py).
 
-Usage: python scripts/bench_retriever.py [--sizes 100000,1000000] [--rank-max 100000]
-       [--queries 200] [--json PATH]
+Build scale (`--build-scale 1000000,4000000`): each size runs in a fresh child process that
+streams that many short synthetic passages (40-80 words from a Zipf(1.1) vocabulary of 200k
+made-up words) into `build_index` and reports its peak RSS (ru_maxrss) and time; a line
+fitted through the sizes projects both to 16M passages.
+
+Query scale (`--query-scale 1000000`): the cost of one query at scale, without a build: a CSC
+index of that many synthetic passages (the build-scale corpus's Zipf vocabulary, each passage's
+distinct words) made in memory, queried with 5-9 words of a random passage by the full scoring
+(bm25s's `get_scores_from_ids` and a top-k over every passage, what `Retriever.search` did) and
+by `retriever.top_k` (the same scores, the top picked among the postings' documents); the two
+results are checked equal, and ms/query projected linearly to 16M passages.
+
+Beside generation (`--beside-generation`): queries/s of `Retriever.search` on the real corpus
+alone and while a tiny MLX model generates on another thread of the same process (a worker's
+layout: episodes generate while their tool answers), and the generation's tokens/s alone and
+beside the queries.
+
+Usage: python scripts/bench_retriever.py [--quick] [--json PATH] [--passages N] [--queries N]
+       [--rounds N] [--build-scale N,M,...] [--query-scale N,...] [--beside-generation]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
-import pickle
+import math
+import random
+import re
 import resource
-import statistics
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rank_bm25 import BM25Okapi
+import benchlib
 
-from slime_stoa.tasks.search.retriever import Retriever, build_index, tokenize
+from slime_stoa.tasks.search.build import build_index
+from slime_stoa.tasks.search.retriever import Retriever, top_k
+from slime_stoa.tasks.search.tokenizer import PRESETS, Tokenizer
 
-VOCAB = 200_000
 PROJECT_TO = 16_000_000
+VOCAB = 200_000
+K = 10
 
 
-def make_corpus(n: int, seed: int) -> list[str]:
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(40, 81, size=n)
-    ids = (rng.zipf(1.1, size=int(lengths.sum())) - 1) % VOCAB
-    words = np.array([f"w{i:x}z" for i in range(VOCAB)], dtype=object)
-    cuts = np.cumsum(lengths)[:-1]
-    return [" ".join(chunk) for chunk in np.split(words[ids], cuts)]
+# -- the real corpus -------------------------------------------------------------------------------
 
 
-def make_queries(passages: list[str], count: int, seed: int) -> list[str]:
-    rng = np.random.default_rng(seed + 1)
+def _paragraphs(text: str) -> Iterator[str]:
+    for para in re.split(r"\n\s*\n", text):
+        words = para.split()
+        if len(words) >= 20:
+            yield " ".join(words[:200])
+
+
+def real_corpus(limit: int, seed: int) -> list[str]:
+    """Passages from the installed packages' METADATA and the standard library's docstrings."""
+    seen: set[str] = set()
+    out: list[str] = []
+    texts: list[str] = []
+    for dist in metadata.distributions():
+        body = dist.read_text("METADATA") or ""
+        texts.append(body.split("\n\n", 1)[1] if "\n\n" in body else "")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    texts.append(doc)
+    for text in texts:
+        for p in _paragraphs(text):
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+    random.Random(seed).shuffle(out)
+    return out[:limit]
+
+
+def make_queries(passages: list[str], count: int, seed: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed + 1)
     out = []
-    for i in rng.integers(0, len(passages), size=count):
-        words = passages[int(i)].split()
-        k = int(rng.integers(3, 7))
-        start = int(rng.integers(0, len(words) - k))
-        out.append(" ".join(words[start : start + k]))
+    for _ in range(count):
+        i = rng.randrange(len(passages))
+        words = passages[i].split()
+        k = rng.randint(5, 9)
+        start = rng.randrange(0, len(words) - k + 1)
+        out.append((" ".join(words[start : start + k]), i))
     return out
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir())
+# -- contenders ------------------------------------------------------------------------------------
+
+Search = Callable[[str], list[int]]
 
 
-def latencies(fn: Any, queries: list[str]) -> dict[str, float]:
-    times = []
-    start = time.perf_counter()
-    for q in queries:
-        t = time.perf_counter()
-        fn(q)
-        times.append(time.perf_counter() - t)
-    total = time.perf_counter() - start
-    times.sort()
-    return {
-        "qps": len(queries) / total,
-        "p50_ms": 1000 * statistics.median(times),
-        "p99_ms": 1000 * times[min(len(times) - 1, int(0.99 * len(times)))],
-    }
+def stoa_contender(passages: list[str], preset: str, tmp: Path) -> tuple[Search, float]:
+    folder = tmp / preset
+    t = time.perf_counter()
+    build_index(passages, folder, settings=PRESETS[preset])  # type: ignore[index]
+    build_s = time.perf_counter() - t
+    retriever = Retriever.open(folder)
+    return (lambda q: [h.index for h in retriever.search(q, K)]), build_s
+
+
+def bm25s_plain_contender(passages: list[str]) -> tuple[Search, float]:
+    import bm25s
+
+    t = time.perf_counter()
+    bm = bm25s.BM25(method="lucene")
+    bm.index(bm25s.tokenize(passages, stopwords="en", show_progress=False), show_progress=False)
+    build_s = time.perf_counter() - t
+
+    def search(q: str) -> list[int]:
+        tokens = bm25s.tokenize([q], stopwords="en", return_ids=False, show_progress=False)[0]
+        ids = [bm.vocab_dict[x] for x in tokens if x in bm.vocab_dict]
+        if not ids:
+            return []
+        scores = np.asarray(bm.get_scores_from_ids(ids))
+        top = np.argsort(-scores, kind="stable")[:K]
+        return [int(i) for i in top if scores[i] > 0]
+
+    return search, build_s
+
+
+def rank_bm25_contender(passages: list[str]) -> tuple[Search, float]:
+    from rank_bm25 import BM25Okapi
+
+    tok = Tokenizer(PRESETS["search-r1"].tokenizer)
+    t = time.perf_counter()
+    bm = BM25Okapi([tok(p) for p in passages], k1=0.9, b=0.4)
+    build_s = time.perf_counter() - t
+
+    def search(q: str) -> list[int]:
+        tokens = tok(q)
+        if not tokens:
+            return []
+        scores = bm.get_scores(tokens)
+        top = np.argsort(-scores, kind="stable")[:K]
+        return [int(i) for i in top if scores[i] > 0]
+
+    return search, build_s
+
+
+def pyserini_note() -> str:
+    try:
+        import pyserini  # noqa: F401
+    except ImportError:
+        return "pyserini (Search-R1's BM25) is not installed here (it needs Java): the overlap reference is rank-bm25"
+    return "pyserini is importable but not run (it needs a Lucene index built with Java): the overlap reference is rank-bm25"
+
+
+def overlap(a: list[int], b: list[int]) -> float:
+    """|a & b| / max(|a|, |b|): 1 when both lists hold the same passages (or none)."""
+    return len(set(a) & set(b)) / max(len(a), len(b)) if a or b else 1.0
+
+
+def quality(search: Search, queries: list[tuple[str, int]], reference: list[list[int]]) -> dict[str, float]:
+    hits = [search(q) for q, _ in queries]
+    out = {f"recall@{k}": sum(src in h[:k] for h, (_, src) in zip(hits, queries, strict=True)) / len(queries) for k in (1, 3, 10)}
+    out["top10_overlap_rank_bm25"] = sum(overlap(h, r) for h, r in zip(hits, reference, strict=True)) / len(queries)
+    return out
+
+
+def bench_quality(args: argparse.Namespace) -> dict[str, Any]:
+    passages = real_corpus(args.passages, args.seed)
+    if len(passages) < 100:
+        raise SystemExit(f"found only {len(passages)} passages of text on this machine; need at least 100")
+    queries = make_queries(passages, args.queries, args.seed)
+    print(f"corpus: {len(passages):,} passages ({sum(len(p.split()) for p in passages) / len(passages):.0f} words each on "
+          f"average) from installed packages' METADATA and the standard library's docstrings; {len(queries)} queries")
+    print(pyserini_note())
+    with tempfile.TemporaryDirectory(prefix="bench-retriever-") as tmp:
+        contenders: dict[str, tuple[Search, float]] = {
+            "stoa": stoa_contender(passages, "default", Path(tmp)),
+            "stoa-search-r1": stoa_contender(passages, "search-r1", Path(tmp)),
+            "bm25s-plain": bm25s_plain_contender(passages),
+            "rank-bm25": rank_bm25_contender(passages),
+        }
+        reference = [contenders["rank-bm25"][0](q) for q, _ in queries]
+        rows: dict[str, dict[str, Any]] = {
+            name: {"build_s": build_s, **quality(fn, queries, reference)} for name, (fn, build_s) in contenders.items()
+        }
+        batch = queries[: max(10, len(queries) // 4)]
+
+        def timed(fn: Search, qs: list[tuple[str, int]]) -> Callable[[], float]:
+            def run() -> float:
+                t = time.perf_counter()
+                for q, _ in qs:
+                    fn(q)
+                return len(qs) / (time.perf_counter() - t)
+            return run
+
+        runs = {name: timed(fn, batch if name != "rank-bm25" else batch[: max(5, len(batch) // 10)])
+                for name, (fn, _) in contenders.items()}
+        qps = benchlib.rounds(runs, args.rounds)
+    for name in rows:
+        rows[name]["queries_per_s"] = benchlib.spread(qps[name])
+    print(f"\n{'contender':<16} {'recall@1':>9} {'recall@3':>9} {'recall@10':>10} {'overlap@10':>11} {'build s':>8}  queries/s median (min-max)")
+    for name, r in rows.items():
+        q = r["queries_per_s"]
+        print(f"{name:<16} {r['recall@1']:>9.3f} {r['recall@3']:>9.3f} {r['recall@10']:>10.3f} "
+              f"{r['top10_overlap_rank_bm25']:>11.3f} {r['build_s']:>8.2f}  {q['median']:.0f} ({q['min']:.0f}-{q['max']:.0f}, n={q['n']})")
+    return {"passages": len(passages), "queries": len(queries), "overlap_reference": "rank-bm25 (BM25Okapi, search-r1 tokens, k1 0.9, b 0.4)",
+            "pyserini": pyserini_note(), "contenders": rows}
+
+
+# -- build scale -----------------------------------------------------------------------------------
+
+
+def synthetic_passages(n: int, seed: int) -> Iterator[str]:
+    rng = np.random.default_rng(seed)
+    words = np.array([f"w{i:x}z" for i in range(VOCAB)], dtype=object)
+    done = 0
+    while done < n:
+        count = min(50_000, n - done)
+        lengths = rng.integers(40, 81, size=count)
+        ids = (rng.zipf(1.1, size=int(lengths.sum())) - 1) % VOCAB
+        for chunk in np.split(words[ids], np.cumsum(lengths)[:-1]):
+            yield " ".join(chunk)
+        done += count
 
 
 def peak_rss_mb() -> float:
@@ -91,110 +266,227 @@ def peak_rss_mb() -> float:
     return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
-def bench_bm25s(passages: list[str], queries: list[str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="bench-bm25s-") as tmp:
-        folder = Path(tmp) / "index"
+def build_child(n: int, seed: int) -> None:
+    """Build an index of `n` synthetic passages; print one JSON line (peak RSS, time, sizes)."""
+    base = peak_rss_mb()
+    with tempfile.TemporaryDirectory(prefix="bench-build-") as tmp:
         t = time.perf_counter()
-        build_index(passages, folder)
-        build = time.perf_counter() - t
-        t = time.perf_counter()
-        retriever = Retriever.open(folder)
-        opened = time.perf_counter() - t
-        row = {"impl": "bm25s", "build_s": build, "index_bytes": folder_bytes(folder), "open_s": opened}
-        row.update(latencies(lambda q: retriever.search(q, 10), queries))
-    row["peak_rss_mb"] = peak_rss_mb()
-    return row
+        stats = build_index(synthetic_passages(n, seed), Path(tmp) / "index")
+        took = time.perf_counter() - t
+        size = sum(p.stat().st_size for p in (Path(tmp) / "index").iterdir())
+    print(json.dumps({"passages": n, "build_s": took, "peak_rss_mb": peak_rss_mb(), "rss_before_mb": base,
+                      "index_bytes": size, "terms": stats.terms, "postings": stats.postings}))
 
 
-def bench_rank(passages: list[str], queries: list[str]) -> dict[str, Any]:
+def fit(xs: list[float], ys: list[float], at: float) -> float:
+    if len(xs) == 1:
+        return ys[0] * at / xs[0]
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return float(slope * at + intercept)
+
+
+def bench_build(sizes: list[int], seed: int) -> dict[str, Any]:
+    rows = []
+    print(f"\n{'passages':>10} {'build s':>9} {'peak RSS MB':>12} {'index MB':>9} {'terms':>9} {'postings':>12}")
+    for n in sizes:
+        out = subprocess.run([sys.executable, __file__, "--build-child", str(n), "--seed", str(seed)],
+                             check=True, capture_output=True, text=True)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(f"{n:>10,} {row['build_s']:>9.1f} {row['peak_rss_mb']:>12.0f} {row['index_bytes'] / 1e6:>9.0f} "
+              f"{row['terms']:>9,} {row['postings']:>12,}", flush=True)
+    xs = [float(r["passages"]) for r in rows]
+    proj = {"passages": PROJECT_TO, "peak_rss_mb": fit(xs, [r["peak_rss_mb"] for r in rows], PROJECT_TO),
+            "build_s": fit(xs, [r["build_s"] for r in rows], PROJECT_TO),
+            "index_bytes": fit(xs, [r["index_bytes"] for r in rows], PROJECT_TO)}
+    print(f"{PROJECT_TO:>10,} {proj['build_s']:>9.0f} {proj['peak_rss_mb']:>12.0f} {proj['index_bytes'] / 1e6:>9.0f}   "
+          f"(projected: a line through the measured sizes; the vocabulary here is capped at {VOCAB:,} words, "
+          "PubMed's is larger and adds ~100 bytes per distinct term)")
+    return {"sizes": rows, "projected": proj}
+
+
+# -- query scale -----------------------------------------------------------------------------------
+
+
+def synthetic_csc(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(data, indices, indptr, terms) of a CSC index of `n` synthetic passages made in memory:
+    each passage's distinct words (Zipf(1.1) over `VOCAB`), BM25-like float32 scores; `terms` is
+    each posting's term (to sample queries from a passage's words)."""
+    rng = np.random.default_rng(seed)
+    keys = []
+    for start in range(0, n, 200_000):
+        count = min(200_000, n - start)
+        lengths = rng.integers(40, 81, size=count)
+        terms = (rng.zipf(1.1, size=int(lengths.sum())) - 1) % VOCAB
+        docs = np.repeat(np.arange(start, start + count, dtype=np.int64), lengths)
+        keys.append(np.unique(terms.astype(np.int64) * n + docs))
+    key = np.sort(np.concatenate(keys))
+    terms, docs = key // n, (key % n).astype(np.int32)
+    indptr = np.searchsorted(terms, np.arange(VOCAB + 1)).astype(np.int64)
+    df = np.diff(indptr).astype(np.float64)
+    idf = np.log1p((n - df + 0.5) / (df + 0.5))  # Lucene's idf, times a term-frequency part in [0.5, 1.5)
+    data = (np.repeat(idf, np.diff(indptr)) * (0.5 + rng.random(len(docs)))).astype(np.float32)
+    return data, docs, indptr, terms
+
+
+def query_scale(n: int, queries: int, seed: int) -> dict[str, Any]:
+    import bm25s
+
     t = time.perf_counter()
-    bm = BM25Okapi(tokenize(passages))
-    build = time.perf_counter() - t
-    row = {"impl": "rank-bm25", "build_s": build, "index_bytes": len(pickle.dumps(bm)), "open_s": float("nan")}
+    data, indices, indptr, terms = synthetic_csc(n, seed)
+    made = time.perf_counter() - t
+    rng = np.random.default_rng(seed + 1)
+    picks = rng.integers(0, len(indices), size=queries)  # a posting: (its term's) a random passage's word
+    by_doc = np.argsort(indices, kind="stable")  # the postings of each passage
+    doc_start = np.searchsorted(indices[by_doc], np.arange(n + 1))
+    qs = []
+    for p in picks:
+        d = int(indices[p])
+        own = terms[by_doc[doc_start[d]:doc_start[d + 1]]]
+        qs.append(rng.choice(own, size=min(len(own), int(rng.integers(5, 10))), replace=False).tolist())
+    del by_doc, doc_start
 
-    def query(q: str) -> None:
-        scores = bm.get_scores(tokenize([q])[0])
-        np.argpartition(-scores, 9)[:10]
+    def full(ids: list[int]) -> list[int]:
+        scores = bm25s.BM25._compute_relevance_from_scores(
+            data=data, indptr=indptr, indices=indices, num_docs=n, query_tokens_ids=np.asarray(ids), dtype=np.dtype("float32"))
+        top = np.argpartition(-scores, K - 1)[:K]
+        top = top[np.lexsort((top, -scores[top]))]
+        return [int(i) for i in top if scores[i] > 0]
 
-    row.update(latencies(query, queries))
-    row["peak_rss_mb"] = peak_rss_mb()
+    column_max: dict[int, float] = {}
+
+    def cached_max(i: int) -> float:
+        if i not in column_max:
+            column_max[i] = float(data[indptr[i]:indptr[i + 1]].max(initial=0.0))
+        return column_max[i]
+
+    def pruned(ids: list[int]) -> list[int]:
+        return top_k(data, indices, indptr, n, ids, K, cached_max)[0].tolist()
+
+    same = sum(full(q) == pruned(q) for q in qs[:50])  # also fills the column maxima (as a warm worker has)
+    timings = {}
+    for name, fn in (("full", full), ("top_k", pruned)):
+        t = time.perf_counter()
+        for q in qs:
+            fn(q)
+        timings[name] = (time.perf_counter() - t) / len(qs) * 1000
+    postings = float(np.mean([sum(int(indptr[i + 1] - indptr[i]) for i in q) for q in qs]))
+    return {"passages": n, "postings": len(indices), "made_s": made, "queries": len(qs),
+            "postings_per_query": postings, "same_top10_of_50": same,
+            "ms_per_query": timings, "projected_16m_ms": {k: v * PROJECT_TO / n for k, v in timings.items()}}
+
+
+def bench_query_scale(sizes: list[int], queries: int, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    print(f"\n{'passages':>10} {'postings':>12} {'post/query':>11} {'full ms':>8} {'top_k ms':>9} {'same':>5}   projected to 16M")
+    for n in sizes:
+        row = query_scale(n, queries, seed)
+        ms, proj = row["ms_per_query"], row["projected_16m_ms"]
+        print(f"{n:>10,} {row['postings']:>12,} {row['postings_per_query']:>11,.0f} {ms['full']:>8.1f} {ms['top_k']:>9.1f} "
+              f"{row['same_top10_of_50']:>3}/50   full {proj['full']:.0f} ms, top_k {proj['top_k']:.0f} ms", flush=True)
+        rows.append(row)
+    return rows
+
+
+# -- beside generation -----------------------------------------------------------------------------
+
+
+def bench_beside_generation(args: argparse.Namespace) -> dict[str, Any]:
+    """Queries/s alone and while an MLX model generates on another thread, and tokens/s both ways."""
+    import threading
+
+    import mlx_lm
+
+    from slime_stoa.quickstart.tiny_model import build_tiny_model
+
+    passages = real_corpus(args.passages, args.seed)
+    queries = [q for q, _ in make_queries(passages, args.queries, args.seed)]
+    with tempfile.TemporaryDirectory(prefix="bench-beside-") as tmp:
+        build_index(passages, Path(tmp) / "index")
+        retriever = Retriever.open(Path(tmp) / "index")
+        model_dir = build_tiny_model(Path(tmp) / "model", texts=passages[:2000], hidden_size=256, num_layers=4,
+                                     intermediate_size=512, vocab_size=2048)
+        loaded = mlx_lm.load(str(model_dir))
+        model, tokenizer = loaded[0], loaded[1]
+        prompt = tokenizer.encode(passages[0][:200])
+
+        def generate_tokens(stop: threading.Event, counts: list[int]) -> None:
+            while not stop.is_set():
+                for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=64):
+                    counts[0] += 1
+                    if stop.is_set():
+                        break
+
+        def query_rate(seconds: float) -> float:
+            done, t = 0, time.perf_counter()
+            while time.perf_counter() - t < seconds:
+                retriever.search(queries[done % len(queries)], 3)
+                done += 1
+            return done / (time.perf_counter() - t)
+
+        def token_rate(seconds: float, with_queries: bool) -> tuple[float, float]:
+            stop, counts = threading.Event(), [0]
+            thread = threading.Thread(target=generate_tokens, args=(stop, counts))
+            thread.start()
+            t = time.perf_counter()
+            qps = 0.0
+            if with_queries:
+                qps = query_rate(seconds)
+            else:
+                time.sleep(seconds)
+            stop.set()
+            thread.join()
+            return counts[0] / (time.perf_counter() - t), qps
+
+        alone_qps = query_rate(args.seconds)
+        alone_tps, _ = token_rate(args.seconds, with_queries=False)
+        beside_tps, beside_qps = token_rate(args.seconds, with_queries=True)
+    row = {"passages": len(passages), "seconds": args.seconds, "queries_per_s_alone": alone_qps,
+           "queries_per_s_beside_generation": beside_qps, "tokens_per_s_alone": alone_tps,
+           "tokens_per_s_beside_queries": beside_tps}
+    print(f"\nqueries/s alone {alone_qps:.0f}, beside generation {beside_qps:.0f}; "
+          f"generation tokens/s alone {alone_tps:.0f}, beside the queries {beside_tps:.0f} "
+          f"({len(passages):,} passages, {args.seconds:g} s each)")
     return row
-
-
-def scaled(row: dict[str, Any], passages: int, *, impl: str) -> dict[str, Any]:
-    """`row`'s figures extrapolated linearly to `passages` (open time unknown: NaN)."""
-    f = passages / row["passages"]
-    return {
-        "passages": passages,
-        "impl": impl,
-        "build_s": row["build_s"] * f,
-        "index_bytes": row["index_bytes"] * f,
-        "open_s": float("nan"),
-        "qps": row["qps"] / f,
-        "p50_ms": row["p50_ms"] * f,
-        "p99_ms": row["p99_ms"] * f,
-    }
-
-
-def fmt_row(size: str, r: dict[str, Any]) -> str:
-    mb = r["index_bytes"] / 1e6
-    open_s = "-" if r["open_s"] != r["open_s"] else f"{r['open_s']:.2f}"
-    return (
-        f"{size:>10} {r['impl']:<22} {r['build_s']:>9.1f} {mb:>10.1f} {open_s:>7} "
-        f"{r['qps']:>9.1f} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f}"
-    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="100000,1000000", help="corpus sizes (passages), comma-separated")
-    parser.add_argument("--rank-max", type=int, default=100_000, help="largest size rank-bm25 is run at")
-    parser.add_argument("--queries", type=int, default=200, help="queries per size (rank-bm25: a tenth, >= 10)")
+    parser.add_argument("--quick", action="store_true", help="a short run: 3000 passages, 200 queries, 3 rounds")
+    parser.add_argument("--passages", type=int, default=None, help="passages of real text (default 30000; --quick 3000)")
+    parser.add_argument("--queries", type=int, default=None, help="queries (default 1000; --quick 200)")
+    parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 5; --quick 3)")
+    parser.add_argument("--build-scale", default="", help="also measure the streaming build at these sizes (e.g. 1000000,4000000)")
+    parser.add_argument("--query-scale", default="", help="only time one query at these corpus sizes (e.g. 1000000)")
+    parser.add_argument("--beside-generation", action="store_true",
+                        help="only measure queries/s beside a tiny MLX model generating in the same process")
+    parser.add_argument("--seconds", type=float, default=10.0, help="--beside-generation: seconds per measurement")
+    parser.add_argument("--build-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
-    sizes = sorted(int(s) for s in args.sizes.split(","))
-    if not sizes or sizes[0] < 100:
-        raise SystemExit("--sizes: give sizes of at least 100 passages")
-
-    rows: list[dict[str, Any]] = []
-    print(f"{'passages':>10} {'impl':<22} {'build s':>9} {'index MB':>10} {'open s':>7} {'q/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
-    rank_last: dict[str, Any] | None = None
-    for n in sizes:
-        passages = make_corpus(n, args.seed)
-        queries = make_queries(passages, args.queries, args.seed)
-        b = {"passages": n, **bench_bm25s(passages, queries)}
-        rows.append(b)
-        print(fmt_row(f"{n:,}", b), flush=True)
-        if n <= args.rank_max:
-            r = {"passages": n, "extrapolated": False, **bench_rank(passages, queries[: max(10, args.queries // 10)])}
-            rank_last = r
-        elif rank_last is not None:
-            r = {"passages": n, "extrapolated": True, **scaled(rank_last, n, impl="rank-bm25")}
+    if args.build_child is not None:
+        build_child(args.build_child, args.seed)
+        return
+    args.passages = args.passages or (3000 if args.quick else 30_000)
+    args.queries = args.queries or (200 if args.quick else 1000)
+    args.rounds = args.rounds or (3 if args.quick else 5)
+    session = benchlib.Session()
+    doc: dict[str, Any]
+    with benchlib.exit_on_signals():
+        if args.query_scale:
+            doc = {"query_scale": bench_query_scale([int(x) for x in args.query_scale.split(",")], args.queries, args.seed)}
+        elif args.beside_generation:
+            doc = {"beside_generation": bench_beside_generation(args)}
         else:
-            del passages
-            continue
-        rows.append(r)
-        label = "rank-bm25 (extrapol.)" if r["extrapolated"] else "rank-bm25"
-        print(fmt_row(f"{n:,}", {**r, "impl": label}), flush=True)
-        print(
-            f"{'':>10} {'bm25s speed-up':<22} build {r['build_s'] / b['build_s']:.1f}x, "
-            f"queries/s {b['qps'] / r['qps']:.0f}x, p50 latency {r['p50_ms'] / b['p50_ms']:.0f}x",
-            flush=True,
-        )
-        del passages
-    last = next(r for r in reversed(rows) if r["impl"] == "bm25s")
-    proj = scaled(last, PROJECT_TO, impl="bm25s (projected)")
-    rows.append(proj)
-    print(fmt_row("16,000,000", proj))
-    print(
-        f"16M projection from {last['passages']:,}: the index folder ({proj['index_bytes'] / 1e9:.1f} GB of these "
-        "60-word passages; PubMed abstracts are ~4x longer) is memory-mapped, so a worker needs that much disk "
-        "and page cache, not heap; building it needs the corpus and its tokens in memory "
-        f"(peak RSS of this run: {peak_rss_mb():.0f} MB at {last['passages']:,})."
-    )
+            doc = {"quality": bench_quality(args)}
+        sizes = sorted(int(s) for s in args.build_scale.split(",") if s)
+        if sizes:
+            doc["build"] = bench_build(sizes, args.seed)
+    doc.update(session.meta())
+    session.print_load()
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2, default=float))
+        args.json.write_text(json.dumps(doc, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v))
 
 
 if __name__ == "__main__":

@@ -153,6 +153,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_backends: run a store test on the local folder and on S3")
     config.addinivalue_line("markers", "file_only: in a both_backends module, run this test on the local folder only")
     config.addinivalue_line("markers", "slow: a long test (a learning run, the wheel install), only with --slow or STOA_SLOW=1")
+    config.addinivalue_line("markers", "r2: runs against a real bucket when STOA_R2_TEST_URL and its credentials are set, else skipped")
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
 
 

@@ -29,7 +29,7 @@ def bucket(tmp_path: Path) -> str:
 
 def test_run_create_refuses_an_unknown_task(bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "create", "--store", bucket, "--run", "r", "--model", "m", "--task", "gsm9k"]) == 1
-    assert "unknown task 'gsm9k': choose one of gsm8k, search, synthetic" in one_error_line(capsys)
+    assert "unknown task 'gsm9k': choose one of gsm8k, math, search, synthetic" in one_error_line(capsys)
 
 
 def test_run_commands_take_store_like_every_other_command(

@@ -29,6 +29,7 @@ JOIN_OPTIONS = {
     "worker_key": ["--worker-key"],
     "rollouts_store": ["--rollouts-store"],
     "rollouts_credentials_file": ["--rollouts-credentials-file"],
+    "plane": ["--plane"],
     "access_key_id": ["--access-key-id"],
     "secret_access_key": ["--secret-access-key"],
     "credentials_stdin": ["--credentials-stdin"],

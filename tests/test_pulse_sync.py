@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -19,10 +21,12 @@ from slime_stoa.protocol.pulse.publisher import (
     PublisherConfig,
 )
 from slime_stoa.protocol.pulse.route import Route, SpeedMeter, Speeds, chain_guess, estimate_s, rank
-from slime_stoa.protocol.pulse.subscriber import Subscriber, SyncError
+from slime_stoa.protocol.pulse.subscriber import Subscriber, SubscriberConfig, SyncError
 from slime_stoa.protocol.store import Store
 
 RUN = "sync-test"
+# A catch-up patch at every version (the default writes them at powers of two from the anchor).
+EVERY = PublisherConfig(catchup_schedule="every", catchup_every=1, catchup_budget=math.inf)
 
 
 def random_state(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -81,7 +85,7 @@ async def test_follower_steps_through_every_version(store: Store) -> None:
 
 async def test_lagging_subscriber_uses_one_catchup_patch(store: Store) -> None:
     rng = np.random.default_rng(1)
-    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    pub, sub = Publisher(store, RUN, EVERY), Subscriber(store, RUN, SubscriberConfig(route_by="time"))
     states = await publish_versions(pub, rng, 2)
     await sub.sync()
     states += await publish_versions(pub, rng, 5, step_state(states[-1], rng))
@@ -92,7 +96,7 @@ async def test_lagging_subscriber_uses_one_catchup_patch(store: Store) -> None:
 
 async def test_cold_subscriber_starts_from_the_anchor(store: Store) -> None:
     rng = np.random.default_rng(2)
-    pub = Publisher(store, RUN)
+    pub = Publisher(store, RUN, EVERY)
     states = await publish_versions(pub, rng, 4)
     sub = Subscriber(store, RUN)
     result = await sub.sync()
@@ -113,8 +117,8 @@ async def test_without_catchup_a_lagger_replays_the_chain(store: Store) -> None:
 
 async def test_base_relative_patches(store: Store) -> None:
     rng = np.random.default_rng(4)
-    pub = Publisher(store, RUN, PublisherConfig(mode="rel"))
-    follower, lagger = Subscriber(store, RUN), Subscriber(store, RUN)
+    pub = Publisher(store, RUN, dataclasses.replace(EVERY, mode="rel"))
+    follower, lagger = Subscriber(store, RUN), Subscriber(store, RUN, SubscriberConfig(route_by="time"))
     states = await publish_versions(pub, rng, 2)
     await follower.sync()
     await lagger.sync()
@@ -156,7 +160,7 @@ async def _manifest(store: Store, version: int) -> VersionManifest:
 
 async def test_corrupt_step_patch_falls_back_and_ends_identical(store: Store, caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(6)
-    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    pub, sub = Publisher(store, RUN, EVERY), Subscriber(store, RUN)
     states = await publish_versions(pub, rng, 3)
     await sub.sync()  # at v2
     await pub.publish(step_state(states[-1], rng))
@@ -176,7 +180,7 @@ async def test_corrupt_step_patch_falls_back_and_ends_identical(store: Store, ca
 
 async def test_missing_patches_fall_back_to_the_anchor(store: Store) -> None:
     rng = np.random.default_rng(7)
-    pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+    pub, sub = Publisher(store, RUN, EVERY), Subscriber(store, RUN)
     states = await publish_versions(pub, rng, 2)
     await sub.sync()
     states += await publish_versions(pub, rng, 3, step_state(states[-1], rng))
@@ -268,10 +272,10 @@ async def test_racing_publishers_one_commit_per_version(store: Store) -> None:
 @pytest.mark.both_backends
 async def test_resumed_publisher_continues_the_chain(store: Store) -> None:
     rng = np.random.default_rng(12)
-    states = await publish_versions(Publisher(store, RUN), rng, 3)
+    states = await publish_versions(Publisher(store, RUN, EVERY), rng, 3)
     sub = Subscriber(store, RUN)
     await sub.sync()
-    resumed = Publisher(store, RUN)
+    resumed = Publisher(store, RUN, EVERY)
     assert await resumed.open() == 2
     nxt = step_state(states[-1], rng)
     result = await resumed.publish(nxt)
@@ -368,15 +372,22 @@ def test_route_estimates_and_ranking():
     assert estimate_s(anchor, speeds) == pytest.approx(0.2 + 20 + 0.1)
     chain = chain_guess(16, step)
     assert (chain.requests, chain.bytes, chain.changes, chain.hashed) == (16, 800_000, 320_000, 2_000_000)
-    assert [r.name for r in rank([anchor, chain, step], speeds)] == ["step", "chain", "anchor"]
+    assert [r.name for r in rank([anchor, chain, step], speeds, "time")] == ["step", "chain", "anchor"]
     # A fast link with slow round trips: one big anchor beats many small patches.
     lan = Speeds(download_bytes_s=1e10, request_s=1.0, apply_s_per_change=1e-6, load_s_per_element=1e-9)
-    assert [r.name for r in rank([chain, anchor], lan)] == ["anchor", "chain"]
+    assert [r.name for r in rank([chain, anchor], lan, "time")] == ["anchor", "chain"]
     # CPU counts too: a chain of dense patches loses to the anchor even on a slow link.
     dense = chain_guess(64, Route(name="step", requests=1, bytes=10_000, changes=5_000_000))
-    assert rank([dense, anchor], speeds)[0] is anchor
+    assert rank([dense, anchor], speeds, "time")[0] is anchor
     tie = Route(name="a", bytes=10), Route(name="b", bytes=5)
-    assert [r.name for r in rank(tie, speeds)] == ["b", "a"]  # equal time: fewer bytes first
+    assert [r.name for r in rank(tie, speeds, "time")] == ["b", "a"]  # equal time: fewer bytes first
+    # By bytes (the default): the fewest bytes whatever the estimate; equal bytes, the faster.
+    assert [r.name for r in rank([chain, anchor], lan)] == ["chain", "anchor"]
+    assert rank([dense, anchor], speeds)[0] is dense
+    slow = Route(name="slow", bytes=10, requests=9)
+    assert [r.name for r in rank([slow, Route(name="fast", bytes=10)], speeds)] == ["fast", "slow"]
+    with pytest.raises(ValueError, match="by must be"):
+        rank([slow], speeds, "cheapest")  # type: ignore[arg-type]
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="download_bytes_s"):
             Speeds(download_bytes_s=bad)
@@ -420,7 +431,8 @@ async def test_a_lagger_takes_the_faster_of_chain_and_anchor(store: Store) -> No
     rng = np.random.default_rng(17)
     pub = Publisher(store, RUN, PublisherConfig(anchor_every=4, anchor_fraction=100.0))
     states = await publish_versions(pub, rng, 2)
-    slow_link, slow_trips = Subscriber(store, RUN), Subscriber(store, RUN)
+    by_time = SubscriberConfig(route_by="time")
+    slow_link, slow_trips = Subscriber(store, RUN, by_time), Subscriber(store, RUN, by_time)
     for sub in (slow_link, slow_trips):
         await sub.sync()  # at v1; the anchor at v4 will be newer than both
     states += await publish_versions(pub, rng, 5, step_state(states[-1], rng))  # v2..v6
@@ -481,14 +493,13 @@ async def test_a_patch_for_another_base_digest_is_never_applied(store: Store, mo
 
 
 async def test_a_base_relative_catchup_serves_only_its_exact_base(store: Store) -> None:
-    import dataclasses
-
     from slime_stoa.protocol.pulse.frames import encode_patch
     from slime_stoa.protocol.pulse.manifests import PatchRef
 
     rng = np.random.default_rng(20)
-    pub = Publisher(store, RUN, PublisherConfig(mode="rel"))
-    at1, at2, tampered = Subscriber(store, RUN), Subscriber(store, RUN), Subscriber(store, RUN)
+    pub = Publisher(store, RUN, dataclasses.replace(EVERY, mode="rel"))
+    by_time = SubscriberConfig(route_by="time")
+    at1, at2, tampered = (Subscriber(store, RUN, by_time) for _ in range(3))
     states = await publish_versions(pub, rng, 2)
     for sub in (at1, tampered):
         await sub.sync()
@@ -513,7 +524,9 @@ async def test_a_base_relative_catchup_serves_only_its_exact_base(store: Store) 
     for sub in (at1, at2, tampered):
         sub.meter = SpeedMeter(many_trips, 1e-9, measured=True)  # round trips dominate
     results = [await sub.sync() for sub in (at1, at2, tampered)]
-    assert [r.path for r in results if r is not None] == ["catchup", "step", "anchor+chain"]
+    paths = [r.path for r in results if r is not None]
+    # The tampered v1 takes a path from the anchor (v2's catch-up or the chain), never v3's catch-up.
+    assert paths[:2] == ["catchup", "step"] and paths[2] in ("anchor+chain", "anchor+catchup+chain")
     for sub in (at1, at2, tampered):
         assert_same(sub.state, states[3])
 

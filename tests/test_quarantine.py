@@ -10,7 +10,7 @@ import time
 import pytest
 
 from slime_stoa.cli import main
-from slime_stoa.cli.fleet_cmd import fleet_rows
+from slime_stoa.cli.fleet_cmd import COLUMNS, fleet_rows
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store, open_store
@@ -311,7 +311,7 @@ def test_fleet_shows_quarantined_workers(
     out = capsys.readouterr().out
     assert f"run {RUN} at v0: 2 worker(s), 2 running, 2 quarantined" in out
     header, *rows = [line for line in out.splitlines() if line.startswith(("worker", "mac-"))]
-    assert header.split()[-1] == "quarantine"
+    assert header.split()[-2:] == ["quarantine", "key"]
     by_worker = {r.split()[0]: r for r in rows}
     assert "logprob_gap" in by_worker["mac-f"] and "ago" in by_worker["mac-f"]
     assert "logprob_gap" not in by_worker["mac-h"]
@@ -322,5 +322,6 @@ def test_fleet_rows_quarantine_cell() -> None:
     now = time.time()
     beats = [Heartbeat(worker_id="a", name="a", status="generating", updated_at=now)]
     records = {"a": WorkerRecord(reason="canary", since_ms=int((now - 120) * 1000))}
-    assert fleet_rows(beats, now, None, records)[0][-1] == "canary (2m ago)"
-    assert fleet_rows(beats, now)[0][-1] == ""
+    cell = COLUMNS.index("quarantine")
+    assert fleet_rows(beats, now, None, records)[0][cell] == "canary (2m ago)"
+    assert fleet_rows(beats, now)[0][cell] == ""

@@ -20,10 +20,12 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import GetResult, ObjectInfo, Store, open_store
 from slime_stoa.protocol.store.base import Payload
 from slime_stoa.tasks import load_task
-from slime_stoa.tasks.search import Search, decode_label
+from slime_stoa.tasks.search import Search, bundle, decode_label
 from slime_stoa.tasks.search.bundle import (
     MANIFEST,
+    PARTIAL,
     PARTS,
+    STAMP,
     encode_manifest,
     fetch_index,
     parse_manifest,
@@ -157,18 +159,18 @@ async def test_upload_fetch_search(store: Store, synthetic_index: tuple[Path, ob
     assert layout.task_index_file("search", MANIFEST) in keys and len(keys) > 8
     assert await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK) == digest  # a re-run is a no-op
     dest = await fetch_index(store, RUN, tmp_path / "cache", expected_sha256=digest)
-    assert sorted(p.name for p in dest.iterdir()) == sorted([*(p.name for p in folder.iterdir()), MANIFEST, PARTS])
+    assert sorted(p.name for p in dest.iterdir()) == sorted([*(p.name for p in folder.iterdir()), MANIFEST, PARTS, STAMP, bundle.LOCK])
     assert list((dest / PARTS).iterdir()) == []
     assert gold_top1(Retriever.open(dest), data) == 1.0
     with pytest.raises(ValueError, match="not the one the task names"):
         await fetch_index(store, RUN, tmp_path / "other", expected_sha256="0" * 64)
 
 
-async def test_fetch_resumes_and_refetches_only_what_is_damaged(
-    store: Store, synthetic_index: tuple[Path, object], tmp_path: Path
+async def test_fetch_verifies_once_and_refetches_only_what_is_damaged(
+    store: Store, synthetic_index: tuple[Path, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder, data = synthetic_index
-    await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
+    digest = await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
     counting = CountingStore(store)
     dest = tmp_path / "cache"
     await fetch_index(counting, RUN, dest)
@@ -177,22 +179,92 @@ async def test_fetch_resumes_and_refetches_only_what_is_damaged(
     assert set(counting.gets) - chunk_keys == {RunLayout(RUN).task_index_file("search", MANIFEST)}
     assert all(counting.gets[k] == 1 for k in chunk_keys)
 
-    counting.gets.clear()  # complete and intact: only the manifest is read again
-    await fetch_index(counting, RUN, dest)
-    assert list(counting.gets) == [RunLayout(RUN).task_index_file("search", MANIFEST)]
+    # verified once: later starts hash nothing; with the task's digest they read nothing either
+    with monkeypatch.context() as m:
+        m.setattr(bundle, "_sha256_file", lambda path: pytest.fail(f"re-hashed {path}"))
+        counting.gets.clear()
+        await fetch_index(counting, RUN, dest)
+        assert list(counting.gets) == [RunLayout(RUN).task_index_file("search", MANIFEST)]
+        counting.gets.clear()
+        await fetch_index(counting, RUN, dest, expected_sha256=digest)
+        assert not counting.gets
+    with pytest.raises(ValueError, match="not the one the task names"):  # a stamp for another digest is no pass
+        await fetch_index(counting, RUN, dest, expected_sha256="0" * 64)
 
-    # an interrupted download: a damaged final file, whose chunks were partly on disk already
+    # a file changed on disk breaks the stamp: that file alone is fetched again
     text = next(f for f in manifest.files if f.name == "passages.txt")
     assert len(text.chunks) >= 3
     (dest / "passages.txt").write_bytes(b"garbage")
-    good, bad = text.chunks[0], text.chunks[1]
-    (dest / PARTS / good.name).write_bytes((folder / "passages.txt").read_bytes()[: good.size])
-    (dest / PARTS / bad.name).write_bytes(b"half a chunk")
     counting.gets.clear()
-    await fetch_index(counting, RUN, dest)
+    await fetch_index(counting, RUN, dest, expected_sha256=digest)
     fetched = {k.rsplit("/", 1)[1] for k in counting.gets} - {MANIFEST}
-    assert fetched == {c.name for c in text.chunks[1:]}  # the intact part was kept, the torn one fetched
+    assert fetched == {c.name for c in text.chunks}
     assert (dest / "passages.txt").read_bytes() == (folder / "passages.txt").read_bytes()
+    assert gold_top1(Retriever.open(dest), data) == 1.0
+
+
+async def test_worker_start_scans_the_index_once(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slime_stoa.tasks.search import retriever as retriever_mod
+    from slime_stoa.tasks.search.prepare import prepare_search
+    from slime_stoa.tasks.search.synthetic import task_items
+
+    data = generate(20, seed=2)
+    prepared = await prepare_search(store, RUN, {"train": task_items(data)}, iter(data.passages), chunk_bytes=SMALL_CHUNK)
+    task = load_task(prepared.objects["train"])
+    assert isinstance(task, Search)
+    scans = []
+    real_scan = retriever_mod._scan_arrays
+    monkeypatch.setattr(retriever_mod, "_scan_arrays", lambda bm, n: (scans.append(n), real_scan(bm, n)))
+    first = await open_run_index(store, RUN, task, tmp_path / "cache")
+    again = await open_run_index(store, RUN, task, tmp_path / "cache")
+    assert scans == [80]  # the second start trusts the stamp: no full scan, no re-hash
+    q = data.qa[0]
+    assert first.search(q.question, 1) == again.search(q.question, 1) and again.search(q.question, 1)[0].index == q.passage
+    # damage after the stamp: the fetch notices (size/mtime), refetches, and the files are whole again
+    (tmp_path / "cache" / "indices.csc.index.npy").write_bytes(b"x")
+    healed = await open_run_index(store, RUN, task, tmp_path / "cache")
+    assert healed.search(q.question, 1)[0].index == q.passage
+
+
+class CutStore(CountingStore):
+    """Fails every chunk GET after the first `allowed` (a connection lost mid-download)."""
+
+    def __init__(self, inner: Store, allowed: int):
+        super().__init__(inner)
+        self.allowed = allowed
+
+    async def get(self, key: str, *, offset: int = 0, length: int | None = None, if_none_match: str | None = None) -> GetResult | None:
+        if not key.endswith(MANIFEST):
+            if self.allowed <= 0:
+                raise ConnectionError("cut")
+            self.allowed -= 1
+        return await super().get(key, offset=offset, length=length, if_none_match=if_none_match)
+
+
+async def test_interrupted_fetch_resumes_in_place(store: Store, synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
+    folder, data = synthetic_index
+    digest = await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
+    manifest = parse_manifest(await store.get_bytes(RunLayout(RUN).task_index_file("search", MANIFEST)))
+    all_chunks = {c.name for f in manifest.files for c in f.chunks}
+    dest = tmp_path / "cache"
+    got: set[str] = set()
+    for allowed in (3, 5, len(all_chunks)):  # two cuts, then the rest
+        cut = CutStore(store, allowed)
+        try:
+            await fetch_index(cut, RUN, dest, expected_sha256=digest, parallel=1)
+        except ConnectionError:
+            partial = [p for p in dest.iterdir() if p.name.endswith(PARTIAL)]
+            assert len(partial) == 1 and not (dest / STAMP).exists()
+            # in place: the partial file has its final size and no chunk is stored beside it
+            size = next(f.size for f in manifest.files if f"{f.name}{PARTIAL}" == partial[0].name)
+            assert partial[0].stat().st_size == size
+            assert not [p for p in dest.rglob("*") if p.name in all_chunks]
+        fetched = {k.rsplit("/", 1)[1] for k in cut.gets} - {MANIFEST}
+        assert not fetched & got, "a verified chunk was fetched again"
+        got |= fetched
+    assert got == all_chunks and (dest / STAMP).is_file()
+    for p in folder.iterdir():
+        assert (dest / p.name).read_bytes() == p.read_bytes()
     assert gold_top1(Retriever.open(dest), data) == 1.0
 
 

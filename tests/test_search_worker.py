@@ -147,7 +147,8 @@ async def test_worker_runs_search_episodes_end_to_end(
 
     monkeypatch.setitem(tools._FACTORIES, "search", recording_factory)
     await seed_search_run(store, model_dir)
-    data_dir = tmp_path / "data"
+    data_dir, shared_dir = tmp_path / "data", tmp_path / "shared"
+    monkeypatch.setenv("STOA_SHARED_DIR", str(shared_dir))  # the Mac's folder for its one copy of the index
     config = DaemonConfig(store=store_url, run=RUN, name="test-mac", worker_id="test-mac-5e4c11", data_dir=data_dir, batch=2)
     worker = Worker(config, store, WorkerOptions(seed=3, heartbeat_s=0.5, max_cohorts=2))
     stop = asyncio.Event()
@@ -163,7 +164,8 @@ async def test_worker_runs_search_episodes_end_to_end(
 
     # The registered tool: built once, its index fetched from the bucket and opened before generating.
     (tool,) = made
-    assert tool.prepared == 1 and (data_dir / "search-index" / RUN / "manifest.json").is_file()
+    assert tool.prepared == 1 and [p.parent.parent.name for p in shared_dir.glob("search-index/sha256-*/manifest.json")] == ["search-index"]
+    assert not (data_dir / "search-index").exists()
     reference = build_index(DATA.passages, tmp_path / "reference-index")
     body = Retriever.open(reference).observe(QUERY, k=META["top_k"], max_chars=1500)
     assert body.startswith("Doc 1: The code word of ")  # a real passage answers the scripted query

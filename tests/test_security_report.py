@@ -20,6 +20,16 @@ and `crashes`, is 0.
 - oversize: every small document a reader takes from the bucket, written a megabyte past its
   limit (`oversize_reads`), on both backends: each must be refused after at most limit + 1 bytes
   (`max_bytes_read_over_limit`: the most any read took past that).
+- freshness (`rollback_tried`/`rollback_accepted`, `downgrade_tried`/`downgrade_accepted`,
+  `registry_rollback_accepted`, `state_rollback_accepted`): old genuine objects put back into the
+  bucket — an older signed pointer against a running and a restarted reader and a resuming
+  publisher (`test_trust_rollback`, both backends), an unsigned or re-keyed run manifest against
+  workers (`test_trust_downgrade`), the registry from before a revocation against a fresh trainer
+  and an old consumer state against a restarted one (`test_trust_consumer_state`). An attack is
+  accepted when the refusal its test asserts does not happen.
+- heartbeats (`heartbeat_forged_tried`/`heartbeat_forged_shown_healthy`): unsigned, unknown-key,
+  revoked, other-worker, other-run and tampered heartbeats beside an honest one, read the way
+  `stoa fleet` and the trainer's metrics read them (`test_trust_heartbeats`).
 
 The mutations are seeded (`$STOA_TEST_SEED` replays another seed) so the figures repeat.
 """
@@ -30,6 +40,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AsyncExitStack
@@ -37,11 +48,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import pytest
 import xxhash
 import zstandard
 
 from slime_stoa.judging.scoring import Rescorer
-from slime_stoa.protocol.heartbeat import Heartbeat
+from slime_stoa.protocol.heartbeat import Heartbeat, shown_status
 from slime_stoa.protocol.hf.folders import INDEX_NAME, load_hf_state, safe_child
 from slime_stoa.protocol.layout import RolloutKey, RunLayout, check_name, check_worker_id
 from slime_stoa.protocol.pulse.anchor import download_extras
@@ -65,8 +77,15 @@ from . import oversize_reads as ov
 from . import test_hostile_names as hn
 from . import test_record_hostile as rh
 from . import test_records_v2 as v2
+from . import test_trust_consumer_state as tcs
+from . import test_trust_downgrade as tdg
+from . import test_trust_heartbeats as thb
+from . import test_trust_rollback as trb
 from .conftest import s3_url
 from .forged_weights import CASES, honest_run, run_case, tally
+from .test_consumer import Tiny, tiny
+
+__all__ = ["tiny"]  # the session fixture
 
 REPORT_ENV = "STOA_SECURITY_JSON"
 SEED = int(os.environ.get("STOA_TEST_SEED") or 20_240_601)
@@ -487,6 +506,87 @@ async def open_backends(stack: AsyncExitStack, tmp: Path, server: LocalS3Server,
     return {"file": file_store, "s3": s3_store}
 
 
+# -- freshness and heartbeats ------------------------------------------------------------------------
+
+ROLLBACK_ATTACKS = (
+    trb.test_a_subscriber_refuses_an_old_genuine_pointer_and_keeps_its_weights,
+    trb.test_a_publisher_resumes_from_the_highest_signed_version_not_an_old_pointer,
+    trb.test_a_publisher_never_writes_a_second_manifest_for_a_version,
+)
+DOWNGRADE_ATTACKS = (
+    tdg.test_a_worker_holding_a_worker_key_refuses_an_unsigned_run,
+    tdg.test_a_worker_refuses_a_run_re_keyed_after_it_first_trusted_it,
+    tdg.test_a_pinned_worker_refuses_an_unsigned_run,
+)
+
+
+async def accepted(attack: Awaitable[object]) -> int:
+    """1 when the refusal an attack's test asserts did not happen (it fails), else 0."""
+    try:
+        await attack
+    except Exception:
+        return 1
+    return 0
+
+
+async def file_store(stack: AsyncExitStack, root: Path) -> tuple[Store, str]:
+    root.mkdir(parents=True)
+    url = f"file://{root}"
+    return await stack.enter_async_context(open_store(url)), url
+
+
+async def freshness(
+    stack: AsyncExitStack, tmp: Path, factories: dict[str, Callable[[str], Awaitable[Store]]], tiny: Tiny,
+    caplog: Any,
+) -> dict[str, int]:
+    """Every rollback and downgrade attack, each in a fresh store."""
+    rollback = [await accepted(attack(await factory(f"rollback-{i}")))
+                for name, factory in factories.items() for i, attack in enumerate(ROLLBACK_ATTACKS)]
+    downgrade = []
+    for i, attack in enumerate(DOWNGRADE_ATTACKS):
+        store, url = await file_store(stack, tmp / f"downgrade-{i}" / "bucket")
+        downgrade.append(await accepted(attack(store, url, tmp / f"downgrade-{i}", caplog)))
+        caplog.clear()
+    store, url = await file_store(stack, tmp / "state-rollback")
+    state = int(await tcs.state_rollback(store, url, tiny))
+    store, url = await file_store(stack, tmp / "registry-rollback")
+    registry = int(await tcs.registry_rollback(store, url, tiny))
+    return {
+        "rollback_tried": len(rollback) + 2, "rollback_accepted": sum(rollback) + state + registry,
+        "downgrade_tried": len(downgrade), "downgrade_accepted": sum(downgrade),
+        "registry_rollback_accepted": registry, "state_rollback_accepted": state,
+    }
+
+
+async def forged_heartbeats(store: Store) -> dict[str, int]:
+    """Forged heartbeats beside an honest one, judged against the run's registry as `stoa fleet`
+    and the trainer's metrics judge them: how many show as a running worker."""
+    from slime_stoa.protocol.heartbeat import NOT_RUNNING, read_fleet
+
+    await thb.put_forgeries(store)  # mac-a honest; mac-b unsigned; mac-c revoked
+    layout, key_a, key_b = RunLayout(thb.RUN), thb.KEYS["mac-a"], thb.KEYS["mac-b"]
+    tampered = thb.beat("mac-a").to_bytes(key_a, run=thb.RUN).replace(b'"tokens_per_s": 500.0', b'"tokens_per_s": 1e9')
+    forgeries = {
+        "mac-d": thb.beat("mac-d").to_bytes(SigningKey.generate(), run=thb.RUN),  # an unknown key
+        "mac-e": thb.beat("mac-e").to_bytes(key_b, run=thb.RUN),  # another worker's key
+        "mac-f": thb.beat("mac-f").to_bytes(),  # unsigned, unregistered
+    }
+    for worker, data in forgeries.items():
+        await store.put(layout.heartbeat(worker), data)
+    registry = thb.registry()
+    judged, _ = await read_fleet(store, thb.RUN, registry)
+    now = time.time()
+    shown = sum(shown_status(b, now, t) not in NOT_RUNNING for b, t in judged if b.worker_id != "mac-a")
+    # the honest one, tampered and signed for another run (each judged in place of the honest one)
+    for data in (tampered, thb.beat("mac-a").to_bytes(key_a, run="other-run")):
+        await store.put(layout.heartbeat("mac-a"), data)
+        judged, _ = await read_fleet(store, thb.RUN, registry)
+        shown += sum(shown_status(b, now, t) not in NOT_RUNNING for b, t in judged if b.worker_id == "mac-a")
+    honest = sum(t == "signed" for b, t in judged)
+    assert honest == 0  # the last forgery replaced the honest heartbeat
+    return {"heartbeat_forged_tried": 2 + len(forgeries) + 2, "heartbeat_forged_shown_healthy": shown}
+
+
 # -- the report ---------------------------------------------------------------------------------------
 
 
@@ -501,7 +601,9 @@ def plain(counts: dict[str, Counter[str]]) -> dict[str, dict[str, int]]:
     return {k: {"tried": sum(c.values()), **dict(sorted(c.items()))} for k, c in counts.items()}
 
 
-async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int) -> dict[str, Any]:
+async def build_report(
+    tmp: Path, server: LocalS3Server, bucket: str, seed: int, tiny: Tiny | None = None, caplog: Any = None
+) -> dict[str, Any]:
     records = records_report({**hand_made_records(), **mutated_records(seed), **signed_records(seed)})
     names = [n for _, n in hn.HOSTILE_NAMES]
     readers_tmp = tmp / "readers"
@@ -510,8 +612,13 @@ async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int)
     weights: dict[str, Counter[str]] = {}
     by_backend: dict[str, dict[str, int]] = {}
     oversize: dict[str, dict[str, int]] = {}
+    fresh: dict[str, int] = {}
     async with AsyncExitStack() as stack:
-        for backend, factory in (await open_backends(stack, tmp, server, bucket)).items():
+        factories = await open_backends(stack, tmp, server, bucket)
+        if tiny is not None:
+            fresh = await freshness(stack, tmp / "freshness", factories, tiny, caplog)
+            fresh.update(await forged_heartbeats(await factories["file"]("heartbeats")))
+        for backend, factory in factories.items():
             name_counts[f"download_extras.{backend}"] = await probe_extras(await factory("extras"), tmp / f"extras-{backend}", names)
             tallied = await factory("tally")
 
@@ -533,6 +640,7 @@ async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int)
         "weights_forged_applied": sum(t["weights_forged_applied"] for t in by_backend.values()),
         "oversize_tried": sum(t["oversize_tried"] for t in oversize.values()),
         "max_bytes_read_over_limit": max(t["max_bytes_read_over_limit"] for t in oversize.values()),
+        **fresh,
         "seed": seed,
         "records_admitted_valid": r["admitted"],
         "names_distinct": len(set(names)),
@@ -544,11 +652,13 @@ async def build_report(tmp: Path, server: LocalS3Server, bucket: str, seed: int)
     }
 
 
-async def test_security_report(s3_server: LocalS3Server, s3_bucket: str, tmp_path: Path) -> None:
-    report = await build_report(tmp_path, s3_server, s3_bucket, SEED)
+async def test_security_report(
+    s3_server: LocalS3Server, s3_bucket: str, tmp_path: Path, tiny: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
+    report = await build_report(tmp_path, s3_server, s3_bucket, SEED, tiny, caplog)
     if path := os.environ.get(REPORT_ENV):
         Path(path).write_text(json.dumps(report, indent=1) + "\n")
-    summary = {k: report[k] for k in list(report)[:9]}
+    summary = {k: report[k] for k in list(report)[: list(report).index("seed")]}
     print(json.dumps(summary))
     where = f"seed {SEED}: {summary}"
     assert report["records_admitted_invalid"] == 0, (where, report["records_by_source"])
@@ -556,6 +666,11 @@ async def test_security_report(s3_server: LocalS3Server, s3_bucket: str, tmp_pat
     assert report["names_escaped"] == 0, (where, report["names_by_reader"])
     assert report["weights_forged_applied"] == 0, (where, report["weights_by_kind"])
     assert report["max_bytes_read_over_limit"] == 0, (where, report["oversize_by_backend"])
+    for name in ("rollback_accepted", "downgrade_accepted", "registry_rollback_accepted", "state_rollback_accepted",
+                 "heartbeat_forged_shown_healthy"):
+        assert report[name] == 0, (name, where)
+    assert report["rollback_tried"] == 2 * len(ROLLBACK_ATTACKS) + 2 and report["downgrade_tried"] == len(DOWNGRADE_ATTACKS)
+    assert report["heartbeat_forged_tried"] == 7, where
     assert report["oversize_tried"] == 2 * len(ov.cases()), where
     assert all(t["oversize_refused"] == t["oversize_tried"] for t in report["oversize_by_backend"].values()), report
     # The corpus is the size the report claims, and the checks can say yes: honest and

@@ -419,7 +419,7 @@ def test_task_data_round_trip() -> None:
 
 
 def test_make_task_registry() -> None:
-    assert set(TASKS) == {"gsm8k", "search", "synthetic"}
+    assert set(TASKS) == {"gsm8k", "math", "search", "synthetic"}
     items = generate_items(5, seed=0)
     task = make_task("synthetic", items, {"format": "stoa.task/1", "task": "synthetic", "count": 5})
     assert isinstance(task, Synthetic) and task.system_prompt is None and len(task) == 5

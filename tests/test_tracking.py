@@ -467,6 +467,13 @@ def test_quickstart_logs_train_rollout_and_worker_metrics(tmp_path: Path) -> Non
     quickstart = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     printed = finish(quickstart, timeout=300)
     assert quickstart.returncode == 0, printed
+    # what a no-warm-start run prints: where the run is and how to look inside it
+    bucket = f"file://{(out / 'bucket').resolve()}"
+    assert f"new run 'quickstart' in bucket {bucket}" in printed
+    assert "no warm start: RL starts from" in printed and "supervised warm start" not in printed
+    assert not (out / "warm-start").exists()
+    for command in ("weights status", "fleet", "run show"):
+        assert f"stoa {command} --store {bucket} --run quickstart" in printed, printed
     wait_until(lambda: not wandb_services(quickstart.pid), timeout=30, interval=0.1, message="its wandb service to exit")
     (run,) = offline_runs(Path(env["WANDB_DIR"]))
     assert run.name == "quickstart" and run.group == "quickstart"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from slime_stoa.cli import main
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import MalformedPointer, find_manifest, read_pointer
-from slime_stoa.protocol.pulse.publisher import Publisher
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import read_key_file
 from slime_stoa.protocol.store import open_store
@@ -42,7 +43,8 @@ def seeded_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, l
 
     async def more() -> None:
         async with open_store(f"file://{bucket}") as store:
-            pub = Publisher(store, "demo")
+            every = PublisherConfig(catchup_schedule="every", catchup_every=1, catchup_budget=math.inf)
+            pub = Publisher(store, "demo", every)  # a catch-up at v2 and v3 for inspect to show
             for seed in range(3):
                 states.append(nudge(states[-1], seed))
                 await pub.publish(states[-1])

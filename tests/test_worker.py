@@ -585,15 +585,15 @@ async def test_a_store_outage_mid_run_only_delays_uploads(
         assert sorted(g.seq for g in got) == list(range(len(got)))
 
 
-def test_a_group_is_dropped_at_most_once() -> None:
+def test_a_group_is_dropped_at_most_once_within_the_drain_time() -> None:
     from macd.generation import at_safe_point
 
     assert at_safe_point(0, False, 0, 32)  # nothing in flight
     assert not at_safe_point(3, False, 31, 32)  # draining
     assert at_safe_point(3, False, 32, 32)  # drained: the rest is dropped
     assert at_safe_point(3, False, 0, 32, expired=True)  # out of time (e.g. every episode waits for its tool)
-    assert not at_safe_point(3, True, 0, 32, expired=True)  # a restarted group still runs to its end
-    assert not at_safe_point(3, True, 500, 32)  # a restarted group runs: wait for it
+    assert at_safe_point(3, True, 0, 32, expired=True)  # the drain's time bounds the install, restarted or not
+    assert not at_safe_point(3, True, 500, 32)  # a restarted group runs: wait for it, within the drain's time
     assert at_safe_point(0, True, 0, 32)
 
 

@@ -16,6 +16,7 @@ from . import (
     keys_cmd,
     preflight_cmd,
     quickstart_cmd,
+    rollouts_cmd,
     run_cmd,
     store_cmd,
     task_cmd,
@@ -23,7 +24,7 @@ from . import (
     worker_cmd,
 )
 
-GROUPS = (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd, worker_cmd, keys_cmd, eval_cmd)
+GROUPS = (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd, worker_cmd, keys_cmd, eval_cmd, rollouts_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,6 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--task", required=True, help="task name, e.g. gsm8k or synthetic")
     create.add_argument("--task-split", default="train", help="task file workers draw prompts from")
     create.add_argument("--plane", choices=PLANES, default="bf16", help="what workers serve")
+    create.add_argument(
+        "--planes", default="", metavar="LIST",
+        help="quantized planes the trainer publishes beside the bf16 weights, comma-separated (int8, int4): "
+        "a Mac on one holds that plane alone, and picks a smaller one when the run's plane does not fit its memory",
+    )
     create.add_argument("--temperature", type=float, default=1.0)
     create.add_argument("--max-tokens", type=int, default=512, help="longest response")
     create.add_argument("--max-prompt-tokens", type=int, default=1024)
@@ -77,6 +82,7 @@ def manifest_from_args(args: argparse.Namespace) -> RunManifest:
         task=args.task,
         task_split=args.task_split,
         plane=args.plane,
+        planes=tuple(p.strip() for p in args.planes.split(",") if p.strip()),  # checked by RunManifest
         temperature=args.temperature,
         max_tokens=args.max_tokens,
         max_prompt_tokens=args.max_prompt_tokens,

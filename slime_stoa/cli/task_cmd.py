@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
+from collections.abc import Iterable, Sized
 from pathlib import Path
 from typing import Any
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import StoreError, open_store
+from slime_stoa.quickstart.meter import StepMeter, cli_console
 from slime_stoa.tasks import TASKS, TaskItem
 from slime_stoa.tasks.objects import put_task_objects, task_objects
-from slime_stoa.tasks.search.data import Columns, load_corpus, load_qa
+from slime_stoa.tasks.search.data import Columns, iter_corpus, load_qa
 from slime_stoa.tasks.search.rewards import MATCH_KINDS
 from slime_stoa.tasks.search.synthetic import generate as generate_search
 from slime_stoa.tasks.search.synthetic import task_items as search_task_items
+from slime_stoa.tasks.search.tokenizer import PRESETS, Bm25Settings
 
 from .common import add_run_options, os_error_text, require_run_options
 
@@ -25,26 +29,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmds = task.add_subparsers(title="task commands", metavar="COMMAND", required=True)
     prep = cmds.add_parser(
         "prepare",
-        help="write task data (GSM8K from its jsonl files; the synthetic task generated; search with its index)",
+        help="write task data (GSM8K from its jsonl files; MATH from its folders or jsonl files; the synthetic task generated; search with its index)",
         description=(
             "gsm8k: one object per file, its split named after the file (train.jsonl -> train). "
+            "math: one object per MATH folder of problem .json files (MATH/test -> test) or jsonl file "
+            "(test.jsonl -> test), each problem with a solution whose last \\boxed{} is the answer, or an answer. "
             "synthetic: --count items generated from --seed into --split. "
             "search: QA_FILE... CORPUS_FILE (the last file is the corpus; jsonl, or parquet with pyarrow), "
-            "or --synthetic N generated questions and corpus; builds the BM25 index, uploads it in chunks, "
-            "then one task object per question file."
+            "or --synthetic N generated questions and corpus; builds the BM25 index (streaming the corpus), "
+            "uploads it in chunks, then one task object per question file. PaperSearchQA's released files "
+            "are read as published: its question parquet files (question, golden_answers) and the "
+            "Search-R1-layout corpus pubmed.jsonl (contents: a quoted title line, then the abstract)."
         ),
     )
     prep.add_argument("task", choices=sorted(TASKS), help="task name")
-    prep.add_argument("files", nargs="*", type=Path, help="source files (gsm8k: train.jsonl, test.jsonl)")
+    prep.add_argument("files", nargs="*", type=Path, help="source files (gsm8k: train.jsonl, test.jsonl; math: MATH/train MATH/test, or jsonl files)")
     add_run_options(prep)
     prep.add_argument("--split", default=None, help="split name (synthetic: default train)")
     prep.add_argument("--count", type=int, default=2000, help="synthetic: number of items")
     prep.add_argument("--seed", type=int, default=0, help="synthetic: generation seed")
-    prep.add_argument("--limit", type=int, default=None, help="gsm8k, search: keep only the first N items per file")
+    prep.add_argument("--limit", type=int, default=None, help="gsm8k, math, search: keep only the first N items per file")
     search = prep.add_argument_group("search")
     search.add_argument("--synthetic", type=int, default=None, metavar="N", help="search: generate N questions and their corpus (with --seed)")
     search.add_argument("--question-field", default="question", help="question column (default: question)")
-    search.add_argument("--answer-field", default="answer", help="answer column: a string or a list of strings (default: answer)")
+    search.add_argument("--answer-field", default="answer", help="answer column: a string or a list of strings (default: golden_answers when a row has it, else answer)")
     search.add_argument("--contents-field", default="contents", help="corpus passage column (default: contents)")
     search.add_argument("--title-field", default="title", help="corpus title column, used with --text-field when a row has no contents (default: title)")
     search.add_argument("--text-field", default="text", help="corpus text column (default: text)")
@@ -52,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     search.add_argument("--top-k", type=int, default=3, help="passages per search (default: 3)")
     search.add_argument("--max-observation-chars", type=int, default=1500, help="characters of passages per search (default: 1500)")
     search.add_argument("--chunk-mb", type=int, default=64, help="size of the index's bucket objects in MiB (default: 64)")
+    search.add_argument("--bm25", choices=sorted(PRESETS), default="default", help="BM25 preset: default (Snowball English stemming, k1 1.5, b 0.75) or search-r1 (Porter stemming, k1 0.9, b 0.4, as Search-R1's pyserini)")
+    search.add_argument("--k1", type=float, default=None, help="BM25 k1 (default: the preset's)")
+    search.add_argument("--b", type=float, default=None, help="BM25 b (default: the preset's)")
     prep.set_defaults(handler=_prepare)
 
 
@@ -60,8 +71,9 @@ async def _put(url: str, run: str, task: str, objects: dict[str, bytes]) -> list
         return await put_task_objects(store, run, task, objects)
 
 
-def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, ...]], list[str], dict[str, Any]]:
-    """(items per split, passages, task meta) of `prepare search` (pure but for reading files)."""
+def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, ...]], Iterable[str], dict[str, Any]]:
+    """(items per split, passages, task meta) of `prepare search`; the passages of a corpus file
+    are a stream, read once by the index build."""
     meta: dict[str, Any] = {"match": args.match, "top_k": args.top_k, "max_observation_chars": args.max_observation_chars}
     if args.synthetic is not None:
         if args.files:
@@ -77,6 +89,7 @@ def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, .
     columns = Columns(
         question=args.question_field,
         answer=args.answer_field,
+        golden_answers="golden_answers" if args.answer_field == "answer" else None,
         contents=args.contents_field,
         title=args.title_field,
         text=args.text_field,
@@ -85,20 +98,41 @@ def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, .
     if len(splits) != len(qa_files):
         raise ValueError("two question files would give the same split name")
     meta["source"] = {"questions": [p.name for p in qa_files], "corpus": corpus_file.name}
-    return splits, load_corpus(corpus_file, columns=columns), meta
+    if not corpus_file.is_file():
+        raise ValueError(f"{corpus_file}: no such corpus file")
+    return splits, iter_corpus(corpus_file, columns=columns), meta
+
+
+def bm25_settings(args: argparse.Namespace) -> Bm25Settings:
+    """The preset of --bm25 with --k1 / --b applied."""
+    base = PRESETS[args.bm25]
+    return dataclasses.replace(base, k1=base.k1 if args.k1 is None else args.k1, b=base.b if args.b is None else args.b)
 
 
 async def _put_search(url: str, run: str, args: argparse.Namespace) -> tuple[dict[str, bytes], list[str]]:
-    from slime_stoa.tasks.search.prepare import prepare_search  # bm25s: only for this command
+    from slime_stoa.tasks.search.prepare import prepare_search  # PyStemmer: only for this command
+    from slime_stoa.tasks.search.progress import passage_meter
 
     splits, passages, meta = search_inputs(args)
+    settings = bm25_settings(args)
     if not 1 <= args.chunk_mb <= 512:
         raise ValueError("--chunk-mb must be 1..512")
+    total = len(passages) if isinstance(passages, Sized) else None
     async with open_store(url) as store:
-        prepared = await prepare_search(store, run, splits, passages, meta=meta, chunk_bytes=args.chunk_mb << 20)
+        with passage_meter(total=total) as advance:
+            prepared = await prepare_search(store, run, splits, passages, meta=meta, chunk_bytes=args.chunk_mb << 20,
+                                            settings=settings, on_passages=advance)
         keys = await put_task_objects(store, run, "search", dict(prepared.objects))
     print(f"index: {prepared.passages:,} passages, manifest {RunLayout(run).task_index_file('search', 'manifest.json')} (sha256 {prepared.manifest_sha256[:16]}...)")
     return dict(prepared.objects), keys
+
+
+def read_task_files(args: argparse.Namespace) -> dict[str, bytes]:
+    """{split: task data} of `prepare gsm8k|math|synthetic`, with progress over the files read (stderr)."""
+    console = cli_console() if args.files else None  # synthetic: generated, nothing to read
+    with StepMeter(console, f"task prepare {args.task}", len(args.files), unit="file") as meter:
+        return task_objects(args.task, args.files, split=args.split, count=args.count, seed=args.seed,
+                            limit=args.limit, on_file=meter.update)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -107,7 +141,7 @@ def _prepare(args: argparse.Namespace) -> int:
         if args.task == "search":
             objects, keys = asyncio.run(_put_search(url, run, args))
         else:
-            objects = task_objects(args.task, args.files, split=args.split, count=args.count, seed=args.seed, limit=args.limit)
+            objects = read_task_files(args)
             keys = asyncio.run(_put(url, run, args.task, objects))
     except OSError as exc:
         print(f"error: {os_error_text(exc)}", file=sys.stderr)

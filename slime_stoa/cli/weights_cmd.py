@@ -32,6 +32,7 @@ from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import PublicKey, read_key_file
 from slime_stoa.protocol.store import GetResult, NotFound, ObjectInfo, Store, StoreError, open_store
 from slime_stoa.protocol.store.base import Payload
+from slime_stoa.quickstart.meter import StepMeter, cli_console
 
 from .common import add_run_options, human_bytes, os_error_text, require_run_options
 
@@ -65,6 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_options(export)
     export.add_argument("--version", type=int, default=None, help="version (default: current)")
     export.add_argument("out_dir", type=Path, help="folder to write")
+    export.add_argument("--quiet", action="store_true", help="show no progress (stderr: rebuild, model files, write)")
     _add_run_key(export)
     export.set_defaults(handler=_sync(export_version))
 
@@ -283,16 +285,21 @@ async def export_version(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     async with open_store(url) as store:
         trust = await run_trust(store, run, args.run_key)
-        try:
-            rebuilt = await rebuild(store, run, args.version, trust=trust)
-        except HistoryError as exc:
-            if isinstance(exc, NotPublished):
-                raise
-            raise HistoryError(f"{exc}; {await exportable_versions(store, run)}") from None
-        anchor = await read_anchor_manifest(store, rebuilt.manifest.anchor.manifest, trust=trust)
-        with tempfile.TemporaryDirectory() as tmp:
-            await download_extras(store, anchor, Path(tmp))
-            out = save_hf_folder(rebuilt.state, args.out_dir, source_dir=Path(tmp))
+        # phases: rebuild the version, download the anchor's model files, write the folder
+        with StepMeter(cli_console(args.quiet), "weights export", 3, unit="phase") as meter:
+            try:
+                rebuilt = await rebuild(store, run, args.version, trust=trust)
+            except HistoryError as exc:
+                if isinstance(exc, NotPublished):
+                    raise
+                raise HistoryError(f"{exc}; {await exportable_versions(store, run)}") from None
+            meter.advance()
+            anchor = await read_anchor_manifest(store, rebuilt.manifest.anchor.manifest, trust=trust)
+            with tempfile.TemporaryDirectory() as tmp:
+                await download_extras(store, anchor, Path(tmp))
+                meter.advance()
+                out = save_hf_folder(rebuilt.state, args.out_dir, source_dir=Path(tmp))
+                meter.advance()
     print(f"exported v{rebuilt.manifest.version} (digest {rebuilt.manifest.state_digest}) to {out}")
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from slime_stoa.protocol.eval_request import EvalRequest, EvalRequestError, get_request, parse_request
@@ -90,15 +91,19 @@ async def await_answers(
     poll_s: float = 2.0,
     narrow_s: float = 10.0,
     clock=time.monotonic,
+    on_progress: Callable[[int], None] | None = None,
 ) -> EvalCollector:
     """Poll until every prompt has k samples; the request is narrowed to the missing prompts
-    every `narrow_s` and closed at the end. EvalTimeout after `timeout_s` (None: no limit)."""
+    every `narrow_s` and closed at the end. EvalTimeout after `timeout_s` (None: no limit).
+    `on_progress(done)` after each poll: the prompts that have their k samples."""
     store, posted = collector.store, collector.request
     started = last_narrow = clock()
     open_prompts = posted.prompts
     while True:
         await collector.poll()
         missing = collector.missing()
+        if on_progress is not None:
+            on_progress(len(collector.request.prompts) - len(missing))
         now = clock()
         if missing != open_prompts and (not missing or now - last_narrow >= narrow_s):
             posted = replace(posted, prompts=missing, revision=posted.revision + 1)

@@ -17,7 +17,7 @@ Logprobs are not kept: eval scores text. Torch and transformers are the trainer 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,8 +159,11 @@ class _Sampler:
                 return action
         raise RuntimeError("generate ended a sample its episode did not end (stopping rules out of step)")
 
-    async def run(self, prompts: Sequence[Sequence[int]], k: int) -> list[list[HfCompletion]]:
+    async def run(
+        self, prompts: Sequence[Sequence[int]], k: int, on_group: Callable[[int], None] | None = None,
+    ) -> list[list[HfCompletion]]:
         episodes = [[self.new_episode() for _ in range(k)] for _ in prompts]
+        finished = 0
         active = [(p, ep) for p, group in enumerate(episodes) for ep in group]
         while active:
             calls = []
@@ -171,8 +174,14 @@ class _Sampler:
                 for (p, ep), new in zip(chunk, news, strict=True):
                     if self.feed(ep, new) in ("call", "invalid"):
                         calls.append((p, ep))
+                if on_group is not None and (now := _finished_groups(episodes)) > finished:
+                    finished = now
+                    on_group(finished)
             await asyncio.gather(*(self._answer(ep) for _, ep in calls))
             active = [(p, ep) for p, ep in calls if ep.finish is None]
+            if on_group is not None and (now := _finished_groups(episodes)) > finished:
+                finished = now
+                on_group(finished)
         return [[self._completion(ep) for ep in group] for group in episodes]
 
     async def _answer(self, ep: Episode) -> None:
@@ -197,14 +206,19 @@ class _Sampler:
 async def hf_answer_prompts(
     model: Any, tokenizer: Any, task: Task, prompts: Sequence[Sequence[int]], *, temperature: float,
     max_tokens: int, k: int, stop: tuple[str, ...], seed: int | None = None, tool: Tool | None = None,
-    max_batch: int = DEFAULT_MAX_BATCH,
+    max_batch: int = DEFAULT_MAX_BATCH, on_group: Callable[[int], None] | None = None,
 ) -> list[list[HfCompletion]]:
-    """k samples per prompt (token ids), in prompt order; a tool task needs its `tool`."""
+    """k samples per prompt (token ids), in prompt order; a tool task needs its `tool`.
+    `on_group(n)` as prompts' groups finish (`n` finished so far)."""
     if task.tool_format is not None and tool is None:
         raise ValueError(f"task {task.name!r} uses a tool: give one to answer its calls")
     sampler = _Sampler(model, tokenizer, task, temperature=temperature, max_tokens=max_tokens, stop=stop,
                        seed=seed, tool=tool, max_batch=max_batch)
-    return await sampler.run(prompts, k)
+    return await sampler.run(prompts, k, on_group)
+
+
+def _finished_groups(episodes: Sequence[Sequence[Episode]]) -> int:
+    return sum(all(ep.finish is not None for ep in group) for group in episodes)
 
 
 __all__ = ["DEFAULT_MAX_BATCH", "HfCompletion", "default_device", "eos_ids", "hf_answer_prompts", "load_hf_model"]

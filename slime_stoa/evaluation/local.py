@@ -18,7 +18,7 @@ import contextlib
 import json
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +42,7 @@ ENGINES: tuple[Engine, ...] = ("mlx", "transformers")
 
 MLX_SAMPLER = ("-m", "macd.eval_process")  # the mlx engine's process: `sys.executable -m macd.eval_process`
 MAX_LINE = 64 << 20  # the longest tool-call line read from it
+PROGRESS_PREFIX = "stoa-eval-progress "  # its --progress lines on stderr: the prefix, "DONE/TOTAL" prompts
 
 
 class EngineFailed(ChildProcessError):
@@ -61,9 +62,11 @@ async def local_eval(
     store: Store, manifest: RunManifest, *, version: int, split: str, k: int, n_prompts: int | None,
     max_tokens: int, temperature: float, work_dir: Path, threshold: float, seed: int | None = None,
     trust: RunTrust | None = None, engine: Engine = "mlx", device: str | None = None,
+    on_start: Callable[[int], None] | None = None, on_group: Callable[[int], None] | None = None,
 ) -> VersionResult:
     """k samples for each of the split's first `n_prompts` prompts (None: all) from `version`,
-    sampled by `engine` (`device`: the transformers engine's torch device, default a GPU if any)."""
+    sampled by `engine` (`device`: the transformers engine's torch device, default a GPU if any).
+    `on_start(n)` when sampling `n` prompts starts, `on_group(done)` as their groups finish."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     task = await read_split(store, manifest, split)
@@ -76,9 +79,11 @@ async def local_eval(
     tool = None
     if task.tool_format is not None:
         tool = tool_for(task, ToolContext(run=manifest.run, store=store, data_dir=work_dir))
+    if on_start is not None:
+        on_start(len(items))
     groups = await _sample(
         engine, folder, task, items, k=k, temperature=temperature, max_tokens=max_tokens, stop=manifest.stop,
-        seed=seed, tool=tool, work_dir=work_dir, device=device,
+        seed=seed, tool=tool, work_dir=work_dir, device=device, on_group=on_group,
     )
     results = tuple(
         PromptResult(
@@ -95,6 +100,7 @@ async def local_eval(
 async def _sample(
     engine: Engine, folder: Path, task: Task, items: Sequence[TaskItem], *, k: int, temperature: float,
     max_tokens: int, stop: tuple[str, ...], seed: int | None, tool: Tool | None, work_dir: Path, device: str | None,
+    on_group: Callable[[int], None] | None = None,
 ) -> Sequence[Sequence[Any]]:
     """k completions per item, in item order (`text`, `finish_reason`, `tool_calls` each)."""
     if engine == "transformers":
@@ -104,47 +110,48 @@ async def _sample(
         prompts = [prompt_tokens(tokenizer, task, item) for item in items]
         return await hf_answer_prompts(
             model, tokenizer, task, prompts, temperature=temperature, max_tokens=max_tokens, k=k,
-            stop=stop, seed=seed, tool=tool,
+            stop=stop, seed=seed, tool=tool, on_group=on_group,
         )
     return await mlx_sample(
         folder, task, n_prompts=len(items), k=k, temperature=temperature, max_tokens=max_tokens,
-        stop=stop, seed=seed, tool=tool, work_dir=work_dir,
+        stop=stop, seed=seed, tool=tool, work_dir=work_dir, on_group=on_group,
     )
 
 
 def mlx_command(
     folder: Path, task_file: Path, out_file: Path, *, n_prompts: int, k: int, temperature: float, max_tokens: int,
-    stop: tuple[str, ...], seed: int | None, tool: bool,
+    stop: tuple[str, ...], seed: int | None, tool: bool, progress: bool = False,
 ) -> list[str]:
     """The command line of the mlx engine's process (`macd.eval_process.build_parser`)."""
     return [
         sys.executable, *MLX_SAMPLER, "--model", str(folder), "--task", str(task_file), "--prompts", str(n_prompts),
         "--k", str(k), "--max-tokens", str(max_tokens), "--temperature", repr(float(temperature)),
         *(f"--stop={s}" for s in stop), *(() if seed is None else ("--seed", str(seed))),
-        *(("--tool-stdio",) if tool else ()), "--out", str(out_file),
+        *(("--tool-stdio",) if tool else ()), *(("--progress",) if progress else ()), "--out", str(out_file),
     ]
 
 
 async def mlx_sample(
     folder: Path, task: Task, *, n_prompts: int, k: int, temperature: float, max_tokens: int,
     stop: tuple[str, ...], seed: int | None, tool: Tool | None, work_dir: Path,
+    on_group: Callable[[int], None] | None = None,
 ) -> list[list[Sampled]]:
     """k completions for each of `task`'s first `n_prompts` prompts from the model `folder`,
-    sampled by ``python -m macd.eval_process`` (its tool calls answered here by `tool`); EngineFailed
-    when the process fails."""
+    sampled by ``python -m macd.eval_process`` (its tool calls answered here by `tool`; `on_group`
+    told of its progress lines); EngineFailed when the process fails."""
     work_dir.mkdir(parents=True, exist_ok=True)
     task_file, out_file = work_dir / "eval-task.data", work_dir / "eval-completions.json"
     await asyncio.to_thread(task_file.write_bytes, task.encode())
     out_file.unlink(missing_ok=True)
     cmd = mlx_command(folder, task_file, out_file, n_prompts=n_prompts, k=k, temperature=temperature,
-                      max_tokens=max_tokens, stop=stop, seed=seed, tool=tool is not None)
+                      max_tokens=max_tokens, stop=stop, seed=seed, tool=tool is not None, progress=on_group is not None)
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdin=asyncio.subprocess.PIPE if tool is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=MAX_LINE,
     )
     stderr_tail: deque[str] = deque(maxlen=20)
     try:
-        await asyncio.gather(_answer_tool_calls(proc, tool), _keep_tail(proc.stderr, stderr_tail))
+        await asyncio.gather(_answer_tool_calls(proc, tool), _keep_tail(proc.stderr, stderr_tail, on_group))
         code = await proc.wait()
     finally:
         if proc.returncode is None:  # cancelled, or a bad line from it
@@ -199,10 +206,26 @@ async def _answer_tool_calls(proc: asyncio.subprocess.Process, tool: Tool | None
             proc.stdin.close()
 
 
-async def _keep_tail(stream: asyncio.StreamReader | None, tail: deque[str]) -> None:
+async def _keep_tail(
+    stream: asyncio.StreamReader | None, tail: deque[str], on_group: Callable[[int], None] | None = None,
+) -> None:
+    """Keep the stream's last lines in `tail`, its progress lines told to `on_group` instead."""
     assert stream is not None
     while line := await stream.readline():
-        tail.append(line.decode(errors="replace").rstrip())
+        text = line.decode(errors="replace").rstrip()
+        done = parse_progress(text)
+        if done is None:
+            tail.append(text)
+        elif on_group is not None:
+            on_group(done[0])
+
+
+def parse_progress(line: str) -> tuple[int, int] | None:
+    """(done, total) prompts of a progress line of the mlx engine's process; None for any other line."""
+    if not line.startswith(PROGRESS_PREFIX):
+        return None
+    done, sep, total = line[len(PROGRESS_PREFIX):].partition("/")
+    return (int(done), int(total)) if sep and done.isdigit() and total.isdigit() else None
 
 
 def _last_line(lines: deque[str]) -> str:

@@ -5,8 +5,9 @@ finds it unchanged is one conditional GET). It is read again when a record names
 not hold (the worker may have been added since) and at least every `refresh_s` seconds (so a
 revocation reaches records not yet consumed). A registry that does not verify, or an older one
 than the last read or than `floor` (a lower serial: a signed copy from before a revocation, put
-back; the floor is the serial saved with the consumer state, so this holds across restarts), is
-reported and ignored: the last good one stays.
+back; the floor is the serial saved with the consumer state or its signed head, so this holds
+across restarts), is reported (an old copy once per serial while it stands) and ignored: the last
+good one stays.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Signers:
         self.registry = Registry(run=run)
         self.floor = 0  # no registry with a lower serial is accepted (the saved state's)
         self._etag: str | None = None
+        self._rollback_logged: int | None = None  # the serial of the old copy last reported
         self._read_started = -float("inf")
         self._lock = asyncio.Lock()
 
@@ -90,8 +92,10 @@ class Signers:
                 return "unchanged"
             newest = max(self.registry.serial, self.floor)
             if read.registry.serial < newest:
-                log.error(
-                    "stoa: ignoring the worker registry of run %r: serial %d is older than the %d already read "
+                level = logging.ERROR if read.registry.serial != self._rollback_logged else logging.DEBUG
+                self._rollback_logged = read.registry.serial  # said once per serial while it stands
+                log.log(
+                    level, "stoa: ignoring the worker registry of run %r: serial %d is older than the %d already read "
                     "(an old copy put back?)", self.run, read.registry.serial, newest,
                 )
                 return "rollback"

@@ -14,6 +14,13 @@
     runs/<run>/tasks/<task>/index/<file>              search index chunks, manifest.json last
     runs/<run>/trainer/<name>                         trainer state (cursors, ledgers)
     runs/<run>/eval-requests/<v>-<split>.json         eval request (trainer-written, `eval_request`)
+    runs/<run>/planes/<plane>/current.json            a quantized plane's pointer (`RunLayout(run, plane)`)
+    runs/<run>/planes/<plane>/{anchors,versions,patches}/...   its anchors, manifests and patches
+
+A quantized plane (`QUANT_PLANES`: "int8", "int4"; `pulse.plane`) is published beside the bf16
+weights under its own folder, with the same names inside it as the bf16 weights have under the
+run's root: `RunLayout(run, plane)` builds and parses the keys of that plane only, so a key of
+another plane (or of the bf16 weights) never parses as one of it.
 
 `<v>` is the version zero-padded to 12 digits, `<a>` the publish attempt (8 hex digits, fresh
 for every publish call) and `<ts>` a 13-digit millisecond timestamp, so listing order is version
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _WORKER = re.compile(r"[a-z0-9][a-z0-9-]{0,47}")
@@ -49,6 +57,9 @@ _DEVICE = re.compile(r"(con|prn|aux|nul|com[0-9]|lpt[0-9])(\..*)?", re.IGNORECAS
 VERSION_DIGITS = 12
 SEQ_DIGITS = 10
 ROLLOUT_KINDS = {"train": "rollouts", "eval": "evals"}
+#: The quantized weight planes a run may publish beside its bf16 weights (MLX affine, `pulse.plane`).
+QuantPlane = Literal["int8", "int4"]
+QUANT_PLANES: tuple[QuantPlane, ...] = get_args(QuantPlane)
 
 # Every pattern above is matched with `fullmatch`: `re.match` with `$` also accepts a name that ends
 # with a newline ("run\n"), which a key, a path or a log line must never carry.
@@ -83,6 +94,14 @@ def check_worker_id(worker: str) -> str:
             f"starting with a letter or digit (not a device name such as 'con' or 'nul')"
         )
     return worker
+
+
+def check_plane(plane: object) -> QuantPlane:
+    """`plane` if it names a quantized plane (`QUANT_PLANES`); ValueError otherwise."""
+    for known in QUANT_PLANES:
+        if plane == known and isinstance(plane, str):
+            return known
+    raise ValueError(f"quantized plane must be one of {QUANT_PLANES}, got {plane!r:.80}")
 
 
 def _is_name(name: str) -> bool:
@@ -127,14 +146,34 @@ class RolloutKey:
 
 @dataclass(frozen=True, slots=True)
 class RunLayout:
+    """The keys of run `run`; its weight keys (pointer, anchors, version manifests, patches) are
+    those of the bf16 weights, or with `plane` those of that quantized plane."""
+
     run: str
+    plane: QuantPlane | None = None
 
     def __post_init__(self) -> None:
         check_name("run", self.run)
+        if self.plane is not None:
+            check_plane(self.plane)
 
     @property
     def root(self) -> str:
         return f"runs/{self.run}/"
+
+    @property
+    def planes_prefix(self) -> str:
+        """The folder of every quantized plane of the run."""
+        return f"{self.root}planes/"
+
+    @property
+    def weights_root(self) -> str:
+        """The folder of this layout's weights: the run's root (bf16) or its plane's folder."""
+        return self.root if self.plane is None else f"{self.planes_prefix}{self.plane}/"
+
+    def on_plane(self, plane: QuantPlane | None) -> RunLayout:
+        """The layout of the same run's `plane` (None: its bf16 weights)."""
+        return RunLayout(self.run, plane)
 
     # -- run and weights ---------------------------------------------------------------------
     @property
@@ -143,7 +182,7 @@ class RunLayout:
 
     @property
     def pointer(self) -> str:
-        return f"{self.root}current.json"
+        return f"{self.weights_root}current.json"
 
     def key_rotation(self, seq: int) -> str:
         """Run key rotation `seq` (1, 2, ...), signed by the key before it (`run_trust`)."""
@@ -153,7 +192,7 @@ class RunLayout:
 
     @property
     def anchors_prefix(self) -> str:
-        return f"{self.root}anchors/"
+        return f"{self.weights_root}anchors/"
 
     def anchor_prefix(self, version: int, attempt: str) -> str:
         return f"{self.anchors_prefix}{versioned(version, attempt)}/"
@@ -166,7 +205,7 @@ class RunLayout:
 
     @property
     def versions_prefix(self) -> str:
-        return f"{self.root}versions/"
+        return f"{self.weights_root}versions/"
 
     def version_manifest(self, version: int, attempt: str) -> str:
         return f"{self.versions_prefix}{versioned(version, attempt)}.json"
@@ -177,7 +216,7 @@ class RunLayout:
 
     @property
     def patches_prefix(self) -> str:
-        return f"{self.root}patches/"
+        return f"{self.weights_root}patches/"
 
     def patch(self, version: int, attempt: str, kind: str, base: int) -> str:
         if kind not in ("step", "catchup"):

@@ -67,6 +67,8 @@ DEFAULT_MAX_RECORD_BYTES = 32 * 1024 * 1024  # cap on the object and on its deco
 _MAX_WINDOW = 1 << 27  # zstd's own default limit, checked before the decompressor sees the frame
 
 KINDS = ("train", "eval")
+#: The weight planes a worker samples with (`RolloutGroup.plane`).
+PLANES = ("bf16", "int8", "int4")
 FINISH_REASONS = ("stop", "length")
 #: v2 adds "turns": the episode's last allowed model turn called a tool (the tool was not run).
 FINISH_REASONS_V2 = (*FINISH_REASONS, "turns")
@@ -294,8 +296,11 @@ class RolloutGroup:
     seq: int  # sequence number of this record within the worker
     started_at: float  # seconds since the epoch
     finished_at: float  # seconds since the epoch
+    plane: str = "bf16"  # the weight plane sampled with (`PLANES`); on the wire only when not bf16
 
     def __post_init__(self) -> None:
+        if self.plane not in PLANES:
+            raise ValueError(f"plane must be one of {PLANES}, got {self.plane!r}")
         for name in ("schema_version", "prompt_index", "weight_version", "seq"):
             object.__setattr__(self, name, _check_int(getattr(self, name), name))
         for name in ("kind", "run", "task_id", "state_digest", "worker_id"):
@@ -360,26 +365,45 @@ def _tuple_codec(item: _Codec) -> _Codec:
 
 
 def _struct_codec(
-    cls: type, *, only: tuple[str, ...] | None = None, nested: dict[str, _Codec] | None = None, tag: str = ""
+    cls: type, *, only: tuple[str, ...] | None = None, nested: dict[str, _Codec] | None = None, tag: str = "",
+    optional: tuple[str, ...] = (),
 ) -> _Codec:
     """The codec of dataclass `cls`: its fields in order (`only`: just those), each by its type
-    hint unless `nested` gives its codec."""
+    hint unless `nested` gives its codec. `optional` fields (last, with defaults) travel only
+    when they differ from their default, so a record that leaves them at it encodes as before."""
     hints = get_type_hints(cls, include_extras=True)
     nested = nested or {}
+    defaults = {f.name: f.default for f in fields(cls)}
     names = [f.name for f in fields(cls) if only is None or f.name in only]
     parts = [(name, nested[name] if name in nested else _codec(hints[name])) for name in names]
     wire = msgspec.defstruct(
-        f"_Wire{cls.__name__}{tag}", [(name, c.wire) for name, c in parts], forbid_unknown_fields=True
+        f"_Wire{cls.__name__}{tag}",
+        [(name, c.wire, defaults[name]) if name in optional else (name, c.wire) for name, c in parts],
+        forbid_unknown_fields=True, omit_defaults=bool(optional),
     )
 
     def to_wire(obj: Any) -> Any:
-        return wire(*[c.to_wire(getattr(obj, name)) for name, c in parts])
+        return wire(*[c.to_wire(_as_default(getattr(obj, name), defaults[name], name in optional)) for name, c in parts])
 
     def from_wire(w: Any, where: str) -> Any:
         prefix = f"{where}." if where else ""
         return cls(**{name: c.from_wire(getattr(w, name), prefix + name) for name, c in parts})
 
     return _Codec(wire, to_wire, from_wire)
+
+
+def _as_default(value: Any, default: Any, optional: bool) -> Any:
+    """An optional field's value, its default object itself when equal to it: msgspec omits a
+    default by identity, and a value equal to it must not travel either (one byte form)."""
+    return default if optional and value == default else value
+
+
+def _canonical_wire(wire: Any) -> Any:
+    """A decoded group's wire struct with an optional field that spelled out its default put back
+    to the default object, so the canonical check refuses it (the field must be omitted)."""
+    if getattr(wire, "plane", None) == _PLANE_DEFAULT:
+        return msgspec.structs.replace(wire, plane=_PLANE_DEFAULT)
+    return wire
 
 
 def _codec(hint: Any) -> _Codec:
@@ -408,8 +432,8 @@ V1_SAMPLE_FIELDS = ("response_tokens", "logprobs", "finish_reason", "reward")
 _SAMPLE_V1 = _struct_codec(Sample, only=V1_SAMPLE_FIELDS, tag="V1")
 _SAMPLE_V2 = _struct_codec(Sample, nested={"mask": _array_codec(_MASK_WIRE)}, tag="V2")
 _GROUPS = {
-    SCHEMA_V1: _struct_codec(RolloutGroup, nested={"samples": _tuple_codec(_SAMPLE_V1)}, tag="V1"),
-    SCHEMA_V2: _struct_codec(RolloutGroup, nested={"samples": _tuple_codec(_SAMPLE_V2)}, tag="V2"),
+    SCHEMA_V1: _struct_codec(RolloutGroup, nested={"samples": _tuple_codec(_SAMPLE_V1)}, tag="V1", optional=("plane",)),
+    SCHEMA_V2: _struct_codec(RolloutGroup, nested={"samples": _tuple_codec(_SAMPLE_V2)}, tag="V2", optional=("plane",)),
 }
 
 
@@ -419,6 +443,7 @@ def _layout(version: int | None) -> int:
     return SCHEMA_V2 if version == SCHEMA_V2 else SCHEMA_V1
 
 
+_PLANE_DEFAULT = next(f.default for f in fields(RolloutGroup) if f.name == "plane")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {v: msgspec.msgpack.Decoder(c.wire) for v, c in _GROUPS.items()}
 
@@ -618,7 +643,7 @@ def decode_payload(payload: bytes, *, max_samples: int | None = None) -> Rollout
     if max_samples is not None and len(wire.samples) > max_samples:
         # Checked before building arrays: a payload of empty samples inflates ~4x when built.
         raise RecordError("group_size", f"{len(wire.samples)} samples, limit {max_samples}")
-    if _ENCODER.encode(wire) != payload:
+    if _ENCODER.encode(_canonical_wire(wire)) != payload:
         raise RecordError(
             "msgpack",
             "not the canonical encoding of its fields (a duplicate or reordered key, an int for a "

@@ -216,6 +216,15 @@ def find_worker(registry: Registry, worker: str) -> WorkerEntry:
     raise ValueError(f"no worker {worker!r} in the registry of run {registry.run!r}")
 
 
+def revocation(registry: Registry, worker: str, key_id: str) -> WorkerEntry | None:
+    """The revoked entry that stops `worker` signing with key `key_id` (its worker id's, or the
+    key's), or None while neither is revoked."""
+    for entry in (registry.workers.get(worker), registry.by_key_id(key_id)):
+        if entry is not None and entry.revoked:
+            return entry
+    return None
+
+
 def revoke_worker(registry: Registry, worker: str, *, now: float) -> Registry:
     """Revoke the key of `worker` (id or name); ValueError if unknown or already revoked."""
     entry = find_worker(registry, worker)
@@ -256,6 +265,19 @@ async def read_registry(
     if result is None:
         return None
     return RegistryRead(load_registry(result.data, run=run, run_key=run_key), result.etag)
+
+
+async def read_run_registry(store: Store, run: str, run_key: PublicKey) -> Registry:
+    """The registry of a signed run whose first run key is `run_key`, verified with it or a key its
+    rotations name (read first). RegistryError or `run_trust.Untrusted` when it does not check,
+    StoreError when the store cannot be read."""
+    from .run_trust import RunTrust, load_rotations
+
+    trust = RunTrust(run, run_key)
+    await load_rotations(store, trust)
+    read = await read_registry(store, run, trust.keys)
+    assert read is not None  # no if_none_match: a read always returns the registry
+    return read.registry
 
 
 async def update_registry(

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, get_args
 
-from .layout import RunLayout, check_name
+from .layout import QUANT_PLANES, QuantPlane, RunLayout, check_name
 from .signing import SIGNATURE_FIELD, PublicKey, SignatureError, SigningKey, sign_document, verify_document
 from .store import NotFound, Store
 from .store.capped import TooLarge, read_capped_bytes
@@ -29,8 +29,10 @@ from .strict_json import load_json
 log = logging.getLogger("stoa.run")
 
 FORMAT = "stoa.run/1"
-#: What workers serve: bf16 weights, or MLX int8 (affine, group size 64) made from them.
-Plane = Literal["bf16", "int8"]
+#: What workers serve: bf16 weights, or MLX affine int8 / 4-bit (group size 64) made from them.
+#: A quantized plane the run publishes (`planes`) is downloaded and held alone; a worker on int8
+#: of a run that publishes no int8 plane quantizes the bf16 weights itself (keeping them too).
+Plane = Literal["bf16", "int8", "int4"]
 PLANES: tuple[Plane, ...] = get_args(Plane)
 MAX_MODEL_CHARS = 512
 MAX_STOP = 16  # the trainer's RecordLimits.max_stop_sequences default
@@ -53,7 +55,8 @@ class RunManifest:
     model: str  # model reference for people (HF id or path); weights come from the anchors
     task: str  # task name (see slime_stoa.tasks); its data lives under runs/<run>/tasks/<task>/
     task_split: str = "train"  # which task file workers draw prompts from
-    plane: Plane = "bf16"  # what workers serve: "bf16", or "int8" (MLX affine, group size 64)
+    plane: Plane = "bf16"  # what workers serve by default: "bf16", "int8" or "int4" (MLX affine, group size 64)
+    planes: tuple[QuantPlane, ...] = ()  # quantized planes the trainer publishes beside bf16 (`layout.QUANT_PLANES`)
     temperature: float = 1.0  # sampling temperature; the trainer's --rollout-temperature must match
     top_p: float = 1.0  # always 1: the trainer recomputes sampled-token logprobs exactly
     max_tokens: int = 512  # longest response
@@ -86,6 +89,14 @@ class RunManifest:
             raise ValueError(f"model must be 1-{MAX_MODEL_CHARS} printable characters, got {self.model!r:.80}")
         if not isinstance(self.plane, str) or self.plane not in PLANES:
             raise ValueError(f"plane must be one of {PLANES}, got {self.plane!r}")
+        if (
+            not isinstance(self.planes, tuple)
+            or not all(isinstance(p, str) and p in QUANT_PLANES for p in self.planes)
+            or len(set(self.planes)) != len(self.planes)
+        ):
+            raise ValueError(f"planes must be distinct names of {QUANT_PLANES}, got {self.planes!r:.80}")
+        if self.plane == "int4" and "int4" not in self.planes:
+            raise ValueError("plane int4 needs the int4 plane published (planes): workers quantize only int8 themselves")
         for name in ("temperature", "top_p", "created_at"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -130,6 +141,8 @@ class RunManifest:
         doc = {"format": FORMAT, **asdict(self)}
         if self.run_key is None:
             del doc["run_key"]  # unsigned runs keep the bytes older readers know
+        if not self.planes:
+            del doc["planes"]  # likewise runs that publish no quantized plane
         if key is not None:
             if self.run_key != key.public.to_text():
                 raise ValueError(f"key {key.key_id} is not this run's run_key")
@@ -157,8 +170,9 @@ class RunManifest:
         unknown = set(doc) - known
         if unknown:
             raise ValueError(f"run manifest has unknown fields {sorted(unknown)} (written by a newer stoa?)")
-        if isinstance(doc.get("stop"), list):
-            doc["stop"] = tuple(doc["stop"])
+        for name in ("stop", "planes"):
+            if isinstance(doc.get(name), list):
+                doc[name] = tuple(doc[name])
         try:
             return cls(**doc)
         except TypeError as exc:
@@ -167,6 +181,10 @@ class RunManifest:
     @property
     def layout(self) -> RunLayout:
         return RunLayout(self.run)
+
+    def offers(self, plane: str) -> bool:
+        """Whether the trainer publishes quantized `plane` (a worker on it holds that plane alone)."""
+        return plane in self.planes
 
 
 class RunNotFound(LookupError, ValueError):

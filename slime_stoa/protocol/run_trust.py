@@ -48,6 +48,11 @@ class Untrusted(ValueError):
         self.key = key
 
 
+class RunKeyRefused(Untrusted):
+    """A reader refuses the run manifest: it is unsigned, or signed by another key, while the
+    reader pinned a run key or holds a worker key (a downgrade or a re-keyed run)."""
+
+
 class ContentMismatch(Untrusted):
     """A patch object or anchor file's bytes do not hash to what its signed manifest says."""
 
@@ -139,6 +144,32 @@ class RunTrust:
             raise Untrusted(f"{where}: key {key.key_id} was already a run key", where)
         self._epochs.append(_Epoch(key, after))
         return key
+
+
+def run_key_refusal(run: str, found: str | None, expected: str | None, *, holds_worker_key: bool) -> str | None:
+    """Why a reader refuses a run manifest carrying run key `found` (None: unsigned), or None to
+    accept it. `expected`: the run key the reader pinned (at `macd join`, or the first one it
+    trusted); `holds_worker_key`: the reader signs records, so the run it joined is signed."""
+    if expected is not None:
+        if found == expected:
+            return None
+        pinned = PublicKey.from_text(expected).key_id
+        if found is None:
+            return f"run {run!r}: run.json is unsigned, this worker pinned run key {pinned}: refusing a downgraded run"
+        return (
+            f"run {run!r}: run.json names run key {_key_id(found)}, this worker pinned {pinned}: refusing a re-keyed "
+            f"run (if the run was re-created on purpose, join it again with its new run key)"
+        )
+    if found is None and holds_worker_key:
+        return f"run {run!r}: run.json is unsigned but this worker holds a worker key (a signed run's): refusing a downgraded run"
+    return None
+
+
+def _key_id(text: str) -> str:
+    try:
+        return PublicKey.from_text(text).key_id
+    except ValueError:
+        return "(malformed)"
 
 
 def rotation_document(run: str, seq: int, new: PublicKey, from_version: int, old: SigningKey) -> dict[str, Any]:

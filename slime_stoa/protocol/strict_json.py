@@ -10,6 +10,7 @@ bytes themselves are bounded earlier, as they are read (`store.capped.read_cappe
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -19,6 +20,9 @@ import numpy as np
 MAX_JSON_BYTES = 64 << 20
 #: Deepest nesting accepted (stoa's documents nest at most 5 levels).
 MAX_JSON_DEPTH = 32
+#: Latest time (Unix seconds, in the year 5138) a document may state: any accepted time is a
+#: date Python can build and a number of at most 11 digits in a log line.
+MAX_TIMESTAMP = 1e11
 
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -77,3 +81,12 @@ def load_json(data: bytes | bytearray | memoryview | str, *, max_bytes: int = MA
         raise ValueError(str(exc)) from None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise ValueError(f"not valid JSON ({exc})") from None
+
+
+def check_timestamp(value: Any, what: str) -> float:
+    """`value` as Unix seconds in [0, `MAX_TIMESTAMP`]; ValueError naming `what` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number of seconds, got {str(value)[:40]!r}")
+    if not 0 <= value <= MAX_TIMESTAMP:
+        raise ValueError(f"{what} {value:.3g} is not a time between 1970 and the year 5138")
+    return float(value)

@@ -52,6 +52,7 @@ from slime_stoa.protocol.records import (
     SamplingParams,
     decode_group,
 )
+from slime_stoa.protocol.strict_json import MAX_TIMESTAMP
 
 # Stable reason codes of validate_group (RecordRejected.reason).
 VALIDATION_REASONS = frozenset(
@@ -216,6 +217,8 @@ def _sampling_problem(s: SamplingParams, limits: RecordLimits) -> str | None:
 def _timestamps_problem(t0: float, t1: float, limits: RecordLimits, now: float) -> str | None:
     if not (math.isfinite(t0) and math.isfinite(t1)):
         return f"started_at {t0}, finished_at {t1} must be finite"
+    if not (0 <= t0 <= MAX_TIMESTAMP and 0 <= t1 <= MAX_TIMESTAMP):  # bounded: every time below prints short
+        return f"started_at {t0:.6g}, finished_at {t1:.6g} must be times between 1970 and the year 5138"
     if t0 < limits.min_timestamp:
         return f"started_at {t0} before {limits.min_timestamp}"
     if not 0 <= t1 - t0 <= limits.max_generation_s:

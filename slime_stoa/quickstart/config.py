@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 TaskName = Literal["synthetic", "search"]
 TASKS: tuple[TaskName, ...] = ("synthetic", "search")
+FamilyName = Literal["qwen2", "lfm2", "lfm2_moe", "llama"]
+FAMILIES: tuple[FamilyName, ...] = ("qwen2", "lfm2", "lfm2_moe", "llama")
 
 #: The defaults that depend on --task (a field whose default is `_BY_TASK` takes its value here).
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -51,6 +53,11 @@ class QuickstartConfig:
         "corpus the workers search)",
     )
     model: Path | None = _knob(None, "HF/MLX model folder (default: a tiny model built locally)")
+    family: FamilyName = _knob(
+        "qwen2",
+        "the tiny model's family (when no --model is given): qwen2, llama, lfm2 (gated short convolutions "
+        "and attention) or lfm2_moe (LFM2 with a routed mixture of experts, the family of LFM2.5-8B-A1B)",
+    )
     model_hidden: int = _knob(96, "the tiny model's width (when no --model is given)")
     model_layers: int = _knob(3, "the tiny model's depth")
     workers: int = _knob(2, "`macd run` worker processes")
@@ -85,6 +92,8 @@ class QuickstartConfig:
         field left to --task gets the task's default here."""
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)} (got {self.task!r})")
+        if self.family not in FAMILIES:
+            raise ValueError(f"--family must be one of {', '.join(FAMILIES)} (got {self.family!r})")
         for name, value in TASK_DEFAULTS[self.task].items():
             if getattr(self, name) is _BY_TASK:
                 object.__setattr__(self, name, value)

@@ -39,6 +39,9 @@ class Progress:
     scored_rewards: list[float] = field(default_factory=list)  # session, per learner step: every group that arrived
     patch_bytes: dict[int, int] = field(default_factory=dict)  # version -> step patch bytes
     full_bytes: int = 0
+    tensors: int = 0  # tensors in the published state
+    publish_seconds: list[float] = field(default_factory=list)  # session: the learner's publish of each version
+    swap_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # session: (worker, version) -> sync to serving
     digests: dict[int, str] = field(default_factory=dict)  # version -> published state digest
     seen_states: dict[tuple[str, int], str] = field(default_factory=dict)  # (worker, version) -> digest
     gaps: list[float] = field(default_factory=list)  # |learner - worker| logprob per sequence, same version

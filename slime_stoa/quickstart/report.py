@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,27 @@ from rich.table import Table
 
 COLUMNS = ("version", "reward", "search", "groups", "lag", "patch", "vs full", "changed", "workers", "lp gap")
 WIDTHS = (7, 6, 6, 6, 4, 9, 7, 7, 7, 7)
+
+
+#: The summary's rows of records the trainer did not use: an honest repeat, then a failed check.
+REPEATED_ROW = "groups identical to an admitted group (not used again)"
+REFUSED_ROW = "records refused: failed a check (forged, malformed, other run or version)"
+#: The refusal reason of a record identical to one already admitted: a worker that happened to
+#: generate the same group again, or a replay; either way used once, nothing to act on.
+REPEAT_REASON = "duplicate"
+
+
+def split_refusals(refused: Mapping[str, int]) -> tuple[int, dict[str, int]]:
+    """Records the trainer refused, by reason: (identical repeats, {reason: count} of the rest)."""
+    return refused.get(REPEAT_REASON, 0), {r: n for r, n in sorted(refused.items()) if r != REPEAT_REASON and n}
+
+
+def refused_cell(failed: Mapping[str, int]) -> str:
+    """"0", or the total and its reasons: "3 (signature 2, prompt 1)"."""
+    if not failed:
+        return "0"
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(failed.items(), key=lambda x: (-x[1], x[0])))
+    return f"{sum(failed.values())} ({reasons})"
 
 
 def batch_search_rate(batch: Any) -> float:
@@ -66,12 +88,17 @@ class ConsoleReport:
              f"{summary['eval_pass1_first']:.3f} / {summary['eval_pass1_last']:.3f}"),
             ("versions published, this session (run)", f"{summary['versions']} ({summary['versions_run']})"),
             ("groups used, this session (run)", f"{summary['groups_used']} ({summary['groups_used_run']})"),
-            ("groups lost", str(summary["groups_lost"])),
+            ("groups lost (set aside: their key held other bytes)", str(summary["groups_lost"])),
+            ("groups still in a worker's spool (uploaded when it starts again)", str(summary.get("groups_spooled", 0))),
+            (REPEATED_ROW, str(summary.get("groups_repeated", 0))),
+            (REFUSED_ROW, refused_cell(summary.get("records_refused", {}))),
             ("worker digests checked / mismatched", f"{summary['digests_checked']} / {summary['digest_mismatches']}"),
             (f"mean |learner - worker| logprob ({summary['logprob_gap_versions']} versions measured)",
              f"{summary['mean_abs_logprob_gap']:.2e}"),
             ("patch bytes per version (mean)", f"{summary['patch_bytes_mean'] / 1e3:.1f} KB"),
-            ("full bf16 sync", f"{summary['full_bytes'] / 1e3:.1f} KB"),
+            (f"full bf16 sync ({summary.get('tensors', 0)} tensors)", f"{summary['full_bytes'] / 1e3:.1f} KB"),
+            ("publish / worker sync to serving, seconds (mean)",
+             f"{summary.get('publish_seconds_mean', math.nan):.2f} / {summary.get('worker_sync_seconds_mean', math.nan):.2f}"),
             ("seconds, this session (run)", f"{summary['seconds']:.0f} ({summary['seconds_run']:.0f})"),
         ]
         for k, v in rows:

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,11 +42,8 @@ from typing import Any
 import numpy as np
 
 from slime_stoa.protocol.fsutil import atomic_write
-from slime_stoa.protocol.heartbeat import Heartbeat, read_heartbeat
-from slime_stoa.protocol.hf.folders import (
-    bf16_bits_to_f32,
-    save_hf_folder,
-)
+from slime_stoa.protocol.heartbeat import Heartbeat, HeartbeatTrust, read_judged_heartbeat
+from slime_stoa.protocol.hf.folders import save_hf_folder
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import HistoryError
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
@@ -64,6 +61,7 @@ from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.search.task import Search
 from slime_stoa.tasks.synthetic import baseline_reward
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
+from slime_stoa.trainer.consumer.metrics import rejects_by_reason
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
 from slime_stoa.trainer.tracking import TrackedRun, TrackingUnavailable, fleet_metrics, import_wandb
@@ -83,6 +81,7 @@ from .interrupt import Interrupt
 from .lock import run_lock
 from .meter import StepMeter, report_console
 from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
+from .report import split_refusals
 from .seeding import seed_run, tiny_synthetic_model
 from .warmstate import WARM_FILE, WarmState, run_warm_steps
 
@@ -196,7 +195,8 @@ class WorkerProcesses:
         workers in order), and `--parent-pid` so that it stops by itself when the quickstart
         is gone, however it went (SIGKILL included). `--lock-wait`: the worker of a rerun
         waits for its predecessor, still flushing its spool, to let go of it."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # the folder the workers share (their one copy of the search index) stays in --out
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "STOA_SHARED_DIR": str((self.cfg.out / "shared").resolve())}
         cmd = [
             sys.executable, "-m", "macd", "run", "--config", str(self._config_path(i)), "--seed", str(self.cfg.seed + i),
             "--parent-pid", str(os.getpid()), "--lock-wait", str(LOCK_WAIT_S),
@@ -376,26 +376,39 @@ def load_learner(learner: Learner, path: Path, *, run: str, version: int, state_
 
 def load_published(learner: Learner, state: dict[str, np.ndarray]) -> None:
     """Put published bf16 weights into the learner's float32 master (resume)."""
-    import torch
-
-    params = dict(learner.model.named_parameters())
-    with torch.no_grad():
-        for name, bits in state.items():
-            params[name].copy_(torch.from_numpy(bf16_bits_to_f32(bits)))
+    learner.load_bf16_state(state)
 
 
-async def read_worker_states(store: Store, run: str, workers: int) -> list[Heartbeat]:
+async def read_worker_states(store: Store, run: str, workers: int, registry: Registry | None = None) -> list[Heartbeat]:
+    """The heartbeats of `read_judged_states` whose figures count (`trusted`)."""
+    return trusted(*await read_judged_states(store, run, workers, registry))
+
+
+async def read_judged_states(
+    store: Store, run: str, workers: int, registry: Registry | None = None
+) -> tuple[list[Heartbeat], dict[str, HeartbeatTrust] | None]:
     """The latest heartbeat of each of the quickstart's `workers` (their ids are fixed, see
-    `worker_id`); a worker that has written none yet is left out."""
-    beats = []
+    `worker_id`; a worker that has written none yet is left out) and, in a signed run
+    (`registry`), each one's verdict (`judge_heartbeat`), as `stoa fleet` shows them; None in an
+    unsigned run."""
+    beats, trust = [], {}
     for i in range(workers):
         try:
-            beats.append(await through_outages(
-                partial(read_heartbeat, store, run, worker_id(i)), describe=f"reading the heartbeats of run {run!r}"
-            ))  # fmt: skip
+            beat, verdict = await through_outages(
+                partial(read_judged_heartbeat, store, run, worker_id(i), registry),
+                describe=f"reading the heartbeats of run {run!r}",
+            )
         except (NotFound, ValueError):
             continue
-    return beats
+        beats.append(beat)
+        if verdict is not None:
+            trust[beat.worker_id] = verdict
+    return beats, None if registry is None else trust
+
+
+def trusted(beats: list[Heartbeat], trust: Mapping[str, HeartbeatTrust] | None) -> list[Heartbeat]:
+    """The heartbeats whose figures count: all in an unsigned run, the signed ones in a signed run."""
+    return [b for b in beats if trust is None or trust.get(b.worker_id) == "signed"]
 
 
 async def samples_by_version(
@@ -430,16 +443,20 @@ async def samples_by_version(
 
 
 def count_lost(beats: list[Heartbeat]) -> int:
-    """Finished groups that never reached the bucket, as the workers themselves report them.
+    """Finished groups that will never reach the bucket, as the workers themselves report them:
+    those set aside for good because their key held other bytes (`groups_quarantined`).
 
     Called with the workers' heartbeats read after they stopped. On stop a worker flushes its
-    spool, then writes a final heartbeat (status "stopped") saying what is left there: groups
-    still waiting (`groups_spooled`) and groups set aside for good because their key held other
-    bytes (`groups_quarantined`). A restarted worker drains its spool first, so whatever a
-    stopped worker reports was lost to this run. A worker killed before its final heartbeat is
-    counted from its last regular one (written every few seconds); one that never wrote a
-    heartbeat never got as far as generating."""
-    return sum(beat.groups_spooled + beat.groups_quarantined for beat in beats)
+    spool, then writes a final heartbeat (status "stopped") saying what is left there. A worker
+    killed before its final heartbeat is counted from its last regular one (written every few
+    seconds); one that never wrote a heartbeat never got as far as generating."""
+    return sum(beat.groups_quarantined for beat in beats)
+
+
+def count_spooled(beats: list[Heartbeat]) -> int:
+    """Finished groups still waiting in a worker's spool (`groups_spooled` of the same
+    heartbeats as `count_lost`): not lost, a restarted worker uploads them first."""
+    return sum(beat.groups_spooled for beat in beats)
 
 
 def check_tracking(cfg: QuickstartConfig) -> None:
@@ -468,7 +485,7 @@ def start_tracking(cfg: QuickstartConfig) -> TrackedRun | None:
 
 def track_step(
     tracker: TrackedRun, *, batch: Any, train_metrics: dict[str, float], result: Any, beats: list[Heartbeat],
-    gaps: list[float], head: int,
+    gaps: list[float], head: int, trust: Mapping[str, HeartbeatTrust] | None = None,
 ) -> None:
     """One learner step in W&B as slime logs one, at the version the batch was taken at:
     train/* (the learner's metrics, the patch) at train/step; rollout/* (the consumer's, the
@@ -477,7 +494,7 @@ def track_step(
     trained = {f"train/{name}": value for name, value in train_metrics.items()}
     trained.update({"train/stoa_patch_bytes": float(result.patch_bytes), "train/stoa_changed_frac": result.density})
     tracker.log(trained, step_key="train/step", step=step)
-    rollout = {**batch.metrics, **fleet_metrics(beats, time.time(), head=head)}
+    rollout = {**batch.metrics, **fleet_metrics(beats, time.time(), head=head, trust=trust)}
     if gaps:
         rollout["rollout/stoa_logprob_gap"] = float(np.mean(gaps))
     tracker.log(rollout, step_key="rollout/step", step=step)
@@ -498,7 +515,9 @@ def observe_gaps(consumer: RolloutConsumer, same: list[tuple[Any, list[TrainSequ
         at += len(seqs)
         d = np.concatenate(diffs) if diffs else np.zeros(0)
         if d.size:
-            consumer.observe_logprob_gap(g.worker, float(d.mean()), int(d.size), prompt_index=g.group.prompt_index)
+            consumer.observe_logprob_gap(
+                g.worker, float(d.mean()), int(d.size), prompt_index=g.group.prompt_index, plane=g.group.plane
+            )
 
 
 async def train(
@@ -515,6 +534,7 @@ async def train(
     learner_file: Path,
     progress_file: Path,
     tracker: TrackedRun | None = None,
+    registry: Registry | None = None,
 ) -> None:
     """Learner steps until the target reward, the time limit or the version limit.
 
@@ -554,16 +574,20 @@ async def train(
         progress.last_version = version
         progress.groups_used += len(batch.groups)
         progress.patch_bytes[version] = result.patch_bytes
+        progress.publish_seconds.append(result.seconds)
         progress.digests[version] = pub.state_digest or ""
         progress.record_gaps(version, gaps)
-        beats = await read_worker_states(store, cfg.run, cfg.workers)
-        for beat in beats:
+        beats, trust = await read_judged_states(store, cfg.run, cfg.workers, registry)
+        for beat in trusted(beats, trust):
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+            if beat.version is not None and beat.swaps:
+                progress.swap_seconds[(beat.worker_id, beat.version)] = beat.last_swap_s
         save_progress(progress, progress_file, run=cfg.run)
         report.version(version, metrics, batch, result, progress, workers.alive())
         if tracker is not None:
-            track_step(tracker, batch=batch, train_metrics=metrics, result=result, beats=beats, gaps=gaps, head=version)
+            track_step(tracker, batch=batch, train_metrics=metrics, result=result, beats=beats, gaps=gaps, head=version,
+                       trust=trust)
         if cfg.kill_worker_at is not None and version == cfg.kill_worker_at:
             workers.kill(0)
             report.note(f"killed worker 0 with SIGKILL at v{version}; restarting it in 5 s")
@@ -608,10 +632,10 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         if cfg.model is None and not (model_dir / "config.json").exists():
             build = tiny_synthetic_model if search_data is None else partial(qsearch.tiny_search_model, data=search_data)
             build(
-                model_dir, hidden_size=cfg.model_hidden, num_layers=cfg.model_layers,
+                model_dir, family=cfg.family, hidden_size=cfg.model_hidden, num_layers=cfg.model_layers,
                 intermediate_size=2 * cfg.model_hidden, num_heads=4, num_kv_heads=2,
             )
-            report.note(f"built a tiny Qwen2 model with a tokenizer trained on the task's text: {model_dir}")
+            report.note(f"built a tiny {cfg.family} model with a tokenizer trained on the task's text: {model_dir}")
         stop.check()
         learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
         stop.check()
@@ -714,7 +738,9 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
             report.note(f"resumed run {cfg.run!r} at weights v{version} from {url}")
         progress.first_version = progress.last_version = version
         progress.digests[version] = pub.state_digest or ""
-        progress.full_bytes = 2 * sum(b.size for b in learner.bf16_state().values())
+        published = learner.bf16_state()
+        progress.full_bytes, progress.tensors = 2 * sum(b.size for b in published.values()), len(published)
+        del published
         save_progress(progress, progress_file, run=cfg.run)
         if new_run:  # eval the first version now: by the end the bucket may have pruned it
             await stop.race(first_eval(store, cfg, progress, report, synthetic=search_data is None))
@@ -746,7 +772,7 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
                     consumer.load_state_dict(restart.consumer)
                 await consumer.save_state()
             await train(cfg, store, consumer, learner, pub, workers, progress, report, stop, version, learner_file,
-                        progress_file, tracker=tracker)
+                        progress_file, tracker=tracker, registry=registry)
         finally:
             if consumer is not None:
                 await consumer.close()
@@ -755,20 +781,22 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
                 tracker.close()
             if consumer is not None:
                 await consumer.save_state()
-        final_beats = await read_worker_states(store, cfg.run, cfg.workers)
+        final_beats = await read_worker_states(store, cfg.run, cfg.workers, registry)
         for beat in final_beats:
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
         save_progress(progress, progress_file, run=cfg.run)
-        lost = count_lost(final_beats)
+        lost, spooled = count_lost(final_beats), count_spooled(final_beats)
         progress.rewards, progress.tool_calls = await stop.race(samples_by_version(store, cfg.run, registry))
-        report.note(f"eval pass@1 on the held-out test split at v{progress.last_version}")
+        last = progress.last_version
         progress.eval_pass1.update(
-            await stop.race(heldout.pass1_at(store, cfg.run, [progress.last_version], seed=cfg.seed, work_dir=cfg.out))
+            await stop.race(heldout.pass1_at(store, cfg.run, [last], seed=cfg.seed, work_dir=cfg.out))
         )
+        report.note(f"eval pass@1 on the held-out test split at v{last}: {progress.eval_pass1[last]:.3f}")
         assert consumer is not None  # opened, or train() was never reached
         groups_used_run = consumer.counters.get("groups_used", 0)
-    return summarize(progress, cfg, lost=lost, groups_used_run=groups_used_run)
+        refused = rejects_by_reason(consumer.counters)
+    return summarize(progress, cfg, lost=lost, spooled=spooled, refused=refused, groups_used_run=groups_used_run)
 
 
 async def first_eval(store: Store, cfg: QuickstartConfig, progress: Progress, report: Any, *, synthetic: bool) -> None:
@@ -781,10 +809,21 @@ async def first_eval(store: Store, cfg: QuickstartConfig, progress: Progress, re
     save_progress(progress, cfg.out / PROGRESS_FILE, run=cfg.run)
 
 
-def summarize(progress: Progress, cfg: QuickstartConfig, *, lost: int, groups_used_run: int) -> dict[str, Any]:
+def summarize(
+    progress: Progress,
+    cfg: QuickstartConfig,
+    *,
+    lost: int,
+    groups_used_run: int,
+    spooled: int = 0,
+    refused: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """The summary of the whole run, but for `versions`, `groups_used` and `seconds`: those are
-    this session's, and their whole-run totals the `*_run` keys."""
+    this session's, and their whole-run totals the `*_run` keys. `refused`: the trainer's
+    records refused, by reason (`rejects_by_reason`), whole run."""
+    repeats, failed = split_refusals(refused or {})
     patches = list(progress.patch_bytes.values())
+    swaps = list(progress.swap_seconds.values())
     return {
         "first_version": progress.run_first_version,
         "reward_first": progress.reward_first(),
@@ -808,8 +847,17 @@ def summarize(progress: Progress, cfg: QuickstartConfig, *, lost: int, groups_us
         "groups_used": progress.groups_used,
         "groups_used_run": groups_used_run,
         "groups_lost": lost,
+        "groups_spooled": spooled,
+        "groups_repeated": repeats,
+        "records_refused": failed,
         "patch_bytes_mean": float(np.mean(patches)) if patches else 0.0,
         "full_bytes": progress.full_bytes,
+        "family": cfg.family if cfg.model is None else None,
+        "tensors": progress.tensors,
+        # this session's: the learner's publish of a version, a worker's sync of one until it serves it
+        "publish_seconds_mean": float(np.mean(progress.publish_seconds)) if progress.publish_seconds else float("nan"),
+        "worker_sync_seconds_mean": float(np.mean(swaps)) if swaps else float("nan"),
+        "worker_syncs_seen": len(swaps),
         "seconds": time.time() - progress.started,
         "seconds_run": progress.seconds(),
         "warm_start": progress.warm_start,

@@ -19,7 +19,6 @@ start low and climb.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,7 +40,7 @@ from slime_stoa.tasks.search.synthetic import generate, task_items
 from slime_stoa.tasks.search.task import Search
 
 from .meter import StepMeter
-from .tiny_model import build_tiny_model
+from .seeding import tiny_family_model
 from .warmstate import WarmState, run_warm_steps
 
 #: Task meta: one passage per search, one search per episode (a second call ends it, "turns"),
@@ -109,9 +108,10 @@ def search_texts(data: SearchData) -> list[str]:
     return texts
 
 
-def tiny_search_model(folder: Path, data: SearchData, **kwargs: Any) -> Path:
-    """A tiny Qwen2 whose tokenizer was trained on the search task's text, tags as single tokens."""
-    return build_tiny_model(folder, texts=search_texts(data), added_tokens=TOOL_TOKENS, **kwargs)
+def tiny_search_model(folder: Path, data: SearchData, family: str = "qwen2", **kwargs: Any) -> Path:
+    """A tiny model of `family` whose tokenizer was trained on the search task's text, tags as
+    single tokens."""
+    return tiny_family_model(folder, family, texts=search_texts(data), added_tokens=TOOL_TOKENS, **kwargs)
 
 
 async def seed_search_run(
@@ -211,7 +211,6 @@ def warm_start_search(learner: Any, model_dir: Path, work_dir: Path, data: Searc
     one-line account. `interrupt` is checked before every step (`Interrupted`); `path`: where
     the warm start's state is saved and resumed from (`warmstate`, `key` naming this warm start);
     `meter` shows the steps."""
-    import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -223,8 +222,9 @@ def warm_start_search(learner: Any, model_dir: Path, work_dir: Path, data: Searc
         pairs = [p for i in picked for p in demos[i].pairs(bool(rng.random() < SEARCH_SHARE))]
         return learner.supervised_step(pairs)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # no worker runs yet: every core is the learner's
+    # The steps run on the quickstart's one torch thread: the tiny model's matrices are too small
+    # to gain from a second one, and on busy cores torch's threads spin waiting for each other
+    # (measured on 2 loaded cores: 0.19 s a step on one thread, 1.5-6 s on two).
     for group in learner.optimizer.param_groups:
         group["lr"] = lr
     try:
@@ -233,7 +233,6 @@ def warm_start_search(learner: Any, model_dir: Path, work_dir: Path, data: Searc
             check=interrupt.check if interrupt is not None else lambda: None, meter=meter, on_resume=on_resume,
         )
     finally:
-        torch.set_num_threads(threads)
         for group in learner.optimizer.param_groups:
             group["lr"] = rl_lr
     losses = state.losses

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
@@ -15,7 +17,7 @@ from slime_stoa.protocol.store import PreconditionFailed, Store
 from slime_stoa.tasks import generate_items
 from slime_stoa.tasks.objects import put_task_objects, task_objects
 
-from .tiny_model import build_tiny_model
+from .tiny_model import FAMILIES, build_tiny_family
 
 
 def synthetic_texts(count: int = 2000, seed: int = 0) -> list[str]:
@@ -50,6 +52,31 @@ async def seed_run(
     return pub
 
 
-def tiny_synthetic_model(folder: Path, **kwargs) -> Path:
-    """A tiny Qwen2 whose tokenizer was trained on the synthetic task's text."""
-    return build_tiny_model(folder, texts=synthetic_texts(), **kwargs)
+def tiny_synthetic_model(folder: Path, family: str = "qwen2", **kwargs: Any) -> Path:
+    """A tiny model of `family` whose tokenizer was trained on the synthetic task's text."""
+    return tiny_family_model(folder, family, texts=synthetic_texts(), **kwargs)
+
+
+def tiny_family_model(
+    folder: Path, family: str, *, texts: Iterable[str], num_layers: int | None = None, **shape: Any
+) -> Path:
+    """A tiny random model of `family` (`tiny_model.FAMILIES`); `shape`: the builder's arguments
+    (hidden_size, num_heads, num_kv_heads, intermediate_size, added_tokens), its defaults otherwise.
+
+    With `num_layers`, LFM2 models get one attention layer (the second) among short-convolution
+    layers, and LFM2-MoE models a dense first layer and experts in every other (8 experts, 2
+    routed per token), so both need at least 2 layers."""
+    if family in ("qwen2", "llama"):
+        depth = {} if num_layers is None else {"num_layers": num_layers}
+        return build_tiny_family(folder, family, texts=texts, **depth, **shape)
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+    if num_layers is not None:
+        if num_layers < 2:
+            raise ValueError(f"a tiny {family} model needs 2 layers or more (got {num_layers})")
+        shape["layer_types"] = ["full_attention" if i == 1 else "conv" for i in range(num_layers)]
+        if family == "lfm2_moe":
+            shape["num_dense_layers"] = 1
+    if family == "lfm2_moe" and "hidden_size" in shape:
+        shape.setdefault("moe_intermediate_size", max(int(shape["hidden_size"]) // 2, 16))
+    return build_tiny_family(folder, family, texts=texts, **shape)

@@ -26,10 +26,11 @@ from slime_stoa.tasks.gsm8k import (
     extract_answer,
     load_gsm8k_jsonl,
 )
+from slime_stoa.tasks.math_task import MathTask
 from slime_stoa.tasks.search import Search
 from slime_stoa.tasks.synthetic import Synthetic, generate_items, warmup_pairs
 
-TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (GSM8K, Synthetic)}
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (GSM8K, MathTask, Synthetic)}
 TASKS[Search.name] = Search  # questions answered by searching a corpus (tasks/search/)
 
 
@@ -56,6 +57,7 @@ __all__ = [
     "FORMAT",
     "GSM8K",
     "TASKS",
+    "MathTask",
     "Synthetic",
     "Task",
     "TaskItem",

@@ -3,18 +3,24 @@ files or generated, and written to the bucket put-if-absent (tasks are immutable
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import PreconditionFailed, Store
 from slime_stoa.tasks.base import encode_task_data
 from slime_stoa.tasks.gsm8k import load_gsm8k_jsonl
+from slime_stoa.tasks.math_data import load_math, split_name
 from slime_stoa.tasks.synthetic import generate_items
 
 
-def task_objects(task: str, files: list[Path], *, split: str | None, count: int, seed: int, limit: int | None) -> dict[str, bytes]:
+def task_objects(
+    task: str, files: list[Path], *, split: str | None, count: int, seed: int, limit: int | None,
+    on_file: Callable[[int], None] | None = None,
+) -> dict[str, bytes]:
     """{split: encoded task data} of `stoa task prepare` for gsm8k (one split per file, named
-    after it) or synthetic (generated; pure but for reading `files`)."""
+    after it), math (one split per MATH folder or JSON-lines file, named after it) or synthetic
+    (generated; pure but for reading `files`). `on_file(n)` after each of the `n` files read."""
     if task == "synthetic":
         if files:
             raise ValueError("the synthetic task is generated: give no files (use --count and --seed)")
@@ -25,8 +31,13 @@ def task_objects(task: str, files: list[Path], *, split: str | None, count: int,
         raise ValueError("--split names one file's split; give one file or drop --split")
     out = {}
     for path in files:
-        items = load_gsm8k_jsonl(path, limit=limit)
-        out[split or path.name.split(".")[0]] = encode_task_data(task, items, meta={"source": path.name})
+        items = load_math(path, limit=limit) if task == "math" else load_gsm8k_jsonl(path, limit=limit)
+        name = split or split_name(path)
+        if name in out:
+            raise ValueError(f"two sources give the split {name!r}; give them one at a time with --split")
+        out[name] = encode_task_data(task, items, meta={"source": path.name})
+        if on_file is not None:
+            on_file(len(out))
     return out
 
 

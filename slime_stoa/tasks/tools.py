@@ -38,6 +38,9 @@ class ToolContext:
     """The run's bucket (`slime_stoa.protocol.store.Store`), e.g. to fetch a search index."""
     data_dir: Path | None = None
     """The worker's local data folder, e.g. to cache an index."""
+    shared_dir: Path | None = None
+    """A folder every worker process of this machine shares (the search index is fetched there
+    once and memory-mapped by all of them); `data_dir` when None."""
 
 
 ToolFactory = Callable[[Any, ToolContext], Tool]  # (task, context) -> tool
@@ -116,13 +119,16 @@ class LookupTool:
 
 
 def _search_tool(task: Any, context: ToolContext) -> Tool:
-    """The search task's BM25 retriever; its index is fetched (resumably) into
-    ``<data_dir>/search-index/<run>`` and memory-mapped once, at `prepare` or the first query."""
-    from slime_stoa.tasks.search.retriever import SearchTool  # bm25s: the worker extra
+    """The search task's BM25 retriever; its index is fetched (resumably, one process at a time)
+    into ``<shared_dir or data_dir>/search-index/`` (`retriever.index_folder`: named by its
+    manifest's digest) and memory-mapped read-only, at `prepare` or the first query: the
+    processes of one machine share one copy of it, on disk and in memory."""
+    from slime_stoa.tasks.search.retriever import SearchTool, index_folder  # bm25s: the worker extra
 
-    if context.data_dir is None:
+    root = context.shared_dir or context.data_dir
+    if root is None:
         raise ValueError("the search tool needs a data folder for its index")
-    return SearchTool(task, context.store, context.run, Path(context.data_dir) / "search-index" / context.run)
+    return SearchTool(task, context.store, context.run, index_folder(Path(root) / "search-index", task, context.run))
 
 
 register_tool("search", _search_tool)

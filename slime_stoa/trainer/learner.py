@@ -12,7 +12,7 @@ Loss: GRPO advantages per prompt group (optionally std-scaled), the DPPO loss of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from slime_stoa.protocol.hf.folders import f32_to_bf16_bits, load_hf_state
+from slime_stoa.protocol.hf.folders import bf16_bits_to_f32, f32_to_bf16_bits, load_hf_state
 
 from .loss import DPPOConfig, dppo_policy_loss, reduce_per_token
+from .param_map import checkpoint_slots
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,21 +83,39 @@ class Learner:
         self.config = config
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
-        # The published tensor set is the checkpoint's (tied heads are not duplicated).
-        self.names = list(load_hf_state(model_dir).keys())
-        params = dict(self.model.named_parameters())
-        missing = [n for n in self.names if n not in params]
-        if missing:
-            raise ValueError(f"checkpoint tensors not found among the model's parameters: {missing[:5]}")
+        # The published tensor set is the checkpoint's, under its names and shapes (tied heads
+        # not duplicated, fused experts split, buffers included: `param_map`).
+        checkpoint = load_hf_state(model_dir)
+        self.names = list(checkpoint)
+        self.slots = checkpoint_slots(self.model, self.names, {n: a.shape for n, a in checkpoint.items()})
+        del checkpoint
+        with torch.no_grad():  # a published buffer (never trained) acts with the bf16 the workers get
+            buffers = dict(self.model.named_buffers())
+            for slot in self.slots.values():
+                if slot.kind == "buffer":
+                    buffers[slot.tensor].copy_(buffers[slot.tensor].to(torch.bfloat16).to(torch.float32))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
 
     # -- weights -----------------------------------------------------------------------------
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
+
     def bf16_state(self) -> dict[str, np.ndarray]:
-        """The policy's weights as bf16 bits (what gets published)."""
-        params = dict(self.model.named_parameters())
-        return {n: f32_to_bf16_bits(params[n].detach().cpu().numpy()) for n in self.names}
+        """The policy's weights as bf16 bits under the checkpoint's names (what gets published)."""
+        tensors = self._tensors()
+        return {
+            n: f32_to_bf16_bits(np.ascontiguousarray(self.slots[n].view(tensors).detach().cpu().numpy()))
+            for n in self.names
+        }
+
+    @torch.no_grad()
+    def load_bf16_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Put published bf16 weights (checkpoint names) into the float32 master (a resume)."""
+        tensors = self._tensors()
+        for name, bits in state.items():
+            self.slots[name].view(tensors).copy_(torch.from_numpy(bf16_bits_to_f32(bits)))
 
     def _acting_params(self) -> dict[str, torch.Tensor]:
         """bf16-rounded parameters whose gradient flows to the float32 master (straight-through)."""

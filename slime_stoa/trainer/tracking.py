@@ -8,7 +8,8 @@ Metric families and the step each is plotted against (slime's own `define_metric
                               reuse, rejects by reason, scored reward, ...) and the fleet totals
     worker/*   rollout/step   per worker, `worker/<id>/<name>`: the consumer's counts of its
                               groups, and its heartbeat (`slime_stoa.protocol.heartbeat.worker_metrics`:
-                              throughput, version, lag, uploads, spool, errors, ...)
+                              throughput, version, lag, uploads, spool, errors, ...; in a signed
+                              run `untrusted` and `revoked`, and an untrusted one never running)
 
 On slime's path slime owns the W&B run (`--use-wandb`): it logs what the rollout function
 returns, with `rollout/step`, from the rollout process, which joined the primary run
@@ -29,7 +30,8 @@ from types import ModuleType
 from typing import Any
 
 from slime_stoa.protocol.fsutil import atomic_write
-from slime_stoa.protocol.heartbeat import Heartbeat, read_heartbeats, worker_metrics
+from slime_stoa.protocol.heartbeat import Heartbeat, HeartbeatTrust, read_fleet, worker_metrics
+from slime_stoa.protocol.registry import Registry
 from slime_stoa.protocol.store import Store
 
 log = logging.getLogger(__name__)
@@ -71,27 +73,45 @@ FLEET_TOTALS = {
 }
 
 
-def fleet_metrics(beats: Iterable[Heartbeat], now: float, *, head: int | None = None) -> dict[str, float]:
+#: ... and, in a signed run, the heartbeats not trusted (`heartbeat.judge_heartbeat`)
+UNTRUSTED_TOTAL = "rollout/stoa_fleet_untrusted"
+
+
+def fleet_metrics(
+    beats: Iterable[Heartbeat], now: float, *, head: int | None = None, trust: Mapping[str, HeartbeatTrust] | None = None
+) -> dict[str, float]:
     """`worker/<id>/*` for each heartbeat (lag against `head`, the trainer's version), the sums
-    in `FLEET_TOTALS` and `rollout/stoa_fleet_lag_max` (over the running workers)."""
+    in `FLEET_TOTALS` and `rollout/stoa_fleet_lag_max` (over the running workers). `trust`: a
+    signed run's verdict on each worker's heartbeat (an untrusted one counts as not running,
+    0 tok/s, in `UNTRUSTED_TOTAL`); None for an unsigned run."""
     out: dict[str, float] = {}
     totals = dict.fromkeys(FLEET_TOTALS.values(), 0.0)
+    if trust is not None:
+        totals[UNTRUSTED_TOTAL] = 0.0
     lag_max = 0.0
     for beat in beats:
         prefix = f"worker/{beat.worker_id}"
-        mine = worker_metrics(beat, now, prefix=prefix, head=head)
+        verdict = None if trust is None else trust.get(beat.worker_id, "unknown")
+        mine = worker_metrics(beat, now, prefix=prefix, head=head, trust=verdict)
         out.update(mine)
         for name, total in FLEET_TOTALS.items():
             totals[total] += mine[f"{prefix}/{name}"]
+        if trust is not None:
+            totals[UNTRUSTED_TOTAL] += mine[f"{prefix}/untrusted"]
         lag_max = max(lag_max, mine.get(f"{prefix}/lag", 0.0))
     return {**out, **totals, "rollout/stoa_fleet_lag_max": lag_max}
 
 
-async def read_fleet_metrics(store: Store, run: str, now: float, *, head: int | None = None) -> dict[str, float]:
-    """`fleet_metrics` of the run's heartbeats in `store`, plus `rollout/stoa_fleet_bad_heartbeats`
-    (objects that could not be read or parsed). Raises the listing's StoreError."""
-    beats, bad = await read_heartbeats(store, run)
-    return {**fleet_metrics(beats, now, head=head), "rollout/stoa_fleet_bad_heartbeats": float(bad)}
+async def read_fleet_metrics(
+    store: Store, run: str, now: float, *, head: int | None = None, registry: Registry | None = None
+) -> dict[str, float]:
+    """`fleet_metrics` of the run's heartbeats in `store`, judged against a signed run's
+    `registry`, plus `rollout/stoa_fleet_bad_heartbeats` (objects that could not be read or
+    parsed). Raises the listing's StoreError."""
+    judged, bad = await read_fleet(store, run, registry)
+    trust = None if registry is None else {b.worker_id: t or "unknown" for b, t in judged}
+    beats = [b for b, _ in judged]
+    return {**fleet_metrics(beats, now, head=head, trust=trust), "rollout/stoa_fleet_bad_heartbeats": float(bad)}
 
 
 # -- slime's run ---------------------------------------------------------------------------------

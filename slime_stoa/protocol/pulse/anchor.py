@@ -97,6 +97,7 @@ async def write_anchor(
         weights=weights,
         extras=extras_out,
         created_at=time.time(),
+        plane=layout.plane,
     )
     at = layout.anchor_manifest(version, attempt)
     await store.put_if_absent(at, manifest.to_bytes(key))

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .codec import check_bits, from_rel_codes
-from .frames import EntryInfo, PatchIndex, decode_frame, frame_number
+from .frames import EntryInfo, PatchIndex, decode_frames, frame_number
 
 Frames = Mapping[int, bytes] | Iterable[tuple[int, bytes]]
 
@@ -81,6 +81,7 @@ def apply_patch(
     frames: Frames,
     *,
     on_done: Callable[[str], None] | None = None,
+    threads: int | None = 1,
 ) -> UndoLog:
     """Apply every frame of a patch to `state` in place and return the undo log.
 
@@ -91,6 +92,9 @@ def apply_patch(
     fit the patch (missing tensor, shape or dtype mismatch, unknown, repeated or missing frame).
     `on_done(name)` is called once the patch's last entry for a tensor is written (so the tensor
     can be hashed while the rest applies); the patch may still fail and roll it back after.
+    Frames decode on `threads` threads while this one writes those already decoded, in the
+    order they came (`frames.decode_frames`); a patch's frames write disjoint positions, so the
+    result does not depend on the order or the thread count.
     """
     left: dict[str, int] = {}
     if on_done is not None:
@@ -100,14 +104,13 @@ def apply_patch(
     written: list[UndoEntry] = []
     seen: set[int] = set()
     try:
-        for i, data in _frame_items(frames):
+        for i, decoded in decode_frames(index, _frame_items(frames), threads):
             i = frame_number(index, i)
             frame = index.frames[i]
             if i in seen:
                 raise ValueError(f"frame {i} given twice")
             seen.add(i)
             targets = [_target(state, entry, i) for entry in frame.entries]
-            decoded = decode_frame(index, i, data)
             for (name, indices, values), flat in zip(decoded, targets, strict=True):
                 old = flat[indices]
                 written.append(UndoEntry(name, indices, old))

@@ -27,17 +27,21 @@ Frames and patch objects live in `frames.py`; in-place apply with an undo log in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from .parallel import ordered_map
 
 State = Mapping[str, np.ndarray]
 Delta = dict[str, tuple[np.ndarray, np.ndarray]]
 
 # Elements per pass of the chunked loops: their temporaries stay in cache.
 _CHUNK = 1 << 18
+# Elements of a tensor `diff` compares as one task: large tensors spread over the threads.
+DIFF_SEGMENT = 1 << 22
+# Changes of a tensor `merge_deltas` merges as one task.
+MERGE_SEGMENT = 1 << 20
 INDEX_WIDTHS = (1, 2, 4, 8)
 
 
@@ -86,30 +90,36 @@ def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
 def diff(base: State, new: State, *, threads: int | None = 1) -> Delta:
     """The delta taking `base` to `new`: one entry per tensor whose bits changed.
 
-    `threads` > 1 (or None: one per CPU) compares tensors on a thread pool; numpy releases the
-    GIL while comparing. Raises ValueError if the states differ in names, shapes or dtypes.
+    The tensors are compared in segments of DIFF_SEGMENT elements on `threads` threads (None:
+    `parallel.thread_count`); numpy releases the GIL while comparing, and the result does not
+    depend on the thread count. Raises ValueError if the states differ in names, shapes or dtypes.
     """
     if base.keys() != new.keys():
         missing = sorted(set(base) - set(new))
         extra = sorted(set(new) - set(base))
         raise ValueError(f"states differ in tensor names: missing {missing}, extra {extra}")
     names = sorted(new)
+    work: list[tuple[str, int, int]] = []
     for name in names:
         old_bits, new_bits = check_bits(name, base[name]), check_bits(name, new[name])
         if old_bits.shape != new_bits.shape:
             raise ValueError(f"tensor {name!r}: shape {old_bits.shape} != {new_bits.shape}")
+        work += [(name, start, min(start + DIFF_SEGMENT, new_bits.size)) for start in range(0, new_bits.size, DIFF_SEGMENT)]
 
-    def one(name: str) -> tuple[np.ndarray, np.ndarray]:
-        indices = changed_indices(base[name], new[name])
-        return indices, new[name].reshape(-1)[indices]
+    def segment(item: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray]:
+        name, start, stop = item
+        after = new[name].reshape(-1)[start:stop]
+        found = changed_indices(base[name].reshape(-1)[start:stop], after)
+        return found + start, after[found]
 
-    workers = min(threads or os.cpu_count() or 1, len(names))
-    if workers <= 1:
-        entries = [one(name) for name in names]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            entries = list(pool.map(one, names))
-    return {name: entry for name, entry in zip(names, entries, strict=False) if entry[0].size}
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for (name, _, _), (indices, values) in zip(work, ordered_map(segment, work, threads), strict=True):
+        if indices.size:
+            parts.setdefault(name, []).append((indices, values))
+    return {
+        name: (found[0] if len(found) == 1 else (np.concatenate([i for i, _ in found]), np.concatenate([v for _, v in found])))
+        for name, found in parts.items()
+    }
 
 
 def check_entry(
@@ -134,21 +144,38 @@ def check_entry(
         raise ValueError(f"tensor {name!r}: index {last} out of range for {size} elements")
 
 
-def merge_deltas(deltas: Sequence[Delta]) -> Delta:
+def merge_deltas(deltas: Sequence[Delta], *, threads: int | None = 1) -> Delta:
     """Merge deltas given oldest first into one delta; at a shared position the newest wins.
 
     Applying the result equals applying the deltas in order (used for catch-up patches
     anchor -> latest). Positions changed and later changed back are kept, with their final bits.
+    Tensors, and ranges of positions of a tensor with over MERGE_SEGMENT changes, are merged on
+    `threads` threads (None: `parallel.thread_count`); the result does not depend on the thread
+    count.
     """
     names = sorted({name for delta in deltas for name in delta})
-    merged: Delta = {}
+    work: list[tuple[str, list[tuple[np.ndarray, np.ndarray]]]] = []
     for name in names:
         parts = [delta[name] for delta in deltas if name in delta]
         for indices, values in parts:
             check_entry(name, indices, values)
         if len(parts) == 1:
-            merged[name] = (parts[0][0].copy(), parts[0][1].copy())
+            work.append((name, parts))
             continue
+        largest = max((p[0] for p in parts), key=len)
+        bounds = [int(b) for b in largest[MERGE_SEGMENT::MERGE_SEGMENT]]  # ranges of positions
+        for lo, hi in zip([None, *bounds], [*bounds, None], strict=True):
+            sliced = []
+            for indices, values in parts:
+                start = 0 if lo is None else int(np.searchsorted(indices, lo))
+                stop = indices.size if hi is None else int(np.searchsorted(indices, hi))
+                sliced.append((indices[start:stop], values[start:stop]))
+            work.append((name, sliced))
+
+    def merged(item: tuple[str, list[tuple[np.ndarray, np.ndarray]]]) -> tuple[np.ndarray, np.ndarray]:
+        parts = item[1]
+        if len(parts) == 1:
+            return parts[0][0].copy(), parts[0][1].copy()
         indices = np.concatenate([p[0] for p in parts])
         values = np.concatenate([p[1] for p in parts])
         # A stable sort keeps equal positions in delta order: the last of each run is newest.
@@ -156,8 +183,15 @@ def merge_deltas(deltas: Sequence[Delta]) -> Delta:
         indices, values = indices[order], values[order]
         last = np.ones(indices.size, dtype=bool)
         last[:-1] = indices[1:] != indices[:-1]
-        merged[name] = (indices[last], values[last])
-    return merged
+        return indices[last], values[last]
+
+    pieces: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for (name, _), piece in zip(work, ordered_map(merged, work, threads), strict=True):
+        pieces.setdefault(name, []).append(piece)
+    return {
+        name: found[0] if len(found) == 1 else (np.concatenate([i for i, _ in found]), np.concatenate([v for _, v in found]))
+        for name, found in pieces.items()
+    }
 
 
 def rel_codes(old: np.ndarray, new: np.ndarray) -> np.ndarray:

@@ -17,6 +17,8 @@ from types import MappingProxyType
 import numpy as np
 import xxhash
 
+from .parallel import ordered_map
+
 _TENSOR_TAG = b"stoa-tensor/1\0"
 _STATE_TAG = b"stoa-state/1\0"
 
@@ -63,20 +65,25 @@ class StateDigest:
         return StateDigest, (dict(self.digests), self.dtype)
 
     @classmethod
-    def of(cls, state: Mapping[str, np.ndarray], dtype: str = "bfloat16") -> StateDigest:
-        """Digest every tensor of `state`."""
-        return cls({name: tensor_digest(name, bits, dtype) for name, bits in state.items()}, dtype)
+    def of(cls, state: Mapping[str, np.ndarray], dtype: str = "bfloat16", *, threads: int | None = 1) -> StateDigest:
+        """Digest every tensor of `state`, tensors on `threads` threads (None: `parallel.thread_count`)."""
+        names = list(state)
+        found = ordered_map(lambda name: tensor_digest(name, state[name], dtype), names, threads)
+        return cls(dict(zip(names, found, strict=True)), dtype)
 
-    def update(self, state: Mapping[str, np.ndarray], names: Iterable[str]) -> StateDigest:
+    def update(self, state: Mapping[str, np.ndarray], names: Iterable[str], *, threads: int | None = 1) -> StateDigest:
         """A new StateDigest with only `names` re-hashed from `state` (names gone from the state
-        are dropped). Equals `StateDigest.of(state)` when `names` covers every tensor that changed.
+        are dropped), on `threads` threads. Equals `StateDigest.of(state)` when `names` covers
+        every tensor that changed.
         """
         digests = dict(self.digests)
+        names = list(names)
+        kept = [name for name in names if name in state]
         for name in names:
-            if name in state:
-                digests[name] = tensor_digest(name, state[name], self.dtype)
-            else:
+            if name not in state:
                 digests.pop(name, None)
+        found = ordered_map(lambda name: tensor_digest(name, state[name], self.dtype), kept, threads)
+        digests.update(zip(kept, found, strict=True))
         return StateDigest(digests, self.dtype)
 
     def with_digests(self, digests: Mapping[str, bytes]) -> StateDigest:

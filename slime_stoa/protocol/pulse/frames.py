@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 import operator
-import os
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -47,6 +47,7 @@ from .codec import (
     section_sizes,
     shapes_of,
 )
+from .parallel import ordered_map, thread_count
 from .patch_index import (
     FORMAT,
     FORMAT_V1,
@@ -73,6 +74,7 @@ __all__ = [
     "Mode",
     "PatchIndex",
     "decode_frame",
+    "decode_frames",
     "encode_delta",
     "encode_patch",
     "frame_number",
@@ -128,14 +130,17 @@ def _pieces(
     return pieces
 
 
-def _plan_frames(pieces: list[_Piece], frame_bytes: int) -> list[list[_Piece]]:
+def _entry_size(piece: _Piece) -> int:
+    return entry_nbytes(piece.indices.size, *entry_shape(index_codes(piece.indices)))
+
+
+def _plan_frames(pieces: list[_Piece], frame_bytes: int, threads: int | None = 1) -> list[list[_Piece]]:
     """Greedy tensor-aligned packing; a tensor too big for one frame is split into frames."""
     frames: list[list[_Piece]] = []
     current: list[_Piece] = []
     used = 0
-    for piece in pieces:
+    for piece, size in zip(pieces, ordered_map(_entry_size, pieces, threads), strict=True):
         count = piece.indices.size
-        size = entry_nbytes(count, *entry_shape(index_codes(piece.indices)))
         if size > frame_bytes:
             if current:
                 frames.append(current)
@@ -192,7 +197,7 @@ def encode_delta(
 
     `shapes` gives each delta tensor's shape (`shapes_of(new_state)` will do). "rel" mode needs
     the exact `base` state the patch will be applied to. `threads` bounds the worker pool
-    (None: one per CPU; 1: all work on the calling thread). `format` is `FORMAT_V2` (binary
+    (None: `parallel.thread_count`; 1: all work on the calling thread). `format` is `FORMAT_V2` (binary
     index, one zstd stream per section) or `FORMAT_V1`, for receivers that only read the first
     format.
     """
@@ -204,14 +209,8 @@ def encode_delta(
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    plan = _plan_frames(_pieces(delta, shapes, base), frame_bytes)
-    workers = min(threads or os.cpu_count() or 1, len(plan))
-    build = partial(_build_frame, mode=mode, level=level, split=format == FORMAT_V2)
-    if workers <= 1:
-        built = [build(pieces) for pieces in plan]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            built = list(pool.map(build, plan))
+    plan = _plan_frames(_pieces(delta, shapes, base), frame_bytes, threads)
+    built = ordered_map(partial(_build_frame, mode=mode, level=level, split=format == FORMAT_V2), plan, threads)
     frames, offset = [], 0
     for blob, entries, streams in built:
         raw_size = sum(e.raw_size for e in entries)
@@ -306,6 +305,33 @@ def _sections(frame: FrameInfo, i: int, data: bytes) -> list[np.ndarray]:
         raw = _inflate(blob, total, f"frame {i} section {k}") if length else b""
         columns.append(np.frombuffer(raw, dtype=np.uint8))
     return columns
+
+
+def decode_frames(
+    index: PatchIndex, frames: Iterable[tuple[int, bytes]], threads: int | None = 1
+) -> Iterator[tuple[int, list[DecodedEntry]]]:
+    """`(i, decode_frame(index, i, data))` for each frame in the order `frames` yields them (e.g.
+    as downloads complete), decoding up to `threads` frames at once on a pool while the caller
+    uses the earlier ones and `frames` waits for the next."""
+    workers = thread_count(threads)
+    if workers <= 1:
+        for i, data in frames:
+            yield i, decode_frame(index, i, data)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="stoa-decode") as pool:
+        pending: deque[tuple[int, Future[list[DecodedEntry]]]] = deque()
+        try:
+            for i, data in frames:
+                pending.append((i, pool.submit(decode_frame, index, i, data)))
+                while pending and (len(pending) >= workers or pending[0][1].done()):
+                    first, decoding = pending.popleft()
+                    yield first, decoding.result()
+            while pending:
+                first, decoding = pending.popleft()
+                yield first, decoding.result()
+        finally:
+            for _, decoding in pending:
+                decoding.cancel()
 
 
 def decode_frame(index: PatchIndex, i: int, data: bytes) -> list[DecodedEntry]:

@@ -10,7 +10,7 @@ Each document is read with a size limit (`MAX_POINTER_BYTES`, `MAX_VERSION_MANIF
 
 from __future__ import annotations
 
-from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.layout import QuantPlane, RunLayout
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations, signer_of
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.protocol.store.capped import TooLarge, read_capped, read_capped_bytes
@@ -54,20 +54,23 @@ class MalformedPointer(ManifestError):
 
 
 async def read_pointer_etag(
-    store: Store, run: str, *, if_none_match: str | None = None, trust: RunTrust | None = None
+    store: Store, run: str, *, if_none_match: str | None = None, trust: RunTrust | None = None,
+    plane: QuantPlane | None = None,
 ) -> tuple[Pointer, str] | None:
-    """The run's pointer and its ETag, or None when its ETag is still `if_none_match`.
+    """The pointer of the run's bf16 weights (of its quantized `plane` when given) and its ETag,
+    or None when its ETag is still `if_none_match`.
 
     NotPublished when the run has no pointer; MalformedPointer (a ManifestError) when it does not
     parse or names another run, or (`untrusted`) when `trust` is given and the newest run key did
     not sign it. The trust reads the run's key rotations first if it has not yet, or when the
     pointer is signed by a key it does not know.
     """
-    key = RunLayout(run).pointer
+    key = RunLayout(run, plane).pointer
     try:
         got = await read_capped(store, key, MAX_POINTER_BYTES, if_none_match=if_none_match)
     except NotFound:
-        raise NotPublished(f"run {run!r} has no published weights in {store.url}") from None
+        on = "" if plane is None else f" on plane {plane}"
+        raise NotPublished(f"run {run!r} has no published weights{on} in {store.url}") from None
     except TooLarge as exc:
         raise MalformedPointer(str(exc), exc.etag) from None
     if got is None:
@@ -75,17 +78,19 @@ async def read_pointer_etag(
     try:
         if trust is not None and (not trust.loaded or not trust.knows(signer_of(got.data))):
             await load_rotations(store, trust)
-        return Pointer.from_bytes(got.data, key, run=run, trust=trust), got.etag
+        return Pointer.from_bytes(got.data, key, run=run, trust=trust, plane=plane), got.etag
     except (UntrustedDocument, Untrusted) as exc:
         raise MalformedPointer(str(exc), got.etag, untrusted=True) from None
     except ManifestError as exc:
         raise MalformedPointer(str(exc), got.etag) from None
 
 
-async def read_pointer(store: Store, run: str, *, trust: RunTrust | None = None) -> Pointer:
-    """The run's pointer (current version); NotPublished when it has none, ManifestError when bad
-    (or not signed by the newest key of `trust`)."""
-    found = await read_pointer_etag(store, run, trust=trust)
+async def read_pointer(
+    store: Store, run: str, *, trust: RunTrust | None = None, plane: QuantPlane | None = None
+) -> Pointer:
+    """The run's pointer (current version; of its quantized `plane` when given); NotPublished
+    when it has none, ManifestError when bad (or not signed by the newest key of `trust`)."""
+    found = await read_pointer_etag(store, run, trust=trust, plane=plane)
     assert found is not None  # an unconditional read always returns the object
     return found[0]
 

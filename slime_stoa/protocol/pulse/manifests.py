@@ -24,6 +24,13 @@ manifest names files of its own folder whose names are single safe path componen
 that know where a document came from pass it (`Pointer.from_bytes(run=...)`,
 `VersionManifest.from_bytes(key=...)`, `AnchorManifest.from_bytes(key=...)`) and the document must
 then be the one that belongs there.
+
+A quantized plane's documents (`layout.RunLayout(run, plane)`) carry their `plane`, and every key
+they name is checked against that plane's layout; a document without one is of the bf16
+weights (its bytes as before planes existed). A plane's version manifest also names the bf16
+version it quantizes (`source`: same version, that version's manifest and state digest). A
+reader of a plane's pointer passes the plane (`Pointer.from_bytes(plane=...)`): a pointer of
+another plane (or of the bf16 weights) is refused.
 """
 
 from __future__ import annotations
@@ -36,10 +43,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from slime_stoa.protocol.hf.folders import WEIGHTS_NAME
-from slime_stoa.protocol.layout import RunLayout, check_attempt, check_name, version_str
+from slime_stoa.protocol.layout import QuantPlane, RunLayout, check_attempt, check_name, check_plane, version_str
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted
 from slime_stoa.protocol.signing import SigningKey, sign_document
-from slime_stoa.protocol.strict_json import load_json
+from slime_stoa.protocol.strict_json import check_timestamp, load_json
 
 from .frames import PatchIndex
 
@@ -108,17 +115,20 @@ class Pointer:
     anchor: Ref  # the latest anchor at or below `version`
     updated_at: float
     epoch: int = 0  # the lineage branch of `version` (its manifest's `lineage.epoch`)
+    plane: QuantPlane | None = None  # a quantized plane's pointer (None: the bf16 weights')
 
     def to_bytes(self, key: SigningKey | None = None) -> bytes:
         """The pointer's JSON, signed by `key` when given."""
-        return _dump({"format": POINTER_FORMAT, **asdict(self)}, key)
+        return _dump(_without_plane({"format": POINTER_FORMAT, **asdict(self)}), key)
 
     @classmethod
     def from_bytes(
-        cls, data: bytes, where: str = "pointer", *, run: str | None = None, trust: RunTrust | None = None
+        cls, data: bytes, where: str = "pointer", *, run: str | None = None, trust: RunTrust | None = None,
+        plane: QuantPlane | None = None,
     ) -> Pointer:
-        """Parse a pointer; ManifestError if malformed. With `run`, it must be that run's; with
-        `trust`, signed by the run's newest key (UntrustedDocument otherwise)."""
+        """Parse a pointer; ManifestError if malformed. With `run`, it must be that run's; it
+        must be `plane`'s (None: the bf16 weights'); with `trust`, signed by the run's newest
+        key (UntrustedDocument otherwise)."""
         doc = _load(data, POINTER_FORMAT, where)
         pointer = cls(
             run=_run(doc, where),
@@ -126,14 +136,17 @@ class Pointer:
             state_digest=_digest(doc, "state_digest", where),
             manifest=_str(doc, "manifest", where),
             anchor=_ref(doc.get("anchor"), f"{where}.anchor"),
-            updated_at=_float(doc, "updated_at", where),
+            updated_at=_time(doc, "updated_at", where),
             epoch=_int(doc, "epoch", where) if "epoch" in doc else 0,
+            plane=_plane(doc, where),
         )
+        if pointer.plane != plane:
+            raise ManifestError(f"{where}: a pointer of {_plane_name(pointer.plane)}, not of {_plane_name(plane)}")
         if pointer.epoch > pointer.version:
             raise ManifestError(f"{where}: epoch {pointer.epoch} is past version {pointer.version}")
         if run is not None and pointer.run != run:
             raise ManifestError(f"{where}: names run {pointer.run!r}, not {run!r}")
-        layout = RunLayout(pointer.run)
+        layout = RunLayout(pointer.run, pointer.plane)
         _check_version_key(layout, pointer.manifest, pointer.version, f"{where}.manifest")
         _check_anchor_ref(layout, pointer.anchor, pointer.version, f"{where}.anchor")
         _verify(trust, doc, where, None, pointer.run)
@@ -215,6 +228,8 @@ class VersionManifest:
     elements: int  # bf16 elements in the state (a full sync costs 2 bytes each)
     created_at: float
     lineage: Origin | None = None  # None: a straight line (see `origin`)
+    plane: QuantPlane | None = None  # a quantized plane's version (None: the bf16 weights')
+    source: Ref | None = None  # a plane's version: the bf16 version it quantizes (same version)
 
     @property
     def origin(self) -> Origin:
@@ -238,6 +253,10 @@ class VersionManifest:
         doc["created_at"] = self.created_at
         if self.lineage is not None:
             doc["lineage"] = self.lineage.to_json()
+        if self.plane is not None:
+            doc["plane"] = self.plane
+        if self.source is not None:
+            doc["source"] = asdict(self.source)
         return _dump(doc, key)
 
     @classmethod
@@ -264,10 +283,13 @@ class VersionManifest:
             since_anchor_bytes=_int(doc, "since_anchor_bytes", where),
             patches=tuple(PatchRef.from_json(p, f"{where}.patches[{i}]") for i, p in enumerate(patches)),
             elements=_int(doc, "elements", where),
-            created_at=_float(doc, "created_at", where),
+            created_at=_time(doc, "created_at", where),
             lineage=_origin(doc["lineage"], f"{where}.lineage") if doc.get("lineage") is not None else None,
+            plane=_plane(doc, where),
+            source=None if doc.get("source") is None else _ref(doc["source"], f"{where}.source"),
         )
-        layout = RunLayout(manifest.run)
+        layout = RunLayout(manifest.run, manifest.plane)
+        _check_source(manifest, f"{where}.source")
         if key is not None:
             _check_location(layout.parse_version_manifest(key), manifest, key, where)
         kinds = [p.kind for p in manifest.patches]
@@ -318,6 +340,7 @@ class AnchorManifest:
     weights: tuple[AnchorFile, ...]  # safetensors shards
     extras: tuple[AnchorFile, ...] = field(default=())  # config.json, tokenizer files, ...
     created_at: float = 0.0
+    plane: QuantPlane | None = None  # a quantized plane's anchor (None: the bf16 weights')
 
     @property
     def total_bytes(self) -> int:
@@ -329,6 +352,8 @@ class AnchorManifest:
         doc["weights"] = [f.to_json() for f in self.weights]
         doc["extras"] = [f.to_json() for f in self.extras]
         doc["created_at"] = self.created_at
+        if self.plane is not None:
+            doc["plane"] = self.plane
         return _dump(doc, key)
 
     @classmethod
@@ -348,9 +373,10 @@ class AnchorManifest:
             state_digest=_digest(doc, "state_digest", where),
             weights=_files(doc.get("weights"), f"{where}.weights"),
             extras=_files(doc.get("extras"), f"{where}.extras"),
-            created_at=_float(doc, "created_at", where),
+            created_at=_time(doc, "created_at", where),
+            plane=_plane(doc, where),
         )
-        layout = RunLayout(manifest.run)
+        layout = RunLayout(manifest.run, manifest.plane)
         if key is not None:
             _check_location(layout.parse_anchor_manifest(key), manifest, key, where)
         if not manifest.weights:
@@ -390,10 +416,23 @@ def _check_location(parsed: tuple[int, str] | None, doc: VersionManifest | Ancho
         )
 
 
+def _check_source(manifest: VersionManifest, where: str) -> None:
+    """A plane's version names the bf16 version it quantizes: the same version's manifest key of
+    the run's bf16 weights; a bf16 version names none."""
+    source = manifest.source
+    if (manifest.plane is None) != (source is None):
+        raise ManifestError(f"{where}: a plane's version (and only one) names its bf16 source version")
+    if source is None:
+        return
+    if source.version != manifest.version:
+        raise ManifestError(f"{where}: source v{source.version} is not v{manifest.version}")
+    _check_version_key(RunLayout(manifest.run), source.manifest, source.version, where)
+
+
 def _check_version_key(layout: RunLayout, key: str, version: int, where: str) -> None:
     parsed = layout.parse_version_manifest(key)
     if parsed is None or parsed[0] != version:
-        raise ManifestError(f"{where}: {key!r:.200} is not a v{version} manifest key of run {layout.run!r}")
+        raise ManifestError(f"{where}: {key!r:.200} is not a v{version} manifest key of {_of(layout)}")
 
 
 def _check_origin(layout: RunLayout, manifest: VersionManifest, where: str) -> None:
@@ -428,7 +467,7 @@ def _check_anchor_ref(layout: RunLayout, ref: Ref, version: int, where: str) -> 
         raise ManifestError(f"{where}: anchor v{ref.version} is ahead of v{version}")
     parsed = layout.parse_anchor_manifest(ref.manifest)
     if parsed is None or parsed[0] != ref.version:
-        raise ManifestError(f"{where}: {ref.manifest!r:.200} is not a v{ref.version} anchor manifest key of run {layout.run!r}")
+        raise ManifestError(f"{where}: {ref.manifest!r:.200} is not a v{ref.version} anchor manifest key of {_of(layout)}")
 
 
 # -- strict JSON helpers --------------------------------------------------------------------------
@@ -450,6 +489,31 @@ def _verify(trust: RunTrust | None, doc: Mapping[str, Any], where: str, version:
         trust.verify(doc, where, version)
     except Untrusted as exc:
         raise UntrustedDocument(str(exc), where) from None
+
+
+def _plane(doc: Mapping[str, Any], where: str) -> QuantPlane | None:
+    """A document's `plane`: absent for the bf16 weights', else a quantized plane's name."""
+    if "plane" not in doc:
+        return None
+    try:
+        return check_plane(doc["plane"])
+    except ValueError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+
+
+def _of(layout: RunLayout) -> str:
+    return f"run {layout.run!r}" + ("" if layout.plane is None else f" plane {layout.plane}")
+
+
+def _plane_name(plane: QuantPlane | None) -> str:
+    return "the bf16 weights" if plane is None else f"plane {plane}"
+
+
+def _without_plane(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` without a None `plane` (the bf16 weights' documents keep their bytes)."""
+    if doc.get("plane") is None:
+        doc.pop("plane", None)
+    return doc
 
 
 def _sha256(doc: Mapping[str, Any], where: str) -> str | None:
@@ -515,6 +579,13 @@ def _float(doc: Mapping[str, Any], key: str, where: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ManifestError(f"{where}: '{key}' must be a finite number")
     return float(value)
+
+
+def _time(doc: Mapping[str, Any], key: str, where: str) -> float:
+    try:
+        return check_timestamp(doc.get(key), f"'{key}'")
+    except ValueError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
 
 
 def _digest(doc: Mapping[str, Any], key: str, where: str) -> str:

@@ -61,6 +61,7 @@ import numpy as np
 
 from .codec import bf16_bits_to_float32, float32_to_bf16_bits
 from .digest import StateDigest, tensor_digest
+from .parallel import ordered_map
 
 GROUP_SIZES = (32, 64, 128)
 BITS = (2, 4, 8)  # the power-of-two widths, whose codes fill uint32 words exactly
@@ -285,18 +286,22 @@ def quantized_state(
     group_size: int = DEFAULT_GROUP_SIZE,
     bits: int = 8,
     predicate: Predicate | None = None,
+    *,
+    threads: int | None = 1,
 ) -> dict[str, np.ndarray]:
     """The plane a worker serves for a bf16 state (uint16 bits): each quantized weight as its
     uint32 codes (same name) and bf16-bit ``<module>.scales`` / ``<module>.biases``, every other
-    tensor as it is. `predicate` defaults to `mlx_lm_predicate()` (no model overrides)."""
+    tensor as it is. `predicate` defaults to `mlx_lm_predicate()` (no model overrides); `threads`
+    tensors are quantized at a time (`parallel.thread_count`; the result does not depend on it)."""
     layout = plane_layout({n: a.shape for n, a in bf16_state.items()}, group_size, bits, predicate)
+    names = list(layout)
+    by_name = dict(zip(names, ordered_map(lambda n: quantize(bf16_state[n], *layout[n], name=n), names, threads), strict=True))
     plane: dict[str, np.ndarray] = {}
     for name, bits_ in bf16_state.items():
-        params = layout.get(name)
-        if params is None:
+        q = by_name.get(name)
+        if q is None:
             plane[name] = bits_
             continue
-        q = quantize(bits_, *params, name=name)
         codes, scales, biases = plane_names(name)
         plane[codes], plane[scales], plane[biases] = q.codes, q.scales, q.biases
     return plane

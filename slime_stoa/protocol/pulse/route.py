@@ -1,4 +1,9 @@
-"""Rank the paths to a weight version by estimated time, not by bytes alone.
+"""The paths to a weight version, and their ranking: by bytes to download (the default) or by
+estimated time.
+
+`patch_paths` lists the patch sequences that reach the head from a base version, from the
+manifests' step and catch-up patches (`Link`s): the chain of step patches, and each catch-up
+that covers the base followed by the step patches after it. Their bytes are the manifests'.
 
 A path (`Route`) is described by what it costs: round trips that cannot overlap, bytes to
 download, elements the patches write, elements of the tensors they touch (re-hashed to verify
@@ -6,16 +11,25 @@ the state digest), and anchor elements to parse and digest. `Speeds` holds a
 receiver's rates; `estimate_s` and `rank` are pure. `SpeedMeter` keeps the rates up to date from
 what the receiver observes (exponential moving averages), starting from configured guesses.
 
-So a worker that is far behind compares a long chain of small patches (many round trips, many
-changes to apply) with one anchor (many bytes, parsed and digested once) in seconds, and never
-takes the chain when the anchor is faster.
+`rank` orders routes `by` "bytes" (fewest first, estimated time breaking ties): a lagger never
+downloads more than the cheapest path, which is what a worker on a home link waits for and what
+the bucket serves; a loopback or LAN receiver, where every path takes a fraction of a second and
+the estimates are within their own noise, would otherwise trade 30x the bytes for a guessed
+saving. `by="time"` ranks by the estimate (bytes breaking ties), for receivers whose link is
+known to be faster than their CPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
+
+from .manifests import PatchRef
+
+RouteBy = Literal["bytes", "time"]
+ROUTE_BY: tuple[RouteBy, ...] = ("bytes", "time")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +75,57 @@ def estimate_s(route: Route, speeds: Speeds) -> float:
     )
 
 
-def rank(routes: Iterable[Route], speeds: Speeds) -> list[Route]:
-    """Routes fastest first (ties: fewer bytes, then name)."""
-    return sorted(routes, key=lambda r: (estimate_s(r, speeds), r.bytes, r.name))
+def rank(routes: Iterable[Route], speeds: Speeds, by: RouteBy = "bytes") -> list[Route]:
+    """Routes best first: fewest bytes (ties: faster, then name), or with `by="time"` fastest
+    (ties: fewer bytes, then name)."""
+    return sorted(routes, key=lambda r: rank_key(r, speeds, by))
+
+
+def rank_key(route: Route, speeds: Speeds, by: RouteBy = "bytes") -> tuple[float, float, str]:
+    """The sort key `rank` orders routes by."""
+    if by == "bytes":
+        return (route.bytes, estimate_s(route, speeds), route.name)
+    if by == "time":
+        return (estimate_s(route, speeds), route.bytes, route.name)
+    raise ValueError(f"by must be one of {ROUTE_BY}, got {by!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """What one version's manifest offers to reach it."""
+
+    version: int
+    step: PatchRef | None  # from version - 1
+    catchup: PatchRef | None  # from any version in its base range
+
+
+def patch_paths(base: int, digest: str | None, links: Sequence[Link]) -> list[tuple[str, list[PatchRef]]]:
+    """Every patch sequence from the state of version `base` (state digest `digest`) to the last
+    of `links` (versions base + 1 .. head, oldest first, contiguous), as (name, patches):
+
+    - the step patches of every version: ``"step"`` (one) or ``"chain"``;
+    - a catch-up at version c covering `base` (and, if base-relative, made on `digest`) and the
+      step patches after c: ``"catchup"`` (c is the head) or ``"catchup+chain"``.
+
+    A sequence is listed only when every patch it needs is there; the first patch's base digest,
+    if it has one, must be `digest` (later ones are checked by the final state digest)."""
+    if not links or [link.version for link in links] != list(range(base + 1, base + 1 + len(links))):
+        return []
+    paths: list[tuple[str, list[PatchRef]]] = []
+    steps = [link.step for link in links]
+    if all(s is not None and s.covers(link.version - 1) for s, link in zip(steps, links, strict=True)):
+        chain = [s for s in steps if s is not None]
+        if chain[0].base_digest in (None, digest):
+            paths.append(("step" if len(chain) == 1 else "chain", chain))
+    for i, link in enumerate(links):
+        cu = link.catchup
+        if cu is None or not cu.covers(base) or cu.base_digest not in (None, digest):
+            continue
+        after = steps[i + 1 :]
+        if all(s is not None for s in after):
+            rest = [s for s in after if s is not None]
+            paths.append(("catchup+chain" if rest else "catchup", [cu, *rest]))
+    return paths
 
 
 def chain_guess(behind: int, step: Route) -> Route:

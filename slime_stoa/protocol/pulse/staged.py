@@ -10,10 +10,10 @@ bits into the state, work proportional to the patch. A deferred `subscriber.Subs
 this way and hands the staged patch to its receiver (`Subscriber.commit`).
 
 Extra memory while staging, about 6 bytes per change (an int32 index and the bf16 bits, held as
-decoded and kept as the staged writes), one frame's decoding buffers (frames are ~16 MiB of
-raw patch) and one 8 MiB chunk, never a copy of a tensor: each touched tensor is hashed chunk
-by chunk with its staged bits laid over a copy of the chunk. The result equals applying the patches in order with `apply_patch` (the
-tests check it bit for bit).
+decoded and kept as the staged writes), the decoding buffers of one frame per thread (frames
+are ~16 MiB of raw patch) and one 8 MiB chunk per thread, never a copy of a tensor: each
+touched tensor is hashed chunk by chunk with its staged bits laid over a copy of the chunk. The
+result equals applying the patches in order with `apply_patch` (the tests check it bit for bit).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import numpy as np
 from .apply import Frames, UndoEntry, UndoLog
 from .codec import check_bits, from_rel_codes
 from .digest import StateDigest, tensor_hasher
-from .frames import PatchIndex, decode_frame, frame_number
+from .frames import PatchIndex, decode_frames, frame_number
+from .parallel import ordered_map
 
 HASH_CHUNK = 1 << 22  # elements of a tensor copied at a time to hash its staged bits (8 MiB of bf16)
 
@@ -49,7 +50,8 @@ class TensorWrite:
 class StagedPatch:
     """Verified writes, ready to commit; `digest` is the state's digest once they are written.
     What staging cost, for a receiver's speed estimates (`route.SpeedMeter`): `changes` elements
-    decoded and merged in `apply_s` seconds, `hashed` elements re-hashed in `hash_s` (one thread)."""
+    decoded and merged in `apply_s` seconds, `hashed` elements re-hashed in `hash_s` (seconds
+    summed over the threads)."""
 
     writes: tuple[TensorWrite, ...]
     digest: StateDigest
@@ -82,44 +84,55 @@ def stage_patches(
     digest: StateDigest,
     patches: Sequence[tuple[PatchIndex, Frames]],
     expected: str,
+    *,
+    threads: int | None = 1,
 ) -> StagedPatch:
     """Stage `patches` (applied in order, each with all its frames) onto `state`, whose digest is
     `digest`, and check that they reach the state digest `expected`. `state` is only read.
+    Frames decode on `threads` threads as they come (`frames.decode_frames`: an iterable of
+    frames may still be downloading), then each tensor's writes merge and hash on `threads`
+    threads; the result does not depend on the thread count.
 
     Raises PatchCorrupt for a damaged frame, ValueError for frames that do not fit the state or
     the patch (as `apply_patch` does), StageError when the result's digest is not `expected`.
     """
     writes: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}  # name -> (mode, indices, values)
-    start, hash_s = time.perf_counter(), 0.0
+    start = time.perf_counter()
     for index, frames in patches:
         seen: set[int] = set()
-        for i, data in frames.items() if isinstance(frames, Mapping) else frames:
+        items = frames.items() if isinstance(frames, Mapping) else frames
+        for i, decoded in decode_frames(index, items, threads):
             i = frame_number(index, i)
             if i in seen:
                 raise ValueError(f"frame {i} given twice")
             seen.add(i)
             for entry in index.frames[i].entries:
                 _check_target(state, entry.name, entry.shape, i)
-            for name, indices, values in decode_frame(index, i, data):  # compact indices held, not int64
+            for name, indices, values in decoded:  # compact indices held, not int64
                 writes.setdefault(name, []).append((index.mode, indices.astype(_index_dtype(state[name])), values))
         missing = sorted(set(range(len(index.frames))) - seen)
         if missing:
             raise ValueError(f"patch incomplete: frames {missing} missing")
     changes = sum(int(indices.size) for parts in writes.values() for _, indices, _ in parts)
     hashed = sum(int(state[name].size) for name in writes)
-    staged, digests = [], dict(digest.digests)
-    for name in sorted(writes):
+    decode_s = time.perf_counter() - start
+
+    def merged(name: str) -> tuple[TensorWrite, bytes, float, float]:
         bits = state[name]
-        at, final = _merge(bits.reshape(-1), writes.pop(name))  # decoded parts freed as they merge
-        staged.append(TensorWrite(name, at, final))
         tic = time.perf_counter()
-        digests[name] = _digest_with(name, bits, at, final, digest.dtype)
-        hash_s += time.perf_counter() - tic
+        at, final = _merge(bits.reshape(-1), writes.pop(name))  # decoded parts freed as they merge
+        toc = time.perf_counter()
+        found = _digest_with(name, bits, at, final, digest.dtype)
+        return TensorWrite(name, at, final), found, toc - tic, time.perf_counter() - toc
+
+    done = ordered_map(merged, sorted(writes), threads)
+    digests = dict(digest.digests) | {w.name: found for w, found, _, _ in done}
     result = StateDigest(digests, digest.dtype)
     if result.root() != expected:
         raise StageError(f"state digest {result.root()} != {expected} after staging {len(patches)} patch(es)")
-    return StagedPatch(tuple(staged), result, changes=changes, apply_s=time.perf_counter() - start - hash_s,
-                       hashed=hashed, hash_s=hash_s)
+    return StagedPatch(tuple(w for w, _, _, _ in done), result, changes=changes,
+                       apply_s=decode_s + sum(m for _, _, m, _ in done), hashed=hashed,
+                       hash_s=sum(h for _, _, _, h in done))
 
 
 def _index_dtype(bits: np.ndarray) -> type[np.signedinteger]:

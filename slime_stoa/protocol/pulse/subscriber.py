@@ -1,19 +1,24 @@
 """The worker side of the weight plane: follow the pointer and stay bit-identical to it.
 
 `Subscriber.sync()` costs one conditional GET while nothing changed. When the pointer moves it
-reads the new version's manifest and ranks the paths that reach it by estimated time
-(`route.py`: round trips, bytes at the measured download rate, and the CPU to apply each change
-or to load an anchor, all measured as the subscriber goes):
+reads the new version's manifest, lists the paths that reach it from the manifests back to the
+held version (up to `max_chain` back) or the anchor (`route.patch_paths`), and ranks them by the
+bytes they download (`route_by="bytes"`, ties by estimated time) or by estimated time
+(`route_by="time"`: round trips, bytes at the measured download rate, and the CPU to apply each
+change or to load an anchor, all measured as the subscriber goes):
 
 - `step`    — the single patch from the previous version (we are one behind);
-- `catchup` — the merged patch valid on our version (any state since the anchor, or exactly our
-  state when it is base-relative);
-- `chain`   — the step patches of every version in between (walked only when it may win);
-- `anchor`  — the full anchor plus its catch-up patch or chain (cold start, or far behind).
+- `chain`   — the step patches of every version in between;
+- `catchup` — a merged patch valid on our version (any state since the anchor, or exactly our
+  state when it is base-relative), then the step patches after it (`catchup+chain`);
+- `anchor`  — the full anchor plus the cheapest of those from it (cold start, or far behind).
 
-It tries them fastest first. Patches of a path are fetched concurrently (frames with ranged GETs),
-verified against their digests and applied in place, in order, with an undo log; the final state
-digest must equal the manifest's. A patch carrying a base digest (every step patch, and every
+It tries them best first. Patches of a path are fetched concurrently (frames with ranged GETs);
+each frame is verified against its digest and decoded as it arrives, on `SubscriberConfig.threads`
+threads, while later frames still download (`feed.FrameFeed`), and applied in place, in order,
+with an undo log (a deferred sync stages it instead, writing nothing); the final state digest
+must equal the manifest's, and a patch counts only once its whole body matched the sha256 its
+signed manifest carries. A patch carrying a base digest (every step patch, and every
 base-relative patch) is only tried on exactly that base. Any failure (bad digest, missing object,
 base mismatch) rolls the state back exactly, is logged, and the next path is tried. The state is
 never left at an unverified version. The changed indices of a sync (`SyncResult.changed`) are
@@ -22,11 +27,15 @@ computed lazily, per tensor, in time proportional to the patches.
 Nothing malformed in the bucket escapes as anything but `SyncError` (the state stays at its last
 verified version): a pointer that does not parse (or names another run) is skipped until its ETag
 changes, so a reader reports it once and recovers at the first good pointer; a pointer whose
-manifest is unreadable is retried at the next poll (the manifest may be on its way).
+manifest is unreadable is retried at the next poll (the manifest may be on its way). A pointer
+that goes back in (epoch, version) from the held version (or from `floor`) is refused as a
+rollback (`freshness.pointer_regression`), counted and logged once like a forgery.
 
 With a `RunTrust` (a signed run), the pointer, every version and anchor manifest must be signed by
 the run key of its version and every patch object and anchor file must match the sha256 its
-signed manifest carries, checked on download before use. A refused object is counted once
+signed manifest carries, checked on download before anything from it is accepted (frames that
+arrive by ranged GETs are decoded before the last one is in: a mismatch rolls them back, and a
+frame failing its digest in a signed patch counts as a mismatch). A refused object is counted once
 (`refused`), logged once, and when no path is left the sync raises `WeightsRefused` (a
 SyncError): the state stays at its last verified version.
 
@@ -39,28 +48,31 @@ import asyncio
 import hashlib
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
-from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.layout import QuantPlane, RunLayout
 from slime_stoa.protocol.run_trust import ContentMismatch, RunTrust, Untrusted, check_content
 from slime_stoa.protocol.store import Store, StoreError
 
 from .anchor import read_anchor
-from .apply import ChangedIndices, UndoLog, apply_patch
+from .apply import ChangedIndices, Frames, UndoLog, apply_patch
 from .codec import PatchError
 from .digest import StateDigest, tensor_digest
+from .feed import FrameFeed
 from .frames import PatchIndex
+from .freshness import Head, pointer_regression
 from .history import MalformedPointer, NotPublished, read_anchor_manifest, read_manifest, read_pointer_etag
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
-from .route import Route, SpeedMeter, Speeds, chain_guess, estimate_s, rank
+from .parallel import check_threads, thread_count
+from .route import Link, Route, RouteBy, SpeedMeter, Speeds, estimate_s, patch_paths, rank_key
 from .staged import StagedPatch, stage_patches
 from .sync_result import Committed, StagedSync, SyncError, SyncResult, WeightsRefused
 
@@ -75,10 +87,16 @@ class SubscriberConfig:
     """How a subscriber fetches (one per worker)."""
 
     concurrency: int = 8  # ranged GETs in flight
-    max_chain: int = 64  # longest chain of step patches worth walking manifests for
+    max_chain: int = 64  # versions behind the anchor a lagger still walks manifests back for
+    route_by: RouteBy = "bytes"  # rank paths by bytes to download, or by estimated time (`route.rank`)
     speeds: Speeds = field(default_factory=Speeds)  # rate guesses for path choice until measured
     manifest_cache: int = 256  # version manifests kept in memory (most recently used)
-    hash_threads: int | None = None  # threads re-hashing patched tensors (None: one per CPU)
+    threads: int | None = None
+    """Threads decoding frames, merging staged writes and re-hashing patched tensors (numpy, zstd
+    and xxh3 release the GIL; the state reached does not depend on it). None: one per CPU, at most 8."""
+
+    def __post_init__(self) -> None:
+        check_threads(self.threads)
 
 
 @dataclass(slots=True)
@@ -104,9 +122,10 @@ class Subscriber:
         *,
         trust: RunTrust | None = None,
         deferred: bool = False,
+        plane: QuantPlane | None = None,
     ):
         self.store = store
-        self.layout = RunLayout(run)
+        self.layout = RunLayout(run, plane)  # the run's bf16 weights, or its quantized `plane`
         self.config = config
         if trust is not None and trust.run != run:
             raise ValueError(f"the trust is run {trust.run!r}'s, not {run!r}'s")
@@ -115,6 +134,7 @@ class Subscriber:
         self.last_refusal = ""  # why the latest was
         self._refused_ids: OrderedDict[str, None] = OrderedDict()
         self.deferred = deferred
+        self.floor: Head | None = None  # a pointer below this is refused before any version is held
         self.state: dict[str, np.ndarray] | None = None
         self.version: int | None = None
         self.digest: StateDigest | None = None
@@ -130,7 +150,9 @@ class Subscriber:
         SyncError when the pointer is malformed or names another run; that object is then
         skipped (the next poll is a 304 until the pointer changes)."""
         try:
-            got = await read_pointer_etag(self.store, self.layout.run, if_none_match=self._etag, trust=self.trust)
+            got = await read_pointer_etag(
+                self.store, self.layout.run, if_none_match=self._etag, trust=self.trust, plane=self.layout.plane
+            )
         except NotPublished:
             return None  # nothing published yet
         except MalformedPointer as exc:
@@ -150,9 +172,11 @@ class Subscriber:
         pointer = await self.poll()
         if pointer is None:
             return None
-        if self.version is not None and pointer.version <= self.version:
-            if pointer.version < self.version:
-                log.warning("pointer went back from v%d to v%d: ignoring it", self.version, pointer.version)
+        problem = pointer_regression(self.head, pointer)
+        if problem is not None:  # refused once: the next poll is a 304 until the pointer changes
+            self._refuse(f"{self.layout.pointer}@{self._etag}", problem)
+            raise WeightsRefused(f"refused the pointer: {problem}; {self._keeping()}")
+        if pointer.version == self.version:
             return None
         try:
             try:
@@ -166,8 +190,10 @@ class Subscriber:
                 ) from None
             if (
                 manifest.run != self.layout.run
+                or manifest.plane != self.layout.plane
                 or manifest.version != pointer.version
                 or manifest.state_digest != pointer.state_digest
+                or manifest.origin.epoch != pointer.epoch
             ):
                 raise SyncError(f"manifest {pointer.manifest} does not match the pointer; {self._keeping()}")
             return await self.sync_to(manifest)
@@ -237,6 +263,18 @@ class Subscriber:
         done.undo.rollback(self.state)
         self.version, self.digest, self.current = done.version, done.digest, done.current
 
+    @property
+    def head_epoch(self) -> int:
+        return self.current.origin.epoch if self.current is not None else 0
+
+    @property
+    def head(self) -> Head | None:
+        """Where the subscriber stands on the weight plane (`freshness`): the held version, else
+        `floor` (a head remembered from an earlier run), else None."""
+        if self.version is not None:
+            return Head(self.head_epoch, self.version)
+        return self.floor
+
     def _keeping(self) -> str:
         return f"keeping weights v{self.version}" if self.version is not None else "no weights yet"
 
@@ -280,84 +318,70 @@ class Subscriber:
             changes=sum(p.count for p in patches), hashed=sum(sizes.values()),
         )
 
-    def _applies(self, ref: PatchRef | None, version: int, digest: str | None) -> bool:
-        """Whether `ref` may be applied to our state (its base range, and its base digest if any)."""
-        return ref is not None and ref.covers(version) and (ref.base_digest is None or ref.base_digest == digest)
-
     async def _plans(self, target: VersionManifest) -> list[_Plan]:
+        """Every path to `target` from the manifests (`route.patch_paths`), ranked (`route.rank`,
+        by `SubscriberConfig.route_by`): from the held version, and from the target's anchor."""
+        u, v, a = self.version, target.version, target.anchor.version
+        root = self.digest.root() if self.digest is not None else None
+        lagger = u is not None and root is not None and u < v and (u >= a or v - u <= self.config.max_chain + 1)
+        lowest = min(a, u) if lagger and u is not None else a
+        links = await self._links(target, lowest) if lowest < v else []
         plans: list[_Plan] = []
-        u, v = self.version, target.version
+        if lagger and u is not None:
+            for name, patches in patch_paths(u, root, [link for link in links if link.version > u]):
+                route = self._patch_route(name, patches)
+                plans.append(_Plan(name, route.bytes, patches, route=route))
+        plans += self._anchor_plans(target, [link for link in links if link.version > a])
         speeds = self.meter.speeds
-        anchor = await self._anchor_plan(target)
-        if anchor is not None:
-            plans.append(anchor)
-        if u is not None and self.digest is not None:
-            root = self.digest.root()
-            step, catchup = target.patch("step"), target.patch("catchup")
-            for kind, ref in (("step", step), ("catchup", catchup)):
-                if ref is not None and self._applies(ref, u, root):
-                    plans.append(_Plan(kind, ref.bytes, [ref], route=self._patch_route(kind, [ref])))
-            behind = v - u
-            if step is not None and not self._applies(step, u, root) and 2 <= behind <= self.config.max_chain + 1:
-                best = min((estimate_s(p.route, speeds) for p in plans if p.route), default=math.inf)
-                # Walking costs a manifest GET per version: only when a chain of steps like this
-                # one may be faster than the best alternative (the guess may be off either way).
-                guess = chain_guess(behind, self._patch_route("step", [step]))
-                if estimate_s(guess, speeds) < 2 * best:
-                    chain = await self._chain(target, u)
-                    if chain and chain[0].base_digest in (None, root):
-                        route = self._patch_route("chain", chain)
-                        plans.append(_Plan("chain", route.bytes, chain, route=route))
-        by_name = {p.name: p for p in plans}
-        ranked = [by_name[r.name] for r in rank((p.route for p in plans if p.route), speeds)]
-        for plan in ranked:
+        for plan in plans:
             assert plan.route is not None
             plan.estimate_s = estimate_s(plan.route, speeds)
-        return ranked
+        by = self.config.route_by
+        return sorted(plans, key=lambda p: rank_key(p.route, speeds, by) if p.route else (math.inf, 0, ""))
 
-    async def _chain(self, target: VersionManifest, base: int) -> list[PatchRef] | None:
-        """Step patches from `base` to the target, oldest first; None if a link is missing."""
-        chain: list[PatchRef] = []
+    async def _links(self, target: VersionManifest, base: int) -> list[Link]:
+        """What the manifests of versions base + 1 .. target offer, oldest first; when a manifest
+        is missing or unreadable, only the versions above it."""
+        links: list[Link] = []
         manifest = target
         try:
             while manifest.version > base:
-                step = manifest.patch("step")
-                if step is None or manifest.parent is None:
-                    return None
-                chain.append(step)
-                if manifest.parent.version == base:
+                links.append(Link(manifest.version, manifest.patch("step"), manifest.patch("catchup")))
+                if manifest.parent is None or manifest.parent.version <= base:
                     break
                 manifest = await self.manifest(manifest.parent.manifest)
         except (StoreError, ValueError) as exc:  # ManifestError, or a key the store refuses
             if isinstance(exc, Untrusted):
                 self._refuse(exc.key or f"chain to v{target.version}", str(exc))
-            log.info("chain to v%d unavailable: %s", target.version, exc)
-            return None
-        return chain[::-1]
+            log.info("manifests below v%d unavailable: %s", manifest.version, exc)
+        return links[::-1]
 
-    async def _anchor_plan(self, target: VersionManifest) -> _Plan | None:
-        """The anchor path (None when no patches lead from the anchor to the target)."""
+    async def _chain(self, target: VersionManifest, base: int) -> list[PatchRef] | None:
+        """Step patches from `base` to the target, oldest first; None if a link is missing."""
+        links = await self._links(target, base)
+        if not links or links[0].version != base + 1 or any(link.step is None for link in links):
+            return None
+        return [link.step for link in links if link.step is not None]
+
+    def _anchor_plans(self, target: VersionManifest, links: list[Link]) -> list[_Plan]:
+        """The anchor paths: the anchor, then each patch path from it to the target."""
         a = target.anchor
-        plan = _Plan("anchor", target.anchor_bytes, anchor=a.manifest)
-        if a.version != target.version:
-            catchup, step = target.patch("catchup"), target.patch("step")
-            if catchup is not None and self._applies(catchup, a.version, a.state_digest):
-                plan.name, plan.patches = "anchor+catchup", [catchup]
-            elif target.version - a.version == 1 and step is not None:
-                plan.name, plan.patches = "anchor+step", [step]
-            else:
-                plan.name, plan.patches = "anchor+chain", await self._chain(target, a.version) or []
-                if not plan.patches:
-                    log.warning("v%d: no patches lead from its anchor v%d", target.version, a.version)
-                    return None
-            plan.cost += sum(p.bytes for p in plan.patches)
-        # One GET for the anchor manifest, one wave of shard GETs, then the patches.
-        patches = self._patch_route(plan.name, plan.patches)
-        plan.route = Route(
-            name=plan.name, requests=2 + patches.requests, bytes=plan.cost, changes=patches.changes,
-            hashed=patches.hashed, elements=target.elements,
-        )
-        return plan
+        if a.version == target.version:
+            options: list[tuple[str, list[PatchRef]]] = [("anchor", [])]
+        else:
+            options = [(f"anchor+{name}", patches) for name, patches in patch_paths(a.version, a.state_digest, links)]
+            if not options:
+                log.warning("v%d: no patches lead from its anchor v%d", target.version, a.version)
+        plans = []
+        for name, patches in options:
+            # One GET for the anchor manifest, one wave of shard GETs, then the patches.
+            route = self._patch_route(name, patches)
+            cost = target.anchor_bytes + route.bytes
+            plans.append(_Plan(name, cost, patches, anchor=a.manifest, route=Route(
+                name=name, requests=2 + route.requests, bytes=cost, changes=route.changes,
+                hashed=route.hashed, elements=target.elements,
+            )))
+        return plans
 
     # -- execution ---------------------------------------------------------------------------
     async def _execute(
@@ -387,20 +411,26 @@ class Subscriber:
         self, state: dict[str, np.ndarray], digest: StateDigest, patches: list[PatchRef], target: VersionManifest
     ) -> StagedSync:
         """Fetch and verify `patches` against `state` without writing it (`stage_patches`, on a
-        thread); its cost feeds the speed estimates (the commit's scatter is tiny)."""
+        thread, decoding each frame as it arrives); its cost feeds the speed estimates (the
+        commit's scatter is tiny)."""
         if patches and patches[0].base_digest not in (None, digest.root()):
             raise SyncError(f"{patches[0].key} needs base {patches[0].base_digest}, we hold {digest.root()}")
-        fetches = [asyncio.ensure_future(self._fetch_frames(ref)) for ref in patches]
-        try:
-            frames = await asyncio.gather(*fetches)
-        finally:
-            for fetch in fetches:
-                fetch.cancel()  # the others, when one failed
-        patch = await asyncio.to_thread(
-            stage_patches, state, digest, [(ref.index, f) for ref, f in zip(patches, frames, strict=True)],
-            target.state_digest,
+        feeds = [FrameFeed() for _ in patches]
+        fetches = [asyncio.ensure_future(self._feed(ref, feed)) for ref, feed in zip(patches, feeds, strict=True)]
+        job = _thread(
+            stage_patches, state, digest, [(ref.index, feed) for ref, feed in zip(patches, feeds, strict=True)],
+            target.state_digest, threads=self.config.threads,
         )
-        self.meter.apply(patch.changes, patch.apply_s)
+        try:
+            try:
+                patch = await asyncio.shield(job)
+            except (PatchError, ValueError):
+                await _content_verdict(fetches)
+                raise
+        finally:
+            await _settle(job, feeds, fetches)
+        waited = sum(feed.waited_s for feed in feeds)
+        self.meter.apply(patch.changes, max(0.0, patch.apply_s - waited))
         self.meter.hash(patch.hashed, patch.hash_s)
         return StagedSync(target, patch.digest, digest.root(), patch=patch)
 
@@ -413,27 +443,38 @@ class Subscriber:
     ) -> tuple[list[UndoLog], StateDigest]:
         """Apply patches in order and check the digest; on any failure restore the state.
 
-        Every patch is fetched at once (the next downloads while one applies); the last one is
-        applied while the tensors it finishes are re-hashed (`_apply_hashing`)."""
+        Every patch is fetched at once, and each frame is decoded and written as it arrives (the
+        rest download meanwhile); a patch counts as applied only once its body checked against its
+        signed sha256 (else it is rolled back). The last patch is applied while the tensors it
+        finishes are re-hashed (`_apply_hashing`)."""
         if patches and patches[0].base_digest is not None and patches[0].base_digest != digest.root():
             raise SyncError(f"{patches[0].key} needs base {patches[0].base_digest}, we hold {digest.root()}")
         logs: list[UndoLog] = []
         touched: set[str] = set()
         new_digest = digest
-        fetches = [asyncio.ensure_future(self._fetch_frames(ref)) for ref in patches]
-        threads = self.config.hash_threads or os.cpu_count() or 1
+        feeds = [FrameFeed() for _ in patches]
+        fetches = [asyncio.ensure_future(self._feed(ref, feed)) for ref, feed in zip(patches, feeds, strict=True)]
+        threads = self.config.threads
+        job: asyncio.Future | None = None
         try:
-            for i, (ref, fetch) in enumerate(zip(patches, fetches, strict=True)):
-                frames = await fetch
+            for i, (ref, feed, fetch) in enumerate(zip(patches, feeds, fetches, strict=True)):
                 start = time.perf_counter()
                 if i < len(patches) - 1:
-                    undo = await asyncio.to_thread(apply_patch, state, ref.index, frames)
-                    self.meter.apply(ref.count, time.perf_counter() - start)
+                    job = _thread(apply_patch, state, ref.index, feed, threads=threads)
                 else:
-                    undo, new_digest, spent = await asyncio.to_thread(
-                        _apply_hashing, state, ref.index, frames, digest, touched, threads
-                    )
-                    self.meter.apply(ref.count, spent[0])
+                    job = _thread(_apply_hashing, state, ref.index, feed, digest, touched, threads)
+                try:
+                    done = await asyncio.shield(job)
+                except (PatchError, ValueError):
+                    await _content_verdict([fetch])
+                    raise
+                job = None
+                if i < len(patches) - 1:
+                    undo = done
+                    self.meter.apply(ref.count, max(0.0, time.perf_counter() - start - feed.waited_s))
+                else:
+                    undo, new_digest, spent = done
+                    self.meter.apply(ref.count, max(0.0, spent[0] - feed.waited_s))
                     self.meter.hash(spent[1], spent[2])
                 logs.append(undo)
                 touched.update(undo.touched)
@@ -442,18 +483,33 @@ class Subscriber:
                     f"state digest {new_digest.root()} != {expected} after applying {len(patches)} patch(es)"
                 )
         except BaseException:
+            await _settle(job, feeds, fetches)  # the thread writing the state has stopped
             for undo in reversed(logs):
                 undo.rollback(state)
             raise
         finally:
-            for fetch in fetches:
-                fetch.cancel()
-            for outcome in await asyncio.gather(*fetches, return_exceptions=True):
-                if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
-                    log.debug("an unused patch fetch failed: %s", outcome)
+            await _settle(None, feeds, fetches)
         return logs, new_digest
 
-    async def _fetch_frames(self, ref: PatchRef) -> Mapping[int, bytes]:
+    async def _feed(self, ref: PatchRef, feed: FrameFeed) -> None:
+        """Download a patch's frames into `feed` as they arrive, then close it with the verdict."""
+        try:
+            await self._fetch_frames(ref, feed.put)
+        except Exception as exc:
+            feed.close(exc)
+            raise
+        except BaseException:
+            feed.close(SyncError(f"{ref.key}: download abandoned"))
+            raise
+        feed.close()
+
+    async def _fetch_frames(
+        self, ref: PatchRef, on_frame: Callable[[int, bytes], None] | None = None
+    ) -> Mapping[int, bytes]:
+        """A patch's frames by number, each also passed to `on_frame` as it arrives: one GET of
+        the whole body (checked, then its frames passed on) or ranged GETs (each frame passed on
+        as it lands). ContentMismatch when the body is not the one its manifest signs (checked
+        once every frame is in)."""
         frames = ref.index.frames
         start = time.perf_counter()
         if len(frames) <= 1 or ref.bytes <= WHOLE_BODY_BYTES:
@@ -464,13 +520,19 @@ class Subscriber:
                 raise SyncError(f"{ref.key}: {len(body)} bytes, manifest says {ref.bytes}")
             await asyncio.to_thread(check_content, body, ref.sha256, ref.key)
             self.meter.download(len(body), time.perf_counter() - start)
-            return {i: body[f.offset : f.offset + f.length] for i, f in enumerate(frames)}
+            whole = {i: body[f.offset : f.offset + f.length] for i, f in enumerate(frames)}
+            for i, data in whole.items():
+                if on_frame is not None:
+                    on_frame(i, data)
+            return whole
         limit = asyncio.Semaphore(self.config.concurrency)
 
         async def fetch(i: int) -> tuple[int, bytes]:
             async with limit:
                 got = await self.store.get(ref.key, offset=frames[i].offset, length=frames[i].length)
             assert got is not None
+            if on_frame is not None:
+                on_frame(i, got.data)
             return i, got.data
 
         got = dict(await asyncio.gather(*(fetch(i) for i in range(len(frames)))))
@@ -478,6 +540,32 @@ class Subscriber:
             await asyncio.to_thread(_check_frames, ref, got)
         self.meter.download(ref.bytes, time.perf_counter() - start)
         return got
+
+
+def _thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
+    """`fn` running on a thread, as a future that outlives a cancelled awaiter (await it
+    through `asyncio.shield`, and `_settle` it before touching what it writes)."""
+    return asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+
+
+async def _settle(job: asyncio.Future | None, feeds: list[FrameFeed], fetches: Sequence[asyncio.Future]) -> None:
+    """Stop the downloads, end every feed (a thread waiting on one wakes up and fails) and wait
+    until `job`'s thread returned; nothing raised."""
+    for fetch in fetches:
+        fetch.cancel()
+    for feed in feeds:
+        feed.close(SyncError("sync abandoned"))  # ignored by a feed already ended
+    for outcome in await asyncio.gather(*fetches, *([job] if job is not None else []), return_exceptions=True):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+            log.debug("an unused patch fetch or apply failed: %s", outcome)
+
+
+async def _content_verdict(fetches: Sequence[asyncio.Future]) -> None:
+    """Raise the ContentMismatch of a download, if one had it, once they are all done: a frame
+    that fails its digest in a signed patch is a refused object, not just a damaged one."""
+    for outcome in await asyncio.gather(*fetches, return_exceptions=True):
+        if isinstance(outcome, ContentMismatch):
+            raise outcome
 
 
 def _check_frames(ref: PatchRef, frames: Mapping[int, bytes]) -> None:
@@ -496,10 +584,10 @@ def _check_frames(ref: PatchRef, frames: Mapping[int, bytes]) -> None:
 def _apply_hashing(
     state: dict[str, np.ndarray],
     index: PatchIndex,
-    frames: Mapping[int, bytes],
+    frames: Frames,
     digest: StateDigest,
     earlier: set[str],
-    threads: int,
+    threads: int | None,
 ) -> tuple[UndoLog, StateDigest, tuple[float, int, float]]:
     """Apply a path's last patch; return its undo log, the new state digest and what it took
     (apply seconds, elements hashed, hashing seconds summed over threads).
@@ -513,7 +601,7 @@ def _apply_hashing(
         start = time.perf_counter()
         return tensor_digest(name, state[name], digest.dtype), time.perf_counter() - start
 
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stoa-hash") as pool:
+    with ThreadPoolExecutor(thread_count(threads), thread_name_prefix="stoa-hash") as pool:
 
         def submit(name: str) -> None:
             futures[name] = pool.submit(hashed, name)
@@ -521,7 +609,7 @@ def _apply_hashing(
         for name in sorted(earlier - set(index.touched)):
             submit(name)
         start = time.perf_counter()
-        undo = apply_patch(state, index, frames, on_done=submit)
+        undo = apply_patch(state, index, frames, on_done=submit, threads=threads)
         apply_s = time.perf_counter() - start
         done = {name: future.result() for name, future in futures.items()}
     spent = (apply_s, sum(state[name].size for name in done), sum(s for _, s in done.values()))

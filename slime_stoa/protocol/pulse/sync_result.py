@@ -62,7 +62,7 @@ class Committed:
 class SyncResult:
     version: int
     previous: int | None
-    path: str  # "step", "catchup", "chain" or "anchor" (+ how the anchor was advanced)
+    path: str  # "step", "chain", "catchup", "catchup+chain" or "anchor" (+ how the anchor was advanced)
     bytes: int  # downloaded
     touched: tuple[str, ...]  # tensors whose bits may have changed
     seconds: float

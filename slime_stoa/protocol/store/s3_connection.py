@@ -8,10 +8,11 @@ and its errors come out as the store's (`StoreConfigError`, `PreconditionFailed`
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 from aiobotocore.client import AioBaseClient
@@ -26,6 +27,7 @@ from .retry import RetryPolicy, with_retries
 from .s3_errors import CREDENTIAL_CODES, error_code, error_message, error_status, is_retryable
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def unquote_etag(etag: str) -> str:
@@ -36,8 +38,27 @@ def quote_etag(etag: str) -> str:
     return f'"{unquote_etag(etag)}"'
 
 
+class _ObservedRequest(aiohttp.ClientRequest):
+    """aiohttp's request, whose body-writing task never ends with an exception nobody retrieves.
+
+    aiohttp sends a request body (every PUT: botocore asks for `100-continue`) from a task of
+    its own. When the connection is already closing as that task starts (a store outage: the
+    endpoint accepts and drops), the task fails with "Cannot write to closing transport" after
+    closing the connection, and nothing awaits it: asyncio then logs "Task exception was never
+    retrieved" with a traceback, once per request. The request itself fails on the closed
+    connection (and goes through `RetryPolicy`), so the writer's error is observed here, at
+    debug level, and nowhere else."""
+
+    async def write_bytes(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            await super().write_bytes(*args, **kwargs)
+        except Exception as exc:  # not a cancellation: that one must go on
+            log.debug("request body to %s not sent: %r", self.url.host, exc)
+
+
 class _OneShotHTTPSession(AIOHTTPSession):
-    """aiobotocore's HTTP session, minus aiohttp's hidden resend of idempotent requests.
+    """aiobotocore's HTTP session, minus aiohttp's hidden resend of idempotent requests, with
+    `_ObservedRequest` for requests.
 
     aiohttp silently resends a PUT once when the connection drops before the answer. For a
     conditional PUT that resend can meet our own landed write and turn success into a 412 that
@@ -48,6 +69,7 @@ class _OneShotHTTPSession(AIOHTTPSession):
         session = await super()._get_session(proxy_url)
         if hasattr(session, "_retry_connection"):  # aiohttp >= 3.9 (private flag)
             session._retry_connection = False
+        session._request_class = _ObservedRequest
         return session
 
 

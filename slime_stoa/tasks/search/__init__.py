@@ -3,11 +3,13 @@
 Pure parts, importable anywhere (workers, trainer): `rewards` (answer extraction, SQuAD
 normalisation, EM, cover-EM and substring EM, the final answer of an episode), `formats` (the tool tags and observation text), `stats`
 (episode metrics), `synthetic` (a seeded corpus + questions that need searching), `task` (the
-registered `search` Task), `data` (reading question and corpus files).
+registered `search` Task), `data` (reading question and corpus files, PaperSearchQA's formats),
+`tokenizer` (the index's tokeniser, BM25 settings and presets).
 
-With IO or bm25s, imported only where needed: `passages` (memory-mapped passage texts),
-`retriever` (bm25s index build, `Retriever.open`, async search), `bundle` (the index as chunked
-bucket objects: `upload_index`, `fetch_index`), `prepare` (the operator's `stoa task prepare search`).
+With IO, bm25s or PyStemmer, imported only where needed: `passages` (memory-mapped passage
+texts), `build` (the streaming, sharded index build), `retriever` (`Retriever.open`, async
+search), `bundle` (the index as chunked bucket objects: `upload_index`, `fetch_index` with its
+verified stamp), `prepare` (the operator's `stoa task prepare search`), `progress` (its bar).
 """
 
 from __future__ import annotations

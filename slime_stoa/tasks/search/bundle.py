@@ -2,7 +2,7 @@
 resumable, verified download onto a worker.
 
     runs/<run>/tasks/<task>/index/<file>.<nnnnn>     chunk n of one index file
-    runs/<run>/tasks/<task>/index/manifest.json      {"format": "stoa.search-index/1",
+    runs/<run>/tasks/<task>/index/manifest.json      {"format": "stoa.search-index/2",
         "passages": n, "files": [{"name", "size", "sha256",
                                   "chunks": [{"name", "size", "sha256"}, ...]}, ...]}
 
@@ -15,31 +15,47 @@ folder (`retriever.INDEX_FILES`), chunk `n` of file `f` must be named `f.<nnnnn>
 name grammar: one safe path component), sizes must add up and stay under `max_bytes`, and every
 chunk and every assembled file must match its sha256. With `expected_sha256` (the digest
 `prepare` recorded in the task meta) the manifest itself is pinned. Nothing is written outside
-`dest`: chunks go to `dest/.parts/` (each an atomic write, `protocol.fsutil`), verified files are
-assembled into `dest` atomically and their chunks removed, and `dest/manifest.json` is written
-last. A download cut short resumes: verified files and chunks on disk are kept (re-hashed, never
-re-fetched), anything damaged is fetched again.
+`dest`: each file is assembled in place in `dest/<file>.partial` (its final size; each verified
+chunk written at its offset, its index then listed in `dest/.parts/<file>.done`), checked whole
+once and renamed into place; `dest/manifest.json` and the verified stamp (`dest/.verified.json`:
+the manifest's digest, each file's size and mtime) are written last; `dest/.fetch.lock` lets one
+process fetch at a time. A download cut short
+resumes from the chunks listed. A later start whose stamp still holds (same digest, same sizes
+and mtimes) reads and hashes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
+import itertools
 import json
+import os
 import re
+import threading
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slime_stoa.protocol.fsutil import atomic_file, atomic_write
+from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import RunLayout, check_name
 from slime_stoa.protocol.store import PreconditionFailed, Store
 from slime_stoa.protocol.strict_json import load_json
 from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE
+from slime_stoa.tasks.search.tokenizer import SETTINGS_FILE
 
-FORMAT = "stoa.search-index/1"
+FORMAT = "stoa.search-index/2"
+#: Indexes of this format were built by a tokeniser that dropped numbers and one-letter words.
+OLD_FORMATS = ("stoa.search-index/1",)
 MANIFEST = "manifest.json"
 PARTS = ".parts"
+PARTIAL = ".partial"
+STAMP = ".verified.json"
+LOCK = ".fetch.lock"  # in the folder, flock: one fetch at a time into it (never deleted: one inode for all)
+LOCK_POLL_S = 0.2
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 512 << 20  # one chunk is held in memory while it is checked
 DEFAULT_MAX_BYTES = 256 << 30  # a PubMed-sized index (16M passages) is tens of GB
@@ -52,6 +68,7 @@ INDEX_FILES = frozenset(
         "data.csc.index.npy",
         "indices.csc.index.npy",
         "indptr.csc.index.npy",
+        SETTINGS_FILE,
         TEXT_FILE,
         OFFSETS_FILE,
     }
@@ -160,6 +177,11 @@ def _object(value: Any, keys: set[str], what: str) -> dict[str, Any]:
 def parse_manifest(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> IndexManifest:
     """Check an index manifest read from the bucket; ValueError naming the first problem."""
     doc = _object(load_json(data), {"format", "passages", "files"}, "the document")
+    if doc["format"] in OLD_FORMATS:
+        raise ValueError(
+            f"index manifest format is {doc['format']!r}: an index built by an earlier stoa, whose tokeniser "
+            "dropped numbers and one-letter words; rebuild it with `stoa task prepare search`"
+        )
     if doc["format"] != FORMAT:
         raise ValueError(f"index manifest format is {doc['format']!r}, expected {FORMAT!r}")
     passages = _int(doc["passages"], "passages", 1, 1 << 40)
@@ -226,33 +248,130 @@ async def upload_index(
 # -- download (worker) -------------------------------------------------------------------------
 
 
-async def _fetch_chunk(store: Store, layout: RunLayout, task: str, c: Chunk, parts: Path, gate: asyncio.Semaphore) -> None:
-    path = parts / c.name
-    if path.is_file() and path.stat().st_size == c.size and _sha256_file(path) == c.sha256:
-        return
-    async with gate:
-        data = await store.get_bytes(layout.task_index_file(task, c.name))
-    if len(data) != c.size or hashlib.sha256(data).hexdigest() != c.sha256:
-        raise ValueError(f"index chunk {c.name} does not match its manifest digest (refused)")
-    await asyncio.to_thread(atomic_write, path, data)
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    """What a completed fetch verified: the manifest's digest and each file's size and mtime."""
+
+    digest: str
+    files: dict[str, tuple[int, int]]
+
+    def encode(self) -> bytes:
+        doc = {"manifest_sha256": self.digest, "files": {k: list(v) for k, v in self.files.items()}}
+        return json.dumps(doc, sort_keys=True).encode("ascii")
 
 
-def _assemble(f: IndexFile, parts: Path, dest: Path) -> None:
-    h = hashlib.sha256()
-    with atomic_file(dest / f.name) as out:
-        for c in f.chunks:
-            with open(parts / c.name, "rb") as src:
-                while block := src.read(_READ):
-                    h.update(block)
-                    out.write(block)
-        if h.hexdigest() != f.sha256:
-            raise ValueError(f"index file {f.name} does not match its manifest digest (refused)")
-    for c in f.chunks:
-        (parts / c.name).unlink(missing_ok=True)
+def _file_marks(dest: Path, names: Iterable[str]) -> dict[str, tuple[int, int]] | None:
+    marks = {}
+    for name in names:
+        try:
+            st = (dest / name).stat()
+        except OSError:
+            return None
+        marks[name] = (st.st_size, st.st_mtime_ns)
+    return marks
+
+
+def _stamp_holds(dest: Path, digest: str | None) -> str | None:
+    """The digest of the index verified in `dest` if its stamp still describes the files on disk
+    (and matches `digest` when given), else None. Reads only small files and stats."""
+    try:
+        doc = load_json((dest / STAMP).read_bytes(), max_bytes=1 << 16)
+        body = (dest / MANIFEST).read_bytes()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict) or set(doc["files"]) != INDEX_FILES:
+        return None
+    stamped = doc.get("manifest_sha256")
+    if stamped != hashlib.sha256(body).hexdigest() or (digest is not None and stamped != digest):
+        return None
+    marks = _file_marks(dest, INDEX_FILES)
+    if marks is None or any(list(marks[k]) != v for k, v in doc["files"].items()):
+        return None
+    return stamped if isinstance(stamped, str) else None
+
+
+def verified_digest(dest: str | Path) -> str | None:
+    """The manifest digest of the index a completed `fetch_index` verified in `dest`, while its
+    stamp still describes the files there (None otherwise). Stats only, no hashing."""
+    return _stamp_holds(Path(dest), None)
 
 
 def _have(path: Path, f: IndexFile) -> bool:
     return path.is_file() and path.stat().st_size == f.size and _sha256_file(path) == f.sha256
+
+
+class _InPlace:
+    """One index file assembled in place: `<name>.partial` has the file's final size and each
+    verified chunk is written at its offset; `.parts/<name>.done` lists the chunks written (each
+    flushed to disk before it is listed) with the file's digest, so an interrupted fetch of the
+    same file resumes where it stopped."""
+
+    def __init__(self, dest: Path, f: IndexFile):
+        self.f, self.dest = f, dest
+        self.partial = dest / f"{f.name}{PARTIAL}"
+        self.record = dest / PARTS / f"{f.name}.done"
+        self.offsets = list(itertools.accumulate((c.size for c in f.chunks[:-1]), initial=0))
+        self.done: set[int] = set()
+        if self.partial.is_file() and self.partial.stat().st_size == f.size:
+            try:
+                raw = load_json(self.record.read_bytes(), max_bytes=1 << 24)
+            except (OSError, ValueError):
+                raw = None
+            if isinstance(raw, dict) and raw.get("sha256") == f.sha256 and isinstance(raw.get("done"), list):
+                self.done = {i for i in raw["done"] if isinstance(i, int) and 0 <= i < len(f.chunks)}
+        else:
+            self.record.unlink(missing_ok=True)
+        with open(self.partial, "ab") as out:
+            out.truncate(f.size)
+        self._lock = threading.Lock()
+
+    def write(self, i: int, data: bytes) -> None:
+        with open(self.partial, "r+b") as out:
+            out.seek(self.offsets[i])
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        with self._lock:
+            self.done.add(i)
+            atomic_write(self.record, json.dumps({"sha256": self.f.sha256, "done": sorted(self.done)}).encode("ascii"))
+
+    def finish(self) -> None:
+        """Check the whole file once and move it into place (ValueError, and the partial file
+        dropped, if it does not match its digest)."""
+        if _sha256_file(self.partial) != self.f.sha256:
+            self.partial.unlink(missing_ok=True)
+            self.record.unlink(missing_ok=True)
+            raise ValueError(f"index file {self.f.name} does not match its manifest digest (refused)")
+        os.replace(self.partial, self.dest / self.f.name)
+        self.record.unlink(missing_ok=True)
+
+
+async def _fetch_chunk(store: Store, layout: RunLayout, task: str, target: _InPlace, i: int, gate: asyncio.Semaphore) -> None:
+    c = target.f.chunks[i]
+    async with gate:
+        data = await store.get_bytes(layout.task_index_file(task, c.name))
+    if len(data) != c.size or hashlib.sha256(data).hexdigest() != c.sha256:
+        raise ValueError(f"index chunk {c.name} does not match its manifest digest (refused)")
+    await asyncio.to_thread(target.write, i, data)
+
+
+@contextlib.asynccontextmanager
+async def _fetch_lock(dest: Path) -> AsyncIterator[None]:
+    """Hold `dest`'s fetch lock inside the block: another process (or task) fetching into the same
+    folder waits here, polling, and is cancellable while it waits. The kernel lets go of a flock
+    when its process ends, however it ends, so a crashed fetch never leaves the folder locked."""
+    dest.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor lets go of the lock
 
 
 async def fetch_index(
@@ -266,24 +385,62 @@ async def fetch_index(
     parallel: int = 4,
 ) -> Path:
     """Download (or finish downloading) the run's index into `dest`; returns `dest`, ready for
-    `Retriever.open`. ValueError for a manifest or chunk that fails its checks."""
+    `Retriever.open`. ValueError for a manifest or chunk that fails its checks.
+
+    Verified once: a completed fetch writes a stamp (`STAMP`: the manifest's digest, each file's
+    size and mtime). When the stamp still holds, and names `expected_sha256` when that is given,
+    nothing is read from the bucket (with `expected_sha256`) or only the manifest (without) and
+    nothing is hashed. Files are assembled in place (`_InPlace`): the disk holds the index once,
+    not chunks and a copy.
+
+    Several processes may fetch into one `dest` at once (the workers of one machine share its
+    index): the fetch holds `dest/.fetch.lock` (flock), so one downloads while the others wait, then find
+    its stamp and return without reading a chunk."""
     dest = Path(dest)
+    if expected_sha256 is not None and _stamp_holds(dest, expected_sha256):
+        return dest  # the usual start: no lock, no bucket, no hashing
+    async with _fetch_lock(dest):
+        return await _fetch_locked(store, run, dest, task=task, expected_sha256=expected_sha256,
+                                   max_bytes=max_bytes, parallel=parallel)
+
+
+async def _fetch_locked(
+    store: Store, run: str, dest: Path, *, task: str, expected_sha256: str | None, max_bytes: int, parallel: int
+) -> Path:
+    """`fetch_index` once `dest`'s fetch lock is held."""
+    if expected_sha256 is not None and _stamp_holds(dest, expected_sha256):
+        return dest  # fetched by the process that held the lock before
     layout = RunLayout(run)
     body = await store.get_bytes(layout.task_index_file(task, MANIFEST))
-    if expected_sha256 is not None and hashlib.sha256(body).hexdigest() != expected_sha256:
+    digest = hashlib.sha256(body).hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
         raise ValueError("the index manifest in the bucket is not the one the task names (refused)")
+    if _stamp_holds(dest, digest):
+        return dest
     manifest = parse_manifest(body, max_bytes=max_bytes)
-    parts = dest / PARTS
-    parts.mkdir(parents=True, exist_ok=True)
-    (dest / MANIFEST).unlink(missing_ok=True)  # complete again only once every file checks out
+    (dest / PARTS).mkdir(parents=True, exist_ok=True)
+    (dest / STAMP).unlink(missing_ok=True)  # complete again only once every file checks out
+    (dest / MANIFEST).unlink(missing_ok=True)
     gate = asyncio.Semaphore(max(1, parallel))
     for f in manifest.files:
         if await asyncio.to_thread(_have, dest / f.name, f):
             continue
-        await asyncio.gather(*(_fetch_chunk(store, layout, task, c, parts, gate) for c in f.chunks))
-        await asyncio.to_thread(_assemble, f, parts, dest)
-    for stale in parts.iterdir():  # chunks of an earlier, different index
+        (dest / f.name).unlink(missing_ok=True)
+        target = await asyncio.to_thread(_InPlace, dest, f)
+        todo = [i for i in range(len(f.chunks)) if i not in target.done]
+        # every chunk settles (written and listed, or failed) before an error is raised: no write
+        # is left running behind a failed fetch
+        results = await asyncio.gather(*(_fetch_chunk(store, layout, task, target, i, gate) for i in todo), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        await asyncio.to_thread(target.finish)
+    for stale in [*(dest / PARTS).iterdir(), *dest.glob(f"*{PARTIAL}")]:  # left by an earlier, different index
         if stale.is_file():
             stale.unlink()
     atomic_write(dest / MANIFEST, body)
+    marks = _file_marks(dest, INDEX_FILES)
+    if marks is None:
+        raise ValueError(f"{dest}: an index file vanished while the fetch finished")
+    atomic_write(dest / STAMP, _Stamp(digest, marks).encode())
     return dest

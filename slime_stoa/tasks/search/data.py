@@ -1,10 +1,20 @@
 """Reading question/answer files and passage corpora (JSON lines, or parquet with pyarrow).
 
-Default columns follow PaperSearchQA and the Search-R1 corpus layout it builds on:
+Default columns follow PaperSearchQA (huggingface.co/datasets/jmhb/PaperSearchQA) and the
+Search-R1 corpus layout it builds on:
 
-- questions: `question` (text) and `answer` (one string, or a list of acceptable answers);
-- corpus: `contents` (the passage as one string), or else `title` and `text`, shown to the model
-  as "(Title: <title>) <text>" (just the text when the title is empty).
+- questions (PaperSearchQA's `data/train-*.parquet` and `data/test-*.parquet`: `question`,
+  `answer`, `golden_answers`, `pmid`, `cat`, ...): `question` (text) and the acceptable answers:
+  `golden_answers` (a list: the answer with its synonyms and abbreviations) when the row has it,
+  else `answer` (one string, or a list). `--answer-field` names another column instead.
+- corpus (PaperSearchQA's `jmhb/pubmed_bioasq_2022`, `data/corpus/pubmed.jsonl`, one PubMed
+  abstract per line in Search-R1's layout: `{"id": ..., "contents": "\"<title>\"\n<abstract>"}`):
+  `contents`; a contents whose first line is a quoted title is shown as Search-R1 shows it,
+  "(Title: <title>) <text>". Without `contents`, `title` and `text` (e.g. `--text-field
+  abstractText` for BioASQ's own files) give the same "(Title: <title>) <text>" (just the text
+  when the title is empty).
+
+The corpus is read as a stream (`iter_corpus`), one row at a time.
 
 Every column name can be changed (`Columns`). Parquet needs pyarrow, which stoa does not
 install; without it a parquet file is refused with a message saying so.
@@ -27,11 +37,14 @@ class Columns:
     """Column names of the question file and the corpus.
 
     - `question`, `answer`: the question text and its answer(s) (a string or a list of strings).
+    - `golden_answers`: the list of acceptable answers, used instead of `answer` when a row has
+      it (None: always `answer`).
     - `contents`: the whole passage; when a row lacks it, `title` and `text` are used.
     """
 
     question: str = "question"
     answer: str = "answer"
+    golden_answers: str | None = "golden_answers"
     contents: str = "contents"
     title: str = "title"
     text: str = "text"
@@ -72,6 +85,9 @@ def load_qa(path: Path, *, columns: Columns = Columns(), limit: int | None = Non
         if limit is not None and len(items) >= limit:
             break
         question, answer = row.get(columns.question), row.get(columns.answer)
+        golden = row.get(columns.golden_answers) if columns.golden_answers else None
+        if isinstance(golden, list) and golden:
+            answer = golden
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"{where}: {columns.question!r} must be a non-empty string")
         try:
@@ -86,27 +102,37 @@ def load_qa(path: Path, *, columns: Columns = Columns(), limit: int | None = Non
     return tuple(items)
 
 
+def _titled(title: str, text: str) -> str:
+    return f"(Title: {title}) {text}" if title else text
+
+
 def passage_text(row: dict[str, Any], columns: Columns) -> str | None:
     """The passage of a corpus row (see the module doc), or None if the row has none."""
     contents = row.get(columns.contents)
     if isinstance(contents, str) and contents.strip():
+        head, sep, rest = contents.strip().partition("\n")
+        if sep and len(head) >= 2 and head[0] == head[-1] == '"':  # Search-R1's "<title>"\n<text>
+            return _titled(head[1:-1].strip(), " ".join(rest.split()))
         return contents.strip()
     text, title = row.get(columns.text), row.get(columns.title)
     if not isinstance(text, str) or not text.strip():
         return None
-    if isinstance(title, str) and title.strip():
-        return f"(Title: {title.strip()}) {text.strip()}"
-    return text.strip()
+    return _titled(title.strip() if isinstance(title, str) else "", text.strip())
 
 
-def load_corpus(path: Path, *, columns: Columns = Columns()) -> list[str]:
-    """The passages of a corpus file, in file order (a row without a passage is an error)."""
-    passages = []
+def iter_corpus(path: Path, *, columns: Columns = Columns()) -> Iterator[str]:
+    """The passages of a corpus file, in file order, one at a time (a row without a passage is an
+    error, naming the row)."""
     for where, row in read_rows(path):
         text = passage_text(row, columns)
         if text is None:
             raise ValueError(f"{where}: no passage: expected {columns.contents!r}, or {columns.title!r} and {columns.text!r}")
-        passages.append(text)
+        yield text
+
+
+def load_corpus(path: Path, *, columns: Columns = Columns()) -> list[str]:
+    """`iter_corpus` as a list (small corpora; the index build streams instead)."""
+    passages = list(iter_corpus(path, columns=columns))
     if not passages:
         raise ValueError(f"{path}: no passages")
     return passages

@@ -9,6 +9,7 @@ at the text file's size, so a damaged pair fails at open with ValueError, not at
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 from collections.abc import Iterable
@@ -20,16 +21,38 @@ TEXT_FILE = "passages.txt"
 OFFSETS_FILE = "passages.offsets.npy"
 
 
+class PassageWriter:
+    """Appends passages to the two files of `folder` one at a time (bounded memory: 8 bytes of
+    offset per passage); `close` writes the offsets and returns the passage count."""
+
+    def __init__(self, folder: Path):
+        self._folder = folder
+        self._text = open(folder / TEXT_FILE, "wb")  # noqa: SIM115 (closed in close)
+        self._offsets = array.array("q", [0])
+
+    def add(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise ValueError(f"passage {len(self._offsets) - 1} must be str, got {type(text).__name__}")
+        self._offsets.append(self._offsets[-1] + self._text.write(text.encode("utf-8", "replace")))
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def close(self) -> int:
+        self._text.close()
+        np.save(self._folder / OFFSETS_FILE, np.frombuffer(self._offsets, dtype=np.int64), allow_pickle=False)
+        return len(self)
+
+
 def write_passages(passages: Iterable[str], folder: Path) -> int:
     """Write the two passage files into `folder` (which must exist); returns the passage count."""
-    offsets = [0]
-    with open(folder / TEXT_FILE, "wb") as f:
+    writer = PassageWriter(folder)
+    try:
         for text in passages:
-            if not isinstance(text, str):
-                raise ValueError(f"passage {len(offsets) - 1} must be str, got {type(text).__name__}")
-            offsets.append(offsets[-1] + f.write(text.encode("utf-8", "replace")))
-    np.save(folder / OFFSETS_FILE, np.asarray(offsets, dtype=np.int64), allow_pickle=False)
-    return len(offsets) - 1
+            writer.add(text)
+    finally:
+        count = writer.close()
+    return count
 
 
 class PassageStore:

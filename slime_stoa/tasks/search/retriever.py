@@ -3,15 +3,24 @@
 An index folder (what `build_index` writes, `bundle` ships and `fetch_index` rebuilds on a worker):
 
     params.index.json  vocab.index.json  data.csc.index.npy  indices.csc.index.npy
-    indptr.csc.index.npy                 bm25s's own files (`BM25.save`, lucene scoring)
+    indptr.csc.index.npy                 bm25s's files (`BM25.load` reads them, lucene scoring)
+    stoa.index.json                      k1, b and the tokeniser (`tokenizer.Bm25Settings`)
     passages.txt  passages.offsets.npy   the passage texts (`passages.PassageStore`)
 
-Corpus and queries are tokenised the same way (`tokenize`: bm25s's tokenizer, lowercase, English
-stop words, no stemmer). `Retriever.open` maps the arrays read-only (`mmap=True`), so a worker
-pays page-cache, not heap, for a large corpus. Because the folder came from the bucket, `open`
+`build_index` is the streaming build of `build.py`. Queries are tokenised with the tokeniser the
+folder records (`tokenizer.Tokenizer`), so build and query always agree; a folder without that
+record (built by an earlier stoa, whose tokeniser dropped numbers and one-letter words) is
+refused with a line saying to rebuild it. `Retriever.open` maps the arrays read-only
+(`mmap=True`), so a worker pays page-cache, not heap, for a large corpus. Because the folder came from the bucket, `open`
 checks it before use: only the parameters bm25s is known to write, arrays of the right types whose
 shapes and index ranges agree with each other and with the passage count; a damaged or forged
 folder fails there with ValueError, never later inside a query.
+
+A query's top k (`top_k`) is exactly bm25s's scoring and a full sort, computed MaxScore-style:
+the documents named by the query's highest-weighing terms are scored first, and the rest of the
+corpus is skipped once no other document can reach the k-th score. The processes of one machine
+open the same folder (`index_folder`: named by the index's digest, under a folder they share), so
+its pages are in memory once, whatever the number of workers.
 
 Queries run on the calling thread (`search`) or, from asyncio code, on an executor thread
 (`asearch`, `aobserve`) so the event loop and the generation thread keep running. bm25s is only
@@ -23,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Sequence
+import logging
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,19 +42,25 @@ from typing import Any
 import bm25s
 import numpy as np
 
+from slime_stoa.protocol.fsutil import atomic_write
+from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.strict_json import load_json
-from slime_stoa.tasks.search.bundle import fetch_index
+from slime_stoa.tasks.search import build
+from slime_stoa.tasks.search.bundle import fetch_index, verified_digest
 from slime_stoa.tasks.search.formats import format_passages
-from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE, PassageStore, write_passages
+from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE, PassageStore
 from slime_stoa.tasks.search.task import Search
+from slime_stoa.tasks.search.tokenizer import PRESETS, SETTINGS_FILE, Bm25Settings, Tokenizer
 
-PARAMS_FILE = "params.index.json"
-VOCAB_FILE = "vocab.index.json"
-ARRAY_FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy")
-INDEX_FILES = (PARAMS_FILE, VOCAB_FILE, *ARRAY_FILES, TEXT_FILE, OFFSETS_FILE)
+logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets its logger to DEBUG on import
+
+PARAMS_FILE, VOCAB_FILE = build.PARAMS_FILE, build.VOCAB_FILE
+ARRAY_FILES = (build.DATA_FILE, build.INDICES_FILE, build.INDPTR_FILE)
+INDEX_FILES = (PARAMS_FILE, VOCAB_FILE, *ARRAY_FILES, SETTINGS_FILE, TEXT_FILE, OFFSETS_FILE)
 MAX_QUERY_CHARS = 1000  # a generated query longer than this is cut: it costs time, not recall
-STOPWORDS = "en"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+SCANNED_FILE = ".scanned"  # in a fetched folder: the manifest digest whose files passed the full check
 
 # The parameters bm25s writes (`BM25.save`) and the values this module accepts: scoring methods
 # that need no extra non-occurrence array, numpy backends, and the dtypes `build_index` uses.
@@ -65,25 +82,21 @@ _REQUIRED_PARAMS = frozenset({"k1", "b", "method", "idf_method", "dtype", "int_d
 
 
 
-def tokenize(texts: list[str]) -> list[list[str]]:
-    """Tokens of each text, as the index was built with."""
-    tokens = bm25s.tokenize(texts, stopwords=STOPWORDS, return_ids=False, show_progress=False)
-    return [list(t) for t in tokens]
-
-
-def build_index(passages: Sequence[str], folder: Path) -> Path:
-    """Index `passages` into the empty (or new) `folder` and store their texts beside it."""
-    if not passages:
-        raise ValueError("cannot build a search index over no passages")
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.iterdir()):
-        raise ValueError(f"{folder} is not empty: build an index into a fresh folder")
-    corpus = bm25s.tokenize(list(passages), stopwords=STOPWORDS, show_progress=False)
-    bm = bm25s.BM25(method="lucene", backend="numpy")
-    bm.index(corpus, show_progress=False)
-    bm.save(str(folder), show_progress=False)
-    write_passages(passages, folder)
+def build_index(passages: Iterable[str], folder: Path, *, settings: Bm25Settings = PRESETS["default"]) -> Path:
+    """Index `passages` into the empty (or new) `folder` (`build.build_index`); returns `folder`."""
+    build.build_index(passages, folder, settings=settings)
     return folder
+
+
+def read_settings(folder: Path) -> Bm25Settings:
+    """The k1, b and tokeniser an index folder was built with (ValueError for an older index)."""
+    path = folder / SETTINGS_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"{folder}: this search index was built by an earlier stoa whose tokeniser dropped numbers, "
+            "one-letter words and Greek letters: rebuild it with `stoa task prepare search`"
+        )
+    return Bm25Settings.from_meta(load_json(path.read_bytes(), max_bytes=1 << 16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +131,6 @@ def _check_arrays(bm: Any, params: dict[str, Any], passages: int) -> None:
         raise ValueError(f"index arrays have dtypes {data.dtype}, {indices.dtype}, {indptr.dtype}")
     if len(data) != len(indices) or len(indptr) < 1 or indptr[0] != 0 or indptr[-1] != len(data):
         raise ValueError("index arrays disagree on the number of entries")
-    if bool(np.any(np.diff(indptr) < 0)):
-        raise ValueError(f"{ARRAY_FILES[2]} decreases")
-    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= passages):
-        raise ValueError(f"{ARRAY_FILES[1]} points outside the {passages} passages")
     if not isinstance(vocab, dict) or not all(isinstance(k, str) for k in vocab):
         raise ValueError(f"{VOCAB_FILE}: expected an object of token ids")
     ids = list(vocab.values())
@@ -134,32 +143,135 @@ def _check_arrays(bm: Any, params: dict[str, Any], passages: int) -> None:
         raise ValueError(f"{VOCAB_FILE}: token ids must be 0..{columns - 1} (and one for ''), each once")
 
 
+def _scan_arrays(bm: Any, passages: int) -> None:
+    """The checks that read every posting (seconds and the whole index's pages at PubMed scale)."""
+    indices, indptr = bm.scores["indices"], bm.scores["indptr"]
+    if bool(np.any(np.diff(indptr) < 0)):
+        raise ValueError(f"{ARRAY_FILES[2]} decreases")
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= passages):
+        raise ValueError(f"{ARRAY_FILES[1]} points outside the {passages} passages")
+
+
+CANDIDATE_SHARE = 4  # candidates from postings naming over 1/4 of the passages: score them all instead
+BOUND_SLACK = 1 + 1e-5  # float32 sums of a few terms stay well within this of the exact sum
+
+
+def _select(scores: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the `k` highest positive `scores`, best first, ties: lower position first."""
+    if k < len(scores):  # every position scoring at least the k-th score (k and its ties), none at 0
+        kth = np.partition(scores, len(scores) - k)[len(scores) - k]
+        pos = np.flatnonzero(scores >= kth) if kth > 0 else np.flatnonzero(scores > 0)
+    else:
+        pos = np.flatnonzero(scores > 0)
+    return pos[np.lexsort((pos, -scores[pos]))][:k]
+
+
+def _score_candidates(data: np.ndarray, indices: np.ndarray, spans: list[tuple[int, int]], docs: np.ndarray) -> np.ndarray:
+    """The exact scores of `docs` (ascending): each term's posting of each document looked up by
+    binary search in its column, added term by term in query order (bm25s's float32 sums)."""
+    sub = np.zeros(len(docs), dtype=np.float32)
+    for start, end in spans:
+        column = indices[start:end]
+        if len(column):
+            at = np.minimum(np.searchsorted(column, docs), len(column) - 1)
+            hit = column[at] == docs
+            sub[hit] += data[start:end][at[hit]]
+    return sub
+
+
+def top_k(
+    data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, n_docs: int, ids: list[int], k: int,
+    column_max: Callable[[int], float] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The `k` (>= 1) best documents for the query term columns `ids` of a CSC BM25 index (each
+    column's documents ascending, as `build` and bm25s write them), best first (ties: lower index
+    first), with their scores; documents scoring 0 are left out.
+
+    Exactly bm25s's scoring (`BM25.get_scores_from_ids`: float32 adds, term by term in query
+    order) and a full sort, at less cost (MaxScore): the terms are taken in the order of their
+    largest posting (`column_max`), highest first; the documents the terms taken so far name are
+    scored exactly (`_score_candidates`), and once the k-th best of them beats the most any
+    other document can score (the sum of the other terms' largest postings), those are the top
+    k. Every document is scored (`_score_all`) when the candidates grow past a quarter of the
+    corpus, or with no `column_max`."""
+    spans = [(int(indptr[i]), int(indptr[i + 1])) for i in ids]
+    if column_max is not None:
+        peaks = [column_max(i) for i in ids]
+        order = sorted(range(len(ids)), key=lambda j: -peaks[j])
+        taken = 0
+        for n_taken in range(1, len(order) + 1):
+            taken += spans[order[n_taken - 1]][1] - spans[order[n_taken - 1]][0]
+            if taken * CANDIDATE_SHARE > n_docs:
+                break
+            bound = sum(peaks[j] for j in order[n_taken:]) * BOUND_SLACK
+            if n_taken < len(order) and sum(peaks[j] for j in order[:n_taken]) <= bound:
+                continue  # the candidates would hardly beat the bound: take the next term first
+            docs = np.unique(np.concatenate([indices[slice(*spans[j])] for j in order[:n_taken]]))
+            sub = _score_candidates(data, indices, spans, docs)
+            kth = np.partition(sub, len(sub) - k)[len(sub) - k] if k <= len(sub) else 0.0
+            if n_taken == len(order) or kth > bound:
+                pos = _select(sub, k)
+                return docs[pos].astype(np.int64), sub[pos]
+    scores = _score_all(data, indices, n_docs, spans)
+    top = _select(scores, k)
+    return top.astype(np.int64), scores[top]
+
+
+def _score_all(data: np.ndarray, indices: np.ndarray, n_docs: int, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Every document's score: bm25s's adds (`BM25._compute_relevance_from_scores`)."""
+    scores = np.zeros(n_docs, dtype=np.float32)
+    for start, end in spans:
+        np.add.at(scores, indices[start:end], data[start:end])
+    return scores
+
+
 class Retriever:
     """Top-k BM25 search over a memory-mapped index folder (open with `Retriever.open`)."""
 
-    def __init__(self, bm: Any, passages: PassageStore):
+    def __init__(self, bm: Any, passages: PassageStore, settings: Bm25Settings):
         self._bm = bm
+        self._vocab: dict[str, int] = bm.vocab_dict
         self._columns = len(bm.scores["indptr"]) - 1
+        self._column_max: dict[int, float] = {}  # a term's largest posting, read at its first query
         self.passages = passages
+        self.settings = settings
+        self.tokenize = Tokenizer(settings.tokenizer)
 
     @classmethod
-    def open(cls, folder: str | Path) -> Retriever:
-        """Map the index folder read-only after checking it (ValueError if it is damaged)."""
+    def open(cls, folder: str | Path, *, scanned: bool = False) -> Retriever:
+        """Map the index folder read-only after checking it (ValueError if it is damaged).
+
+        `scanned`: these very files passed the full check before (`open_run_index` knows it from
+        the verified stamp), so the checks that read every posting are skipped."""
         folder = Path(folder)
+        settings = read_settings(folder)
         missing = [name for name in INDEX_FILES if not (folder / name).is_file()]
         if missing:
             raise ValueError(f"{folder} is not a search index folder: missing {missing}")
         params = _check_params(folder)
+        if (params["k1"], params["b"]) != (settings.k1, settings.b):
+            raise ValueError(f"{folder}: {PARAMS_FILE} and {SETTINGS_FILE} disagree on k1 and b")
         passages = PassageStore(folder)
         try:
             bm = bm25s.BM25.load(str(folder), mmap=True, load_corpus=False, show_progress=False)
         except (OSError, ValueError, TypeError, KeyError) as exc:  # np.load / json on a damaged file
             raise ValueError(f"{folder}: cannot load the index: {exc}") from None
         _check_arrays(bm, params, len(passages))
-        return cls(bm, passages)
+        if not scanned:
+            _scan_arrays(bm, len(passages))
+        return cls(bm, passages, settings)
 
     def __len__(self) -> int:
         return len(self.passages)
+
+    def column_max(self, term: int) -> float:
+        """The largest score a passage gets from `term` (cached: one read of its postings)."""
+        best = self._column_max.get(term)
+        if best is None:
+            data, indptr = self._bm.scores["data"], self._bm.scores["indptr"]
+            start, end = int(indptr[term]), int(indptr[term + 1])
+            best = self._column_max[term] = float(data[start:end].max(initial=0.0))
+        return best
 
     def search(self, query: str, k: int = 3) -> list[Hit]:
         """The `k` best passages for `query`, best first (ties: lower index first).
@@ -168,15 +280,13 @@ class Retriever:
         or unknown query returns []. The query is cut to `MAX_QUERY_CHARS`."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
-        tokens = tokenize([query[:MAX_QUERY_CHARS]])[0]
-        ids = [i for i in self._bm.get_tokens_ids(tokens) if i < self._columns]
+        vocab = self._vocab
+        ids = [i for t in self.tokenize(query[:MAX_QUERY_CHARS]) if (i := vocab.get(t)) is not None and i < self._columns]
         if not ids:
             return []
-        scores = np.asarray(self._bm.get_scores_from_ids(ids))
-        k = min(k, len(scores))
-        top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
-        top = top[np.lexsort((top, -scores[top]))]
-        return [Hit(int(i), float(scores[i]), self.passages[int(i)]) for i in top if scores[i] > 0]
+        m = self._bm.scores
+        top, scores = top_k(m["data"], m["indices"], m["indptr"], len(self.passages), ids, k, self.column_max)
+        return [Hit(int(i), float(s), self.passages[int(i)]) for i, s in zip(top, scores, strict=True)]
 
     def observe(self, query: str, *, k: int = 3, max_chars: int = 1500) -> str:
         """The observation body for `query`: its top passages within `max_chars` (`format_passages`)."""
@@ -200,7 +310,29 @@ async def open_run_index(store: Store, run: str, task: Search, dest: str | Path)
     does at join. The manifest is pinned to the digest in the task meta when there is one."""
     digest = task.config.index.get("manifest_sha256")
     path = await fetch_index(store, run, dest, task=task.name, expected_sha256=digest if isinstance(digest, str) else None)
-    return await asyncio.to_thread(Retriever.open, path)
+    verified = verified_digest(path)  # the fetch's stamp: these files match that manifest
+    mark = path / SCANNED_FILE
+    scanned = verified is not None and mark.is_file() and mark.read_text(encoding="ascii", errors="replace") == verified
+    retriever = await asyncio.to_thread(Retriever.open, path, scanned=scanned)
+    if verified is not None and not scanned:
+        atomic_write(mark, verified.encode("ascii"))
+    recorded = task.config.index.get("bm25")
+    if recorded is not None and Bm25Settings.from_meta(recorded) != retriever.settings:
+        raise ValueError("the task meta's BM25 settings (index.bm25) differ from the index folder's (refused)")
+    return retriever
+
+
+def index_folder(root: str | Path, task: Search, run: str) -> Path:
+    """Where a worker keeps the index `task` names under `root` (a machine's shared folder):
+    `sha256-<digest>` when the task meta pins the manifest (every run and bucket naming the same
+    index shares one copy), else the run's name. A digest that is not 64 hex digits (the meta
+    comes from the bucket) is refused."""
+    digest = task.config.index.get("manifest_sha256")
+    if digest is None:
+        return Path(root) / check_name("run", run)
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise ValueError("the task meta's index.manifest_sha256 is not 64 lowercase hex digits (refused)")
+    return Path(root) / f"sha256-{digest}"
 
 
 class SearchTool:

@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
 from slime_stoa.judging.signers import Signers
+from slime_stoa.protocol.registry import Registry
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import Store
@@ -117,7 +118,7 @@ class RolloutConsumer:
         self._versions = PublishedVersions(shared, trust)
         self._trust = WorkerTrust(shared, self._pool, task=rescorer.task.name, signers=signers)
         self._intake = Intake(shared, rescorer=rescorer, versions=self._versions, trust=self._trust, pool=self._pool)
-        self._downloads = Downloads(shared, judge=self._intake.take, refuse=self._trust.refuse_quarantined)
+        self._downloads = Downloads(shared, judge=self._intake.take, refuse=self._trust.refuse_before_download)
         self._filler = Filler(
             shared, discovery=self._discovery, downloads=self._downloads, pool=self._pool,
             versions=self._versions, trust=self._trust,
@@ -203,8 +204,15 @@ class RolloutConsumer:
 
     async def bucket_state(self) -> dict[str, Any] | None:
         """The bucket's saved state (`state_dict()` form), or None; remembers its ETag for the
-        next `save_state`. Waits out store outages."""
-        state = await self._saved.read()
+        next `save_state`. Waits out store outages. In a signed run the newest signed head read
+        with it (`heads`) raises the registry floor (an older registry copy is refused, even with
+        no state), and a state older than that head raises `persistence.StateRollback`."""
+        try:
+            state = await self._saved.read()
+        finally:
+            head, signers = self._saved.head, self._trust.signers
+            if head is not None and signers is not None:
+                signers.floor = max(signers.floor, head.registry_serial)
         return None if state is None else state.to_json()
 
     async def load_from_bucket(self, *, apply: bool = True) -> bool:
@@ -221,9 +229,16 @@ class RolloutConsumer:
         """Write `snapshot` (default: `state_dict()` now) to `runs/<run>/trainer/consumer.json` by
         compare-and-swap (`StateConflict` if another trainer wrote it since we last read or wrote
         it). Waits out store outages."""
-        await self._saved.write(ConsumerState.from_json(self.state_dict() if snapshot is None else snapshot))
+        seq = await self._saved.write(ConsumerState.from_json(self.state_dict() if snapshot is None else snapshot))
+        self._shared.state.seq = max(self._shared.state.seq, seq)
 
     # -- honest workers: quarantine and canaries ------------------------------------------------------
+    @property
+    def registry(self) -> Registry | None:
+        """A signed run's worker registry as last read (None for an unsigned run): the trainer's
+        metrics judge heartbeats by it (`protocol.heartbeat.judge_heartbeat`)."""
+        return self._trust.registry
+
     @property
     def quarantined(self) -> dict[str, str]:
         """{worker: reason} of the workers quarantined now (see `quarantine`)."""
@@ -234,13 +249,15 @@ class RolloutConsumer:
         return self._trust.is_canary(prompt_index)
 
     def observe_logprob_gap(
-        self, worker: str, mean_abs_gap: float, tokens: int, *, prompt_index: int | None = None
+        self, worker: str, mean_abs_gap: float, tokens: int, *, prompt_index: int | None = None, plane: str = "bf16"
     ) -> list[str]:
         """Feed the learner's measurement: the mean |trainer - worker| logprob over `tokens` of
-        `worker`'s tokens, under the weights they were sampled with. With `prompt_index` (one
-        group's measurement), a gap above `canary.max_logprob_gap` on a canary prompt is a strike.
-        Returns the workers this quarantined (their groups not yet used are dropped)."""
-        return self._trust.observe_logprob_gap(worker, mean_abs_gap, tokens, prompt_index=prompt_index)
+        `worker`'s tokens, under the weights they were sampled with, on `plane` (the record's
+        `plane`: its limits add the plane's allowance, `QuarantineConfig.allowance`). With `prompt_index`
+        (one group's measurement), a gap above `canary.max_logprob_gap` (plus that allowance) on a
+        canary prompt is a strike. Returns the workers this quarantined (their groups not yet used
+        are dropped)."""
+        return self._trust.observe_logprob_gap(worker, mean_abs_gap, tokens, prompt_index=prompt_index, plane=plane)
 
     def apply_releases(self, releases: Mapping[str, int]) -> list[str]:
         """Lift the quarantine of workers whose release count (the registry's `releases`, raised

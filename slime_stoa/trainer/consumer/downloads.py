@@ -38,10 +38,10 @@ class _StoreWasDown(Exception):
 
 
 class Downloads:
-    def __init__(self, shared: Shared, *, judge: Judge, refuse: Callable[[str], bool]) -> None:
+    def __init__(self, shared: Shared, *, judge: Judge, refuse: Callable[[str], Awaitable[bool]]) -> None:
         self.shared = shared
         self.judge = judge
-        self.refuse = refuse  # True (counted) for a record not even to download (a quarantined worker's)
+        self.refuse = refuse  # True (counted) for a record not even to download (a quarantined or unregistered worker's)
         self.restore: dict[str, int] = {}  # ledger entries to download again: name -> uses
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}
@@ -81,7 +81,7 @@ class Downloads:
     async def _download(self, name: str, size: int | None, uses: int | None) -> None:
         shared = self.shared
         try:
-            if self.refuse(name):  # not even downloaded
+            if await self.refuse(name):  # not even downloaded
                 self.forget(name)
                 return
             try:

@@ -11,11 +11,13 @@ bucket holds exactly this state, i.e. our own earlier try, and takes it as done.
 A trainer holding the run key signs the state it writes (`sign_document`) and reads back only a
 state signed by a run key (`UntrustedState` otherwise): with one bucket every worker's token can
 write this object, and a forged cursor or reuse ledger would make the trainer skip or re-use
-groups.
+groups. Each signed save numbers the state and then writes a signed head (`heads`); a state
+read back below the newest head is an old genuine state put back (`StateRollback`, refused).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -34,6 +36,7 @@ from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, Store
 from slime_stoa.protocol.store.capped import TooLarge, read_capped
 from slime_stoa.protocol.strict_json import load_json
 
+from .heads import ConsumerHead, heads_prefix, read_head, write_head
 from .state import ConsumerState
 
 STATE_FILE = "consumer.json"
@@ -53,6 +56,10 @@ class UntrustedState(ValueError):
     def __init__(self, message: str, etag: str) -> None:
         super().__init__(message)
         self.etag = etag
+
+
+class StateRollback(UntrustedState):
+    """The bucket's state is genuine but older than the newest signed head: an old copy put back."""
 
 
 def state_key(run: str) -> str:
@@ -167,31 +174,56 @@ class SavedState:
         self.key = key
         self.trust = trust
         self.etag: str | None = None
+        self.head: ConsumerHead | None = None  # the newest signed head read or written (signed runs)
 
     async def read(self) -> ConsumerState | None:
         """The bucket's state, or None; remembers its ETag (also of an `UntrustedState`, so a
-        save replaces the forgery)."""
+        save replaces the forgery) and, in a signed run, the newest head. `StateRollback` when the
+        state is older than that head."""
         try:
             state, etag = await self.retry(self._read, f"reading the consumer state of run {self.run!r}")
         except UntrustedState as exc:
             self.etag = exc.etag
             raise
         self.etag = etag
+        head = self.head
+        if state is not None and head is not None and state.seq < head.seq:
+            raise StateRollback(
+                f"{state_key(self.run)} in {self.store.url} is save {state.seq} of the consumer state, older than its "
+                f"newest signed head ({head.seq}): an old copy put back; resume from slime's checkpoint, or delete "
+                f"the heads under {heads_prefix(self.run)} to accept it",
+                etag or "",
+            )
         return state
 
     async def _read(self) -> tuple[ConsumerState | None, str | None]:
-        if self.key is None:
+        if self.key is None and self.trust is None:
             return await read_state(self.store, self.run)
-        keys = [self.key.public]
+        keys = [] if self.key is None else [self.key.public]
         if self.trust is not None:
             await load_rotations(self.store, self.trust)
             keys += self.trust.keys
+        head = await read_head(self.store, self.run, keys)
+        if head is not None and (self.head is None or head > self.head):
+            self.head = head
+        if self.key is None:
+            return await read_state(self.store, self.run)
         return await read_state(self.store, self.run, signed_by=keys)
 
-    async def write(self, state: ConsumerState) -> None:
-        """Write `state` by compare-and-swap (`StateConflict` if another trainer wrote since)."""
+    async def write(self, state: ConsumerState) -> int:
+        """Write `state` by compare-and-swap (`StateConflict` if another trainer wrote since);
+        signed, as the next save after the newest head, which it then writes. Returns the
+        sequence number written."""
+        if self.key is not None:
+            state = dataclasses.replace(state, seq=max(state.seq, self.head.seq if self.head else 0) + 1)
         self.etag = await write_state_retried(
             self.store, state, self.etag,
             retry=lambda attempt: self.retry(attempt, f"saving the consumer state of run {self.run!r}"),
             key=self.key,
         )
+        if self.key is not None:
+            head = ConsumerHead(state.seq, state.registry_serial)
+            key = self.key
+            await self.retry(lambda: write_head(self.store, self.run, head, key), f"writing the consumer head of run {self.run!r}")
+            self.head = head
+        return state.seq

@@ -8,7 +8,12 @@ by what it can check itself (the consumer feeds these in; nothing here does IO):
   so its rate is ~0; a worker that claims rewards it did not earn stands out;
 - the logprob gap: mean |trainer - worker| logprob of the same tokens under the same weights,
   weighted by tokens (`observe_gap`, from the learner's forward pass). An honest worker's gap is
-  numerical noise (bf16, kernels: ~1e-3 in the quickstart); logprobs a worker made up are not;
+  numerical noise (bf16, kernels: ~1e-3 in the quickstart); logprobs a worker made up are not.
+  A worker serving a quantized plane (its signed records name it, `RolloutGroup.plane`) computes
+  with the plane's weights, not the trainer's bf16 ones: its honest gap is the quantization's
+  (measured on the tiny models, tests/test_plane_gap.py: int4 up to ~1 nat per token on a tiny
+  random MoE whose routing flips), so every gap limit of a plane adds its allowance (`int8_gap_allowance`, `int4_gap_allowance`)
+  and the fleet median a gap is compared with is that of the workers on the same plane;
 - canary strikes: failed canary groups (`observe_canary`, see `canary`).
 
 Tallies are exponentially weighted so they follow a worker's recent behaviour: each new sample
@@ -34,6 +39,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from slime_stoa.protocol.run_manifest import PLANES
 
 #: Reject reasons the quarantine adds: a record of a quarantined worker, a failed canary group.
 QUARANTINE_REASONS = frozenset({"quarantined", "canary_failed"})
@@ -69,6 +76,13 @@ class QuarantineConfig:
     quarantines nobody for noise ten times as tiny."""
     canary_strikes: int = 2
     """Failed canary groups that quarantine a worker."""
+    int8_gap_allowance: float = 0.5
+    """Gap (nats per token) added to every gap limit (`max_logprob_gap`, the relative limit's
+    floor, the canary's) for a worker on the int8 plane: above the honest gaps measured on the
+    tiny models (mean up to ~0.18 on a random MoE), well below made-up logprobs' (4-6)."""
+    int4_gap_allowance: float = 2.0
+    """The same for the int4 plane (honest mean gaps measured up to ~1.1 on a random MoE whose
+    routing flips, ~0.02 on a dense model)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -89,6 +103,14 @@ class QuarantineConfig:
                 raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
         if not (_number(self.gap_floor) and self.gap_floor >= 0):
             raise ValueError(f"gap_floor must be a number >= 0, got {self.gap_floor!r}")
+        for name in ("int8_gap_allowance", "int4_gap_allowance"):
+            value = getattr(self, name)
+            if not (_number(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+    def allowance(self, plane: str) -> float:
+        """The gap added to every limit for a worker on `plane` (0 on bf16)."""
+        return {"int8": self.int8_gap_allowance, "int4": self.int4_gap_allowance}.get(plane, 0.0)
 
 
 @dataclass(slots=True)
@@ -105,6 +127,7 @@ class WorkerRecord:
     releases: int = 0  # the release count last applied (`apply_releases`)
     reason: str = ""  # why it is quarantined; "" when it is not
     since_ms: int = 0  # when it was quarantined (ms since the epoch)
+    plane: str = "bf16"  # the plane of the worker's latest measured gap
 
     @property
     def quarantined(self) -> bool:
@@ -124,19 +147,23 @@ def decay(window: int, n: float) -> float:
     return math.exp(-n / window)
 
 
-def fleet_median_gap(records: Mapping[str, WorkerRecord], config: QuarantineConfig) -> float | None:
-    """Median mean gap of the workers not quarantined with at least `min_gap_tokens` measured,
-    or None with fewer than `MEDIAN_MIN_WORKERS` of them."""
+def fleet_median_gap(
+    records: Mapping[str, WorkerRecord], config: QuarantineConfig, plane: str | None = None
+) -> float | None:
+    """Median mean gap of the workers not quarantined with at least `min_gap_tokens` measured
+    (on `plane`, when given), or None with fewer than `MEDIAN_MIN_WORKERS` of them."""
     gaps = [
         g for r in records.values()
         if not r.quarantined and r.gap_tokens >= config.min_gap_tokens and (g := r.mean_gap) is not None
+        and (plane is None or r.plane == plane)
     ]
     return statistics.median(gaps) if len(gaps) >= MEDIAN_MIN_WORKERS else None
 
 
 def decide(record: WorkerRecord, config: QuarantineConfig, fleet_median: float | None = None) -> Reason | None:
     """Why `record`'s worker should be quarantined now, or None (also when it already is, or the
-    policy is off). `fleet_median`: `fleet_median_gap` of the fleet."""
+    policy is off). `fleet_median`: `fleet_median_gap` of the fleet on the record's plane; every
+    gap limit adds the plane's allowance."""
     if not config.enabled or record.quarantined:
         return None
     if record.strikes >= config.canary_strikes:
@@ -145,12 +172,13 @@ def decide(record: WorkerRecord, config: QuarantineConfig, fleet_median: float |
         return "reward_disagreement"
     gap = record.mean_gap
     if gap is not None and record.gap_tokens >= config.min_gap_tokens:
-        if config.max_logprob_gap is not None and gap > config.max_logprob_gap:
+        allowance = config.allowance(record.plane)
+        if config.max_logprob_gap is not None and gap > config.max_logprob_gap + allowance:
             return "logprob_gap"
         if (
             config.max_gap_ratio is not None
             and fleet_median is not None
-            and gap > max(config.max_gap_ratio * fleet_median, config.gap_floor)
+            and gap > max(config.max_gap_ratio * fleet_median, config.gap_floor + allowance)
         ):
             return "logprob_gap_relative"
     return None
@@ -187,17 +215,22 @@ class Quarantine:
         r.w_disagreements = r.w_disagreements * f + min(max(disagreements, 0), samples)
         return self._judge([worker], now_ms)
 
-    def observe_gap(self, worker: str, mean_abs_gap: float, tokens: int, *, now_ms: int = 0) -> list[str]:
+    def observe_gap(
+        self, worker: str, mean_abs_gap: float, tokens: int, *, plane: str = "bf16", now_ms: int = 0
+    ) -> list[str]:
         """The learner measured a mean |trainer - worker| logprob of `mean_abs_gap` over `tokens`
-        of `worker`'s tokens. ValueError for a negative or non-finite gap or a bad token count.
-        Judges every worker: the fleet median may have moved."""
+        of `worker`'s tokens, made on `plane`. ValueError for a negative or non-finite gap, a bad
+        token count or an unknown plane. Judges every worker: the fleet median may have moved."""
         if not (_number(mean_abs_gap) and mean_abs_gap >= 0):
             raise ValueError(f"mean_abs_gap must be a finite number >= 0, got {mean_abs_gap!r}")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        if plane not in PLANES:
+            raise ValueError(f"plane must be one of {PLANES}, got {plane!r}")
         if tokens == 0:
             return []
         r = self.record(worker)
+        r.plane = plane
         f = decay(self.config.window_tokens, tokens)
         r.gap_tokens += tokens
         r.w_tokens = r.w_tokens * f + tokens
@@ -232,11 +265,11 @@ class Quarantine:
         return lifted
 
     def _judge(self, workers: Iterable[str], now_ms: int) -> list[str]:
-        median = fleet_median_gap(self.records, self.config)
+        medians: dict[str, float | None] = {p: fleet_median_gap(self.records, self.config, p) for p in PLANES}
         out = []
         for worker in workers:
             r = self.records[worker]
-            reason = decide(r, self.config, median)
+            reason = decide(r, self.config, medians.get(r.plane))
             if reason is not None:
                 r.reason, r.since_ms = reason, now_ms
                 out.append(worker)
@@ -279,6 +312,8 @@ def records_from_json(doc: Any) -> dict[str, WorkerRecord]:
                 or (kind == "float" and _number(value) and value >= 0)
                 or (kind == "str" and isinstance(value, str))
             )
+            if name == "plane" and value not in PLANES:
+                ok = False
             if not ok:
                 raise ValueError(f"consumer state: bad quarantine field {worker!r}.{name}: {value!r}")
             values[name] = float(value) if kind == "float" else value

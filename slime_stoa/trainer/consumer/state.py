@@ -21,6 +21,8 @@ so they sort by time and carry their own timestamp.
   Absent in states written before it: empty.
 - `registry_serial`: the highest serial of the worker registry read (signed runs), so a trainer
   restarted from this state refuses an older registry copy put back in the bucket. Absent: 0.
+- `seq`: the sequence number of the save (signed runs; `heads`): a state put back from before
+  the newest signed head is refused. Absent: 0.
 
 The JSON form (`to_json` / `from_json`) is what `state_dict()` returns and what the bucket and
 slime's checkpoint hold.
@@ -77,6 +79,7 @@ class ConsumerState:
     replay: ReplayLedger = field(default_factory=lambda: ReplayLedger())
     quarantine: dict[str, WorkerRecord] = field(default_factory=dict)
     registry_serial: int = 0
+    seq: int = 0  # the save's sequence number (signed runs: `heads`); 0 never saved
 
     def snapshot(self, *, ledger: dict[str, int], registry_serial: int) -> ConsumerState:
         """A copy (sharing only the replay ledger) with this reuse `ledger` and registry serial."""
@@ -91,6 +94,7 @@ class ConsumerState:
             replay=self.replay,
             quarantine=copy_records(self.quarantine),
             registry_serial=registry_serial,
+            seq=self.seq,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -106,6 +110,7 @@ class ConsumerState:
             "replay": self.replay.to_json(),
             "quarantine": records_to_json(self.quarantine),
             "registry_serial": self.registry_serial,
+            "seq": self.seq,
         }
 
     @classmethod
@@ -140,6 +145,9 @@ class ConsumerState:
         registry_serial = doc.get("registry_serial", 0)
         if not _nonneg_int(registry_serial):
             raise ValueError(f"consumer state: bad registry_serial {registry_serial!r}")
+        seq = doc.get("seq", 0)
+        if not _nonneg_int(seq):
+            raise ValueError(f"consumer state: bad seq {seq!r}")
         return cls(
             run=run,
             cursor=cursor,
@@ -151,6 +159,7 @@ class ConsumerState:
             replay=replay,
             quarantine=quarantine,
             registry_serial=registry_serial,
+            seq=seq,
         )
 
 

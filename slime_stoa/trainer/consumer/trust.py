@@ -1,8 +1,9 @@
 """Which workers the trainer trusts: the worker keys of a signed run (`slime_stoa.judging.signers`),
 the quarantine book (`quarantine`) and the canaries (`canary`).
 
-A revoked or vanished key refuses the pool's groups it signed; a quarantined worker's records
-are refused before they are downloaded and its pool groups dropped; a canary group is held to
+A revoked or vanished key refuses the pool's groups it signed; a quarantined worker's records,
+and in a signed run those under a worker id the registry does not hold, are refused before they
+are downloaded (a quarantined worker's pool groups dropped); a canary group is held to
 the strict checks. The quarantine book lives in the consumer state; the canary secret never
 leaves this process.
 """
@@ -25,6 +26,8 @@ from .state import name_worker
 
 log = logging.getLogger(__name__)
 
+MAX_UNREGISTERED_IDS = 10_000  # unregistered worker ids remembered (then forgotten all at once)
+
 
 class WorkerTrust:
     def __init__(self, shared: Shared, pool: Pool, *, task: str, signers: Signers | None) -> None:
@@ -33,6 +36,7 @@ class WorkerTrust:
         self.task = task  # the run's task name (canaries are keyed by it)
         self.signers = signers  # None: an unsigned run
         self.quarantine = Quarantine(shared.config.quarantine, shared.state.quarantine)
+        self._unregistered: dict[str, float] = {}  # worker id -> when a key of it was first seen unregistered
         self.canary_secret = shared.config.canary.secret()
 
     # -- worker keys (signed runs) ----------------------------------------------------------------
@@ -54,13 +58,13 @@ class WorkerTrust:
         if self.signers is not None and self.signers.needs_read(data):
             await self.refresh_signers()
 
-    async def refresh_signers(self) -> None:
-        """Read the registry (unless a read started since this call did), apply its releases and
-        drop the pool's groups whose key is now revoked or gone, counted as rejected."""
+    async def refresh_signers(self, since: float | None = None) -> None:
+        """Read the registry (unless a read started since this call did, or since `since`), apply
+        its releases and drop the pool's groups whose key is now revoked or gone, counted as rejected."""
         signers, shared = self.signers, self.shared
         assert signers is not None
         outcome = await signers.refresh(
-            signers.clock(),
+            signers.clock() if since is None else since,
             through=lambda op: shared.patiently(op, f"reading the worker registry of run {shared.config.run!r}"),
         )
         if outcome in ("invalid", "rollback"):
@@ -93,15 +97,15 @@ class WorkerTrust:
         return canary.is_canary(self.canary_secret, self.task, prompt_index, self.shared.config.canary.rate)
 
     def observe_logprob_gap(
-        self, worker: str, mean_abs_gap: float, tokens: int, *, prompt_index: int | None = None
+        self, worker: str, mean_abs_gap: float, tokens: int, *, prompt_index: int | None = None, plane: str = "bf16"
     ) -> list[str]:
         """See `RolloutConsumer.observe_logprob_gap`."""
         shared = self.shared
         now = int(shared.clock() * 1000)
-        newly = self.quarantine.observe_gap(worker, mean_abs_gap, tokens, now_ms=now)
+        newly = self.quarantine.observe_gap(worker, mean_abs_gap, tokens, plane=plane, now_ms=now)
         if (
             prompt_index is not None and tokens > 0 and self.is_canary(prompt_index)
-            and mean_abs_gap > shared.config.canary.max_logprob_gap
+            and mean_abs_gap > shared.config.canary.max_logprob_gap + self.quarantine.config.allowance(plane)
         ):
             shared.count("canary_gap_failures")
             shared.count(worker_counter(worker, "canary_failed"))
@@ -116,6 +120,34 @@ class WorkerTrust:
         for worker in lifted:
             log.warning("stoa: worker %r released from quarantine", worker)
         return lifted
+
+    async def refuse_before_download(self, name: str) -> bool:
+        """True (counted as rejected) for a record not even to download: a quarantined worker's,
+        or, in a signed run, one whose key names a worker id the registry does not hold."""
+        return self.refuse_quarantined(name) or await self.refuse_unregistered(name)
+
+    async def refuse_unregistered(self, name: str) -> bool:
+        """In a signed run, True (counted as "unknown_key") when the worker id in the record's key
+        is not in the registry, read again first once per id and `registry_refresh_s` (a worker
+        added since): junk keys under made-up ids cost no GET each."""
+        signers = self.signers
+        worker = name_worker(name)
+        if signers is None or worker in signers.registry.workers:
+            return False
+        now = signers.clock()
+        seen = self._unregistered.get(worker)
+        if seen is None or now - seen >= signers.refresh_s:
+            if len(self._unregistered) >= MAX_UNREGISTERED_IDS:
+                self._unregistered.clear()
+            self._unregistered[worker] = seen = now
+        await self.refresh_signers(since=seen)
+        if worker in signers.registry.workers:
+            return False
+        self.shared.reject(
+            name, "unknown_key",
+            f"worker id {worker!r} is not in the run's registry (serial {signers.registry.serial}): not downloaded",
+        )
+        return True
 
     def refuse_quarantined(self, name: str) -> bool:
         """True (counted as rejected) when the record `name` is a quarantined worker's."""

@@ -14,13 +14,17 @@ add it as a copy of the embedding (a tied folder that stores one, at one stage),
 (Megatron's tying contradicts the folder's config). The published state then has the folder's
 names.
 
+Families slime has no converter for (LFM2, LFM2-MoE: `Unsupported model` in slime's
+`convert_to_hf`) get stoa's own Megatron -> HF naming (`family_converter`), so what the publisher
+emits does not depend on slime knowing the family.
+
 Torch-free: preflight uses it on a box without torch.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,3 +120,27 @@ def head_plan(folder: Path | None, *, untied: bool, hf_config: Any = None) -> He
     if ties:
         return HeadPlan(copy=True) if stored else HeadPlan(drop=True)
     return HeadPlan()
+
+
+#: A replacement for slime's `HfWeightIteratorDirect._convert_to_hf_named_tensors`: (the gathered
+#: full Megatron tensors, their ParamInfos) -> [(HF name, tensor)].
+HfConverter = Callable[[Sequence[Any], Sequence[Any]], list[tuple[str, Any]]]
+
+
+def family_converter(hf_config: Mapping[str, Any] | Any) -> HfConverter | None:
+    """stoa's Megatron -> HF naming for a family slime cannot convert (`lfm2`, `lfm2_moe`, by the
+    config's `model_type`); None for every other family (slime's converter names those).
+
+    The tensors keep their dtype (the fp32 expert biases stay fp32 until the publisher's bf16
+    cast) and the embedding loses Megatron's vocabulary padding (`vocab_size`)."""
+    from .lfm2.convert import MODEL_TYPES, Lfm2Shape, to_hf
+
+    get = hf_config.get if isinstance(hf_config, Mapping) else (lambda k, d=None: getattr(hf_config, k, d))
+    if get("model_type", None) not in MODEL_TYPES:
+        return None
+    shape = Lfm2Shape.from_hf(hf_config)
+
+    def convert(params: Sequence[Any], infos: Sequence[Any]) -> list[tuple[str, Any]]:
+        return [pair for info, param in zip(infos, params, strict=True) for pair in to_hf(info.name, param, shape)]
+
+    return convert

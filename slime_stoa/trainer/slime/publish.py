@@ -61,7 +61,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, open_store
 
 from ..loop_thread import LoopThread
-from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan, head_plan
+from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan, family_converter, head_plan
 from .settings import StoaSettings, settings_from_args
 
 log = logging.getLogger(__name__)
@@ -514,6 +514,8 @@ def hf_weight_iterator(actor: Any, args: Any) -> Any:
             quantization_config=None,  # always bf16: stoa's weight plane carries bf16 bits
             transform_ue8m0=False,
         )
+        if (convert := family_converter(actor.hf_config)) is not None:  # a family slime cannot name
+            iterator._convert_to_hf_named_tensors = convert
         actor._stoa_hf_iterator = iterator
     return iterator
 

@@ -301,7 +301,9 @@ class _Session:
         does not answer (said once: metrics never hold up a rollout)."""
         assert self.store is not None
         try:
-            return self.call(tracking.read_fleet_metrics(self.store, self.config.run, time.time(), head=head))
+            return self.call(tracking.read_fleet_metrics(
+                self.store, self.config.run, time.time(), head=head, registry=self.consumer.registry
+            ))
         except StoreError as exc:
             self.warn_once("fleet", "stoa: worker metrics left out (heartbeats unreadable): %s", exc)
             return {}

@@ -102,6 +102,22 @@ def at_least(parse: Parser, low: float) -> Parser:
     return checked
 
 
+def as_tuple(parse: Parser) -> Parser:
+    """A tuple of `parse`d items from a YAML list, or from a comma-separated string; None (YAML
+    null) or an empty string is the empty tuple."""
+
+    def items(key: str, value: Any) -> tuple[Any, ...]:
+        if value is None or value == "":
+            return ()
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return tuple(parse(key, item) for item in value)
+
+    return items
+
+
 def optional(parse: Parser) -> Parser:
     """`parse`, except that None (YAML null) or an empty string means None."""
     return lambda key, value: None if value is None or value == "" else parse(key, value)
@@ -117,6 +133,9 @@ def parser_for(hint: Any) -> Parser | None:
     if get_origin(hint) is Literal:
         return as_str  # the config's own __post_init__ names the allowed choices
     args = get_args(hint)
+    if get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        inner = parser_for(args[0])
+        return as_tuple(inner) if inner else None
     if get_origin(hint) in (Union, UnionType) and len(args) == 2 and type(None) in args:
         inner = parser_for(next(a for a in args if a is not type(None)))
         return optional(inner) if inner else None

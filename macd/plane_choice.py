@@ -1,0 +1,81 @@
+"""Which plane a Mac serves a run on: the run's plane when it fits the Mac's memory, else the
+first smaller plane that does, among those this Mac can serve for the run.
+
+Planes from the largest: ``bf16``, ``int8``, ``int4``. A Mac can always serve bf16 and int8 (the
+worker quantizes the bf16 weights itself, keeping them as its master); on a quantized plane the
+run publishes (`RunManifest.planes`) it holds that plane alone, and int4 only that way. Weights
+per plane (bytes, `memory_plan.param_count`: q quantizable parameters, o others):
+
+- bf16: ``2 (q + o)``;
+- int8, published: ``(1 + 4/64) q + 2 o`` (8-bit codes, a bf16 scale and bias per 64);
+- int8, quantized here: the bf16 master ``2 (q + o)`` plus that;
+- int4, published: ``(0.5 + 4/64) q + 2 o``.
+
+The cache, activations and index are `memory_plan.plan`'s, the limit `memory_plan.usable_bytes`
+of the Mac's memory. A Mac never serves a larger plane than the run's (the operator's choice), and
+when none fits it serves the run's plane (the memory plan's warning says what to change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slime_stoa.protocol.run_manifest import PLANES, Plane, RunManifest
+
+from .memory_plan import GIB, QUANT_GROUP, config_plan, param_count, usable_bytes
+
+#: Bytes per quantizable parameter of a plane held alone: its codes plus a bf16 scale and bias per group.
+HELD_BYTES: dict[Plane, float] = {"int8": 1 + 4 / QUANT_GROUP, "int4": 0.5 + 4 / QUANT_GROUP}
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneChoice:
+    plane: Plane
+    held: bool  # the run publishes it: the Mac holds that plane alone
+    fits: bool
+    needed: int  # bytes: weights, cache, activations, index
+    usable: int
+
+    def describe(self) -> str:
+        how = "the run's published plane, held alone" if self.held else (
+            "quantized here from the bf16 weights" if self.plane == "int8" else "the bf16 weights")
+        verdict = "fits" if self.fits else "does not fit"
+        return f"{self.plane} ({how}): {self.needed / GIB:.1f} of {self.usable / GIB:.1f} GiB usable, {verdict}"
+
+
+def weights_bytes(model_config: Mapping[str, Any], manifest: RunManifest) -> dict[Plane, int]:
+    """Bytes of the weights of each plane this Mac can serve the run on (module docstring)."""
+    counts = param_count(model_config)
+    bf16 = 2 * counts.total
+    out: dict[Plane, int] = {"bf16": bf16}
+    for plane, per in HELD_BYTES.items():
+        held = int(per * counts.quantizable + 2 * counts.other)
+        if manifest.offers(plane):
+            out[plane] = held
+        elif plane == "int8":
+            out[plane] = bf16 + held
+    return out
+
+
+def choose_plane(
+    model_config: Mapping[str, Any], manifest: RunManifest, *, memory: int, sequences: int,
+    usable: int | None = None, index_bytes: int = 0,
+) -> PlaneChoice | None:
+    """The plane to serve the run on a Mac with `memory` bytes decoding `sequences` at once
+    (module docstring); None when the model config lacks the sizes a plan needs."""
+    config = model_config.get("text_config")
+    config = config if isinstance(config, Mapping) else model_config
+    plan = config_plan(
+        config, group_size=max(sequences, 1), prompt_tokens=manifest.max_prompt_tokens,
+        response_tokens=manifest.max_tokens, index_bytes=index_bytes, mac_sizes_gb=(),
+    )
+    if plan is None:
+        return None
+    limit = usable if usable is not None else usable_bytes(memory / GIB)
+    weights = weights_bytes(config, manifest)
+    others = plan.cache + plan.activations + plan.index
+    order = [p for p in PLANES[PLANES.index(manifest.plane):] if p in weights]
+    choices = [PlaneChoice(p, manifest.offers(p), weights[p] + others <= limit, weights[p] + others, limit) for p in order]
+    return next((c for c in choices if c.fits), choices[0])

@@ -1,0 +1,106 @@
+"""The streamed weight-plane benchmark at the LFM2.5-8B-A1B shape: its plan covers the model, its
+smoke size runs to the end, checks its own results and writes the keys its report is built from."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench() -> ModuleType:
+    """The script as a module (it imports `benchlib` from its own folder, as when run)."""
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.append(scripts)
+    spec = importlib.util.spec_from_file_location("bench_stream8b", ROOT / "scripts" / "bench_stream8b.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_stream8b", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def check_spread(s: dict[str, Any]) -> None:
+    assert s["n"] >= 1
+    assert all(math.isfinite(s[k]) for k in ("min", "median", "max"))
+    assert 0 <= s["min"] <= s["median"] <= s["max"]
+
+
+@pytest.mark.parametrize("shape", ["published", "defaults"])
+def test_quick_plan_weights_sampled_layers_to_the_whole_model(shape: str) -> None:
+    config = bench.config_of(shape)
+    shapes = bench.param_shapes(config)
+    units, layers = bench.plan_units(shapes, config, quick=True, batch_bytes=256 << 20)
+    # the weighted sample counts every element of the model exactly once
+    weighted = sum(u.weight * math.prod(shapes[n]) for u in units for n in u.names)
+    assert weighted == sum(math.prod(s) for s in shapes.values())
+    kinds = bench.layer_kinds(config)
+    assert sorted({kinds[i] for i in layers}) == sorted(set(kinds)) and len(layers) == len(set(kinds))
+    assert "model.embed_tokens.weight" in {n for u in units for n in u.names}
+    full, every = bench.plan_units(shapes, config, quick=False, batch_bytes=256 << 20)
+    assert sorted(n for u in full for n in u.names) == sorted(shapes) and {u.weight for u in full} == {1}
+    assert every == list(range(int(config["num_hidden_layers"])))
+
+
+def test_shapes_are_the_checkpoints() -> None:
+    published = bench.param_shapes(bench.config_of("published"))
+    assert published["model.embed_tokens.weight"] == (128000, 2048)
+    assert published["model.layers.3.feed_forward.experts.31.w2.weight"] == (2048, 1792)
+    assert "model.layers.1.feed_forward.w1.weight" in published  # dense layers 0 and 1
+    assert "model.layers.2.self_attn.q_proj.weight" in published and "model.layers.0.conv.conv.weight" in published
+    defaults = bench.param_shapes(bench.config_of("defaults"))
+    assert defaults["model.embed_tokens.weight"] == (65536, 2048)
+    assert "model.layers.31.self_attn.k_proj.weight" in defaults  # no layer types: all attention
+
+
+def test_smoke_run_reports_bytes_times_and_memory(tmp_path: Path) -> None:
+    out = tmp_path / "stream.json"
+    assert bench.main(["--smoke", "--rounds", "2", "--threads", "1,2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["verified"] is True
+    assert abs(doc["changed_fraction"] - 0.02) < 0.002
+    b = doc["bytes_per_version"]
+    for p in ("bf16_step_patch", "int8_plane_patch", "int4_plane_patch"):
+        assert 0 < b[p] < 0.2 * b["anchor_bf16"], p
+    assert b["anchor_int4"] < b["anchor_int8"] < b["anchor_bf16"] == 2 * doc["elements"]
+    per_weight = doc["served_bytes_per_weight"]
+    assert per_weight["bf16"] == 2 and 1.0 < per_weight["int8"] < 1.2 and 0.5 < per_weight["int4"] < 0.7
+    for key in ("trainer_cpu_s_per_version", "trainer_wall_s_per_version", "worker_wall_s_per_version"):
+        assert set(doc[key]) == {"1", "2"}
+        for row in doc[key].values():
+            for plane in ("bf16", "int8", "int4"):
+                check_spread(row[plane])
+                assert row[plane]["n"] == 2
+    assert "quantize" in doc["trainer_cpu_s_per_version"]["1"]["parts"]["int8"]
+    rates = doc["cpu_ns_per_element"]["trainer"]["1"]
+    assert rates["int8"] == pytest.approx(1e9 * doc["trainer_cpu_s_per_version"]["1"]["int8"]["median"] / doc["elements"])
+    assert set(doc["worker_wall_s_per_version"]["1"]["parts"]["bf16"]) == {"apply", "digest"}
+    assert doc["peak_rss_bytes"] > 0 and math.isfinite(doc["load_average_start"])
+    assert doc["date"][:2] == "20"
+
+
+def test_bad_flags_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--density", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--threads", "0"])
+
+
+@pytest.mark.slow  # importing transformers takes seconds: python -m pytest --slow tests/test_bench_stream8b.py
+def test_defaults_are_transformers_lfm2_moe_config() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Lfm2MoeConfig().to_dict()
+    for key, value in bench.LFM2_MOE_DEFAULTS.items():
+        assert config[key] == value, key

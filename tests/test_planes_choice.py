@@ -1,0 +1,61 @@
+"""Which plane a Mac serves a run on: the run's when it fits, else a smaller one the run publishes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from macd import config as cfg
+from macd.join_cmd import plan_lines
+from macd.memory_plan import GIB, LFM2_5_8B_A1B
+from macd.plane_choice import HELD_BYTES, choose_plane, weights_bytes
+from slime_stoa.protocol.run_manifest import RunManifest
+
+
+def run(plane: str = "bf16", planes: tuple[str, ...] = ()) -> RunManifest:
+    return RunManifest(run="r", model="m", task="t", plane=plane, planes=planes, max_prompt_tokens=1024, max_tokens=1024)  # type: ignore[arg-type]
+
+
+def test_a_published_plane_is_held_alone_and_a_quantized_copy_keeps_its_master() -> None:
+    here, published = weights_bytes(LFM2_5_8B_A1B, run()), weights_bytes(LFM2_5_8B_A1B, run(planes=("int8", "int4")))
+    assert here.keys() == {"bf16", "int8"} and published.keys() == {"bf16", "int8", "int4"}
+    assert here["int8"] == here["bf16"] + published["int8"]  # the bf16 master plus the served copy
+    assert 23 * GIB < here["int8"] < 25 * GIB  # ~3.06 bytes a weight: fits neither 16 nor 24 GB Macs
+    assert published["int4"] < published["int8"] < 0.6 * published["bf16"]
+    assert HELD_BYTES["int8"] == 1 + 4 / 64
+
+
+@pytest.mark.parametrize(
+    ("gb", "planes", "expected"),
+    [
+        (64, ("int8", "int4"), "bf16"),  # the run's plane fits: never a smaller one
+        (24, ("int8", "int4"), "int8"),
+        (16, ("int8", "int4"), "int8"),
+        (16, ("int4",), "int4"),  # int8 only as a copy beside the master: does not fit
+        (24, (), "bf16"),  # nothing smaller that fits: the run's plane (the plan warns)
+    ],
+)
+def test_the_largest_plane_that_fits_no_larger_than_the_runs(gb: int, planes: tuple[str, ...], expected: str) -> None:
+    choice = choose_plane(LFM2_5_8B_A1B, run(planes=planes), memory=gb * GIB, sequences=16)
+    assert choice is not None and choice.plane == expected
+    assert choice.held == (expected in planes) and choice.fits == (expected != "bf16" or gb == 64)
+    assert expected in choice.describe()
+
+
+def test_a_run_on_int8_is_never_served_on_bf16() -> None:
+    choice = choose_plane(LFM2_5_8B_A1B, run("int8", ("int8",)), memory=128 * GIB, sequences=16)
+    assert choice is not None and choice.plane == "int8" and choice.held and choice.fits
+    tight = choose_plane(LFM2_5_8B_A1B, run("int8", ("int8",)), memory=8 * GIB, sequences=16)
+    assert tight is not None and tight.plane == "int8" and not tight.fits
+    assert choose_plane({"hidden_size": 8}, run(), memory=GIB, sequences=1) is None
+
+
+def test_join_says_which_plane_this_mac_serves(tmp_path: Path) -> None:
+    config = cfg.DaemonConfig(store=f"file://{tmp_path}", run="r", name="mac", worker_id="mac-1", data_dir=tmp_path, batch=2)
+    manifest = run(planes=("int8", "int4"))
+    info = cfg.RunInfo(manifest=manifest, version=3, elements=8_470_000_000, model_config=LFM2_5_8B_A1B)
+    assert "  plane        int8 (the run's published plane, held alone): " in "\n".join(plan_lines(config, info, 24 * GIB))
+    assert "  plane        bf16 (the bf16 weights): " in "\n".join(plan_lines(config, info, 64 * GIB))
+    plain = cfg.RunInfo(manifest=run(), version=3, elements=8_470_000_000, model_config=LFM2_5_8B_A1B)
+    assert not any(line.startswith("  plane ") for line in plan_lines(config, plain, 24 * GIB))  # no planes: the run's

@@ -1,0 +1,37 @@
+"""scripts/bench_retriever.py at a tiny size: real text found on this machine, recall@k and top-10
+overlap per contender, queries/s spreads, and one small streaming build measured in a child."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # ~30 s on two cores (it reads the standard library's docstrings)
+def test_bench_retriever_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["--quick", "--passages", "400", "--queries", "40", "--rounds", "2", "--build-scale", "2000", "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_retriever.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pyserini" in proc.stdout
+    doc = json.loads(out.read_text())
+    rows = doc["quality"]["contenders"]
+    assert set(rows) == {"stoa", "stoa-search-r1", "bm25s-plain", "rank-bm25"}
+    for row in rows.values():
+        assert 0 <= row["recall@1"] <= row["recall@3"] <= row["recall@10"] <= 1
+        assert row["queries_per_s"]["n"] == 2 and row["queries_per_s"]["min"] <= row["queries_per_s"]["max"]
+    assert rows["rank-bm25"]["top10_overlap_rank_bm25"] == 1.0
+    assert rows["stoa-search-r1"]["recall@10"] >= 0.9  # a query is a span of its source passage
+    build = doc["build"]["sizes"][0]
+    assert build["passages"] == 2000 and build["peak_rss_mb"] > 0 and build["postings"] > 2000
+    assert doc["build"]["projected"]["passages"] == 16_000_000
+    assert "load_average_start" in doc
