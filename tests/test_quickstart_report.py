@@ -51,6 +51,26 @@ def test_the_lp_gap_shows_only_on_rows_where_it_was_measured() -> None:
     assert progress.gap_by_version == {1: 2e-3, 3: 5e-3} and progress.gaps == [1e-3, 3e-3, 5e-3]
 
 
+def test_the_search_column_and_row_show_only_for_a_tool_task() -> None:
+    result = PublishResult(1, False, 10, 100, 400, 0, 0, 0.1)
+    batch = Batch(groups=(), metrics={"rollout/stoa_scored_reward_mean": 0.5}, trainer_version=0)
+    for search in (True, False):
+        console = Console(file=io.StringIO(), width=200)
+        ConsoleReport(console, search=search).version(1, {}, batch, result, Progress(full_bytes=1000), 2)
+        header = console.file.getvalue().splitlines()[0].split()  # type: ignore[attr-defined]
+        assert ("search" in header) is search
+        assert len(rows_of(console)[0]) == len(COLUMNS) - (not search) + 1  # "patch" is two cells
+    progress = Progress(full_bytes=1000)
+    progress.first_version = progress.run_first_version = 0
+    progress.last_version, progress.patch_bytes[1] = 1, 100
+    progress.rewards.update({0: [0.5], 1: [1.0]})
+    summary = summarize(progress, QuickstartConfig(window=2), lost=0, groups_used_run=16)
+    for task, shown in (("search", True), ("synthetic", False)):
+        console = Console(file=io.StringIO(), width=200)
+        ConsoleReport(console).summary({**summary, "task": task})
+        assert ("search rate" in console.file.getvalue()) is shown  # type: ignore[attr-defined]
+
+
 def first_session(tmp_path: Path) -> tuple[Progress, Path]:
     """A session that seeded v0 and published v1..v4, as `run_quickstart` records it."""
     path = tmp_path / "progress.json"

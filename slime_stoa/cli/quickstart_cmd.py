@@ -91,6 +91,6 @@ def _run(args: argparse.Namespace, cfg: QuickstartConfig, interrupt: Any) -> tup
         import logging
 
         logging.getLogger().setLevel(logging.WARNING)
-    report = ConsoleReport()
+    report = ConsoleReport(search=cfg.task == "search")
     interrupt.check()
     return asyncio.run(run_quickstart(cfg, report, interrupt)), report

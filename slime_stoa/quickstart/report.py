@@ -44,11 +44,16 @@ def batch_search_rate(batch: Any) -> float:
 
 
 class ConsoleReport:
-    """Prints one line per published version under a header, with rich."""
+    """Prints one line per published version under a header, with rich; the `search` column
+    only for a task whose samples can call a tool (`search`)."""
 
-    def __init__(self, console: Console | None = None):
+    def __init__(self, console: Console | None = None, *, search: bool = True):
         self.console = console or Console()
+        self.search = search
         self._header = False
+
+    def _shown(self, cells: tuple[str, ...]) -> list[tuple[str, int]]:
+        return [(c, w) for c, w, name in zip(cells, WIDTHS, COLUMNS, strict=True) if self.search or name != "search"]
 
     def note(self, text: str) -> None:
         # soft_wrap: a long path or command stays on one line, whole, for copying
@@ -56,7 +61,7 @@ class ConsoleReport:
 
     def version(self, version: int, metrics: dict, batch: Any, result: Any, progress: Any, alive: int) -> None:
         if not self._header:
-            self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, WIDTHS, strict=False)), style="bold")
+            self.console.print(" ".join(f"{c:>{w}}" for c, w in self._shown(COLUMNS)), style="bold")
             self._header = True
         lag = batch.metrics.get("rollout/stoa_version_lag_mean", float("nan"))
         gap = progress.gap_by_version.get(version)  # None: this step had no group of its own weights
@@ -73,7 +78,7 @@ class ConsoleReport:
             str(alive),
             "-" if gap is None else f"{gap:.0e}",
         )
-        self.console.print(" ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=False)))
+        self.console.print(" ".join(f"{c:>{w}}" for c, w in self._shown(cells)))
 
     def summary(self, summary: dict[str, Any]) -> None:
         table = Table(title="stoa quickstart summary", show_header=False)
@@ -81,8 +86,9 @@ class ConsoleReport:
         rows = [
             (f"reward, first RL version (v{summary['first_version']})", f"{summary['reward_first']:.3f}"),
             (f"reward, last {summary['window']} versions", f"{summary['reward_last']:.3f}"),
-            (f"search rate, first RL version / last {summary['window']} versions",
-             f"{summary['search_rate_first']:.2f} / {summary['search_rate_last']:.2f}"),
+            *([(f"search rate, first RL version / last {summary['window']} versions",
+                f"{summary['search_rate_first']:.2f} / {summary['search_rate_last']:.2f}")]
+              if summary.get("task", "search") == "search" else []),
             (f"eval pass@1, held-out test split ({summary['eval_prompts']} prompts), "
              f"v{summary['first_version']} / v{summary['last_version']}",
              f"{summary['eval_pass1_first']:.3f} / {summary['eval_pass1_last']:.3f}"),
