@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgspec
@@ -35,6 +36,27 @@ def test_a_record_with_a_bad_or_redundant_plane_is_refused() -> None:
     assert decode_reason(frame_payload(msgspec.msgpack.encode({**wire, "plane": 8}))) == "type"
     # "bf16" spelled out is not the canonical form (one byte form per record)
     assert decode_reason(frame_payload(msgspec.msgpack.encode({**wire, "plane": "bf16"}))) == "msgpack"
+
+
+def test_a_record_on_a_plane_the_run_does_not_offer_is_refused() -> None:
+    """The gap limits allow more for a quantized plane, so the plane a record claims is checked
+    against the run's: bf16 and the worker-side int8 always, int4 only when the run publishes it."""
+    from slime_stoa.protocol.run_manifest import RunManifest
+    from slime_stoa.protocol.validate import RecordRejected, validate_group
+    from slime_stoa.trainer.consumer.config import limits_for_run
+
+    group = make_group(plane="int4")
+    plain = RunManifest(run=group.run, model="m", task="gsm8k", group_size=len(group.samples))
+    offered = RunManifest(run=group.run, model="m", task="gsm8k", group_size=len(group.samples), planes=("int4",))
+    assert limits_for_run(plain, vocab_size=1000).allowed_planes == {"bf16", "int8"}
+    assert limits_for_run(offered, vocab_size=1000).allowed_planes == {"bf16", "int8", "int4"}
+    limits = limits_for_run(plain, vocab_size=1000)
+    with pytest.raises(RecordRejected) as refused:
+        validate_group(group, dataclasses.replace(limits, expected_sampling=None))
+    assert refused.value.reason == "plane"
+    for plane in ("bf16", "int8"):
+        validate_group(make_group(plane=plane), dataclasses.replace(limits, expected_sampling=None))
+    validate_group(group, dataclasses.replace(limits_for_run(offered, vocab_size=1000), expected_sampling=None))
 
 
 def test_the_heartbeat_says_which_plane_the_worker_serves() -> None:

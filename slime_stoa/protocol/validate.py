@@ -44,6 +44,7 @@ from slime_stoa.protocol.records import (
     FINISH_REASONS,
     FINISH_REASONS_V2,
     KINDS,
+    PLANES,
     SCHEMA_V2,
     SCHEMA_VERSIONS,
     RecordError,
@@ -59,6 +60,7 @@ VALIDATION_REASONS = frozenset(
     {
         "schema_version",  # schema_version not in SCHEMA_VERSIONS
         "kind",  # kind not in limits.allowed_kinds
+        "plane",  # plane not in limits.allowed_planes (a plane the run does not offer)
         "run",  # run differs from limits.expected_run
         "identifier",  # run / task_id not a layout name, worker_id not a layout worker id (check_name)
         "state_digest",  # not a lowercase hex string of 16..128 characters
@@ -114,6 +116,9 @@ class RecordLimits:
     """Cap on the stored object and on its decompressed payload (decompression-bomb guard)."""
     allowed_kinds: frozenset[str] = frozenset(KINDS)
     """Kinds accepted ("train", "eval")."""
+    allowed_planes: frozenset[str] = frozenset(PLANES)
+    """Weight planes a record may say it was sampled with: the trainer's logprob-gap limits allow
+    more for a quantized plane, so a plane the run does not offer is refused, not believed."""
     expected_run: str | None = None
     """When set, the record's run name must equal it."""
     expected_sampling: SamplingParams | None = None
@@ -184,6 +189,8 @@ def _check_header(g: RolloutGroup, limits: RecordLimits) -> None:
         raise RecordRejected("schema_version", f"{g.schema_version}, expected one of {SCHEMA_VERSIONS}")
     if g.kind not in limits.allowed_kinds:
         raise RecordRejected("kind", f"{_short(g.kind)} not in {sorted(limits.allowed_kinds)}")
+    if g.plane not in limits.allowed_planes:
+        raise RecordRejected("plane", f"{_short(g.plane)}: the run offers {sorted(limits.allowed_planes)}")
     for name in ("run", "task_id", "worker_id"):
         _check_identifier(name, getattr(g, name), limits)
     if limits.expected_run is not None and g.run != limits.expected_run:

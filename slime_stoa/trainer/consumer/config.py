@@ -208,7 +208,8 @@ class ResolvedConfig(ConsumerConfig):
 
 def limits_for_run(manifest: RunManifest, *, vocab_size: int) -> RecordLimits:
     """The record limits a run's manifest implies: train records of exactly G samples, from this
-    run, drawn with the manifest's sampling parameters, within its prompt and response lengths."""
+    run, drawn with the manifest's sampling parameters, within its prompt and response lengths, on
+    bf16, the worker-side int8 plane, or a quantized plane the run publishes."""
     if not _is_int(vocab_size) or vocab_size < 1:
         raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
     return RecordLimits(
@@ -218,6 +219,7 @@ def limits_for_run(manifest: RunManifest, *, vocab_size: int) -> RecordLimits:
         max_prompt_tokens=manifest.max_prompt_tokens,
         max_response_tokens=manifest.max_tokens,
         allowed_kinds=frozenset({"train"}),
+        allowed_planes=frozenset({"bf16", "int8", *manifest.planes}),
         expected_run=manifest.run,
         expected_sampling=SamplingParams(
             temperature=manifest.temperature,
