@@ -155,7 +155,9 @@ def test_lfm2_moe_quickstart_mechanics(tmp_path: Path) -> None:
     assert s["digests_checked"] >= 1 and s["digest_mismatches"] == 0
     assert s["tensors"] == len(load_hf_state(model)) > 60  # 2 MoE layers x 8 experts x 3 + the rest
     assert 0 < s["patch_bytes_mean"] < s["full_bytes"]
-    assert s["worker_syncs_seen"] >= 1 and s["worker_sync_seconds_mean"] > 0 and s["publish_seconds_mean"] > 0
+    assert s["publish_seconds_mean"] > 0
+    # 3 versions within the staleness limit need not make the worker install one
+    assert s["worker_syncs_seen"] == 0 or s["worker_sync_seconds_mean"] > 0
     # worker (MLX, bf16 activations) and learner (torch, float32 on the same bf16 weights):
     # numerics and the odd near-tied routing decision, far from a wrong layout (measured ~1e-2;
     # a mis-stacked expert gives > 0.5)
@@ -167,3 +169,5 @@ def test_lfm2_moe_quickstart_learns(tmp_path: Path) -> None:
     s = run_family_quickstart(tmp_path, "--max-versions", "40", "--target", "0.6")
     assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.6, s
     assert s["groups_lost"] == 0 and s["digest_mismatches"] == 0
+    # past the staleness limit the workers must have installed new versions, each timed
+    assert s["worker_syncs_seen"] >= 1 and s["worker_sync_seconds_mean"] > 0

@@ -785,6 +785,8 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         for beat in final_beats:
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+            if beat.version is not None and beat.swaps:  # the last install, if no step's read caught it
+                progress.swap_seconds.setdefault((beat.worker_id, beat.version), beat.last_swap_s)
         save_progress(progress, progress_file, run=cfg.run)
         lost, spooled = count_lost(final_beats), count_spooled(final_beats)
         progress.rewards, progress.tool_calls = await stop.race(samples_by_version(store, cfg.run, registry))
