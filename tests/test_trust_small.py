@@ -153,3 +153,20 @@ def test_a_pointer_with_a_hostile_time_is_malformed_not_a_date_that_crashes(valu
     with pytest.raises(ManifestError, match="updated_at") as caught:
         Pointer.from_bytes(json.dumps({**doc, "updated_at": value}).encode())
     assert len(str(caught.value)) < 200
+
+
+def test_an_identical_group_is_logged_as_info_and_a_failed_check_as_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """An honest repeat (a group identical to an admitted one) is nothing to act on: it is counted
+    like any refusal but logged as info, so a run's output does not read like an attack alert."""
+    from types import SimpleNamespace
+
+    from slime_stoa.trainer.consumer.shared import Shared
+    from slime_stoa.trainer.consumer.state import ConsumerState
+
+    shared = Shared(None, SimpleNamespace(run="r"), ConsumerState(run="r"))  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="slime_stoa.trainer.consumer.shared"):
+        shared.reject("1-w-0000000001.rec", "duplicate", "the same prompt and samples were already admitted")
+        shared.reject("1-w-0000000002.rec", "signature", "does not verify")
+    levels = {r.getMessage().split("(")[1].split(",")[0]: r.levelname for r in caplog.records}
+    assert levels == {"duplicate": "INFO", "signature": "WARNING"}
+    assert shared.state.counters["rejected/duplicate"] == shared.state.counters["rejected/signature"] == 1

@@ -20,7 +20,7 @@ from .state import ConsumerState, name_worker
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LOUD_REJECTS = 10  # rejects logged as warnings per reason; later ones every 1,000th
+LOUD_REJECTS = 10  # rejects logged per reason; later ones every 1,000th
 
 
 class Shared:
@@ -43,12 +43,14 @@ class Shared:
 
     def reject(self, name: str, reason: str, detail: str) -> None:
         """Count the record `name` rejected for `reason` (and against its worker); log the first
-        `LOUD_REJECTS` of each reason, then every 1,000th."""
+        `LOUD_REJECTS` of each reason, then every 1,000th: a warning, except for a `duplicate`
+        (a group identical to one admitted: used once, nothing to act on), which is info."""
         self.count(reject_counter(reason))
         self.count(worker_counter(name_worker(name), "rejected"))
         seen = self._logged[reason] = self._logged.get(reason, 0) + 1
         if seen <= LOUD_REJECTS or seen % 1000 == 0:
-            log.warning("stoa: rejected %s (%s, %d so far): %s", self.prefix + name, reason, seen, detail)
+            level = logging.INFO if reason == "duplicate" else logging.WARNING
+            log.log(level, "stoa: rejected %s (%s, %d so far): %s", self.prefix + name, reason, seen, detail)
 
     async def patiently(self, op: Callable[[], Awaitable[T]], describe: str) -> T:
         """`op()`, waiting out a store outage of any length (counted `store_outage_retries`)."""
