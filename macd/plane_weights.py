@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten
 from slime_stoa.protocol.layout import QuantPlane, check_plane
 
 from .hf_layout import Slot, checkpoint_layout, model_name
-from .weights import ApplyStats, LiveWeights
+from .weights import ApplyStats, LiveWeights, check_shape, touched_bits
 
 GROUP_SIZE = 64  # every published plane's (`pulse.plane.PLANE_PARAMS`)
 _BITS = (2, 4, 8)
@@ -214,21 +214,9 @@ class PlaneWeights(LiveWeights):
         self, state: Mapping[str, np.ndarray], names: Iterable[str], changed: Mapping[str, np.ndarray] | None
     ) -> None:
         for name in names:
-            bits = state.get(name)
-            if bits is None:
-                raise ValueError(f"{name}: touched but not in the state")
-            if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16:
-                got = getattr(bits, "dtype", type(bits).__name__)
-                raise ValueError(f"{name}: expected plane bits as a uint16 array, got {got}")
+            bits = touched_bits(state, name, "plane bits", changed)
             slot = self.slots.get(name)
-            shape = slot.shape if slot is not None else self._shapes.get(name)
-            if shape is None:
-                raise ValueError(f"{name}: not a parameter of the model")
-            if tuple(bits.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(bits.shape)} does not match the model's {shape}")
-            indices = changed.get(name) if changed is not None else None
-            if indices is not None and indices.size and not 0 <= indices[0] <= indices[-1] < bits.size:
-                raise ValueError(f"{name}: changed indices outside its {bits.size} elements (or unsorted)")
+            check_shape(name, bits, slot.shape if slot is not None else self._shapes.get(name))
 
     @property
     def nbytes(self) -> int:

@@ -95,6 +95,31 @@ class _QuantizedWeight:
         return self.group_size * self.bits // 32
 
 
+def touched_bits(
+    state: Mapping[str, np.ndarray], name: str, what: str, changed: Mapping[str, np.ndarray] | None
+) -> np.ndarray:
+    """`state[name]` as a patch left it: a uint16 array (`what` it holds, for the error), its
+    `changed` indices sorted and inside it; ValueError naming the tensor otherwise."""
+    bits = state.get(name)
+    if bits is None:
+        raise ValueError(f"{name}: touched but not in the state")
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16:
+        got = getattr(bits, "dtype", type(bits).__name__)
+        raise ValueError(f"{name}: expected {what} as a uint16 array, got {got}")
+    indices = changed.get(name) if changed is not None else None
+    if indices is not None and indices.size and not 0 <= indices[0] <= indices[-1] < bits.size:
+        raise ValueError(f"{name}: changed indices outside its {bits.size} elements (or unsorted)")
+    return bits
+
+
+def check_shape(name: str, bits: np.ndarray, shape: tuple[int, ...] | None) -> None:
+    """ValueError unless `bits` has the model's `shape` for `name` (None: no such parameter)."""
+    if shape is None:
+        raise ValueError(f"{name}: not a parameter of the model")
+    if tuple(bits.shape) != shape:
+        raise ValueError(f"{name}: shape {tuple(bits.shape)} does not match the model's {shape}")
+
+
 class LiveWeights:
     """An mlx-lm model whose weights follow a bf16 master state (see the module docstring)."""
 
@@ -299,23 +324,11 @@ class LiveWeights:
     ) -> None:
         """ValueError naming the first tensor that does not fit the model."""
         for name in names:
-            bits = state.get(name)
-            if bits is None:
-                raise ValueError(f"{name}: touched but not in the state")
-            if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16:
-                got = getattr(bits, "dtype", type(bits).__name__)
-                raise ValueError(f"{name}: expected bf16 bits as a uint16 array, got {got}")
-            indices = changed.get(name) if changed is not None else None
-            if indices is not None and indices.size and not 0 <= indices[0] <= indices[-1] < bits.size:
-                raise ValueError(f"{name}: changed indices outside its {bits.size} elements (or unsorted)")
+            bits = touched_bits(state, name, "bf16 bits", changed)
             if name not in self._shapes and self._is_tied_head(name):
                 self._check_tied_head(state, changed)
                 continue
-            shape = self._shapes.get(name)
-            if shape is None:
-                raise ValueError(f"{name}: not a parameter of the model")
-            if tuple(bits.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(bits.shape)} does not match the model's {shape}")
+            check_shape(name, bits, self._shapes.get(name))
             if name not in self._quantized:
                 dtype = self._param(name).dtype
                 if dtype != mx.bfloat16:
