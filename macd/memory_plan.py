@@ -37,6 +37,8 @@ KV_STEP = 256  # mlx-lm KVCache allocation step (tokens)
 QUANT_GROUP = 64
 INT8_BYTES = 1 + 4 / QUANT_GROUP  # 8-bit code, bf16 scale and bias per 64
 INT4_BYTES = 0.5 + 4 / QUANT_GROUP  # 4-bit code, bf16 scale and bias per 64
+#: Bytes per quantizable parameter of a quantized plane held alone.
+HELD_BYTES = {"int8": INT8_BYTES, "int4": INT4_BYTES}
 PREFILL_STEP = 2048  # macd.generate.PREFILL_STEP
 
 #: LFM2.5-8B-A1B as published (LiquidAI/LFM2.5-8B-A1B config.json): 24 layers, 18 conv and 6
@@ -151,9 +153,8 @@ def param_count(config: Mapping[str, Any]) -> ParamCount:
 def weights_by_plane(counts: ParamCount, published: Sequence[str] = ()) -> dict[str, int]:
     """Bytes of the weights of each plane a worker can serve (module doc): bf16; int8 quantized
     here beside the bf16 master, or held alone when `published`; int4 only when published."""
-    held = {"int8": INT8_BYTES, "int4": INT4_BYTES}
     out = {"bf16": 2 * counts.total}
-    for plane, per in held.items():
+    for plane, per in HELD_BYTES.items():
         alone = int(per * counts.quantizable + 2 * counts.other)
         if plane in published:
             out[plane] = alone

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from slime_stoa.protocol.run_manifest import PLANES, Plane, RunManifest
 
-from .memory_plan import GIB, QUANT_GROUP, config_plan, param_count, usable_bytes
-
-#: Bytes per quantizable parameter of a plane held alone: its codes plus a bf16 scale and bias per group.
-HELD_BYTES: dict[Plane, float] = {"int8": 1 + 4 / QUANT_GROUP, "int4": 0.5 + 4 / QUANT_GROUP}
+from .memory_plan import GIB, config_plan, param_count, usable_bytes, weights_by_plane
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +44,8 @@ class PlaneChoice:
 
 def weights_bytes(model_config: Mapping[str, Any], manifest: RunManifest) -> dict[Plane, int]:
     """Bytes of the weights of each plane this Mac can serve the run on (module docstring)."""
-    counts = param_count(model_config)
-    bf16 = 2 * counts.total
-    out: dict[Plane, int] = {"bf16": bf16}
-    for plane, per in HELD_BYTES.items():
-        held = int(per * counts.quantizable + 2 * counts.other)
-        if manifest.offers(plane):
-            out[plane] = held
-        elif plane == "int8":
-            out[plane] = bf16 + held
-    return out
+    published = [plane for plane in PLANES if manifest.offers(plane)]
+    return cast(dict[Plane, int], weights_by_plane(param_count(model_config), published))
 
 
 def choose_plane(

@@ -8,8 +8,8 @@ import pytest
 
 from macd import config as cfg
 from macd.join_cmd import plan_lines
-from macd.memory_plan import GIB, LFM2_5_8B_A1B
-from macd.plane_choice import HELD_BYTES, choose_plane, weights_bytes
+from macd.memory_plan import GIB, HELD_BYTES, LFM2_5_8B_A1B
+from macd.plane_choice import choose_plane, weights_bytes
 from slime_stoa.protocol.run_manifest import RunManifest
 
 
