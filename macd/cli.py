@@ -53,7 +53,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     if args.plan_for is not None:
         return doctor.print_plan(args)
-    return doctor.main(args.data_dir, config_path(args))
+    return doctor.main(args.data_dir, config_path(args), index_gb=args.plan_index_gb)
 
 
 def main(argv: list[str] | None = None) -> int:

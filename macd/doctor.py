@@ -1,6 +1,8 @@
 """`macd doctor`: what this machine can do as a rollout worker (the tiers: `macd.machine`), the
-memory plan of the joined run's model on it, and with `--plan-for` the plan of a model shape
-(LFM2.5-8B-A1B unless `--plan-config`) on Macs of other sizes (`macd.memory_plan`)."""
+memory plan of the joined run's model on it (a search task's index counted at the size its
+manifest in the bucket gives, `macd.index_plan`, unless `--plan-index-gb` says), and with
+`--plan-for` the plan of a model shape (LFM2.5-8B-A1B unless `--plan-config`) on Macs of other
+sizes (`macd.memory_plan`)."""
 
 from __future__ import annotations
 
@@ -73,22 +75,40 @@ async def bucket_rows(config) -> list[tuple[str, str, bool]]:
     return [("bucket", f"{config.store} run {config.run!r}: credentials ok, {latency:.0f} ms per request", True)]
 
 
-async def plan_rows(config: Any) -> list[tuple[str, str, bool]]:
+async def plan_rows(config: Any, index_gb: float | None = None) -> list[tuple[str, str, bool]]:
     """The memory plan of the joined run's model on this Mac (`join_cmd.memory_plan_lines`), one
-    row per line; not ok when the run's plane does not fit. Nothing when the run cannot be read."""
+    row per line; not ok when the run's plane does not fit, or when its search index's size is
+    unknown (a worker could not fetch that index either). The index is counted as its manifest in
+    the bucket says (`index_plan.run_index_plan`), or at `index_gb` GiB when given. Nothing when
+    the run cannot be read."""
     from slime_stoa.protocol.store import StoreError
 
     from .config import RunNotFound, probe_run
+    from .index_plan import override_plan, run_index_plan
     from .join_cmd import memory_plan_lines
+    from .shared_dir import machine_shared_dir
 
     try:
         async with config.open_store() as store:
             info = await probe_run(store, config.run, pinned=config.run_key or None)
+            index = (override_plan(index_gb, INDEX_FLAG) if index_gb is not None
+                     else await run_index_plan(store, info.manifest, machine_shared_dir()))
     except (StoreError, ValueError, RunNotFound):
         return []
-    lines, warning = memory_plan_lines(config, info, memory_bytes())
-    rows = [("plan", line.strip().removeprefix("memory plan").strip(), True) for line in lines]
+    lines, warning = memory_plan_lines(config, info, memory_bytes(), index)
+    unknown = "" if index is None or index.known else index.line
+    rows = [("plan", text, text != unknown) for text in (line.strip().removeprefix("memory plan").strip() for line in lines)]
     return rows + ([("plan", warning.removeprefix("warning: "), False)] if warning else [])
+
+
+INDEX_FLAG = "--plan-index-gb"
+
+
+def check_index_gb(value: float | None) -> str | None:
+    """The error line for a bad `--plan-index-gb`, or None."""
+    if value is not None and not 0 <= value <= 1 << 20:
+        return f"error: {INDEX_FLAG} must be between 0 and {1 << 20} (got {value:g})"
+    return None
 
 
 def add_plan_options(parser: argparse.ArgumentParser) -> None:
@@ -100,11 +120,14 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-batch", type=int, default=2, help="prompts decoding at once (default 2)")
     parser.add_argument("--plan-prompt-tokens", type=int, default=512, help="longest prompt (default 512)")
     parser.add_argument("--plan-response-tokens", type=int, default=1536, help="longest response (default 1536)")
-    parser.add_argument("--plan-index-gb", type=float, default=0.0, help="the search index's size in GB (default 0)")
+    parser.add_argument(INDEX_FLAG, type=float, default=None,
+                        help="the search index's size in GiB, counted instead of what the joined run's index "
+                             "manifest in the bucket says (default: that size; 0 with --plan-for)")
 
 
 def print_plan(args: argparse.Namespace) -> int:
     """`macd doctor --plan-for`: the plan's lines on stdout; 1 with an error line on bad input."""
+    from .index_plan import override_plan
     from .memory_plan import LFM2_5_8B_A1B, config_plan, describe
 
     try:
@@ -127,9 +150,14 @@ def print_plan(args: argparse.Namespace) -> int:
             flag = "--" + option.replace("_", "-")
             print(f"error: {flag} must be 1 or more (got {getattr(args, option)})", file=sys.stderr)
             return 1
+    if bad := check_index_gb(args.plan_index_gb):
+        print(bad, file=sys.stderr)
+        return 1
+    index = None if args.plan_index_gb is None else override_plan(args.plan_index_gb, INDEX_FLAG)
     plan = config_plan(
         model, group_size=args.plan_group_size, groups=args.plan_batch, prompt_tokens=args.plan_prompt_tokens,
-        response_tokens=args.plan_response_tokens, index_bytes=int(args.plan_index_gb * 2**30), mac_sizes_gb=sizes,
+        response_tokens=args.plan_response_tokens, mac_sizes_gb=sizes,
+        index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
     ) if isinstance(model, dict) else None
     if plan is None:
         print(f"error: --plan-config {name}: not a model config with the sizes a plan needs", file=sys.stderr)
@@ -141,9 +169,13 @@ def print_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(data_dir: Path, config_file: Path | None = None) -> int:
+def main(data_dir: Path, config_file: Path | None = None, index_gb: float | None = None) -> int:
+    """The checks' rows on stdout; 1 when one needs fixing. `index_gb`: `--plan-index-gb`."""
     import asyncio
 
+    if bad := check_index_gb(index_gb):
+        print(bad, file=sys.stderr)
+        return 1
     rows = report(data_dir)
     if config_file is not None and config_file.exists():
         from .config import load_config
@@ -151,7 +183,7 @@ def main(data_dir: Path, config_file: Path | None = None) -> int:
         joined = load_config(config_file)
         rows += asyncio.run(bucket_rows(joined))
         if rows[-1][2]:  # the bucket answers: the plan of the run's model here
-            rows += asyncio.run(plan_rows(joined))
+            rows += asyncio.run(plan_rows(joined, index_gb))
     else:
         rows.append(("bucket", "not joined yet: run `macd join <bucket-url> --run <run>`", True))
     for name, finding, ok in rows:

@@ -43,12 +43,14 @@ from slime_stoa.protocol.store.retry import describe_error
 
 from .aio import Wakeup, wait
 from .config import DaemonConfig, decoding_sequences, plane_override
+from .index_plan import run_index_plan
 from .machine import memory_bytes
 from .mlx_thread import MLXThread, return_freed_memory
 from .options import WorkerOptions
 from .plane_choice import choose_plane
 from .reporting import Reporter
 from .run_pin import head_path, remember_head, remembered_head
+from .shared_dir import machine_shared_dir
 
 if TYPE_CHECKING:
     from .generate import Generator, Model, Tokenizer
@@ -130,7 +132,8 @@ class WeightFollower:
     async def plane_for(self, manifest: RunManifest, trust: RunTrust | None) -> Plane:
         """The plane this Mac serves the run on (`plane_choice`): the run's, or, when the run
         publishes quantized planes, a smaller one if the run's does not fit this Mac's memory.
-        The model's config is read from the run's bf16 anchor; the run's plane when it cannot be.
+        The model's config is read from the run's bf16 anchor (the run's plane when it cannot be),
+        the size of the run's search index from its manifest (`index_plan`).
         The daemon config's `plane` overrides the pick (ValueError when the run cannot be served on it)."""
         if self.config.plane:
             plane = plane_override(manifest, self.config.plane)
@@ -149,8 +152,10 @@ class WeightFollower:
             log.info("serving the run's %s plane: its model config is not readable (%s)", manifest.plane, describe_error(exc))
             return manifest.plane
         sequences = decoding_sequences(self.config, manifest.group_size)
+        index = await run_index_plan(self.store, manifest, machine_shared_dir())
         choice = None if not isinstance(model_config, dict) else choose_plane(
-            model_config, manifest, memory=memory_bytes(), sequences=sequences
+            model_config, manifest, memory=memory_bytes(), sequences=sequences,
+            index_bytes=0 if index is None else index.counted,
         )
         if choice is None:
             return manifest.plane

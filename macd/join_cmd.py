@@ -1,5 +1,6 @@
 """`macd join`: point this Mac at a run — write the config, check the bucket and the run, and say
-what this Mac will do (model, task, batch, memory)."""
+what this Mac will do (model, task, batch, memory: the memory plan counts a search task's index at
+the size its manifest in the bucket gives, `macd.index_plan`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from slime_stoa.protocol.worker_keys import worker_key_bytes
 
 from . import config as cfg
 from .cmdline import add_config_option, config_path, error
+from .index_plan import IndexPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,12 +145,13 @@ def _do_join(args: argparse.Namespace) -> int:
         **knobs,
     )
     info: cfg.RunInfo | None = None
+    index: IndexPlan | None = None
     pinned_now = False
     if not args.no_check:
         checked = _check_run(config, creds if creds is not None else config.read_credentials())
         if isinstance(checked, int):
             return checked
-        info = checked
+        info, index = checked
         if config.plane:
             try:
                 cfg.plane_override(info.manifest, config.plane)
@@ -161,7 +164,7 @@ def _do_join(args: argparse.Namespace) -> int:
     if worker_key is not None and key_copy is not None:
         write_private_file(key_copy, worker_key_bytes(worker_key), overwrite=True)
     cfg.save_config(config, path)
-    for line in join_report(config, path, info, kept_id=keep_id, creds_written=creds is not None):
+    for line in join_report(config, path, info, kept_id=keep_id, creds_written=creds is not None, index=index):
         print(line)
     for line in key_lines(config, pinned_now=pinned_now, explicit=args.run_key is not None):
         print(line)
@@ -293,16 +296,21 @@ def _secret_from_env_or_prompt() -> str:
     )
 
 
-def _check_run(config: cfg.DaemonConfig, creds: Any) -> cfg.RunInfo | int:
-    """Probe the bucket and the run; an exit status with the error printed when they are not usable."""
+def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, IndexPlan | None] | int:
+    """Probe the bucket and the run (and the size of its search index, if it has one); an exit
+    status with the error printed when they are not usable."""
     from slime_stoa.protocol.store import open_store
 
-    async def probe() -> cfg.RunInfo:
+    from .index_plan import run_index_plan
+    from .shared_dir import machine_shared_dir
+
+    async def probe() -> tuple[cfg.RunInfo, IndexPlan | None]:
         async with open_store(config.store, credentials=creds) as store:
-            return await cfg.probe_run(store, config.run, pinned=config.run_key or None)
+            info = await cfg.probe_run(store, config.run, pinned=config.run_key or None)
+            return info, await run_index_plan(store, info.manifest, machine_shared_dir())
 
     try:
-        info = asyncio.run(probe())
+        info, index = asyncio.run(probe())
     except cfg.RunNotFound:
         return error(
             f"run {config.run!r} does not exist in {config.store}: create it with "
@@ -318,13 +326,14 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> cfg.RunInfo | int:
             f"(known tasks: {', '.join(sorted(TASKS))}): recreate the run with one of them "
             f"(`stoa run create ... --task <task>`), or upgrade macd if the task is new"
         )
-    return info
+    return info, index
 
 
 def join_report(
-    config: cfg.DaemonConfig, path: Path, info: cfg.RunInfo | None, *, kept_id: bool, creds_written: bool
+    config: cfg.DaemonConfig, path: Path, info: cfg.RunInfo | None, *, kept_id: bool, creds_written: bool,
+    index: IndexPlan | None = None,
 ) -> list[str]:
-    """What join did and what this Mac will do."""
+    """What join did and what this Mac will do (`index`: the run's search index, if it has one)."""
     from .machine import memory_bytes
 
     who = f"worker {config.worker_id} ({'same id as before' if kept_id else 'new id'}), name {config.name!r}"
@@ -338,7 +347,7 @@ def join_report(
     if info is None:
         lines.append("  (bucket not checked: --no-check)")
     else:
-        lines += plan_lines(config, info, memory_bytes())
+        lines += plan_lines(config, info, memory_bytes(), index)
     suffix = "" if path == cfg.default_config_path() else f" --config {path}"
     lines += [
         "",
@@ -347,8 +356,9 @@ def join_report(
     return lines
 
 
-def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list[str]:
-    """What this Mac will generate for the run, and whether it fits in `memory` bytes."""
+def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None) -> list[str]:
+    """What this Mac will generate for the run, and whether it fits in `memory` bytes beside the
+    run's search `index` (None: the run has none)."""
     m = info.manifest
     sequences = cfg.decoding_sequences(config, m.group_size)
     lines = [
@@ -358,7 +368,7 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list
         f"  group size   {m.group_size} samples per prompt, temperature {m.temperature}, up to {m.max_tokens} tokens",
         f"  batch        {config.batch} prompts at once ({sequences} sequences decoding)",
     ]
-    plane = plane_line(config, info, memory)
+    plane = plane_line(config, info, memory, index)
     if plane is not None:
         lines.append(plane)
     elements, guessed = info.elements, False
@@ -371,7 +381,7 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list
         lines.append(f"  weights      v{info.version} ({info.elements:,} weights)")
     if elements is None:
         lines.append(f"  memory       unknown until the weights' size is known ({memory / 2**30:.0f} GiB here)")
-        plan, warning = memory_plan_lines(config, info, memory)
+        plan, warning = memory_plan_lines(config, info, memory, index)
         return lines + plan + ([] if warning is None else [warning])
     est = cfg.estimate_memory(
         elements=elements,
@@ -381,23 +391,27 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> list
         kv_bytes_per_token=info.kv_bytes_per_token,
         weights_guessed=guessed,
     )
-    verdict = est.verdict(memory)
+    index_bytes = 0 if index is None else index.counted
+    whole = replace(est, overhead=est.overhead + index_bytes)  # the index counted beside the runtime
+    verdict = whole.verdict(memory)
     lines.append(
         f"  memory       ~{_gib(est.weights)} weights{' (guessed from the model name)' if guessed else ''}"
         f" + ~{_gib(est.kv_cache)} KV cache{' (guess)' if est.kv_guessed else ''} + {_gib(est.overhead)} runtime"
-        f" = ~{_gib(est.total)} of {_gib(memory)} here: {verdict}"
+        + (f" + {_gib(index_bytes)} search index" if index_bytes else "")
+        + f" = ~{_gib(whole.total)} of {_gib(memory)} here: {verdict}"
     )
     if verdict != "fits":
         lines.append(
             "               lower `batch` (or set `max_decode`) in the config, or join a run of a smaller model"
         )
-    plan, warning = memory_plan_lines(config, info, memory)
+    plan, warning = memory_plan_lines(config, info, memory, index)
     return lines + plan + ([] if warning is None else [warning])
 
 
-def plane_line(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> str | None:
+def plane_line(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None) -> str | None:
     """The plane this Mac serves the run on: the config's `plane`, else (`plane_choice`, as the
-    worker picks it) when the run publishes quantized planes and its model config is known."""
+    worker picks it, beside the run's search `index`) when the run publishes quantized planes and
+    its model config is known."""
     from .plane_choice import choose_plane
 
     m, model = info.manifest, model_config_of(info)
@@ -405,7 +419,8 @@ def plane_line(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> str 
         return f"  plane        {config.plane} (this config's `plane`)"
     if not m.planes or model is None:
         return None
-    choice = choose_plane(model, m, memory=memory, sequences=cfg.decoding_sequences(config, m.group_size))
+    choice = choose_plane(model, m, memory=memory, sequences=cfg.decoding_sequences(config, m.group_size),
+                          index_bytes=0 if index is None else index.counted)
     return None if choice is None else f"  plane        {choice.describe()}"
 
 
@@ -421,21 +436,26 @@ def model_config_of(info: cfg.RunInfo) -> Mapping[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def memory_plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int) -> tuple[list[str], str | None]:
-    """`memory_plan.this_mac` for the run's model, group size, lengths and this config's batch:
-    (indented lines, warning or None); nothing when the model config is unknown."""
+def memory_plan_lines(
+    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None
+) -> tuple[list[str], str | None]:
+    """`memory_plan.this_mac` for the run's model, group size, lengths and this config's batch,
+    with the run's search `index` (None: the run has none): (indented lines, warning or None);
+    nothing but the index's line when the model config is unknown."""
     from .memory_plan import this_mac
 
     model = model_config_of(info)
+    index_lines = [] if index is None else [f"  {'':<12} {index.line}"]
     if model is None:
-        return ["  memory plan  unknown until the model's config.json is published"], None
+        return ["  memory plan  unknown until the model's config.json is published", *index_lines], None
     m = info.manifest
     lines, warning = this_mac(
         model, memory=memory, plane=m.plane, group_size=cfg.decoding_sequences(config, m.group_size), groups=1,
         prompt_tokens=m.max_prompt_tokens, response_tokens=m.max_tokens, published=m.planes,
+        index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
     )
     if not lines:
-        return ["  memory plan  the model's config.json lacks the sizes a plan needs"], None
+        return ["  memory plan  the model's config.json lacks the sizes a plan needs", *index_lines], None
     return [f"  {'memory plan' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)], warning
 
 

@@ -19,7 +19,12 @@ Terms (bytes):
 - activations: the logits of one prefill chunk (``prefill_step * vocab`` bf16, mlx-lm computes
   every position's) and of one decode step (float32, tempered), plus one chunk's widest
   intermediate.
-- the search index, as the task's retriever files say (`index_bytes`).
+- the search index (`index_bytes`, `macd.index_plan` reads it from the index manifest in the
+  bucket): the BM25 postings (the ``data``, ``indices`` and ``indptr`` arrays, memory-mapped: a
+  query reads every posting of its terms, and a run's queries reach most of them) and the
+  vocabulary (read into memory when the index opens), each file counted whole, the upper bound
+  of what stays resident. The passage texts (``passages.txt`` and its offsets) are mapped too, but
+  a query reads only its top hits, pages macOS drops first: named, not counted.
 
 Usable memory: what MLX may wire on the GPU, macOS's recommended working set (about 2/3 of RAM
 below 64 GB, 3/4 from 64 GB), unless the caller passes the device's own figure.
@@ -177,6 +182,7 @@ class MemoryPlan:
     activations: int
     index: int
     macs: list[dict[str, Any]] = field(default_factory=list)  # one row per (RAM, plane)
+    index_line: str = ""  # what the index is and why its size counts so (`macd.index_plan`)
 
     def total(self, plane: str) -> int:
         return self.weights[plane] + self.cache + self.activations + self.index
@@ -193,12 +199,16 @@ def plan(
     mac_sizes_gb: Sequence[float] = MAC_SIZES_GB,
     usable: Mapping[float, int] | None = None,
     published: Sequence[str] = (),
+    index_line: str = "",
 ) -> MemoryPlan:
     """The memory plan of `config` for `groups` concurrent groups of `group_size` sequences of at
     most `prompt_tokens + response_tokens` tokens, on each Mac of `mac_sizes_gb` (usable bytes
     from `usable` where given, else `usable_bytes`), with the quantized planes the run
-    `published` held alone. Per (RAM, plane) row: ``fits``, the headroom, and ``max_sequences``:
-    how many full-length sequences would fit beside the weights."""
+    `published` held alone and a search index of `index_bytes` (`index_line` says which). Per
+    (RAM, plane) row: ``fits``, the headroom, and ``max_sequences``: how many full-length
+    sequences would fit beside the weights and the index."""
+    if index_bytes < 0:
+        raise ValueError(f"the search index's size must be >= 0 bytes, got {index_bytes}")
     if min(group_size, groups, prompt_tokens + response_tokens) < 1:
         raise ValueError("need group_size, groups >= 1 and a positive length")
     counts = param_count(config)
@@ -218,7 +228,8 @@ def plan(
     offered = tuple(p for p in ("int8", "int4") if p in published)
     weights = weights_by_plane(counts, offered)
     result = MemoryPlan(
-        counts.total, weights, offered, kv_token, conv_seq, seqs, seqs * per_seq, activations, index_bytes
+        counts.total, weights, offered, kv_token, conv_seq, seqs, seqs * per_seq, activations, index_bytes,
+        index_line=index_line,
     )
     for gb in mac_sizes_gb:
         limit = (usable or {}).get(gb, usable_bytes(gb))
@@ -233,7 +244,8 @@ def plan(
 
 
 def describe(p: MemoryPlan) -> list[str]:
-    """Lines for `macd doctor` / `macd join`: the terms, then one line per (RAM, plane)."""
+    """Lines for `macd doctor` / `macd join`: the terms (the index's own line when it has one),
+    then one line per (RAM, plane)."""
     sizes = [f"bf16 {p.weights['bf16'] / GIB:.1f} GiB"] + [
         f"{plane} {p.weights[plane] / GIB:.1f} GiB "
         + ("(published, held alone)" if plane in p.published else "(bf16 master + int8 copy)")
@@ -244,7 +256,7 @@ def describe(p: MemoryPlan) -> list[str]:
         f"cache: {p.sequences} sequences, KV {p.kv_bytes_per_token / 1024:.0f} KiB/token (attention layers), "
         f"conv state {p.conv_bytes_per_sequence / 1024:.0f} KiB/sequence: {p.cache / GIB:.2f} GiB; "
         f"activations {p.activations / GIB:.2f} GiB; search index {p.index / GIB:.2f} GiB",
-    ]
+    ] + ([p.index_line] if p.index_line else [])
     for row in p.macs:
         verdict = "fits" if row["fits"] else ("does not fit" if row["max_sequences"] == 0 else
                                               f"fits only {row['max_sequences']} sequences")
@@ -266,7 +278,7 @@ def config_plan(config: Mapping[str, Any], **shape: Any) -> MemoryPlan | None:
 
 def this_mac(
     config: Mapping[str, Any], *, memory: int, plane: str, group_size: int, groups: int, prompt_tokens: int,
-    response_tokens: int, index_bytes: int = 0, published: Sequence[str] = (),
+    response_tokens: int, index_bytes: int = 0, index_line: str = "", published: Sequence[str] = (),
 ) -> tuple[list[str], str | None]:
     """(plan lines, warning or None) for serving `config` on this Mac (`memory` bytes) on `plane`:
     the weights of each plane (those the run `published` held alone), the cache and the index,
@@ -275,13 +287,13 @@ def this_mac(
     ram_gb = memory / GIB
     p = config_plan(
         config, group_size=group_size, groups=groups, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
-        index_bytes=index_bytes, mac_sizes_gb=(ram_gb,), published=published,
+        index_bytes=index_bytes, index_line=index_line, mac_sizes_gb=(ram_gb,), published=published,
     )
     if p is None:
         return [], None
-    lines = describe(p)
-    lines[2:] = [line.replace(f"{ram_gb:g} GB Mac", "this Mac") + (" (the run's plane)" if f", {plane}:" in line else "")
-                 for line in lines[2:]]
+    mac = f"{ram_gb:g} GB Mac, "
+    lines = [line.replace(mac, "this Mac, ", 1) + (" (the run's plane)" if line.startswith(f"{mac}{plane}:") else "")
+             if line.startswith(mac) else line for line in describe(p)]
     row = next((r for r in p.macs if r["plane"] == plane), None)
     if row is None or row["fits"]:
         return lines, None
@@ -290,6 +302,7 @@ def this_mac(
         f"warning: the run's model does not fit this Mac's usable memory on the {plane} plane "
         f"({row['total_bytes'] / GIB:.1f} of {row['usable_bytes'] / GIB:.1f} GiB): "
         + (f"lower `batch` (or set `max_decode`) to at most {fit} sequences decoding" if fit else
-           "its weights alone do not fit; join a run of a smaller model or use a Mac with more memory")
+           f"its {'weights and search index' if p.index else 'weights'} alone do not fit; join a run of a smaller "
+           "model or use a Mac with more memory")
     )
     return lines, warning

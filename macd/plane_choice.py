@@ -11,8 +11,8 @@ per plane (bytes, `memory_plan.param_count`: q quantizable parameters, o others)
 - int8, quantized here: the bf16 master ``2 (q + o)`` plus that;
 - int4, published: ``(0.5 + 4/64) q + 2 o``.
 
-The cache, activations and index are `memory_plan.plan`'s, the limit `memory_plan.usable_bytes`
-of the Mac's memory. A Mac never serves a larger plane than the run's (the operator's choice), and
+The cache, activations and index are `memory_plan.plan`'s (the index at the size its manifest in
+the bucket gives, `index_plan`), the limit `memory_plan.usable_bytes` of the Mac's memory. A Mac never serves a larger plane than the run's (the operator's choice), and
 when none fits it serves the run's plane (the memory plan's warning says what to change).
 """
 

@@ -1,0 +1,118 @@
+"""The search index in a Mac's memory plan: its size read from the index manifest in the bucket
+(`slime_stoa.tasks.search.bundle`: every file's size), never by downloading the index.
+
+A run whose task is a search task (`Search`) has its index at
+``runs/<run>/tasks/<task>/index/manifest.json``. What the plan counts of it is
+`memory_plan`'s rule (`COUNTED_FILES`: the BM25 postings and the vocabulary, not the passage
+texts). The manifest is read capped (`MAX_MANIFEST_BYTES`) and checked like a worker checks it
+(`bundle.parse_manifest`: the files of an index, sizes bounded and adding up); one that is
+missing, too large or malformed gives a plan line saying the size is unknown and why, and 0
+counted. When the machine's shared folder (`shared_dir`) already holds that index, verified
+(`bundle.verified_digest`), the line says where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreError
+from slime_stoa.protocol.store.capped import read_capped_bytes
+from slime_stoa.tasks import TASKS
+from slime_stoa.tasks.search import Search
+from slime_stoa.tasks.search.bundle import INDEX_FILES, MANIFEST, IndexManifest, parse_manifest, verified_digest
+from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE
+
+GIB = 1 << 30
+#: An index manifest lists each file's chunks (64 MiB each by default): tens of kB for a
+#: PubMed-sized index.
+MAX_MANIFEST_BYTES = 8 << 20
+#: The passage texts and their offsets: mapped, but a query reads only its top hits.
+PASSAGE_FILES = frozenset({TEXT_FILE, OFFSETS_FILE})
+#: The files the plan counts whole (`memory_plan`'s rule): the postings and the vocabulary.
+COUNTED_FILES = INDEX_FILES - PASSAGE_FILES
+
+
+@dataclass(frozen=True, slots=True)
+class IndexPlan:
+    """What the memory plan counts for a run's search index (bytes) and its words for it."""
+
+    counted: int
+    line: str
+    known: bool = True  # False: the manifest could not be read or checked (0 counted)
+
+
+def has_index(manifest: RunManifest) -> bool:
+    """Whether the run's task searches an index (a `Search` task)."""
+    cls = TASKS.get(manifest.task)
+    return cls is not None and issubclass(cls, Search)
+
+
+def index_key(manifest: RunManifest) -> str:
+    return RunLayout(manifest.run).task_index_file(manifest.task, MANIFEST)
+
+
+def known_plan(where: str, index: IndexManifest, fetched: Path | None) -> IndexPlan:
+    """The plan of a checked index manifest: the counted files' bytes, the passages' named."""
+    sizes = {f.name: f.size for f in index.files}
+    counted = sum(size for name, size in sizes.items() if name in COUNTED_FILES)
+    passages = sum(size for name, size in sizes.items() if name in PASSAGE_FILES)
+    local = f"on this Mac in {fetched}" if fetched is not None else "not fetched to this Mac yet"
+    return IndexPlan(
+        counted,
+        f"search index: {where}, {index.passages:,} passages: postings and vocabulary {counted / GIB:.2f} GiB "
+        f"counted, passage texts {passages / GIB:.2f} GiB mapped but read per hit, not counted; {local}",
+    )
+
+
+def unknown_plan(where: str, why: str) -> IndexPlan:
+    return IndexPlan(0, f"search index: size unknown ({where}: {why}); 0 GiB counted", known=False)
+
+
+def override_plan(gb: float, flag: str) -> IndexPlan:
+    """The index size given on the command line (`flag`), in GiB, counted as given."""
+    counted = int(gb * GIB)
+    return IndexPlan(counted, f"search index: {counted / GIB:.2f} GiB counted, as {flag} says")
+
+
+def fetched_folder(shared_dir: Path, manifest: RunManifest, digest: str) -> Path | None:
+    """The folder under `shared_dir` where this machine's workers verified the index of manifest
+    `digest` (`retriever.index_folder`'s names: by digest, or by run), or None."""
+    root = shared_dir / "search-index"
+    for folder in (root / f"sha256-{digest}", root / manifest.run):
+        if verified_digest(folder) == digest:
+            return folder
+    return None
+
+
+def plan_of_manifest(manifest: RunManifest, body: bytes, shared_dir: Path | None = None) -> IndexPlan:
+    """The plan of the index manifest `body` read from the bucket (untrusted: a malformed one
+    gives the unknown plan, its problem in words)."""
+    where = index_key(manifest).removesuffix(f"/{MANIFEST}")
+    try:
+        index = parse_manifest(body)
+    except ValueError as exc:
+        return unknown_plan(f"{where}/{MANIFEST}", str(exc))
+    digest = hashlib.sha256(body).hexdigest()
+    return known_plan(where, index, None if shared_dir is None else fetched_folder(shared_dir, manifest, digest))
+
+
+async def run_index_plan(store: Store, manifest: RunManifest, shared_dir: Path | None = None) -> IndexPlan | None:
+    """The plan of the run's search index (module docstring); None when its task has no index.
+    StoreConfigError (a wrong store configuration) is raised; any other failure to read the
+    manifest gives the unknown plan."""
+    if not has_index(manifest):
+        return None
+    key = index_key(manifest)
+    try:
+        body = await read_capped_bytes(store, key, MAX_MANIFEST_BYTES)
+    except StoreConfigError:
+        raise
+    except NotFound:
+        return unknown_plan(key, "missing from the bucket: a worker cannot fetch the index either")
+    except (StoreError, ValueError) as exc:  # TooLarge is a ValueError
+        return unknown_plan(key, str(exc))
+    return plan_of_manifest(manifest, body, shared_dir)

@@ -1,0 +1,206 @@
+"""The search index in a Mac's memory plan (`macd.index_plan`): `macd join` and `macd doctor`
+count the run's index at the size its manifest in the bucket gives, without downloading it; a
+run without a search task counts none; a missing or hostile manifest is a line of words and 0
+counted; `--plan-index-gb` wins over the manifest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from macd import config as cfg
+from macd.cli import main as macd
+from macd.doctor import plan_rows
+from macd.index_plan import COUNTED_FILES, MAX_MANIFEST_BYTES, IndexPlan, run_index_plan
+from macd.join_cmd import plan_lines, plane_line
+from macd.memory_plan import GIB, LFM2_5_8B_A1B
+from macd.shared_dir import SHARED_DIR_ENV
+from slime_stoa.cli.run_cmd import create_run
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import open_store
+from slime_stoa.tasks.search.bundle import (
+    INDEX_FILES,
+    MANIFEST,
+    MAX_CHUNK_BYTES,
+    Chunk,
+    IndexFile,
+    IndexManifest,
+    chunk_name,
+    encode_manifest,
+)
+
+RUN = "r"
+#: A PubMed-like index as its manifest describes it: postings 6 GiB, vocabulary 0.5 GiB,
+#: passage texts 20 GiB (nothing of it exists but the manifest).
+BIG_SIZES = {
+    "data.csc.index.npy": 3 * GIB, "indices.csc.index.npy": 3 * GIB, "indptr.csc.index.npy": 0,
+    "vocab.index.json": GIB // 2, "passages.txt": 19 * GIB, "passages.offsets.npy": GIB,
+}
+BIG_COUNTED = 6 * GIB + GIB // 2 + 2 * 100  # and the parameters and settings: 100 bytes each
+
+
+def described_manifest(sizes: dict[str, int], passages: int = 16_000_000) -> bytes:
+    """An index manifest listing `sizes` (files not named: 100 bytes), chunked as `upload_index` would."""
+    files = []
+    for name in sorted(INDEX_FILES):
+        size = sizes.get(name, 100)
+        parts = [MAX_CHUNK_BYTES] * (size // MAX_CHUNK_BYTES) + ([size % MAX_CHUNK_BYTES] if size % MAX_CHUNK_BYTES else [])
+        chunks = tuple(Chunk(chunk_name(name, n), part, "0" * 64) for n, part in enumerate(parts))
+        files.append(IndexFile(name, size, "0" * 64, chunks))
+    return encode_manifest(IndexManifest(passages=passages, files=tuple(files)))
+
+
+def search_run(tmp_path: Path, *, task: str = "search", planes: tuple = ()) -> tuple[str, RunManifest]:
+    """A bucket holding a run of LFM2.5-8B-A1B (its config.json in a local model folder) on `task`."""
+    bucket, model = tmp_path / "bucket", tmp_path / "LFM2.5-8B-A1B"
+    bucket.mkdir()
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LFM2_5_8B_A1B))
+    manifest = RunManifest(run=RUN, model=str(model), task=task, group_size=8, max_tokens=1536,
+                           max_prompt_tokens=512, planes=planes)
+    url = f"file://{bucket}"
+    asyncio.run(create_run(url, manifest))
+    return url, manifest
+
+
+def put_index_manifest(url: str, body: bytes, task: str = "search") -> None:
+    async def put() -> None:
+        async with open_store(url) as store:
+            await store.put(RunLayout(RUN).task_index_file(task, MANIFEST), body)
+
+    asyncio.run(put())
+
+
+def index_plan(url: str, manifest: RunManifest, shared: Path | None = None) -> IndexPlan | None:
+    async def read() -> IndexPlan | None:
+        async with open_store(url) as store:
+            return await run_index_plan(store, manifest, shared)
+
+    return asyncio.run(read())
+
+
+def daemon_config(url: str, tmp_path: Path) -> cfg.DaemonConfig:
+    return cfg.DaemonConfig(store=url, run=RUN, name="mac", worker_id="mac-1", data_dir=tmp_path / "data", batch=2)
+
+
+def needs(lines: list[str], plane: str = "bf16") -> float:
+    """GiB the plan says this Mac needs on `plane`."""
+    row = next(line for line in lines if f"this Mac, {plane}: needs " in line)
+    return float(row.split(" needs ")[1].split(" of ")[0])
+
+
+def test_a_real_index_counts_its_postings_and_vocabulary(tmp_path: Path) -> None:
+    pytest.importorskip("bm25s")
+    from slime_stoa.tasks.search.bundle import fetch_index, upload_index
+    from slime_stoa.tasks.search.retriever import build_index
+    from slime_stoa.tasks.search.synthetic import generate
+
+    url, manifest = search_run(tmp_path)
+    folder = build_index(generate(5, seed=1).passages, tmp_path / "built")
+
+    async def upload() -> str:
+        async with open_store(url) as store:
+            return await upload_index(store, RUN, folder, passages=20, chunk_bytes=4096)
+
+    digest = asyncio.run(upload())
+    shared = tmp_path / "shared"
+    plan = index_plan(url, manifest, shared)
+    assert plan is not None and plan.counted == sum((folder / name).stat().st_size for name in COUNTED_FILES)
+    assert (folder / "vocab.index.json").stat().st_size < plan.counted < sum(f.stat().st_size for f in folder.iterdir())
+    assert plan.line.startswith(f"search index: runs/{RUN}/tasks/search/index, 20 passages: postings and vocabulary ")
+    assert plan.line.endswith("not fetched to this Mac yet")
+
+    local = shared / "search-index" / f"sha256-{digest}"  # where a worker of this Mac fetches it
+
+    async def fetch() -> None:
+        async with open_store(url) as store:
+            await fetch_index(store, RUN, local)
+
+    asyncio.run(fetch())
+    fetched = index_plan(url, manifest, shared)
+    assert fetched is not None and fetched.counted == plan.counted and fetched.line.endswith(f"on this Mac in {local}")
+
+
+def test_join_counts_the_index_its_manifest_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, manifest = search_run(tmp_path, planes=("int4",))
+    put_index_manifest(url, described_manifest(BIG_SIZES))
+    monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path / "shared"))
+    assert macd(["join", url, "--run", RUN, "--data-dir", str(tmp_path / "data"), "--config", str(tmp_path / "m.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "search index 6.50 GiB" in out  # the plan's terms
+    assert (f"search index: runs/{RUN}/tasks/search/index, 16,000,000 passages: postings and vocabulary 6.50 GiB counted, "
+            "passage texts 20.00 GiB mapped but read per hit, not counted; not fetched to this Mac yet") in out
+    assert "+ 6.5 GiB search index = " in out  # the coarse estimate counts it too
+
+    config, info = daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest)
+    index = index_plan(url, manifest)
+    assert index is not None and index.counted == BIG_COUNTED
+    without, counted = plan_lines(config, info, 24 * GIB), plan_lines(config, info, 24 * GIB, index)
+    assert needs(counted) == pytest.approx(needs(without) + 6.5, abs=0.1)
+    assert "               this Mac, bf16: needs 16.3 of 16.0 GiB usable: fits only 2 sequences (the run's plane)" in without
+    assert "               this Mac, bf16: needs 22.8 of 16.0 GiB usable: does not fit (the run's plane)" in counted
+    assert "its weights and search index alone do not fit" in counted[-1]
+    # the plane join says a 32 GB Mac serves: bf16 beside no index, int4 beside this one
+    assert plane_line(config, info, 32 * GIB) == "  plane        bf16 (the bf16 weights): 16.3 of 21.3 GiB usable, fits"
+    assert plane_line(config, info, 32 * GIB, index) == (
+        "  plane        int4 (the run's published plane, held alone): 11.5 of 21.3 GiB usable, fits")
+
+
+def test_a_run_without_a_search_task_counts_no_index(tmp_path: Path) -> None:
+    url, manifest = search_run(tmp_path, task="gsm8k")
+    put_index_manifest(url, described_manifest(BIG_SIZES), task="gsm8k")  # not its task's: never read
+    assert index_plan(url, manifest) is None
+    rows = asyncio.run(plan_rows(daemon_config(url, tmp_path)))
+    assert any("search index 0.00 GiB" in finding for _, finding, _ in rows)
+    assert not any("search index:" in finding for _, finding, _ in rows)
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (None, "missing from the bucket: a worker cannot fetch the index either"),
+        (b"{not json", "not valid JSON"),
+        (json.dumps({"format": "stoa.search-index/1", "passages": 1, "files": []}).encode(), "built by an earlier stoa"),
+        (described_manifest({"data.csc.index.npy": 200 * GIB, "passages.txt": 100 * GIB}), "over the limit"),
+        (json.dumps({"format": "stoa.search-index/2", "passages": 1, "files": [{"name": "../x", "size": -1,
+                     "sha256": "0", "chunks": []}]}).encode(), "index file"),
+        (b" " * (MAX_MANIFEST_BYTES + 1), "over the limit"),
+    ],
+    ids=["missing", "not-json", "old-format", "too-big-an-index", "forged-file", "too-big-a-manifest"],
+)
+def test_a_missing_or_hostile_manifest_counts_nothing_and_says_why(tmp_path: Path, body: bytes | None, why: str) -> None:
+    url, manifest = search_run(tmp_path)
+    if body is not None:
+        put_index_manifest(url, body)
+    plan = index_plan(url, manifest)
+    assert plan is not None and plan.counted == 0
+    assert plan.line.startswith(f"search index: size unknown (runs/{RUN}/tasks/search/index/manifest.json: ")
+    assert why in plan.line and plan.line.endswith("); 0 GiB counted") and "\n" not in plan.line
+    lines = plan_lines(daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest), 64 * GIB, plan)
+    assert "search index 0.00 GiB" in "\n".join(lines) and any(plan.line in line for line in lines)
+    rows = asyncio.run(plan_rows(daemon_config(url, tmp_path)))  # doctor: that row needs fixing
+    assert [ok for _, finding, ok in rows if finding.startswith("search index:")] == [False]
+
+
+def test_the_override_wins_over_the_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url, _ = search_run(tmp_path)
+    put_index_manifest(url, described_manifest(BIG_SIZES))
+    config = daemon_config(url, tmp_path)
+    looked_up = [finding for _, finding, _ in asyncio.run(plan_rows(config))]
+    assert any("postings and vocabulary 6.50 GiB counted" in f for f in looked_up)
+    given = [finding for _, finding, _ in asyncio.run(plan_rows(config, 2.0))]
+    assert "search index: 2.00 GiB counted, as --plan-index-gb says" in given
+    assert any("search index 2.00 GiB" in f for f in given) and not any("6.50" in f for f in given)
+
+    assert macd(["doctor", "--plan-for", "24", "--plan-index-gb", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "  search index: 2.00 GiB counted, as --plan-index-gb says" in out and "search index 2.00 GiB" in out
+    assert macd(["doctor", "--plan-for", "24", "--plan-index-gb", "-1"]) == 1
+    assert macd(["doctor", "--plan-index-gb", "-1"]) == 1
+    assert capsys.readouterr().err.count("error: --plan-index-gb must be between 0 and") == 2

@@ -1,0 +1,49 @@
+"""The worker's plane choice counts the run's search index as `macd join` does (`index_plan`):
+the index its manifest in the bucket describes can push a Mac from the run's bf16 plane to a
+quantized plane the run publishes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from macd.config import decoding_sequences
+from macd.plane_choice import choose_plane
+from macd.shared_dir import SHARED_DIR_ENV
+from macd.worker import Worker, WorkerOptions
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.publisher import PublisherConfig
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import Store
+from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
+from slime_stoa.tasks.search.bundle import MANIFEST
+from tests.test_index_plan import described_manifest
+from tests.test_worker import RUN, daemon_config
+
+
+async def test_the_worker_picks_its_plane_beside_the_runs_index(
+    store: Store, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = tiny_synthetic_model(tmp_path / "model")
+    manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=4, planes=("int8",))
+    await seed_run(store, manifest, model_dir, task_count=4, publisher=PublisherConfig(extras_dir=model_dir, planes=("int8",)))
+    config = daemon_config(store_url, tmp_path / "data")
+    model_config = json.loads((model_dir / "config.json").read_text())
+    sequences = decoding_sequences(config, manifest.group_size)
+    bf16 = choose_plane(model_config, manifest, memory=1 << 40, sequences=sequences)
+    int8 = choose_plane(model_config, replace(manifest, plane="int8"), memory=1 << 40, sequences=sequences)
+    assert bf16 is not None and int8 is not None and int8.needed < bf16.needed
+    index = bf16.needed - int8.needed  # the postings and vocabulary of the index below
+    memory = int(bf16.needed * 1.5 * 1.01)  # usable: 2/3 of it, bf16 fits with 1 % to spare, not beside the index
+    monkeypatch.setattr("macd.following.memory_bytes", lambda: memory)
+    monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path / "shared"))
+    await store.put(RunLayout(RUN).task_index_file("search", MANIFEST),
+                    described_manifest({"data.csc.index.npy": index, "passages.txt": 1 << 30}))
+    weights = Worker(config, store, WorkerOptions(seed=3)).weights
+    assert await weights.plane_for(manifest, None) == "bf16"  # no search task: no index
+    assert await weights.plane_for(replace(manifest, task="search"), None) == "int8"
