@@ -5,8 +5,9 @@
 # after every step), with the model built by stoa's LFM2 provider
 # (--custom-model-provider-path slime_stoa.trainer.slime.lfm2.spec.provider) and its model flags
 # derived from the HF folder's config.json (python -m slime_stoa.trainer.slime.lfm2.flags).
-# Importing the provider registers stoa's LFM2 HF loader with slime, so slime loads the HF folder
-# itself: REF_LOAD defaults to MODEL_DIR and no torch_dist conversion is needed.
+# A fresh start loads the Megatron torch_dist checkpoint REF_LOAD (MODEL_DIR_torch_dist), which
+# `--convert` writes once with slime's tools/convert_hf_to_torch_dist.py and the provider (whose
+# import registers stoa's LFM2 HF loader with slime); a launch without it stops and says so.
 #
 # Parallelism: one GPU of 80-180 GB (TP 1: LFM2's conv layers are not tensor-parallel; EP_SIZE
 # divides the 32 experts when there are more GPUs). The optimizer runs on the CPU by default
@@ -14,8 +15,8 @@
 # docs/slime.md, "LFM2 / LFM2.5-8B-A1B".
 #
 # Before the first launch: create and seed the run (stoa run create, stoa task prepare search,
-# stoa weights publish-anchor) and apply stoa's slime patch; see docs/slime.md. To resume, run
-# the same command again.
+# stoa weights publish-anchor), apply stoa's slime patch and convert the model (`--convert`); see
+# docs/slime.md. To resume, run the same command again.
 #
 # Bucket credentials: export AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY before running this (the
 # Ray processes started here inherit them) or use an env file (~/.r2env for r2://,
@@ -33,7 +34,7 @@ STOA_STORE=${STOA_STORE:-"file://${STOA_DIR}/bucket"}         # bucket URL: file
 STOA_RUN=${STOA_RUN:-lfm2-search}                             # run name in the bucket
 MODEL_NAME=${MODEL_NAME:-LFM2.5-8B-A1B}
 MODEL_DIR=${MODEL_DIR:-"/root/${MODEL_NAME}"}                 # HF checkpoint (config, tokenizer, weights)
-REF_LOAD=${REF_LOAD:-"${MODEL_DIR}"}                          # slime reads the HF folder (stoa's loader)
+REF_LOAD=${REF_LOAD:-"${MODEL_DIR}_torch_dist"}               # the same model in Megatron torch_dist format (--convert)
 SAVE_DIR=${SAVE_DIR:-"/root/stoa-ckpt/${STOA_RUN}"}           # Megatron checkpoints (also loaded: resume)
 SAVE_INTERVAL=${SAVE_INTERVAL:-20}                            # rollouts between checkpoints
 CONFIG_PATH=${CONFIG_PATH:-"${SAVE_DIR}/stoa-config.yaml"}    # the custom-config YAML written here
@@ -64,7 +65,7 @@ SKIP_PREFLIGHT=${SKIP_PREFLIGHT:-0}                           # 1: skip the patc
 
 usage() {
   cat <<EOF
-usage: $PROG [--dry-run] [-- EXTRA_SLIME_FLAGS...]
+usage: $PROG [--dry-run] [--convert] [-- EXTRA_SLIME_FLAGS...]
 
 Launch slime as stoa's GPU trainer: ${MODEL_NAME} (LFM2-MoE) on the search task, rollouts from
 the bucket, DPPO loss, weights published to the bucket after every step.
@@ -72,6 +73,8 @@ the bucket, DPPO loss, weights published to the bucket after every step.
 options:
   --dry-run   print the custom-config YAML and every command; run and write nothing
               (works without the model folder: the model args become a placeholder)
+  --convert   write REF_LOAD, the Megatron checkpoint of MODEL_DIR (slime's
+              tools/convert_hf_to_torch_dist.py with stoa's LFM2 provider), and stop
   -h, --help  show this help
   --          the rest are extra slime flags, appended last (the last occurrence wins)
 
@@ -102,11 +105,13 @@ fail() {
 
 # -- command line ---------------------------------------------------------------------------------
 DRY_RUN=0
+CONVERT=0
 EXTRA_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --dry-run) DRY_RUN=1 ;;
+    --convert) CONVERT=1 ;;
     --) shift; EXTRA_ARGS=("$@"); break ;;
     *) echo "$PROG: error: unknown argument $1 (slime flags go after --)" >&2; echo "run \`$PROG --help\` for usage" >&2; exit 2 ;;
   esac
@@ -135,38 +140,9 @@ CKPT_ARGS=(
   --save-interval "$SAVE_INTERVAL"
 )
 
-ROLLOUT_ARGS=(
-  --rollout-num-gpus 0
-  --rollout-function-path slime_stoa.generate_rollout
-  --data-source-path slime_stoa.StoaDataSource
-  --num-rollout "$NUM_ROLLOUT"
-  --rollout-batch-size "$ROLLOUT_BATCH_SIZE"
-  --n-samples-per-prompt "$GROUP_SIZE"
-  --rollout-temperature "$TEMPERATURE"
-  --rollout-top-p 1.0
-  --rollout-max-response-len "$MAX_RESPONSE_LEN"
-  --global-batch-size "$GLOBAL_BATCH_SIZE"
-)
-
-LOSS_ARGS=(
-  --advantage-estimator grpo
-  --loss-type custom_loss
-  --custom-loss-function-path slime_stoa.dppo_loss
-  --use-rollout-logprobs
-  --calculate-per-token-loss
-  --entropy-coef 0.0
-)
-
-OPTIMIZER_ARGS=(
-  --optimizer adam
-  --lr "$LR"
-  --lr-decay-style constant
-  --weight-decay 0.1
-  --adam-beta1 0.9
-  --adam-beta2 0.98
-)
+OPTIMIZER_EXTRA_ARGS=()
 if [ "$OPTIMIZER_OFFLOAD" = 1 ]; then
-  OPTIMIZER_ARGS+=(--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer)
+  OPTIMIZER_EXTRA_ARGS=(--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer)
 fi
 
 # TP 1 (the conv layers are replicated; the provider refuses more), experts over EP.
@@ -184,6 +160,9 @@ if [ "$RECOMPUTE" = 1 ]; then
   PERF_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
 fi
 
-# -- the shared rest: slime flags, custom config, patch check, preflight, Ray -----------------------
+# --convert: what slime's converter needs beside MODEL_ARGS to build the same model.
+CONVERT_ARGS=(--custom-model-provider-path slime_stoa.trainer.slime.lfm2.spec.provider --moe-grouped-gemm)
+
+# -- the shared rest: rollout, loss and optimizer flags, custom config, patch check, preflight, Ray -
 # shellcheck source=scripts/slime_launch.sh
 source "${SCRIPT_DIR}/slime_launch.sh"

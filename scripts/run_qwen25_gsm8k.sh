@@ -12,8 +12,8 @@
 # Ray cluster already answers); `ray job submit ... python3 $SLIME_DIR/train.py FLAGS`.
 #
 # Before the first launch: create and seed the run (stoa run create, stoa task prepare gsm8k,
-# stoa weights publish-anchor) and convert the HF model to Megatron's torch_dist format; see
-# docs/slime.md. To resume, run the same command again: slime loads the latest checkpoint in
+# stoa weights publish-anchor) and convert the HF model to Megatron's torch_dist format
+# (`--convert`); see docs/slime.md. To resume, run the same command again: slime loads the latest checkpoint in
 # SAVE_DIR, and the rollout consumer and the weight publisher continue from their saved state.
 #
 # Bucket credentials: export AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY before running this (the
@@ -34,7 +34,7 @@ MODEL_NAME=${MODEL_NAME:-Qwen2.5-1.5B-Instruct}
 MODEL_ARGS_SCRIPT=${MODEL_ARGS_SCRIPT:-"${SLIME_DIR}/scripts/models/qwen2.5-1.5B.sh"}  # slime's model args
 ROTARY_BASE=${ROTARY_BASE:-1000000}                           # rope_theta of every Qwen2.5 (see below)
 MODEL_DIR=${MODEL_DIR:-"/root/${MODEL_NAME}"}                 # HF checkpoint (config, tokenizer, weights)
-REF_LOAD=${REF_LOAD:-"${MODEL_DIR}_torch_dist"}               # the same model in Megatron torch_dist format
+REF_LOAD=${REF_LOAD:-"${MODEL_DIR}_torch_dist"}               # the same model in Megatron torch_dist format (--convert)
 SAVE_DIR=${SAVE_DIR:-"/root/stoa-ckpt/${STOA_RUN}"}           # Megatron checkpoints (also loaded: resume)
 SAVE_INTERVAL=${SAVE_INTERVAL:-20}                            # rollouts between checkpoints
 CONFIG_PATH=${CONFIG_PATH:-"${SAVE_DIR}/stoa-config.yaml"}    # the custom-config YAML written here
@@ -63,7 +63,7 @@ SKIP_PREFLIGHT=${SKIP_PREFLIGHT:-0}                           # 1: skip the patc
 
 usage() {
   cat <<EOF
-usage: $PROG [--dry-run] [-- EXTRA_SLIME_FLAGS...]
+usage: $PROG [--dry-run] [--convert] [-- EXTRA_SLIME_FLAGS...]
 
 Launch slime as stoa's GPU trainer: ${MODEL_NAME} on GSM8K, rollouts from the bucket,
 DPPO loss, weights published to the bucket after every step.
@@ -71,6 +71,8 @@ DPPO loss, weights published to the bucket after every step.
 options:
   --dry-run   print the custom-config YAML and every command; run and write nothing
               (works without a slime checkout: the model args become a placeholder)
+  --convert   write REF_LOAD, the Megatron checkpoint of MODEL_DIR (slime's
+              tools/convert_hf_to_torch_dist.py), and stop
   -h, --help  show this help
   --          the rest are extra slime flags, appended last (the last occurrence wins)
 
@@ -103,11 +105,13 @@ fail() {
 
 # -- command line ---------------------------------------------------------------------------------
 DRY_RUN=0
+CONVERT=0
 EXTRA_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --dry-run) DRY_RUN=1 ;;
+    --convert) CONVERT=1 ;;
     --) shift; EXTRA_ARGS=("$@"); break ;;
     *) echo "$PROG: error: unknown argument $1 (slime flags go after --)" >&2; echo "run \`$PROG --help\` for usage" >&2; exit 2 ;;
   esac
@@ -137,37 +141,6 @@ CKPT_ARGS=(
   --save-interval "$SAVE_INTERVAL"
 )
 
-ROLLOUT_ARGS=(
-  --rollout-num-gpus 0
-  --rollout-function-path slime_stoa.generate_rollout
-  --data-source-path slime_stoa.StoaDataSource
-  --num-rollout "$NUM_ROLLOUT"
-  --rollout-batch-size "$ROLLOUT_BATCH_SIZE"
-  --n-samples-per-prompt "$GROUP_SIZE"
-  --rollout-temperature "$TEMPERATURE"
-  --rollout-top-p 1.0
-  --rollout-max-response-len "$MAX_RESPONSE_LEN"
-  --global-batch-size "$GLOBAL_BATCH_SIZE"
-)
-
-LOSS_ARGS=(
-  --advantage-estimator grpo
-  --loss-type custom_loss
-  --custom-loss-function-path slime_stoa.dppo_loss
-  --use-rollout-logprobs
-  --calculate-per-token-loss
-  --entropy-coef 0.0
-)
-
-OPTIMIZER_ARGS=(
-  --optimizer adam
-  --lr "$LR"
-  --lr-decay-style constant
-  --weight-decay 0.1
-  --adam-beta1 0.9
-  --adam-beta2 0.98
-)
-
 PERF_ARGS=(
   --tensor-model-parallel-size "$TP_SIZE"
   --sequence-parallel
@@ -179,6 +152,6 @@ PERF_ARGS=(
   --max-tokens-per-gpu "$MAX_TOKENS_PER_GPU"
 )
 
-# -- the shared rest: slime flags, custom config, patch check, preflight, Ray -----------------------
+# -- the shared rest: rollout, loss and optimizer flags, custom config, patch check, preflight, Ray -
 # shellcheck source=scripts/slime_launch.sh
 source "${SCRIPT_DIR}/slime_launch.sh"

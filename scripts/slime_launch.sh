@@ -1,9 +1,48 @@
 # slime_launch.sh: the part every stoa launch script shares, sourced after it has set its settings,
-# `fail`, PROG, DRY_RUN, EXTRA_ARGS and the argument arrays MODEL_ARGS, CKPT_ARGS, ROLLOUT_ARGS,
-# LOSS_ARGS, OPTIMIZER_ARGS and PERF_ARGS: the remaining slime flags, the custom-config YAML, stoa's
-# slime patch check, `stoa preflight`, `ray start --head` (unless a Ray cluster already answers) and
+# `fail`, PROG, DRY_RUN, CONVERT, EXTRA_ARGS and the argument arrays MODEL_ARGS, CKPT_ARGS,
+# PERF_ARGS, OPTIMIZER_EXTRA_ARGS and CONVERT_ARGS: the remaining slime flags (stoa's rollouts and
+# loss, the optimizer), the custom-config YAML, stoa's slime patch check, `stoa preflight`,
+# `ray start --head` (unless a Ray cluster already answers) and
 # `ray job submit ... python3 $SLIME_DIR/train.py FLAGS`; with --dry-run it prints them instead.
+#
+# With --convert it runs slime's tools/convert_hf_to_torch_dist.py instead (MODEL_ARGS, then
+# CONVERT_ARGS, --hf-checkpoint MODEL_DIR --save REF_LOAD): the Megatron torch_dist checkpoint a
+# fresh launch starts from (--ref-load). A launch with no Megatron checkpoint in SAVE_DIR or
+# REF_LOAD stops before anything runs and says to convert.
 # shellcheck shell=bash
+
+# stoa's rollouts from the bucket (no SGLang engines) and its DPPO loss.
+ROLLOUT_ARGS=(
+  --rollout-num-gpus 0
+  --rollout-function-path slime_stoa.generate_rollout
+  --data-source-path slime_stoa.StoaDataSource
+  --num-rollout "$NUM_ROLLOUT"
+  --rollout-batch-size "$ROLLOUT_BATCH_SIZE"
+  --n-samples-per-prompt "$GROUP_SIZE"
+  --rollout-temperature "$TEMPERATURE"
+  --rollout-top-p 1.0
+  --rollout-max-response-len "$MAX_RESPONSE_LEN"
+  --global-batch-size "$GLOBAL_BATCH_SIZE"
+)
+
+LOSS_ARGS=(
+  --advantage-estimator grpo
+  --loss-type custom_loss
+  --custom-loss-function-path slime_stoa.dppo_loss
+  --use-rollout-logprobs
+  --calculate-per-token-loss
+  --entropy-coef 0.0
+)
+
+OPTIMIZER_ARGS=(
+  --optimizer adam
+  --lr "$LR"
+  --lr-decay-style constant
+  --weight-decay 0.1
+  --adam-beta1 0.9
+  --adam-beta2 0.98
+  ${OPTIMIZER_EXTRA_ARGS[@]+"${OPTIMIZER_EXTRA_ARGS[@]}"}
+)
 
 MISC_ARGS=(
   --attention-dropout 0.0
@@ -80,6 +119,8 @@ RAY_START_CMD=(ray start --head --node-ip-address "$RAY_HEAD_IP" --num-gpus "$NU
   --dashboard-port "$RAY_DASHBOARD_PORT")
 SUBMIT_CMD=(ray job submit --address="http://${RAY_HEAD_IP}:${RAY_DASHBOARD_PORT}" --runtime-env-json="$RUNTIME_ENV_JSON"
   -- python3 "${SLIME_DIR}/train.py" "${SLIME_ARGS[@]}")
+CONVERT_CMD=(env PYTHONPATH="$WORKER_PYTHONPATH" "$PYTHON" "${SLIME_DIR}/tools/convert_hf_to_torch_dist.py"
+  "${MODEL_ARGS[@]}" ${CONVERT_ARGS[@]+"${CONVERT_ARGS[@]}"} --hf-checkpoint "$MODEL_DIR" --save "$REF_LOAD")
 
 shq() {  # ARG quoted for a POSIX shell: bare when safe, else in single quotes
   case "$1" in
@@ -98,6 +139,20 @@ show() {  # print a command, each word shell-quoted
   printf '\n'
 }
 
+if [ "$CONVERT" = 1 ]; then
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "# dry run: nothing is run or written"
+    echo "# convert ${MODEL_DIR} to Megatron torch_dist in ${REF_LOAD}:"
+    show "${CONVERT_CMD[@]}"
+    exit 0
+  fi
+  [ -f "${SLIME_DIR}/tools/convert_hf_to_torch_dist.py" ] \
+    || fail "no tools/convert_hf_to_torch_dist.py in SLIME_DIR=${SLIME_DIR}: set SLIME_DIR to the slime checkout"
+  "${CONVERT_CMD[@]}" || fail "the conversion of ${MODEL_DIR} failed (see above)"
+  echo "$PROG: wrote the Megatron checkpoint ${REF_LOAD}; launch with the same settings, without --convert"
+  exit 0
+fi
+
 if [ "$DRY_RUN" = 1 ]; then
   echo "# dry run: nothing is run or written"
   echo "# custom config (written to ${CONFIG_PATH}):"
@@ -111,6 +166,9 @@ if [ "$DRY_RUN" = 1 ]; then
 fi
 
 [ -f "${SLIME_DIR}/train.py" ] || fail "no train.py in SLIME_DIR=${SLIME_DIR}: set SLIME_DIR to the slime checkout"
+# A fresh start reads --ref-load, a resume SAVE_DIR: one of them must be a Megatron checkpoint.
+[ -f "${SAVE_DIR}/latest_checkpointed_iteration.txt" ] || [ -f "${REF_LOAD}/latest_checkpointed_iteration.txt" ] \
+  || fail "no Megatron checkpoint in REF_LOAD=${REF_LOAD} (nor in SAVE_DIR): convert ${MODEL_DIR} first: \`${PROG} --convert\` runs slime's tools/convert_hf_to_torch_dist.py (\`${PROG} --convert --dry-run\` prints it)"
 mkdir -p "$(dirname -- "$CONFIG_PATH")" "$SAVE_DIR"
 custom_config > "$CONFIG_PATH"
 echo "$PROG: wrote $CONFIG_PATH"

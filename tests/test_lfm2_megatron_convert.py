@@ -232,6 +232,6 @@ def test_launch_script_dry_run(folders: dict[str, Path], tmp_path: Path) -> None
     submit = proc.stdout.strip().splitlines()[-1]
     for part in ("--custom-model-provider-path slime_stoa.trainer.slime.lfm2.spec.provider", "--num-experts 8",
                  "--tensor-model-parallel-size 1", "--expert-model-parallel-size 2", "--moe-grouped-gemm",
-                 f"--ref-load {folders['lfm2_moe']}", "--optimizer-cpu-offload"):
+                 f"--ref-load {folders['lfm2_moe']}_torch_dist", "--optimizer-cpu-offload"):
         assert part in submit, part
     assert not any(tmp_path.iterdir())  # a dry run writes nothing

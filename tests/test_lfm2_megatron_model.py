@@ -95,6 +95,47 @@ def test_parallelism_limits_are_refused() -> None:
             spec.check_parallelism(SimpleNamespace(**{**vars(ok), **bad}))  # type: ignore[arg-type]
 
 
+def _stand_in_megatron_training(monkeypatch: pytest.MonkeyPatch, folder: Path, **config: object) -> dict[str, object]:
+    """megatron.training's `get_args` (slime's args for `folder`) and `core_transformer_config_from_args`
+    (`spec.transformer_config` with `config` over it), stood in; the HF config."""
+    import sys
+    import types
+
+    hf_cfg = json.loads((folder / "config.json").read_text())
+    args = SimpleNamespace(hf_checkpoint=str(folder), padded_vocab_size=hf_cfg["vocab_size"],
+                           max_position_embeddings=256, transformer_impl="local")
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args  # type: ignore[attr-defined]
+    arguments = types.ModuleType("megatron.training.arguments")
+    arguments.core_transformer_config_from_args = lambda a: spec.transformer_config(  # type: ignore[attr-defined]
+        hf_cfg, use_cpu_initialization=True, params_dtype=torch.float32, moe_token_dispatcher_type="allgather",
+        **config)
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.arguments", arguments)
+    return hf_cfg
+
+
+def test_provider_builds_the_dense_mlp_transformers_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slime's `--ffn-hidden-size` is the HF config's intermediate_size (its start-up check wants
+    it); the provider builds dense LFM2's adjusted width, so the HF weights load."""
+    from slime_stoa.trainer.slime.lfm2.flags import dense_ffn_size, slime_model_args
+
+    folder = build_tiny_family(tmp_path / "dense", "lfm2")
+    hf_cfg = json.loads((folder / "config.json").read_text())
+    flags = slime_model_args(hf_cfg)
+    flag = int(flags[flags.index("--ffn-hidden-size") + 1])
+    assert flag != dense_ffn_size(hf_cfg)
+    _stand_in_megatron_training(monkeypatch, folder, ffn_hidden_size=flag)
+    with megatron_on_cpu():
+        model = spec.provider(pre_process=True, post_process=True)
+        fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
+        assert fc1.shape[0] == 2 * dense_ffn_size(hf_cfg)  # [w1; w3]
+        spec.load_hf_state(model, load_file(str(folder / "model.safetensors")), Lfm2Shape.from_hf(hf_cfg))
+    _stand_in_megatron_training(monkeypatch, folder, ffn_hidden_size=flag + 1)
+    with megatron_on_cpu(), pytest.raises(ValueError, match="--ffn-hidden-size"):
+        spec.provider()
+
+
 def test_provider_and_slime_loader_with_slime_standins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`spec.provider` reads slime's args (megatron.training's get_args, stood in here) and the
     `--hf-checkpoint` config; `register_with_slime` makes slime's HF loader read the folder."""
@@ -104,16 +145,7 @@ def test_provider_and_slime_loader_with_slime_standins(tmp_path: Path, monkeypat
     from slime_stoa.trainer.slime.lfm2.conv import ShortConvMixer
 
     folder = build_tiny_family(tmp_path / "moe", "lfm2_moe")
-    hf_cfg = json.loads((folder / "config.json").read_text())
-    args = SimpleNamespace(hf_checkpoint=str(folder), padded_vocab_size=hf_cfg["vocab_size"],
-                           max_position_embeddings=256, transformer_impl="local")
-    training = types.ModuleType("megatron.training")
-    training.get_args = lambda: args  # type: ignore[attr-defined]
-    arguments = types.ModuleType("megatron.training.arguments")
-    arguments.core_transformer_config_from_args = lambda a: spec.transformer_config(  # type: ignore[attr-defined]
-        hf_cfg, use_cpu_initialization=True, params_dtype=torch.float32, moe_token_dispatcher_type="allgather")
-    monkeypatch.setitem(sys.modules, "megatron.training", training)
-    monkeypatch.setitem(sys.modules, "megatron.training.arguments", arguments)
+    hf_cfg = _stand_in_megatron_training(monkeypatch, folder)
     loaders: dict[str, object] = {}
     for name in ("slime", "slime.backends", "slime.backends.megatron_utils"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))

@@ -5,9 +5,10 @@
 writes `DIR/model.safetensors` (every Megatron parameter and the expert-bias buffers under their
 Megatron names, unsharded, each tensor in its HF dtype) and `DIR/lfm2_megatron.json` (the shape
 and layout), and with `--check` proves the round trip HF -> Megatron -> HF bit for bit. slime
-itself needs no converted copy: the provider (`spec.provider`) registers `hf_tensor_for` as
-slime's HF loader for both model types, so `--load HF_DIR` (or slime's
-`tools/convert_hf_to_torch_dist.py` with `--custom-model-provider-path`) reads the HF folder.
+reads neither: the provider (`spec.provider`) registers `hf_tensor_for` as slime's HF loader for
+both model types, so slime's `tools/convert_hf_to_torch_dist.py` with
+`--custom-model-provider-path` writes the `torch_dist` checkpoint slime's `--ref-load` reads
+(`scripts/run_lfm2_search.sh --convert`).
 
 The mapping (HF checkpoint names as the folders store them; `L` a layer, `E` an expert):
 

@@ -20,9 +20,14 @@ GPU), context parallelism 1; experts shard over EP (`--expert-model-parallel-siz
 `num_experts`); pipeline stages split the layers as for any GPT model. `check_args` says so
 before anything is built.
 
+Dense MLP width: slime's `--ffn-hidden-size` is the HF config's `intermediate_size` (slime's
+start-up check compares the two); the provider builds the width transformers' `Lfm2MLP` builds
+from it (`flags.model_ffn_size`), which differs for dense LFM2 with `block_auto_adjust_ff_dim`.
+
 Importing this module registers `convert.hf_tensor_for` as slime's HF loader for `lfm2` and
 `lfm2_moe` (`slime.backends.megatron_utils.hf_to_megatron._LOADERS`) when slime is importable,
-so slime's `--load HF_DIR` and `tools/convert_hf_to_torch_dist.py` read LFM2 folders.
+so slime's `tools/convert_hf_to_torch_dist.py` (given `--custom-model-provider-path`) reads LFM2
+folders into the `torch_dist` checkpoint the launch takes as `--ref-load`.
 Needs megatron-core (0.16).
 """
 
@@ -46,7 +51,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from .conv import ShortConvMixer
 from .convert import Lfm2Shape, hf_tensor_for
-from .flags import _get, dense_ffn_size, rope_theta
+from .flags import _get, dense_ffn_size, model_ffn_size, rope_theta, tie_word_embeddings
 from .moe import dense_routing, lfm2_topk
 
 
@@ -179,19 +184,21 @@ def build_model(
         config=config, transformer_layer_spec=layer_spec(config, hf, use_te=use_te, vp_stage=vp_stage),
         vocab_size=vocab_size, max_sequence_length=max_sequence_length, pre_process=pre_process,
         post_process=post_process, parallel_output=True,
-        share_embeddings_and_output_weights=bool(_get(hf, "tie_word_embeddings", True)),
+        share_embeddings_and_output_weights=tie_word_embeddings(hf),
         position_embedding_type="rope", rotary_base=int(rope_theta(hf)), **kwargs,
     )
 
 
 def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> GPTModel:
-    """slime's custom model provider: the model for slime's args and `--hf-checkpoint` config."""
+    """slime's custom model provider: the model for slime's args and `--hf-checkpoint` config,
+    its dense MLP as wide as transformers builds it (`flags.model_ffn_size`)."""
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
     hf = json.loads((Path(args.hf_checkpoint) / "config.json").read_text(encoding="utf-8"))
     config = core_transformer_config_from_args(args)
+    config.ffn_hidden_size = model_ffn_size(int(config.ffn_hidden_size), hf)
     return build_model(
         config, hf, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
