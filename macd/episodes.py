@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,9 +50,10 @@ from .generate import (
     SamplingConfig,
     _as_wrapper,
     _batch_generator,
+    _batch_size,
+    _GroupBatch,
     _insert_group,
     _picked_logprobs,
-    _room,
     _text_tokens,
 )
 
@@ -106,7 +106,7 @@ class ToolGenerator(Generator, Protocol):
     def deliver(self, episode: int, output: str) -> None: ...
 
 
-class EpisodeGenerator:
+class EpisodeGenerator(_GroupBatch[_Group]):
     """Groups of G episodes decoded by one long-lived mlx-lm `BatchGenerator` (see the module doc).
 
     Like `ContinuousGenerator`: `insert` queues a prompt's group (prefilled once, its cache
@@ -142,16 +142,7 @@ class EpisodeGenerator:
         self.steps = self.tokens = self.tokens_dropped = 0
         self.tool_tokens = 0  # observation tokens appended
 
-    # -- the ContinuousGenerator interface --------------------------------------------------------
-    @property
-    def groups(self) -> int:
-        return len(self._groups)
-
-    @property
-    def sequences(self) -> int:
-        """Episodes not finished (decoding, queued or waiting for a tool)."""
-        return sum(g.left for g in self._groups.values())
-
+    # -- the ContinuousGenerator interface (`sequences`: episodes decoding, queued or waiting) ----
     @property
     def waiting(self) -> int:
         """Episodes waiting for a tool."""
@@ -161,12 +152,6 @@ class EpisodeGenerator:
     def decoding(self) -> int:
         """Sequences in (or queued for) the batch."""
         return len(self._live)
-
-    def room(self, capacity: int) -> int:
-        return _room(capacity, self.sequences, self.config.group_size)
-
-    def tags(self) -> list[Any]:
-        return [g.tag for g in self._groups.values()]
 
     @property
     def cache_bytes(self) -> int:
@@ -227,23 +212,9 @@ class EpisodeGenerator:
                 self._caches[self._live.pop(uid)] = caches[uid][0]
         return [self._pop(gid) for gid in done]
 
-    def advance(self, max_steps: int, interrupt: threading.Event | None = None) -> tuple[list[FinishedGroupLike], int]:
-        """Decode up to `max_steps` steps, returning after the first step that finished a group
-        or asked for a tool, when `interrupt` is set, or when nothing is left to decode:
-        (finished groups, steps taken)."""
-        finished: list[FinishedGroupLike] = []
-        steps = 0
-        while self._groups and steps < max_steps and not finished and not self._calls:
-            if not self._live and not self._inbox:
-                break  # every episode waits for its tool
-            finished = self.step()
-            steps += 1
-            if interrupt is not None and interrupt.is_set():
-                break
-        return finished, steps
-
-    def quiesce(self) -> list[Any]:
-        return self.discard()
+    def _can_step(self) -> bool:
+        """`advance` stops at a step that asked for a tool, and when every episode waits for its tool."""
+        return not self._calls and bool(self._live or self._inbox)
 
     def discard(self) -> list[Any]:
         """Drop every unfinished group (tool answers still on their way are ignored); their tags."""
@@ -256,10 +227,6 @@ class EpisodeGenerator:
         self._calls.clear()
         self._inbox.clear()
         return tags
-
-    def close(self) -> None:
-        self.discard()
-        self._gen.close()
 
     # -- the tool hand-off (asyncio side) -----------------------------------------------------------
     def take_calls(self) -> list[ToolCall]:
@@ -360,8 +327,7 @@ async def run_episodes(
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts:
         return []
-    n = len(prompts) * config.group_size
-    batch = n if max_batch is None else max(1, min(max_batch, n))
+    batch = _batch_size(len(prompts), config.group_size, max_batch)
     gen: EpisodeGenerator = await run(
         lambda: EpisodeGenerator(model, tokenizer, config, tool_format, max_batch=batch)
     )

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -237,6 +237,12 @@ def _room(capacity: int, sequences: int, group_size: int) -> int:
     return max(0, -(-(capacity + 1 - sequences) // group_size))
 
 
+def _batch_size(prompts: int, group_size: int, max_batch: int | None) -> int:
+    """Sequences to decode together for `prompts` groups: all of them, or at most `max_batch`."""
+    n = prompts * group_size
+    return n if max_batch is None else max(1, min(max_batch, n))
+
+
 def _picked_logprobs(responses: Sequence[Any]) -> list[float]:
     """The logprob of each response's sampled token: one gather for the step, not one sync each."""
     picked: list[float] = mx.stack([r.logprobs[r.token] for r in responses]).tolist()  # type: ignore[assignment]
@@ -308,7 +314,81 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
-class ContinuousGenerator:
+class _Unfinished(Protocol):
+    tag: Any
+    left: int  # sequences not finished yet
+
+
+G = TypeVar("G", bound=_Unfinished)
+
+
+class _GroupBatch(Generic[G]):
+    """What every generator of groups (`ContinuousGenerator`, `macd.episodes.EpisodeGenerator`)
+    keeps alike: its unfinished groups in insertion order, each with its tag and its count of
+    unfinished sequences, decoded by one long-lived `BatchGenerator`."""
+
+    config: SamplingConfig
+    _gen: BatchGenerator
+    _groups: dict[int, G]
+
+    @property
+    def groups(self) -> int:
+        """Groups not finished (running or queued)."""
+        return len(self._groups)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences not finished (running or queued)."""
+        return sum(g.left for g in self._groups.values())
+
+    def room(self, capacity: int) -> int:
+        """How many groups to insert now to keep `capacity` sequences decoding with one group
+        queued behind them, so a slot freed by a finished sample is taken at the next step."""
+        return _room(capacity, self.sequences, self.config.group_size)
+
+    def tags(self) -> list[Any]:
+        """The tags of the unfinished groups, in insertion order."""
+        return [g.tag for g in self._groups.values()]
+
+    def step(self) -> list[FinishedGroup]:
+        raise NotImplementedError
+
+    def _can_step(self) -> bool:
+        """Whether a decode step can make progress now (a subclass may have nothing to decode
+        while groups are unfinished)."""
+        return True
+
+    def advance(self, max_steps: int, interrupt: threading.Event | None = None) -> tuple[list[FinishedGroup], int]:
+        """Decode up to `max_steps` steps, returning after the first step that finished a group,
+        at which `interrupt` is set (checked every step), or once `_can_step` says no:
+        (finished groups, steps taken)."""
+        finished: list[FinishedGroup] = []
+        steps = 0
+        while self._groups and steps < max_steps and not finished and self._can_step():
+            finished = self.step()
+            steps += 1
+            if interrupt is not None and interrupt.is_set():
+                break
+        return finished, steps
+
+    def discard(self) -> list[Any]:
+        raise NotImplementedError
+
+    def quiesce(self) -> list[Any]:
+        """`discard` every unfinished group, so the weights may change; the dropped groups' tags.
+
+        A decode step mlx-lm already started may still be computing, reading the weights while
+        they change: its results belong to the dropped sequences and are never read. Everything
+        computed for a group inserted afterwards (its prefill, every decode step) is issued after
+        the change. So there is no wait here for the step under way (up to a whole decode step)."""
+        return self.discard()
+
+    def close(self) -> None:
+        self.discard()
+        self._gen.close()
+
+
+class ContinuousGenerator(_GroupBatch[_Group]):
     """Groups of G samples decoded by one long-lived mlx-lm `BatchGenerator` (continuous batching).
 
     `insert` queues a prompt's group: with ``share_prefill`` the prompt is prefilled once (with
@@ -346,25 +426,6 @@ class ContinuousGenerator:
         self.steps = 0  # decode steps taken
         self.tokens = 0  # tokens sampled (dropped groups' included)
         self.tokens_dropped = 0  # sampled for groups `discard` dropped
-
-    @property
-    def groups(self) -> int:
-        """Groups not finished (running or queued)."""
-        return len(self._groups)
-
-    @property
-    def sequences(self) -> int:
-        """Sequences not finished (running or queued)."""
-        return sum(g.left for g in self._groups.values())
-
-    def room(self, capacity: int) -> int:
-        """How many groups to insert now to keep `capacity` sequences decoding with one group
-        queued behind them, so a slot freed by a finished sample is taken at the next step."""
-        return _room(capacity, self.sequences, self.config.group_size)
-
-    def tags(self) -> list[Any]:
-        """The tags of the unfinished groups, in insertion order."""
-        return [g.tag for g in self._groups.values()]
 
     @property
     def cache_bytes(self) -> int:
@@ -412,27 +473,6 @@ class ContinuousGenerator:
             self._gen.remove(stopped)
         return [self._pop(gid) for gid in done]
 
-    def advance(self, max_steps: int, interrupt: threading.Event | None = None) -> tuple[list[FinishedGroup], int]:
-        """Decode up to `max_steps` steps, returning after the first step that finished a group or
-        at which `interrupt` is set (checked every step): (finished groups, steps taken)."""
-        finished: list[FinishedGroup] = []
-        steps = 0
-        while self._groups and steps < max_steps and not finished:
-            finished = self.step()
-            steps += 1
-            if interrupt is not None and interrupt.is_set():
-                break
-        return finished, steps
-
-    def quiesce(self) -> list[Any]:
-        """`discard` every unfinished group, so the weights may change; the dropped groups' tags.
-
-        A decode step mlx-lm already started may still be computing, reading the weights while
-        they change: its results belong to the dropped sequences and are never read. Everything
-        computed for a group inserted afterwards (its prefill, every decode step) is issued after
-        the change. So there is no wait here for the step under way (up to a whole decode step)."""
-        return self.discard()
-
     def _pop(self, gid: int) -> FinishedGroup:
         group = self._groups.pop(gid)
         completions = []
@@ -452,10 +492,6 @@ class ContinuousGenerator:
         self._owner.clear()
         self._tracks.clear()
         return tags
-
-    def close(self) -> None:
-        self.discard()
-        self._gen.close()
 
 
 def generate_groups(
@@ -482,8 +518,7 @@ def generate_groups(
         raise ValueError("prompts must be non-empty")
     if not prompts:
         return []
-    n = len(prompts) * config.group_size
-    batch = n if max_batch is None else max(1, min(max_batch, n))
+    batch = _batch_size(len(prompts), config.group_size, max_batch)
     gen = ContinuousGenerator(model, tokenizer, config, max_batch=batch, share_prefill=share_prefill)
     done: dict[int, list[Completion]] = {}
     try:

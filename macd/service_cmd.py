@@ -8,11 +8,17 @@ import asyncio
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import config as cfg
 from .cmdline import add_config_option, config_path, error
+
+if TYPE_CHECKING:
+    from .service import Agent, Launchctl
+
+T = TypeVar("T")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -104,38 +110,53 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent_action(
+    args: argparse.Namespace,
+    action: Callable[[Agent, Launchctl], T],
+    report: Callable[[Agent, T], str],
+) -> int:
+    """Run a launchctl `action` on the agent `args` names and print `report` of its outcome
+    (a dry run prints the launchctl commands instead)."""
+    from . import service
+
+    agent = _agent(args)
+    outcome = action(agent, service.Launchctl(dry_run=args.dry_run))
+    if not args.dry_run:
+        print(report(agent, outcome))
+    return 0
+
+
 @_service_call
 def _start(args: argparse.Namespace) -> int:
     from . import service
 
-    agent = _agent(args)
-    outcome = service.start(agent, service.Launchctl(dry_run=args.dry_run))
-    if not args.dry_run:
-        print(f"{agent.label} {outcome}; see `macd status` and `macd logs -f`")
-    return 0
+    return _agent_action(
+        args, service.start, lambda agent, outcome: f"{agent.label} {outcome}; see `macd status` and `macd logs -f`"
+    )
 
 
 @_service_call
 def _stop(args: argparse.Namespace) -> int:
     from . import service
 
-    agent = _agent(args)
-    was_running = service.stop(agent, service.Launchctl(dry_run=args.dry_run))
-    if not args.dry_run:
-        print(f"{agent.label} {'stopped' if was_running else 'was not running'}; it stays stopped until `macd start`")
-    return 0
+    return _agent_action(
+        args,
+        service.stop,
+        lambda agent, was_running: f"{agent.label} {'stopped' if was_running else 'was not running'}; "
+        "it stays stopped until `macd start`",
+    )
 
 
 @_service_call
 def _uninstall(args: argparse.Namespace) -> int:
     from . import service
 
-    agent = _agent(args)
-    existed = service.uninstall(agent, service.Launchctl(dry_run=args.dry_run))
-    if not args.dry_run:
-        print(f"{agent.label} removed ({agent.plist})" if existed else f"{agent.label} was not installed")
-        print(f"the config, credentials, data and log ({agent.log}) are kept")
-    return 0
+    return _agent_action(
+        args,
+        service.uninstall,
+        lambda agent, existed: (f"{agent.label} removed ({agent.plist})" if existed else f"{agent.label} was not installed")
+        + f"\nthe config, credentials, data and log ({agent.log}) are kept",
+    )
 
 
 @_service_call

@@ -84,23 +84,9 @@ QUANT: tuple[QuantPlane, ...] = ("int8", "int4")
 PLANES = ("bf16", *QUANT)
 MODEL_TYPE = "lfm2_moe"
 
-#: transformers' `Lfm2MoeConfig()` (5.x), the fields that decide tensor shapes.
-LFM2_MOE_DEFAULTS: dict[str, Any] = {
-    "model_type": "lfm2_moe",
-    "vocab_size": 65536,
-    "hidden_size": 2048,
-    "intermediate_size": 7168,
-    "moe_intermediate_size": 1792,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_experts": 32,
-    "num_experts_per_tok": 4,
-    "num_dense_layers": 2,
-    "conv_L_cache": 3,
-    "tie_word_embeddings": True,
-    "layer_types": None,
-}
+#: transformers' `Lfm2MoeConfig()` (5.x), the fields that decide tensor shapes: the published
+#: config but for the vocabulary, the layer count and the layer types (none named).
+LFM2_MOE_DEFAULTS: dict[str, Any] = {**LFM2_5_8B_A1B, "vocab_size": 65536, "num_hidden_layers": 32, "layer_types": None}
 
 #: `--smoke`: the published layout at a tiny width (the test's size).
 SMOKE: dict[str, Any] = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import tempfile
 import time
@@ -130,6 +131,20 @@ def store_env(request: pytest.FixtureRequest, store_url: str) -> dict[str, str]:
 async def store(store_url: str, store_env: dict[str, str]) -> AsyncIterator[Store]:
     async with open_store(store_url, environ=store_env) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def short_search_quickstart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One short `stoa quickstart --task search` run (25 versions, a few minutes), shared by the
+    slow tests that read it: (its output folder, its JSON summary)."""
+    from slime_stoa.cli import main
+
+    root = tmp_path_factory.mktemp("search_quickstart")
+    out, summary = root / "qs", root / "summary.json"
+    args = ["quickstart", "--task", "search", "--out", str(out), "--minutes", "60", "--max-versions", "25",
+            "--json", str(summary)]
+    assert main(args) == 0
+    return out, json.loads(summary.read_text())
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

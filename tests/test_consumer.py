@@ -273,7 +273,11 @@ async def test_listing_cost_grows_with_new_records_only(store: Store, store_url:
         for w in range(30) for s in range(4)
     ))  # 120 records from 30 workers
     counting = CountingStore(store)
-    consumer = await open_consumer(counting, tiny, store_url, sweep_interval_s=3600.0)
+    # Batches wait for their groups however slow the machine (the limit only turns a hang into
+    # an error), and no sweep falls due on the clock: every count below is what the records cost.
+    consumer = await open_consumer(
+        counting, tiny, store_url, sweep_interval_s=3600.0, late_sweep_interval_s=3600.0, wait_timeout_s=300.0
+    )
     counting.reset()
     await consumer.next_batch(120, trainer_version=0)
     # The records, and the published versions: the pointer and v0's manifest.

@@ -3,7 +3,7 @@ chaos suite produced it: retrying it is neither a conflict nor a second version.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ from slime_stoa.protocol.store import Store, StoreUnavailable
 from slime_stoa.trainer.consumer.counting import CountingStore
 
 RUN = "lost-answer"
+CONFIG = PublisherConfig(catchup=False, retain_anchors=0)
 
 
 class PointerAnswerLost(CountingStore):
@@ -47,53 +48,48 @@ def states(n: int) -> list[dict[str, np.ndarray]]:
     return out
 
 
-async def synced(store: Store) -> dict[str, np.ndarray]:
+async def assert_synced_to(store: Store, state: dict[str, np.ndarray]) -> None:
     sub = Subscriber(store, RUN)
     await sub.sync()
     assert sub.state is not None
-    return sub.state
+    assert all(np.array_equal(sub.state[k], state[k]) for k in state)
+
+
+async def failed_second_publish(
+    store: Store, fault: Literal["lose", "drop"]
+) -> tuple[Publisher, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A publisher through `PointerAnswerLost` that published v0, then failed to publish the
+    next state with `fault` on its pointer write; (the publisher, that state, a newer one)."""
+    lossy = PointerAnswerLost(store)
+    pub = Publisher(lossy, RUN, CONFIG)
+    s0, s1, s2 = states(3)
+    await pub.publish(s0)
+    setattr(lossy, fault, True)
+    with pytest.raises(PublishError):
+        await pub.publish(s1)
+    return pub, s1, s2
 
 
 async def test_a_retried_publish_whose_pointer_write_landed_is_that_version(store: Store) -> None:
-    lossy = PointerAnswerLost(store)
-    pub = Publisher(lossy, RUN, PublisherConfig(catchup=False, retain_anchors=0))
-    s0, s1, s2 = states(3)
-    await pub.publish(s0)
-    lossy.lose = True
-    with pytest.raises(PublishError):
-        await pub.publish(s1)
+    pub, s1, s2 = await failed_second_publish(store, "lose")
     assert (await read_pointer(store, RUN)).version == 1  # it landed; the publisher was not told
     again = await pub.publish(s1)  # the caller retries the same publish
     assert again.version == 1 and pub.version == 1 and (await read_pointer(store, RUN)).version == 1
     assert (await pub.publish(s2)).version == 2
-    got = await synced(store)
-    assert all(np.array_equal(got[k], s2[k]) for k in s2)
+    await assert_synced_to(store, s2)
 
 
 async def test_after_a_lost_answer_a_newer_state_is_the_next_version(store: Store) -> None:
-    lossy = PointerAnswerLost(store)
-    pub = Publisher(lossy, RUN, PublisherConfig(catchup=False, retain_anchors=0))
-    s0, s1, s2 = states(3)
-    await pub.publish(s0)
-    lossy.lose = True
-    with pytest.raises(PublishError):
-        await pub.publish(s1)
+    pub, _, s2 = await failed_second_publish(store, "lose")
     assert (await pub.publish(s2)).version == 2  # v1 (landed) adopted, s2 published on top of it
-    got = await synced(store)
-    assert all(np.array_equal(got[k], s2[k]) for k in s2)
+    await assert_synced_to(store, s2)
 
 
 async def test_a_pointer_write_that_never_landed_and_a_real_conflict(store: Store) -> None:
-    lossy = PointerAnswerLost(store)
-    pub = Publisher(lossy, RUN, PublisherConfig(catchup=False, retain_anchors=0))
-    s0, s1, s2 = states(3)
-    await pub.publish(s0)
-    lossy.drop = True
-    with pytest.raises(PublishError):
-        await pub.publish(s1)
+    pub, s1, s2 = await failed_second_publish(store, "drop")
     assert (await read_pointer(store, RUN)).version == 0
     assert (await pub.publish(s1)).version == 1  # published as usual
-    other = Publisher(store, RUN, PublisherConfig(catchup=False, retain_anchors=0))
+    other = Publisher(store, RUN, CONFIG)
     await other.open()
     await other.publish(s2)  # another trainer moved the pointer: still a conflict
     with pytest.raises(PublishConflict):

@@ -8,9 +8,9 @@ to search on only `SEARCH_SHARE` of the questions; RL has to learn that searchin
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +19,6 @@ pytest.importorskip("torch")
 pytest.importorskip("bm25s")
 pytest.importorskip("matplotlib")
 
-from slime_stoa.cli import main
 from slime_stoa.quickstart.config import QuickstartConfig
 from slime_stoa.quickstart.search import GUESS, SEARCH_SHARE, demonstrations, search_data
 
@@ -66,13 +65,8 @@ def test_demonstrations_hold_the_tokens_a_worker_sees(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # ~4.5 minutes on two cores: python -m pytest --slow tests/test_quickstart_search.py
-def test_short_search_quickstart_climbs(tmp_path: Path) -> None:
-    out = tmp_path / "qs"
-    summary_path = tmp_path / "summary.json"
-    args = ["quickstart", "--task", "search", "--out", str(out), "--minutes", "60", "--max-versions", "25",
-            "--json", str(summary_path)]
-    assert main(args) == 0
-    s = json.loads(summary_path.read_text())
+def test_short_search_quickstart_climbs(short_search_quickstart: tuple[Path, dict[str, Any]]) -> None:
+    out, s = short_search_quickstart
     assert all(s[k] is not None and math.isfinite(s[k]) for k in KEYS), s
     # The warm start searches on SEARCH_SHARE of the questions; RL learns that searching pays and
     # the reward follows (measured over 25 versions: search rate 0.20 -> 0.96, reward 0.07 -> 0.73;

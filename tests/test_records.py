@@ -95,6 +95,16 @@ def decode_reason(data: Any, **kw: Any) -> str:
     return info.value.reason
 
 
+def rejection_reason(group: RolloutGroup, limits: RecordLimits) -> str:
+    """The reason `group` is rejected with, the same validated directly and loaded from its bytes."""
+    with pytest.raises(RecordRejected) as direct:
+        validate_group(group, limits, now=NOW)
+    with pytest.raises(RecordRejected) as loaded:
+        load_record(encode_group(group), limits, now=NOW)
+    assert direct.value.reason == loaded.value.reason
+    return direct.value.reason
+
+
 # ---------------------------------------------------------------------------------------------
 # Round trip
 
@@ -547,11 +557,7 @@ HOSTILE: list[tuple[str, RolloutGroup, str]] = [
 @pytest.mark.parametrize("group, reason", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
 def test_hostile_groups_are_rejected(group: RolloutGroup, reason: str) -> None:
     assert reason in VALIDATION_REASONS
-    with pytest.raises(RecordRejected) as direct:
-        validate_group(group, LIMITS, now=NOW)
-    with pytest.raises(RecordRejected) as loaded:
-        load_record(encode_group(group), LIMITS, now=NOW)
-    assert direct.value.reason == loaded.value.reason == reason
+    assert rejection_reason(group, LIMITS) == reason
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ from slime_stoa.protocol.records import (
     frame_payload,
 )
 from slime_stoa.protocol.validate import VALIDATION_REASONS, RecordLimits, RecordRejected, load_record, validate_group
-from tests.test_records import NOW, reframe
+from tests.test_records import NOW, reframe, rejection_reason
+from tests.test_records import make_group as v1_group
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=1.0, max_tokens=16, stop=("</answer>",))
 LIMITS = RecordLimits(vocab_size=1000, max_samples=8, max_prompt_tokens=64, max_response_tokens=32,
@@ -41,22 +42,16 @@ def episode(**kw: Any) -> Sample:
 
 
 def make_group(samples: list[Sample] | None = None, **kw: Any) -> RolloutGroup:
+    """`test_records.make_group` as a v2 search group of two episodes."""
     fields: dict[str, Any] = dict(
-        schema_version=SCHEMA_V2, kind="train", run="run-1", task_id="search", prompt_index=3,
-        prompt_tokens=[1, 2, 3], samples=samples or [episode(), episode(reward=0.0)], weight_version=7,
-        state_digest="0123456789abcdef" * 4, sampling=SAMPLING, worker_id="mac-01", seq=3,
-        started_at=NOW - 20.0, finished_at=NOW - 1.0,
+        schema_version=SCHEMA_V2, task_id="search", prompt_index=3, prompt_tokens=[1, 2, 3],
+        samples=samples or [episode(), episode(reward=0.0)], sampling=SAMPLING,
     )
-    return RolloutGroup(**{**fields, **kw})
+    return v1_group(**{**fields, **kw})
 
 
 def reason(group: RolloutGroup) -> str:
-    with pytest.raises(RecordRejected) as direct:
-        validate_group(group, LIMITS, now=NOW)
-    with pytest.raises(RecordRejected) as loaded:
-        load_record(encode_group(group), LIMITS, now=NOW)
-    assert direct.value.reason == loaded.value.reason
-    return direct.value.reason
+    return rejection_reason(group, LIMITS)
 
 
 # -- layout ----------------------------------------------------------------------------------------

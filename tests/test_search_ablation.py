@@ -14,7 +14,6 @@ search rate) would score the same both ways.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ pytest.importorskip("torch")
 pytest.importorskip("bm25s")
 pytest.importorskip("matplotlib")
 
-from slime_stoa.cli import main
 from slime_stoa.protocol.store import open_store
 from slime_stoa.quickstart import heldout
 from slime_stoa.quickstart.config import QuickstartConfig
@@ -60,14 +58,11 @@ class WrongPassages:
         return format_passages([retriever.passages[i] for i in wrong], max_chars=cfg.max_observation_chars)
 
 
-@pytest.mark.slow  # one short search quickstart and one more eval: python -m pytest --slow tests/test_search_ablation.py
-def test_trained_search_model_needs_the_right_passages(tmp_path: Path) -> None:
-    out = tmp_path / "qs"
-    summary_path = tmp_path / "summary.json"
-    args = ["quickstart", "--task", "search", "--out", str(out), "--minutes", "60", "--max-versions", "25",
-            "--json", str(summary_path)]
-    assert main(args) == 0
-    s = json.loads(summary_path.read_text())
+@pytest.mark.slow  # one short search quickstart (shared with test_quickstart_search) and one more eval
+def test_trained_search_model_needs_the_right_passages(
+    short_search_quickstart: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    out, s = short_search_quickstart
     real, last = s["eval_pass1_last"], s["last_version"]
     made: list[WrongPassages] = []
 

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -152,112 +152,19 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def build_tiny_model(
-    out_dir: str | os.PathLike[str],
-    *,
-    texts: Iterable[str] | None = None,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    seed: int = 0,
-    tie_word_embeddings: bool = True,
-    added_tokens: Sequence[str] = (),
-) -> Path:
-    """Write a tiny random Qwen2 model folder to `out_dir` and return its path.
-
-    The tokenizer is trained on `texts` (default: `default_corpus()`) up to `vocab_size`
-    tokens, then `added_tokens` (e.g. a tool task's tags) are added whole, so that each is one
-    token wherever it occurs; the model's vocab is the larger of `vocab_size` and the
-    tokenizer's. Deterministic for given arguments.
-    """
+def _check_heads(hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
     if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 2:
         raise ValueError(
             "need hidden_size divisible by num_heads into an even head_dim, and num_heads "
             f"divisible by num_kv_heads; got {hidden_size=}, {num_heads=}, {num_kv_heads=}"
         )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tok = train_tokenizer(default_corpus() if texts is None else texts, vocab_size)
-    if added_tokens:
-        tok.add_tokens(list(added_tokens))
-    tok.save(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    n_vocab = max(vocab_size, tok.get_vocab_size())
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 1024,
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": {},
-    })
-    _write_json(out / "config.json", {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": n_vocab,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": tie_word_embeddings,
-        "torch_dtype": "bfloat16",
-        "initializer_range": 0.02,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": num_layers,
-        "bos_token_id": ids[ENDOFTEXT],
-        "eos_token_id": ids[IM_END],
-    })
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": ids[ENDOFTEXT],
-        "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
-        "pad_token_id": ids[ENDOFTEXT],
-    })
-    shapes = qwen2_param_shapes(
-        vocab_size=n_vocab,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    save_hf_folder(random_state(shapes, seed), out)
-    return out
-
-
-# -- other families: Llama, LFM2 and LFM2-MoE ---------------------------------------------------------
-
-#: The model families `build_tiny_family` builds.
-FAMILIES = ("qwen2", "llama", "lfm2", "lfm2_moe")
-
-#: Layer types of the tiny LFM2 models. Like the real configs, conv layers outnumber attention
-#: layers and the MoE model opens with conv layers (its dense layers, as in LFM2-8B-A1B); the
-#: dense model's attention layer comes second, so the first conv and attention layers differ.
-LFM2_LAYER_TYPES = ("conv", "full_attention", "conv", "conv")
-LFM2_MOE_LAYER_TYPES = ("conv", "conv", "full_attention", "conv")
 
 
 def _write_tokenizer(
     out: Path, texts: Iterable[str] | None, vocab_size: int, added_tokens: Sequence[str]
 ) -> tuple[dict[str, int], int]:
-    """The tokenizer files `build_tiny_model` writes; (special token ids, model vocab size)."""
+    """Train the tokenizer on `texts` (default: `default_corpus()`), add `added_tokens` whole and
+    write the tokenizer and generation config files; (special token ids, model vocab size)."""
     tok = train_tokenizer(default_corpus() if texts is None else texts, vocab_size)
     if added_tokens:
         tok.add_tokens(list(added_tokens))
@@ -289,9 +196,10 @@ def _write_tokenizer(
     return ids, max(vocab_size, tok.get_vocab_size())
 
 
-def build_tiny_llama(
+def build_tiny_model(
     out_dir: str | os.PathLike[str],
     *,
+    family: Literal["qwen2", "llama"] = "qwen2",
     texts: Iterable[str] | None = None,
     vocab_size: int = 512,
     hidden_size: int = 64,
@@ -303,39 +211,75 @@ def build_tiny_llama(
     tie_word_embeddings: bool = True,
     added_tokens: Sequence[str] = (),
 ) -> Path:
-    """A tiny random Llama folder: the Qwen2 model of `build_tiny_model` without the q/k/v biases,
-    with the same tokenizer files."""
+    """Write a tiny random Qwen2 model folder (a Llama one with ``family="llama"``: the same
+    model without the q/k/v biases) to `out_dir` and return its path.
+
+    The tokenizer is trained on `texts` (default: `default_corpus()`) up to `vocab_size`
+    tokens, then `added_tokens` (e.g. a tool task's tags) are added whole, so that each is one
+    token wherever it occurs; the model's vocab is the larger of `vocab_size` and the
+    tokenizer's. Deterministic for given arguments.
+    """
+    _check_heads(hidden_size, num_heads, num_kv_heads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids, n_vocab = _write_tokenizer(out, texts, vocab_size, added_tokens)
-    _write_json(out / "config.json", {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config: dict[str, object] = {
+        "architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM"],
+        "model_type": family,
         "vocab_size": n_vocab,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "head_dim": hidden_size // num_heads,
         "hidden_act": "silu",
         "max_position_embeddings": 1024,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": tie_word_embeddings,
         "torch_dtype": "bfloat16",
         "initializer_range": 0.02,
         "bos_token_id": ids[ENDOFTEXT],
         "eos_token_id": ids[IM_END],
-    })
+    }
+    if family == "llama":
+        config.update(head_dim=hidden_size // num_heads, attention_bias=False, mlp_bias=False)
+    else:
+        config.update(
+            attention_dropout=0.0, use_cache=True, use_sliding_window=False, sliding_window=None,
+            max_window_layers=num_layers,
+        )
+    _write_json(out / "config.json", config)
     shapes = qwen2_param_shapes(
-        vocab_size=n_vocab, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+        vocab_size=n_vocab,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
     )
-    save_hf_folder(random_state({k: v for k, v in shapes.items() if not k.endswith(".bias")}, seed), out)
+    if family == "llama":
+        shapes = {k: v for k, v in shapes.items() if not k.endswith(".bias")}
+    save_hf_folder(random_state(shapes, seed), out)
     return out
+
+
+def build_tiny_llama(out_dir: str | os.PathLike[str], **kwargs: Any) -> Path:
+    """A tiny random Llama folder: `build_tiny_model` with ``family="llama"``."""
+    return build_tiny_model(out_dir, family="llama", **kwargs)
+
+
+# -- LFM2 and LFM2-MoE ----------------------------------------------------------------------------
+
+#: The model families `build_tiny_family` builds.
+FAMILIES = ("qwen2", "llama", "lfm2", "lfm2_moe")
+
+#: Layer types of the tiny LFM2 models. Like the real configs, conv layers outnumber attention
+#: layers and the MoE model opens with conv layers (its dense layers, as in LFM2-8B-A1B); the
+#: dense model's attention layer comes second, so the first conv and attention layers differ.
+LFM2_LAYER_TYPES = ("conv", "full_attention", "conv", "conv")
+LFM2_MOE_LAYER_TYPES = ("conv", "conv", "full_attention", "conv")
 
 
 def lfm2_ff_dim(intermediate_size: int, multiple_of: int, multiplier: float | None, auto_adjust: bool) -> int:
@@ -465,11 +409,7 @@ def build_tiny_lfm2(
     embeddings; the tokenizer files of `build_tiny_model`. Deterministic for given arguments.
     """
     kinds = tuple(layer_types or (LFM2_MOE_LAYER_TYPES if moe else LFM2_LAYER_TYPES))
-    if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 2:
-        raise ValueError(
-            "need hidden_size divisible by num_heads into an even head_dim, and num_heads "
-            f"divisible by num_kv_heads; got {hidden_size=}, {num_heads=}, {num_kv_heads=}"
-        )
+    _check_heads(hidden_size, num_heads, num_kv_heads)
     if "full_attention" not in kinds or "conv" not in kinds:
         raise ValueError(f"layer_types needs conv and full_attention layers, got {kinds}")
     if moe and not (0 <= num_dense_layers < len(kinds) and 0 < num_experts_per_tok <= num_experts):
