@@ -43,6 +43,15 @@ same state, contenders interleaved over `--repeat` rounds, medians): the publish
 (a base-relative step patch), ns per change; the receiver's `apply` (decode and write in place)
 and `stage` (decode, merge and re-hash without writing), ns per change.
 
+The plane quantizer (`quantize_ns_per_element`, per mode, plane (int8, int4), contender and thread
+count 1 and 2: min / median / max ns per quantized element, contenders interleaved over `--repeat`
+rounds; `quantize_speedup`: baseline / current of the medians): "whole" quantizes every quantized
+tensor of the state (a plane's first version, or one after a gap), "touched" only the groups a
+train step changed, into copies of the previous plane's arrays (a plane's next version).
+Contenders: "current" (`quant.quantize`, `quant.quantize_groups_into`) and "baseline"
+(`baseline_quantize`, the quantizer before its rewrite, kept here for the comparison); both give
+the same bits (checked first).
+
 Usage: python scripts/bench_publish.py [--quick | --smoke] [--layers 28] [--vocab N] [--patches 2] [--cycles 1]
        [--density 0.01] [--s3] [--json PATH]
 """
@@ -69,12 +78,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, rounds, spread
 
 from slime_stoa.protocol.pulse.apply import apply_patch
-from slime_stoa.protocol.pulse.codec import diff, merge_deltas, shapes_of
+from slime_stoa.protocol.pulse.codec import bf16_bits_to_float32, diff, float32_to_bf16_bits, merge_deltas, shapes_of
 from slime_stoa.protocol.pulse.digest import StateDigest
 from slime_stoa.protocol.pulse.frames import encode_delta
 from slime_stoa.protocol.pulse.history import find_manifest
-from slime_stoa.protocol.pulse.parallel import thread_count
+from slime_stoa.protocol.pulse.parallel import ordered_map, thread_count
+from slime_stoa.protocol.pulse.plane import PLANE_PARAMS
 from slime_stoa.protocol.pulse.publisher import PublisherConfig
+from slime_stoa.protocol.pulse.quant import plane_layout, quantize, quantize_groups_into
 from slime_stoa.protocol.pulse.staged import stage_patches
 from slime_stoa.protocol.pulse.subscriber import Subscriber, SubscriberConfig
 from slime_stoa.protocol.store import open_store
@@ -208,6 +219,134 @@ def stage_rates(shapes: dict[str, tuple[int, ...]], density: float, seed: int, r
     }
 
 
+QUANT_THREADS = (1, 2)
+
+
+def baseline_quantize(w: np.ndarray, group_size: int, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The plane quantizer before its rewrite (bf16 bits in; codes, scales and biases as
+    `quant.quantize`'s, unshaped), kept as the contender the current one is measured against."""
+    per_word = 32 // bits
+    words = group_size // per_word
+    groups = w.reshape(-1, group_size)
+    n = groups.shape[0]
+    codes = np.empty((n, words), dtype=np.uint32)
+    scales = np.empty(n, dtype=np.uint16)
+    biases = np.empty(n, dtype=np.uint16)
+    n_bins = np.float32((1 << bits) - 1)
+    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
+    for start in range(0, n, 1 << 14):
+        part = slice(start, min(start + (1 << 14), n))
+        g = bf16_bits_to_float32(groups[part])
+        if not np.isfinite(g).all():
+            raise ValueError("non-finite value")
+        with np.errstate(over="ignore"):
+            w_max, w_min = g.max(axis=1), g.min(axis=1)
+            scale = np.maximum((w_max - w_min) / n_bins, np.float32(1e-7))
+            low = np.abs(w_min) > np.abs(w_max)
+            scale = np.where(low, scale, -scale)
+            edge = np.where(low, w_min, w_max)
+            q0 = np.rint(edge / scale)
+            at_zero = q0 == 0
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scale = np.where(at_zero, scale, edge / q0)
+            s, b = scale.astype(np.float32, copy=False), np.where(at_zero, np.float32(0), edge).astype(np.float32, copy=False)
+        broken = ~np.isfinite(s) | (s == 0)
+        if broken.any():
+            raise ValueError("scale out of float32 range")
+        q = np.rint((g - b[:, None]) / s[:, None])
+        np.clip(q, 0, n_bins, out=q)
+        packed = q.astype(np.uint32).reshape(-1, words, per_word) << shifts
+        codes[part] = np.bitwise_or.reduce(packed, axis=2)
+        scales[part] = float32_to_bf16_bits(s)
+        biases[part] = float32_to_bf16_bits(b)
+    return codes, scales, biases
+
+
+def baseline_touched(
+    w: np.ndarray, changed: np.ndarray, planes: tuple[np.ndarray, np.ndarray, np.ndarray], group_size: int, bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The touched-group update before the rewrite (`plane.updated_plane_bits`' per-tensor step):
+    the groups of the changed elements gathered, quantized by `baseline_quantize` and scattered
+    into copies of the previous codes (uint32 rows), scales and biases."""
+    groups = np.unique(changed // group_size)
+    q_codes, q_scales, q_biases = baseline_quantize(np.ascontiguousarray(w.reshape(-1, group_size)[groups]), group_size, bits)
+    codes, scales, biases = (a.copy() for a in planes)
+    codes[groups], scales[groups], biases[groups] = q_codes, q_scales, q_biases
+    return codes, scales, biases
+
+
+def current_touched(
+    w: np.ndarray, changed: np.ndarray, planes: tuple[np.ndarray, np.ndarray, np.ndarray], group_size: int, bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same with the current quantizer, as `plane.updated_plane_bits` does it."""
+    codes, scales, biases = (a.copy() for a in planes)
+    touched = np.zeros(scales.size, dtype=bool)
+    touched[changed // group_size] = True
+    quantize_groups_into(w, np.flatnonzero(touched), codes, scales, biases, group_size, bits)
+    return codes, scales, biases
+
+
+Spreads = dict[str, dict[str, float]]
+
+
+def quantize_rates(shapes: dict[str, tuple[int, ...]], density: float, seed: int, repeat: int) -> dict[str, dict[str, dict[str, Spreads]]]:
+    """ns per quantized element of the int8 and int4 planes' quantizer, the current one against
+    `baseline_quantize`, per thread count (`QUANT_THREADS`, tensors in parallel as
+    `quant.quantized_state` runs them), contenders interleaved over `repeat` rounds:
+    "whole": every group of every quantized tensor (`plane.plane_bits`); "touched": only the
+    groups holding the elements a train step of `density` changed (a plane's next version,
+    including the copies of the previous arrays), per element of the state's quantized tensors.
+    Returns {mode: {plane: {contender: {threads: min / median / max}}}}."""
+    base = initial_state(shapes, seed)
+    new = {n: b.copy() for n, b in base.items()}
+    train_step(new, density, seed + 1)
+    out: dict[str, dict[str, dict[str, Spreads]]] = {"whole": {}, "touched": {}}
+    for plane, (group_size, bits) in PLANE_PARAMS.items():
+        names = list(plane_layout(shapes, group_size, bits))
+        for mode, got in plane_quantize_rates(base, new, names, group_size, bits, repeat).items():
+            out[mode][plane] = got
+    return out
+
+
+def plane_quantize_rates(
+    base: dict[str, np.ndarray], new: dict[str, np.ndarray], names: list[str], group_size: int, bits: int, repeat: int
+) -> dict[str, dict[str, Spreads]]:
+    """`quantize_rates` of one plane: {mode: {contender: {threads: spread}}}, after checking that
+    both contenders give the same bits."""
+    elements = sum(new[n].size for n in names)
+    previous = {}
+    for n in names:
+        q = quantize(base[n], group_size, bits)
+        previous[n] = (q.codes.reshape(-1, group_size * bits // 32), q.scales.reshape(-1), q.biases.reshape(-1))
+    changed = {n: np.flatnonzero(new[n].reshape(-1) != base[n].reshape(-1)) for n in names}
+    work = {
+        "whole": {"current": lambda n: quantize(new[n], group_size, bits),
+                  "baseline": lambda n: baseline_quantize(new[n], group_size, bits)},
+        "touched": {"current": lambda n: current_touched(new[n], changed[n], previous[n], group_size, bits),
+                    "baseline": lambda n: baseline_touched(new[n], changed[n], previous[n], group_size, bits)},
+    }
+    for n in names:
+        ours, theirs = work["whole"]["current"](n), work["whole"]["baseline"](n)
+        for a, b in zip((ours.codes, ours.scales, ours.biases), theirs, strict=True):
+            assert np.array_equal(a.reshape(-1), b.reshape(-1)), f"{n}: the quantizers disagree"
+        for a, b in zip(work["touched"]["current"](n), work["touched"]["baseline"](n), strict=True):
+            assert np.array_equal(a, b), f"{n}: the touched-group updates disagree"
+
+    def run(fn: Any, threads: int) -> None:  # `rounds` times a call that returns None
+        ordered_map(fn, names, threads)
+
+    out: dict[str, dict[str, Spreads]] = {}
+    for mode, contenders_ in work.items():
+        timed = rounds({f"{c}/{t}": partial(run, fn, t) for c, fn in contenders_.items() for t in QUANT_THREADS}, repeat)
+        out[mode] = {c: {str(t): per_element(spread(timed[f"{c}/{t}"]), elements) for t in QUANT_THREADS} for c in contenders_}
+    return out
+
+
+def per_element(s: dict[str, float], elements: int) -> dict[str, float]:
+    """A spread of seconds as ns per element (the count kept)."""
+    return {k: v if k == "n" else 1e9 * v / max(1, elements) for k, v in s.items()}
+
+
 def kind_of(version: int, every: int) -> str:
     return "first" if version == 0 else "anchor" if version % every == 0 else "patch"
 
@@ -319,6 +458,16 @@ def print_table(summary: dict[str, Any]) -> None:
     print("ns per element (diff, digest) or per change, per thread count:")
     for stage, per in summary["stage_ns"].items():
         print(f"  {stage:<8}" + "".join(f"{threads:>4} thread(s) {ns:9.2f}" for threads, ns in per.items()))
+    print("plane quantizer, ns per quantized element (median; min-max), current vs baseline, per thread count:")
+    for mode, planes in summary["quantize_ns_per_element"].items():
+        for plane, per in planes.items():
+            cells = "".join(
+                f"  {t} thread(s): {per['current'][t]['median']:.2f} ({per['current'][t]['min']:.2f}-{per['current'][t]['max']:.2f})"
+                f" vs {per['baseline'][t]['median']:.2f} ({per['baseline'][t]['min']:.2f}-{per['baseline'][t]['max']:.2f}),"
+                f" {summary['quantize_speedup'][mode][plane][t]:.2f}x"
+                for t in per["current"]
+            )
+            print(f"  {mode:<8}{plane:<6}{cells}")
     for threads, got in summary.get("receive", {}).items():
         print(f"receive a step, {threads} thread(s): {got['wall_s']:.3f} s wall, {got['cpu_s']:.3f} s CPU "
               f"({got['wall_s_per_gb']:.2f} s/GB wall, {got['cpu_s_per_gb']:.2f} s/GB CPU, "
@@ -376,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
             summary["receive"] = summarize_receive(received, 2 * summary["elements"] / 1e9)
             summary["receive_rows"] = received
             summary["stage_ns"] = stage_rates(shapes, args.density, args.seed, args.repeat)
+            summary["quantize_ns_per_element"] = quantize_rates(shapes, args.density, args.seed, args.repeat)
+            summary["quantize_speedup"] = {
+                mode: {plane: {t: ratio(per["baseline"][t]["median"], per["current"][t]["median"]) for t in per["current"]}
+                       for plane, per in planes.items()}
+                for mode, planes in summary["quantize_ns_per_element"].items()
+            }
         finally:
             if server is not None:
                 server.stop()

@@ -48,14 +48,16 @@ The codec patches uint16 arrays, so a plane is patched through a uint16 view of 
 (``codes.view(np.uint16)``, two halves per word; scales and biases are bf16 already). When a few
 bf16 weights change, only their groups can change: each changed weight's code may change (and
 with it one half-word of codes); when the group's min or max moved, its scale and bias change and
-any of its codes can. A patch is the diff of the old and the new plane; nothing else travels. The
+any of its codes can (`quantize_groups_into` re-quantizes just those groups, in place). A patch is
+the diff of the old and the new plane; nothing else travels. The
 fraction of the plane that changes per 1% of bf16 weights changed is measured in the tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -71,8 +73,8 @@ CANONICAL_NAN = np.uint16(0x7FC0)
 SCALES = "scales"
 BIASES = "biases"
 
-# Groups per pass: the float32 temporaries of one pass stay a few MB.
-_GROUPS_PER_PASS = 1 << 14
+# Groups per pass: the buffers of one pass (keys and their transposed copy, or float32 values and codes) stay in cache.
+_GROUPS_PER_PASS = 1 << 11
 
 #: A predicate on a tensor's (name, shape): False to keep it bf16, True to quantize it with the
 #: plane's (group_size, bits), or a (group_size, bits) pair of its own.
@@ -106,15 +108,29 @@ def check_params(group_size: int, bits: int) -> None:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
 
 
-def _check_input(w: np.ndarray, name: str) -> None:
-    """ValueError unless `w` is bf16 bits (uint16) or bf16-representable float32 values."""
+def _bf16_bits(w: np.ndarray, name: str) -> np.ndarray:
+    """`w` as bf16 bits: uint16 as it is, float32 values rounded to bf16 (ValueError unless exactly
+    representable), anything else refused."""
     if not isinstance(w, np.ndarray):
         raise ValueError(f"tensor {name!r}: expected a numpy array, got {type(w).__name__}")
-    if w.dtype == np.float32:
-        if not np.array_equal(bf16_bits_to_float32(float32_to_bf16_bits(w)), w, equal_nan=True):
-            raise ValueError(f"tensor {name!r}: float32 values not representable in bf16; round them first")
-    elif w.dtype != np.uint16:
+    if w.dtype == np.uint16:
+        return w
+    if w.dtype != np.float32:
         raise ValueError(f"tensor {name!r}: expected bf16 bits (uint16) or float32 values, got {w.dtype}")
+    bits16 = float32_to_bf16_bits(w)
+    if not np.array_equal(bf16_bits_to_float32(bits16), w, equal_nan=True):
+        raise ValueError(f"tensor {name!r}: float32 values not representable in bf16; round them first")
+    return bits16
+
+
+def _check_shape(w: np.ndarray, group_size: int, name: str) -> None:
+    if w.ndim < 2:
+        raise ValueError(f"tensor {name!r}: quantizing needs at least 2 dimensions, got shape {w.shape}")
+    if w.shape[-1] % group_size:
+        raise ValueError(
+            f"tensor {name!r}: the last dimension ({w.shape[-1]}) must be divisible by the group size "
+            f"{group_size}; shape {w.shape}"
+        )
 
 
 def quantize(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE, bits: int = 8, *, name: str = "w") -> Quantized:
@@ -125,46 +141,15 @@ def quantize(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE, bits: int = 8,
     other shapes, unsupported parameters and non-finite values.
     """
     check_params(group_size, bits)
-    _check_input(w, name)
-    if w.ndim < 2:
-        raise ValueError(f"tensor {name!r}: quantizing needs at least 2 dimensions, got shape {w.shape}")
-    k = w.shape[-1]
-    if k % group_size:
-        raise ValueError(
-            f"tensor {name!r}: the last dimension ({k}) must be divisible by the group size "
-            f"{group_size}; shape {w.shape}"
-        )
-    per_word = 32 // bits
-    words = group_size // per_word
-    groups = w.reshape(-1, group_size)
+    bits16 = _bf16_bits(w, name)
+    _check_shape(bits16, group_size, name)
+    groups = bits16.reshape(-1, group_size)
     n = groups.shape[0]
-    codes = np.empty((n, words), dtype=np.uint32)
+    codes = np.empty((n, group_size * bits // 32), dtype=np.uint32)
     scales = np.empty(n, dtype=np.uint16)
     biases = np.empty(n, dtype=np.uint16)
-    n_bins = np.float32((1 << bits) - 1)
-    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
-    for start in range(0, n, _GROUPS_PER_PASS):
-        part = slice(start, min(start + _GROUPS_PER_PASS, n))
-        g = bf16_bits_to_float32(groups[part]) if groups.dtype == np.uint16 else groups[part]
-        if not np.isfinite(g).all():
-            bad = int(np.flatnonzero(~np.isfinite(g.reshape(-1)))[0]) + start * group_size
-            raise ValueError(f"tensor {name!r}: non-finite value at flat index {bad}; MLX's codes for it are undefined")
-        with np.errstate(over="ignore"):
-            s, b = _scale_bias(g, n_bins)
-        broken = ~np.isfinite(s) | (s == 0)
-        if broken.any():
-            bad = int(np.flatnonzero(broken)[0])
-            raise ValueError(
-                f"tensor {name!r}: group {bad + start}: MLX's scale for it would be {abs(float(s[bad]))} "
-                "(values too large for float32 arithmetic), so its codes are undefined"
-            )
-        q = np.rint((g - b[:, None]) / s[:, None])
-        np.clip(q, 0, n_bins, out=q)
-        packed = q.astype(np.uint32).reshape(-1, words, per_word) << shifts
-        codes[part] = np.bitwise_or.reduce(packed, axis=2)
-        scales[part] = float32_to_bf16_bits(s)
-        biases[part] = float32_to_bf16_bits(b)
-    lead = w.shape[:-1]
+    _quantize_groups(groups, None, bits, codes, scales, biases, name)
+    lead, k = w.shape[:-1], w.shape[-1]
     return Quantized(
         codes.reshape(*lead, k * bits // 32),
         scales.reshape(*lead, k // group_size),
@@ -174,18 +159,186 @@ def quantize(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE, bits: int = 8,
     )
 
 
-def _scale_bias(g: np.ndarray, n_bins: np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (scale, bias) of each row of groups `g` (see the module docstring)."""
-    w_max = g.max(axis=1)
-    w_min = g.min(axis=1)
+def quantize_groups_into(
+    w: np.ndarray,
+    rows: np.ndarray,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    bits: int = 8,
+    *,
+    name: str = "w",
+) -> None:
+    """Quantize only the groups `rows` of bf16 weight `w` (indices into ``w.reshape(-1,
+    group_size)``) into those rows of `codes` (uint32, one row of words per group), `scales` and
+    `biases` (uint16, one per group), in place: afterwards they hold `quantize(w)`'s rows there,
+    and their other rows are untouched. ValueError as `quantize` (for the chosen groups' values
+    alone), and for out-of-range rows or outputs that do not fit `w`'s groups; nothing is written
+    then."""
+    check_params(group_size, bits)
+    bits16 = _bf16_bits(w, name)
+    _check_shape(bits16, group_size, name)
+    groups = bits16.reshape(-1, group_size)
+    n = groups.shape[0]
+    rows = np.asarray(rows)
+    if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
+        raise ValueError(f"tensor {name!r}: rows must be a 1-D integer array, got {rows.dtype} of shape {rows.shape}")
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise ValueError(f"tensor {name!r}: group rows out of range for {n} groups")
+    words = group_size * bits // 32
+    fits = (
+        codes.dtype == np.uint32 and codes.shape == (n, words)
+        and scales.dtype == np.uint16 and biases.dtype == np.uint16 and scales.shape == biases.shape == (n,)
+    )
+    if not fits:
+        raise ValueError(
+            f"tensor {name!r}: outputs must be uint32 codes {(n, words)} and uint16 scales and biases {(n,)}, got "
+            f"{codes.dtype} {codes.shape}, {scales.dtype} {scales.shape}, {biases.dtype} {biases.shape}"
+        )
+    _quantize_groups(groups, rows.astype(np.intp, copy=False), bits, codes, scales, biases, name)
+
+
+def _quantize_groups(
+    groups: np.ndarray,
+    rows: np.ndarray | None,
+    bits: int,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    name: str,
+) -> None:
+    """Quantize bf16 bit groups (n, group_size) into codes / scales / biases: every group (rows
+    None) or those `rows`, in two sweeps of passes whose buffers stay in cache.
+
+    The first sweep finds each group's max and min (`_group_max_min`); then every group's scale
+    and bias at once, refusing the tensor before anything is written; the second sweep widens
+    the bits to float32, does the element arithmetic in place, casts it to bytes and packs them."""
+    size = groups.shape[1]
+    total = groups.shape[0] if rows is None else rows.size
+    per_pass = min(_GROUPS_PER_PASS, max(total, 1))
+    gathered = np.empty((0 if rows is None else per_pass, size), dtype=np.uint16)
+
+    def passes() -> Iterator[tuple[slice, slice | np.ndarray, np.ndarray]]:
+        """(where in the pass order, which groups, their bits) per pass."""
+        for start in range(0, total, per_pass):
+            part = slice(start, min(start + per_pass, total))
+            if rows is None:
+                yield part, part, groups[part]
+            else:
+                at = rows[part]
+                yield part, at, np.take(groups, at, axis=0, out=gathered[: at.size], mode="clip")  # rows checked
+
+    high_keys = np.empty(total, dtype=np.int16)
+    low_keys = np.empty(total, dtype=np.int16)
+    keys = np.empty((per_pass, size), dtype=np.int16)
+    blocks = np.empty((size // 4, per_pass), dtype=np.uint64)
+    lanes = np.empty((2, 4 * per_pass), dtype=np.int16)
+    for part, _, source in passes():
+        _group_max_min(source, keys, blocks, lanes, high_keys[part], low_keys[part])
+    n_bins = np.float32((1 << bits) - 1)
+    w_max, w_min = (bf16_bits_to_float32(_order_key(k).view(np.uint16)) for k in (high_keys, low_keys))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        s, b = _scale_bias(w_max, w_min, n_bins)
+    broken = ~np.isfinite(s) | (s == 0)  # also every group holding a NaN or an infinity
+    if broken.any():
+        _refuse(groups, rows, w_max, w_min, s, broken, name)
+
+    values = np.empty((per_pass, size), dtype=np.float32)
+    packed = np.empty((per_pass, size * bits // 32), dtype="<u4")  # little-endian words: byte j holds codes from j
+    packed_bytes = packed.view(np.uint8)
+    codes8 = packed_bytes if bits == 8 else np.empty((per_pass, size), dtype=np.uint8)
+    with np.errstate(over="ignore"):
+        for part, at, source in passes():
+            m = part.stop - part.start
+            v = values[:m]
+            np.left_shift(source, 16, out=v.view(np.uint32), dtype=np.uint32)  # bf16 bits -> float32, exact
+            np.subtract(v, b[part, None], out=v)
+            np.divide(v, s[part, None], out=v)
+            np.rint(v, out=v)
+            np.clip(v, 0, n_bins, out=v)
+            np.copyto(codes8[:m], v, casting="unsafe")  # integers 0..n_bins
+            if bits != 8:
+                _pack(codes8[:m], bits, packed_bytes[:m])
+            codes[at] = packed[:m]
+    every: slice | np.ndarray = slice(None) if rows is None else rows
+    scales[every], biases[every] = float32_to_bf16_bits(np.stack((s, b)))
+
+
+def _refuse(
+    groups: np.ndarray, rows: np.ndarray | None, w_max: np.ndarray, w_min: np.ndarray, s: np.ndarray,
+    broken: np.ndarray, name: str,
+) -> NoReturn:
+    """ValueError for `broken` groups: the first non-finite value if any group holds one (its max
+    or min is then not finite), else the first group whose scale breaks."""
+    holding = ~(np.isfinite(w_max) & np.isfinite(w_min))
+    if holding.any():
+        i = int(np.flatnonzero(holding)[0])
+        row = i if rows is None else int(rows[i])
+        where = row * groups.shape[1] + int(np.flatnonzero((groups[row] & 0x7F80) == 0x7F80)[0])  # exponent all ones
+        raise ValueError(f"tensor {name!r}: non-finite value at flat index {where}; MLX's codes for it are undefined")
+    i = int(np.flatnonzero(broken)[0])
+    raise ValueError(
+        f"tensor {name!r}: group {i if rows is None else int(rows[i])}: MLX's scale for it would be "
+        f"{abs(float(s[i]))} (values too large for float32 arithmetic), so its codes are undefined"
+    )
+
+
+def _order_key(bits16: np.ndarray) -> np.ndarray:
+    """bf16 bits <-> int16 keys in the values' order (its own inverse; 16-bit arrays in, int16
+    out): a negative value's magnitude bits are flipped. NaNs sort beyond the infinities of their
+    sign; -0 just below +0 (which zero a group's max or min is does not change its scale, bias or
+    codes)."""
+    signed = bits16.view(np.int16)
+    return signed ^ ((signed >> 15) & 0x7FFF)
+
+
+def _group_max_min(
+    source: np.ndarray, keys: np.ndarray, blocks: np.ndarray, lanes: np.ndarray, high: np.ndarray, low: np.ndarray
+) -> None:
+    """The order keys (`_order_key`, as int16) of the max and the min of each bf16 group of
+    `source` (m, size) into `high` and `low` (m,); `keys`, `blocks`, `lanes`: work buffers.
+
+    The keys are copied as 8-byte blocks (four keys) into `blocks`, transposed (size / 4, m),
+    so the max and min run down its columns across all m groups at once rather than along
+    each group; each group's four lanes then meet."""
+    m = source.shape[0]
+    signed, k = source.view(np.int16), keys[:m]
+    np.right_shift(signed, 15, out=k)  # -1 for a negative value, else 0
+    np.bitwise_and(k, 0x7FFF, out=k)
+    np.bitwise_xor(k, signed, out=k)
+    np.copyto(blocks[:, :m], k.view(np.uint64).T)
+    columns = blocks[:, :m].view(np.int16)  # (size / 4, 4m): group i's lanes at 4i .. 4i + 3
+    highs, lows = lanes[0, : 4 * m], lanes[1, : 4 * m]
+    np.max(columns, axis=0, out=highs)
+    np.min(columns, axis=0, out=lows)
+    np.maximum(np.maximum(highs[0::4], highs[1::4]), np.maximum(highs[2::4], highs[3::4]), out=high)
+    np.minimum(np.minimum(lows[0::4], lows[1::4]), np.minimum(lows[2::4], lows[3::4]), out=low)
+
+
+def _pack(codes8: np.ndarray, bits: int, out: np.ndarray) -> None:
+    """Pack byte codes (m, size) below 2**bits into `out` (m, size * bits / 8): `8 // bits` codes
+    per byte, the first in the lowest bits (little-endian words then hold them as MLX packs)."""
+    if bits == 4:  # byte pairs as little-endian uint16: c0 | c1 << 8 -> low byte c0 | c1 << 4
+        pairs = codes8.reshape(-1).view("<u2")
+        pairs |= pairs >> 4
+        np.copyto(out.reshape(-1), pairs, casting="unsafe")  # the low byte
+    else:  # 2 bits, byte quads as little-endian uint32
+        quads = codes8.reshape(-1).view("<u4")
+        quads |= quads >> 6  # bytes 0 and 2: c0 | c1 << 2, c2 | c3 << 2
+        quads |= quads >> 12  # byte 0: c0 | c1 << 2 | c2 << 4 | c3 << 6
+        np.copyto(out.reshape(-1), quads, casting="unsafe")
+
+
+def _scale_bias(w_max: np.ndarray, w_min: np.ndarray, n_bins: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (scale, bias) of groups with these max and min (see the module docstring)."""
     scale = np.maximum((w_max - w_min) / n_bins, EPS)
     low = np.abs(w_min) > np.abs(w_max)
     scale = np.where(low, scale, -scale)
     edge = np.where(low, w_min, w_max)
     q0 = np.rint(edge / scale)
     at_zero = q0 == 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(at_zero, scale, edge / q0)
+    scale = np.where(at_zero, scale, edge / q0)
     bias = np.where(at_zero, np.float32(0), edge)
     return scale.astype(np.float32, copy=False), bias.astype(np.float32, copy=False)
 
