@@ -23,8 +23,16 @@ from botocore.exceptions import ClientError, SSLError
 
 from .base import NotFound, PreconditionFailed, StoreConfigError, StoreError
 from .credentials import Credentials, default_env_file
-from .retry import RetryPolicy, with_retries
-from .s3_errors import CREDENTIAL_CODES, error_code, error_message, error_status, is_retryable
+from .retry import RetryPolicy, describe_error, with_retries
+from .s3_errors import (
+    CREDENTIAL_CODES,
+    ClientClosedInFlight,
+    error_code,
+    error_message,
+    error_status,
+    failure_advice,
+    is_retryable,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -182,21 +190,30 @@ class S3Connection:
         return f"{action} {target} (endpoint {self._endpoint})"
 
     def _advice(self, exc: BaseException) -> str:
-        if isinstance(exc, ClientError):
-            answer = error_code(exc) or error_status(exc)
-            return f"{self._endpoint} kept answering {answer}: it is overloaded or failing; try again later"
-        if isinstance(exc, asyncio.TimeoutError) or "timeout" in type(exc).__name__.lower():
-            return f"{self._endpoint} did not answer in time: check the network and the endpoint URL"
-        return f"could not reach {self._endpoint}: check the endpoint URL in {self.url} and the network"
+        return failure_advice(exc, endpoint=self._endpoint, url=self.url)
 
     async def _call(
         self, action: str, key: str | None, fn: Callable[[AioBaseClient], Awaitable[T]], *, cas: bool = False
     ) -> T:
-        """Run one S3 request with retries, mapping its errors onto the store's."""
-        client = await self._s3()
+        """Run one S3 request with retries, mapping its errors onto the store's.
+
+        Every try takes the current client: a try that failed because `close()` closed its client
+        meanwhile fails as `ClientClosedInFlight`, and the next try opens a fresh client."""
+
+        async def attempt() -> T:
+            client = await self._s3()
+            try:
+                return await fn(client)
+            except Exception as exc:
+                if client is not self._client:  # closed (or replaced) while in flight
+                    raise ClientClosedInFlight(
+                        f"the store's client was closed while the request was in flight ({describe_error(exc)})"
+                    ) from exc
+                raise
+
         try:
             return await with_retries(
-                lambda: fn(client),
+                attempt,
                 policy=self.retry,
                 is_retryable=is_retryable,
                 describe=self._where(action, key),

@@ -4,6 +4,14 @@ Listing new keys after the cursor only when the queue cannot cover the need and 
 (backpressure: `max_pool_groups` groups discovered but not yet used), sweeping the skew window
 and, more rarely, the late window behind the cursor; progress logged every
 `progress_interval_s`. `ConsumerTimeout` names the workers last seen and the rejects by reason.
+
+Pacing: each kind of listing starts again no sooner than its interval (`poll_interval_s`,
+`sweep_interval_s`, `late_sweep_interval_s`) after the previous one of its kind ENDED, so a slow
+store gets that much quiet between listings instead of back-to-back requests, and a wait of
+`timeout` seconds makes at most about `timeout / poll_interval_s` tail listings whatever the
+store's speed. The deadline is checked before every listing; a listing already under way is
+not cut short (its keys are taken one by one into the state), so a wait ends at most one
+listing after its deadline.
 """
 
 from __future__ import annotations
@@ -116,7 +124,8 @@ class Filler:
 
     async def fill(self, target: int, deadline: float | None, *, quiet: bool = False) -> bool:
         """Discover, download and judge until the pool holds `target` groups (True), or until
-        `deadline` (monotonic seconds; None: no limit) passes (False). Progress is logged every
+        `deadline` (monotonic seconds; None: no limit) passes (False), checked before every
+        listing (see the module doc for the pacing). Progress is logged every
         `progress_interval_s` unless `quiet` (the background prefetch)."""
         shared, cfg, downloads = self.shared, self.shared.config, self.downloads
         started = time.monotonic()
@@ -130,25 +139,31 @@ class Filler:
                 return True
             downloads.launch(need)
             now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
             # List again only when the queue cannot cover the need and there is room for more.
             listing_helps = downloads.queued() < need - len(downloads.inflight) and self.capacity() > 0
             if listing_helps and now >= self._next_tail:
-                self._next_tail = now + cfg.poll_interval_s
                 if self.trust.signers_due():
                     await self.trust.refresh_signers()  # a release (or revocation) also while nothing is admitted
-                await self.poll_tail()
+                try:
+                    await self.poll_tail()
+                finally:
+                    self._next_tail = time.monotonic() + cfg.poll_interval_s
                 continue
             if cfg.late_window_ms and now >= self._next_late_sweep:
-                self._next_late_sweep = now + cfg.late_sweep_interval_s
-                self._next_sweep = now + cfg.sweep_interval_s  # it covers the short window too
-                await self.poll_sweep(cfg.late_window_ms)
+                try:
+                    await self.poll_sweep(cfg.late_window_ms)
+                finally:
+                    self._next_late_sweep = time.monotonic() + cfg.late_sweep_interval_s
+                    self._next_sweep = time.monotonic() + cfg.sweep_interval_s  # it covers the short window too
                 continue
             if now >= self._next_sweep:
-                self._next_sweep = now + cfg.sweep_interval_s
-                await self.poll_sweep()
+                try:
+                    await self.poll_sweep()
+                finally:
+                    self._next_sweep = time.monotonic() + cfg.sweep_interval_s
                 continue
-            if deadline is not None and now >= deadline:
-                return False
             wake = min(
                 self._next_tail if listing_helps else math.inf,
                 self._next_sweep,

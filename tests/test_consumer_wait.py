@@ -1,0 +1,93 @@
+"""The wait for a batch against a slow store: listings are paced from the end of the previous
+one, and the wait's deadline is checked between them, however slow each listing is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncGenerator
+
+import pytest
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import ObjectInfo, Store
+from slime_stoa.trainer.consumer import ConsumerTimeout
+from slime_stoa.trainer.consumer.counting import CountingStore
+from tests.test_consumer import RUN, Tiny, open_consumer, setup_run, tiny
+
+__all__ = ["tiny"]  # the session fixture
+
+ROLLOUTS = RunLayout(RUN).rollouts_prefix("train")
+NO_SWEEPS = dict(sweep_interval_s=3600.0, late_sweep_interval_s=3600.0)
+
+
+class SlowListing(CountingStore):
+    """A real store whose listings of the run's rollouts take `delay_s` longer; each such
+    listing's (start, end) in monotonic seconds is kept in `spans`."""
+
+    def __init__(self, inner: Store, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+        self.spans: list[tuple[float, float]] = []
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
+        listing = super().list(prefix, start_after=start_after)
+        if not prefix.startswith(ROLLOUTS):
+            async with contextlib.aclosing(listing):
+                async for info in listing:
+                    yield info
+            return
+        started = time.monotonic()
+        try:
+            await asyncio.sleep(self.delay_s)
+            async with contextlib.aclosing(listing):
+                async for info in listing:
+                    yield info
+        finally:
+            self.spans.append((started, time.monotonic()))
+
+
+async def _timed_out_batch(slow: SlowListing, tiny: Tiny, store_url: str, **config: float) -> float:
+    """Open a consumer on `slow` and wait for a batch that never comes: the seconds waited
+    until `ConsumerTimeout` (an old, unpaced loop never ends: `wait_for` turns that into a
+    failure)."""
+    consumer = await open_consumer(slow, tiny, store_url, **{**NO_SWEEPS, **config})
+    slow.spans.clear()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConsumerTimeout):
+            await asyncio.wait_for(consumer.next_batch(1, trainer_version=0), timeout=10.0)
+    finally:
+        await consumer.close()
+    return time.monotonic() - started
+
+
+async def test_listings_slower_than_the_poll_interval_are_paced_and_the_wait_times_out(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    await setup_run(store, tiny)
+    poll, delay, timeout = 0.02, 0.06, 0.3
+    slow = SlowListing(store, delay)
+    waited = await _timed_out_batch(slow, tiny, store_url, poll_interval_s=poll, wait_timeout_s=timeout)
+    spans = slow.spans
+    assert spans, "the wait listed nothing"
+    # Each listing starts at least `poll_interval_s` after the previous one ended.
+    for (_, ended), (started, _) in itertools.pairwise(spans):
+        assert started - ended >= poll - 1e-3, spans
+    # Hence at most one listing per (poll + listing) seconds of the wait, and never more than
+    # timeout / poll_interval_s + 1 whatever the machine's load.
+    assert len(spans) <= waited / (poll + delay) + 1
+    assert len(spans) <= timeout / poll + 1
+    assert waited >= timeout
+
+
+async def test_a_listing_slower_than_the_whole_wait_ends_it_after_that_listing(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    await setup_run(store, tiny)
+    slow = SlowListing(store, delay_s=0.5)
+    waited = await _timed_out_batch(slow, tiny, store_url, poll_interval_s=0.01, wait_timeout_s=0.1)
+    assert len(slow.spans) == 1  # the deadline passed during the first listing: no second one
+    assert waited >= 0.5
