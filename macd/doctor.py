@@ -77,8 +77,8 @@ async def bucket_rows(config) -> list[tuple[str, str, bool]]:
 
 async def plan_rows(config: Any, index_gb: float | None = None) -> list[tuple[str, str, bool]]:
     """The memory plan of the joined run's model on this Mac (`join_cmd.memory_plan_lines`), one
-    row per line; not ok when the run's plane does not fit, or when its search index's size is
-    unknown (a worker could not fetch that index either). The index is counted as its manifest in
+    row per line; not ok when the plane this Mac serves does not fit, or when its search index's
+    size is unknown (a worker could not fetch that index either). The index is counted as its manifest in
     the bucket says (`index_plan.run_index_plan`), or at `index_gb` GiB when given. Nothing when
     the run cannot be read."""
     from slime_stoa.protocol.store import StoreError

@@ -8,12 +8,13 @@ import argparse
 import asyncio
 import getpass
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slime_stoa.protocol.cli_fields import add_field_options
 from slime_stoa.protocol.signing import PublicKey, write_private_file
@@ -22,6 +23,11 @@ from slime_stoa.protocol.worker_keys import worker_key_bytes
 from . import config as cfg
 from .cmdline import add_config_option, config_path, error
 from .index_plan import IndexPlan
+
+if TYPE_CHECKING:
+    from slime_stoa.protocol.run_manifest import Plane
+
+    from .plane_choice import PlaneChoice
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,9 +374,9 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
         f"  group size   {m.group_size} samples per prompt, temperature {m.temperature}, up to {m.max_tokens} tokens",
         f"  batch        {config.batch} prompts at once ({sequences} sequences decoding)",
     ]
-    plane = plane_line(config, info, memory, index)
-    if plane is not None:
-        lines.append(plane)
+    plane_text = plane_line(config, info, memory, index)
+    if plane_text is not None:
+        lines.append(plane_text)
     elements, guessed = info.elements, False
     if info.version is None:
         lines.append("  weights      none published yet: the worker waits for the trainer's first anchor")
@@ -383,19 +389,24 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
         lines.append(f"  memory       unknown until the weights' size is known ({memory / 2**30:.0f} GiB here)")
         plan, warning = memory_plan_lines(config, info, memory, index)
         return lines + plan + ([] if warning is None else [warning])
+    served, _ = served_plane(config, info, memory, index)
     est = cfg.estimate_memory(
         elements=elements,
-        plane=m.plane,
+        plane=served,
         sequences=sequences,
         tokens_per_sequence=m.max_prompt_tokens + m.max_tokens,
         kv_bytes_per_token=info.kv_bytes_per_token,
         weights_guessed=guessed,
     )
+    if served != "bf16" and m.offers(served):  # a published plane is held alone, no bf16 master
+        from .memory_plan import HELD_BYTES
+
+        est = replace(est, weights=math.ceil(elements * HELD_BYTES[served]))
     index_bytes = 0 if index is None else index.counted
     whole = replace(est, overhead=est.overhead + index_bytes)  # the index counted beside the runtime
     verdict = whole.verdict(memory)
     lines.append(
-        f"  memory       ~{_gib(est.weights)} weights{' (guessed from the model name)' if guessed else ''}"
+        f"  memory       ~{_gib(est.weights)} {served} weights{' (guessed from the model name)' if guessed else ''}"
         f" + ~{_gib(est.kv_cache)} KV cache{' (guess)' if est.kv_guessed else ''} + {_gib(est.overhead)} runtime"
         + (f" + {_gib(index_bytes)} search index" if index_bytes else "")
         + f" = ~{_gib(whole.total)} of {_gib(memory)} here: {verdict}"
@@ -408,19 +419,34 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
     return lines + plan + ([] if warning is None else [warning])
 
 
-def plane_line(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None) -> str | None:
-    """The plane this Mac serves the run on: the config's `plane`, else (`plane_choice`, as the
-    worker picks it, beside the run's search `index`) when the run publishes quantized planes and
-    its model config is known."""
+def served_plane(
+    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None
+) -> tuple[Plane, PlaneChoice | None]:
+    """The plane this Mac will serve the run on, as the worker picks it (`following.plane_for`):
+    the config's `plane`; else, when the run publishes quantized planes and its model config is
+    known, `plane_choice.choose_plane`'s beside the run's search `index` (returned with it); else
+    the run's plane."""
     from .plane_choice import choose_plane
 
     m, model = info.manifest, model_config_of(info)
     if config.plane:
-        return f"  plane        {config.plane} (this config's `plane`)"
+        try:
+            return cfg.plane_override(m, config.plane), None
+        except ValueError:  # the worker refuses to serve; join and doctor say why
+            return m.plane, None
     if not m.planes or model is None:
-        return None
+        return m.plane, None
     choice = choose_plane(model, m, memory=memory, sequences=cfg.decoding_sequences(config, m.group_size),
                           index_bytes=0 if index is None else index.counted)
+    return (m.plane, None) if choice is None else (choice.plane, choice)
+
+
+def plane_line(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None) -> str | None:
+    """The plane this Mac serves the run on (`served_plane`), when the config sets it or the run
+    publishes quantized planes and its model config is known."""
+    if config.plane:
+        return f"  plane        {config.plane} (this config's `plane`)"
+    _, choice = served_plane(config, info, memory, index)
     return None if choice is None else f"  plane        {choice.describe()}"
 
 
@@ -453,6 +479,7 @@ def memory_plan_lines(
         model, memory=memory, plane=m.plane, group_size=cfg.decoding_sequences(config, m.group_size), groups=1,
         prompt_tokens=m.max_prompt_tokens, response_tokens=m.max_tokens, published=m.planes,
         index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
+        served=served_plane(config, info, memory, index)[0],
     )
     if not lines:
         return ["  memory plan  the model's config.json lacks the sizes a plan needs", *index_lines], None

@@ -87,15 +87,30 @@ def _layer_types(config: Mapping[str, Any]) -> list[str]:
     return ["full_attention"] * n  # attention-only families
 
 
+#: `Lfm2Config`'s defaults for what decides dense LFM2's MLP width (transformers'
+#: configuration_lfm2.py), taken where a config.json names none.
+LFM2_FF_DEFAULTS: dict[str, Any] = {
+    "intermediate_size": 12288, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+}
+
+
 def _dense_ff(config: Mapping[str, Any]) -> int:
-    """The dense feed-forward width (LFM2's ``block_auto_adjust_ff_dim`` rule, as mlx-lm has it)."""
-    ff = int(config.get("block_ff_dim") or config["intermediate_size"])
-    if config.get("model_type") == "lfm2" and config.get("block_auto_adjust_ff_dim"):
+    """The dense feed-forward width, as transformers builds it: ``intermediate_size``, except for
+    dense LFM2 (`Lfm2MLP`), whose width is ``block_ff_dim`` (the original configs' name) or else
+    ``intermediate_size``, and, with ``block_auto_adjust_ff_dim``, 2/3 of that, times
+    ``block_ffn_dim_multiplier`` rounded up to a multiple of ``block_multiple_of`` (no rounding when
+    the multiplier is null); `LFM2_FF_DEFAULTS` where the config names none. mlx-lm, which needs
+    the keys, builds the same width, except that it rounds with a null multiplier too."""
+    if config.get("model_type") != "lfm2":
+        return int(config["intermediate_size"])
+    lfm2 = {**LFM2_FF_DEFAULTS, **{k: v for k, v in config.items() if k in LFM2_FF_DEFAULTS}}
+    ff = int(config["block_ff_dim"] if config.get("block_ff_dim") is not None else lfm2["intermediate_size"])
+    if lfm2["block_auto_adjust_ff_dim"]:
         ff = int(2 * ff / 3)
-        if config.get("block_ffn_dim_multiplier") is not None:
-            ff = int(config["block_ffn_dim_multiplier"] * ff)
-        multiple = int(config["block_multiple_of"])
-        ff = multiple * ((ff + multiple - 1) // multiple)
+        if lfm2["block_ffn_dim_multiplier"] is not None:
+            multiple = int(lfm2["block_multiple_of"])
+            ff = int(lfm2["block_ffn_dim_multiplier"] * ff)
+            ff = multiple * ((ff + multiple - 1) // multiple)
     return ff
 
 
@@ -222,7 +237,7 @@ def plan(
     length = KV_STEP * math.ceil((prompt_tokens + response_tokens) / KV_STEP)
     per_seq = kv_token * length + conv_seq
     chunk = min(PREFILL_STEP, prompt_tokens)
-    widest = max(3 * h, 2 * int(config.get("intermediate_size") or 0),
+    widest = max(3 * h, 2 * _dense_ff(config),
                  2 * int(config.get("num_experts_per_tok") or 0) * int(config.get("moe_intermediate_size") or 0))
     activations = chunk * v * 2 + seqs * v * 4 + chunk * widest * 4
     offered = tuple(p for p in ("int8", "int4") if p in published)
@@ -243,6 +258,13 @@ def plan(
     return result
 
 
+def _verdict(row: Mapping[str, Any]) -> str:
+    """A (RAM, plane) row's verdict: fits, fits only N sequences, or does not fit."""
+    if row["fits"]:
+        return "fits"
+    return "does not fit" if row["max_sequences"] == 0 else f"fits only {row['max_sequences']} sequences"
+
+
 def describe(p: MemoryPlan) -> list[str]:
     """Lines for `macd doctor` / `macd join`: the terms (the index's own line when it has one),
     then one line per (RAM, plane)."""
@@ -258,10 +280,8 @@ def describe(p: MemoryPlan) -> list[str]:
         f"activations {p.activations / GIB:.2f} GiB; search index {p.index / GIB:.2f} GiB",
     ] + ([p.index_line] if p.index_line else [])
     for row in p.macs:
-        verdict = "fits" if row["fits"] else ("does not fit" if row["max_sequences"] == 0 else
-                                              f"fits only {row['max_sequences']} sequences")
         lines.append(f"{row['ram_gb']:g} GB Mac, {row['plane']}: needs {row['total_bytes'] / GIB:.1f} of "
-                     f"{row['usable_bytes'] / GIB:.1f} GiB usable: {verdict}")
+                     f"{row['usable_bytes'] / GIB:.1f} GiB usable: {_verdict(row)}")
     return lines
 
 
@@ -279,11 +299,15 @@ def config_plan(config: Mapping[str, Any], **shape: Any) -> MemoryPlan | None:
 def this_mac(
     config: Mapping[str, Any], *, memory: int, plane: str, group_size: int, groups: int, prompt_tokens: int,
     response_tokens: int, index_bytes: int = 0, index_line: str = "", published: Sequence[str] = (),
+    served: str | None = None,
 ) -> tuple[list[str], str | None]:
-    """(plan lines, warning or None) for serving `config` on this Mac (`memory` bytes) on `plane`:
-    the weights of each plane (those the run `published` held alone), the cache and the index,
-    then total vs usable per plane; the warning says what to change when the run's plane does not
-    fit. ([], None): not plannable."""
+    """(plan lines, warning or None) for serving `config` on this Mac (`memory` bytes): the weights
+    of each plane (those the run `published` held alone), the cache and the index, then total vs
+    usable per plane, the run's `plane` marked. `served`: the plane this Mac will serve, when not
+    the run's (`plane_choice` picks a smaller one the run publishes, or the config sets one): one
+    more line names it and says whether it fits. The warning says what to change when the served
+    plane does not fit. ([], None): not plannable."""
+    served = served or plane
     ram_gb = memory / GIB
     p = config_plan(
         config, group_size=group_size, groups=groups, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
@@ -292,15 +316,23 @@ def this_mac(
     if p is None:
         return [], None
     mac = f"{ram_gb:g} GB Mac, "
-    lines = [line.replace(mac, "this Mac, ", 1) + (" (the run's plane)" if line.startswith(f"{mac}{plane}:") else "")
+    marks = {plane: " (the run's plane)"} | ({served: " (served here)"} if served != plane else {})
+    lines = [line.replace(mac, "this Mac, ", 1) + next((m for pl, m in marks.items() if line.startswith(f"{mac}{pl}:")), "")
              if line.startswith(mac) else line for line in describe(p)]
-    row = next((r for r in p.macs if r["plane"] == plane), None)
+    rows = {r["plane"]: r for r in p.macs}
+    row, run_row = rows.get(served), rows.get(plane)
+    if row is not None and served != plane:
+        lines.append(
+            f"this Mac will serve the {served} plane: needs {row['total_bytes'] / GIB:.1f} of "
+            f"{row['usable_bytes'] / GIB:.1f} GiB usable: {_verdict(row)}"
+            + ("" if run_row is None else f" (the run's {plane} plane: {_verdict(run_row)})")
+        )
     if row is None or row["fits"]:
         return lines, None
     fit = row["max_sequences"]
     warning = (
-        f"warning: the run's model does not fit this Mac's usable memory on the {plane} plane "
-        f"({row['total_bytes'] / GIB:.1f} of {row['usable_bytes'] / GIB:.1f} GiB): "
+        f"warning: the run's model does not fit this Mac's usable memory on the {served} plane"
+        f"{'' if served == plane else ' it serves'} ({row['total_bytes'] / GIB:.1f} of {row['usable_bytes'] / GIB:.1f} GiB): "
         + (f"lower `batch` (or set `max_decode`) to at most {fit} sequences decoding" if fit else
            f"its {'weights and search index' if p.index else 'weights'} alone do not fit; join a run of a smaller "
            "model or use a Mac with more memory")

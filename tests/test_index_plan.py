@@ -145,7 +145,9 @@ def test_join_counts_the_index_its_manifest_gives(
     assert needs(counted) == pytest.approx(needs(without) + 6.5, abs=0.1)
     assert "               this Mac, bf16: needs 16.3 of 16.0 GiB usable: fits only 2 sequences (the run's plane)" in without
     assert "               this Mac, bf16: needs 22.8 of 16.0 GiB usable: does not fit (the run's plane)" in counted
-    assert "its weights and search index alone do not fit" in counted[-1]
+    # the run's plane does not fit beside the index; the int4 plane it publishes does, and is served
+    assert counted[-1].strip() == ("this Mac will serve the int4 plane: needs 11.5 of 16.0 GiB usable: fits "
+                                   "(the run's bf16 plane: does not fit)")
     # the plane join says a 32 GB Mac serves: bf16 beside no index, int4 beside this one
     assert plane_line(config, info, 32 * GIB) == "  plane        bf16 (the bf16 weights): 16.3 of 21.3 GiB usable, fits"
     assert plane_line(config, info, 32 * GIB, index) == (
