@@ -12,15 +12,17 @@ For each batch of tensors (at most `--batch-mib` of bf16, a larger tensor alone)
 `--density` of the elements (seeded positions; each moves by 1-3 units in the last place, as an
 RL step's Adam update does: ~1-3% of bf16 weights change per step). Then, timed:
 
-  trainer, per thread count (`--threads`), contenders interleaved in rounds:
-    bf16     the publisher's step: `codec.diff`, the digest update of the changed tensors,
+  trainer, per thread count (`--threads`, the publisher's `threads`), contenders interleaved in
+  rounds, each run as the publisher runs a version:
+    bf16     `codec.diff`, the digest update of the changed tensors (`StateDigest.update`),
              `frames.encode_delta` ("rel", 16 MiB frames) and the patch's sha256;
-    int8/int4  "quantize": the plane of the next state (`plane.plane_bits`: codes as uint16
-             halves, scales, biases of every tensor, as the publisher computes each version;
-             one thread whatever `--threads`, so timed once per round and counted in every
-             total), then the same step over the plane.
+    int8/int4  "quantize": the plane's next version from its previous one and the bf16 step's
+             changed indices (`plane.updated_plane_bits`: only the touched groups re-quantized,
+             a whole tensor once `WHOLE_TENSOR_SHARE` of its groups are touched), then the same
+             step over the plane. A sample of tensors (every `PLANE_CHECK_EVERY`-th of a batch,
+             the first round) is checked bit for bit against a full `plane.plane_bits`, untimed.
   Not timed: catch-up patches (merge and encode at the distances the schedule picks), uploads,
-  anchors.
+  anchors, the state digest's root.
   worker, per thread count: `apply.apply_patch` (verify, decode, scatter) of the step patch into
     the held state of each plane, then re-hashing the touched tensors on that many threads.
     Each round is undone with the undo log; the first round checks the result is bit for bit
@@ -29,16 +31,19 @@ RL step's Adam update does: ~1-3% of bf16 weights change per step). Then, timed:
 Reported per version (one train step) of the whole model: bytes of the bf16 step patch and of the
 int8 / 4-bit plane patches against the anchors (bf16, int8, int4: the states' bytes); trainer CPU
 seconds (process CPU time, all threads; `cpu_ns_per_element` per weight) and wall seconds; worker
-apply seconds (wall and CPU); the served-weights
-memory per plane (bytes of the plane's tensors; a worker on a quantized plane holds no bf16
-master); the bench's own peak RSS; the load average at the start and the end; the date.
-min / median / max are over rounds (each round's figure is a sum over every batch).
+apply seconds (wall and CPU); the served-weights memory per plane (bytes of the plane's tensors;
+a worker on a quantized plane holds no bf16 master); the share of the quantized tensors' groups a
+version touches and of their elements quantized as whole tensors; the bench's own peak RSS; the
+load average at the start and the end; the date. min / median / max are over rounds (each
+round's figure is a sum over every batch).
 
 `--quick` measures a sample: the top-level tensors (embeddings, final norm) and the first layer
 of each kind (layer type x dense / MoE feed-forward: "published" has dense conv, MoE conv and MoE
 attention layers), and scales each sampled layer's figures by the number of layers of its kind,
 which is scaling by parameter count (layers of one kind have the same tensors). The full run
-streams every tensor. `--smoke` is a tiny model of the same family (the test's size).
+streams every tensor. `--smoke` is a tiny model of the same family (the test's size). On two
+cores, "published" with the defaults: `--quick` ~2 minutes, the full run ~14 minutes; peak RSS
+~2.6 GB either way.
 
 Usage: python scripts/bench_stream8b.py [--quick | --smoke] [--shape published|defaults] [--density 0.02]
        [--rounds 3] [--threads 1,2] [--batch-mib 256] [--seed 0] [--json PATH]
@@ -71,10 +76,17 @@ from benchlib import Session, spread
 
 from macd.memory_plan import LFM2_5_8B_A1B
 from slime_stoa.protocol.pulse.apply import apply_patch
-from slime_stoa.protocol.pulse.codec import diff, float32_to_bf16_bits, shapes_of
-from slime_stoa.protocol.pulse.digest import tensor_digest
+from slime_stoa.protocol.pulse.codec import Delta, diff, float32_to_bf16_bits, shapes_of
+from slime_stoa.protocol.pulse.digest import StateDigest, tensor_digest
 from slime_stoa.protocol.pulse.frames import encode_delta, frame_slice
-from slime_stoa.protocol.pulse.plane import QuantPlane, plane_bits
+from slime_stoa.protocol.pulse.plane import (
+    PLANE_PARAMS,
+    WHOLE_TENSOR_SHARE,
+    QuantPlane,
+    code_names,
+    plane_bits,
+    updated_plane_bits,
+)
 from slime_stoa.protocol.run_trust import content_hash
 from slime_stoa.quickstart.tiny_model import lfm2_param_shapes
 
@@ -83,6 +95,8 @@ SHAPES: tuple[Shape, ...] = ("published", "defaults")
 QUANT: tuple[QuantPlane, ...] = ("int8", "int4")
 PLANES = ("bf16", *QUANT)
 MODEL_TYPE = "lfm2_moe"
+#: The plane check compares every this-many-th tensor of a batch (the first included).
+PLANE_CHECK_EVERY = 8
 
 #: transformers' `Lfm2MoeConfig()` (5.x), the fields that decide tensor shapes: the published
 #: config but for the vocabulary, the layer count and the layer types (none named).
@@ -233,15 +247,37 @@ def digests(state: Mapping[str, np.ndarray], names: list[str], threads: int) -> 
         return list(pool.map(lambda n: tensor_digest(n, state[n]), names))
 
 
-def publish_step(clock: Clock, base: dict[str, np.ndarray], new: dict[str, np.ndarray], threads: int) -> tuple[Any, bytes]:
+def publish_step(
+    clock: Clock, base: dict[str, np.ndarray], new: dict[str, np.ndarray], digest: StateDigest, threads: int
+) -> tuple[Delta, Any, bytes]:
     """The publisher's per-version work on one batch: diff, digest update, encode, content hash."""
     delta = clock.time("diff", lambda: diff(base, new, threads=threads))
-    clock.time("digest", lambda: [tensor_digest(n, new[n]) for n in sorted(delta)])
+    clock.time("digest", lambda: digest.update(new, delta.keys(), threads=threads))
     index, body = clock.time(
         "encode", lambda: encode_delta(delta, shapes_of(new), base=base, mode="rel", threads=threads)
     )
     clock.time("sha256", lambda: content_hash(body))
-    return index, body
+    return delta, index, body
+
+
+def plane_mismatches(new: Mapping[str, np.ndarray], plane: Mapping[str, np.ndarray], names: list[str], q: QuantPlane) -> int:
+    """How many plane arrays of tensors `names` (codes, scales, biases, or the bf16 tensor kept)
+    differ from a full `plane_bits` of `new`, in dtype, shape or bits."""
+    full = plane_bits({n: new[n] for n in names}, q, MODEL_TYPE)
+    return sum(not (plane[k].dtype == a.dtype and np.array_equal(plane[k], a)) for k, a in full.items())
+
+
+def group_counts(delta: Delta, shapes: Mapping[str, tuple[int, ...]], q: QuantPlane) -> tuple[int, int, int, int]:
+    """Over the plane's quantized tensors: groups, groups a version touches, elements, and
+    elements of tensors `updated_plane_bits` quantizes whole (`WHOLE_TENSOR_SHARE`)."""
+    size = PLANE_PARAMS[q][0]
+    groups = touched = elements = whole = 0
+    for name in code_names(shapes, q, MODEL_TYPE):
+        n = math.prod(shapes[name])
+        hit = int(np.unique(delta[name][0] // size).size) if name in delta else 0
+        groups, touched, elements = groups + n // size, touched + hit, elements + n
+        whole += n if hit and hit >= WHOLE_TENSOR_SHARE * (n // size) else 0
+    return groups, touched, elements, whole
 
 
 def receive_step(clock: Clock, held: dict[str, np.ndarray], index: Any, body: bytes, threads: int) -> Any:
@@ -292,19 +328,31 @@ def measure_unit(
     for q in QUANT:
         held[q] = plane_bits(prev, q, MODEL_TYPE)
         sizes[f"anchor_{q}"] += w * sum(a.nbytes for a in held[q].values())  # what a worker on it holds
-    targets: dict[str, dict[str, np.ndarray]] = {"bf16": new}
+    digests_of = {p: StateDigest.of(held[p]) for p in PLANES}  # the publisher's digest of the previous version
+    sample = list(unit.names[::PLANE_CHECK_EVERY])
     for r in range(args.rounds):
-        for q in QUANT:
-            clock = Clock()
-            targets[q] = clock.time("quantize", partial(plane_bits, new, q, MODEL_TYPE))
-            for t in threads:
-                totals.add_clock(("trainer", str(t), q), r, clock, w)
         patches: dict[str, tuple[Any, bytes]] = {}
+        targets: dict[str, dict[str, np.ndarray]] = {"bf16": new}
         for t in threads:
-            for p in PLANES:
+            clock = Clock()
+            delta, index, body = publish_step(clock, held["bf16"], new, digests_of["bf16"], t)
+            patches["bf16"] = (index, body)
+            totals.add_clock(("trainer", str(t), "bf16"), r, clock, w)
+            changed = {n: indices for n, (indices, _) in delta.items()}
+            for q in QUANT:
                 clock = Clock()
-                patches[p] = publish_step(clock, held[p], targets[p], t)
-                totals.add_clock(("trainer", str(t), p), r, clock, w)
+                targets[q] = clock.time(
+                    "quantize", partial(updated_plane_bits, held[q], new, changed, q, MODEL_TYPE, threads=t)
+                )
+                _, index, body = publish_step(clock, held[q], targets[q], digests_of[q], t)
+                patches[q] = (index, body)
+                totals.add_clock(("trainer", str(t), q), r, clock, w)
+                if r == 0 and t == threads[0]:
+                    check["plane_tensors"] += len(sample)
+                    check["plane_mismatched"] += plane_mismatches(new, targets[q], sample, q)
+                    counts = group_counts(delta, {n: shapes[n] for n in unit.names}, q)
+                    for key, count in zip(("groups", "touched", "quantized", "whole"), counts, strict=True):
+                        sizes[f"{q}_{key}"] += w * count
         for t in threads:
             for p in PLANES:
                 clock = Clock()
@@ -319,8 +367,7 @@ def measure_unit(
             sizes["changed"] += w * sum(int(np.count_nonzero(prev[n] != new[n])) for n in unit.names)
             for p in PLANES:
                 sizes[f"patch_{p}"] += w * len(patches[p][1])
-        del patches
-    targets.clear()
+        del patches, targets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,6 +403,12 @@ def summarize(totals: Totals, sizes: Mapping[str, float], threads: list[int]) ->
     out["served_bytes"] = {"bf16": sizes["anchor_bf16"], "int8": sizes["anchor_int8"], "int4": sizes["anchor_int4"]}
     out["served_bytes_per_weight"] = {p: b / elements for p, b in out["served_bytes"].items()}
     out["changed_fraction"] = sizes["changed"] / elements
+    out["plane_update"] = {  # what `updated_plane_bits` re-quantized, per plane, over its quantized tensors
+        q: {"groups_touched_fraction": sizes[f"{q}_touched"] / sizes[f"{q}_groups"],
+            "whole_tensor_fraction": sizes[f"{q}_whole"] / sizes[f"{q}_quantized"],
+            "whole_tensor_share": WHOLE_TENSOR_SHARE}
+        for q in QUANT
+    }
     out["cpu_ns_per_element"] = {  # medians per version over the model's elements, per thread count
         side: {t: {p: 1e9 * row[p]["median"] / elements for p in PLANES} for t, row in out[f"{side}_cpu_s_per_version"].items()}
         for side in ("trainer", "worker")
@@ -383,12 +436,16 @@ def print_report(doc: dict[str, Any]) -> None:
     for t, row in doc["trainer_cpu_s_per_version"].items():
         parts = "; ".join(f"{p}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["parts"][p].items()) for p in PLANES)
         print(f"  trainer CPU parts, threads {t}: {parts}")
+    for q, u in doc["plane_update"].items():
+        print(f"  {q} plane update: {u['groups_touched_fraction'] * 100:.1f}% of groups touched, "
+              f"{u['whole_tensor_fraction'] * 100:.1f}% of quantized elements re-quantized as whole tensors")
     served = doc["served_bytes"]
     print("worker served weights: " + ", ".join(
         f"{p} {served[p] / gb:.2f} GB ({doc['served_bytes_per_weight'][p]:.3f} B/weight)" for p in PLANES)
         + f"; this bench's peak RSS {doc['peak_rss_bytes'] / gb:.2f} GB (streamed)")
     print(f"load average {doc['load_average_start']:.2f} at the start, {doc['load_average_end']:.2f} at the end "
-          f"({doc['cpus']} CPUs); {doc['wall_s']:.0f} s; results checked bit for bit: {doc['verified']}")
+          f"({doc['cpus']} CPUs); {doc['wall_s']:.0f} s; results checked bit for bit: {doc['verified']} "
+          f"(plane updates against full plane_bits on {doc['plane_check']['tensors']} sampled tensors)")
 
 
 def parse_threads(text: str) -> list[int]:
@@ -432,7 +489,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     units, layers = plan_units(shapes, config, quick=args.quick, batch_bytes=int(args.batch_mib * 2**20))
     totals = Totals(args.rounds)
     sizes: dict[str, float] = defaultdict(float)
-    check = {"tensors": 0, "mismatched": 0}
+    check = {"tensors": 0, "mismatched": 0, "plane_tensors": 0, "plane_mismatched": 0}
     for i, unit in enumerate(units):
         measure_unit(unit, shapes, args, threads, totals, sizes, check)
         print(f"  batch {i + 1}/{len(units)}: {len(unit.names)} tensors x{unit.weight}", flush=True)
@@ -449,7 +506,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch_mib": args.batch_mib, "mode": "rel",
     }
     doc |= summarize(totals, sizes, threads)
-    doc["verified"] = check["mismatched"] == 0 and check["tensors"] > 0
+    doc["plane_check"] = {"every": PLANE_CHECK_EVERY, "tensors": check["plane_tensors"],
+                          "mismatched_arrays": check["plane_mismatched"]}
+    doc["verified"] = (check["mismatched"] == 0 and check["tensors"] > 0
+                       and check["plane_mismatched"] == 0 and check["plane_tensors"] > 0)
     doc["peak_rss_bytes"] = peak_rss_bytes()
     doc |= session.meta()
     return doc

@@ -88,7 +88,31 @@ def test_smoke_run_reports_bytes_times_and_memory(tmp_path: Path) -> None:
     assert rates["int8"] == pytest.approx(1e9 * doc["trainer_cpu_s_per_version"]["1"]["int8"]["median"] / doc["elements"])
     assert set(doc["worker_wall_s_per_version"]["1"]["parts"]["bf16"]) == {"apply", "digest"}
     assert doc["peak_rss_bytes"] > 0 and math.isfinite(doc["load_average_start"])
+    assert doc["plane_check"]["tensors"] > 0 and doc["plane_check"]["mismatched_arrays"] == 0
+    for q in ("int8", "int4"):  # ~2% of elements touch 1 - 0.98^64 ~ 72% of the groups of 64
+        assert 0.6 < doc["plane_update"][q]["groups_touched_fraction"] < 0.85
+        assert 0 < doc["plane_update"][q]["whole_tensor_fraction"] <= 1
     assert doc["date"][:2] == "20"
+
+
+def test_plane_update_is_the_publishers_and_its_check_catches_a_wrong_array() -> None:
+    config = bench.SMOKE
+    shapes = bench.param_shapes(config)
+    names = [n for n in shapes if bench.layer_of(n) == 1]
+    prev = {n: bench.previous_bits(n, shapes[n], 0) for n in names}
+    new = {n: bench.next_bits(n, prev[n], 0.005, 0) for n in names}  # few groups: the in-place path
+    clock = bench.Clock()
+    delta, _, _ = bench.publish_step(clock, prev, new, bench.StateDigest.of(prev), 1)
+    changed = {n: idx for n, (idx, _) in delta.items()}
+    groups, touched, elements, whole = bench.group_counts(delta, {n: shapes[n] for n in names}, "int4")
+    assert 0 < touched < 0.5 * groups and whole == 0 and elements > 0
+    plane = bench.updated_plane_bits(bench.plane_bits(prev, "int4", bench.MODEL_TYPE), new, changed, "int4", bench.MODEL_TYPE)
+    assert bench.plane_mismatches(new, plane, names, "int4") == 0
+    scales = next(k for k in plane if k.endswith(".scales"))
+    plane[scales] = plane[scales].copy()
+    plane[scales].reshape(-1)[0] ^= 1
+    assert bench.plane_mismatches(new, plane, names, "int4") == 1
+    assert set(clock.cpu) == {"diff", "digest", "encode", "sha256"}
 
 
 def test_bad_flags_are_refused() -> None:
