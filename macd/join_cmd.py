@@ -389,6 +389,9 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
         lines.append(f"  memory       unknown until the weights' size is known ({memory / 2**30:.0f} GiB here)")
         plan, warning = memory_plan_lines(config, info, memory, index)
         return lines + plan + ([] if warning is None else [warning])
+    plan, warning = memory_plan_lines(config, info, memory, index)
+    if _planned(plan):  # the plan counts all a rough estimate would, from the model's own config
+        return lines + plan + ([] if warning is None else [warning])
     served, _ = served_plane(config, info, memory, index)
     est = cfg.estimate_memory(
         elements=elements,
@@ -415,7 +418,6 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
         lines.append(
             "               lower `batch` (or set `max_decode`) in the config, or join a run of a smaller model"
         )
-    plan, warning = memory_plan_lines(config, info, memory, index)
     return lines + plan + ([] if warning is None else [warning])
 
 
@@ -462,6 +464,14 @@ def model_config_of(info: cfg.RunInfo) -> Mapping[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+_NO_PLAN = ("  memory plan  unknown", "  memory plan  the model's config.json lacks")
+
+
+def _planned(plan: list[str]) -> bool:
+    """Whether `memory_plan_lines` made a plan (the model's config.json gave its sizes)."""
+    return bool(plan) and not plan[0].startswith(_NO_PLAN)
+
+
 def memory_plan_lines(
     config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None
 ) -> tuple[list[str], str | None]:
@@ -473,7 +483,7 @@ def memory_plan_lines(
     model = model_config_of(info)
     index_lines = [] if index is None else [f"  {'':<12} {index.line}"]
     if model is None:
-        return ["  memory plan  unknown until the model's config.json is published", *index_lines], None
+        return [f"{_NO_PLAN[0]} until the model's config.json is published", *index_lines], None
     m = info.manifest
     lines, warning = this_mac(
         model, memory=memory, plane=m.plane, group_size=cfg.decoding_sequences(config, m.group_size), groups=1,
@@ -482,7 +492,7 @@ def memory_plan_lines(
         served=served_plane(config, info, memory, index)[0],
     )
     if not lines:
-        return ["  memory plan  the model's config.json lacks the sizes a plan needs", *index_lines], None
+        return [f"{_NO_PLAN[1]} the sizes a plan needs", *index_lines], None
     return [f"  {'memory plan' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)], warning
 
 

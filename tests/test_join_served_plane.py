@@ -42,15 +42,15 @@ def test_a_smaller_published_plane_that_fits_is_named_once_and_nothing_warns(tmp
                         "this Mac, int8: needs 9.1 of 16.0 GiB usable: fits (served here)"]
     assert plane_line(config, info, 24 * GIB) == (
         "  plane        int8 (the run's published plane, held alone): 9.1 of 16.0 GiB usable, fits")
-    # the coarse estimate is of the int8 weights held alone too, not of the run's bf16 ones
-    memory = next(line for line in lines if line.startswith("  memory       "))
-    assert memory.startswith("  memory       ~8.4 GiB int8 weights") and memory.endswith(": fits")
+    # one account of memory: the plan, from the model's config (no coarse estimate beside it)
+    assert not any(line.startswith("  memory       ") for line in lines)
 
 
 def test_the_runs_plane_that_fits_is_served_without_another_line(tmp_path: Path) -> None:
     lines = plan_lines(_config(tmp_path), _run(), 64 * GIB)
     assert not any(SERVED in line or "served here" in line or line.startswith("warning") for line in lines)
-    assert "  memory       ~15.8 GiB bf16 weights" in "\n".join(lines)
+    assert any(line.strip() == "this Mac, bf16: needs 16.5 of 48.0 GiB usable: fits (the run's plane)" for line in lines)
+    assert not any(line.startswith("  memory       ") for line in lines)
 
 
 def test_a_served_plane_that_does_not_fit_is_what_the_warning_names(tmp_path: Path) -> None:
