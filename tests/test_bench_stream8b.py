@@ -3,33 +3,16 @@ smoke size runs to the end, checks its own results and writes the keys its repor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.scripts_loader import load_script
 
-
-def load_bench() -> ModuleType:
-    """The script as a module (it imports `benchlib` from its own folder, as when run)."""
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.append(scripts)
-    spec = importlib.util.spec_from_file_location("bench_stream8b", ROOT / "scripts" / "bench_stream8b.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_stream8b", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_script("bench_stream8b")
 
 
 def check_spread(s: dict[str, Any]) -> None:

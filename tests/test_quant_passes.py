@@ -5,12 +5,8 @@ bench_publish's quantizer rates hold per contender and thread count."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -21,8 +17,8 @@ mx = pytest.importorskip("mlx.core")
 from slime_stoa.protocol.pulse import quant
 from slime_stoa.protocol.pulse.codec import float32_to_bf16_bits
 from slime_stoa.protocol.pulse.quant import quantize, quantize_groups_into
+from tests.scripts_loader import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 PARAMS = [(64, 8), (64, 4), (32, 4), (128, 4), (32, 8), (128, 8), (64, 2), (32, 2)]
 
 
@@ -129,21 +125,10 @@ def test_quantize_groups_into_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert np.array_equal(codes, q.codes.reshape(12, 16))
 
 
-def load_bench_publish() -> ModuleType:
-    """scripts/bench_publish.py as a module (it imports `benchlib` from its own folder)."""
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.append(scripts)
-    spec = importlib.util.spec_from_file_location("bench_publish", ROOT / "scripts" / "bench_publish.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_publish", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_baseline_is_the_same_quantizer_and_rates_are_reported() -> None:
-    bench = load_bench_publish()
+    bench = load_script("bench_publish")
     w = hostile_state(64, 6, seed=6)
     for bits in (8, 4, 2):
         q = quantize(w, 64, bits)

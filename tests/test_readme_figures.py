@@ -3,21 +3,9 @@ is the script's; here its text handling, on a run's real shape)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "readme_figures.py"
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("readme_figures", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_loader import load_script
 
 
 def run_output(scratch: Path, versions: int) -> str:
@@ -34,7 +22,7 @@ def run_output(scratch: Path, versions: int) -> str:
 
 
 def test_the_block_is_what_a_terminal_shows_with_the_readme_paths_and_the_table_elided(tmp_path: Path) -> None:
-    rf = load_script()
+    rf = load_script("readme_figures")
     scratch = tmp_path / "stoa-quickstart"
     summary = {"reward_first": 0.234, "reward_last": 0.931, "first_version": 0, "window": 5, "versions_run": 50,
                "eval_pass1_first": 0.262, "eval_pass1_last": None, "eval_prompts": 64, "seconds_run": 128.4,
@@ -56,7 +44,7 @@ def test_the_block_is_what_a_terminal_shows_with_the_readme_paths_and_the_table_
 
 
 def test_a_short_table_is_kept_whole_and_an_empty_log_is_zero() -> None:
-    rf = load_script()
+    rf = load_script("readme_figures")
     lines = ["header", *(f"     v{v}  0.5" for v in range(1, 7)), "end"]
     assert rf.elide_versions(lines) == lines
     assert rf.log_summary("\n\n") == "0"
