@@ -105,7 +105,8 @@ def at_safe_point(groups: int, restarted_in_flight: bool, drained: int, drain_st
 def _insert_and_advance(gen: Generator, inserts: list[tuple[list[int], Started]], max_steps: int,
                         interrupt: threading.Event, release: Callable[[], Any],
                         deadline: float | None = None) -> tuple[list[FinishedGroup], int]:
-    """On the MLX thread: start `inserts`, then decode (`Generator.advance`); when groups
+    """On the MLX thread: start `inserts`, then decode (`Generator.advance`); when groups were
+    inserted (their prefill and the batch cache they were merged out of are freed buffers) or
     finished, `release` (the worker's `MemoryReleaser`). With a `deadline` (perf_counter), one
     step at a time and none once it passed: the drain of a waiting version ends within one
     decode step of its time."""
@@ -120,7 +121,7 @@ def _insert_and_advance(gen: Generator, inserts: list[tuple[list[int], Started]]
             if not taken:
                 break
             steps += taken
-    if finished:
+    if finished or inserts:
         release()
     return finished, steps
 

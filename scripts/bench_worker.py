@@ -47,11 +47,17 @@ the prompt cache only, and steeper in a real decode); at 32 it is compute-bound,
 about as much per sequence as a full one, and keeping the batch full buys little
 (`--prompts 4`: ratio ~1.0 here).
 
-bf16 plane (the worker as it runs on a Mac): a real `macd.worker.Worker` in a child process
-against a local-folder bucket, serving bf16 weights (one copy: the subscriber's state is the
-model's memory), while this process publishes a version (1% of the elements changed, the
-publisher's default mode) each time the worker has installed the previous one. The child
-reports: rss_bytes (its resident memory while generating, over the RSS it had after its imports,
+Worker per plane (`--planes`, default bf16,int8,int4: the worker as it runs on a Mac): a real
+`macd.worker.Worker` in a child process per plane against a local-folder bucket, serving bf16
+weights (one copy: the subscriber's state is the model's memory) or a quantized plane the run
+publishes (held alone, `macd.plane_weights`), while this process publishes a version (1% of the
+bf16 elements changed, the publisher's default mode; the planes follow it) each time the worker
+has installed the previous one. `rss_over_served` per plane: RSS over the runtime / (served
+weights + KV cache); `master_bytes` per plane: what the worker holds apart from the served
+weights (0 unless it quantizes bf16 weights itself). MLX's CPU kernels for quantized matrices are
+slow (a prefill of the quantized 98M model takes tens of seconds here), so on the planes the
+drain waits for one such step and the install delay says little; a Mac runs them on Metal. The
+child reports: rss_bytes (its resident memory while generating, over the RSS it had after its imports,
 i.e. without the Python/MLX runtime), weight_bytes, kv_bytes (KV cache held, sampled on the MLX
 thread), and for each version change the time ready beside generation, the drain, the decode
 pause (swap_stall_s: decoding stopped, in-flight groups dropped, MLX synchronised, patch
@@ -60,11 +66,12 @@ install done, drain + pause); and mlx_install_s, the time to install
 a whole version's tensors into MLX (what an install costs without patching the live weights in
 place). bf16 decoding is slow on a Linux CPU; only the pause and the memory matter here.
 
-Targets (issue 13): ratio_vs_mlx_lm >= 1.3 with variable lengths; rss <= 1.2 x (weights + KV
-cache) on bf16; swap_stall_s <= mlx_install_s.
+Targets: ratio_vs_mlx_lm >= 1.3 with variable lengths; rss_over_served <= 1.15 (a fixed ~20-30 MiB
+of the process's own heap weighs on a 98M model; `bench_plane_memory.py` measures the planes at
+the LFM2.5-8B-A1B shape); swap_stall_s <= mlx_install_s.
 
 Usage: python scripts/bench_worker.py [--quick] [--json PATH] [--no-openblas] [--dtype D] [--rounds N]
-       [--cohorts N] [--prompts B] [--group-size G] [--max-tokens M] [--mean-tokens L]
+       [--cohorts N] [--prompts B] [--group-size G] [--max-tokens M] [--mean-tokens L] [--planes P,..]
 """
 
 from __future__ import annotations
@@ -329,10 +336,10 @@ def bench_throughput(model: Any, tok: Any, args: argparse.Namespace) -> dict[str
     }  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- bf16 worker
+# ------------------------------------------------------------------------- a worker per plane
 
 
-async def _seed_bucket(bucket: Path, model_dir: Path, args: argparse.Namespace) -> None:
+async def _seed_bucket(bucket: Path, model_dir: Path, args: argparse.Namespace, plane: str) -> None:
     from slime_stoa.protocol.run_manifest import RunManifest
     from slime_stoa.protocol.store import open_store
     from slime_stoa.quickstart.seeding import seed_run
@@ -340,6 +347,7 @@ async def _seed_bucket(bucket: Path, model_dir: Path, args: argparse.Namespace) 
     manifest = RunManifest(
         run="bench", model="random-qwen2", task="synthetic", group_size=args.bf16_group_size,
         max_tokens=args.bf16_max_tokens, temperature=TEMPERATURE,
+        planes=() if plane == "bf16" else (plane,),  # type: ignore[arg-type]  # checked by parse_args
     )
     async with open_store(f"file://{bucket}") as store:
         await seed_run(store, manifest, model_dir, task_count=64)
@@ -387,13 +395,15 @@ async def _publish_while_serving(bucket: Path, model_dir: Path, swaps: int, chil
         return published
 
 
-def bench_bf16_worker(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def bench_plane_worker(model_dir: Path, args: argparse.Namespace, plane: str) -> dict[str, Any]:
+    """A real worker serving `plane` (bf16, or a quantized plane the run publishes and the worker
+    holds alone) in a child process while versions are published."""
     with tempfile.TemporaryDirectory() as tmp:
         bucket, out, stop_file = Path(tmp) / "bucket", Path(tmp) / "child.json", Path(tmp) / "stop"
         bucket.mkdir()
-        asyncio.run(_seed_bucket(bucket, model_dir, args))
+        asyncio.run(_seed_bucket(bucket, model_dir, args, plane))
         spec = {"bucket": str(bucket), "data": str(Path(tmp) / "data"), "out": str(out), "stop": str(stop_file),
-                "batch": args.bf16_prompts, "drain": args.drain_steps}
+                "batch": args.bf16_prompts, "drain": args.drain_steps, "plane": plane}
         child = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)])
         on_signal_exit(child.kill)
         try:
@@ -403,14 +413,14 @@ def bench_bf16_worker(model_dir: Path, args: argparse.Namespace) -> dict[str, An
             stop_file.touch()
             child.wait(timeout=300)
         if child.returncode != 0 or not out.exists():
-            raise RuntimeError(f"the bf16 worker failed (exit {child.returncode})")
+            raise RuntimeError(f"the {plane} worker failed (exit {child.returncode})")
         result = json.loads(out.read_text())
     result["published"] = published
     return result
 
 
 async def _child_worker(spec: dict[str, Any]) -> None:
-    """The bf16 worker, in its own process so its memory is its own."""
+    """A plane's worker, in its own process so its memory is its own."""
     import mlx.core as mx
     import mlx_lm  # noqa: F401  # the runtime a worker has loaded before any weights
 
@@ -422,7 +432,7 @@ async def _child_worker(spec: dict[str, Any]) -> None:
     baseline = _rss()
 
     config = DaemonConfig(store=f"file://{spec['bucket']}", run="bench", name="bench-mac", worker_id="bench-mac-000000",
-                          data_dir=Path(spec["data"]), batch=spec["batch"])
+                          data_dir=Path(spec["data"]), batch=spec["batch"], plane=spec["plane"])
     options = WorkerOptions(seed=0, heartbeat_s=0.25, weights_poll_s=0.1, swap_drain_steps=spec["drain"])
     async with open_store(config.store) as store:
         worker = Worker(config, store, options)
@@ -437,7 +447,8 @@ async def _child_worker(spec: dict[str, Any]) -> None:
                 rss = max(rss, now)
                 kv = max(kv, await worker.mlx.run(lambda: worker._gen.cache_bytes if worker._gen else 0))
                 mlx_active, mlx_cache = max(mlx_active, mx.get_active_memory()), max(mlx_cache, mx.get_cache_memory())
-                samples.append((round(time.monotonic() - start, 2), now - baseline, len(worker.swaps)))
+                samples.append((round(time.monotonic() - start, 2), now - baseline, mx.get_active_memory(),
+                                mx.get_cache_memory(), len(worker.swaps)))
         stop.set()
         await run
     live, state = worker.live, worker.sub.state if worker.sub else None
@@ -449,7 +460,9 @@ async def _child_worker(spec: dict[str, Any]) -> None:
         live.install(copy)
         installs.append(time.perf_counter() - tic)
     mlx_install_s = sorted(installs)[1]
+    master = sum(bits.nbytes for bits in state.values()) if live.master_apart else 0
     Path(spec["out"]).write_text(json.dumps({
+        "plane": worker.weights.plane, "master_bytes": master,
         "rss_baseline_bytes": baseline, "rss_bytes": rss - baseline, "weight_bytes": live.nbytes, "kv_bytes": kv,
         "mlx_install_s": mlx_install_s, "groups": worker.groups_recorded,
         "mlx_active_bytes": mlx_active, "mlx_cache_bytes": mlx_cache, "rss_samples": samples,
@@ -482,22 +495,23 @@ def _print_throughput(gen: dict[str, Any]) -> None:
           f"{gen['swapping_lost_s_per_swap']:.2f} s of generation lost per change")
 
 
-def _print_bf16(bf16: dict[str, Any]) -> None:
-    total = bf16["weight_bytes"] + bf16["kv_bytes"]
-    print(f"bf16 worker: RSS {bf16['rss_bytes'] / 2**20:.0f} MiB over its runtime "
-          f"({bf16['rss_baseline_bytes'] / 2**20:.0f} MiB after imports) for {bf16['weight_bytes'] / 2**20:.0f} MiB "
-          f"of weights + {bf16['kv_bytes'] / 2**20:.0f} MiB of KV cache: {bf16['rss_ratio']:.2f}x (target <= 1.2x; "
-          f"two copies would be >= {(2 * bf16['weight_bytes'] + bf16['kv_bytes']) / total:.2f}x); MLX held "
-          f"{bf16['mlx_active_bytes'] / 2**20:.0f} MiB active + {bf16['mlx_cache_bytes'] / 2**20:.0f} MiB cached")
+def _print_worker(w: dict[str, Any]) -> None:
+    total = w["weight_bytes"] + w["kv_bytes"]
+    print(f"{w['plane']} worker: RSS {w['rss_bytes'] / 2**20:.0f} MiB over its runtime "
+          f"({w['rss_baseline_bytes'] / 2**20:.0f} MiB after imports) for {w['weight_bytes'] / 2**20:.0f} MiB "
+          f"of served weights + {w['kv_bytes'] / 2**20:.0f} MiB of KV cache: {w['rss_ratio']:.2f}x "
+          f"(target <= 1.15x; two copies would be >= {(2 * w['weight_bytes'] + w['kv_bytes']) / total:.2f}x); "
+          f"master apart from the served weights {w['master_bytes'] / 2**20:.0f} MiB; MLX held "
+          f"{w['mlx_active_bytes'] / 2**20:.0f} MiB active + {w['mlx_cache_bytes'] / 2**20:.0f} MiB cached")
     print(f"{'version':>7} {'path':>7} {'ready s':>8} {'drain s':>8} {'pause s':>8} {'install s':>9} {'dropped':>7}")
-    for r in bf16["swaps"]:
+    for r in w["swaps"]:
         print(f"{r['version']:>7} {r['path']:>7} {r['ready_s']:>8.3f} {r['drain_s']:>8.3f} {r['pause_s']:>8.3f} "
               f"{r['install_s']:>9.4f} {r['dropped']:>7}")
-    delay = bf16["install_delay_s"]
+    delay = w["install_delay_s"]
     if delay["n"]:
         print(f"ready -> installed (drain + pause): median {delay['median']:.3f} s, max {delay['max']:.3f} s")
-    print(f"swap stall (decoding paused per version change) {bf16['swap_stall_s']:.4f} s vs MLX install of a whole "
-          f"version {bf16['mlx_install_s']:.3f} s (target: stall <= install)")
+    print(f"swap stall (decoding paused per version change) {w['swap_stall_s']:.4f} s vs MLX install of a whole "
+          f"version {w['mlx_install_s']:.3f} s (target: stall <= install)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -518,15 +532,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--swap-every", type=float, help="seconds between version changes in the swapping "
                         "run (default 20, --quick 8)")
     parser.add_argument("--drain-steps", type=int, default=32, help="the worker's swap_drain_steps")
-    parser.add_argument("--swaps", type=int, default=3, help="versions published to the bf16 worker")
-    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 worker part")
+    parser.add_argument("--swaps", type=int, default=3, help="versions published to each plane's worker")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the worker part (every plane)")
+    parser.add_argument("--planes", default="bf16,int8,int4", help="planes the worker part serves, one worker "
+                        "each (int8 and int4 as planes the run publishes, held alone); default bf16,int8,int4")
     parser.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
     parser.add_argument("--swap-run", action="store_true", help="also time macd with version changes "
                         "every --swap-every seconds (the drop-and-restart policy's cost)")
-    parser.add_argument("--bf16-timeout", type=float, default=240.0, help="seconds the bf16 part may take")
+    parser.add_argument("--bf16-timeout", type=float, default=240.0, help="seconds each plane's worker part may take")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.bf16_prompts, args.bf16_group_size, args.bf16_max_tokens = 2, 4, 16
+    args.planes = [p for p in args.planes.split(",") if p]
+    for plane in args.planes:
+        if plane not in ("bf16", "int8", "int4"):
+            parser.error(f"--planes: unknown plane {plane!r} (bf16, int8, int4)")
     if args.quick:
         args.cohorts, args.max_tokens, args.mean_tokens = 2, 128, 40.0
     if args.rounds is None:
@@ -569,24 +589,30 @@ def main(argv: list[str] | None = None) -> int:
             gen = bench_throughput(model, tok, args)
             _print_throughput(gen)
         del model
-        bf16 = None
-        if not args.no_bf16:
-            print(f"bf16 worker: B={args.bf16_prompts} x G={args.bf16_group_size}, max_tokens={args.bf16_max_tokens}, "
+        workers: dict[str, dict[str, Any]] = {}
+        for plane in [] if args.no_bf16 else args.planes:
+            print(f"{plane} worker: B={args.bf16_prompts} x G={args.bf16_group_size}, max_tokens={args.bf16_max_tokens}, "
                   f"{args.swaps} versions published while it generates ...", flush=True)
-            bf16 = bench_bf16_worker(path, args)
-            bf16["rss_ratio"] = bf16["rss_bytes"] / (bf16["weight_bytes"] + bf16["kv_bytes"])
-            pauses = sorted(r["pause_s"] for r in bf16["swaps"])
-            bf16["swap_stall_s"] = pauses[len(pauses) // 2] if pauses else float("nan")  # the median
-            delays = [r["drain_s"] + r["pause_s"] for r in bf16["swaps"]]
-            bf16["install_delay_s"] = spread(delays)
-    if bf16 is not None:
-        _print_bf16(bf16)
+            w = workers[plane] = bench_plane_worker(path, args, plane)
+            w["rss_ratio"] = w["rss_bytes"] / (w["weight_bytes"] + w["kv_bytes"])
+            pauses = sorted(r["pause_s"] for r in w["swaps"])
+            w["swap_stall_s"] = pauses[len(pauses) // 2] if pauses else float("nan")  # the median
+            w["install_delay_s"] = spread([r["drain_s"] + r["pause_s"] for r in w["swaps"]])
+    for w in workers.values():
+        _print_worker(w)
     session.print_load()
     result = {
         "quick": args.quick, "model": size, "params": n_params, "dtype": args.dtype, "blas": _blas_note(),
         **session.meta(), "load_average": _load(), "cohorts": args.cohorts, "prompts": args.prompts, "group_size": args.group_size,
         "max_tokens": args.max_tokens, "mean_tokens_target": args.mean_tokens, "temperature": TEMPERATURE, **gen,
     }  # fmt: skip
+    if workers:
+        result["rss_over_served"] = {p: w["rss_ratio"] for p, w in workers.items()}
+        result["master_bytes"] = {p: w["master_bytes"] for p, w in workers.items()}
+        result["workers"] = {p: {k: w[k] for k in (
+            "rss_bytes", "rss_baseline_bytes", "weight_bytes", "kv_bytes", "master_bytes", "rss_ratio", "swap_stall_s",
+            "install_delay_s", "mlx_install_s", "mlx_active_bytes", "mlx_cache_bytes", "published", "rss_samples")} for p, w in workers.items()}
+    bf16 = workers.get("bf16")
     if bf16 is not None:
         result.update({
             "rss_bytes": bf16["rss_bytes"], "weight_bytes": bf16["weight_bytes"], "kv_bytes": bf16["kv_bytes"],

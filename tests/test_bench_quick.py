@@ -83,3 +83,19 @@ def test_bench_publish_smoke(tmp_path: Path) -> None:
     # interleaved: each version is published by every contender before the next version
     paths = list(dict.fromkeys(r["path"] for r in doc["rows"]))
     assert [r["path"] for r in doc["rows"]] == paths * (len(doc["rows"]) // len(paths))
+
+
+def test_bench_plane_memory_smoke(tmp_path: Path) -> None:
+    """A worker holding a quantized plane: built, installed, patched in place and generating, with
+    no master beside the served weights and every stage's memory reported."""
+    pytest.importorskip("mlx_lm")
+    doc = run_bench("bench_plane_memory.py", tmp_path, "--planes", "int4")
+    check_load(doc)
+    r = doc["planes"]["int4"]
+    assert doc["master_bytes"] == {"int4": 0} and r["master_bytes"] == 0
+    assert r["patched_tensors"] > 0 and r["served_bytes"] > 0 and r["cache_bytes"] > 0
+    assert finite(doc["rss_over_served"]["int4"]) and doc["rss_over_served"]["int4"] > 0
+    assert list(r["rss_stages_bytes"]) == [
+        "model built", "plane state held", "installed", "version being applied", "version applied", "generated"
+    ]
+    assert r["served_bytes"] < r["weights"] * 2 * 0.5  # 4-bit codes plus scales: well under half of bf16

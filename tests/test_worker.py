@@ -626,9 +626,10 @@ def test_versions_faster_than_groups_cannot_starve_generation(model_dir: Path) -
     assert sorted(finished) == list(range(6)) and max(drops.values()) == 1
 
 
-def test_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
-    """The generation loop's decode call: once a group finishes, MLX keeps no freed buffers
-    around (its cache would otherwise hold the ended sequences' KV cache as much again)."""
+def test_inserted_and_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
+    """The generation loop's decode call: once groups are inserted or a group finishes, MLX keeps
+    no freed buffers around (its cache would otherwise hold the ended sequences' KV cache, or the
+    batch cache the new groups were merged out of, as much again)."""
     import threading
 
     import mlx.core as mx
@@ -645,8 +646,11 @@ def test_finished_groups_hand_their_buffers_back(model_dir: Path) -> None:
     inserts = [(prompt, i) for i in range(2)]
     finished: list = []
     for _ in range(200):
+        inserted = bool(inserts)
         done, _ = _insert_and_advance(gen, inserts, 4, threading.Event(), MemoryReleaser(every_s=0.0))
         inserts = []
+        if inserted:  # the prefill's buffers and the batch cache the inserts' caches were merged out of
+            assert mx.get_cache_memory() == 0
         if done:
             finished += done
             assert mx.get_cache_memory() == 0
