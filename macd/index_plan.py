@@ -23,13 +23,19 @@ from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreEr
 from slime_stoa.protocol.store.capped import read_capped_bytes
 from slime_stoa.tasks import TASKS
 from slime_stoa.tasks.search import Search
-from slime_stoa.tasks.search.bundle import INDEX_FILES, MANIFEST, IndexManifest, parse_manifest, verified_digest
+from slime_stoa.tasks.search.bundle import (
+    INDEX_FILES,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    IndexManifest,
+    parse_manifest,
+    verified_digest,
+)
 from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE
 
 GIB = 1 << 30
 #: An index manifest lists each file's chunks (64 MiB each by default): tens of kB for a
 #: PubMed-sized index.
-MAX_MANIFEST_BYTES = 8 << 20
 #: The passage texts and their offsets: mapped, but a query reads only its top hits.
 PASSAGE_FILES = frozenset({TEXT_FILE, OFFSETS_FILE})
 #: The files the plan counts whole (`memory_plan`'s rule): the postings and the vocabulary.
@@ -69,6 +75,8 @@ def known_plan(where: str, index: IndexManifest, fetched: Path | None) -> IndexP
 
 
 def unknown_plan(where: str, why: str) -> IndexPlan:
+    """No size known: 0 counted, `why` (which may quote the bucket's text) cut to a line."""
+    why = why if len(why) <= 200 else why[:200] + "..."
     return IndexPlan(0, f"search index: size unknown ({where}: {why}); 0 GiB counted", known=False)
 
 

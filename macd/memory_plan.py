@@ -292,7 +292,7 @@ def config_plan(config: Mapping[str, Any], **shape: Any) -> MemoryPlan | None:
     model = text if isinstance(text, Mapping) else config
     try:
         return plan(model, **shape)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ArithmeticError):  # a size missing, malformed or absurd
         return None
 
 

@@ -173,8 +173,9 @@ def test_a_run_without_a_search_task_counts_no_index(tmp_path: Path) -> None:
         (json.dumps({"format": "stoa.search-index/2", "passages": 1, "files": [{"name": "../x", "size": -1,
                      "sha256": "0", "chunks": []}]}).encode(), "index file"),
         (b" " * (MAX_MANIFEST_BYTES + 1), "over the limit"),
+        (json.dumps({"format": "x" * 100_000, "passages": 1, "files": []}).encode(), "..."),
     ],
-    ids=["missing", "not-json", "old-format", "too-big-an-index", "forged-file", "too-big-a-manifest"],
+    ids=["missing", "not-json", "old-format", "too-big-an-index", "forged-file", "too-big-a-manifest", "long-text"],
 )
 def test_a_missing_or_hostile_manifest_counts_nothing_and_says_why(tmp_path: Path, body: bytes | None, why: str) -> None:
     url, manifest = search_run(tmp_path)
@@ -184,6 +185,7 @@ def test_a_missing_or_hostile_manifest_counts_nothing_and_says_why(tmp_path: Pat
     assert plan is not None and plan.counted == 0
     assert plan.line.startswith(f"search index: size unknown (runs/{RUN}/tasks/search/index/manifest.json: ")
     assert why in plan.line and plan.line.endswith("); 0 GiB counted") and "\n" not in plan.line
+    assert len(plan.line) < 400  # the bucket's text is cut, never echoed whole
     lines = plan_lines(daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest), 64 * GIB, plan)
     assert "search index 0.00 GiB" in "\n".join(lines) and any(plan.line in line for line in lines)
     rows = asyncio.run(plan_rows(daemon_config(url, tmp_path)))  # doctor: that row needs fixing

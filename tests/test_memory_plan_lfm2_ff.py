@@ -65,3 +65,21 @@ def test_a_null_multiplier_skips_the_rounding_as_lfm2mlp_does() -> None:
     with torch.device("meta"):
         width = Lfm2MLP(SimpleNamespace(**config)).w1.out_features  # type: ignore[arg-type]
     assert _dense_ff(config) == width == 133
+
+
+@pytest.mark.parametrize("absurd", [
+    {"block_ffn_dim_multiplier": 1e308, "intermediate_size": 192},  # int(inf)
+    {"hidden_size": 10**400},  # too large for a float
+    {"vocab_size": 1e308, "intermediate_size": 192},
+])
+def test_an_absurd_config_gives_no_plan_and_no_crash(absurd: dict[str, Any]) -> None:
+    """A config.json from the bucket with sizes no model has: no plan (the run's plane is served),
+    never an exception out of join, doctor or the worker's plane choice."""
+    from macd.memory_plan import config_plan
+    from macd.plane_choice import choose_plane
+    from slime_stoa.protocol.run_manifest import RunManifest
+
+    config = {**BASE, **absurd}
+    assert config_plan(config, group_size=8, prompt_tokens=64, response_tokens=64) is None
+    manifest = RunManifest(run="r", model="m", task="t", planes=("int8",))
+    assert choose_plane(config, manifest, memory=16 << 30, sequences=8) is None

@@ -198,14 +198,15 @@ class S3Connection:
         """Run one S3 request with retries, mapping its errors onto the store's.
 
         Every try takes the current client: a try that failed because `close()` closed its client
-        meanwhile fails as `ClientClosedInFlight`, and the next try opens a fresh client."""
+        meanwhile fails as `ClientClosedInFlight` (a server's answer stays what it is), and the next
+        try opens a fresh client, as any call after `close()` does."""
 
         async def attempt() -> T:
             client = await self._s3()
             try:
                 return await fn(client)
             except Exception as exc:
-                if client is not self._client:  # closed (or replaced) while in flight
+                if client is not self._client and not isinstance(exc, ClientError):  # closed under the request
                     raise ClientClosedInFlight(
                         f"the store's client was closed while the request was in flight ({describe_error(exc)})"
                     ) from exc

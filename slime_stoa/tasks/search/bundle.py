@@ -43,6 +43,7 @@ from typing import Any
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import RunLayout, check_name
 from slime_stoa.protocol.store import PreconditionFailed, Store
+from slime_stoa.protocol.store.capped import read_capped_bytes
 from slime_stoa.protocol.strict_json import load_json
 from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE
 from slime_stoa.tasks.search.tokenizer import SETTINGS_FILE
@@ -51,6 +52,7 @@ FORMAT = "stoa.search-index/2"
 #: Indexes of this format were built by a tokeniser that dropped numbers and one-letter words.
 OLD_FORMATS = ("stoa.search-index/1",)
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 8 << 20  # an index manifest is read no larger (a file list of a few KiB)
 PARTS = ".parts"
 PARTIAL = ".partial"
 STAMP = ".verified.json"
@@ -411,7 +413,7 @@ async def _fetch_locked(
     if expected_sha256 is not None and _stamp_holds(dest, expected_sha256):
         return dest  # fetched by the process that held the lock before
     layout = RunLayout(run)
-    body = await store.get_bytes(layout.task_index_file(task, MANIFEST))
+    body = await read_capped_bytes(store, layout.task_index_file(task, MANIFEST), MAX_MANIFEST_BYTES)
     digest = hashlib.sha256(body).hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:
         raise ValueError("the index manifest in the bucket is not the one the task names (refused)")

@@ -11,7 +11,8 @@ store gets that much quiet between listings instead of back-to-back requests, an
 `timeout` seconds makes at most about `timeout / poll_interval_s` tail listings whatever the
 store's speed. The deadline is checked before every listing; a listing already under way is
 not cut short (its keys are taken one by one into the state), so a wait ends at most one
-listing after its deadline.
+listing after its deadline. While the store is down, a listing retries until it answers (an
+outage pauses the run, it never ends it), and the wait ends after that listing.
 """
 
 from __future__ import annotations
