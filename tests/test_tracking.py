@@ -455,6 +455,7 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> str:
         raise AssertionError(f"still running after {timeout:.0f} s:\n{proc.communicate()[0][-3000:]}") from None
 
 
+@pytest.mark.slow  # ~35 s: python -m pytest --slow tests/test_tracking.py (slime's and macd's metrics are checked by the fast tests)
 def test_quickstart_logs_train_rollout_and_worker_metrics(tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     pytest.importorskip("mlx_lm")

@@ -482,6 +482,7 @@ async def test_a_run_survives_chaos(s3_server: Any, tmp_path: Path, chaos_plan: 
     assert report["groups_used"] > 0 and FORGER not in " ".join(report["invalid_used"]), where
 
 
+@pytest.mark.slow  # ~45 s: python -m pytest --slow tests/chaos (the chaos run itself stays in the default suite)
 async def test_a_learner_restarted_from_an_earlier_checkpoint(s3_server: Any, tmp_path: Path, chaos_plan: ChaosPlan) -> None:
     """Kill the learner mid-consume, restart it from the checkpoint of an earlier version (its
     learner state and the consumer state of then: `--restart-from`), and reconcile as above with
