@@ -193,6 +193,7 @@ def test_ctrl_c_during_the_warm_start_exits_at_once(tmp_path: Path) -> None:
 
 
 @linux_only
+@pytest.mark.slow  # ~40 s: python -m pytest --slow tests/test_quickstart.py (Ctrl-C and a killed worker stay in the default suite)
 def test_a_sigkilled_quickstart_leaves_no_workers_and_resumes_exactly(tmp_path: Path) -> None:
     """SIGKILL of the quickstart mid-run (no cleanup at all): its `macd run` workers notice and
     stop within seconds; the consumer state in the bucket already accounts for every batch the
