@@ -34,8 +34,6 @@ from slime_stoa.tasks.search.bundle import (
 from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE
 
 GIB = 1 << 30
-#: An index manifest lists each file's chunks (64 MiB each by default): tens of kB for a
-#: PubMed-sized index.
 #: The passage texts and their offsets: mapped, but a query reads only its top hits.
 PASSAGE_FILES = frozenset({TEXT_FILE, OFFSETS_FILE})
 #: The files the plan counts whole (`memory_plan`'s rule): the postings and the vocabulary.

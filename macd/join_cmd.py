@@ -385,13 +385,13 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
         lines.append(f"  weights      v{info.version}")
     else:
         lines.append(f"  weights      v{info.version} ({info.elements:,} weights)")
+    plan, warning = memory_plan_lines(config, info, memory, index)
+    tail = plan + ([] if warning is None else [warning])
     if elements is None:
         lines.append(f"  memory       unknown until the weights' size is known ({memory / 2**30:.0f} GiB here)")
-        plan, warning = memory_plan_lines(config, info, memory, index)
-        return lines + plan + ([] if warning is None else [warning])
-    plan, warning = memory_plan_lines(config, info, memory, index)
+        return lines + tail
     if _planned(plan):  # the plan counts all a rough estimate would, from the model's own config
-        return lines + plan + ([] if warning is None else [warning])
+        return lines + tail
     served, _ = served_plane(config, info, memory, index)
     est = cfg.estimate_memory(
         elements=elements,
@@ -418,7 +418,7 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
         lines.append(
             "               lower `batch` (or set `max_decode`) in the config, or join a run of a smaller model"
         )
-    return lines + plan + ([] if warning is None else [warning])
+    return lines + tail
 
 
 def served_plane(
