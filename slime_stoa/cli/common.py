@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 
 
 def add_store_option(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,14 @@ def os_error_text(exc: OSError) -> str:
         return str(exc)
     where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else str(exc.filename)
     return f"{where}: {exc.strerror[0].lower()}{exc.strerror[1:]}"
+
+
+def shell_command(*argv: str | os.PathLike[str]) -> str:
+    """`argv` as one line a person can paste into bash or zsh (macOS's shell) and get exactly these
+    arguments back: every word that needs it is quoted. Unquoted, zsh takes the `?` of an
+    `s3://...?endpoint=...` URL for a glob and stops with "no matches found", and both shells
+    split at `&` or a space. Every command line stoa prints for someone to run goes through here."""
+    return shlex.join(os.fspath(a) for a in argv)
 
 
 def require_run_options(args: argparse.Namespace) -> tuple[str, str]:

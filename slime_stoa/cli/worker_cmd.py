@@ -42,7 +42,7 @@ from slime_stoa.protocol.store import StoreError, open_store
 from slime_stoa.protocol.worker_keys import WorkerKeyFile, write_worker_key_file
 from slime_stoa.trainer.consumer.persistence import read_state
 
-from .common import add_run_options, require_run_options
+from .common import add_run_options, require_run_options, shell_command
 
 _PREFIX_MAX = 41  # leaves room for "-" and 6 hex digits in a 48-character worker id
 
@@ -95,11 +95,12 @@ class Issued:
     entry: WorkerEntry
     path: Path
     registry: Registry
+    run_key: str  # the run manifest's run_key text: what `macd join --run-key` pins
 
 
-async def _run_key(store_url: str, run: str, key: SigningKey) -> tuple[PublicKey, ...]:
-    """The run's keys (the manifest's and every rotation since); ValueError unless `key` is the
-    current one (the newest: after `stoa keys rotate`, the new key)."""
+async def _run_key(store_url: str, run: str, key: SigningKey) -> tuple[tuple[PublicKey, ...], str]:
+    """The run's keys (the manifest's and every rotation since) and the manifest's run_key text;
+    ValueError unless `key` is the current one (the newest: after `stoa keys rotate`, the new key)."""
     async with open_store(store_url) as store:
         manifest = await read_run_manifest(store, run)
         if manifest.public_key is None:
@@ -111,7 +112,8 @@ async def _run_key(store_url: str, run: str, key: SigningKey) -> tuple[PublicKey
             f"key {key.key_id} is not the current run key of run {run!r} (that is {trust.newest.key_id}, "
             f"fingerprint {trust.newest.fingerprint}): use that key file"
         )
-    return trust.keys
+    assert manifest.run_key is not None  # public_key is its parse
+    return trust.keys, manifest.run_key
 
 
 async def issue(store_url: str, run: str, name: str, run_key: SigningKey, *, out: Path | None = None,
@@ -120,7 +122,7 @@ async def issue(store_url: str, run: str, name: str, run_key: SigningKey, *, out
     If the registry update fails, the key file is removed again."""
     check_display_name(name)
     worker = check_worker_id(worker_id) if worker_id else new_worker_id(name)
-    keys = await _run_key(store_url, run, run_key)
+    keys, pinned = await _run_key(store_url, run, run_key)
     key = SigningKey.generate()
     path = Path(out) if out is not None else Path.cwd() / f"{worker}.worker-key"
     write_worker_key_file(path, WorkerKeyFile(run=run, worker=worker, key=key))
@@ -132,11 +134,11 @@ async def issue(store_url: str, run: str, name: str, run_key: SigningKey, *, out
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    return Issued(entry=registry.workers[worker], path=path, registry=registry)
+    return Issued(entry=registry.workers[worker], path=path, registry=registry, run_key=pinned)
 
 
 async def edit(store_url: str, run: str, run_key: SigningKey, change: Callable[[Registry], Registry]) -> Registry:
-    keys = await _run_key(store_url, run, run_key)
+    keys, _ = await _run_key(store_url, run, run_key)
     async with open_store(store_url) as store:
         return await update_registry(store, run, run_key, change, trusted=keys)
 
@@ -176,8 +178,15 @@ def _add(args: argparse.Namespace) -> int:
     print(f"added worker {e.worker} ({e.name}) to run {run!r}: key {e.key.key_id} ({e.key.fingerprint}), "
           f"registry serial {issued.registry.serial}")
     print(f"worker key written to {issued.path} (0600). Copy it to the Mac and run:")
-    print(f"  macd join {store_url} --run {run} --worker-key {issued.path.name}")
+    print("  " + join_command(store_url, run, issued))
     return 0
+
+
+def join_command(store_url: str, run: str, issued: Issued) -> str:
+    """The `macd join` that sets up the Mac holding the issued key file (in its current folder),
+    pinning the run key so that a run re-created under another key is refused from the start."""
+    return shell_command("macd", "join", store_url, "--run", run, "--run-key", issued.run_key,
+                         "--worker-key", issued.path.name)
 
 
 def _edit(args: argparse.Namespace, change: Callable[[Registry], Registry], verb: str) -> int:
@@ -199,7 +208,7 @@ async def release(store_url: str, run: str, run_key: SigningKey, worker: str) ->
     registry, what was done), or (None, why nothing was counted) when it is not quarantined or a
     release of it is already waiting for the trainer. A state that cannot be read or verified
     does not say: the release is counted, and the message says so."""
-    keys = await _run_key(store_url, run, run_key)
+    keys, _ = await _run_key(store_url, run, run_key)
     async with open_store(store_url) as store:
         read = await read_registry(store, run, keys)
         assert read is not None
