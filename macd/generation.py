@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import random
 import threading
 import time
@@ -52,6 +53,8 @@ from .options import WorkerOptions
 from .recording import Recorder, Started, VersionBudget
 from .reporting import Reporter
 from .spool import Spool
+
+log = logging.getLogger("macd")
 
 if TYPE_CHECKING:
     from .episodes import ToolGenerator
@@ -208,6 +211,8 @@ class GenerationLoop:
             episodes = await self.mlx.run(_episode_generator, model, tokenizer, sampling, task.tool_format, capacity)
             gen, tools = episodes, ToolCalls(episodes, tool, self.wake.idle)
         self.gen, self.tools = gen, tools
+        self.reporter.count_tokens(lambda: gen.tokens)  # the generator counts every decode step's tokens
+        progress_at = time.monotonic() + self.options.progress_log_s
         picker = PromptPicker(task.items, self.rng, skip_solved_after=manifest.skip_solved_after)
         feed = Feed(task, tokenizer, manifest, picker)
         budget = VersionBudget(manifest.worker_groups_per_version, self.options.budget_patience_s)
@@ -258,6 +263,9 @@ class GenerationLoop:
                     self.weights.clock.steps += taken
                 for group in finished:
                     recorder.score(group)
+                if time.monotonic() >= progress_at:  # between "joined" and a cohort: proof of life
+                    progress_at = time.monotonic() + self.options.progress_log_s
+                    self._log_progress(gen, recorder)
                 if tools is not None:  # tool calls asked in this run of steps; idle while all wait
                     tools.start()
                     if not tools.gen.decoding and tools.gen.waiting:
@@ -275,7 +283,16 @@ class GenerationLoop:
             if tools is not None:
                 await tools.close()
             await self.mlx.run(gen.close)  # in-flight groups are dropped
+            self.reporter.count_tokens(None)
             self.gen = None
+
+    def _log_progress(self, gen: Generator, recorder: Recorder) -> None:
+        """One line of where generation stands: tokens so far, their rate, groups in flight."""
+        tokens, rate = self.reporter.progress()
+        log.info(
+            "generating: %d tokens so far, %.0f tok/s, %d group(s) in flight, %d finished",
+            tokens, rate, gen.groups, recorder.recorded + recorder.filtered,
+        )
 
     def _refill(
         self, gen: Generator, feed: Feed, spool: Spool, budget: VersionBudget, capacity: int, limit: int | None

@@ -24,4 +24,5 @@ class WorkerOptions:
     lock_wait_s: float = 0.0  # spool in use by a live process: wait this long for it to stop, then fail
     repeat_log_s: float = 60.0  # the same error again within this long is counted, not logged again
     eval_poll_s: float = 10.0  # how often the eval requests are listed (macd/evaluate.py)
+    progress_log_s: float = 30.0  # while generating, one log line this often: tokens so far, tok/s, groups in flight
     registry_poll_s: float = 30.0  # how often a signed run's worker registry is read for a revocation (macd/revocation.py)

@@ -236,8 +236,7 @@ class Recorder:
                 continue
             self.cohorts += 1
             now = time.monotonic()
-            rate = tokens / max(now - self._cohort_started, 1e-9)
-            self.reporter.update(tokens_per_s=rate)
+            rate = tokens / max(now - self._cohort_started, 1e-9)  # the heartbeat's rate is the reporter's
             log.info(
                 "cohort %d: v%d, %d groups, %d tokens, %.0f tok/s, reward mean %.3f%s",
                 self.cohorts, s.version, self.batch, tokens, rate, float(np.mean(rewards)),

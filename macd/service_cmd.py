@@ -291,8 +291,14 @@ def heartbeat_line(beat: Any, now: float, head: int | None) -> str:
     else:
         lag = shown_lag(beat, now, head)
         text = f"{ago(now - beat.updated_at)}: {status}, {held}" + ("" if lag is None else f", lag {lag}")
-        # The rate of the last finished cohort: none before the first (0 would read as a stall).
-        rate = f"{beat.tokens_per_s:.0f} tok/s" if beat.tokens_per_s > 0 else "tok/s not measured yet (no cohort finished)"
+        # The rate over the worker's last ~30 s, and the tokens so far: both move during a cohort.
+        # Before the first token there is no rate (0 would read as a stall).
+        if beat.tokens_per_s > 0 or beat.tokens_generated > 0:
+            rate = f"{beat.tokens_per_s:.0f} tok/s"
+            if beat.tokens_generated > 0:
+                rate += f" ({beat.tokens_generated:,} tokens so far)"
+        else:
+            rate = "tok/s not measured yet (no token generated)"
         text += f"{run_at}, {rate}"
     text += f", {beat.groups_uploaded} groups uploaded"
     if beat.groups_spooled:

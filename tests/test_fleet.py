@@ -37,8 +37,8 @@ def test_rows() -> None:
     now = time.time()
     rows = fleet_rows([beat("b-2", updated_at=now - 300, errors=1, last_error="boom"), beat("a-1", version=1, pointer_version=1, updated_at=now - 2)], now)
     assert [r[0] for r in rows] == ["a-1", "b-2"]
-    assert rows[0][4:6] == ("v1", "0") and rows[0][9] == "2s ago"
-    assert rows[1][9] == "5m ago" and rows[1][10] == "1 (boom)"
+    assert rows[0][4:6] == ("v1", "0") and rows[0][10] == "2s ago"
+    assert rows[1][10] == "5m ago" and rows[1][11] == "1 (boom)"
     assert rows[1][2] == "silent"  # no heartbeat for 5 minutes: not running, whatever it said last
 
 

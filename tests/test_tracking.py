@@ -175,7 +175,8 @@ def rows_with(run: OfflineRun, key: str) -> list[dict[str, Any]]:
 def test_a_running_workers_heartbeat_as_metrics() -> None:
     got = worker_metrics(beat(), NOW, prefix="worker/mac-1", head=6)
     assert got == {
-        "worker/mac-1/running": 1.0, "worker/mac-1/tokens_per_s": 120.5, "worker/mac-1/groups_uploaded": 7.0,
+        "worker/mac-1/running": 1.0, "worker/mac-1/tokens_per_s": 120.5, "worker/mac-1/tokens_generated": 0.0,
+        "worker/mac-1/groups_uploaded": 7.0,
         "worker/mac-1/groups_spooled": 2.0, "worker/mac-1/groups_quarantined": 1.0, "worker/mac-1/errors": 1.0,
         "worker/mac-1/groups_filtered": 0.0, "worker/mac-1/prompts_solved": 0.0, "worker/mac-1/weights_refused": 0.0,
         "worker/mac-1/swaps": 3.0, "worker/mac-1/last_swap_s": 0.25, "worker/mac-1/memory_gb": 1.5,

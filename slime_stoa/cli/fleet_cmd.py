@@ -6,6 +6,10 @@ quarantined and since when (`stoa worker release WORKER` lifts it). Quarantined 
 a heartbeat are listed below the table. Like every object in the bucket, that state is only as
 trustworthy as the bucket's writers; the trainer acts on its own copy.
 
+`tok/s` is each worker's generation rate over its last ~30 s and `tokens` what it generated
+since it started: both move while a cohort is under way, so a slow worker (a low rate, tokens
+rising) and a stuck one (tokens standing still) look different long before a group finishes.
+
 In a signed run each heartbeat is judged against the run's worker registry (`key` column):
 "signed" by the key registered for its worker, or "unsigned", "unknown" (a key not registered),
 "revoked" or "forged"; a heartbeat that is not "signed" shows that word as its status, and none
@@ -49,8 +53,8 @@ from .common import add_run_options, require_run_options
 from .run_key_pin import RunKeyPin, parse_run_key, pinned_key
 
 COLUMNS = (
-    "worker", "name", "status", "tier", "version", "lag", "tok/s", "uploaded", "spool", "last seen", "errors",
-    "quarantine", "key",
+    "worker", "name", "status", "tier", "version", "lag", "tok/s", "tokens", "uploaded", "spool", "last seen",
+    "errors", "quarantine", "key",
 )
 Judged = tuple[Heartbeat, HeartbeatTrust | None]
 
@@ -74,6 +78,14 @@ def quarantine_cell(record: WorkerRecord | None, now: float) -> str:
         return ""
     since = f" ({ago(now - record.since_ms / 1000)})" if record.since_ms else ""
     return f"{record.reason}{since}"
+
+
+def count_text(n: int) -> str:
+    """A count in a few characters: 950, 1.2k, 12k, 4.5M, 1.2G."""
+    for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n // (size // 10) / 10:.1f}{unit}" if n < 10 * size else f"{n // size}{unit}"  # rounded down
+    return str(n)
 
 
 def fleet_rows(
@@ -101,6 +113,7 @@ def fleet_rows(
                 "-" if b.version is None or untrusted else f"v{b.version}",
                 "-" if lag is None else str(lag),
                 "-" if untrusted else f"{b.tokens_per_s:.0f}",
+                "-" if untrusted else count_text(b.tokens_generated),
                 str(b.groups_uploaded),
                 str(b.groups_spooled),
                 ago(now - b.updated_at),

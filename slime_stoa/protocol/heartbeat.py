@@ -51,7 +51,8 @@ class Heartbeat:
     state_digest: str = ""  # state digest of the weights held (verified on every swap)
     plane: str = "bf16"  # the weight plane served: "bf16", "int8" or "int4" (`PLANES`)
     pointer_version: int | None = None  # latest version seen in the pointer
-    tokens_per_s: float = 0.0  # generation throughput over the last cohort
+    tokens_per_s: float = 0.0  # generation throughput over the last ~30 s: moves during a cohort, 0 before any token
+    tokens_generated: int = 0  # tokens this process sampled so far (groups dropped at a swap included)
     groups_uploaded: int = 0
     groups_spooled: int = 0  # waiting in the local spool
     groups_quarantined: int = 0  # set aside in the local spool, never to upload (their key held other bytes)
@@ -65,6 +66,9 @@ class Heartbeat:
     memory_gb: float = 0.0  # resident memory of the daemon
     started_at: float = 0.0
     updated_at: float = 0.0
+    # A random id of the `macd run` process writing this heartbeat: two processes sharing one
+    # worker id show as two instances taking turns (`macd.twin`). "" in heartbeats of older workers.
+    instance: str = ""
 
     @property
     def lag(self) -> int | None:
@@ -194,7 +198,8 @@ def worker_metrics(
     beat: Heartbeat, now: float, *, prefix: str = "worker", head: int | None = None, trust: HeartbeatTrust | None = None
 ) -> dict[str, float]:
     """A heartbeat as `<prefix>/<name>` numbers for an experiment tracker (both halves log
-    these): `running` (1 or 0, `shown_status`), `tokens_per_s` (0 when not running),
+    these): `running` (1 or 0, `shown_status`), `tokens_per_s` (0 when not running), the
+    cumulative `tokens_generated`,
     `version` and `lag` (`shown_lag` against `head`; each left out when unknown), the
     cumulative `groups_uploaded` and `errors`, the spool (`groups_spooled`,
     `groups_quarantined`), the worker's own filters (`groups_filtered`, `prompts_solved`), weight
@@ -205,6 +210,7 @@ def worker_metrics(
     values: dict[str, float] = {
         "running": float(running),
         "tokens_per_s": beat.tokens_per_s if running else 0.0,
+        "tokens_generated": beat.tokens_generated,
         "groups_uploaded": beat.groups_uploaded,
         "groups_spooled": beat.groups_spooled,
         "groups_quarantined": beat.groups_quarantined,
@@ -218,6 +224,8 @@ def worker_metrics(
         "heartbeat_age_s": max(now - beat.updated_at, 0.0),
     }
     untrusted = trust is not None and trust != "signed"
+    if untrusted:
+        values["tokens_generated"] = 0.0  # a claim of throughput, like tokens_per_s
     if trust is not None:
         values["untrusted"] = float(untrusted)
         values["revoked"] = float(trust == "revoked")
@@ -304,6 +312,7 @@ _FIELD_KINDS = {
     "plane": "plane",
     "pointer_version": "version",
     "tokens_per_s": "number",
+    "tokens_generated": "count",
     "groups_uploaded": "count",
     "groups_spooled": "count",
     "groups_quarantined": "count",
@@ -317,4 +326,5 @@ _FIELD_KINDS = {
     "memory_gb": "number",
     "started_at": "time",
     "updated_at": "time",
+    "instance": "str",
 }
