@@ -23,12 +23,13 @@ from . import (
     weights_cmd,
     worker_cmd,
 )
+from .common import StoaParser
 
 GROUPS = (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd, worker_cmd, keys_cmd, eval_cmd, rollouts_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StoaParser(
         prog="stoa",
         description=(
             "stoa: RL post-training where Macs generate rollouts and a GPU trainer learns, "
