@@ -60,6 +60,7 @@ from mlx_lm.utils import load_tokenizer
 from slime_stoa.tasks.episode import StopMatcher
 
 from .cpu_fixes import fix_cpu_expert_matmul
+from .hf_config import mlx_overrides
 from .lfm2_fixes import fix_moe_routing
 
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
@@ -71,7 +72,8 @@ Tokenizer = TokenizerWrapper
 def load_model(folder: Path | str) -> tuple[Model, Tokenizer]:
     """(model, tokenizer) of an HF/MLX model folder, loaded lazily: the weights are only read
     when first used."""
-    loaded = mlx_lm.load(str(folder), lazy=True)  # (model, tokenizer) without return_config
+    # (model, tokenizer) without return_config; transformers 5's rope keys as mlx-lm reads them
+    loaded = mlx_lm.load(str(folder), lazy=True, model_config=mlx_overrides(_folder_config(folder)))
     apply_model_fixes(loaded[0], _folder_config(folder))
     return loaded[0], loaded[1]
 
@@ -83,7 +85,7 @@ def build_model(folder: Path | str) -> tuple[Model, Tokenizer]:
     (MLX is lazy); a folder without weight files is enough. Weight files, if any, are not read:
     mapped lazily, they only shape a pre-quantized folder's layers."""
     path = Path(folder)
-    model, config = build_from_config(path, lazy=True, strict=False)
+    model, config = build_from_config(path, lazy=True, strict=False, model_config=mlx_overrides(_folder_config(path)))
     model.set_dtype(mx.bfloat16)  # what the bf16 master's tensors are, so they fit
     apply_model_fixes(model, config)
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
