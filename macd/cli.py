@@ -9,6 +9,7 @@ what they need lazily, so `macd --help` and `macd doctor` stay fast and work wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -56,13 +57,27 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.main(args.data_dir, config_path(args), index_gb=args.plan_index_gb)
 
 
+#: The exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+INTERRUPTED_LINE = "macd: interrupted (Ctrl-C)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.handler(args) or 0)
     except BrokenPipeError:  # `macd join ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C at any point (a prompt, start-up): one line, no traceback
+        return interrupted()
+
+
+def interrupted() -> int:
+    """Say that Ctrl-C stopped macd; the exit status 130."""
+    with contextlib.suppress(OSError, ValueError):  # stderr gone (closed, a broken pipe)
+        print(INTERRUPTED_LINE, file=sys.stderr)
+    return INTERRUPTED
 
 
 if __name__ == "__main__":
