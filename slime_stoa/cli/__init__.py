@@ -1,34 +1,50 @@
 """`stoa`: the operator and trainer-side command line.
 
 Each command group lives in its own module with `add_parser(subparsers)`; the parser stores the
-function to run in `args.handler`.
+function to run in `args.handler`. The group modules are imported by `main`, not when this
+package is: they pull in numpy, the store backends and more, and a Ctrl-C during those imports
+must end `stoa` as quietly as one during the command itself.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+from types import ModuleType
+from typing import Any
 
-from . import (
-    eval_cmd,
-    fleet_cmd,
-    keys_cmd,
-    preflight_cmd,
-    quickstart_cmd,
-    rollouts_cmd,
-    run_cmd,
-    store_cmd,
-    task_cmd,
-    weights_cmd,
-    worker_cmd,
-)
 from .common import StoaParser
 
-GROUPS = (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd, worker_cmd, keys_cmd, eval_cmd, rollouts_cmd)
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def groups() -> tuple[ModuleType, ...]:
+    """The command group modules, in the order `stoa --help` lists them."""
+    from . import (
+        eval_cmd,
+        fleet_cmd,
+        keys_cmd,
+        preflight_cmd,
+        quickstart_cmd,
+        rollouts_cmd,
+        run_cmd,
+        store_cmd,
+        task_cmd,
+        weights_cmd,
+        worker_cmd,
+    )
+
+    return (quickstart_cmd, store_cmd, run_cmd, task_cmd, weights_cmd, fleet_cmd, preflight_cmd, worker_cmd, keys_cmd,
+            eval_cmd, rollouts_cmd)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GROUPS":  # the group modules, imported on first use
+        return groups()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build_parser() -> StoaParser:
     parser = StoaParser(
         prog="stoa",
         description=(
@@ -44,12 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for group in GROUPS:
+    for group in groups():
         group.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C, wherever it landed: asked for, so one line, not a traceback
+        print("stoa: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
