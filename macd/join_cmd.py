@@ -10,6 +10,7 @@ import getpass
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -183,11 +184,17 @@ def no_worker_key_warning(config: cfg.DaemonConfig) -> str | None:
     """One line when the run is signed (a run key is pinned) but this Mac holds no worker key."""
     if not config.run_key or config.worker_key:
         return None
+    add = shlex.join(["stoa", "worker", "add", "NAME", "--store", config.store, "--run", config.run,
+                      "--key", "RUN_KEY_FILE", "--out", "FILE"])
     return (
         f"warning: run {config.run!r} is signed and this Mac has no worker key: the trainer will refuse its "
-        f"records; issue one with `stoa worker add NAME --key RUN_KEY_FILE --out FILE` and join again with "
-        f"--worker-key FILE"
+        f"records; issue one with `{add}` and join again with --worker-key FILE"
     )
+
+
+def run_create_command(store: str, run: str) -> str:
+    """`stoa run create` for `run` in `store`, as a shell runs it (MODEL and TASK to fill in)."""
+    return shlex.join(["stoa", "run", "create", "--store", store, "--run", run, "--model", "MODEL", "--task", "TASK"])
 
 
 def worker_key_path_for(config_path: Path) -> Path:
@@ -320,8 +327,7 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, Index
     except cfg.RunNotFound:
         return error(
             f"run {config.run!r} does not exist in {config.store}: create it with "
-            f"`stoa run create {config.store} --run {config.run} --model <model> --task <task>` "
-            f"(or check the run name)"
+            f"`{run_create_command(config.store, config.run)}` (or check the run name)"
         )
     from slime_stoa.tasks import TASKS
 
@@ -329,8 +335,8 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, Index
     if task not in TASKS:  # the worker could not make a single prompt of it
         return error(
             f"run {config.run!r} in {config.store} names task {task!r}, which this macd does not know "
-            f"(known tasks: {', '.join(sorted(TASKS))}): recreate the run with one of them "
-            f"(`stoa run create ... --task <task>`), or upgrade macd if the task is new"
+            f"(known tasks: {', '.join(sorted(TASKS))}): create a run of one of them under a new name "
+            f"(`{run_create_command(config.store, 'NEW_RUN')}`), or upgrade macd if the task is new"
         )
     return info, index
 
@@ -354,7 +360,7 @@ def join_report(
         lines.append("  (bucket not checked: --no-check)")
     else:
         lines += plan_lines(config, info, memory_bytes(), index)
-    suffix = "" if path == cfg.default_config_path() else f" --config {path}"
+    suffix = "" if path == cfg.default_config_path() else f" --config {shlex.quote(str(path))}"
     lines += [
         "",
         f"next: macd install{suffix} && macd start    (or `macd run{suffix}` in the foreground)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,13 +120,15 @@ def load_worker_key(config: DaemonConfig) -> SigningKey | None:
     return entry.key
 
 
-def check_signing(manifest: RunManifest, signer: SigningKey | None) -> None:
-    """WorkerKeyError when the run is signed and this worker has no key to sign its records."""
+def check_signing(manifest: RunManifest, signer: SigningKey | None, store: str = "STORE_URL") -> None:
+    """WorkerKeyError when the run is signed and this worker has no key to sign its records
+    (`store`: the run's bucket URL, for the command the message names)."""
     if manifest.run_key is not None and signer is None:
+        add = shlex.join(["stoa", "worker", "add", "NAME", "--store", store, "--run", manifest.run,
+                          "--key", "RUN_KEY_FILE", "--out", "FILE"])
         raise WorkerKeyError(
             f"run {manifest.run!r} is signed and this worker has no worker key: issue one with "
-            f"`stoa worker add NAME --run {manifest.run} --key RUN_KEY_FILE` and install it with "
-            f"`macd join --worker-key FILE`"
+            f"`{add}` and install it with `macd join --worker-key FILE`"
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -104,7 +105,7 @@ def _install(args: argparse.Namespace) -> int:
         print("# then `macd start` runs:")
         service.start(agent, launchctl)
         return 0
-    print(f"{agent.label}: {agent.plist} {outcome}; it runs `macd run --config {path}` at login")
+    print(f"{agent.label}: {agent.plist} {outcome}; it runs `{shlex.join(['macd', 'run', '--config', str(path)])}` at login")
     print(f"log: {agent.log}")
     print("next: macd start" if outcome != "reloaded" else "the running agent was reloaded with the new settings")
     return 0

@@ -232,7 +232,7 @@ class Worker:
                     if self.reporter.beat.status == "refused":
                         self.reporter.update(status="starting")
                 manifest, task = loaded
-                check_signing(manifest, self._signer)
+                check_signing(manifest, self._signer, self.config.store)
                 if self.trust is not None and self.revocation is not None and await self.revocation.check(self.trust):
                     return None
                 plane = await self.weights.plane_for(manifest, self.trust)

@@ -3,9 +3,11 @@ commands macd prints run as printed (every value shell-quoted)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import pty
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -66,3 +68,62 @@ def test_ctrl_c_in_any_command_is_exit_130(monkeypatch: pytest.MonkeyPatch, caps
     monkeypatch.setattr(macd.doctor, "main", interrupted)
     assert cli.main(["doctor"]) == 130
     assert capsys.readouterr().err == cli.INTERRUPTED_LINE + "\n"
+
+
+# -- the commands macd prints run as printed -------------------------------------------------------
+HOSTILE_URL = "s3://bucket/pre fix?endpoint=http://127.0.0.1:9&region=auto"  # a `?` (a glob), a `&`, a space
+
+
+def _printed_command(text: str, program: str) -> list[str]:
+    """The command in backquotes in `text` that starts with `program`, split as a shell would."""
+    commands = [part for part in text.split("`")[1::2] if part.startswith(program + " ")]
+    assert commands, f"no `{program} ...` in {text!r}"
+    return shlex.split(commands[0])
+
+
+def _stoa(argv: list[str]) -> argparse.Namespace:
+    from slime_stoa.cli import build_parser
+
+    assert argv[0] == "stoa"
+    return build_parser().parse_args(argv[1:])
+
+
+def test_join_of_a_missing_run_prints_a_run_create_that_runs_as_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bucket = tmp_path / "my bucket & co?"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    assert cli.main(["join", url, "--run", "nope", "--config", str(tmp_path / "macd.toml")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    args = _stoa(_printed_command(err, "stoa"))
+    assert (args.store, args.run, args.model, args.task) == (url, "nope", "MODEL", "TASK")
+
+
+def test_every_printed_command_quotes_its_values(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from macd.config import DaemonConfig
+    from macd.join_cmd import join_report, no_worker_key_warning, run_create_command
+    from macd.worker import WorkerKeyError, check_signing
+    from slime_stoa.protocol.run_manifest import RunManifest
+    from slime_stoa.protocol.signing import SigningKey
+
+    args = _stoa(shlex.split(run_create_command(HOSTILE_URL, "r")))
+    assert (args.store, args.run) == (HOSTILE_URL, "r")
+    config = DaemonConfig(store=HOSTILE_URL, run="r", name="mac", worker_id="mac-1", data_dir=tmp_path,
+                          run_key=SigningKey.generate().public.to_text())
+    warning = no_worker_key_warning(config)
+    assert warning is not None
+    args = _stoa(_printed_command(warning, "stoa"))
+    assert (args.store, args.run, args.key, args.out) == (HOSTILE_URL, "r", Path("RUN_KEY_FILE"), Path("FILE"))
+    manifest = RunManifest(run="r", model="m", task="synthetic", run_key=config.run_key)
+    with pytest.raises(WorkerKeyError) as refused:
+        check_signing(manifest, None, HOSTILE_URL)
+    args = _stoa(_printed_command(str(refused.value), "stoa"))
+    assert (args.store, args.run) == (HOSTILE_URL, "r")
+    path = tmp_path / "a folder" / "macd.toml"
+    lines = join_report(replace(config, run_key=""), path, None, kept_id=False, creds_written=False)
+    run = _printed_command(lines[-1], "macd")
+    assert run == ["macd", "run", "--config", str(path)]
