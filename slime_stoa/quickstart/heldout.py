@@ -12,7 +12,7 @@ index.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from slime_stoa.protocol.run_manifest import read_run_manifest
@@ -32,8 +32,12 @@ async def put_synthetic_test_split(store: Store, run: str) -> None:
     await put_task_objects(store, run, "synthetic", objects)
 
 
-async def pass1_at(store: Store, run: str, versions: Iterable[int], *, seed: int, work_dir: Path | None = None) -> dict[int, float]:
-    """{version: pass@1 on the test split} with the run's sampling (temperature, max tokens)."""
+async def pass1_at(
+    store: Store, run: str, versions: Iterable[int], *, seed: int, work_dir: Path | None = None,
+    prompts: int = EVAL_PROMPTS, k: int = EVAL_K, on_group: Callable[[int], None] | None = None,
+) -> dict[int, float]:
+    """{version: pass@1 on the test split's first `prompts` prompts, `k` samples each} with the
+    run's sampling (temperature, max tokens); `on_group(done)` as each prompt's samples finish."""
     from slime_stoa.evaluation.local import local_eval
 
     manifest = await read_run_manifest(store, run)
@@ -42,9 +46,10 @@ async def pass1_at(store: Store, run: str, versions: Iterable[int], *, seed: int
     with tempfile.TemporaryDirectory(prefix="stoa-eval-", dir=work_dir) as tmp:
         for version in sorted(set(versions)):
             result = await local_eval(
-                store, manifest, version=version, split=SPLIT, k=EVAL_K, n_prompts=EVAL_PROMPTS,
+                store, manifest, version=version, split=SPLIT, k=k, n_prompts=prompts,
                 max_tokens=manifest.max_tokens, temperature=manifest.temperature, work_dir=Path(tmp) / f"v{version}",
                 threshold=1.0, seed=seed, trust=trust,
+                on_group=on_group,
             )
             out[version] = float(result.row()["pass@1"])
     return out

@@ -299,6 +299,51 @@ def warm_start_note(cfg: QuickstartConfig) -> str:
     )
 
 
+def real_task_objects(cfg: QuickstartConfig) -> dict[str, bytes] | None:
+    """{split: task data} of a real task's --data files, as `stoa task prepare` makes them; None
+    for the generated tasks."""
+    from slime_stoa.tasks.objects import task_objects
+
+    files = cfg.data_files()
+    if not files:
+        return None
+    return task_objects(cfg.task, files, split=None, count=0, seed=0, limit=None)
+
+
+async def check_same_run(store: Store, cfg: QuickstartConfig, model_dir: Path) -> None:
+    """QuickstartError, naming --out, when the existing run is of another task, model or tiny
+    model family than this command asks for: a rerun resumes a run, it never turns it into
+    another one (a `--task search` in the folder of an earlier synthetic run would otherwise
+    train the synthetic run on)."""
+    try:
+        manifest = await read_run_manifest(store, cfg.run)
+    except RunNotFound:
+        return
+    asked = f"this command asks for --task {cfg.task}"
+    fix = "pass another --out (or --run) for a new run, or rerun it as it was made"
+    if manifest.task != cfg.task:
+        raise QuickstartError(f"--out {cfg.out}: run {cfg.run!r} there is a {manifest.task} run, {asked}: {fix}")
+    if cfg.model is not None and Path(manifest.model) != cfg.model and Path(manifest.model).resolve() != cfg.model.resolve():
+        raise QuickstartError(f"--out {cfg.out}: run {cfg.run!r} there trains {manifest.model}, not --model {cfg.model}: {fix}")
+    if cfg.model is None:
+        made = tiny_model_family(model_dir)
+        if Path(manifest.model).resolve() != model_dir.resolve() or (made is not None and made != cfg.family):
+            was = f"the tiny {made} model" if made else manifest.model
+            raise QuickstartError(f"--out {cfg.out}: run {cfg.run!r} there trains {was}, not a tiny {cfg.family} model: {fix}")
+
+
+def tiny_model_family(model_dir: Path) -> str | None:
+    """The family of the quickstart's tiny model in `model_dir` (its config's model_type), None
+    when there is none to read."""
+    import json
+
+    try:
+        value = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 async def at_startup(op: Callable[[], Any], what: str, stop: Interrupt) -> Any:
     """`await op()` waiting out a store outage of any length (logged; a stop signal cuts the
     wait short): start-up pauses and resumes, as the training loop does. Each `op` is safe to
@@ -628,6 +673,8 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
     report.note(f"{'new' if new_run else 'existing'} run {cfg.run!r} in bucket {url}")
     async with open_store(url, create=True) as store:
         model_dir = cfg.model or (cfg.out / "model")
+        if not new_run:
+            await at_startup(partial(check_same_run, store, cfg, model_dir), f"reading run {cfg.run!r}", stop)
         search_data = qsearch.search_data() if cfg.task == "search" else None
         if cfg.model is None and not (model_dir / "config.json").exists():
             build = tiny_synthetic_model if search_data is None else partial(qsearch.tiny_search_model, data=search_data)
@@ -681,9 +728,10 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
             worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
         )
         assert publisher_cfg.extras_dir is not None  # set to the model folder above
+        seed = partial(seed_run, objects=real_task_objects(cfg)) if search_data is None else partial(
+            qsearch.seed_search_run, data=search_data)
         pub = await at_startup(
-            partial(seed_run if search_data is None else partial(qsearch.seed_search_run, data=search_data),
-                    store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg, key=run_key),
+            partial(seed, store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg, key=run_key),
             f"seeding run {cfg.run!r} and opening its publisher", stop,
         )
         warm_file.unlink(missing_ok=True)  # the run is seeded: a rerun resumes it, not its warm start
@@ -742,8 +790,8 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         progress.full_bytes, progress.tensors = 2 * sum(b.size for b in published.values()), len(published)
         del published
         save_progress(progress, progress_file, run=cfg.run)
-        if new_run:  # eval the first version now: by the end the bucket may have pruned it
-            await stop.race(first_eval(store, cfg, progress, report, synthetic=search_data is None))
+        if new_run and not cfg.no_eval:  # eval the first version now: by the end the bucket may have pruned it
+            await stop.race(first_eval(store, cfg, progress, report, synthetic=cfg.task == "synthetic"))
         tracker = start_tracking(cfg)
         workers = WorkerProcesses(cfg, url, run_key=None if run_key is None else run_key.public.to_text())
         consumer: RolloutConsumer | None = None
@@ -790,11 +838,8 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         save_progress(progress, progress_file, run=cfg.run)
         lost, spooled = count_lost(final_beats), count_spooled(final_beats)
         progress.rewards, progress.tool_calls = await stop.race(samples_by_version(store, cfg.run, registry))
-        last = progress.last_version
-        progress.eval_pass1.update(
-            await stop.race(heldout.pass1_at(store, cfg.run, [last], seed=cfg.seed, work_dir=cfg.out))
-        )
-        report.note(f"eval pass@1 on the held-out test split at v{last}: {progress.eval_pass1[last]:.3f}")
+        if not cfg.no_eval:
+            await stop.race(heldout_eval(store, cfg, progress, report, progress.last_version))
         assert consumer is not None  # opened, or train() was never reached
         groups_used_run = consumer.counters.get("groups_used", 0)
         refused = rejects_by_reason(consumer.counters)
@@ -805,10 +850,20 @@ async def first_eval(store: Store, cfg: QuickstartConfig, progress: Progress, re
     """Eval pass@1 of the run's first RL version on the held-out test split (kept in progress)."""
     if synthetic:
         await heldout.put_synthetic_test_split(store, cfg.run)
-    v = progress.run_first_version
-    progress.eval_pass1.update(await heldout.pass1_at(store, cfg.run, [v], seed=cfg.seed, work_dir=cfg.out))
-    report.note(f"eval pass@1 on the held-out test split at v{v}: {progress.eval_pass1[v]:.3f}")
+    await heldout_eval(store, cfg, progress, report, progress.run_first_version)
     save_progress(progress, cfg.out / PROGRESS_FILE, run=cfg.run)
+
+
+async def heldout_eval(store: Store, cfg: QuickstartConfig, progress: Progress, report: Any, version: int) -> None:
+    """Eval pass@1 of `version` on the held-out test split (kept in progress), with a bar that
+    moves as each prompt's samples finish."""
+    what = f"eval v{version} (held-out test split, {cfg.eval_samples} sample(s) per prompt)"
+    with StepMeter(report_console(report), what, cfg.eval_prompts, unit="prompt") as meter:
+        progress.eval_pass1.update(await heldout.pass1_at(
+            store, cfg.run, [version], seed=cfg.seed, work_dir=cfg.out, prompts=cfg.eval_prompts,
+            k=cfg.eval_samples, on_group=meter.update,
+        ))
+    report.note(f"eval pass@1 on the held-out test split at v{version}: {progress.eval_pass1[version]:.3f}")
 
 
 def summarize(
@@ -834,7 +889,8 @@ def summarize(
         "search_rate_last": progress.search_rate_last(cfg.window),
         "eval_pass1_first": progress.eval_pass1.get(progress.run_first_version, float("nan")),
         "eval_pass1_last": progress.eval_pass1.get(progress.last_version, float("nan")),
-        "eval_prompts": heldout.EVAL_PROMPTS,
+        "eval_prompts": cfg.eval_prompts,
+        "eval_samples": cfg.eval_samples,
         "task": cfg.task,
         "window": cfg.window,
         "chance": baseline_reward(generate_items(256, seed=cfg.seed)) if cfg.task == "synthetic" else 0.0,

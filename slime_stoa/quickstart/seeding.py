@@ -34,8 +34,11 @@ async def seed_run(
     task_count: int = 2000,
     publisher: PublisherConfig | None = None,
     key: SigningKey | None = None,
+    objects: dict[str, bytes] | None = None,
 ) -> Publisher:
-    """Write run.json, the synthetic task and anchor v0 of `model_dir`; returns the publisher.
+    """Write run.json, the task (`objects`: {split: encoded task data}, as `stoa task prepare`
+    makes them; default the generated synthetic train split) and anchor v0 of `model_dir`;
+    returns the publisher.
 
     With the run key `key`, the run is signed: the manifest carries its public half (set here
     when `manifest.run_key` is None) and everything the publisher writes is signed. A run that
@@ -44,7 +47,8 @@ async def seed_run(
         manifest = replace(manifest, run_key=key.public.to_text())
     with contextlib.suppress(PreconditionFailed):
         await store.put_if_absent(RunLayout(manifest.run).run_manifest, manifest.to_bytes(key))
-    objects = task_objects(manifest.task, [], split=manifest.task_split, count=task_count, seed=0, limit=None)
+    if objects is None:
+        objects = task_objects(manifest.task, [], split=manifest.task_split, count=task_count, seed=0, limit=None)
     await put_task_objects(store, manifest.run, manifest.task, objects)
     pub = Publisher(store, manifest.run, publisher or PublisherConfig(extras_dir=model_dir), key=key)
     if await pub.open() is None:

@@ -1,0 +1,109 @@
+"""`stoa quickstart --task gsm8k|math` with a real model: the defaults a real model needs, the data
+it reads, and a rerun that never turns an earlier run into another one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.store import open_store
+from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
+from slime_stoa.quickstart.run import check_same_run
+from slime_stoa.quickstart.seeding import tiny_synthetic_model
+from tests.test_quickstart_errors import assert_one_error_line, quickstart
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def test_a_real_model_gets_a_real_learning_rate_and_no_warm_start(tmp_path: Path) -> None:
+    tiny = QuickstartConfig()
+    assert (tiny.lr, tiny.warmup_steps, tiny.eval_prompts, tiny.eval_samples) == (3e-4, 600, 64, 4)
+    model = tiny_synthetic_model(tmp_path / "m")
+    real = QuickstartConfig(task="gsm8k", model=model, data=tmp_path)
+    assert (real.lr, real.warmup_steps, real.max_tokens, real.eval_prompts, real.eval_samples) == (1e-6, 0, 256, 256, 1)
+    assert QuickstartConfig(task="gsm8k", model=model, lr=1e-5).lr == 1e-5  # given: kept
+    assert QuickstartConfig(model=model).lr == 1e-6  # any --model is a real one
+
+
+def test_a_real_task_needs_a_real_model_and_its_data(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--model smollm2"):
+        QuickstartConfig(task="gsm8k")
+    model = tiny_synthetic_model(tmp_path / "m")
+    with pytest.raises(QuickstartError, match="--data DIR"):
+        QuickstartConfig(task="math", model=model).data_files()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text("")
+    with pytest.raises(QuickstartError, match="no test.jsonl"):
+        QuickstartConfig(task="gsm8k", model=model, data=tmp_path / "d").data_files()
+    (tmp_path / "d" / "test.jsonl").write_text("")
+    assert [p.name for p in QuickstartConfig(task="gsm8k", model=model, data=tmp_path / "d").data_files()] == [
+        "train.jsonl", "test.jsonl"]
+    (tmp_path / "math" / "train").mkdir(parents=True)
+    (tmp_path / "math" / "test.jsonl").write_text("")
+    files = QuickstartConfig(task="math", model=model, data=tmp_path / "math").data_files()
+    assert [p.name for p in files] == ["train", "test.jsonl"]
+
+
+def test_gsm8k_finds_its_data_in_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_synthetic_model(tmp_path / "m")
+    monkeypatch.setenv("STOA_GSM8K_DIR", str(GSM8K_DIR))
+    if not (GSM8K_DIR / "test.jsonl").is_file():
+        pytest.skip(f"no GSM8K at {GSM8K_DIR}")
+    assert QuickstartConfig(task="gsm8k", model=model).data_files()[1] == GSM8K_DIR / "test.jsonl"
+
+
+def test_an_unsupported_architecture_is_refused_before_any_write(tmp_path: Path) -> None:
+    model = tiny_synthetic_model(tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    line = assert_one_error_line(quickstart(tmp_path, "--model", str(model)), "'gpt2' is not supported", "llama")
+    assert "--model" in line
+    assert not (tmp_path / "qs").exists()
+
+
+def test_the_cli_refuses_a_real_task_without_a_model(tmp_path: Path) -> None:
+    assert_one_error_line(quickstart(tmp_path, "--task", "gsm8k"), "--model smollm2")
+
+
+def _existing_run(tmp_path: Path, *, task: str, model: Path) -> QuickstartConfig:
+    cfg = QuickstartConfig(out=tmp_path / "qs")
+
+    async def seed() -> None:
+        async with open_store(cfg.store_url, create=True) as store:
+            manifest = RunManifest(run=cfg.run, model=str(model), task=task, group_size=8)
+            await store.put_if_absent(RunLayout(cfg.run).run_manifest, manifest.to_bytes(None))
+
+    asyncio.run(seed())
+    return cfg
+
+
+def _check(cfg: QuickstartConfig, model_dir: Path) -> None:
+    async def check() -> None:
+        async with open_store(cfg.store_url) as store:
+            await check_same_run(store, cfg, model_dir)
+
+    asyncio.run(check())
+
+
+def test_a_rerun_of_another_task_family_or_model_is_refused_naming_out(tmp_path: Path) -> None:
+    out = tmp_path / "qs"
+    tiny = tiny_synthetic_model(out / "model", "qwen2")
+    cfg = _existing_run(tmp_path, task="synthetic", model=tiny)
+    _check(cfg, tiny)  # the same run: resumed
+
+    def refused(**changes: object) -> str:
+        asked = QuickstartConfig(out=out, **changes)  # type: ignore[arg-type]
+        with pytest.raises(QuickstartError) as caught:
+            _check(asked, asked.model or out / "model")
+        assert str(caught.value).startswith(f"--out {out}:") and "another --out" in str(caught.value)
+        return str(caught.value)
+
+    assert "a synthetic run" in refused(task="search")
+    assert "the tiny qwen2 model" in refused(family="lfm2_moe")
+    other = tiny_synthetic_model(tmp_path / "other")
+    assert f"not --model {other}" in refused(model=other)
