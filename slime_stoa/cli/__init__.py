@@ -13,7 +13,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from .common import StoaParser
+from .common import StoaParser, os_error_text
 
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
 
@@ -84,6 +84,10 @@ def _run(argv: list[str] | None) -> int:
     except BrokenPipeError:  # `stoa ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except OSError as exc:  # a full disk, a path: the message says what to fix (the trace, with -v)
+        logging.getLogger("stoa").debug("the command failed", exc_info=True)
+        print(f"error: {os_error_text(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

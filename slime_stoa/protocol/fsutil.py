@@ -8,6 +8,11 @@ the owner of the folder can recognise and remove it).
 
 `fsync_file` uses `F_FULLFSYNC` where the platform has it: on macOS a plain `fsync` only
 reaches the drive's cache, not the disk.
+
+A write that runs out of room (ENOSPC, or EDQUOT: the user's quota) raises `DiskFull`, an OSError
+of that errno whose text names the size and the path ("no space left on device writing 12.3 MB
+to /path"): `[Errno 28] No space left on device` alone does not say which file or how much room
+it wanted. The temp file is removed, so a full disk leaves no partial file behind either.
 """
 
 from __future__ import annotations
@@ -15,16 +20,83 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-__all__ = ["atomic_file", "atomic_write", "fsync_dir", "fsync_file"]
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+__all__ = ["DiskFull", "atomic_file", "atomic_write", "fsync_dir", "fsync_file"]
 
 #: Errors of fsync on a folder that mean "this file system cannot do that", not "it failed".
 _CANNOT_SYNC_DIR = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+#: Errors of a write that mean the file system (or the user's quota on it) has no room left.
+_OUT_OF_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class DiskFull(OSError):
+    """A write ran out of room; `errno` is ENOSPC or EDQUOT and the text (also `str()`) is one line
+    naming the size and the path."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def size_text(n: int) -> str:
+    """`119 bytes`, `12.3 MB` (decimal units, as `ls -lh --si` and Finder count)."""
+    if n < 1000:
+        return f"{n} bytes"
+    value = float(n)
+    for unit in ("KB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000 or unit == "TB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+class _TempFile(io.FileIO):
+    """The unbuffered layer of the temp file `atomic_file` yields: every write an `os.write` loop,
+    counting bytes so that running out of room is reported with the size the file was to have."""
+
+    def __init__(self, fd: int, target: Path) -> None:
+        super().__init__(fd, "wb")
+        self.target = target
+        self.written = 0  # bytes in the file
+        self.pending = 0  # bytes of the write under way not in it yet
+
+    def write(self, data: ReadableBuffer) -> int:
+        view = memoryview(data)
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        view = view.cast("B")
+        done = 0
+        with self.out_of_room_named():
+            while done < len(view):  # os.write may take a part (a full disk's last room, 2 GiB at most)
+                self.pending = len(view) - done
+                n = os.write(self.fileno(), view[done:])
+                done += n
+                self.written += n
+            self.pending = 0
+        return done
+
+    @contextlib.contextmanager
+    def out_of_room_named(self) -> Iterator[None]:
+        """Turn running out of room inside the block into a `DiskFull` naming size and target."""
+        try:
+            yield
+        except DiskFull:
+            raise
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_ROOM:
+                raise
+            what = os.strerror(exc.errno)
+            raise DiskFull(
+                exc.errno, f"{what[:1].lower()}{what[1:]} writing {size_text(self.written + self.pending)} to {self.target}"
+            ) from exc
 
 
 def fsync_file(fd: int) -> None:
@@ -72,22 +144,26 @@ def atomic_file(
     - `parents_mode`: create missing parent folders with this mode (default: they must exist).
     - `tmp_prefix`: how the temp file's name starts (default `.<name>.`).
 
-    If the block raises, the temp file is removed and `path` is left as it was.
+    If the block raises, the temp file is removed and `path` is left as it was; running out of
+    room raises `DiskFull`.
     """
     path = Path(path)
     if parents_mode is not None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=parents_mode)
     prefix = f".{path.name}." if tmp_prefix is None else tmp_prefix
     tmp = path.with_name(f"{prefix}{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    raw = _TempFile(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with io.BufferedWriter(raw) as f:
             os.fchmod(f.fileno(), mode)  # the umask may have taken bits away
             yield f
-            f.flush()
-            if durable:
-                fsync_file(f.fileno())
-        os.replace(tmp, path)
+            # A file system may report the lack of room only now (delayed allocation, NFS).
+            with raw.out_of_room_named():
+                f.flush()
+                if durable:
+                    fsync_file(f.fileno())
+                f.close()
+                os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
