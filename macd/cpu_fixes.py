@@ -5,8 +5,11 @@ mlx-lm's `SwitchLinear` (the stacked experts of LFM2-MoE, Qwen-MoE, ...) multipl
 ("[GatherMM::eval] Currently only supports float32"), so a bf16 worker could not run an MoE
 model there at all. `fix_cpu_expert_matmul` gives such a model's unquantized expert layers a
 subclass whose call widens the input and the experts' weights to float32 (exact for bf16),
-multiplies, and rounds the result back to the input's dtype. It does nothing on a GPU device,
-where the kernel takes bf16 (an Apple silicon Mac), and leaves quantized layers alone.
+multiplies, and rounds the result back to the input's dtype. The experts' float32 weights are
+the layer's `macd.cpu_compute` copy, made once and kept equal to the bf16 weights the way every
+float32 copy is (widening a whole expert stack at every call would cost more than the matmul).
+It does nothing on a GPU device, where the kernel takes bf16 (an Apple silicon Mac), and leaves
+quantized layers alone.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from .cpu_compute import wide_weight
+
 
 def float32_switch_call(layer: Any, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
     """`SwitchLinear.__call__` computed in float32, returned in `x`'s dtype."""
     y = mx.gather_mm(
         x.astype(mx.float32),
-        layer["weight"].astype(mx.float32).swapaxes(-1, -2),
+        wide_weight(layer).swapaxes(-1, -2),
         rhs_indices=indices,
         sorted_indices=sorted_indices,
     )

@@ -24,6 +24,13 @@
 On a quantized plane the run publishes, the worker holds that plane alone instead
 (`macd.plane_weights.PlaneWeights`, a subclass of this one, the 4-bit plane only that way).
 
+On MLX's CPU device (a Linux machine), the bf16 plane's model computes in float32
+(`macd.cpu_compute`: MLX has no fast bf16 matmul there): its matmul layers hold a float32 copy
+of their bf16 weight beside it (~6 bytes per weight in all), exact, so the model serves the same
+weights. The bf16 parameters stay the master the state shares; a tensor written in place is
+rewidened into its copy at the same safe point (`apply`), a replaced one at its layer's next
+call, and `mismatches` checks the copies too.
+
 The subscriber's ``state`` dict (uint16 bit patterns) is the master; this class keeps no copy of
 it (on bf16 it lends the state its own memory) and is handed it on every call.
 
@@ -58,6 +65,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from slime_stoa.protocol.run_manifest import PLANES, Plane
+
+from . import cpu_compute
 
 INT8_BITS = 8
 INT8_GROUP_SIZE = 64
@@ -152,6 +161,8 @@ class LiveWeights:
             _quantize_structure(model)
             live._index()
         live._install(state)
+        if plane == "bf16" and cpu_compute.float32_compute_wanted():
+            cpu_compute.use_float32_compute(model)  # copies made at each layer's first call
         return live
 
     @property
@@ -173,6 +184,11 @@ class LiveWeights:
         """Bytes of the model's parameters (what MLX holds for the weights)."""
         params: dict[str, mx.array] = tree_flatten(self.model.parameters(), destination={})  # type: ignore[assignment]
         return sum(a.nbytes for a in params.values())
+
+    @property
+    def copy_nbytes(self) -> int:
+        """Bytes of the float32 copies the layers compute with on the CPU device (0 elsewhere)."""
+        return cpu_compute.copies_nbytes(self.model)
 
     def _index(self) -> None:
         """Tabulate the model's tensors as the master sees them: name -> logical shape."""
@@ -236,8 +252,9 @@ class LiveWeights:
                 continue  # a tied head (checked) or nothing written
             q = self._quantized.get(name)
             if q is None:
-                if self._is_live(state, name):
-                    continue  # written in place: the model already computes with it
+                if self._is_live(state, name):  # written in place: the model computes with it
+                    self._rewiden(name, indices)  # and with its float32 copy, if it has one
+                    continue
                 pairs.append((name, _bf16(state[name])))
             elif indices is None or self._modules[q.module]["scales"].dtype != mx.bfloat16:
                 # whole tensor (also when scales of another dtype came with a pre-quantized model)
@@ -266,10 +283,24 @@ class LiveWeights:
             if q is None:
                 if not self._is_live(state, name):
                     self._load([(name, _bf16(state[name]))], state)
+                else:
+                    self._rewiden(name, None)
             else:
                 self._load(self._quantize_full(q, state[name]))
                 groups += q.groups
         return ApplyStats(len(self._shapes), groups, True, time.perf_counter() - start)
+
+    def _layer(self, name: str) -> nn.Module | None:
+        """The layer whose weight is parameter `name` (None for any other parameter)."""
+        path, _, leaf = name.rpartition(".")
+        return self._modules.get(path) if leaf == "weight" else None
+
+    def _rewiden(self, name: str, indices: np.ndarray | None) -> None:
+        """Parameter `name` was written in place (at `indices`, None: anywhere): its layer's
+        float32 copy, if it holds one, follows (`cpu_compute.refresh`)."""
+        layer = self._layer(name)
+        if layer is not None:
+            cpu_compute.refresh(layer, indices)
 
     def _is_live(self, state: Mapping[str, np.ndarray], name: str) -> bool:
         """Whether state[name] is the live parameter's own memory (bf16)."""
@@ -301,6 +332,10 @@ class LiveWeights:
             return
         self.model.load_weights(pairs, strict=False)
         mx.eval([a for _, a in pairs])
+        for name, _ in pairs:  # a copy of a replaced weight is stale: let its memory go now
+            layer = self._layer(name)
+            if layer is not None:
+                cpu_compute.forget(layer)
         if self.plane != "bf16" or state is None:
             return
         for name, array in pairs:
@@ -335,7 +370,8 @@ class LiveWeights:
                     raise ValueError(f"{name}: the model holds {dtype}, the master is bfloat16")
 
     def _is_tied_head(self, name: str) -> bool:
-        return name == TIED_HEAD and EMBEDDING in self._shapes
+        """Whether `name` is an output head the model ties to its embedding (it has none of its own)."""
+        return name == TIED_HEAD and TIED_HEAD not in self._shapes and EMBEDDING in self._shapes
 
     def _check_tied_head(
         self, state: Mapping[str, np.ndarray], changed: Mapping[str, np.ndarray] | None
@@ -382,8 +418,9 @@ class LiveWeights:
     def _matches(self, name: str, bits: np.ndarray) -> bool:
         q = self._quantized.get(name)
         if q is None:
-            param = self._param(name)
-            return param.dtype == mx.bfloat16 and np.array_equal(bf16_bits(param), bits)
+            param, layer = self._param(name), self._layer(name)
+            same = param.dtype == mx.bfloat16 and np.array_equal(bf16_bits(param), bits)
+            return same and (layer is None or cpu_compute.copy_matches(layer))
         expected = dict(self._quantize_full(q, bits))
         layer = self._modules[q.module]
         return all(_same_bits(layer[_leaf(key)], value) for key, value in expected.items())

@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model
 
+from macd.cpu_compute import computes_in_float32, use_float32_compute
 from macd.weights import ApplyStats, LiveWeights
 from slime_stoa.protocol.hf.folders import (
     load_hf_state,
@@ -87,6 +88,10 @@ def assert_same_params(model, expected: dict[str, np.ndarray]) -> None:
 
 
 def assert_same_logits(a, b) -> None:
+    """`a` and `b` compute the same logits, bit for bit: `b` (a reference) computes the way `a`
+    does (on the CPU device, a bf16-plane model computes in float32: `macd.cpu_compute`)."""
+    if computes_in_float32(a):
+        use_float32_compute(b)
     la, lb = a(PROMPT), b(PROMPT)
     assert la.dtype == lb.dtype and bool(mx.array_equal(la, lb).item())
 

@@ -1,0 +1,183 @@
+"""Float32 compute of bf16 weights on MLX's CPU device (a Linux machine, CI).
+
+Why: MLX's CPU backend has no fast bfloat16 matmul. A bf16 matmul runs MLX's own loop (~5
+GFLOP/s measured on an x86-64 CPU, one thread), a float32 one calls the BLAS's `cblas_sgemm`,
+which a fast BLAS (`macd.cpu_blas`) runs at 40-100 GFLOP/s on one core. So on the CPU device
+the matmul layers compute with a float32 copy of their weight, and the activations are float32
+from the embedding on: every other op (norms, convolutions, biases, attention, the KV cache)
+then computes in float32 too, each bf16 parameter promoted against float32 input.
+
+The weights are the same: bf16 -> float32 is exact, so a float32 copy *is* the served bf16
+weights; only the arithmetic is more precise (float32 activations instead of bf16-rounded ones),
+which brings the recorded logprobs closer to the exact function of the weights, not away from
+the learner's. The bf16 arrays stay the model's parameters and the master: `LiveWeights` lends
+their memory to the subscriber's state and the digest covers their bits. The copies are held
+beside them, out of the parameter tree (`model.parameters()` never shows them): 4 more bytes per
+weight of those layers, so ~6 bytes per weight on the CPU device instead of 2.
+
+Which layers: `nn.Linear` (and subclasses), `nn.Embedding` (its lookup widens the rows it
+gathers, no copy; `as_linear`, a tied output head, multiplies with the copy), and layers a
+`macd.cpu_fixes` fix computes in float32 (mlx-lm's `SwitchLinear` experts). Quantized layers
+are other classes and keep MLX's quantized kernels.
+
+Keeping a copy equal to its weight: a copy is made at the layer's first call and remembers the
+bf16 array it widened; a layer whose weight array was replaced (a load, an install of a new
+tensor) widens the new one at its next call. A weight written *in place* (a patch committed
+into the live bf16 memory keeps the array) must be refreshed by whoever wrote it:
+`refresh(layer, indices)` rewidens the written elements in place (`LiveWeights.apply` does so
+after each commit, at the same safe point). `copy_matches` is the read-back check.
+
+Nothing changes on a GPU device (an Apple silicon Mac: Metal's kernels take bf16), and
+``STOA_CPU_COMPUTE=bfloat16`` keeps the stock bf16 compute on the CPU too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+ENV = "STOA_CPU_COMPUTE"  # "float32" (default) or "bfloat16" (stock MLX compute)
+CHOICES = ("float32", "bfloat16")
+NARROW = (mx.bfloat16, mx.float16)  # weight dtypes a copy widens (exactly) to float32
+
+
+def float32_compute_wanted() -> bool:
+    """Whether layers should compute in float32 here: the CPU device, unless `ENV` says bfloat16.
+    ValueError on another value of `ENV` (a typo must not silently pick the slow path)."""
+    choice = os.environ.get(ENV, "float32").strip().lower() or "float32"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected one of {', '.join(CHOICES)}")
+    return choice == "float32" and mx.default_device().type == mx.cpu
+
+
+@dataclass(slots=True)
+class _Copy:
+    """A layer's float32 copy of its weight, and the bf16 array it was widened from."""
+
+    source: mx.array
+    array: mx.array
+
+
+def wide_weight(layer: nn.Module) -> mx.array:
+    """`layer`'s weight in float32: its copy, made (or made anew, if the weight array was
+    replaced since) here. A float32 weight is returned as it is."""
+    weight = layer["weight"]
+    if weight.dtype not in NARROW:
+        return weight
+    copy: _Copy | None = layer.__dict__.get("_wide")
+    if copy is None or copy.source is not weight:
+        wide = weight.astype(mx.float32)
+        mx.eval(wide)  # its own buffer now, which `refresh` may write in place
+        copy = _Copy(weight, wide)
+        object.__setattr__(layer, "_wide", copy)  # not an mx.array attribute: no parameter
+    return copy.array
+
+
+def _linear_call(self: Any, x: mx.array) -> mx.array:
+    """`nn.Linear.__call__` with the float32 weight (float32 output)."""
+    w = wide_weight(self)
+    if "bias" in self:
+        return mx.addmm(self["bias"].astype(mx.float32), x, w.T)
+    return x @ w.T
+
+
+def _embedding_call(self: Any, x: mx.array) -> mx.array:
+    """`nn.Embedding.__call__` widened: the gathered rows in float32 (exact; no copy needed)."""
+    return self["weight"][x].astype(mx.float32)
+
+
+def _embedding_as_linear(self: Any, x: mx.array) -> mx.array:
+    """`nn.Embedding.as_linear` (a tied output head) with the float32 weight."""
+    return x @ wide_weight(self).T
+
+
+_METHODS: dict[type, dict[str, Any]] = {
+    nn.Linear: {"__call__": _linear_call},
+    nn.Embedding: {"__call__": _embedding_call, "as_linear": _embedding_as_linear},
+}
+_SWITCHED: dict[type, type] = {}  # stock class -> its float32 subclass
+
+
+def use_float32_compute(model: nn.Module) -> int:
+    """Make `model`'s Linear and Embedding layers compute in float32 (module docstring), in place
+    (each layer's class is swapped for a subclass); how many layers were switched now.
+    Idempotent; quantized layers and other classes are left as they are."""
+    switched = 0
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls in _SWITCHED.values():
+            continue
+        base = next((b for b in _METHODS if issubclass(cls, b)), None)
+        if base is None:
+            continue
+        methods = {k: v for k, v in _METHODS[base].items() if getattr(cls, k) is getattr(base, k)}
+        if not methods:  # the class computes its own way: leave it
+            continue
+        module.__class__ = _SWITCHED.setdefault(cls, type(f"Float32{cls.__name__}", (cls,), methods))
+        switched += 1
+    return switched
+
+
+def computes_in_float32(model: nn.Module) -> bool:
+    """Whether `use_float32_compute` switched any layer of `model`."""
+    return any(type(m) in _SWITCHED.values() for _, m in model.named_modules())
+
+
+def has_copy(layer: nn.Module) -> bool:
+    """Whether `layer` holds a float32 copy of its current weight array."""
+    copy: _Copy | None = layer.__dict__.get("_wide")
+    return copy is not None and "weight" in layer and copy.source is layer["weight"]
+
+
+def refresh(layer: nn.Module, indices: np.ndarray | None = None) -> int:
+    """After `layer`'s 16-bit weight was written in place: rewiden the elements at the sorted
+    flat `indices` (None: all) into its float32 copy, in place; the elements rewidened (0 when
+    the layer holds no copy of this weight: its next call makes one). Call it where the write
+    happened, before the layer computes again (nothing may compute with the copy meanwhile)."""
+    if not has_copy(layer):
+        forget(layer)
+        return 0
+    copy: _Copy = layer.__dict__["_wide"]
+    bits = np.array(copy.source.view(mx.uint16), copy=False).reshape(-1)
+    wide = np.array(copy.array, copy=False).reshape(-1).view(np.uint32)  # the copy's memory
+    assert wide.flags.writeable and wide.size == bits.size
+    if indices is None and copy.source.dtype == mx.bfloat16:
+        np.copyto(wide, bits)  # no temporary the size of the tensor
+        wide <<= 16
+    elif indices is None:
+        wide[...] = _widened_bits(bits, copy.source.dtype)
+    else:
+        wide[indices] = _widened_bits(bits[indices], copy.source.dtype)
+    return int(bits.size if indices is None else np.asarray(indices).size)
+
+
+def _widened_bits(bits: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    """The float32 bit patterns of 16-bit floats' bits."""
+    if dtype == mx.bfloat16:
+        return bits.astype(np.uint32) << 16
+    return bits.view(np.float16).astype(np.float32).view(np.uint32)
+
+
+def forget(layer: nn.Module) -> None:
+    """Drop `layer`'s copy (after its weight array was replaced: the next call widens the new
+    one, and the old copy's memory is not held until then)."""
+    layer.__dict__.pop("_wide", None)
+
+
+def copy_matches(layer: nn.Module) -> bool:
+    """True unless `layer` holds a copy of its current weight that is not exactly that weight
+    widened (a write in place that was not `refresh`ed)."""
+    if not has_copy(layer):
+        return True
+    copy: _Copy = layer.__dict__["_wide"]
+    return bool(mx.array_equal(copy.source.astype(mx.float32), copy.array).item())
+
+
+def copies_nbytes(model: nn.Module) -> int:
+    """Bytes of the float32 copies `model`'s layers hold."""
+    return sum(m.__dict__["_wide"].array.nbytes for _, m in model.named_modules() if has_copy(m))
