@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from slime_stoa.cli.common import shell_command
 from tests.s3server import LOOPBACK, LocalS3Server, S3ServerError
 
 CREDENTIALS_FILE = "credentials.env"  # in --dir: the server's keys, kept across starts
@@ -66,7 +67,7 @@ def create_bucket(server: LocalS3Server, bucket: str) -> None:
 
 
 def _stop(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does
+    raise KeyboardInterrupt  # SIGINT and SIGTERM both stop the server, through the one path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     access, secret = keys_in(root) if root is not None else (None, None)
     server = LocalS3Server(root=root, s3_port=args.port, access_key=access, secret_key=secret)
     signal.signal(signal.SIGTERM, _stop)
+    # Set explicitly, not left to Python: a SIGINT ignored by whoever started us (nohup, some CI
+    # launchers) stays ignored across exec, and Python then installs no handler of its own, so
+    # Ctrl-C would leave this script, and the server it runs, going.
+    signal.signal(signal.SIGINT, _stop)
     try:
         try:
             server.start()
@@ -95,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         store = f"s3://{args.bucket}/quickstart?endpoint={server.endpoint_url}"
         print(f"endpoint: {server.endpoint_url} (SeaweedFS; bucket {args.bucket}; {where})")
         print("credentials, for the shell that runs stoa and macd:")
-        print(f"  export AWS_ACCESS_KEY_ID={server.access_key}")
-        print(f"  export AWS_SECRET_ACCESS_KEY={server.secret_key}")
-        print(f"try: stoa quickstart --store '{store}'")
+        print(f"  {shell_command('export', f'AWS_ACCESS_KEY_ID={server.access_key}')}")
+        print(f"  {shell_command('export', f'AWS_SECRET_ACCESS_KEY={server.secret_key}')}")
+        print(f"try: {shell_command('stoa', 'quickstart', '--store', store)}")
         print("Ctrl-C stops the server.", flush=True)
         while server.running:
             time.sleep(0.5)
@@ -107,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         print("stopping the local S3 server", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # Stopping is bounded (SIGTERM, then SIGKILL after a few seconds): a second Ctrl-C must not
+        # cut it short and leave the server running without us.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         server.stop()
 
 

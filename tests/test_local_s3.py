@@ -25,11 +25,16 @@ def weed_or_skip() -> None:
         pytest.skip(str(exc))
 
 
-def start(*args: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """The script as a process, and its lines up to "Ctrl-C stops the server."."""
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start(*args: str, sigint_ignored: bool = False) -> tuple[subprocess.Popen[str], list[str]]:
+    """The script as a process, and its lines up to "Ctrl-C stops the server."; `sigint_ignored`:
+    started as nohup and some CI launchers start it, with SIGINT ignored (kept across exec)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=ignore_sigint if sigint_ignored else None)
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
@@ -71,3 +76,32 @@ def test_the_script_serves_a_bucket_the_store_can_use(tmp_path: Path, monkeypatc
             assert "stopping the local S3 server" in stop(proc)
     assert proc.returncode == 0
     assert oct((tmp_path / "s3" / "credentials.env").stat().st_mode & 0o777) == "0o600"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (`ps` reads them the same on Linux and macOS)."""
+    table = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    return [int(p) for p, parent in (line.split() for line in table.splitlines()) if int(parent) == pid]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_stops_it_and_its_server_when_started_with_sigint_ignored() -> None:
+    weed_or_skip()
+    proc, _ = start(sigint_ignored=True)
+    server = children(proc.pid)
+    try:
+        assert server, "the script runs no server process"
+        assert "stopping the local S3 server" in stop(proc)
+        assert not [pid for pid in server if alive(pid)], "the S3 server outlived the script"
+    finally:  # whatever failed, nothing is left running
+        for pid in [proc.pid, *server]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
