@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.layout import QuantPlane, check_plane
 from slime_stoa.protocol.pulse.anchor import download_extras, fetch_verified
 from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
@@ -42,7 +43,9 @@ from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.protocol.store.retry import describe_error
 
 from .aio import Wakeup, wait
+from .cmdline import run_create_command
 from .config import DaemonConfig, decoding_sequences, plane_override
+from .fatal import Fatal
 from .index_plan import run_index_plan
 from .machine import memory_bytes
 from .mlx_thread import MLXThread, return_freed_memory
@@ -211,8 +214,26 @@ class WeightFollower:
         extras = folder / "extras"
         await download_extras(self.store, anchor, extras)
         await asyncio.to_thread(_drop_weight_files, folder)
+        create = run_create_command(self.config.store, "NEW_RUN")
+        # A family macd cannot run would fail in mlx-lm, far from its cause (a GPT-2's projections
+        # are stored transposed from mlx-lm's): refused by name first, once, as no retry fixes it.
+        if why := await asyncio.to_thread(unsupported_model, extras):
+            raise Fatal(f"run {self.config.run!r}: its model cannot run on macd: {why}; the operator creates a "
+                        f"run of a supported model (`{create}`)")
         held = sub.layout.plane
-        model, tokenizer, self.live = await self.mlx.run(_build_model, extras, sub.state, held or plane, held is not None)
+        try:
+            model, tokenizer, self.live = await self.mlx.run(
+                _build_model, extras, sub.state, held or plane, held is not None
+            )
+        except (MemoryError, OSError):
+            raise  # this Mac's memory or disk: may pass, retried
+        except Exception as exc:  # mlx-lm refused the anchor's config or weights: the same every time
+            log.debug("building the model failed", exc_info=exc)
+            raise Fatal(
+                f"run {self.config.run!r}: macd could not build its model from the anchor of v{sub.current.version} "
+                f"({describe_error(exc)}); retrying cannot fix it: upgrade macd if the run's model is newer than "
+                f"its mlx-lm, else the operator creates a run of a model macd can build (`{create}`)"
+            ) from exc
         self.plane = held or plane
         self.reporter.update(plane=self.plane)
         return model, tokenizer

@@ -22,7 +22,7 @@ from slime_stoa.protocol.signing import PublicKey, write_private_file
 from slime_stoa.protocol.worker_keys import worker_key_bytes
 
 from . import config as cfg
-from .cmdline import add_config_option, config_path, error
+from .cmdline import add_config_option, config_path, error, run_create_command
 from .index_plan import IndexPlan
 
 if TYPE_CHECKING:
@@ -192,11 +192,6 @@ def no_worker_key_warning(config: cfg.DaemonConfig) -> str | None:
     )
 
 
-def run_create_command(store: str, run: str) -> str:
-    """`stoa run create` for `run` in `store`, as a shell runs it (MODEL and TASK to fill in)."""
-    return shlex.join(["stoa", "run", "create", "--store", store, "--run", run, "--model", "MODEL", "--task", "TASK"])
-
-
 def worker_key_path_for(config_path: Path) -> Path:
     """Where `macd join --worker-key` installs the worker key of the config at `config_path`."""
     return config_path.with_name(f"{config_path.stem}.worker-key.json")
@@ -312,6 +307,7 @@ def _secret_from_env_or_prompt() -> str:
 def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, IndexPlan | None] | int:
     """Probe the bucket and the run (and the size of its search index, if it has one); an exit
     status with the error printed when they are not usable."""
+    from slime_stoa.protocol.hf.architectures import unsupported_config
     from slime_stoa.protocol.store import open_store
 
     from .index_plan import run_index_plan
@@ -337,6 +333,12 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, Index
             f"run {config.run!r} in {config.store} names task {task!r}, which this macd does not know "
             f"(known tasks: {', '.join(sorted(TASKS))}): create a run of one of them under a new name "
             f"(`{run_create_command(config.store, 'NEW_RUN')}`), or upgrade macd if the task is new"
+        )
+    model = model_config_of(info)  # the anchor's config.json in the bucket (or the run's local model folder)
+    if model is not None and (why := unsupported_config(model)):  # `macd run` would refuse it too
+        return error(
+            f"run {config.run!r} in {config.store} is of a model macd cannot run: {why}; the operator creates "
+            f"a run of a supported model (`{run_create_command(config.store, 'NEW_RUN')}`)"
         )
     return info, index
 

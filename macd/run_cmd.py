@@ -160,11 +160,13 @@ def handle(args: argparse.Namespace) -> int:
         level=getattr(logging, config.log_level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from .fatal import Fatal
+
     try:
         return asyncio.run(run_daemon(args, config))
-    except (StoreConfigError, TrackingUnavailable) as exc:
+    except (StoreConfigError, TrackingUnavailable, Fatal) as exc:
         logging.getLogger("macd").error("%s", exc)
-        return 2  # launchd restarts a failed daemon; a config error needs a person: say so
+        return 2  # launchd restarts a failed daemon; a config error or a permanent one needs a person: say so
     except (StoreError, SpoolError, ValueError) as exc:
         logging.getLogger("macd").error("%s", exc)
         return 1

@@ -30,8 +30,10 @@ manifest, the task file, the pointer, a version or anchor manifest, a patch) is 
 log and the heartbeat's `errors`/`last_error` — and skipped: before the first weights the worker
 keeps retrying; after, it keeps generating with its last verified weights and moves on at the
 first good pointer. A store outage of any length only delays uploads: groups wait in the spool,
-which drains when the store is back. Only a configuration error (`StoreConfigError`: credentials,
-bucket) stops it, since retrying cannot fix that.
+which drains when the store is back. Only what retrying cannot fix stops it, with one line naming
+the cause and the fix: a configuration error (`StoreConfigError`: credentials, bucket), and the
+problems `fatal.py` lists (the run's task never prepared, a model family macd cannot run or a
+model it cannot build, an error of the code itself).
 
 In a signed run the worker signs its heartbeat with its worker key, and reads the run's registry
 at start and every `registry_poll_s` (`revocation.py`). Once its key is revoked it stops
@@ -56,14 +58,16 @@ from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
 from slime_stoa.protocol.run_trust import RunKeyRefused, RunTrust, run_key_refusal
 from slime_stoa.protocol.signing import PublicKey, SigningKey
-from slime_stoa.protocol.store import Store, StoreConfigError
+from slime_stoa.protocol.store import NotFound, Store, StoreConfigError
 from slime_stoa.protocol.store.retry import describe_error
 from slime_stoa.tasks import Task, load_task
 from slime_stoa.tasks.tools import Tool, ToolContext, prepare_tool, tool_for
 
 from .aio import Wakeup, settle_task, wait
+from .cmdline import task_prepare_command
 from .config import DaemonConfig
 from .evaluate import EvalResponder
+from .fatal import Fatal, permanent
 from .following import SwapRecord, WeightFollower, held_plane, served_digest
 from .generation import GenerationLoop, Ready, ToolCalls, at_safe_point
 from .mlx_thread import MLXThread, return_freed_memory
@@ -176,7 +180,15 @@ class Worker:
         key_text = manifest.run_key
         if key_text and (self.trust is None or self.trust.pinned.to_text() != key_text):
             self.trust = RunTrust.from_text(self.config.run, key_text)
-        task = await asyncio.to_thread(load_task, await self.store.get_bytes(task_key(manifest)))
+        try:
+            data = await self.store.get_bytes(task_key(manifest))
+        except NotFound:  # the operator created the run and never prepared its task: only they can fix it
+            prepare = task_prepare_command(manifest.task, manifest.task_split, self.config.store, manifest.run)
+            raise Fatal(
+                f"run {manifest.run!r} has no task data ({task_key(manifest)} is not in the bucket): "
+                f"the operator prepares it with `{prepare}`, then start this worker again"
+            ) from None
+        task = await asyncio.to_thread(load_task, data)
         if task.name != manifest.task:
             raise ValueError(f"task file {task_key(manifest)} holds task {task.name!r}, the run says {manifest.task!r}")
         return manifest, task
@@ -246,12 +258,24 @@ class Worker:
             except RunKeyRefused as exc:  # one line per `repeat_log_s`; the bucket may be put right
                 self.reporter.update(status="refused")
                 self.reporter.error(str(exc))
-            except Exception as exc:  # malformed or missing objects, a store outage, a model mlx-lm refuses
+            except Exception as exc:  # malformed or missing objects, a store outage: retried
                 what = "run" if loaded is None else "weights"
+                self._stop_if_permanent(exc, what)
                 self.reporter.error(f"{what}: {describe_error(exc)}; retrying in {delay:.0f} s")
             await wait(stop, delay)
             delay = min(2 * delay, self.options.setup_retry_max_s)
         return None
+
+    def _stop_if_permanent(self, exc: Exception, what: str) -> None:
+        """Raise `exc` as a `Fatal` (`fatal.permanent`) when no retry can fix it: reported in the
+        heartbeat first (the final one says why the worker stopped), its traceback at debug level."""
+        fatal = permanent(exc, what)
+        if fatal is None:
+            return
+        if fatal is not exc:
+            log.debug("%s failed", what, exc_info=exc)
+        self.reporter.update(errors=self.reporter.beat.errors + 1, last_error=str(fatal)[:500])
+        raise fatal from (None if fatal is exc else exc)
 
     async def _open_tool(self, manifest: RunManifest, task: Task, stop: asyncio.Event) -> Tool | None:
         """The tool of a tool task (`slime_stoa.tasks.tools.tool_for`), prepared (e.g. the search index fetched,
@@ -274,6 +298,7 @@ class Worker:
             except StoreConfigError:
                 raise
             except Exception as exc:  # a missing or damaged index, a store outage
+                self._stop_if_permanent(exc, "tool")
                 self.reporter.error(f"tool: {describe_error(exc)}; retrying in {delay:.0f} s")
             await wait(stop, delay)
             delay = min(2 * delay, self.options.setup_retry_max_s)

@@ -105,7 +105,8 @@ def test_every_printed_command_quotes_its_values(tmp_path: Path) -> None:
     from dataclasses import replace
 
     from macd.config import DaemonConfig
-    from macd.join_cmd import join_report, no_worker_key_warning, run_create_command
+    from macd.cmdline import run_create_command
+    from macd.join_cmd import join_report, no_worker_key_warning
     from macd.worker import WorkerKeyError, check_signing
     from slime_stoa.protocol.run_manifest import RunManifest
     from slime_stoa.protocol.signing import SigningKey
