@@ -87,6 +87,10 @@ def unknown_arguments_text(parser: argparse.ArgumentParser, extras: list[str]) -
     return text
 
 
+#: The exit status of input stoa refuses before doing anything (argparse's for a bad command line).
+REFUSED = 2
+
+
 def add_store_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.run_manifest import DEFAULT_RETAIN_ANCHORS, PLANES, RunManifest, read_run_manifest
 from slime_stoa.protocol.signing import SigningKey, read_key_file
 from slime_stoa.protocol.store import (
@@ -17,7 +18,7 @@ from slime_stoa.protocol.store import (
 )
 from slime_stoa.tasks import TASKS
 
-from .common import add_run_options, require_run_options
+from .common import REFUSED, add_run_options, require_run_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Write runs/<run>/run.json. Workers read everything they need from it.",
     )
     add_run_options(create)
-    create.add_argument("--model", required=True, help="model reference for people (HF id or folder)")
+    create.add_argument(
+        "--model", required=True,
+        help="model reference for people (HF id or folder); a folder must hold a model of a supported family",
+    )
     create.add_argument("--task", required=True, help="task name, e.g. gsm8k or synthetic")
     create.add_argument("--task-split", default="train", help="task file workers draw prompts from")
     create.add_argument("--plane", choices=PLANES, default="bf16", help="what workers serve")
@@ -109,8 +113,14 @@ async def read_run(url: str, run: str) -> RunManifest:
 
 
 def _run_create(args: argparse.Namespace) -> int:
+    require_run_options(args)
+    # A folder is checked now: a family workers cannot run would be accepted by the bucket and fail
+    # on every Mac later. An HF id is only a name here; its weights are checked at publish-anchor.
+    folder = Path(args.model).expanduser()
+    if folder.is_dir() and (why := unsupported_model(folder)):
+        print(f"error: {why}", file=sys.stderr)
+        return REFUSED
     try:
-        require_run_options(args)
         manifest = manifest_from_args(args)
         key = read_key_file(args.key) if args.key is not None else None
         if key is not None:

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
+from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.hf.folders import load_hf_state, save_hf_folder
 from slime_stoa.protocol.layout import RunLayout, parse_versioned
 from slime_stoa.protocol.pulse.anchor import download_extras
@@ -34,7 +35,7 @@ from slime_stoa.protocol.store import GetResult, NotFound, ObjectInfo, Store, St
 from slime_stoa.protocol.store.base import Payload
 from slime_stoa.quickstart.meter import StepMeter, cli_console
 
-from .common import add_run_options, human_bytes, os_error_text, require_run_options
+from .common import REFUSED, add_run_options, human_bytes, os_error_text, require_run_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -117,6 +118,9 @@ async def publish_anchor(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     if not args.hf_dir.is_dir():
         raise ValueError(f"model folder {args.hf_dir} does not exist: pass the HF checkpoint folder to seed the run from")
+    if why := unsupported_model(args.hf_dir):  # refused before the bucket is touched
+        print(f"error: {why}", file=sys.stderr)
+        return REFUSED
     key = read_key_file(args.key) if args.key is not None else None
     async with open_store(url) as store:
         manifest = await read_run_manifest(store, run)  # RunNotFound says to `stoa run create` it
