@@ -12,6 +12,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from .cmdline import add_config_option, config_path, error, run_create_command
 from .index_plan import IndexPlan
 
 if TYPE_CHECKING:
+    from slime_stoa.protocol.heartbeat import Heartbeat
     from slime_stoa.protocol.run_manifest import Plane
 
     from .plane_choice import PlaneChoice
@@ -153,12 +155,13 @@ def _do_join(args: argparse.Namespace) -> int:
     )
     info: cfg.RunInfo | None = None
     index: IndexPlan | None = None
+    live: Heartbeat | None = None
     pinned_now = False
     if not args.no_check:
         checked = _check_run(config, creds if creds is not None else config.read_credentials())
         if isinstance(checked, int):
             return checked
-        info, index = checked
+        info, index, live = checked
         if config.plane:
             try:
                 cfg.plane_override(info.manifest, config.plane)
@@ -177,7 +180,31 @@ def _do_join(args: argparse.Namespace) -> int:
         print(line)
     if warning := no_worker_key_warning(config):
         print(warning, file=sys.stderr)
+    if live is not None:
+        print(live_worker_warning(config, live, time.time()), file=sys.stderr)
     return 0
+
+
+def live_worker_warning(config: cfg.DaemonConfig, beat: Heartbeat, now: float) -> str:
+    """What join says when the worker id's heartbeat says it runs: this Mac's own macd (it holds
+    the spool of this data folder), or another Mac's, which `macd run` here would be refused
+    next to (`twin.py`)."""
+    from slime_stoa.protocol.heartbeat import ago
+
+    from .spool import lock_holder
+
+    seen = f"its heartbeat said {beat.status!r} {ago(now - beat.updated_at)}, name {beat.name!r}"
+    holder = lock_holder(config.data_dir / "spool" / config.run)
+    if holder is not None:
+        pid = f"pid {holder}" if holder > 0 else "a process"
+        return (f"note: worker {config.worker_id!r} already runs on this Mac ({pid} holds its spool; {seen}): "
+                f"restart it to use this config")
+    return (
+        f"warning: worker {config.worker_id!r} of run {config.run!r} is running elsewhere ({seen}): two Macs with "
+        f"one worker id repeat each other's record keys and the trainer refuses half their groups; join this Mac "
+        f"with another --worker-id (in a signed run with a worker key of its own), or stop the other first "
+        f"(`macd run` here refuses to start while it runs)"
+    )
 
 
 def no_worker_key_warning(config: cfg.DaemonConfig) -> str | None:
@@ -304,22 +331,24 @@ def _secret_from_env_or_prompt() -> str:
     )
 
 
-def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, IndexPlan | None] | int:
-    """Probe the bucket and the run (and the size of its search index, if it has one); an exit
-    status with the error printed when they are not usable."""
+def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, IndexPlan | None, Heartbeat | None] | int:
+    """Probe the bucket and the run (and the size of its search index, if it has one, and whether
+    a worker with this id runs: its heartbeat, when it says so); an exit status with the error
+    printed when they are not usable."""
     from slime_stoa.protocol.hf.architectures import unsupported_config
     from slime_stoa.protocol.store import open_store
 
     from .index_plan import run_index_plan
     from .shared_dir import machine_shared_dir
 
-    async def probe() -> tuple[cfg.RunInfo, IndexPlan | None]:
+    async def probe() -> tuple[cfg.RunInfo, IndexPlan | None, Heartbeat | None]:
         async with open_store(config.store, credentials=creds) as store:
             info = await cfg.probe_run(store, config.run, pinned=config.run_key or None)
-            return info, await run_index_plan(store, info.manifest, machine_shared_dir())
+            index = await run_index_plan(store, info.manifest, machine_shared_dir())
+            return info, index, await _running_heartbeat(config, store)
 
     try:
-        info, index = asyncio.run(probe())
+        info, index, live = asyncio.run(probe())
     except cfg.RunNotFound:
         return error(
             f"run {config.run!r} does not exist in {config.store}: create it with "
@@ -340,7 +369,25 @@ def _check_run(config: cfg.DaemonConfig, creds: Any) -> tuple[cfg.RunInfo, Index
             f"run {config.run!r} in {config.store} is of a model macd cannot run: {why}; the operator creates "
             f"a run of a supported model (`{run_create_command(config.store, 'NEW_RUN')}`)"
         )
-    return info, index
+    return info, index, live
+
+
+async def _running_heartbeat(config: cfg.DaemonConfig, store: Any) -> Heartbeat | None:
+    """The heartbeat of this worker id when it says the worker runs (as `stoa fleet` reads it);
+    None when it does not, or cannot be read (a warning only: never a reason to fail a join)."""
+    from slime_stoa.protocol.heartbeat import NOT_RUNNING, read_heartbeat, shown_status
+    from slime_stoa.protocol.store import StoreError, open_store
+
+    try:
+        if config.rollouts_store:  # the heartbeat is in the second bucket
+            creds = config.read_credentials(config.rollouts_credentials_file)
+            async with open_store(config.rollouts_store, credentials=creds) as rollouts:
+                beat = await read_heartbeat(rollouts, config.run, config.worker_id)
+        else:
+            beat = await read_heartbeat(store, config.run, config.worker_id)
+    except (StoreError, ValueError, OSError):
+        return None
+    return beat if shown_status(beat, time.time()) not in NOT_RUNNING else None
 
 
 def join_report(

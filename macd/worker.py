@@ -16,7 +16,8 @@ one job each:
   run); the uploader (`uploader.py`) drains the spool to the bucket.
 - `reporting.Reporter`: the heartbeat every part updates, and the errors they report.
 
-`Worker` sets them up: reads the run and its task, syncs the first weights and builds the model
+`Worker` sets them up: makes sure no other live process holds its worker id (`twin.py`: two
+would repeat each other's record keys), reads the run and its task, syncs the first weights and builds the model
 from the anchor's config with the synced state installed in memory, prepares a tool task's tool,
 then runs them until stopped.
 
@@ -78,6 +79,7 @@ from .revocation import RevocationWatch
 from .run_pin import remember_run_key, remembered_run_key
 from .shared_dir import machine_shared_dir
 from .spool import Spool, SpoolLocked
+from .twin import check_no_twin, remember_instance
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -232,6 +234,20 @@ class Worker:
             if stop.is_set():
                 return None
 
+    async def _claim_worker_id(self, stop: asyncio.Event) -> bool:
+        """`twin.check_no_twin` (TwinWorker when another live process holds this worker id), then
+        this process's instance id kept in the data folder; False if stopped first."""
+        config = self.config
+        await check_no_twin(self.store, config.run, config.worker_id, instance=self.reporter.instance,
+                            data_dir=config.data_dir, signer=self._signer, every_s=self.options.heartbeat_s, stop=stop)
+        if stop.is_set():
+            return False
+        try:
+            remember_instance(config.data_dir, config.run, self.reporter.instance)
+        except OSError as exc:  # only the next start's shortcut is lost
+            log.warning("instance id not kept in %s: %s", config.data_dir, exc)
+        return True
+
     async def _setup(self, stop: asyncio.Event, upload_task: asyncio.Task) -> Ready | None:
         """Read the run and its task, sync the weights and build the model holding them; retried
         (each failure reported) until it works. None if stopped first (or the uploader failed)."""
@@ -308,8 +324,9 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> int:
         """Run until `stop` is set (or max_cohorts); returns the process exit code.
 
-        Raises `SpoolLocked` when another live macd holds this worker's spool, and
-        `StoreConfigError` when the store's configuration is wrong."""
+        Raises `SpoolLocked` when another live macd holds this worker's spool, `TwinWorker` when
+        another live process holds its worker id (`twin.py`), `StoreConfigError` when the store's
+        configuration is wrong, and `Fatal` for what no retry fixes (`fatal.py`)."""
         return_freed_memory()
         self._signer = self.reporter.signer = load_worker_key(self.config)  # a bad key file fails here, at once
         if self._signer is not None:
@@ -318,6 +335,16 @@ class Worker:
             )
         spool = await self._open_spool(stop)
         if spool is None:
+            return 0
+        try:  # before any upload or heartbeat: another live process may hold this worker id (twin.py)
+            claimed = await self._claim_worker_id(stop)
+        except BaseException:
+            spool.close()
+            await asyncio.to_thread(self.mlx.close)
+            raise
+        if not claimed:
+            spool.close()
+            await asyncio.to_thread(self.mlx.close)
             return 0
         uploader = Uploader(self.store, spool, concurrency=self.config.transfer_concurrency)
         stop_uploads = asyncio.Event()
