@@ -137,9 +137,13 @@ class WeightFollower:
         publishes quantized planes, a smaller one if the run's does not fit this Mac's memory.
         The model's config is read from the run's bf16 anchor (the run's plane when it cannot be),
         the size of the run's search index from its manifest (`index_plan`).
-        The daemon config's `plane` overrides the pick (ValueError when the run cannot be served on it)."""
+        The daemon config's `plane` overrides the pick (`Fatal` when the run cannot be served on it)."""
         if self.config.plane:
-            plane = plane_override(manifest, self.config.plane)
+            try:
+                plane = plane_override(manifest, self.config.plane)
+            except ValueError as exc:  # the config asks what the run cannot serve: no retry changes that
+                raise Fatal(f"{exc}: change `plane` in the config (`macd join --plane PLANE`, or leave it out "
+                            f"to serve the largest plane that fits)") from None
             log.info("plane for this Mac: %s (the daemon config's)", plane)
             return plane
         if not manifest.planes:

@@ -161,3 +161,16 @@ def test_errors_of_the_code_are_permanent(exc: Exception) -> None:
     fatal = permanent(exc, "weights")
     assert fatal is not None and str(fatal).startswith(f"weights: {type(exc).__name__}") and "\n" not in str(fatal)
     assert permanent(fatal, "run") is fatal
+
+
+async def test_a_plane_the_run_cannot_serve_stops_the_worker(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """The config's `plane` asks for int4 of a run that does not publish it: a config error."""
+    from dataclasses import replace
+
+    await seed_run(store, MANIFEST, model_dir, task_count=20)
+    config = replace(daemon_config(store_url, tmp_path / "data"), plane="int4")
+    worker = Worker(config, store, WorkerOptions(seed=1, idle_poll_s=0.01))
+    with pytest.raises(Fatal, match=r"does not publish the int4 plane.*change `plane` in the config"):
+        await asyncio.wait_for(worker.run(asyncio.Event()), 120)
