@@ -17,9 +17,9 @@ one job each:
 - `reporting.Reporter`: the heartbeat every part updates, and the errors they report.
 
 `Worker` sets them up: makes sure no other live process holds its worker id (`twin.py`: two
-would repeat each other's record keys), reads the run and its task, syncs the first weights and builds the model
-from the anchor's config with the synced state installed in memory, prepares a tool task's tool,
-then runs them until stopped.
+would repeat each other's record keys), reads the run and its task, syncs the first weights and
+builds the model from the anchor's config with the synced state installed in memory, prepares a
+tool task's tool, then runs them until stopped.
 
 Every finished group is written to the on-disk spool first and uploaded from there, so nothing
 finished is ever lost. With the run's `dynamic_sampling`, a group whose rewards are all equal is
