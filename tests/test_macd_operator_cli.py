@@ -104,8 +104,8 @@ def test_join_of_a_missing_run_prints_a_run_create_that_runs_as_printed(
 def test_every_printed_command_quotes_its_values(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from macd.config import DaemonConfig
     from macd.cmdline import run_create_command
+    from macd.config import DaemonConfig
     from macd.join_cmd import join_report, no_worker_key_warning
     from macd.worker import WorkerKeyError, check_signing
     from slime_stoa.protocol.run_manifest import RunManifest
