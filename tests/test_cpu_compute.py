@@ -39,8 +39,9 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(autouse=True)
-def _default_compute(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(cpu_compute.ENV, raising=False)
+def _float32_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 compute whatever BLAS this process has (by default it needs a fast one)."""
+    monkeypatch.setenv(cpu_compute.ENV, "float32")
 
 
 def live_model(tiny: Path, state: dict[str, np.ndarray] | None = None) -> tuple[LiveWeights, dict[str, np.ndarray]]:
@@ -136,14 +137,18 @@ def test_recorded_logprobs_are_the_float32_models(tiny: Path) -> None:
             np.testing.assert_allclose(c.logprobs, forced, rtol=0, atol=1e-5)
 
 
-def test_stock_compute_on_request_and_on_a_gpu(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_float32_only_on_the_cpu_with_a_fast_blas_or_when_asked(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_compute.ENV, "bfloat16")
     live, _ = live_model(tiny)
     assert not cpu_compute.computes_in_float32(live.model) and live.model(PROMPT).dtype == mx.bfloat16
     monkeypatch.setenv(cpu_compute.ENV, "fp32")
     with pytest.raises(ValueError, match=cpu_compute.ENV):
         cpu_compute.float32_compute_wanted()
-    monkeypatch.delenv(cpu_compute.ENV)
+    monkeypatch.delenv(cpu_compute.ENV)  # auto: float32 when a fast BLAS serves MLX's matmuls
+    monkeypatch.setattr(cpu_compute, "sgemm_provider", lambda: None)
+    assert not cpu_compute.float32_compute_wanted()
+    monkeypatch.setattr(cpu_compute, "sgemm_provider", lambda: "libmkl_rt.so.3")
+    assert cpu_compute.float32_compute_wanted()
     monkeypatch.setattr(cpu_compute.mx, "default_device", lambda: mx.Device(mx.gpu))
     assert not cpu_compute.float32_compute_wanted()
 
