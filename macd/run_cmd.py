@@ -160,6 +160,9 @@ def handle(args: argparse.Namespace) -> int:
         level=getattr(logging, config.log_level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from .cpu_blas import use_fast_blas
+
+    use_fast_blas()  # Linux: before anything loads MLX, whose CPU matmuls bind to the first BLAS loaded
     from .fatal import Fatal
 
     try:
