@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from pathlib import Path
 
+# The commands macd names in its messages, built and shell-quoted where stoa builds its own.
+from slime_stoa.protocol.shell import TASK_SOURCES, run_create_command, task_prepare_command
+
 from . import config as cfg
+
+__all__ = ["TASK_SOURCES", "add_config_option", "config_path", "error", "run_create_command", "task_prepare_command"]
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:
@@ -32,25 +36,3 @@ def error(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 1
 
-
-# -- commands macd names in its messages, as a shell runs them (bash, zsh: every value quoted) ------
-
-
-def run_create_command(store: str, run: str) -> str:
-    """`stoa run create` of `run` in `store` (MODEL and TASK to fill in)."""
-    return shlex.join(["stoa", "run", "create", "--store", store, "--run", run, "--model", "MODEL", "--task", "TASK"])
-
-
-#: What `stoa task prepare` reads for each task (placeholders to fill in); synthetic generates its own.
-TASK_SOURCES: dict[str, tuple[str, ...]] = {
-    "synthetic": (),
-    "gsm8k": ("FILE.jsonl",),
-    "math": ("MATH_FOLDER_OR_JSONL",),
-    "search": ("QA_FILE", "CORPUS_FILE"),
-}
-
-
-def task_prepare_command(task: str, split: str, store: str, run: str) -> str:
-    """`stoa task prepare` writing the `split` of `task` for `run` in `store`."""
-    sources = TASK_SOURCES.get(task, ("FILES",))
-    return shlex.join(["stoa", "task", "prepare", task, *sources, "--store", store, "--run", run, "--split", split])

@@ -10,7 +10,6 @@ import getpass
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slime_stoa.protocol.cli_fields import add_field_options
+from slime_stoa.protocol.shell import shell_command
 from slime_stoa.protocol.signing import PublicKey, write_private_file
 from slime_stoa.protocol.worker_keys import worker_key_bytes
 
@@ -211,8 +211,8 @@ def no_worker_key_warning(config: cfg.DaemonConfig) -> str | None:
     """One line when the run is signed (a run key is pinned) but this Mac holds no worker key."""
     if not config.run_key or config.worker_key:
         return None
-    add = shlex.join(["stoa", "worker", "add", "NAME", "--store", config.store, "--run", config.run,
-                      "--key", "RUN_KEY_FILE", "--out", "FILE"])
+    add = shell_command("stoa", "worker", "add", "NAME", "--store", config.store, "--run", config.run,
+                        "--key", "RUN_KEY_FILE", "--out", "FILE")
     return (
         f"warning: run {config.run!r} is signed and this Mac has no worker key: the trainer will refuse its "
         f"records; issue one with `{add}` and join again with --worker-key FILE"
@@ -409,7 +409,7 @@ def join_report(
         lines.append("  (bucket not checked: --no-check)")
     else:
         lines += plan_lines(config, info, memory_bytes(), index)
-    suffix = "" if path == cfg.default_config_path() else f" --config {shlex.quote(str(path))}"
+    suffix = "" if path == cfg.default_config_path() else f" {shell_command('--config', path)}"
     lines += [
         "",
         f"next: macd install{suffix} && macd start    (or `macd run{suffix}` in the foreground)",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shlex
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from slime_stoa.protocol.records import (
     encode_group,
 )
 from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.shell import shell_command
 from slime_stoa.protocol.signed_record import sign_record
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.worker_keys import read_worker_key_file
@@ -124,8 +124,8 @@ def check_signing(manifest: RunManifest, signer: SigningKey | None, store: str =
     """WorkerKeyError when the run is signed and this worker has no key to sign its records
     (`store`: the run's bucket URL, for the command the message names)."""
     if manifest.run_key is not None and signer is None:
-        add = shlex.join(["stoa", "worker", "add", "NAME", "--store", store, "--run", manifest.run,
-                          "--key", "RUN_KEY_FILE", "--out", "FILE"])
+        add = shell_command("stoa", "worker", "add", "NAME", "--store", store, "--run", manifest.run,
+                            "--key", "RUN_KEY_FILE", "--out", "FILE")
         raise WorkerKeyError(
             f"run {manifest.run!r} is signed and this worker has no worker key: issue one with "
             f"`{add}` and install it with `macd join --worker-key FILE`"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import plistlib
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from slime_stoa.protocol.shell import shell_command
 
 BASE_LABEL = "dev.stoa.macd"
 DOMAIN_KINDS = ("gui", "user")
@@ -243,7 +244,7 @@ class Launchctl:
     def __call__(self, argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run `argv`; with `check`, ServiceError (the command, its status, its stderr) on failure."""
         if self.dry_run:
-            self.echo(shlex.join(argv))
+            self.echo(shell_command(*argv))
             return subprocess.CompletedProcess(argv, 0, "", "")
         self.require()
         try:
@@ -252,7 +253,7 @@ class Launchctl:
             raise ServiceError(LAUNCHCTL_MISSING) from None
         if check and done.returncode != 0:
             detail = (done.stderr or done.stdout).strip()
-            raise ServiceError(f"`{shlex.join(argv)}` failed (exit {done.returncode}){': ' + detail if detail else ''}")
+            raise ServiceError(f"`{shell_command(*argv)}` failed (exit {done.returncode}){': ' + detail if detail else ''}")
         return done
 
     def loaded(self, agent: Agent) -> bool:
@@ -306,7 +307,7 @@ def start(agent: Agent, launchctl: Launchctl) -> str:
         raise ServiceError(f"{exc}\ncheck the plist (`plutil -lint {agent.plist}`) and the log {agent.log}") from None
     if launchctl.dry_run:
         launchctl.echo("# when it is already loaded, instead of bootstrap (a restart):")
-        launchctl.echo(shlex.join(kickstart_cmd(agent)))
+        launchctl.echo(shell_command(*kickstart_cmd(agent)))
     return "started"
 
 
@@ -327,7 +328,7 @@ def uninstall(agent: Agent, launchctl: Launchctl) -> bool:
         launchctl(bootout_cmd(agent))
     launchctl(enable_cmd(agent))  # clear a `disable` left by `macd stop` from launchd's database
     if launchctl.dry_run:
-        launchctl.echo(shlex.join(["rm", "-f", str(agent.plist)]))
+        launchctl.echo(shell_command("rm", "-f", agent.plist))
         return agent.plist.exists()
     existed = agent.plist.exists()
     agent.plist.unlink(missing_ok=True)

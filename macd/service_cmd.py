@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import shlex
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from slime_stoa.protocol.shell import shell_command
 
 from . import config as cfg
 from .cmdline import add_config_option, config_path, error
@@ -105,7 +106,7 @@ def _install(args: argparse.Namespace) -> int:
         print("# then `macd start` runs:")
         service.start(agent, launchctl)
         return 0
-    print(f"{agent.label}: {agent.plist} {outcome}; it runs `{shlex.join(['macd', 'run', '--config', str(path)])}` at login")
+    print(f"{agent.label}: {agent.plist} {outcome}; it runs `{shell_command('macd', 'run', '--config', path)}` at login")
     print(f"log: {agent.log}")
     print("next: macd start" if outcome != "reloaded" else "the running agent was reloaded with the new settings")
     return 0

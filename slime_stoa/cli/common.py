@@ -6,9 +6,11 @@ import argparse
 import contextlib
 import difflib
 import os
-import shlex
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
+
+# Every command line stoa prints for someone to run goes through it (bash and zsh run it as printed).
+from slime_stoa.protocol.shell import shell_command as shell_command
 
 
 class _ParseError(Exception):
@@ -117,14 +119,6 @@ def os_error_text(exc: OSError) -> str:
         return str(exc)
     where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else str(exc.filename)
     return f"{where}: {exc.strerror[0].lower()}{exc.strerror[1:]}"
-
-
-def shell_command(*argv: str | os.PathLike[str]) -> str:
-    """`argv` as one line a person can paste into bash or zsh (macOS's shell) and get exactly these
-    arguments back: every word that needs it is quoted. Unquoted, zsh takes the `?` of an
-    `s3://...?endpoint=...` URL for a glob and stops with "no matches found", and both shells
-    split at `&` or a space. Every command line stoa prints for someone to run goes through here."""
-    return shlex.join(os.fspath(a) for a in argv)
 
 
 def require_run_options(args: argparse.Namespace) -> tuple[str, str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from slime_stoa.protocol.cli_fields import add_field_options
+from slime_stoa.protocol.shell import shell_command
 from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
 
 INTERRUPTED = 130  # the exit status after Ctrl-C or SIGTERM (the run resumes on a rerun)
@@ -38,8 +38,8 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
 
 def inspect_commands(cfg: QuickstartConfig) -> list[str]:
     """The commands that show the run in the bucket (shell-quoted: an s3:// URL holds `?`, `&`)."""
-    where = f"--store {shlex.quote(cfg.store_url)} --run {shlex.quote(cfg.run)}"
-    return [f"stoa weights status {where}", f"stoa fleet {where}", f"stoa run show {where}"]
+    where = ("--store", cfg.store_url, "--run", cfg.run)
+    return [shell_command("stoa", *command, *where) for command in (("weights", "status"), ("fleet",), ("run", "show"))]
 
 
 def _quickstart(args: argparse.Namespace) -> int:
