@@ -508,7 +508,9 @@ def hf_folder(root: Path, names: list[str], *, tie: bool | None) -> Path:
     from slime_stoa.protocol.hf.safetensors_io import write_safetensors
 
     root.mkdir(parents=True)
-    config = {"vocab_size": 64} if tie is None else {"vocab_size": 64, "tie_word_embeddings": tie}
+    config = {"model_type": "llama", "vocab_size": 64}
+    if tie is not None:
+        config["tie_word_embeddings"] = tie
     (root / "config.json").write_text(__import__("json").dumps(config))
     write_safetensors(root / "model.safetensors", {n: np.zeros((2, 2), np.float32) for n in names})
     return root

@@ -36,8 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeGuard
 
+from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
+from slime_stoa.protocol.shell import run_create_command, shell_command, task_prepare_command
 from slime_stoa.protocol.store import StoreError, open_store, parse_store_url
 
 Config = Mapping[str, Any] | None  # the custom-config YAML, if read
@@ -50,6 +52,7 @@ STOA_LOSS_FUNCTION = "slime_stoa.dppo_loss"
 STOA_DATA_SOURCE = "slime_stoa.StoaDataSource"
 SLIME_DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
 SLIME_DEFAULT_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+NEW_RUN = "NEW_RUN"  # the placeholder of a run name to pick, in the commands preflight prints
 
 
 @dataclass(frozen=True)
@@ -436,6 +439,9 @@ def check_hf_names(args: argparse.Namespace, facts: StoreFacts) -> list[Finding]
         return [warn(check, f"--hf-checkpoint {hf} is not a local folder here: the published tensor names were not "
                             "checked against it")]
     config, names = read_config(folder), folder_tensor_names(folder)
+    if config is not None and (why := unsupported_model(folder)):
+        return [fix("model-family", f"--hf-checkpoint {why}: workers cannot run it; point --hf-checkpoint at a "
+                                    "model of a supported family")]
     if config is None or names is None:
         return [warn(check, f"--hf-checkpoint {hf} has no readable config.json or safetensors weights here: the "
                             "published tensor names were not checked against it")]
@@ -464,11 +470,16 @@ def check_hf_names(args: argparse.Namespace, facts: StoreFacts) -> list[Finding]
             return ", ".join(xs[:5]) + (f" (+{len(xs) - 5} more)" if len(xs) > 5 else "")
 
         parts = ([f"lacks {few(missing)}"] if missing else []) + ([f"has {few(extra)} too"] if extra else [])
+        # The run has weights, so its anchor stays: a new run is seeded from that folder.
+        task = facts.manifest.task if facts.manifest is not None else "TASK"
+        create = run_create_command(facts.url, NEW_RUN, model=str(hf), task=task)
+        publish = shell_command("stoa", "weights", "publish-anchor", str(hf), "--store", facts.url, "--run", NEW_RUN)
         out.append(fix(
             check,
             f"the run's anchor v{facts.anchor_version} {' and '.join(parts)} compared with --hf-checkpoint {hf}, "
-            "whose names the trainer publishes: the first update_weights would be refused. Publish the anchor "
-            f"from that folder (`stoa weights publish-anchor {hf} ...`) or point --hf-checkpoint at the anchor's model",
+            "whose names the trainer publishes: the first update_weights would be refused. Seed a new run from "
+            f"that folder (`{create}`, then `{publish}`, and stoa_run: {NEW_RUN} in the YAML) or point "
+            "--hf-checkpoint at the anchor's model",
         ))
         return out
     out.append(ok(check, f"the anchor v{facts.anchor_version} has the {len(names)} tensor names of --hf-checkpoint "
@@ -751,7 +762,7 @@ def check_run_key(args: argparse.Namespace, manifest: RunManifest) -> Finding:
         if key is None:
             return ok("run-key", "the run is unsigned (no run_key): weights are published unsigned")
         return fix("run-key", f"stoa_run_key is set but run {manifest.run!r} is unsigned (no run_key in its manifest): "
-                              "create a signed run with `stoa run create --key`, or drop stoa_run_key")
+                              "create a signed run (stoa run create with --key KEY_FILE), or drop stoa_run_key")
     if key is None:
         return fix("run-key", f"run {manifest.run!r} is signed (run_key {manifest.public_key.key_id}): "  # type: ignore[union-attr]
                               "set stoa_run_key to its key file, or workers refuse every version")
@@ -874,7 +885,7 @@ def check_store(facts: StoreFacts) -> list[Finding]:
             fix(
                 "run-manifest",
                 f"run {run!r} has no usable manifest ({facts.manifest_error}): create it with "
-                f"`stoa run create {url} --run {run} --model MODEL --task gsm8k ...`",
+                f"`{run_create_command(url, run)}`",
             )
         )
         return out
@@ -892,8 +903,7 @@ def check_store(facts: StoreFacts) -> list[Finding]:
         out.append(
             fix(
                 "task-data",
-                f"{facts.task_key} is missing: run "
-                f"`stoa task prepare {m.task} <{m.task_split}.jsonl> --store {url} --run {run}`",
+                f"{facts.task_key} is missing: run `{task_prepare_command(m.task, m.task_split, url, run)}`",
             )
         )
     if facts.pointer_error is not None:
@@ -901,15 +911,17 @@ def check_store(facts: StoreFacts) -> list[Finding]:
             fix(
                 "weights",
                 f"the run's published weights cannot be read ({facts.pointer_error}): check with "
-                f"`stoa weights verify --store {url} --run {run}`",
+                f"`{shell_command('stoa', 'weights', 'verify', '--store', url, '--run', run)}`",
             )
         )
     elif facts.pointer_version is None:
+        signed = ("--key", "RUN_KEY_FILE") if m.run_key is not None else ()  # refused unsigned on a signed run
+        publish = shell_command("stoa", "weights", "publish-anchor", "HF_DIR", "--store", url, "--run", run, *signed)
         out.append(
             fix(
                 "weights",
-                f"run {run!r} has no published weights: seed it with "
-                f"`stoa weights publish-anchor HF_DIR --store {url} --run {run}` (HF_DIR: the model slime starts from)",
+                f"run {run!r} has no published weights: seed it with `{publish}` (HF_DIR: the model slime starts from"
+                + (", RUN_KEY_FILE: the run's key file)" if signed else ")"),
             )
         )
     else:
@@ -935,7 +947,7 @@ def check_patch(slime_dir: str | Path | None) -> Finding:
         statuses = [(p, aps.patch_status(root, p)) for p in aps.load_patches(paths)]
     except (ValueError, OSError, UnicodeDecodeError) as exc:
         return fix(check, str(exc))
-    apply_cmd = f"python scripts/apply_slime_patches.py {root}"
+    apply_cmd = shell_command("python", "scripts/apply_slime_patches.py", root)
     bad = [f"{p.name}: {s.message}" for p, s in statuses if s.state == aps.NOT_APPLICABLE]
     if bad:
         return fix(check, "a stoa patch does not fit this slime checkout: " + " ".join(bad))
