@@ -13,6 +13,10 @@ A write that runs out of room (ENOSPC, or EDQUOT: the user's quota) raises `Disk
 of that errno whose text names the size and the path ("no space left on device writing 12.3 MB
 to /path"): `[Errno 28] No space left on device` alone does not say which file or how much room
 it wanted. The temp file is removed, so a full disk leaves no partial file behind either.
+
+`new_file` is the first half alone (the temp file written, flushed and closed, `DiskFull` naming
+the file it is for), for a writer that makes it visible by a step of its own: the `file://`
+bucket links or renames it into place under a lock of its own.
 """
 
 from __future__ import annotations
@@ -23,14 +27,14 @@ import fcntl
 import io
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-__all__ = ["DiskFull", "atomic_file", "atomic_write", "fsync_dir", "fsync_file"]
+__all__ = ["DiskFull", "atomic_file", "atomic_write", "fsync_dir", "fsync_file", "new_file"]
 
 #: Errors of fsync on a folder that mean "this file system cannot do that", not "it failed".
 _CANNOT_SYNC_DIR = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -152,10 +156,44 @@ def atomic_file(
         path.parent.mkdir(parents=True, exist_ok=True, mode=parents_mode)
     prefix = f".{path.name}." if tmp_prefix is None else tmp_prefix
     tmp = path.with_name(f"{prefix}{secrets.token_hex(8)}.tmp")
-    raw = _TempFile(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), path)
+    with _written(tmp, path, mode=mode, durable=durable, finish=lambda: os.replace(tmp, path)) as f:
+        yield f
+    if durable:
+        fsync_dir(path.parent)
+
+
+def new_file(
+    path: str | os.PathLike[str],
+    *,
+    target: str | os.PathLike[str] | None = None,
+    mode: int | None = None,
+    durable: bool = True,
+) -> contextlib.AbstractContextManager[BinaryIO]:
+    """Create the file `path` (it must not exist) and write it through the binary file this yields;
+    when the block ends it is flushed (to stable storage with `durable`, `fsync_file`) and closed.
+    Making it visible is the caller's step (a rename, a link); the folder is not flushed.
+
+    - `target`: the file this one is to become, named by `DiskFull` (default: `path`).
+    - `mode`: the file's permission bits, set before its first byte (the umask does not apply);
+      None: 0o644 less the umask, as `open` creates a file.
+
+    If the block raises, `path` is removed; running out of room raises `DiskFull`.
+    """
+    path = Path(path)
+    return _written(path, Path(target) if target is not None else path, mode=mode, durable=durable)
+
+
+@contextlib.contextmanager
+def _written(
+    tmp: Path, target: Path, *, mode: int | None, durable: bool, finish: Callable[[], object] | None = None
+) -> Iterator[BinaryIO]:
+    """`tmp` created and written through the yielded file, then flushed, closed and `finish`ed (all
+    with running out of room named after `target`); removed if anything fails."""
+    raw = _TempFile(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644 if mode is None else mode), target)
     try:
         with io.BufferedWriter(raw) as f:
-            os.fchmod(f.fileno(), mode)  # the umask may have taken bits away
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)  # the umask may have taken bits away
             yield f
             # A file system may report the lack of room only now (delayed allocation, NFS).
             with raw.out_of_room_named():
@@ -163,12 +201,11 @@ def atomic_file(
                 if durable:
                     fsync_file(f.fileno())
                 f.close()
-                os.replace(tmp, path)
+                if finish is not None:
+                    finish()
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if durable:
-        fsync_dir(path.parent)
 
 
 def atomic_write(

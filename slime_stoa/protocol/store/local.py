@@ -24,7 +24,7 @@ from pathlib import Path
 
 import xxhash
 
-from slime_stoa.protocol.fsutil import fsync_file
+from slime_stoa.protocol.fsutil import new_file
 
 from .base import (
     GetResult,
@@ -104,16 +104,17 @@ class LocalStore(Store):
             os.close(fd)  # releases the lock
 
     # -- writing -----------------------------------------------------------------------------
-    async def _write_temp(self, data: Payload) -> tuple[Path, str]:
-        """Write the payload to a fresh temp file; returns its path and ETag."""
+    async def _write_temp(self, data: Payload, path: Path) -> tuple[Path, str]:
+        """Write the payload to a fresh temp file that is to become `path`; returns its path and
+        ETag. A full disk is `DiskFull` naming `path` and the size."""
         self._check_root()
         tmp_dir = self.root / _TMP
         tmp_dir.mkdir(exist_ok=True)
         tmp = tmp_dir / uuid.uuid4().hex
         digest = xxhash.xxh3_128()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            with os.fdopen(fd, "wb") as f:
+            with contextlib.ExitStack() as writing:
+                f = writing.enter_context(new_file(tmp, target=path, durable=self.durable))
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     digest.update(data)
                     await asyncio.to_thread(f.write, data)
@@ -121,9 +122,8 @@ class LocalStore(Store):
                     async for chunk in data:
                         digest.update(chunk)
                         f.write(chunk)
-                f.flush()
-                if self.durable:
-                    await asyncio.to_thread(fsync_file, f.fileno())
+                # flushed, fsynced when durable, and closed off the event loop (removed if that fails)
+                await asyncio.to_thread(writing.pop_all().close)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -141,7 +141,7 @@ class LocalStore(Store):
 
     async def put(self, key: str, data: Payload, *, if_match: str | None = None) -> str:
         path = self._path(key)
-        tmp, etag = await self._write_temp(data)
+        tmp, etag = await self._write_temp(data, path)
         try:
             await asyncio.to_thread(self._replace, tmp, path, key, if_match)
         finally:
@@ -162,7 +162,7 @@ class LocalStore(Store):
 
     async def put_if_absent(self, key: str, data: Payload) -> str:
         path = self._path(key)
-        tmp, etag = await self._write_temp(data)
+        tmp, etag = await self._write_temp(data, path)
         try:
             await asyncio.to_thread(self._link, tmp, path, key)
         finally:
