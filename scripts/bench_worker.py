@@ -3,9 +3,9 @@
 Model: a random Qwen2 shape built with `build_tiny_model` (hidden 768, 12 layers, 12 query / 2
 KV heads, MLP 2048, vocabulary 32000 with tied embeddings: 97.7M parameters; `--quick`: 4
 layers, hidden 512, MLP 1408, vocabulary 8192: 15M). On Linux the throughput part computes in
-float32, since Linux CPUs have no fast bf16 matmul (a Mac would run bf16), and the script
-re-executes itself with OpenBLAS in LD_PRELOAD when the library is installed (MLX's bundled
-BLAS is far slower); the header says what it ran with.
+float32, since MLX has no fast bf16 matmul on a CPU (a Mac would run bf16), and MLX's matmuls
+get the fast BLAS a worker gets (`macd.cpu_blas`, loaded before MLX; --no-fast-blas keeps MLX's
+bundled one, far slower); the header says what it ran with.
 
 Variable response lengths. A random model never stops on its own, so the stop set (the
 tokenizer's EOS ids for both contestants) is chosen to spread its response lengths the way a
@@ -64,21 +64,40 @@ pause (swap_stall_s: decoding stopped, in-flight groups dropped, MLX synchronise
 scattered into the live weights) and the install itself (`install_delay_s_max`: the longest time from a version being ready to its
 install done, drain + pause); and mlx_install_s, the time to install
 a whole version's tensors into MLX (what an install costs without patching the live weights in
-place). bf16 decoding is slow on a Linux CPU; only the pause and the memory matter here.
+place). On a Linux CPU with a fast BLAS the bf16 worker computes in float32 (`macd.cpu_compute`)
+and holds float32 copies of its weights beside them (`copy_bytes`, counted as served); only the
+pause and the memory matter here.
+
+macd against transformers (`--vs-transformers`, that comparison alone): a real pretrained model
+(`--model`, default SmolLM2-135M-Instruct built by `slime_stoa.quickstart.real_model`), B=2
+GSM8K prompts (the GSM8K task's system prompt, the tokenizer's chat template) x G=8 = 16
+sequences, `--new-tokens` (128) each with no early stop (macd: no stop token; transformers:
+min = max new tokens), T=0.8, top-k and top-p off on both sides. Each side runs in its own
+process (so neither's BLAS or threads touch the other's): macd as `macd run` serves (the model
+built from its config, the bf16 master installed by `live_weights`, a fast BLAS and float32
+compute on a Linux CPU, `ContinuousGenerator` driven as the worker drives it, prompts prefilled
+once per group, MLX's compile as the worker has it), transformers' own batched `generate`
+(each prompt repeated G times, left padded). transformers first runs a short calibration over
+`--hf-threads` (1,2) x `--hf-dtypes` (bfloat16, float32) and is timed at its fastest. Then
+`--rounds` interleaved rounds (macd, transformers); tok/s min / median / max, the load average
+of each round, each side's RSS; `ratio_vs_transformers_median` is macd's median over
+transformers' (target >= 0.5: within 2x). Exits 1 if a side fails or the whole comparison runs
+past `--vs-timeout`, 2 without the model.
 
 Targets: ratio_vs_mlx_lm >= 1.3 with variable lengths; rss_over_served <= 1.15 (a fixed ~20-30 MiB
 of the process's own heap weighs on a 98M model; `bench_plane_memory.py` measures the planes at
 the LFM2.5-8B-A1B shape); swap_stall_s <= mlx_install_s.
 
-Usage: python scripts/bench_worker.py [--quick] [--json PATH] [--no-openblas] [--dtype D] [--rounds N]
+Usage: python scripts/bench_worker.py [--quick] [--json PATH] [--no-fast-blas] [--dtype D] [--rounds N]
        [--cohorts N] [--prompts B] [--group-size G] [--max-tokens M] [--mean-tokens L] [--planes P,..]
+       python scripts/bench_worker.py --vs-transformers [--model DIR] [--new-tokens N] [--rounds N]
+       [--hf-threads 1,2] [--hf-dtypes bfloat16,float32] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes.util
 import json
 import os
 import platform
@@ -91,12 +110,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
+_WORKER_COMPILE = os.environ.get("MLX_DISABLE_COMPILE")  # what a worker started here would have
+if "--contender" not in sys.argv:  # a contender process computes as a worker does (its parent decides)
+    os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, spread
 
-_PRELOAD_MARK = "STOA_BENCH_BLAS_PRELOADED"
 MODEL_SIZE = dict(
     vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2,
     intermediate_size=2048,
@@ -112,25 +132,27 @@ STEPS_PER_CALL = 16  # as macd.worker drives the generator
 # ------------------------------------------------------------------------------- environment
 
 
-def _maybe_reexec_with_openblas(argv: list[str]) -> None:
-    """On Linux, re-run this script with OpenBLAS preloaded (once), if the library exists."""
-    if sys.platform != "linux" or os.environ.get(_PRELOAD_MARK) or "--no-openblas" in argv:
+_BLAS_LINE = ""  # what `macd.cpu_blas.use_fast_blas` chose for this process
+
+
+def _use_fast_blas(argv: list[str]) -> None:
+    """Give MLX's CPU matmuls a fast BLAS the way `macd run` does (`macd.cpu_blas`), before MLX
+    is imported, unless --no-fast-blas. The transformers contender's process is left alone: torch
+    brings its own MKL, and nothing of ours may sit in its global scope."""
+    global _BLAS_LINE
+    if sys.platform != "linux" or "--no-fast-blas" in argv or "--no-openblas" in argv:
         return
-    lib = ctypes.util.find_library("openblas")
-    if lib is None:
+    if "--contender" in argv and argv[argv.index("--contender") + 1 :][:1] == ["hf"]:
         return
-    env = dict(os.environ, **{_PRELOAD_MARK: lib})
-    env["LD_PRELOAD"] = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
-    os.execve(sys.executable, [sys.executable, *argv], env)
+    from macd.cpu_blas import use_fast_blas
+
+    _BLAS_LINE = use_fast_blas()
 
 
 def _blas_note() -> str:
     if sys.platform != "linux":
         return "platform default (Accelerate/Metal)"
-    lib = os.environ.get(_PRELOAD_MARK)
-    if lib:
-        return f"OpenBLAS preloaded ({lib})"
-    return "MLX bundled BLAS (no OpenBLAS preloaded: expect much slower matmuls)"
+    return _BLAS_LINE.removeprefix("BLAS for MLX's CPU matmuls: ") or "MLX's bundled reference BLAS"
 
 
 def _load() -> float:
@@ -438,7 +460,7 @@ async def _child_worker(spec: dict[str, Any]) -> None:
         worker = Worker(config, store, options)
         stop = asyncio.Event()
         run = asyncio.create_task(worker.run(stop))
-        rss, kv, mlx_active, mlx_cache, samples = 0, 0, 0, 0, []
+        rss, kv, copies, mlx_active, mlx_cache, samples = 0, 0, 0, 0, 0, []
         start = time.monotonic()
         while not Path(spec["stop"]).exists() and not run.done():
             await asyncio.sleep(0.25)
@@ -446,6 +468,7 @@ async def _child_worker(spec: dict[str, Any]) -> None:
                 now = _rss()
                 rss = max(rss, now)
                 kv = max(kv, await worker.mlx.run(lambda: worker._gen.cache_bytes if worker._gen else 0))
+                copies = max(copies, await worker.mlx.run(lambda: worker.live.copy_nbytes if worker.live else 0))
                 mlx_active, mlx_cache = max(mlx_active, mx.get_active_memory()), max(mlx_cache, mx.get_cache_memory())
                 samples.append((round(time.monotonic() - start, 2), now - baseline, mx.get_active_memory(),
                                 mx.get_cache_memory(), len(worker.swaps)))
@@ -464,10 +487,254 @@ async def _child_worker(spec: dict[str, Any]) -> None:
     Path(spec["out"]).write_text(json.dumps({
         "plane": worker.weights.plane, "master_bytes": master,
         "rss_baseline_bytes": baseline, "rss_bytes": rss - baseline, "weight_bytes": live.nbytes, "kv_bytes": kv,
+        "copy_bytes": copies,  # float32 copies the layers computed with (the installs below drop them)
         "mlx_install_s": mlx_install_s, "groups": worker.groups_recorded,
         "mlx_active_bytes": mlx_active, "mlx_cache_bytes": mlx_cache, "rss_samples": samples,
         "swaps": [asdict(r) for r in worker.swaps],
     }))
+
+
+# ----------------------------------------------------- macd against transformers, a real model
+
+# GSM8K-style word problems (from the GSM8K training set), asked with the GSM8K task's system prompt.
+GSM8K_QUESTIONS = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did "
+    "she earn?",
+    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. Her "
+    "parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. How "
+    "much more money does Betty need to buy the wallet?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+)
+
+
+def gsm8k_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    """`n` GSM8K chat prompts (system prompt + question) through the tokenizer's chat template."""
+    from slime_stoa.tasks.gsm8k import SYSTEM_PROMPT
+
+    out = []
+    for i in range(n):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": GSM8K_QUESTIONS[i % len(GSM8K_QUESTIONS)]}]
+        out.append([int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True)])
+    return out
+
+
+class _MacdContender:
+    """The worker's generation at its served settings: the model built from the folder's config,
+    the bf16 master installed as a worker installs it (`macd.hf_layout.live_weights`: on the CPU
+    device with a fast BLAS, float32 compute), groups decoded by `ContinuousGenerator` driven
+    `STEPS_PER_CALL` steps a call. No stop token: every sequence runs to `max_tokens`."""
+
+    def __init__(self, folder: Path) -> None:
+        from macd import cpu_compute
+        from macd.generate import build_model
+        from macd.hf_layout import live_weights
+        from slime_stoa.protocol.hf.folders import load_hf_state
+
+        self.model, self.tok = build_model(folder)
+        self.live = live_weights(self.model, dict(load_hf_state(folder)), "bf16")
+        self.tok.eos_token_ids = []  # the same lengths as the other side's min = max new tokens
+        self.info = {"blas": _blas_note(), "float32_compute": cpu_compute.computes_in_float32(self.model),
+                     "weight_bytes": self.live.nbytes}
+
+    def run(self, prompts: list[list[int]], group_size: int, new_tokens: int, seed: int, **_: Any) -> dict[str, Any]:
+        from macd.generate import ContinuousGenerator, SamplingConfig
+
+        cfg = SamplingConfig(temperature=TEMPERATURE, max_tokens=new_tokens, group_size=group_size, seed=seed)
+        tic = time.perf_counter()
+        gen = ContinuousGenerator(self.model, self.tok, cfg, max_batch=len(prompts) * group_size)
+        for i, p in enumerate(prompts):
+            gen.insert(p, i)
+        finished: list[Any] = []
+        while len(finished) < len(prompts):
+            finished += gen.advance(STEPS_PER_CALL)[0]
+        seconds = time.perf_counter() - tic
+        gen.close()
+        tokens = sum(len(c.tokens) for f in finished for c in f.completions)
+        return {"tokens": tokens, "seconds": seconds, "copy_bytes": self.live.copy_nbytes}
+
+
+class _HFContender:
+    """transformers' own batched `generate` on torch's CPU: each prompt repeated G times (left
+    padded), sampled at T with top-k and top-p off, min = max new tokens."""
+
+    def __init__(self, folder: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+        config = self.model.generation_config
+        self.pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        if isinstance(self.pad, list):
+            self.pad = self.pad[0]
+        self.info = {"torch": torch.__version__, "mkl": torch.backends.mkl.is_available()}
+
+    def run(self, prompts: list[list[int]], group_size: int, new_tokens: int, seed: int, threads: int = 1,
+            dtype: str = "bfloat16") -> dict[str, Any]:
+        torch = self.torch
+        torch.set_num_threads(threads)
+        self.model.to(getattr(torch, dtype))  # bf16 -> float32 -> bf16 is exact: the same weights
+        rows = [p for p in prompts for _ in range(group_size)]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        torch.manual_seed(seed)
+        tic = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE,
+                                      top_k=None, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      pad_token_id=self.pad)
+        seconds = time.perf_counter() - tic
+        return {"tokens": int((out.shape[1] - width) * out.shape[0]), "seconds": seconds, "threads": threads,
+                "dtype": dtype}
+
+
+def serve_contender(kind: str, folder: Path | None) -> int:
+    """A contender's process: load, say so, then run each JSON request read from stdin and answer
+    with one JSON line on the original stdout (everything else the libraries print goes to stderr)."""
+    answer = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    if folder is None:
+        raise SystemExit("--contender needs --model")
+    contender: Any = _MacdContender(folder) if kind == "macd" else _HFContender(folder)
+    answer.write(json.dumps({"ready": True, **contender.info, "rss_bytes": _rss()}) + "\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "prompts_for" in request:  # the macd side's tokenizer (mlx-lm's wrapper of the folder's)
+            result: dict[str, Any] = {"prompts": gsm8k_prompts(contender.tok, request["prompts_for"])}
+        else:
+            result = {**contender.run(**request), "rss_bytes": _rss(), "load_average": _load()}
+        answer.write(json.dumps(result) + "\n")
+    return 0
+
+
+class _Contender:
+    """The parent's handle on a contender's process: requests with a deadline."""
+
+    def __init__(self, kind: str, folder: Path, deadline: float) -> None:
+        self.kind, self.deadline = kind, deadline
+        env = dict(os.environ)
+        if _WORKER_COMPILE is None:  # as `macd run` computes: MLX's compile left on
+            env.pop("MLX_DISABLE_COMPILE", None)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--contender", kind, "--model", str(folder)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        on_signal_exit(self.proc.kill)
+        self.info = self._read()
+
+    def ask(self, **request: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        import select
+
+        assert self.proc.stdout is not None
+        left = self.deadline - time.monotonic()
+        ready = select.select([self.proc.stdout], [], [], max(left, 0))[0] if left > 0 else []
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            why = "ran past --vs-timeout" if not ready else f"exited with {self.proc.returncode}"
+            raise RuntimeError(f"the {self.kind} contender {why}")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def bench_vs_transformers(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """macd's generation against transformers' `generate` in interleaved rounds (module docstring)."""
+    deadline = time.monotonic() + args.vs_timeout
+    macd = _Contender("macd", folder, deadline)
+    hf = None
+    try:
+        hf = _Contender("hf", folder, deadline)
+        prompts = macd.ask(prompts_for=args.prompts)["prompts"]
+        work = {"prompts": prompts, "group_size": args.group_size}
+        warm = max(4, min(16, args.new_tokens))
+        macd.ask(**work, new_tokens=warm, seed=99)  # warm-up: the float32 copies, allocator
+        calibration = []
+        for threads in [int(t) for t in args.hf_threads.split(",") if t]:
+            for dtype in [d for d in args.hf_dtypes.split(",") if d]:
+                hf.ask(**work, new_tokens=4, seed=99, threads=threads, dtype=dtype)  # warm-up
+                got = hf.ask(**work, new_tokens=warm, seed=99, threads=threads, dtype=dtype)
+                calibration.append({"threads": threads, "dtype": dtype, "tok_s": got["tokens"] / got["seconds"]})
+                print(f"  transformers, {threads} thread(s), {dtype}: {calibration[-1]['tok_s']:.1f} tok/s "
+                      f"({warm} new tokens, load {_load():.1f})", flush=True)
+        best = max(calibration, key=lambda c: c["tok_s"])
+        setting = {"threads": best["threads"], "dtype": best["dtype"]}
+        runs: dict[str, list[dict[str, Any]]] = {"macd": [], "transformers": []}
+        for r in range(args.rounds):  # interleaved; both sides sample with the round's seed
+            runs["macd"].append(macd.ask(**work, new_tokens=args.new_tokens, seed=r))
+            runs["transformers"].append(hf.ask(**work, new_tokens=args.new_tokens, seed=r, **setting))
+            print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{name} {x[-1]['tokens'] / x[-1]['seconds']:.1f} tok/s" for name, x in runs.items())
+                + f" (load {_load():.1f})", flush=True)
+    finally:
+        macd.close()
+        if hf is not None:
+            hf.close()
+    expected = len(prompts) * args.group_size * args.new_tokens
+    for name, rs in runs.items():
+        if any(x["tokens"] != expected for x in rs):
+            raise RuntimeError(f"{name} generated {[x['tokens'] for x in rs]} tokens, not {expected} each")
+    tok_s = {name: spread([x["tokens"] / x["seconds"] for x in rs]) for name, rs in runs.items()}
+    return {
+        "model_folder_name": folder.name, "batch": len(prompts) * args.group_size, "prompts": len(prompts),
+        "group_size": args.group_size, "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
+        "rounds": args.rounds, "temperature": TEMPERATURE, "tok_s_spread": tok_s,
+        "tok_s_macd": tok_s["macd"]["median"], "tok_s_transformers": tok_s["transformers"]["median"],
+        "ratio_vs_transformers_median": ratio(tok_s["macd"]["median"], tok_s["transformers"]["median"]),
+        "transformers_setting": setting, "transformers_calibration": calibration,
+        "load_average_rounds": [x["load_average"] for rs in runs.values() for x in rs],
+        "macd": {k: v for k, v in macd.info.items() if k != "ready"} | {
+            "copy_bytes": runs["macd"][-1]["copy_bytes"], "rss_bytes": max(x["rss_bytes"] for x in runs["macd"])},
+        "transformers": {k: v for k, v in hf.info.items() if k != "ready"} | {
+            "rss_bytes": max(x["rss_bytes"] for x in runs["transformers"])},
+    }  # fmt: skip
+
+
+def main_vs_transformers(args: argparse.Namespace) -> int:
+    session = Session()
+    folder = args.model
+    if folder is None:
+        from slime_stoa.quickstart.real_model import RealModelUnavailable, smollm2_folder
+
+        try:
+            folder = smollm2_folder()
+        except RealModelUnavailable as exc:
+            print(f"error: {exc} (or pass --model)", file=sys.stderr)
+            return 2
+    print(f"macd vs transformers generate: {folder.name}, {args.prompts} GSM8K prompts x G={args.group_size} "
+          f"(batch {args.prompts * args.group_size}), {args.new_tokens} new tokens each, T={TEMPERATURE}; "
+          f"{platform.machine()}, {os.cpu_count()} CPUs, load average {_load():.1f}", flush=True)
+    with exit_on_signals():
+        try:
+            result = bench_vs_transformers(folder, args)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    m = result["macd"]
+    print(f"macd: BLAS {m['blas']}; float32 compute: {m['float32_compute']}; weights {m['weight_bytes'] / 2**20:.0f} "
+          f"MiB bf16 + {m['copy_bytes'] / 2**20:.0f} MiB float32 copies; RSS {m['rss_bytes'] / 2**20:.0f} MiB "
+          f"(transformers: {result['transformers']['rss_bytes'] / 2**20:.0f} MiB)")
+    setting = result["transformers_setting"]
+    print_spreads(f"tok/s over {args.rounds} rounds (transformers at its fastest: {setting['threads']} thread(s), "
+                  f"{setting['dtype']})", result["tok_s_spread"], unit="tok/s", digits=1)
+    print(f"ratio of medians macd / transformers: {result['ratio_vs_transformers_median']:.2f}x (target >= 0.5)")
+    session.print_load()
+    result.update(session.meta())
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 # --------------------------------------------------------------------------------------- main
@@ -497,9 +764,10 @@ def _print_throughput(gen: dict[str, Any]) -> None:
 
 def _print_worker(w: dict[str, Any]) -> None:
     total = w["weight_bytes"] + w["kv_bytes"]
+    copies = f" + {w['copy_bytes'] / 2**20:.0f} MiB of float32 copies (CPU compute)" if w["copy_bytes"] else ""
     print(f"{w['plane']} worker: RSS {w['rss_bytes'] / 2**20:.0f} MiB over its runtime "
           f"({w['rss_baseline_bytes'] / 2**20:.0f} MiB after imports) for {w['weight_bytes'] / 2**20:.0f} MiB "
-          f"of served weights + {w['kv_bytes'] / 2**20:.0f} MiB of KV cache: {w['rss_ratio']:.2f}x "
+          f"of served weights{copies} + {w['kv_bytes'] / 2**20:.0f} MiB of KV cache: {w['rss_ratio']:.2f}x "
           f"(target <= 1.15x; two copies would be >= {(2 * w['weight_bytes'] + w['kv_bytes']) / total:.2f}x); "
           f"master apart from the served weights {w['master_bytes'] / 2**20:.0f} MiB; MLX held "
           f"{w['mlx_active_bytes'] / 2**20:.0f} MiB active + {w['mlx_cache_bytes'] / 2**20:.0f} MiB cached")
@@ -518,7 +786,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 15M model and a smaller workload")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
+    parser.add_argument("--no-fast-blas", "--no-openblas", action="store_true",
+                        help="keep MLX's bundled BLAS (no macd.cpu_blas)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         default="float32" if sys.platform == "linux" else "bfloat16",
                         help="compute dtype of the throughput part (default: float32 on Linux)")
@@ -541,6 +810,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "every --swap-every seconds (the drop-and-restart policy's cost)")
     parser.add_argument("--bf16-timeout", type=float, default=240.0, help="seconds each plane's worker part may take")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    vs = parser.add_argument_group("--vs-transformers: macd on a real model against transformers' generate")
+    vs.add_argument("--vs-transformers", action="store_true", help="only this comparison (see the docstring)")
+    vs.add_argument("--model", type=Path, help="an HF model folder (default: SmolLM2-135M-Instruct, "
+                    "slime_stoa.quickstart.real_model)")
+    vs.add_argument("--new-tokens", type=int, help="tokens generated per sequence, no early stop (default 128, "
+                    "--quick 32)")
+    vs.add_argument("--hf-threads", default="1,2", help="torch thread counts tried; the fastest is timed")
+    vs.add_argument("--hf-dtypes", default="bfloat16,float32", help="torch dtypes tried; the fastest is timed")
+    vs.add_argument("--vs-timeout", type=float, default=1800.0, help="seconds the comparison may take in all")
+    parser.add_argument("--contender", choices=["macd", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.bf16_prompts, args.bf16_group_size, args.bf16_max_tokens = 2, 4, 16
     args.planes = [p for p in args.planes.split(",") if p]
@@ -551,19 +830,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.cohorts, args.max_tokens, args.mean_tokens = 2, 128, 40.0
     if args.rounds is None:
         args.rounds = 2 if args.quick else 3
+    if args.new_tokens is None:
+        args.new_tokens = 32 if args.quick else 128
+    if args.new_tokens < 1 or args.rounds < 1:
+        parser.error("--new-tokens and --rounds must be >= 1")
     if args.swap_every is None:
         args.swap_every = 8.0 if args.quick else 20.0
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # run as a script: may re-execute itself with OpenBLAS preloaded
+    if argv is None:  # run as a script: a fast BLAS first, as a worker has
         argv = sys.argv[1:]
-        _maybe_reexec_with_openblas([sys.argv[0], *argv])
+        _use_fast_blas(argv)
     args = parse_args(argv)
     if args.child:
         asyncio.run(_child_worker(json.loads(args.child)))
         return 0
+    if args.contender:
+        return serve_contender(args.contender, args.model)
+    if args.vs_transformers:
+        return main_vs_transformers(args)
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
@@ -594,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{plane} worker: B={args.bf16_prompts} x G={args.bf16_group_size}, max_tokens={args.bf16_max_tokens}, "
                   f"{args.swaps} versions published while it generates ...", flush=True)
             w = workers[plane] = bench_plane_worker(path, args, plane)
-            w["rss_ratio"] = w["rss_bytes"] / (w["weight_bytes"] + w["kv_bytes"])
+            w["rss_ratio"] = w["rss_bytes"] / (w["weight_bytes"] + w["copy_bytes"] + w["kv_bytes"])
             pauses = sorted(r["pause_s"] for r in w["swaps"])
             w["swap_stall_s"] = pauses[len(pauses) // 2] if pauses else float("nan")  # the median
             w["install_delay_s"] = spread([r["drain_s"] + r["pause_s"] for r in w["swaps"]])
@@ -610,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rss_over_served"] = {p: w["rss_ratio"] for p, w in workers.items()}
         result["master_bytes"] = {p: w["master_bytes"] for p, w in workers.items()}
         result["workers"] = {p: {k: w[k] for k in (
-            "rss_bytes", "rss_baseline_bytes", "weight_bytes", "kv_bytes", "master_bytes", "rss_ratio", "swap_stall_s",
+            "rss_bytes", "rss_baseline_bytes", "weight_bytes", "copy_bytes", "kv_bytes", "master_bytes", "rss_ratio", "swap_stall_s",
             "install_delay_s", "mlx_install_s", "mlx_active_bytes", "mlx_cache_bytes", "published", "rss_samples")} for p, w in workers.items()}
     bf16 = workers.get("bf16")
     if bf16 is not None:
