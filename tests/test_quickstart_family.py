@@ -71,7 +71,11 @@ def test_the_worker_serves_the_checkpoint_as_mlx_lm_loads_it(folder: Path, plane
     assert isinstance(live, LayoutWeights) and live.digest_check(state)
     reference, _ = load_model(folder)  # mlx-lm's own loader: sanitize stacks and renames
     if plane == "bf16":
+        from macd.cpu_compute import computes_in_float32, use_float32_compute
+
         reference.set_dtype(mx.bfloat16)
+        if computes_in_float32(model):  # a fast BLAS under MLX on the CPU: compare like with like
+            use_float32_compute(reference)
         assert live.shares(state)
         tokens = mx.array([[5, 17, 42, 99, 3, 250, 7, 11]])
         assert mx.array_equal(model(tokens), reference(tokens)).item()
