@@ -38,7 +38,7 @@ def test_a_real_task_needs_a_real_model_and_its_data(tmp_path: Path) -> None:
         QuickstartConfig(task="math", model=model).data_files()
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "train.jsonl").write_text("")
-    with pytest.raises(QuickstartError, match="no test.jsonl"):
+    with pytest.raises(QuickstartError, match=r"no test\.jsonl"):
         QuickstartConfig(task="gsm8k", model=model, data=tmp_path / "d").data_files()
     (tmp_path / "d" / "test.jsonl").write_text("")
     assert [p.name for p in QuickstartConfig(task="gsm8k", model=model, data=tmp_path / "d").data_files()] == [
