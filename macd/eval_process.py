@@ -22,8 +22,6 @@ from typing import Any, TextIO
 from slime_stoa.tasks import load_task
 from slime_stoa.tasks.prompting import prompt_tokens
 
-from .evaluate import answer_prompts
-
 MAX_TOOL_LINE = 64 << 20  # the longest answer line read from the parent
 PROGRESS_PREFIX = "stoa-eval-progress "  # a --progress line (stoa eval reads it): the prefix, "DONE/TOTAL" prompts
 
@@ -105,6 +103,8 @@ async def sample_split(args: argparse.Namespace, protocol: TextIO) -> dict[str, 
         await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         reading = asyncio.create_task(tool.read_answers(reader))
     try:
+        from .evaluate import answer_prompts  # MLX: loaded after main() chose its BLAS
+
         groups = await answer_prompts(
             model, tokenizer, task, prompts, temperature=args.temperature, max_tokens=args.max_tokens, k=args.k,
             stop=tuple(args.stop), seed=args.seed, mlx=_inline, tool=tool, max_batch=args.max_batch,
@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     protocol = _protocol_stream() if args.tool_stdio else sys.stdout
+    from .cpu_blas import use_fast_blas
+
+    use_fast_blas()  # Linux: before MLX loads, as a worker does, so an eval samples at a worker's speed
     try:
         from . import generate  # noqa: F401  (mlx, mlx-lm: the worker extra)
     except ImportError as exc:

@@ -59,6 +59,7 @@ from mlx_lm.utils import load_tokenizer
 
 from slime_stoa.tasks.episode import StopMatcher
 
+from . import cpu_compute
 from .cpu_fixes import fix_cpu_expert_matmul
 from .hf_config import mlx_overrides
 from .lfm2_fixes import fix_moe_routing
@@ -75,6 +76,8 @@ def load_model(folder: Path | str) -> tuple[Model, Tokenizer]:
     # (model, tokenizer) without return_config; transformers 5's rope keys as mlx-lm reads them
     loaded = mlx_lm.load(str(folder), lazy=True, model_config=mlx_overrides(_folder_config(folder)))
     apply_model_fixes(loaded[0], _folder_config(folder))
+    if cpu_compute.float32_compute_wanted():  # as a bf16 worker computes here (an eval samples as it does)
+        cpu_compute.use_float32_compute(loaded[0])
     return loaded[0], loaded[1]
 
 

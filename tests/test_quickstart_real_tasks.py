@@ -109,13 +109,25 @@ def test_a_rerun_of_another_task_family_or_model_is_refused_naming_out(tmp_path:
     assert f"not --model {other}" in refused(model=other)
 
 
-@pytest.mark.slow  # a few minutes on two cores: the real model's evals, a worker and the learner
+def easy_gsm8k(folder: Path) -> Path:
+    """GSM8K-format data a 135M model answers right some of the time in a few tokens (one-step
+    sums), so that its groups carry a GRPO signal within the short form's token budget; real
+    GSM8K at 24 tokens rewards nothing and the trainer would drop every group."""
+    folder.mkdir(parents=True)
+    for split, offset in (("train", 0), ("test", 50)):
+        rows = [{"question": f"What is {a} + {a + offset % 7}?", "answer": f"{a} + {a + offset % 7} = {2 * a + offset % 7}\n#### {2 * a + offset % 7}"}
+                for a in range(1 + offset, 41 + offset)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.mark.slow  # ~5 minutes on two cores: the real model's two evals, a worker and the learner
 def test_the_real_model_runs_gsm8k_through_the_whole_loop(tmp_path: Path) -> None:
-    """The short form of the real-model quickstart: SmolLM2-135M-Instruct on GSM8K, bounded by
-    versions. The worker builds the run's prompts with the real chat template and the trainer
-    accepts them (none refused), every version reaches the worker as a verified patch, and the
-    worker's recorded logprobs are the learner's (a wrong template, rope or tokenizer puts this
-    at tenths of a nat)."""
+    """The short form of the real-model quickstart: SmolLM2-135M-Instruct on GSM8K-format data,
+    bounded by versions. The worker builds the run's prompts with the real chat template and the
+    trainer accepts them (none refused), every version reaches the worker as a verified patch,
+    and the worker's recorded logprobs are the learner's (a wrong template, rope or tokenizer
+    puts this at tenths of a nat)."""
     pytest.importorskip("mlx_lm")
     pytest.importorskip("gguf")
     from slime_stoa.cli import main
@@ -125,18 +137,18 @@ def test_the_real_model_runs_gsm8k_through_the_whole_loop(tmp_path: Path) -> Non
         smollm2_folder()
     except RealModelUnavailable as exc:
         pytest.skip(str(exc))
-    if not (GSM8K_DIR / "test.jsonl").is_file():
-        pytest.skip(f"no GSM8K at {GSM8K_DIR}")
     summary = tmp_path / "summary.json"
     assert main([
-        "quickstart", "--out", str(tmp_path / "qs"), "--task", "gsm8k", "--model", "smollm2", "--data", str(GSM8K_DIR),
-        "--workers", "1", "--worker-batch", "2", "--batch-groups", "2", "--group-size", "2", "--max-tokens", "24",
-        "--max-versions", "3", "--eval-prompts", "4", "--minutes", "30", "--json", str(summary),
+        "quickstart", "--out", str(tmp_path / "qs"), "--task", "gsm8k", "--model", "smollm2",
+        "--data", str(easy_gsm8k(tmp_path / "data")), "--workers", "1", "--worker-batch", "4", "--batch-groups", "2",
+        "--group-size", "4", "--max-tokens", "16", "--max-versions", "2", "--eval-prompts", "2", "--minutes", "30",
+        "--json", str(summary),
     ]) == 0
     s = json.loads(summary.read_text())
-    assert s["task"] == "gsm8k" and s["versions"] == 3 and s["groups_used"] == 6
-    assert s["records_refused"] == 0 and s["groups_lost"] == 0 and s["digest_mismatches"] == 0
+    assert s["task"] == "gsm8k" and s["versions"] == 2 and s["groups_used"] == 4
+    assert not s["records_refused"] and s["groups_lost"] == 0 and s["digest_mismatches"] == 0  # refusals by reason
+    assert s["digests_checked"] >= 1 and 0 < s["patch_bytes_mean"] < s["full_bytes"] / 50  # ~0.4% changed at 1e-6
     assert s["tensors"] == 30 * 9 + 2  # 30 layers of 9 tensors, the embedding, the final norm (the head is tied)
-    assert 0 <= s["eval_pass1_first"] <= 1 and 0 <= s["eval_pass1_last"] <= 1 and s["eval_prompts"] == 4
+    assert 0 <= s["eval_pass1_first"] <= 1 and 0 <= s["eval_pass1_last"] <= 1 and s["eval_prompts"] == 2
     assert s["logprob_gap_versions"] == 0 or s["mean_abs_logprob_gap"] < 0.05, s["mean_abs_logprob_gap"]
     assert "no warm start" in s["warm_start"]
