@@ -22,7 +22,7 @@ from mlx_lm.utils import quantize_model
 from macd.config import decoding_sequences
 from macd.following import held_plane, served_digest
 from macd.plane_choice import choose_plane
-from macd.plane_weights import PlaneWeights, plane_structure
+from macd.plane_weights import PlaneWeights, computes_float32_activations, plane_structure, use_float32_activations
 from macd.worker import Worker, WorkerOptions
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
@@ -94,6 +94,8 @@ def test_the_served_model_is_mlx_lms_quantized_model_of_the_trainers_weights(
     assert got.keys() == want.keys()
     for name, array in want.items():
         assert got[name].dtype == array.dtype and np.array_equal(_bits(got[name]), _bits(array)), name
+    if computes_float32_activations(served):  # MLX's CPU device: compare like with like
+        use_float32_activations(reference)
     tokens = mx.array([[1, 2, 3, 4, 5]])
     assert np.array_equal(np.array(served(tokens).astype(mx.float32)), np.array(reference(tokens).astype(mx.float32)))
     # A patch committed into the state writes the served weights in place (an expert's row of its stack).
