@@ -4,7 +4,9 @@ It runs `macd.evaluate.answer_prompts` (macd's generation path, the one workers 
 folder and a split's task data and writes the completions as JSON (`completion_doc`). A tool
 task's calls are answered by the parent over the pipes (`--tool-stdio`, `ParentTool`): stdout
 then carries only the tool lines, whatever else writes there goes to stderr. With --progress,
-stderr gets a `progress_line` as each prompt's group finishes.
+stderr gets `progress_line`s (`ProgressLines`): for a single-turn task as decoding goes, in tokens
+of the budget (prompts x k x max tokens) and prompts; for a tool task as each prompt's group
+finishes, in prompts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,11 +26,54 @@ from slime_stoa.tasks import load_task
 from slime_stoa.tasks.prompting import prompt_tokens
 
 MAX_TOOL_LINE = 64 << 20  # the longest answer line read from the parent
-PROGRESS_PREFIX = "stoa-eval-progress "  # a --progress line (stoa eval reads it): the prefix, "DONE/TOTAL" prompts
+# a --progress line (stoa eval reads it): the prefix, then "TOKENS_DONE/TOKENS_TOTAL PROMPTS_DONE/PROMPTS_TOTAL"
+# (tokens of the budget, see `macd.generate.generate_groups`), or "PROMPTS_DONE/PROMPTS_TOTAL" alone
+PROGRESS_PREFIX = "stoa-eval-progress "
+PROGRESS_EVERY_S = 0.5  # a token line once this long passed since the last one...
+PROGRESS_EVERY_SHARE = 0.01  # ...or this share of the budget more is done (and always the first and the last)
 
 
-def progress_line(done: int, total: int) -> str:
-    return f"{PROGRESS_PREFIX}{done}/{total}"
+def progress_line(done: int, total: int, tokens_done: int | None = None, tokens: int | None = None) -> str:
+    """A --progress line: `done` of `total` prompts, with `tokens_done` of `tokens` budget tokens
+    when given."""
+    counted = "" if tokens_done is None or tokens is None else f"{tokens_done}/{tokens} "
+    return f"{PROGRESS_PREFIX}{counted}{done}/{total}"
+
+
+class ProgressLines:
+    """The --progress lines of one sampling of `prompts` prompts, written to `out`: `group(n)` as
+    prompts' groups finish, `tokens(done, total)` as decoding goes (`answer_prompts`'s
+    callbacks). Once tokens are counted, a line carries both counts and is written once `every_s`
+    seconds have passed or `share` of the budget more is done since the last one (so some
+    1/`share` lines, plus one per `every_s` of a slow sampling), the first and the last always;
+    without them (a tool task), a line of prompts as each group finishes."""
+
+    def __init__(
+        self, out: TextIO, prompts: int, *, every_s: float = PROGRESS_EVERY_S, share: float = PROGRESS_EVERY_SHARE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.out, self.prompts, self.every_s, self.share, self.clock = out, prompts, every_s, share, clock
+        self.prompts_done = 0
+        self.counted: tuple[int, int] | None = None  # (done, total) budget tokens, once told
+        self._last: tuple[int, float] | None = None  # (tokens done, when) of the last token line
+
+    def group(self, done: int) -> None:
+        self.prompts_done = done
+        if self.counted is None:
+            self._write(progress_line(done, self.prompts))
+
+    def tokens(self, done: int, total: int) -> None:
+        self.counted = (done, total)
+        now = self.clock()
+        if self._last is not None and done < total:
+            last_done, last_at = self._last
+            if now - last_at < self.every_s and done - last_done < total * self.share:
+                return
+        self._last = (done, now)
+        self._write(progress_line(self.prompts_done, self.prompts, done, total))
+
+    def _write(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
 
 
 class ParentTool:
@@ -102,13 +148,14 @@ async def sample_split(args: argparse.Namespace, protocol: TextIO) -> dict[str, 
         reader = asyncio.StreamReader(limit=MAX_TOOL_LINE)
         await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         reading = asyncio.create_task(tool.read_answers(reader))
+    lines = ProgressLines(sys.stderr, len(prompts)) if args.progress else None
     try:
         from .evaluate import answer_prompts  # MLX: loaded after main() chose its BLAS
 
         groups = await answer_prompts(
             model, tokenizer, task, prompts, temperature=args.temperature, max_tokens=args.max_tokens, k=args.k,
             stop=tuple(args.stop), seed=args.seed, mlx=_inline, tool=tool, max_batch=args.max_batch,
-            on_group=(lambda n: print(progress_line(n, len(prompts)), file=sys.stderr, flush=True)) if args.progress else None,
+            on_group=None if lines is None else lines.group, on_progress=None if lines is None else lines.tokens,
         )
     finally:
         if reading is not None:
@@ -146,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-stdio", action="store_true",
                         help="a tool task: ask for each tool answer on stdout and read it from stdin (see ParentTool)")
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout, as one line)")
-    parser.add_argument("--progress", action="store_true", help="write a progress line to stderr as each prompt is done")
+    parser.add_argument("--progress", action="store_true",
+                        help="write progress lines to stderr: budget tokens and prompts done (see ProgressLines)")
     return parser
 
 
@@ -175,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ParentTool", "build_parser", "completion_doc", "main", "progress_line", "sample_split"]
+__all__ = ["ParentTool", "ProgressLines", "build_parser", "completion_doc", "main", "progress_line", "sample_split"]
 
 
 if __name__ == "__main__":

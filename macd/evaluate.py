@@ -47,16 +47,19 @@ Mlx = Callable[..., Awaitable[Any]]  # runs a function on the MLX thread
 async def answer_prompts(
     model: Any, tokenizer: Any, task: Task, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: int,
     k: int, stop: tuple[str, ...], seed: int | None, mlx: Mlx, tool: Any = None, max_batch: int | None = None,
-    on_group: Callable[[int], None] | None = None,
+    on_group: Callable[[int], None] | None = None, on_progress: Callable[[int, int], None] | None = None,
 ) -> list[list[Any]]:
     """k completions per prompt (token ids), in prompt order: `macd.generate.Completion`s, or
     `macd.episodes.EpisodeCompletion`s for a tool task (`tool` answers its calls); `on_group(n)`
-    as each prompt's group finishes (`n` finished so far)."""
+    as each prompt's group finishes (`n` finished so far). `on_progress(done, total)` after every
+    decode step, in tokens of the budget (`macd.generate.generate_groups`), on the MLX thread; a
+    tool task's episodes (whose tool answers take their turns too) tell only `on_group`."""
     from .generate import SamplingConfig, generate_groups
 
     config = SamplingConfig(temperature=temperature, max_tokens=max_tokens, group_size=k, stop=stop, seed=seed)
     if task.tool_format is None:
-        return await mlx(generate_groups, model, tokenizer, prompts, config, max_batch=max_batch, on_group=on_group)
+        return await mlx(generate_groups, model, tokenizer, prompts, config, max_batch=max_batch, on_group=on_group,
+                         on_progress=on_progress)
     from .episodes import run_episodes
 
     if tool is None:

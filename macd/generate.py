@@ -509,6 +509,7 @@ def generate_groups(
     share_prefill: bool = True,
     cancel: threading.Event | None = None,
     on_group: Callable[[int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[list[Completion]]:
     """Sample `config.group_size` completions for each prompt (token ids), batched.
 
@@ -517,23 +518,42 @@ def generate_groups(
     `config.seed`, model, prompts and batch settings. Setting `cancel` (from any thread) ends
     generation at the next decode step with `GenerationCancelled`. `on_group(n)` is called as
     each prompt's group finishes, `n` the groups finished so far.
+
+    `on_progress(done, total)` counts the token budget: `total` is B * G * `config.max_tokens`,
+    `done` the tokens sampled so far plus the unused budget of every sample already finished.
+    It is called once before the first decode step (``done`` 0) and after every step (after
+    that step's `on_group` calls), never goes back, and ends at exactly `total`. The rest of the
+    budget (`total - done`) bounds the tokens still to sample, so a time left estimated from its
+    rate is an upper bound (samples that stop early finish sooner than their budget says).
     """
     prompts = [[int(t) for t in p] for p in prompts]
     if any(not p for p in prompts):
         raise ValueError("prompts must be non-empty")
     if not prompts:
         return []
+    budget = config.max_tokens
+    total = len(prompts) * config.group_size * budget
     batch = _batch_size(len(prompts), config.group_size, max_batch)
     gen = ContinuousGenerator(model, tokenizer, config, max_batch=batch, share_prefill=share_prefill)
     done: dict[int, list[Completion]] = {}
+    spare = 0  # the unused budget of the samples of finished groups
+    told = 0  # the last `done` told to on_progress
     try:
+        if on_progress is not None:
+            on_progress(0, total)
         for i, p in enumerate(prompts):
             gen.insert(p, i)
         while gen.groups:
             for group in gen.step():
                 done[group.tag] = group.completions
+                spare += sum(budget - len(c.tokens) for c in group.completions)
                 if on_group is not None:
                     on_group(len(done))
+            if on_progress is not None:
+                # finished samples of unfinished groups: their tracks are still held
+                waiting = sum(budget - len(t.tokens) for t in gen._tracks.values() if t.finish is not None)
+                told = max(told, min(total, gen.tokens + spare + waiting))
+                on_progress(told, total)
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled("generation cancelled")
     finally:

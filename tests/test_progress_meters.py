@@ -1,6 +1,6 @@
 """Progress of stoa's long commands, one display everywhere (`slime_stoa.quickstart.meter`): its
-units and lines off a terminal; `stoa eval --local` showing the prompts done as the sampling
-process reports them; `stoa task prepare` and `stoa weights export` showing theirs."""
+units and lines off a terminal; `stoa eval --local` showing its sampling as the sampling
+process reports it (in budget tokens, the prompts done beside); `stoa task prepare` and `stoa weights export` showing theirs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from slime_stoa.evaluation.local import PROGRESS_PREFIX, _keep_tail, parse_progress
+from slime_stoa.evaluation.local import PROGRESS_PREFIX, EvalProgress, _keep_tail, parse_progress
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.meter import StepMeter, cli_console
 from tests.test_weights_cli import seeded_run  # noqa: F401  (fixture)
@@ -41,25 +41,28 @@ def test_a_command_console_is_stderr_and_quiet_is_none() -> None:
 
 
 def test_progress_lines_of_the_sampling_process_are_told_not_kept() -> None:
-    assert parse_progress(f"{PROGRESS_PREFIX}3/12") == (3, 12)
-    for other in ("stoa-eval-progress x/12", "stoa-eval-progress 3", "error: no model", f"{PROGRESS_PREFIX}3/-1"):
+    assert parse_progress(f"{PROGRESS_PREFIX}3/12") == EvalProgress(3, 12)
+    assert parse_progress(f"{PROGRESS_PREFIX}40/96 3/12") == EvalProgress(3, 12, 40, 96)
+    for other in ("stoa-eval-progress x/12", "stoa-eval-progress 3", "error: no model", f"{PROGRESS_PREFIX}3/-1",
+                  f"{PROGRESS_PREFIX}1/2 3/4 5/6", f"{PROGRESS_PREFIX}1/2 3", f"{PROGRESS_PREFIX}", f"{PROGRESS_PREFIX}²/3"):
         assert parse_progress(other) is None
 
-    async def read(text: bytes) -> tuple[list[int], list[str]]:
+    async def read(text: bytes) -> tuple[list[EvalProgress], list[str]]:
         stream = asyncio.StreamReader()
         stream.feed_data(text)
         stream.feed_eof()
-        told: list[int] = []
+        told: list[EvalProgress] = []
         tail: deque[str] = deque(maxlen=20)
         await _keep_tail(stream, tail, told.append)
         return told, list(tail)
 
-    told, tail = asyncio.run(read(f"loading\n{PROGRESS_PREFIX}1/2\nwarning: slow\n{PROGRESS_PREFIX}2/2\n".encode()))
-    assert told == [1, 2] and tail == ["loading", "warning: slow"]
+    text = f"loading\n{PROGRESS_PREFIX}1/2\nwarning: slow\n{PROGRESS_PREFIX}9/12 2/2\n"
+    told, tail = asyncio.run(read(text.encode()))
+    assert told == [EvalProgress(1, 2), EvalProgress(2, 2, 9, 12)] and tail == ["loading", "warning: slow"]
 
 
 @pytest.mark.slow  # a real eval process: python -m pytest --slow tests/test_progress_meters.py
-async def test_eval_local_shows_the_prompts_done_off_a_terminal(
+async def test_eval_local_shows_the_budget_and_prompts_done_off_a_terminal(
     store: Store, store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("mlx_lm")
@@ -74,10 +77,11 @@ async def test_eval_local_shows_the_prompts_done_off_a_terminal(
     assert await asyncio.to_thread(main, argv) == 0
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.startswith("stoa eval v0")]
-    assert lines and all(": prompt " in line and "prompts/s" in line and "ETA" in line for line in lines)
-    assert lines[-1].startswith("stoa eval v0 (test, k=2): prompt 10/10 (100%)")
+    assert len(lines) > 1 and all(": token " in line and "tokens/s" in line and "ETA" in line for line in lines)
+    assert lines[-1].startswith("stoa eval v0 (test, k=2): token 120/120 (100%)")  # 10 prompts x 2 x 6 tokens
+    assert lines[-1].endswith(", prompts 10/10")
     assert json.loads(out.read_text())["versions"][0]["n_prompts"] == 10
-    assert "prompt 10/10" not in captured.out  # the results stay alone on stdout
+    assert "token 120/120" not in captured.out  # the results stay alone on stdout
     # --quiet: none
     assert await asyncio.to_thread(main, [*argv, "--quiet"]) == 0
     assert "stoa eval v0" not in capsys.readouterr().err

@@ -15,21 +15,21 @@ trainer extra): the same episodes, tool calls and budget either way. pass@k is t
 from k samples per prompt; a sample passes with reward >= --pass-threshold (default 1: full
 credit). The JSON holds one entry per version: version, split, k, n_prompts, pass@1, pass@k,
 reward_mean, search_rate (the share of samples that called a tool; null for single-turn tasks).
-Progress (prompts done of each version, with rate and ETA) goes to stderr: a bar on a terminal,
-a line per tenth elsewhere; --quiet shows none.
+Progress of each version goes to stderr: a bar on a terminal, a line per tenth (or every 30 s)
+elsewhere; --quiet shows none. --local with the mlx engine on a single-turn task counts it in
+tokens of the budget (prompts x k x max tokens; a sample that stops early counts its unused
+budget as done), so it moves with every decode step, the prompts done beside it, and its ETA is
+an upper bound ("ETA <= 3m"); a tool task, the transformers engine and the fleet count prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-from rich.console import Console
 
 from slime_stoa.evaluation.collect import EvalCollector, open_eval_context, read_split
 from slime_stoa.evaluation.fleet import EvalTimeout, await_answers, post_request, version_result
@@ -43,7 +43,7 @@ from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import read_key_file
 from slime_stoa.protocol.store import Store, StoreError, open_store
-from slime_stoa.quickstart.meter import StepMeter, cli_console
+from slime_stoa.quickstart.meter import SamplingMeter, cli_console
 
 from .common import add_run_options, os_error_text, require_run_options
 
@@ -132,14 +132,14 @@ async def evaluate(args: argparse.Namespace) -> list[dict[str, Any]]:
         results = []
         for version in versions:
             await find_manifest(store, run_name, version)  # HistoryError naming a version that is not there
-            with PromptMeter(console, f"eval v{version} ({args.split}, k={args.k})") as meter:
+            with SamplingMeter(console, f"eval v{version} ({args.split}, k={args.k})") as meter:
                 if args.local:
                     with tempfile.TemporaryDirectory(prefix="stoa-eval-") as tmp:
                         result = await local_eval(
                             store, manifest, version=version, split=args.split, k=args.k, n_prompts=args.prompts,
                             max_tokens=max_tokens, temperature=temperature, work_dir=Path(tmp),
                             threshold=args.pass_threshold, seed=args.seed, trust=trust, engine=args.engine,
-                            device=args.device, on_start=meter.start, on_group=meter.update,
+                            device=args.device, on_progress=meter.show,
                         )
                 else:
                     result = await fleet_eval(store, manifest, args, version, max_tokens, temperature, meter)
@@ -147,33 +147,9 @@ async def evaluate(args: argparse.Namespace) -> list[dict[str, Any]]:
         return [r.row() for r in results]
 
 
-class PromptMeter(contextlib.AbstractContextManager["PromptMeter"]):
-    """A `StepMeter` over one version's prompts, shown once their count is known (`start`)."""
-
-    def __init__(self, console: Console | None, what: str) -> None:
-        self.console, self.what = console, what
-        self._meter: StepMeter | None = None
-
-    def start(self, prompts: int) -> None:
-        self.close()
-        self._meter = StepMeter(self.console, self.what, prompts, unit="prompt").__enter__()
-
-    def update(self, done: int) -> None:
-        if self._meter is not None:
-            self._meter.update(done)
-
-    def close(self) -> None:
-        if self._meter is not None:
-            self._meter.__exit__()
-            self._meter = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 async def fleet_eval(
     store: Store, manifest: RunManifest, args: argparse.Namespace, version: int, max_tokens: int, temperature: float,
-    meter: PromptMeter | None = None,
+    meter: SamplingMeter | None = None,
 ) -> VersionResult:
     task = await read_split(store, manifest, args.split)
     n = len(task) if args.prompts is None else min(args.prompts, len(task))

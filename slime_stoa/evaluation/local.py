@@ -9,6 +9,11 @@ scored with the split's task reward. Two engines:
   one), the same episodes driven by transformers' `generate`; needs the trainer extra.
 
 The int8 plane is not emulated: the version's bf16 state is what is sampled.
+
+Progress (`EvalProgress`): the mlx engine on a single-turn task counts it in tokens of the budget
+(prompts x k x max tokens; a finished sample's unused budget counts as done), so it moves with
+every decode step and a time left estimated from its rate is an upper bound; a tool task's
+episodes and the transformers engine count prompts whose samples all finished.
 """
 
 from __future__ import annotations
@@ -42,11 +47,29 @@ ENGINES: tuple[Engine, ...] = ("mlx", "transformers")
 
 MLX_SAMPLER = ("-m", "macd.eval_process")  # the mlx engine's process: `sys.executable -m macd.eval_process`
 MAX_LINE = 64 << 20  # the longest tool-call line read from it
-PROGRESS_PREFIX = "stoa-eval-progress "  # its --progress lines on stderr: the prefix, "DONE/TOTAL" prompts
+# its --progress lines on stderr (`macd.eval_process.progress_line`): the prefix, then
+# "TOKENS_DONE/TOKENS_TOTAL PROMPTS_DONE/PROMPTS_TOTAL", or "PROMPTS_DONE/PROMPTS_TOTAL" alone
+PROGRESS_PREFIX = "stoa-eval-progress "
 
 
 class EngineFailed(ChildProcessError):
     """The mlx engine's process did not sample (not installed, a bad model folder, killed...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvalProgress:
+    """How far a sampling is: `prompts_done` of `prompts` have all their samples; `tokens_done`
+    of `tokens` budget tokens (None where the engine counts no tokens)."""
+
+    prompts_done: int
+    prompts: int
+    tokens_done: int | None = None
+    tokens: int | None = None
+
+
+def counts_tokens(engine: Engine, task: Task) -> bool:
+    """Whether `engine` tells the progress of `task`'s sampling in budget tokens."""
+    return engine == "mlx" and task.tool_format is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +85,11 @@ async def local_eval(
     store: Store, manifest: RunManifest, *, version: int, split: str, k: int, n_prompts: int | None,
     max_tokens: int, temperature: float, work_dir: Path, threshold: float, seed: int | None = None,
     trust: RunTrust | None = None, engine: Engine = "mlx", device: str | None = None,
-    on_start: Callable[[int], None] | None = None, on_group: Callable[[int], None] | None = None,
+    on_progress: Callable[[EvalProgress], None] | None = None,
 ) -> VersionResult:
     """k samples for each of the split's first `n_prompts` prompts (None: all) from `version`,
     sampled by `engine` (`device`: the transformers engine's torch device, default a GPU if any).
-    `on_start(n)` when sampling `n` prompts starts, `on_group(done)` as their groups finish."""
+    `on_progress` when sampling starts (nothing done: how much there is) and as it goes."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     task = await read_split(store, manifest, split)
@@ -79,11 +102,12 @@ async def local_eval(
     tool = None
     if task.tool_format is not None:
         tool = tool_for(task, ToolContext(run=manifest.run, store=store, data_dir=work_dir))
-    if on_start is not None:
-        on_start(len(items))
+    if on_progress is not None:
+        budget = len(items) * k * max_tokens if counts_tokens(engine, task) else None
+        on_progress(EvalProgress(0, len(items), None if budget is None else 0, budget))
     groups = await _sample(
         engine, folder, task, items, k=k, temperature=temperature, max_tokens=max_tokens, stop=manifest.stop,
-        seed=seed, tool=tool, work_dir=work_dir, device=device, on_group=on_group,
+        seed=seed, tool=tool, work_dir=work_dir, device=device, on_progress=on_progress,
     )
     results = tuple(
         PromptResult(
@@ -100,7 +124,7 @@ async def local_eval(
 async def _sample(
     engine: Engine, folder: Path, task: Task, items: Sequence[TaskItem], *, k: int, temperature: float,
     max_tokens: int, stop: tuple[str, ...], seed: int | None, tool: Tool | None, work_dir: Path, device: str | None,
-    on_group: Callable[[int], None] | None = None,
+    on_progress: Callable[[EvalProgress], None] | None = None,
 ) -> Sequence[Sequence[Any]]:
     """k completions per item, in item order (`text`, `finish_reason`, `tool_calls` each)."""
     if engine == "transformers":
@@ -108,13 +132,15 @@ async def _sample(
 
         model, tokenizer = await asyncio.to_thread(load_hf_model, folder, device or default_device())
         prompts = [prompt_tokens(tokenizer, task, item) for item in items]
+        told = on_progress
         return await hf_answer_prompts(
             model, tokenizer, task, prompts, temperature=temperature, max_tokens=max_tokens, k=k,
-            stop=stop, seed=seed, tool=tool, on_group=on_group,
+            stop=stop, seed=seed, tool=tool,
+            on_group=None if told is None else (lambda n: told(EvalProgress(n, len(prompts)))),
         )
     return await mlx_sample(
         folder, task, n_prompts=len(items), k=k, temperature=temperature, max_tokens=max_tokens,
-        stop=stop, seed=seed, tool=tool, work_dir=work_dir, on_group=on_group,
+        stop=stop, seed=seed, tool=tool, work_dir=work_dir, on_progress=on_progress,
     )
 
 
@@ -134,24 +160,24 @@ def mlx_command(
 async def mlx_sample(
     folder: Path, task: Task, *, n_prompts: int, k: int, temperature: float, max_tokens: int,
     stop: tuple[str, ...], seed: int | None, tool: Tool | None, work_dir: Path,
-    on_group: Callable[[int], None] | None = None,
+    on_progress: Callable[[EvalProgress], None] | None = None,
 ) -> list[list[Sampled]]:
     """k completions for each of `task`'s first `n_prompts` prompts from the model `folder`,
-    sampled by ``python -m macd.eval_process`` (its tool calls answered here by `tool`; `on_group`
-    told of its progress lines); EngineFailed when the process fails."""
+    sampled by ``python -m macd.eval_process`` (its tool calls answered here by `tool`;
+    `on_progress` told of its progress lines); EngineFailed when the process fails."""
     work_dir.mkdir(parents=True, exist_ok=True)
     task_file, out_file = work_dir / "eval-task.data", work_dir / "eval-completions.json"
     await asyncio.to_thread(task_file.write_bytes, task.encode())
     out_file.unlink(missing_ok=True)
     cmd = mlx_command(folder, task_file, out_file, n_prompts=n_prompts, k=k, temperature=temperature,
-                      max_tokens=max_tokens, stop=stop, seed=seed, tool=tool is not None, progress=on_group is not None)
+                      max_tokens=max_tokens, stop=stop, seed=seed, tool=tool is not None, progress=on_progress is not None)
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdin=asyncio.subprocess.PIPE if tool is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=MAX_LINE,
     )
     stderr_tail: deque[str] = deque(maxlen=20)
     try:
-        await asyncio.gather(_answer_tool_calls(proc, tool), _keep_tail(proc.stderr, stderr_tail, on_group))
+        await asyncio.gather(_answer_tool_calls(proc, tool), _keep_tail(proc.stderr, stderr_tail, on_progress))
         code = await proc.wait()
     finally:
         if proc.returncode is None:  # cancelled, or a bad line from it
@@ -207,25 +233,39 @@ async def _answer_tool_calls(proc: asyncio.subprocess.Process, tool: Tool | None
 
 
 async def _keep_tail(
-    stream: asyncio.StreamReader | None, tail: deque[str], on_group: Callable[[int], None] | None = None,
+    stream: asyncio.StreamReader | None, tail: deque[str], on_progress: Callable[[EvalProgress], None] | None = None,
 ) -> None:
-    """Keep the stream's last lines in `tail`, its progress lines told to `on_group` instead."""
+    """Keep the stream's last lines in `tail`, its progress lines told to `on_progress` instead."""
     assert stream is not None
     while line := await stream.readline():
         text = line.decode(errors="replace").rstrip()
-        done = parse_progress(text)
-        if done is None:
+        progress = parse_progress(text)
+        if progress is None:
             tail.append(text)
-        elif on_group is not None:
-            on_group(done[0])
+        elif on_progress is not None:
+            on_progress(progress)
 
 
-def parse_progress(line: str) -> tuple[int, int] | None:
-    """(done, total) prompts of a progress line of the mlx engine's process; None for any other line."""
+def parse_progress(line: str) -> EvalProgress | None:
+    """The progress a line of the mlx engine's process tells: "TOKENS/TOTAL PROMPTS/TOTAL" or
+    "PROMPTS/TOTAL" after the prefix; None for any other line."""
     if not line.startswith(PROGRESS_PREFIX):
         return None
-    done, sep, total = line[len(PROGRESS_PREFIX):].partition("/")
-    return (int(done), int(total)) if sep and done.isdigit() and total.isdigit() else None
+    fields = line[len(PROGRESS_PREFIX):].split()
+    counts = [c for field in fields if (c := _fraction(field)) is not None]
+    if len(counts) != len(fields) or len(counts) not in (1, 2):
+        return None
+    if len(counts) == 1:
+        return EvalProgress(*counts[0])
+    (tokens_done, tokens), (done, total) = counts
+    return EvalProgress(done, total, tokens_done, tokens)
+
+
+def _fraction(field: str) -> tuple[int, int] | None:
+    """(done, total) of "DONE/TOTAL" (decimal digits); None for anything else."""
+    done, sep, total = field.partition("/")
+    digits = sep and done.isascii() and done.isdigit() and total.isascii() and total.isdigit()
+    return (int(done), int(total)) if digits else None
 
 
 def _last_line(lines: deque[str]) -> str:

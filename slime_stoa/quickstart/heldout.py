@@ -14,11 +14,15 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import Store
 from slime_stoa.tasks.objects import put_task_objects, task_objects
+
+if TYPE_CHECKING:
+    from slime_stoa.evaluation.local import EvalProgress
 
 SPLIT = "test"
 EVAL_PROMPTS = 64  # prompts of the test split evaluated
@@ -34,10 +38,12 @@ async def put_synthetic_test_split(store: Store, run: str) -> None:
 
 async def pass1_at(
     store: Store, run: str, versions: Iterable[int], *, seed: int, work_dir: Path | None = None,
-    prompts: int = EVAL_PROMPTS, k: int = EVAL_K, on_group: Callable[[int], None] | None = None,
+    prompts: int = EVAL_PROMPTS, k: int = EVAL_K, on_progress: Callable[[EvalProgress], None] | None = None,
 ) -> dict[int, float]:
     """{version: pass@1 on the test split's first `prompts` prompts, `k` samples each} with the
-    run's sampling (temperature, max tokens); `on_group(done)` as each prompt's samples finish."""
+    run's sampling (temperature, max tokens); `on_progress` as each version's sampling starts and
+    goes (`evaluation.local.local_eval`: in tokens of the budget for a single-turn task, moving
+    with every decode step; in prompts for the search task)."""
     from slime_stoa.evaluation.local import local_eval
 
     manifest = await read_run_manifest(store, run)
@@ -48,8 +54,7 @@ async def pass1_at(
             result = await local_eval(
                 store, manifest, version=version, split=SPLIT, k=k, n_prompts=prompts,
                 max_tokens=manifest.max_tokens, temperature=manifest.temperature, work_dir=Path(tmp) / f"v{version}",
-                threshold=1.0, seed=seed, trust=trust,
-                on_group=on_group,
+                threshold=1.0, seed=seed, trust=trust, on_progress=on_progress,
             )
             out[version] = float(result.row()["pass@1"])
     return out

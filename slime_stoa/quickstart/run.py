@@ -856,12 +856,16 @@ async def first_eval(store: Store, cfg: QuickstartConfig, progress: Progress, re
 
 async def heldout_eval(store: Store, cfg: QuickstartConfig, progress: Progress, report: Any, version: int) -> None:
     """Eval pass@1 of `version` on the held-out test split (kept in progress), with a bar that
-    moves as each prompt's samples finish."""
+    moves with every decode step (in tokens of the budget, with an upper-bound ETA; the search
+    task's in prompts as their samples finish)."""
+    from .meter import SamplingMeter
+
     what = f"eval v{version} (held-out test split, {cfg.eval_samples} sample(s) per prompt)"
-    with StepMeter(report_console(report), what, cfg.eval_prompts, unit="prompt") as meter:
+    with SamplingMeter(report_console(report), what) as meter:
+        meter.start(cfg.eval_prompts)  # shown while the version is rebuilt; sized again when sampling starts
         progress.eval_pass1.update(await heldout.pass1_at(
             store, cfg.run, [version], seed=cfg.seed, work_dir=cfg.out, prompts=cfg.eval_prompts,
-            k=cfg.eval_samples, on_group=meter.update,
+            k=cfg.eval_samples, on_progress=meter.show,
         ))
     report.note(f"eval pass@1 on the held-out test split at v{version}: {progress.eval_pass1[version]:.3f}")
 
