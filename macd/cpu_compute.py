@@ -50,6 +50,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from .cpu_blas import sgemm_provider
 
@@ -196,3 +197,67 @@ def copy_matches(layer: nn.Module) -> bool:
 def copies_nbytes(model: nn.Module) -> int:
     """Bytes of the float32 copies `model`'s layers hold."""
     return sum(m.__dict__["_wide"].array.nbytes for _, m in model.named_modules() if has_copy(m))
+
+
+# -- quantized planes: float32 activations ------------------------------------------------------
+def float32_activations_wanted() -> bool:
+    """Whether a plane model should compute with float32 activations here (`macd.plane_weights`' module doc: MLX's CPU quantized kernels accumulate bf16 input in bf16): on MLX's
+    CPU device unless `ENV` says ``bfloat16``; ValueError on a misspelt setting."""
+    if mx.default_device().type != mx.cpu:
+        return False
+    float32_compute_wanted()  # refuses a value of the setting it does not know
+    return os.environ.get(ENV, "").strip().lower() != "bfloat16"
+
+
+def _quantized_embedding_call(self: Any, x: mx.array) -> mx.array:
+    """The rows of `x` dequantized in float32 (stock: in bf16, each row rounded twice), as the
+    float32 kernel dequantizes them for a tied head."""
+    return mx.dequantize(
+        self["weight"][x], scales=self["scales"][x].astype(mx.float32), biases=self["biases"][x].astype(mx.float32),
+        group_size=self.group_size, bits=self.bits, mode=self.mode,
+    )
+
+
+def _quantized_embedding_as_linear(self: Any, x: mx.array) -> mx.array:
+    return nn.QuantizedEmbedding.as_linear(self, x.astype(mx.float32))
+
+
+def _quantized_linear_call(self: Any, x: mx.array) -> mx.array:
+    return nn.QuantizedLinear.__call__(self, x.astype(mx.float32))
+
+
+def _quantized_switch_call(self: Any, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    return QuantizedSwitchLinear.__call__(self, x.astype(mx.float32), indices, sorted_indices)
+
+
+def _wide_methods() -> dict[type, dict[str, Any]]:
+    """Quantized layer class -> the methods its float32-activation subclass overrides."""
+    return {
+        nn.QuantizedEmbedding: {"__call__": _quantized_embedding_call, "as_linear": _quantized_embedding_as_linear},
+        nn.QuantizedLinear: {"__call__": _quantized_linear_call},
+        QuantizedSwitchLinear: {"__call__": _quantized_switch_call},
+    }
+
+
+_WIDE: dict[type, type] = {}  # quantized layer class -> its float32-activation subclass
+
+
+def use_float32_activations(model: nn.Module) -> int:
+    """Make `model`'s affine quantized layers (``QuantizedLinear``, ``QuantizedEmbedding``,
+    mlx-lm's ``QuantizedSwitchLinear``) compute with float32 activations, in place (each layer's
+    class swapped for a subclass; module doc); how many layers were switched now. Idempotent.
+    Parameters and their memory are untouched, so a state lent the model's memory stays live."""
+    methods = _wide_methods()
+    switched = 0
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls not in methods or getattr(module, "mode", "affine") != "affine":
+            continue  # another class (or one switched already) computes its own way
+        module.__class__ = _WIDE.setdefault(cls, type(f"Float32Activations{cls.__name__}", (cls,), methods[cls]))
+        switched += 1
+    return switched
+
+
+def computes_float32_activations(model: nn.Module) -> bool:
+    """Whether `use_float32_activations` switched any layer of `model`."""
+    return any(type(m) in _WIDE.values() for _, m in model.named_modules())

@@ -78,6 +78,8 @@ def load_model(folder: Path | str) -> tuple[Model, Tokenizer]:
     apply_model_fixes(loaded[0], _folder_config(folder))
     if cpu_compute.float32_compute_wanted():  # as a bf16 worker computes here (an eval samples as it does)
         cpu_compute.use_float32_compute(loaded[0])
+    if cpu_compute.float32_activations_wanted():  # a pre-quantized folder: as a plane worker computes here
+        cpu_compute.use_float32_activations(loaded[0])
     return loaded[0], loaded[1]
 
 

@@ -27,7 +27,7 @@ partial sum rounded to 8 bits of mantissa; its float32 kernel accumulates in flo
 relative error per output at K = 576-1536, ~20x a bf16 matmul's. On SmolLM2-135M's int8 plane that
 alone put the worker's logprobs 0.43 nats/token from the learner's, where the plane's weights
 computed exactly are 0.056 away. So there `from_state` makes the quantized layers compute with
-float32 activations (`use_float32_activations`: the embedding's rows dequantized in float32,
+float32 activations (`cpu_compute.use_float32_activations`: the embedding's rows dequantized in float32,
 every quantized layer's input cast to float32; MLX then dequantizes with the bf16 scales and
 biases widened, exactly, and accumulates in float32: the plane's function to float32 rounding,
 and 5-8x faster than the bf16 loop). The served bytes do not change; ``STOA_CPU_COMPUTE=bfloat16``
@@ -39,7 +39,6 @@ Threading: plain synchronous MLX code. Call it only from the thread that owns ML
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
@@ -48,7 +47,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from slime_stoa.protocol.layout import QuantPlane, check_plane
 
@@ -95,69 +93,6 @@ def quantize_structure(model: nn.Module, layers: Mapping[str, int]) -> None:
     nn.quantize(model, class_predicate=predicate)
 
 
-def float32_activations_wanted() -> bool:
-    """Whether a plane model should compute with float32 activations here (module doc): on MLX's
-    CPU device unless `cpu_compute.ENV` says ``bfloat16``; ValueError on a misspelt setting."""
-    if mx.default_device().type != mx.cpu:
-        return False
-    cpu_compute.float32_compute_wanted()  # refuses a value of the setting it does not know
-    return os.environ.get(cpu_compute.ENV, "").strip().lower() != "bfloat16"
-
-
-def _embedding_call(self: Any, x: mx.array) -> mx.array:
-    """The rows of `x` dequantized in float32 (stock: in bf16, each row rounded twice), as the
-    float32 kernel dequantizes them for a tied head."""
-    return mx.dequantize(
-        self["weight"][x], scales=self["scales"][x].astype(mx.float32), biases=self["biases"][x].astype(mx.float32),
-        group_size=self.group_size, bits=self.bits, mode=self.mode,
-    )
-
-
-def _embedding_as_linear(self: Any, x: mx.array) -> mx.array:
-    return nn.QuantizedEmbedding.as_linear(self, x.astype(mx.float32))
-
-
-def _linear_call(self: Any, x: mx.array) -> mx.array:
-    return nn.QuantizedLinear.__call__(self, x.astype(mx.float32))
-
-
-def _switch_call(self: Any, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-    return QuantizedSwitchLinear.__call__(self, x.astype(mx.float32), indices, sorted_indices)
-
-
-def _wide_methods() -> dict[type, dict[str, Any]]:
-    """Quantized layer class -> the methods its float32-activation subclass overrides."""
-    return {
-        nn.QuantizedEmbedding: {"__call__": _embedding_call, "as_linear": _embedding_as_linear},
-        nn.QuantizedLinear: {"__call__": _linear_call},
-        QuantizedSwitchLinear: {"__call__": _switch_call},
-    }
-
-
-_WIDE: dict[type, type] = {}  # quantized layer class -> its float32-activation subclass
-
-
-def use_float32_activations(model: nn.Module) -> int:
-    """Make `model`'s affine quantized layers (``QuantizedLinear``, ``QuantizedEmbedding``,
-    mlx-lm's ``QuantizedSwitchLinear``) compute with float32 activations, in place (each layer's
-    class swapped for a subclass; module doc); how many layers were switched now. Idempotent.
-    Parameters and their memory are untouched, so a state lent the model's memory stays live."""
-    methods = _wide_methods()
-    switched = 0
-    for _, module in model.named_modules():
-        cls = type(module)
-        if cls not in methods or getattr(module, "mode", "affine") != "affine":
-            continue  # another class (or one switched already) computes its own way
-        module.__class__ = _WIDE.setdefault(cls, type(f"Float32Activations{cls.__name__}", (cls,), methods[cls]))
-        switched += 1
-    return switched
-
-
-def computes_float32_activations(model: nn.Module) -> bool:
-    """Whether `use_float32_activations` switched any layer of `model`."""
-    return any(type(m) in _WIDE.values() for _, m in model.named_modules())
-
-
 class PlaneWeights(LiveWeights):
     """An mlx-lm quantized model serving a plane state it shares its memory with (module doc).
     The interface of `LiveWeights`; `master_apart` is False: the state is the model."""
@@ -192,7 +127,7 @@ class PlaneWeights(LiveWeights):
     ) -> PlaneWeights:
         """Quantize `model` (a bf16 mlx-lm model built from its config) as the plane `state`
         says and install the state into it, sharing its memory (module doc); on the CPU device its
-        quantized layers compute with float32 activations (`float32_activations_wanted`).
+        quantized layers compute with float32 activations (`cpu_compute.float32_activations_wanted`).
         ValueError naming the first tensor that does not fit; the model is then left unusable."""
         layers: dict[str, int] = {}
         for path, bits in plane_structure(state).items():
@@ -205,8 +140,8 @@ class PlaneWeights(LiveWeights):
         live._validate(state, list(state), None)
         live._check_complete(state)
         live._install(state)
-        if float32_activations_wanted():
-            use_float32_activations(model)
+        if cpu_compute.float32_activations_wanted():
+            cpu_compute.use_float32_activations(model)
         return live
 
     def _target(self, name: str) -> str:

@@ -163,6 +163,8 @@ class LiveWeights:
         live._install(state)
         if plane == "bf16" and cpu_compute.float32_compute_wanted():
             cpu_compute.use_float32_compute(model)  # copies made at each layer's first call
+        if plane == "int8" and cpu_compute.float32_activations_wanted():
+            cpu_compute.use_float32_activations(model)  # MLX's CPU quantized kernel sums bf16 input in bf16
         return live
 
     @property

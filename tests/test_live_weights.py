@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model
 
+from macd import cpu_compute
 from macd.cpu_compute import computes_in_float32, use_float32_compute
 from macd.weights import ApplyStats, LiveWeights
 from slime_stoa.protocol.hf.folders import (
@@ -101,6 +102,8 @@ def int8_reference(tiny: Path, state: State):
     model = fresh_model(tiny, state)
     quantize_model(model, {}, group_size=GROUP, bits=8)
     mx.eval(model.parameters())
+    if cpu_compute.float32_activations_wanted():  # as the worker's int8 plane computes on MLX's CPU device
+        cpu_compute.use_float32_activations(model)
     return model
 
 

@@ -1,5 +1,5 @@
 """What a worker on a quantized plane computes on MLX's CPU device: the function of the plane's
-weights, in float32 (`macd.plane_weights.use_float32_activations`), not MLX's bf16 quantized
+weights, in float32 (`macd.cpu_compute.use_float32_activations`), not MLX's bf16 quantized
 kernel, whose scalar loop accumulates each dot product in bf16 (on SmolLM2-135M's int8 plane that
 alone was 0.43 nats/token of gap to the learner, the quantization itself 0.056)."""
 
@@ -18,9 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from macd.cpu_compute import ENV
+from macd.cpu_compute import ENV, computes_float32_activations, use_float32_activations
 from macd.generate import build_model
-from macd.plane_weights import PlaneWeights, computes_float32_activations, use_float32_activations
+from macd.plane_weights import PlaneWeights
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.pulse.plane import plane_bits
 from slime_stoa.quickstart.seeding import tiny_synthetic_model

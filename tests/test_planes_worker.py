@@ -20,9 +20,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
 from macd.config import decoding_sequences
+from macd.cpu_compute import computes_float32_activations, use_float32_activations
 from macd.following import held_plane, served_digest
 from macd.plane_choice import choose_plane
-from macd.plane_weights import PlaneWeights, computes_float32_activations, plane_structure, use_float32_activations
+from macd.plane_weights import PlaneWeights, plane_structure
 from macd.worker import Worker, WorkerOptions
 from slime_stoa.protocol.hf.folders import load_hf_state
 from slime_stoa.protocol.layout import RunLayout
