@@ -203,10 +203,13 @@ async def test_batch_across_workers(store: Store, store_url: str, tiny: Tiny) ->
     assert m["rollout/stoa_rejected"] == 0 and m["rollout/stoa_reward_mean"] == 0.5
     with pytest.raises(ConsumerTimeout):
         await consumer.next_batch(1, trainer_version=0)
+    with pytest.raises(ConsumerTimeout):  # a limit of this call alone
+        await consumer.next_batch(1, trainer_version=0, timeout_s=0.1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        await consumer.next_batch(1, trainer_version=0, timeout_s=0)
     # A new record lands: the next batch has it.
     await upload(store, make_group(tiny, worker="mac-d", seq=0, prompt_index=20))
-    consumer.config = dataclasses.replace(consumer.config, wait_timeout_s=5.0)
-    third = await consumer.next_batch(1, trainer_version=0)
+    third = await consumer.next_batch(1, trainer_version=0, timeout_s=5.0)
     assert third.groups[0].worker == "mac-d"
     await consumer.close()
 

@@ -152,3 +152,14 @@ def test_the_real_model_runs_gsm8k_through_the_whole_loop(tmp_path: Path) -> Non
     assert 0 <= s["eval_pass1_first"] <= 1 and 0 <= s["eval_pass1_last"] <= 1 and s["eval_prompts"] == 2
     assert s["logprob_gap_versions"] == 0 or s["mean_abs_logprob_gap"] < 0.05, s["mean_abs_logprob_gap"]
     assert "no warm start" in s["warm_start"]
+
+
+def test_a_real_model_waits_for_a_batch_until_its_time_is_up(tmp_path: Path) -> None:
+    """On a hard task most of a real model's groups can have equal rewards and be dropped: its
+    learner waits what is left of --minutes (the run then ends at its limit, not in an error);
+    the tiny model's fleet still has the short wait that reports a stalled fleet."""
+    from slime_stoa.quickstart.run import TINY_BATCH_WAIT_S, batch_wait_s
+
+    assert batch_wait_s(QuickstartConfig(), 1200.0) == TINY_BATCH_WAIT_S
+    real = QuickstartConfig(model=tiny_synthetic_model(tmp_path / "m"))
+    assert batch_wait_s(real, 1200.0) == 1200.0 and batch_wait_s(real, -5.0) == 1.0

@@ -60,7 +60,7 @@ from slime_stoa.tasks import Synthetic, generate_items, warmup_pairs
 from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.search.task import Search
 from slime_stoa.tasks.synthetic import baseline_reward
-from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
+from slime_stoa.trainer.consumer import ConsumerConfig, ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.metrics import rejects_by_reason
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
@@ -297,6 +297,16 @@ def warm_start_note(cfg: QuickstartConfig) -> str:
         f"supervised warm start on the answer format: {cfg.warmup_steps} steps "
         f"(teaches the format only; --no-warm-start keeps the model as it is)"
     )
+
+
+TINY_BATCH_WAIT_S = 300.0  # the tiny model's workers fill a batch in seconds: longer is a stalled fleet
+
+
+def batch_wait_s(cfg: QuickstartConfig, left_s: float) -> float:
+    """How long the learner waits for a batch: the tiny model's fleet within `TINY_BATCH_WAIT_S`
+    (a stall is reported as an error); a real model's until the RL part's time is up, since on a
+    hard task most of its groups can be dropped for equal rewards and a batch takes minutes on a CPU."""
+    return TINY_BATCH_WAIT_S if cfg.model is None else max(left_s, 1.0)
 
 
 def real_task_objects(cfg: QuickstartConfig) -> dict[str, bytes] | None:
@@ -594,7 +604,17 @@ async def train(
     deadline = time.time() + cfg.minutes * 60
     restart_at: float | None = None
     while time.time() < deadline and version - progress.first_version < cfg.max_versions:
-        batch = await stop.race(consumer.next_batch(cfg.batch_groups, trainer_version=version))
+        try:
+            batch = await stop.race(consumer.next_batch(
+                cfg.batch_groups, trainer_version=version, timeout_s=batch_wait_s(cfg, deadline - time.time()),
+            ))
+        except ConsumerTimeout as exc:
+            if cfg.model is None or time.time() < deadline:
+                raise  # the tiny model's fleet answers within minutes: a stall is a fault to report
+            # A real model on a hard task: most groups can have equal rewards (no GRPO signal) and
+            # are dropped, so a batch can take longer than the time left. The run ends at its time limit.
+            report.note(f"time limit reached waiting for a batch ({' '.join(str(exc).split())[:300]})")
+            break
         consumer_state = consumer.state_dict()  # this batch taken: saved now, and with the version's checkpoint
         await consumer.save_state(consumer_state)
         groups = [_train_sequences(g) for g in batch.groups]

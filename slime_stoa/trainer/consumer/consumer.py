@@ -266,12 +266,14 @@ class RolloutConsumer:
         return self._trust.apply_releases(releases)
 
     # -- batches -------------------------------------------------------------------------------
-    async def next_batch(self, n_groups: int, *, trainer_version: int) -> Batch:
+    async def next_batch(self, n_groups: int, *, trainer_version: int, timeout_s: float | str | None = "config") -> Batch:
         """Wait until `n_groups` usable groups are ready and return them with the batch metrics.
 
         `trainer_version`: the trainer's latest published weight version (staleness is measured
         against it, in training steps along the weight lineage). Waits as long as it takes, or
-        raises `ConsumerTimeout` after `wait_timeout_s` when that is set.
+        raises `ConsumerTimeout` after `timeout_s` seconds: by default the config's
+        `wait_timeout_s`; a number or None (no limit) for this call alone (a trainer with a time
+        budget waits at most what is left of it).
         """
         config, state, filler = self.config, self._shared.state, self._filler
         if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
@@ -284,7 +286,11 @@ class RolloutConsumer:
             raise ValueError(f"trainer_version must be an int >= 0, got {trainer_version!r}")
         await filler.stop_prefetch()
         self._versions.trainer_version = trainer_version
-        wait_s = await filler.ready(n_groups, config.wait_timeout_s)
+        if timeout_s == "config":
+            timeout_s = config.wait_timeout_s
+        elif isinstance(timeout_s, str) or (timeout_s is not None and not timeout_s > 0):
+            raise ValueError(f"timeout_s must be a number > 0, None or 'config', got {timeout_s!r}")
+        wait_s = await filler.ready(n_groups, timeout_s)
         groups = self._take(n_groups)
         gained = delta(state.counters, self._batch_counters)
         self._batch_counters = dict(state.counters)
