@@ -61,16 +61,21 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+def signed_run(bucket: Path, run: str, run_key: Path) -> tuple[str, Path]:
+    """A signed run `run` in the folder bucket `bucket`, made with `stoa`; (its URL, its key file)."""
+    url = f"file://{bucket}"
+    assert stoa(["keys", "create", str(run_key)]) == 0
+    assert stoa(["run", "create", "--store", url, "--run", run, "--model", "m", "--task", "synthetic",
+                 "--key", str(run_key)]) == 0
+    return url, run_key
+
+
 def test_worker_add_prints_a_join_that_macd_accepts_as_printed(
     home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bucket = tmp_path / "the bucket & co's"  # a space, an `&` and a quote in the URL
     bucket.mkdir()
-    url = f"file://{bucket}"
-    run_key = tmp_path / "run.key"
-    assert stoa(["keys", "create", str(run_key)]) == 0
-    assert stoa(["run", "create", "--store", url, "--run", "demo", "--model", "m", "--task", "synthetic",
-                 "--key", str(run_key)]) == 0
+    url, run_key = signed_run(bucket, "demo", tmp_path / "run.key")
     mac = tmp_path / "on the mac"
     mac.mkdir()
     capsys.readouterr()

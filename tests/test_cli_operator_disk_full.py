@@ -16,6 +16,7 @@ import pytest
 
 from slime_stoa.cli import main as stoa
 from slime_stoa.protocol.fsutil import DiskFull, atomic_file, atomic_write
+from tests.test_cli_operator_commands import signed_run
 
 
 def fill_disk(monkeypatch: pytest.MonkeyPatch, free: int) -> Callable[[], int]:
@@ -75,10 +76,7 @@ def test_stoa_says_it_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     """`stoa worker add` writing the worker key file onto a full disk: one line, status 1, no file."""
     bucket = tmp_path / "bucket"
     bucket.mkdir()
-    url, run_key = f"file://{bucket}", tmp_path / "run.key"
-    assert stoa(["keys", "create", str(run_key)]) == 0
-    assert stoa(["run", "create", "--store", url, "--run", "r", "--model", "m", "--task", "synthetic",
-                 "--key", str(run_key)]) == 0
+    url, run_key = signed_run(bucket, "r", tmp_path / "run.key")
     keys = tmp_path / "keys"
     keys.mkdir()
     capsys.readouterr()
