@@ -50,7 +50,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from .cpu_blas import sgemm_provider
 
@@ -201,7 +200,8 @@ def copies_nbytes(model: nn.Module) -> int:
 
 # -- quantized planes: float32 activations ------------------------------------------------------
 def float32_activations_wanted() -> bool:
-    """Whether a plane model should compute with float32 activations here (`macd.plane_weights`' module doc: MLX's CPU quantized kernels accumulate bf16 input in bf16): on MLX's
+    """Whether a quantized model should compute with float32 activations here (MLX's CPU
+    quantized kernels accumulate bf16 input in bf16: `macd.plane_weights`' module doc): on MLX's
     CPU device unless `ENV` says ``bfloat16``; ValueError on a misspelt setting."""
     if mx.default_device().type != mx.cpu:
         return False
@@ -227,16 +227,23 @@ def _quantized_linear_call(self: Any, x: mx.array) -> mx.array:
 
 
 def _quantized_switch_call(self: Any, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-    return QuantizedSwitchLinear.__call__(self, x.astype(mx.float32), indices, sorted_indices)
+    stock = type(self).__bases__[0]  # mlx-lm's QuantizedSwitchLinear (the subclass adds only this)
+    return stock.__call__(self, x.astype(mx.float32), indices, sorted_indices)
 
 
-def _wide_methods() -> dict[type, dict[str, Any]]:
-    """Quantized layer class -> the methods its float32-activation subclass overrides."""
-    return {
-        nn.QuantizedEmbedding: {"__call__": _quantized_embedding_call, "as_linear": _quantized_embedding_as_linear},
-        nn.QuantizedLinear: {"__call__": _quantized_linear_call},
-        QuantizedSwitchLinear: {"__call__": _quantized_switch_call},
-    }
+_SWITCH_NAME = "QuantizedSwitchLinear"  # mlx-lm's quantized experts, known by name: only macd.generate imports mlx-lm
+
+
+def _wide_methods(cls: type) -> dict[str, Any] | None:
+    """The methods the float32-activation subclass of quantized layer class `cls` overrides
+    (None: not such a class, or one switched already)."""
+    if cls is nn.QuantizedEmbedding:
+        return {"__call__": _quantized_embedding_call, "as_linear": _quantized_embedding_as_linear}
+    if cls is nn.QuantizedLinear:
+        return {"__call__": _quantized_linear_call}
+    if cls.__name__ == _SWITCH_NAME and cls.__module__.startswith("mlx_lm."):
+        return {"__call__": _quantized_switch_call}
+    return None
 
 
 _WIDE: dict[type, type] = {}  # quantized layer class -> its float32-activation subclass
@@ -247,13 +254,13 @@ def use_float32_activations(model: nn.Module) -> int:
     mlx-lm's ``QuantizedSwitchLinear``) compute with float32 activations, in place (each layer's
     class swapped for a subclass; module doc); how many layers were switched now. Idempotent.
     Parameters and their memory are untouched, so a state lent the model's memory stays live."""
-    methods = _wide_methods()
     switched = 0
     for _, module in model.named_modules():
         cls = type(module)
-        if cls not in methods or getattr(module, "mode", "affine") != "affine":
+        methods = _wide_methods(cls)
+        if methods is None or getattr(module, "mode", "affine") != "affine":
             continue  # another class (or one switched already) computes its own way
-        module.__class__ = _WIDE.setdefault(cls, type(f"Float32Activations{cls.__name__}", (cls,), methods[cls]))
+        module.__class__ = _WIDE.setdefault(cls, type(f"Float32Activations{cls.__name__}", (cls,), methods))
         switched += 1
     return switched
 
