@@ -33,6 +33,7 @@ def run_vs(tmp_path: Path, model: Path, *args: str) -> tuple[subprocess.Complete
     return proc, out
 
 
+@pytest.mark.slow  # ~11 s: both sides' processes load a model and generate
 def test_both_sides_generate_the_same_tokens_and_the_report_has_its_keys(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny", family="llama")
     proc, out = run_vs(tmp_path, model)

@@ -128,6 +128,7 @@ def real_completions(real_model: Path) -> tuple[list[list[int]], list[list[objec
     return prompts, generate_groups(model, tokenizer, prompts, sampling)  # type: ignore[return-value]
 
 
+@pytest.mark.slow  # ~40 s with the next: real completions sampled on MLX's stock CPU path
 def test_a_real_completion_reads_the_same_on_both_sides(real_model: Path, real_completions) -> None:  # type: ignore[no-untyped-def]
     _, groups = real_completions
     decode, eos = load_tokenizer(real_model)
@@ -144,6 +145,7 @@ def test_a_real_completion_reads_the_same_on_both_sides(real_model: Path, real_c
     assert finishes <= {"stop", "length"}
 
 
+@pytest.mark.slow
 def test_recorded_logprobs_of_real_completions_are_the_learners(real_model: Path, real_completions) -> None:  # type: ignore[no-untyped-def]
     prompts, groups = real_completions
     learner = Learner(real_model, LearnerConfig(temperature=1.0))
