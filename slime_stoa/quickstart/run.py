@@ -858,7 +858,7 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         save_progress(progress, progress_file, run=cfg.run)
         lost, spooled = count_lost(final_beats), count_spooled(final_beats)
         progress.rewards, progress.tool_calls = await stop.race(samples_by_version(store, cfg.run, registry))
-        if not cfg.no_eval:
+        if not cfg.no_eval and progress.last_version not in progress.eval_pass1:  # no version since: evaluated
             await stop.race(heldout_eval(store, cfg, progress, report, progress.last_version))
         assert consumer is not None  # opened, or train() was never reached
         groups_used_run = consumer.counters.get("groups_used", 0)
