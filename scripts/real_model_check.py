@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     # for, so that groups whose samples all miss the number still carry a signal in a few tokens
     rewards = [[task.reward(c.text, item.label) + 0.5 * ("####" in c.text) for c in g]
                for g, item in zip(groups, task.items, strict=True)]
+    if args.lrs and all(len(set(rs)) == 1 for rs in rewards):
+        # GRPO's advantage is zero in a group of equal rewards: the steps would measure nothing
+        print("real_model_check: no group has unequal rewards, so RL steps change nothing: "
+              "raise --max-tokens or --prompts", file=sys.stderr)
+        return 1
     learner = Learner(model_dir, LearnerConfig(temperature=1.0))
     learner_lps = [learner.logprobs([TrainSequence(prompt=np.asarray(p), response=np.asarray(c.tokens),
                                                    worker_logprobs=c.logprobs, reward=0.0) for c in g])
