@@ -158,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     task, prompts = gsm8k_prompts(args.gsm8k, AutoTokenizer.from_pretrained(model_dir), args.prompts)
     print(f"sampling {args.prompts} x {args.group} completions of up to {args.max_tokens} tokens (bf16 worker)", flush=True)
     groups = sample(model_dir, prompts, group=args.group, max_tokens=args.max_tokens, seed=args.seed)
-    # the steps' reward: GSM8K's, plus a small bonus for the answer line the system prompt asks
-    # for, so that groups whose samples all miss the number still carry a signal in a few tokens
-    rewards = [[task.reward(c.text, item.label) + 0.5 * ("####" in c.text) for c in g]
-               for g, item in zip(groups, task.items, strict=True)]
+    # the steps' reward: GSM8K's, plus small bonuses for the answer line the system prompt asks
+    # for and for working with numbers at all, so that groups whose samples all miss the answer
+    # still carry a signal within a few tokens (Adam's step size hardly depends on the reward's scale)
+    rewards = [[task.reward(c.text, item.label) + 0.5 * ("####" in c.text) + 0.25 * any(ch.isdigit() for ch in c.text)
+                for c in g] for g, item in zip(groups, task.items, strict=True)]
     if args.lrs and all(len(set(rs)) == 1 for rs in rewards):
         # GRPO's advantage is zero in a group of equal rewards: the steps would measure nothing
         print("real_model_check: no group has unequal rewards, so RL steps change nothing: "
