@@ -23,6 +23,7 @@ os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 
 from slime_stoa.protocol.store import Store, open_store
 from tests.s3server import LocalS3Server
+from tests.shared_data import check_in_ci
 
 BACKENDS = ["file", "s3"]
 T = TypeVar("T")
@@ -170,6 +171,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a long test (a learning run, the wheel install), only with --slow or STOA_SLOW=1")
     config.addinivalue_line("markers", "r2: runs against a real bucket when STOA_R2_TEST_URL and its credentials are set, else skipped")
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
+    check_in_ci()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

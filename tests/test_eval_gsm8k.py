@@ -1,4 +1,4 @@
-"""`stoa eval --local` on GSM8K's real test split (found as `tests.test_tasks.gsm8k_dirs` says:
+"""`stoa eval --local` on GSM8K's real test split (found as `tests.shared_data.gsm8k_dirs` says:
 $STOA_GSM8K_DIR, else shared/data/gsm8k beside the checkout), with both engines: macd's MLX path
 and transformers."""
 
@@ -17,8 +17,8 @@ from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.tasks.objects import put_task_objects, task_objects
+from tests.shared_data import GSM8K_DIR, needs_gsm8k
 from tests.test_eval_fleet import model_dir  # noqa: F401  (fixture)
-from tests.test_tasks import GSM8K_DIR, needs_gsm8k
 
 RUN = "eval-gsm8k"
 ENGINE_NEEDS = {"mlx": "mlx_lm", "transformers": "transformers"}

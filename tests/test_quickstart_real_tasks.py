@@ -15,9 +15,8 @@ from slime_stoa.protocol.store import open_store
 from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
 from slime_stoa.quickstart.run import check_same_run
 from slime_stoa.quickstart.seeding import tiny_synthetic_model
+from tests.shared_data import GSM8K_DIR
 from tests.test_quickstart_errors import assert_one_error_line, quickstart
-
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
 def test_a_real_model_gets_a_real_learning_rate_and_no_warm_start(tmp_path: Path) -> None:

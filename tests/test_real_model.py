@@ -32,8 +32,7 @@ from slime_stoa.tasks.math_task import MathTask
 from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.search.task import Search
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
-
-GSM8K_DIR = Path(os.environ.get("STOA_GSM8K_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"))
+from tests.shared_data import GSM8K_DIR
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,9 @@ from slime_stoa.cli import main
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import open_store
 from slime_stoa.tasks import load_task
+from tests.shared_data import GSM8K_DIR, needs_gsm8k
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+GSM8K = GSM8K_DIR
 
 
 def read(url: str, key: str) -> bytes:
@@ -34,7 +35,7 @@ def test_synthetic(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "immutable" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="the shared GSM8K files are not beside this checkout")
+@needs_gsm8k
 def test_gsm8k_from_the_real_files(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     files = [str(GSM8K / "train.jsonl"), str(GSM8K / "test.jsonl")]

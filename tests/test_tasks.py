@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -36,24 +35,7 @@ from slime_stoa.tasks import (
 )
 from slime_stoa.tasks.gsm8k import SYSTEM_PROMPT, parse_label, parse_number
 from slime_stoa.tasks.synthetic import baseline_reward, parse_prompt
-
-GSM8K_ENV = "STOA_GSM8K_DIR"  # a folder holding GSM8K's train.jsonl and test.jsonl
-
-
-def gsm8k_dirs() -> list[Path]:
-    """Where the GSM8K files are looked for, in order: $STOA_GSM8K_DIR, then shared/data/gsm8k
-    in the checkout and beside it."""
-    checkout = Path(__file__).resolve().parents[1]
-    named = os.environ.get(GSM8K_ENV)
-    return [*([Path(named)] if named else []), *(root / "shared" / "data" / "gsm8k" for root in (checkout, checkout.parent))]
-
-
-GSM8K_DIR = next((d for d in gsm8k_dirs() if (d / "train.jsonl").is_file()), gsm8k_dirs()[0])
-needs_gsm8k = pytest.mark.skipif(
-    not (GSM8K_DIR / "train.jsonl").is_file(),
-    reason=f"GSM8K files (train.jsonl, test.jsonl) not found: set ${GSM8K_ENV} to their folder, or put them in "
-    f"shared/data/gsm8k beside the checkout (looked in {', '.join(map(str, gsm8k_dirs()))})",
-)
+from tests.shared_data import GSM8K_DIR, needs_gsm8k
 
 # ---------------------------------------------------------------------------------------------
 # GSM8K answer extraction
