@@ -12,7 +12,6 @@ os.environ.setdefault("MLX_DISABLE_COMPILE", "1")  # before any mlx import: no g
 
 import json
 import struct
-import time
 from pathlib import Path
 
 import numpy as np
@@ -370,13 +369,10 @@ def test_save_copies_config_and_tokenizer_files(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ tiny model
 
 
-def test_tiny_model_is_fast_deterministic_and_complete(tmp_path: Path) -> None:
+def test_tiny_model_is_deterministic_and_complete(tmp_path: Path) -> None:
     pytest.importorskip("tokenizers")
-    t0 = time.perf_counter()
     a = build_tiny_model(tmp_path / "a")
-    elapsed = time.perf_counter() - t0
     b = build_tiny_model(tmp_path / "b")
-    assert elapsed < 5.0
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     config = json.loads((a / "config.json").read_text())

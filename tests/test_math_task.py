@@ -160,11 +160,9 @@ def test_hostile_answers_are_refused_before_any_computation(answer: str) -> None
     child could never answer shows nothing was asked."""
     never = MathGrader(timeout_s=30.0, processes=1, command=[sys.executable, "-c", "import time; time.sleep(60)"])
     task = MathTask([], grader=never)
-    started = time.monotonic()
     assert task.reward(f"\\boxed{{{answer}}}", "5") == 0.0
     assert task.reward(f"\\boxed{{{answer}}}", answer + "0") == 0.0  # a hostile label too
-    assert time.monotonic() - started < 1.0
-    assert never.children[0].starts == 0
+    assert never.children[0].starts == 0  # no child was asked: nothing waited on it
     n = normalize(answer)
     assert len(answer) > 2048 or too_complex(n), n
 
@@ -178,9 +176,8 @@ def test_answer_past_the_bounds_is_killed_at_the_timeout() -> None:
         assert answers_equivalent("x+1", "1+x", g)  # the child has started
         started = time.monotonic()
         assert not answers_equivalent("(9999^{9999})^{9999}", "5", g)
-        elapsed = time.monotonic() - started
-        assert 0.5 <= elapsed < 5.0, elapsed
-        assert g.children[0].proc is None  # killed
+        assert time.monotonic() - started >= 0.5  # it waited out the timeout ...
+        assert g.children[0].proc is None  # ... then killed the child rather than wait for its answer
         assert answers_equivalent("x+2", "2+x", g)
         assert g.children[0].starts == 2
     finally:

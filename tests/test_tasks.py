@@ -272,10 +272,11 @@ def test_hostile_completions_score_zero_quickly() -> None:
     gsm, syn = GSM8K([]), Synthetic([])
     for text in HOSTILE:
         for task, label in ((gsm, "72"), (syn, "7")):
-            start = time.perf_counter()
+            start = time.process_time()
             assert task.reward(text, label) == 0.0, text[:20]
-            # Linear scans take well under a second; a backtracking blow-up would take hours.
-            assert time.perf_counter() - start < 3.0, text[:20]
+            # This process's CPU time, which other processes' load does not inflate: linear scans of
+            # these ~1 MB texts take milliseconds, a backtracking blow-up would take hours.
+            assert time.process_time() - start < 10.0, text[:20]
 
 
 _NOISE = "0123456789,.-$/ #*:\\{}boxedanswer is\u2212\n"  # characters the extractor cares about
