@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from slime_stoa.protocol.worker_keys import worker_key_bytes
 from . import config as cfg
 from .cmdline import add_config_option, config_path, error, run_create_command
 from .index_plan import IndexPlan
+from .join_settings import JOIN_SETTINGS, Keep, merge_settings
 
 if TYPE_CHECKING:
     from slime_stoa.protocol.heartbeat import Heartbeat
@@ -56,7 +57,7 @@ class JoinInputs:
 
 
 #: The fields a re-join of any run keeps from the previous config unless a flag sets them.
-KEPT_ON_REJOIN = ("batch", "max_decode", "transfer_concurrency", "spool_max_mb", "log_level", "wandb_project")
+KEPT_ON_REJOIN = tuple(row.field for row in JOIN_SETTINGS if row.keep is Keep.ANY_RUN)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -103,56 +104,17 @@ def _do_join(args: argparse.Namespace) -> int:
     worker_key = _read_worker_key(args)
     old = _previous_config(path)
     creds, credentials_file = _join_credentials(args, old, path, remote=location.scheme != "file")
-    name = cfg.check_label(args.name or (old.name if old else cfg.default_name()))
-    if worker_key is not None:
-        worker_id = worker_key.worker
-        keep_id = old is not None and old.worker_id == worker_id
-    elif args.worker_id is not None:
-        worker_id = args.worker_id
-        keep_id = old is not None and old.worker_id == worker_id
-    else:
-        keep_id = old is not None and old.same_run(args.store, args.run)
-        worker_id = old.worker_id if keep_id and old else cfg.new_worker_id(name)
-    data_dir = args.data_dir or (old.data_dir if old else cfg.default_data_dir())
-    knobs: dict[str, Any] = {}
-    if old is not None:
-        knobs = {k: getattr(old, k) for k in KEPT_ON_REJOIN}
-    if args.batch is not None:
-        knobs["batch"] = args.batch
-    if args.plane is not None:
-        knobs["plane"] = args.plane
-    elif old is not None and old.same_run(args.store, args.run):
-        knobs["plane"] = old.plane  # a plane override holds for its run only
-    if args.run_key is not None:
-        knobs["run_key"] = args.run_key
-    elif old is not None and old.same_run(args.store, args.run) and old.run_key:
-        knobs["run_key"] = old.run_key  # pinned before: kept
-    if args.rollouts_store is not None:
-        parse_store_url(args.rollouts_store)
-        knobs["rollouts_store"] = args.rollouts_store
-    elif old is not None and old.same_run(args.store, args.run):
-        knobs["rollouts_store"] = old.rollouts_store
-    if args.rollouts_credentials_file is not None:
-        file = Path(os.path.abspath(args.rollouts_credentials_file.expanduser()))
-        if not file.exists():
-            raise ValueError(f"credentials file {file} does not exist")
-        knobs["rollouts_credentials_file"] = file
-    elif old is not None and old.same_run(args.store, args.run):
-        knobs["rollouts_credentials_file"] = old.rollouts_credentials_file
     key_copy = worker_key_path_for(path) if worker_key is not None else None
-    if key_copy is not None:
-        knobs["worker_key"] = str(key_copy)
-    elif old is not None and old.same_run(args.store, args.run) and old.worker_id == worker_id:
-        knobs["worker_key"] = old.worker_key
-    config = cfg.DaemonConfig(
-        store=args.store,
-        run=args.run,
-        name=name,
-        worker_id=worker_id,
-        data_dir=Path(os.path.abspath(data_dir.expanduser())),
-        credentials_file=credentials_file,
-        **knobs,
+    settings = merge_settings(
+        JOIN_SETTINGS,
+        _given_settings(args, worker_key, key_copy),
+        None if old is None else {f.name: getattr(old, f.name) for f in fields(old)},
+        same_run=old is not None and old.same_run(args.store, args.run),
     )
+    settings["name"] = cfg.check_label(settings["name"])  # the previous config's or the host's too
+    settings["data_dir"] = Path(os.path.abspath(settings["data_dir"].expanduser()))
+    keep_id = old is not None and old.worker_id == settings["worker_id"]
+    config = cfg.DaemonConfig(store=args.store, run=args.run, credentials_file=credentials_file, **settings)
     info: cfg.RunInfo | None = None
     index: IndexPlan | None = None
     live: Heartbeat | None = None
@@ -183,6 +145,33 @@ def _do_join(args: argparse.Namespace) -> int:
     if live is not None:
         print(live_worker_warning(config, live, time.time()), file=sys.stderr)
     return 0
+
+
+def _given_settings(args: argparse.Namespace, worker_key: Any, key_copy: Path | None) -> dict[str, Any]:
+    """The settings the flags give (None: not given), checked: the worker id is the worker key's
+    when one is given (`_read_worker_key` checked it against --worker-id), its config entry the
+    installed copy's path."""
+    from slime_stoa.protocol.store import parse_store_url
+
+    name = cfg.check_label(args.name) if args.name else None  # checked first, as before the others
+    if args.rollouts_store is not None:
+        parse_store_url(args.rollouts_store)
+    rollouts_credentials_file = None
+    if args.rollouts_credentials_file is not None:
+        rollouts_credentials_file = Path(os.path.abspath(args.rollouts_credentials_file.expanduser()))
+        if not rollouts_credentials_file.exists():
+            raise ValueError(f"credentials file {rollouts_credentials_file} does not exist")
+    return {
+        "name": name,
+        "worker_id": worker_key.worker if worker_key is not None else args.worker_id,
+        "data_dir": args.data_dir,
+        "batch": args.batch,
+        "plane": args.plane,
+        "run_key": args.run_key,
+        "rollouts_store": args.rollouts_store,
+        "rollouts_credentials_file": rollouts_credentials_file,
+        "worker_key": None if key_copy is None else str(key_copy),
+    }
 
 
 def live_worker_warning(config: cfg.DaemonConfig, beat: Heartbeat, now: float) -> str:
