@@ -1,0 +1,316 @@
+"""The trainer's per-version weight work in torch, where the weights live (CUDA, or the CPU), bit
+for bit what the numpy path of `slime_stoa.protocol.pulse` computes.
+
+The numpy path copies every bf16 weight to the host (~16 GiB at 8B parameters) and then diffs,
+quantizes and hashes it there. Here the previous published version is kept beside the weights
+(`PreviousState`) and the work runs on their device; only what the host needs crosses:
+
+- `PreviousState.diff`: the delta from the previous version to the new one, as `codec.diff`
+  gives it (names of changed tensors -> strictly increasing int64 flat indices and the uint16
+  new bits). "Changed" is a bit-pattern compare of int16 views, so -0.0, NaN payloads and
+  infinities count as `codec.diff` counts them. Only indices (int32 when the tensor allows) and
+  values cross to the host.
+- `quantize`: ``quant.quantize`` (MLX's affine quantization) on the device: the host gets the
+  plane's bytes (codes, scales, biases), not the bf16 weights.
+- `PreviousState.plane_delta`: the delta of a quantized plane (`plane.plane_bits` of the
+  previous state to that of the new one), from both states' planes quantized on the device:
+  only the plane's patch crosses.
+- The state digest (`digest.StateDigest`) is xxh3-128 over each tensor's bytes. xxh3 scrambles
+  its accumulators after every 1 KiB block, in order, so it has no parallel form a device could
+  run; the digest stays on the host, over the host's copy of the state with the delta applied
+  (`apply_delta`; the publisher holds that copy as its baseline anyway), so computing it moves
+  nothing from the device either.
+
+Where the previous version lives (`DeviceDeltaConfig.device_budget_bytes`): tensors are kept on
+their device while the running total fits the budget, the rest in pinned host memory (plain host
+memory where there is no CUDA), from where a diff streams them to the device one tensor at a time.
+
+Bit-exactness on CUDA: every float32 operation here is one IEEE-rounded operation of the numpy
+path, in the same order. A division never has a host scalar as divisor (PyTorch's CUDA kernel
+turns ``tensor / python_float`` into a multiplication by the reciprocal, which can differ in
+the last bit): constants are device tensors. ``torch.round`` rounds half to even, as ``np.rint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slime_stoa.protocol.pulse.codec import Delta
+from slime_stoa.protocol.pulse.plane import PLANE_PARAMS, QuantPlane, check_plane
+from slime_stoa.protocol.pulse.quant import (
+    EPS,
+    Quantized,
+    _check_shape,
+    check_params,
+    mlx_lm_predicate,
+    plane_layout,
+    plane_names,
+)
+from slime_stoa.protocol.pulse.quant import quantize as numpy_quantize
+
+__all__ = [
+    "DEFAULT_DEVICE_BUDGET_BYTES", "DeviceDeltaConfig", "PreviousState", "Transfer", "apply_delta", "bf16_view",
+    "changed_indices", "quantize",
+]
+
+#: The default budget for the previous version on the device: none. Megatron's training owns the
+#: device's memory, and a copy of the model beside it can make a step run out of memory; an
+#: operator who knows the headroom sets the budget (the bf16 bytes of the model keep all of it).
+DEFAULT_DEVICE_BUDGET_BYTES = 0
+_FLOAT_TYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceDeltaConfig:
+    """Where the trainer keeps the previous published version for the device diff."""
+
+    device_budget_bytes: int = DEFAULT_DEVICE_BUDGET_BYTES
+    """Bytes of the previous version kept on the weights' device (tensors in order while they
+    fit); the rest in pinned host memory. 0 (the default): all of it on the host."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_budget_bytes, int) or self.device_budget_bytes < 0:
+            raise ValueError(f"device_budget_bytes must be an integer >= 0, got {self.device_budget_bytes!r}")
+
+
+@dataclass(slots=True)
+class Transfer:
+    """Bytes copied from the device to the host, and host to device, by this object's calls."""
+
+    device_to_host: int = 0
+    host_to_device: int = 0
+
+
+def bf16_view(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bf16 bit patterns as a contiguous int16 tensor on its device: bf16 tensors as
+    they are, float16/32/64 cast to bf16 first (round to nearest even, as `publish.tensor_bits`)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype == torch.int16:
+        return tensor.detach().contiguous()
+    if tensor.dtype not in _FLOAT_TYPES:
+        raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; stoa publishes bf16 weights only")
+    return tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16)
+
+
+def _to_host(tensor: torch.Tensor, transfer: Transfer | None) -> np.ndarray:
+    if transfer is not None and tensor.device.type != "cpu":
+        transfer.device_to_host += tensor.numel() * tensor.element_size()
+    return tensor.cpu().numpy()
+
+
+def changed_indices(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Sorted flat indices (on the tensors' device) where two same-shaped int16 tensors differ;
+    int32 when the tensor has fewer than 2**31 elements (half the bytes to move), else int64."""
+    hits = torch.nonzero(old.reshape(-1) != new.reshape(-1)).reshape(-1)  # row-major order, sorted
+    return hits.to(torch.int32) if new.numel() < 1 << 31 else hits
+
+
+def _entry(found: torch.Tensor, values: torch.Tensor, transfer: Transfer | None) -> tuple[np.ndarray, np.ndarray]:
+    """A delta entry on the host: int64 indices and uint16 values."""
+    indices = _to_host(found, transfer).astype(np.int64, copy=False)
+    return indices, _to_host(values, transfer).view(np.uint16)
+
+
+def apply_delta(state: Mapping[str, np.ndarray], delta: Delta) -> dict[str, np.ndarray]:
+    """The host state `state` with `delta` applied: changed tensors as new arrays, the others as
+    they are (the host's copy of the new version, whose digest `StateDigest.update` takes)."""
+    out = dict(state)
+    for name, (indices, values) in delta.items():
+        bits = state[name].copy()
+        bits.reshape(-1)[indices] = values
+        out[name] = bits
+    return out
+
+
+# -- quantization -----------------------------------------------------------------------------------
+def quantize(
+    w: torch.Tensor, group_size: int = 64, bits: int = 8, *, name: str = "w", transfer: Transfer | None = None
+) -> Quantized:
+    """``quant.quantize`` of a bf16 weight (a torch tensor on any device; int16 views of bf16 bits
+    too), computed on its device; the codes, scales and biases come back as numpy arrays, bit
+    for bit those of ``quant.quantize``. ValueError as ``quant.quantize`` raises it (a weight with
+    a non-finite value or a group beyond float32 arithmetic: the error is ``quant.quantize``'s own,
+    from the host copy of that one tensor)."""
+    check_params(group_size, bits)
+    view = bf16_view(name, w)
+    _check_shape(np.broadcast_to(np.uint8(0), tuple(view.shape)), group_size, name)  # a shape, no memory
+    packed, scales, biases = _quantize_bits(view, group_size, bits, name, transfer)
+    lead, k = tuple(view.shape[:-1]), view.shape[-1]
+    codes = packed.view("<u4").astype(np.uint32, copy=False)
+    return Quantized(
+        codes.reshape(*lead, k * bits // 32), scales.reshape(*lead, k // group_size),
+        biases.reshape(*lead, k // group_size), group_size, bits,
+    )
+
+
+def _quantize_device(view: torch.Tensor, group_size: int, bits: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed code bytes (groups, group_size * bits / 8) uint8, int16 scales and biases stacked
+    (2, groups)) of an int16 bf16 view, on its device; the numpy arithmetic, step for step."""
+    groups = view.reshape(-1, group_size)
+    device = view.device
+    values = (groups.to(torch.int32) << 16).view(torch.float32)  # bf16 -> float32, exact
+    n_bins = torch.tensor(float((1 << bits) - 1), dtype=torch.float32, device=device)
+    eps = torch.tensor(float(EPS), dtype=torch.float32, device=device)
+    w_max, w_min = values.amax(dim=1), values.amin(dim=1)  # which zero a group's extreme is does not matter
+    scale = torch.maximum((w_max - w_min) / n_bins.expand_as(w_max), eps)
+    low = w_min.abs() > w_max.abs()
+    scale = torch.where(low, scale, -scale)
+    edge = torch.where(low, w_min, w_max)
+    q0 = torch.round(edge / scale)
+    at_zero = q0 == 0
+    scale = torch.where(at_zero, scale, edge / q0)
+    bias = torch.where(at_zero, torch.zeros_like(edge), edge)
+    broken = ~torch.isfinite(scale) | (scale == 0)  # also every group holding a NaN or an infinity
+    if bool(broken.any()):
+        host = view.cpu().numpy().view(np.uint16)
+        numpy_quantize(host, group_size, bits, name=name)  # raises the numpy path's ValueError
+        raise AssertionError(f"tensor {name!r}: the device refused a group the numpy quantizer accepts")
+    codes = torch.clamp(torch.round((values - bias[:, None]) / scale[:, None]), 0, (1 << bits) - 1).to(torch.uint8)
+    if bits == 4:
+        pairs = codes.reshape(codes.shape[0], -1, 2)
+        codes = pairs[..., 0] | (pairs[..., 1] << 4)
+    elif bits == 2:
+        quads = codes.reshape(codes.shape[0], -1, 4)
+        codes = quads[..., 0] | (quads[..., 1] << 2) | (quads[..., 2] << 4) | (quads[..., 3] << 6)
+    scales_biases = torch.stack((scale, bias)).to(torch.bfloat16).view(torch.int16)  # round to nearest even
+    return codes.contiguous(), scales_biases
+
+
+def _quantize_bits(
+    view: torch.Tensor, group_size: int, bits: int, name: str, transfer: Transfer | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    packed, scales_biases = _quantize_device(view, group_size, bits, name)
+    host = _to_host(scales_biases, transfer).view(np.uint16)
+    return _to_host(packed, transfer), host[0], host[1]
+
+
+def _plane_arrays(view: torch.Tensor, group_size: int, bits: int, name: str) -> tuple[torch.Tensor, ...]:
+    """The plane's arrays of a quantized weight, on the device, as the int16 views the plane's
+    delta compares: the codes' uint16 halves (little-endian: byte pairs), scales, biases."""
+    packed, scales_biases = _quantize_device(view, group_size, bits, name)
+    return packed.view(torch.int16), scales_biases[0], scales_biases[1]  # byte pairs in the device's (and host's) order
+
+
+# -- the previous version ---------------------------------------------------------------------------
+class PreviousState:
+    """The previous published bf16 version, kept for the device diff (module doc): on the weights'
+    device while the tensors fit `config.device_budget_bytes`, the rest in pinned host memory.
+
+    `reset(state)` keeps a copy of a whole state (the first version, or after a resume);
+    `diff(state)` gives the delta to a new state and remembers it; `commit()` applies the
+    remembered delta once the version is published (the previous version advances only after
+    the pointer moved, as the publisher's baseline). `transfer` counts the bytes each way.
+    """
+
+    def __init__(self, config: DeviceDeltaConfig = DeviceDeltaConfig()) -> None:
+        self.config = config
+        self.transfer = Transfer()
+        self._kept: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._kept)
+
+    def device_bytes(self) -> int:
+        """Bytes of the previous version kept on an accelerator."""
+        return sum(t.numel() * 2 for t in self._kept.values() if t.device.type != "cpu")
+
+    def reset(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Keep a copy of `state` (name -> bf16 tensor) as the previous version."""
+        kept: dict[str, torch.Tensor] = {}
+        used = 0
+        for name in sorted(state):
+            view = bf16_view(name, state[name])
+            size = view.numel() * 2
+            if view.device.type != "cpu" and used + size <= self.config.device_budget_bytes:
+                kept[name] = view.clone()
+                used += size
+            elif view.device.type != "cpu":
+                host = torch.empty(view.shape, dtype=torch.int16, pin_memory=True)
+                host.copy_(view)
+                self.transfer.device_to_host += size
+                kept[name] = host
+            else:
+                kept[name] = view.clone()
+        self._kept, self._pending = kept, None
+
+    def _previous_on(self, name: str, device: torch.device) -> torch.Tensor:
+        kept = self._kept[name]
+        if kept.device == device:
+            return kept
+        self.transfer.host_to_device += kept.numel() * 2
+        return kept.to(device, non_blocking=kept.is_pinned())
+
+    def _check(self, state: Mapping[str, torch.Tensor]) -> list[str]:
+        if state.keys() != self._kept.keys():
+            missing = sorted(set(self._kept) - set(state))
+            extra = sorted(set(state) - set(self._kept))
+            raise ValueError(f"states differ in tensor names: missing {missing}, extra {extra}")
+        names = sorted(state)
+        for name in names:
+            if tuple(state[name].shape) != tuple(self._kept[name].shape):
+                raise ValueError(f"tensor {name!r}: shape {tuple(self._kept[name].shape)} != {tuple(state[name].shape)}")
+        return names
+
+    def diff(self, state: Mapping[str, torch.Tensor]) -> Delta:
+        """`codec.diff(previous, state)` on the device, remembered for `commit`. ValueError when the
+        states differ in names or shapes, or a tensor is not a float tensor."""
+        if not self._kept and state:
+            raise ValueError("no previous version: reset() with the published state first")
+        delta: Delta = {}
+        pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name in self._check(state):
+            new = bf16_view(name, state[name])
+            found = changed_indices(self._previous_on(name, new.device), new)
+            if found.numel():
+                values = new.reshape(-1)[found]
+                pending[name] = (found, values)
+                delta[name] = _entry(found, values, self.transfer)
+        self._pending = pending
+        return delta
+
+    def commit(self) -> None:
+        """The version `diff` was last called for is published: it becomes the previous one."""
+        if self._pending is None:
+            raise RuntimeError("commit() without a diff() since the last reset or commit")
+        for name, (found, values) in self._pending.items():
+            kept = self._kept[name].reshape(-1)
+            kept[found.to(kept.device).long()] = values.to(kept.device)
+        self._pending = None
+
+    def plane_delta(
+        self, state: Mapping[str, torch.Tensor], changed: Iterable[str], plane: QuantPlane, model_type: str | None = None
+    ) -> Delta:
+        """The delta from `plane.plane_bits` of the previous version to that of `state`, given the
+        bf16 tensors that changed (`changed`, a bf16 delta's names): each changed quantized
+        weight's plane arrays are computed from both versions on the device and compared; a
+        changed bf16 tensor the plane keeps as it is changes as in the bf16 delta. Call before
+        `commit`."""
+        group_size, bits = PLANE_PARAMS[check_plane(plane)]
+        names = self._check(state)
+        shapes = {name: tuple(state[name].shape) for name in names}
+        layout = plane_layout(shapes, group_size, bits, mlx_lm_predicate(model_type))
+        delta: Delta = {}
+        for name in sorted(set(changed)):
+            if name not in shapes:
+                raise ValueError(f"{name}: changed, but not a tensor of the state")
+            new = bf16_view(name, state[name])
+            old = self._previous_on(name, new.device)
+            params = layout.get(name)
+            if params is None:
+                pairs = [(name, old, new)]
+            else:
+                before = _plane_arrays(old, *params, name)
+                after = _plane_arrays(new, *params, name)
+                pairs = list(zip(plane_names(name), before, after, strict=True))
+            for key, a, b in pairs:
+                found = changed_indices(a, b)
+                if found.numel():
+                    delta[key] = _entry(found, b.reshape(-1)[found], self.transfer)
+        return delta
