@@ -987,6 +987,11 @@ def run_checks(
         out.append(tokenizer)
     out += check_hf_names(args, facts)
     out.append(check_patch(slime_dir))
+    from .preflight_slime_api import check_slime_api  # imports this module's Finding helpers
+
+    api = check_slime_api()  # None where slime is not importable
+    if api is not None:
+        out.append(api)
     return out
 
 
