@@ -17,6 +17,11 @@ start-up (seeding, the publisher, the keys, the rebuild) pause it, as they pause
 stopped warm start resumes from its last saved step (`warmstate`). One quickstart at a time per
 run folder (`lock`): a second one on the same --out is refused at start.
 
+The phases, in order (`_run_locked`; each a `phase_*` function but `train`, sharing a `Session`):
+check the bucket, prepare the model, warm start (a new run), seed the run, resume (the learner
+as `resume.resume_mode` decides: new, --restart-from, its own file, or the published weights),
+eval the first version, start the workers, train, report.
+
 Signed by default, as a real fleet: a new run gets a run key (`<out>/run.key`, 0600) that signs
 its manifest, weights and worker registry, and every worker a worker key
 (`<out>/workers/worker-<i>/worker.key`, 0600, installed with `macd join --worker-key`) that signs
@@ -26,7 +31,6 @@ registered workers. A rerun reuses the keys; a run first made unsigned stays uns
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import signal
@@ -35,13 +39,13 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.heartbeat import Heartbeat, HeartbeatTrust, read_judged_heartbeat
 from slime_stoa.protocol.hf.folders import save_hf_folder
 from slime_stoa.protocol.layout import RunLayout
@@ -78,17 +82,17 @@ from .checkpoints import (
 )
 from .config import QuickstartConfig, QuickstartError
 from .interrupt import Interrupt
+from .learner_file import LEARNER_FILE, log_stale, restore_learner, save_learner, saved_weights
 from .lock import run_lock
 from .meter import StepMeter, report_console
 from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
 from .report import split_refusals
+from .resume import ResumeMode, WeightsAt, resume_mode
 from .seeding import seed_run, tiny_synthetic_model
 from .warmstate import WARM_FILE, WarmState, run_warm_steps
 
 log = logging.getLogger("stoa.quickstart")
 
-LEARNER_FILE = "learner.pt"  # in the run folder: the learner's float32 weights and optimizer state
-LEARNER_FORMAT = "stoa.quickstart-learner/1"
 LOCK_WAIT_S = 60  # a rerun's worker waits this long for its predecessor to release its spool
 WANDB_ID_FILE = "wandb-run-id"  # in the run folder: the W&B run of --wandb, resumed by a rerun
 RUN_KEY_FILE = "run.key"  # in the run folder: the run key (0600)
@@ -389,46 +393,6 @@ async def probe_store(url: str, run: str, stop: Interrupt) -> bool:
         ) from exc
 
 
-def save_learner(learner: Learner, path: Path, *, run: str, version: int, state_digest: str) -> None:
-    """The learner's float32 weights and optimizer state after publishing `version` (atomic)."""
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "format": LEARNER_FORMAT, "run": run, "version": version, "state_digest": state_digest,
-            "model": learner.model.state_dict(), "optimizer": learner.optimizer.state_dict(),
-        },
-        buffer,
-    )
-    atomic_write(path, buffer.getvalue())
-
-
-def load_learner(learner: Learner, path: Path, *, run: str, version: int, state_digest: str, lr: float) -> bool:
-    """Resume the learner exactly from `save_learner`'s file when it holds the published
-    `version` (same digest); False (learner untouched) when it is missing, stale or unreadable."""
-    import torch
-
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        return False
-    except Exception as exc:  # a damaged file only costs the optimizer state: say so, go on
-        log.warning("ignoring %s: %s", path, exc)
-        return False
-    if not isinstance(saved, dict) or saved.get("format") != LEARNER_FORMAT:
-        log.warning("ignoring %s: not a %s file", path, LEARNER_FORMAT)
-        return False
-    if (saved.get("run"), saved.get("version"), saved.get("state_digest")) != (run, version, state_digest):
-        log.info("%s is of v%s, the bucket is at v%d: resuming from the published weights", path, saved.get("version"), version)
-        return False
-    learner.model.load_state_dict(saved["model"])
-    learner.optimizer.load_state_dict(saved["optimizer"])
-    for group in learner.optimizer.param_groups:
-        group["lr"] = lr  # this run's --lr, not the saved one
-    return True
-
-
 def load_published(learner: Learner, state: dict[str, np.ndarray]) -> None:
     """Put published bf16 weights into the learner's float32 master (resume)."""
     learner.load_bf16_state(state)
@@ -575,23 +539,64 @@ def observe_gaps(consumer: RolloutConsumer, same: list[tuple[Any, list[TrainSequ
             )
 
 
-async def train(
-    cfg: QuickstartConfig,
-    store: Store,
-    consumer: RolloutConsumer,
-    learner: Learner,
-    pub: Publisher,
-    workers: WorkerProcesses,
-    progress: Progress,
-    report: Any,
-    stop: Interrupt,
-    version: int,
-    learner_file: Path,
-    progress_file: Path,
-    tracker: TrackedRun | None = None,
-    registry: Registry | None = None,
-) -> None:
-    """Learner steps until the target reward, the time limit or the version limit.
+@dataclass
+class Session:
+    """What every phase of one quickstart reads: the command's settings, where it reports, its
+    stop flag, the open bucket, whether the run is new there, the model folder, the search task's
+    data (None for the other tasks) and the run's progress (the one owner of the summary's figures)."""
+
+    cfg: QuickstartConfig
+    report: Any
+    stop: Interrupt
+    store: Store
+    new_run: bool
+    model_dir: Path
+    search_data: qsearch.SearchData | None
+    progress: Progress
+
+    @property
+    def learner_file(self) -> Path:
+        return self.cfg.out / LEARNER_FILE
+
+    @property
+    def progress_file(self) -> Path:
+        return self.cfg.out / PROGRESS_FILE
+
+    async def at_startup(self, op: Callable[[], Any], what: str) -> Any:
+        return await at_startup(op, what, self.stop)
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """What seeding the run gives the later phases: its publisher, and in a signed run its run
+    key and worker registry (None in an unsigned one)."""
+
+    pub: Publisher
+    run_key: SigningKey | None
+    registry: Registry | None
+
+    @property
+    def run_key_text(self) -> str | None:
+        return None if self.run_key is None else self.run_key.public.to_text()
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What the train phase drives: the learner, its publisher, the consumer of the workers'
+    groups, the worker processes, the W&B run (None without --wandb) and the worker registry
+    (None in an unsigned run)."""
+
+    learner: Learner
+    pub: Publisher
+    consumer: RolloutConsumer
+    workers: WorkerProcesses
+    tracker: TrackedRun | None
+    registry: Registry | None
+
+
+async def train(s: Session, fleet: Fleet, version: int) -> None:
+    """The train phase: learner steps from `version` until the target reward, the time limit or
+    the version limit.
 
     Each step: take a batch (a stop signal cuts the wait short), save the consumer's state
     (the batch counts as used from here on: a crash after this point loses it rather than
@@ -601,6 +606,8 @@ async def train(
     The logprob gap (learner vs worker, same tokens) is measured only on groups drawn from the
     learner's current weights: a step whose batch holds none measures nothing (its row shows
     "-"), as the learner no longer has the weights those groups were drawn with."""
+    cfg, progress, report, stop = s.cfg, s.progress, s.report, s.stop
+    learner, pub, consumer, workers = fleet.learner, fleet.pub, fleet.consumer, fleet.workers
     deadline = time.time() + cfg.minutes * 60
     restart_at: float | None = None
     while time.time() < deadline and version - progress.first_version < cfg.max_versions:
@@ -621,9 +628,9 @@ async def train(
         if batch.metrics.get("rollout/stoa_scored_samples"):
             progress.scored_rewards.append(batch.metrics["rollout/stoa_scored_reward_mean"])
         same = [(g, seqs) for g, seqs in zip(batch.groups, groups, strict=True) if g.weight_version == version][:2]
-        flat = [s for _, seqs in same for s in seqs]
+        flat = [seq for _, seqs in same for seq in seqs]
         learner_lps = learner.logprobs(flat) if flat else []
-        gaps = [float(np.mean(model_token_gaps(s, lp))) for s, lp in zip(flat, learner_lps, strict=True)]
+        gaps = [float(np.mean(model_token_gaps(seq, lp))) for seq, lp in zip(flat, learner_lps, strict=True)]
         observe_gaps(consumer, same, learner_lps)
         metrics = learner.step(groups)
         result = await publish_with_retries(  # a store outage pauses the learner, never ends the run
@@ -631,7 +638,7 @@ async def train(
             what=f"publishing v{version + 1} of run {cfg.run!r}",
         )
         version = result.version
-        save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=pub.state_digest or "")
+        save_learner(learner, s.learner_file, run=cfg.run, version=version, state_digest=pub.state_digest or "")
         save_checkpoint(
             cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=pub.state_digest or "",
             model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), consumer=consumer_state,
@@ -642,17 +649,17 @@ async def train(
         progress.publish_seconds.append(result.seconds)
         progress.digests[version] = pub.state_digest or ""
         progress.record_gaps(version, gaps)
-        beats, trust = await read_judged_states(store, cfg.run, cfg.workers, registry)
+        beats, trust = await read_judged_states(s.store, cfg.run, cfg.workers, fleet.registry)
         for beat in trusted(beats, trust):
             if beat.version is not None and beat.state_digest:
                 progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
             if beat.version is not None and beat.swaps:
                 progress.swap_seconds[(beat.worker_id, beat.version)] = beat.last_swap_s
-        save_progress(progress, progress_file, run=cfg.run)
+        save_progress(progress, s.progress_file, run=cfg.run)
         report.version(version, metrics, batch, result, progress, workers.alive())
-        if tracker is not None:
-            track_step(tracker, batch=batch, train_metrics=metrics, result=result, beats=beats, gaps=gaps, head=version,
-                       trust=trust)
+        if fleet.tracker is not None:
+            track_step(fleet.tracker, batch=batch, train_metrics=metrics, result=result, beats=beats, gaps=gaps,
+                       head=version, trust=trust)
         if cfg.kill_worker_at is not None and version == cfg.kill_worker_at:
             workers.kill(0)
             report.note(f"killed worker 0 with SIGKILL at v{version}; restarting it in 5 s")
@@ -681,188 +688,269 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
 
 
 async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> dict[str, Any]:
-    """`run_quickstart` once the run folder's lock is held."""
+    """`run_quickstart` once the run folder's lock is held: its phases, in order."""
     import torch
 
     torch.set_num_threads(1)  # leave the other core(s) to the MLX workers
-    url = cfg.store_url
     progress = Progress()
-    new_run = await probe_store(url, cfg.run, stop)  # before any slow work: a bad --store fails at once
-    if new_run and cfg.restart_from is not None:
-        raise QuickstartError(f"--restart-from {cfg.restart_from}: run {cfg.run!r} is new, there is nothing to restart")
-    report.note(f"{'new' if new_run else 'existing'} run {cfg.run!r} in bucket {url}")
-    async with open_store(url, create=True) as store:
-        model_dir = cfg.model or (cfg.out / "model")
-        if not new_run:
-            await at_startup(partial(check_same_run, store, cfg, model_dir), f"reading run {cfg.run!r}", stop)
-        search_data = qsearch.search_data() if cfg.task == "search" else None
-        if cfg.model is None and not (model_dir / "config.json").exists():
-            build = tiny_synthetic_model if search_data is None else partial(qsearch.tiny_search_model, data=search_data)
-            build(
-                model_dir, family=cfg.family, hidden_size=cfg.model_hidden, num_layers=cfg.model_layers,
-                intermediate_size=2 * cfg.model_hidden, num_heads=4, num_kv_heads=2,
-            )
-            report.note(f"built a tiny {cfg.family} model with a tokenizer trained on the task's text: {model_dir}")
-        stop.check()
-        learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
-        stop.check()
-        publisher_cfg = PublisherConfig(extras_dir=model_dir, anchor_every=100)
-        warmed = new_run and not (cfg.no_warm_start or cfg.warmup_steps == 0)
-        if new_run and not warmed:
-            progress.warm_start = f"no warm start: RL starts from {model_dir} as it is"
-            report.note(progress.warm_start)
-        warm_file = cfg.out / WARM_FILE
-
-        def resumed(state: WarmState) -> None:
-            report.note(
-                f"resumed the warm start at step {state.step} of {cfg.warmup_steps} (saved in {warm_file})"
-            )
-
-        meter = StepMeter(report_console(report), "warm start", cfg.warmup_steps)
-        if warmed and search_data is not None:  # how to query and read, not when to search
-            report.note(qsearch.warm_start_search_note(cfg.warmup_steps))
-            with meter:
-                progress.warm_start = qsearch.warm_start_search(
-                    learner, model_dir, cfg.out, search_data, steps=cfg.warmup_steps, lr=cfg.warmup_lr,
-                    rl_lr=cfg.lr, seed=cfg.seed, interrupt=stop, path=warm_file, key=warm_key(cfg, model_dir),
-                    meter=meter, on_resume=resumed,
-                )
-        elif warmed:
-            report.note(warm_start_note(cfg))
-            with meter:
-                progress.warm_start = warm_start(learner, model_dir, cfg, stop, path=warm_file, meter=meter,
-                                                 on_resume=resumed)
-        if warmed:
-            report.note(progress.warm_start)
-            warm_dir = cfg.out / "warm-start"
-            save_hf_folder(learner.bf16_state(), warm_dir, source_dir=model_dir)
-            publisher_cfg = PublisherConfig(extras_dir=warm_dir, anchor_every=100)
-        run_key = await at_startup(partial(run_key_for, store, cfg, new_run=new_run), f"reading run {cfg.run!r}", stop)
-        manifest = RunManifest(
-            run=cfg.run, model=str(model_dir), task=cfg.task, group_size=cfg.group_size,
-            stop=() if search_data is None else Search.run_stop,
-            run_key=None if run_key is None else run_key.public.to_text(),
-            max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness_limit=cfg.staleness_limit,
-            # Each worker makes at most 1.5x its share of a batch per version: some slack for the
-            # all-equal filter, never a pile of data that would only go stale.
-            worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
+    new_run = await phase_check_bucket(cfg, report, stop)  # before any slow work: a bad --store fails at once
+    async with open_store(cfg.store_url, create=True) as store:
+        s = Session(
+            cfg=cfg, report=report, stop=stop, store=store, new_run=new_run, model_dir=cfg.model or (cfg.out / "model"),
+            search_data=qsearch.search_data() if cfg.task == "search" else None, progress=progress,
         )
-        assert publisher_cfg.extras_dir is not None  # set to the model folder above
-        seed = partial(seed_run, objects=real_task_objects(cfg)) if search_data is None else partial(
-            qsearch.seed_search_run, data=search_data)
-        pub = await at_startup(
-            partial(seed, store, manifest, publisher_cfg.extras_dir, publisher=publisher_cfg, key=run_key),
-            f"seeding run {cfg.run!r} and opening its publisher", stop,
-        )
-        warm_file.unlink(missing_ok=True)  # the run is seeded: a rerun resumes it, not its warm start
-        registry: Registry | None = None
-        if run_key is not None:
-            registry = await at_startup(partial(register_workers, store, cfg, run_key), "registering the worker keys", stop)
-            report.note(f"signed run: run key {run_key.public.fingerprint}; {len(registry.workers)} worker key(s) registered")
-        learner_file, progress_file = cfg.out / LEARNER_FILE, cfg.out / PROGRESS_FILE
-        version, digest = pub.version or 0, pub.state_digest or ""
-        if new_run:
-            progress.run_first_version = version
-        elif load_progress(progress, progress_file, run=cfg.run, version=version):
-            report.note(f"the summary and the learning curve cover the whole run, from v{progress.run_first_version}")
-        restart: Checkpoint | None = None
-        if new_run:
-            save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest)
-            save_checkpoint(
-                cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=digest,
-                model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), consumer=None,
-            )
-        elif cfg.restart_from is not None:
-            restart = load_checkpoint(cfg.out / CHECKPOINTS_DIR, cfg.restart_from, run=cfg.run)
-            await at_startup(
-                partial(check_restorable, store, cfg.run, restart, head=version, trust=pub.trust),
-                f"reading the weight lineage of run {cfg.run!r}", stop,
-            )
-            apply_checkpoint(learner, restart, lr=cfg.lr)
-            result = await stop.race(publish_with_retries(  # first the checkpoint's weights: a restore
-                partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
-                what=f"publishing the weights of checkpoint v{restart.version} of run {cfg.run!r}",
-            ))
-            if result.restored_from != restart.version:
-                log.warning("v%d was not published as a restore of v%d", result.version, restart.version)
-            version, digest = result.version, pub.state_digest or ""
-            save_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest)
-            save_checkpoint(
-                cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=digest,
-                model=restart.model, optimizer=restart.optimizer, consumer=restart.consumer,
-            )
-            left = f"; v{restart.version + 1}..v{version - 1} abandoned" if version - 1 > restart.version else ""
-            report.note(
-                f"run {cfg.run!r} restarts from the checkpoint of v{restart.version}: its weights are "
-                f"v{version} (lineage epoch {result.epoch}{left})"
-            )
-        elif load_learner(learner, learner_file, run=cfg.run, version=version, state_digest=digest, lr=cfg.lr):
-            report.note(f"resumed run {cfg.run!r} at weights v{version} from {url} (with the learner's optimizer state)")
-        else:
-            rebuilt = await at_startup(
-                partial(rebuild_published, store, cfg.run), f"rebuilding the weights of run {cfg.run!r}", stop
-            )
-            load_published(learner, rebuilt.state)
-            report.note(f"resumed run {cfg.run!r} at weights v{version} from {url}")
-        progress.first_version = progress.last_version = version
-        progress.digests[version] = pub.state_digest or ""
-        published = learner.bf16_state()
-        progress.full_bytes, progress.tensors = 2 * sum(b.size for b in published.values()), len(published)
-        del published
-        save_progress(progress, progress_file, run=cfg.run)
-        if new_run and not cfg.no_eval:  # eval the first version now: by the end the bucket may have pruned it
-            await stop.race(first_eval(store, cfg, progress, report, synthetic=cfg.task == "synthetic"))
+        learner = await phase_prepare_model(s)
+        extras_dir = phase_warm_start(s, learner)
+        seeded = await phase_seed(s, extras_dir)
+        version, restart = await phase_resume(s, learner, seeded)
+        await phase_first_eval(s)
         tracker = start_tracking(cfg)
-        workers = WorkerProcesses(cfg, url, run_key=None if run_key is None else run_key.public.to_text())
+        workers = WorkerProcesses(cfg, cfg.store_url, run_key=seeded.run_key_text)
         consumer: RolloutConsumer | None = None
         try:
-            workers.write_configs(stop.check)
-            for i in range(cfg.workers):
-                stop.check()
-                workers.start(i)
-            report.note(f"started {cfg.workers} `macd run` workers (logs in {cfg.out / 'workers'})")
-            consumer = await stop.race(
-                RolloutConsumer.open(
-                    store,
-                    ConsumerConfig(
-                        store_url=url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
-                        admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
-                        run_key=None if run_key is None else run_key.public.to_text(),
-                    ),
-                    tokenizer_dir=model_dir,
-                    restore=restart is None,
-                    state_key=run_key,  # signs the state it saves; reads back only a signed one
-                )
-            )
-            if restart is not None:  # back to the consumer state of the checkpoint, in the bucket too
-                await consumer.bucket_state()  # its ETag, for the compare-and-swap
-                if restart.consumer is not None:
-                    consumer.load_state_dict(restart.consumer)
-                await consumer.save_state()
-            await train(cfg, store, consumer, learner, pub, workers, progress, report, stop, version, learner_file,
-                        progress_file, tracker=tracker, registry=registry)
+            phase_start_workers(s, workers)
+            consumer = await phase_open_consumer(s, seeded, restart)
+            await train(s, Fleet(learner, seeded.pub, consumer, workers, tracker, seeded.registry), version)
         finally:
-            if consumer is not None:
-                await consumer.close()
-            workers.stop()
-            if tracker is not None:
-                tracker.close()
-            if consumer is not None:
-                await consumer.save_state()
-        final_beats = await read_worker_states(store, cfg.run, cfg.workers, registry)
-        for beat in final_beats:
-            if beat.version is not None and beat.state_digest:
-                progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
-            if beat.version is not None and beat.swaps:  # the last install, if no step's read caught it
-                progress.swap_seconds.setdefault((beat.worker_id, beat.version), beat.last_swap_s)
-        save_progress(progress, progress_file, run=cfg.run)
-        lost, spooled = count_lost(final_beats), count_spooled(final_beats)
-        progress.rewards, progress.tool_calls = await stop.race(samples_by_version(store, cfg.run, registry))
-        if not cfg.no_eval and progress.last_version not in progress.eval_pass1:  # no version since: evaluated
-            await stop.race(heldout_eval(store, cfg, progress, report, progress.last_version))
-        assert consumer is not None  # opened, or train() was never reached
-        groups_used_run = consumer.counters.get("groups_used", 0)
-        refused = rejects_by_reason(consumer.counters)
+            await stop_fleet(consumer, workers, tracker)
+        return await phase_report(s, seeded.registry, consumer)
+
+
+async def phase_check_bucket(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> bool:
+    """Whether the run is new in the bucket (QuickstartError when the bucket cannot be used, or
+    when --restart-from names a run that is new)."""
+    new_run = await probe_store(cfg.store_url, cfg.run, stop)
+    if new_run and cfg.restart_from is not None:
+        raise QuickstartError(f"--restart-from {cfg.restart_from}: run {cfg.run!r} is new, there is nothing to restart")
+    report.note(f"{'new' if new_run else 'existing'} run {cfg.run!r} in bucket {cfg.store_url}")
+    return new_run
+
+
+async def phase_prepare_model(s: Session) -> Learner:
+    """The learner on the run's model: an existing run's checked to be the one asked for, the
+    tiny model built when there is none yet."""
+    cfg, model_dir = s.cfg, s.model_dir
+    if not s.new_run:
+        await s.at_startup(partial(check_same_run, s.store, cfg, model_dir), f"reading run {cfg.run!r}")
+    if cfg.model is None and not (model_dir / "config.json").exists():
+        build = tiny_synthetic_model if s.search_data is None else partial(qsearch.tiny_search_model, data=s.search_data)
+        build(
+            model_dir, family=cfg.family, hidden_size=cfg.model_hidden, num_layers=cfg.model_layers,
+            intermediate_size=2 * cfg.model_hidden, num_heads=4, num_kv_heads=2,
+        )
+        s.report.note(f"built a tiny {cfg.family} model with a tokenizer trained on the task's text: {model_dir}")
+    s.stop.check()
+    learner = Learner(model_dir, LearnerConfig(lr=cfg.lr, temperature=cfg.temperature, dppo=DPPOConfig(), seed=cfg.seed))
+    s.stop.check()
+    return learner
+
+
+def phase_warm_start(s: Session, learner: Learner) -> Path:
+    """A new run's supervised warm start (unless switched off), resumed from its saved step;
+    returns the folder of the files published beside the weights (the warm-started model's, else
+    the model's own)."""
+    cfg, report, progress = s.cfg, s.report, s.progress
+    warmed = s.new_run and not (cfg.no_warm_start or cfg.warmup_steps == 0)
+    if s.new_run and not warmed:
+        progress.warm_start = f"no warm start: RL starts from {s.model_dir} as it is"
+        report.note(progress.warm_start)
+    if not warmed:
+        return s.model_dir
+    warm_file = cfg.out / WARM_FILE
+
+    def resumed(state: WarmState) -> None:
+        report.note(f"resumed the warm start at step {state.step} of {cfg.warmup_steps} (saved in {warm_file})")
+
+    meter = StepMeter(report_console(report), "warm start", cfg.warmup_steps)
+    if s.search_data is not None:  # how to query and read, not when to search
+        report.note(qsearch.warm_start_search_note(cfg.warmup_steps))
+        with meter:
+            progress.warm_start = qsearch.warm_start_search(
+                learner, s.model_dir, cfg.out, s.search_data, steps=cfg.warmup_steps, lr=cfg.warmup_lr,
+                rl_lr=cfg.lr, seed=cfg.seed, interrupt=s.stop, path=warm_file, key=warm_key(cfg, s.model_dir),
+                meter=meter, on_resume=resumed,
+            )
+    else:
+        report.note(warm_start_note(cfg))
+        with meter:
+            progress.warm_start = warm_start(learner, s.model_dir, cfg, s.stop, path=warm_file, meter=meter,
+                                             on_resume=resumed)
+    report.note(progress.warm_start)
+    warm_dir = cfg.out / "warm-start"
+    save_hf_folder(learner.bf16_state(), warm_dir, source_dir=s.model_dir)
+    return warm_dir
+
+
+async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
+    """The run in the bucket: its run key, manifest and first weights (put-if-absent: an
+    existing run's are kept), its publisher, and in a signed run the workers' keys registered."""
+    cfg = s.cfg
+    publisher_cfg = PublisherConfig(extras_dir=extras_dir, anchor_every=100)
+    run_key = await s.at_startup(partial(run_key_for, s.store, cfg, new_run=s.new_run), f"reading run {cfg.run!r}")
+    manifest = RunManifest(
+        run=cfg.run, model=str(s.model_dir), task=cfg.task, group_size=cfg.group_size,
+        stop=() if s.search_data is None else Search.run_stop,
+        run_key=None if run_key is None else run_key.public.to_text(),
+        max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness_limit=cfg.staleness_limit,
+        # Each worker makes at most 1.5x its share of a batch per version: some slack for the
+        # all-equal filter, never a pile of data that would only go stale.
+        worker_groups_per_version=max(-(-3 * cfg.batch_groups // (2 * cfg.workers)), cfg.worker_batch),
+    )
+    seed = partial(seed_run, objects=real_task_objects(cfg)) if s.search_data is None else partial(
+        qsearch.seed_search_run, data=s.search_data)
+    pub = await s.at_startup(
+        partial(seed, s.store, manifest, extras_dir, publisher=publisher_cfg, key=run_key),
+        f"seeding run {cfg.run!r} and opening its publisher",
+    )
+    (cfg.out / WARM_FILE).unlink(missing_ok=True)  # the run is seeded: a rerun resumes it, not its warm start
+    registry: Registry | None = None
+    if run_key is not None:
+        registry = await s.at_startup(partial(register_workers, s.store, cfg, run_key), "registering the worker keys")
+        s.report.note(f"signed run: run key {run_key.public.fingerprint}; {len(registry.workers)} worker key(s) registered")
+    return Seeded(pub=pub, run_key=run_key, registry=registry)
+
+
+async def phase_resume(s: Session, learner: Learner, seeded: Seeded) -> tuple[int, Checkpoint | None]:
+    """The learner at the version training goes on from, in the mode `resume_mode` picks, and
+    the progress of the run so far; returns that version and the checkpoint restarted from (None
+    unless --restart-from)."""
+    cfg, progress, report, pub = s.cfg, s.progress, s.report, seeded.pub
+    version, digest = pub.version or 0, pub.state_digest or ""
+    if s.new_run:
+        progress.run_first_version = version
+    elif load_progress(progress, s.progress_file, run=cfg.run, version=version):
+        report.note(f"the summary and the learning curve cover the whole run, from v{progress.run_first_version}")
+    saved = saved_weights(s.learner_file)
+    mode = resume_mode(
+        new_run=s.new_run, restart_from=cfg.restart_from, published=WeightsAt(cfg.run, version, digest), saved=saved,
+    )
+    restart: Checkpoint | None = None
+    if mode is ResumeMode.NEW:
+        save_learner(learner, s.learner_file, run=cfg.run, version=version, state_digest=digest)
+        save_checkpoint(
+            cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=digest,
+            model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), consumer=None,
+        )
+    elif mode is ResumeMode.RESTART:
+        assert cfg.restart_from is not None  # the mode says so
+        restart = load_checkpoint(cfg.out / CHECKPOINTS_DIR, cfg.restart_from, run=cfg.run)
+        version = await restart_from_checkpoint(s, learner, pub, restart, head=version)
+    elif mode is ResumeMode.LEARNER_FILE:
+        restore_learner(learner, s.learner_file, lr=cfg.lr)
+        report.note(f"resumed run {cfg.run!r} at weights v{version} from {cfg.store_url} (with the learner's optimizer state)")
+    else:
+        if saved is not None:
+            log_stale(s.learner_file, saved, version)
+        rebuilt = await s.at_startup(partial(rebuild_published, s.store, cfg.run), f"rebuilding the weights of run {cfg.run!r}")
+        load_published(learner, rebuilt.state)
+        report.note(f"resumed run {cfg.run!r} at weights v{version} from {cfg.store_url}")
+    progress.first_version = progress.last_version = version
+    progress.digests[version] = pub.state_digest or ""
+    published = learner.bf16_state()
+    progress.full_bytes, progress.tensors = 2 * sum(b.size for b in published.values()), len(published)
+    del published
+    save_progress(progress, s.progress_file, run=cfg.run)
+    return version, restart
+
+
+async def restart_from_checkpoint(s: Session, learner: Learner, pub: Publisher, restart: Checkpoint, *, head: int) -> int:
+    """--restart-from: the checkpoint's learner, its weights published again (a restore: a new
+    lineage epoch) and saved as the newest checkpoint; returns the version published."""
+    cfg = s.cfg
+    await s.at_startup(
+        partial(check_restorable, s.store, cfg.run, restart, head=head, trust=pub.trust),
+        f"reading the weight lineage of run {cfg.run!r}",
+    )
+    apply_checkpoint(learner, restart, lr=cfg.lr)
+    result = await s.stop.race(publish_with_retries(  # first the checkpoint's weights: a restore
+        partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
+        what=f"publishing the weights of checkpoint v{restart.version} of run {cfg.run!r}",
+    ))
+    if result.restored_from != restart.version:
+        log.warning("v%d was not published as a restore of v%d", result.version, restart.version)
+    version, digest = result.version, pub.state_digest or ""
+    save_learner(learner, s.learner_file, run=cfg.run, version=version, state_digest=digest)
+    save_checkpoint(
+        cfg.out / CHECKPOINTS_DIR, run=cfg.run, version=version, state_digest=digest,
+        model=restart.model, optimizer=restart.optimizer, consumer=restart.consumer,
+    )
+    left = f"; v{restart.version + 1}..v{version - 1} abandoned" if version - 1 > restart.version else ""
+    s.report.note(
+        f"run {cfg.run!r} restarts from the checkpoint of v{restart.version}: its weights are "
+        f"v{version} (lineage epoch {result.epoch}{left})"
+    )
+    return version
+
+
+async def phase_first_eval(s: Session) -> None:
+    """A new run's first version evaluated now (unless --no-eval): by the end the bucket may have pruned it."""
+    if s.new_run and not s.cfg.no_eval:
+        await s.stop.race(first_eval(s.store, s.cfg, s.progress, s.report, synthetic=s.cfg.task == "synthetic"))
+
+
+def phase_start_workers(s: Session, workers: WorkerProcesses) -> None:
+    """Each worker joined (`macd join`) and started (`macd run`)."""
+    workers.write_configs(s.stop.check)
+    for i in range(s.cfg.workers):
+        s.stop.check()
+        workers.start(i)
+    s.report.note(f"started {s.cfg.workers} `macd run` workers (logs in {s.cfg.out / 'workers'})")
+
+
+async def phase_open_consumer(s: Session, seeded: Seeded, restart: Checkpoint | None) -> RolloutConsumer:
+    """The learner's consumer of the workers' groups, at its state in the bucket, or at the
+    checkpoint's after --restart-from (written back to the bucket)."""
+    consumer = await s.stop.race(
+        RolloutConsumer.open(
+            s.store,
+            ConsumerConfig(
+                store_url=s.cfg.store_url, run=s.cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
+                admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+                run_key=seeded.run_key_text,
+            ),
+            tokenizer_dir=s.model_dir,
+            restore=restart is None,
+            state_key=seeded.run_key,  # signs the state it saves; reads back only a signed one
+        )
+    )
+    if restart is not None:  # back to the consumer state of the checkpoint, in the bucket too
+        await consumer.bucket_state()  # its ETag, for the compare-and-swap
+        if restart.consumer is not None:
+            consumer.load_state_dict(restart.consumer)
+        await consumer.save_state()
+    return consumer
+
+
+async def stop_fleet(consumer: RolloutConsumer | None, workers: WorkerProcesses, tracker: TrackedRun | None) -> None:
+    """However the train phase ended: the consumer closed, the workers stopped (each flushes its
+    spool), the W&B run closed, then the consumer's state saved."""
+    if consumer is not None:
+        await consumer.close()
+    workers.stop()
+    if tracker is not None:
+        tracker.close()
+    if consumer is not None:
+        await consumer.save_state()
+
+
+async def phase_report(s: Session, registry: Registry | None, consumer: RolloutConsumer | None) -> dict[str, Any]:
+    """After the workers stopped: their final heartbeats and every group's rewards read into the
+    progress, the last version evaluated, and the summary of the whole run."""
+    cfg, progress = s.cfg, s.progress
+    final_beats = await read_worker_states(s.store, cfg.run, cfg.workers, registry)
+    for beat in final_beats:
+        if beat.version is not None and beat.state_digest:
+            progress.seen_states[(beat.worker_id, beat.version)] = beat.state_digest
+        if beat.version is not None and beat.swaps:  # the last install, if no step's read caught it
+            progress.swap_seconds.setdefault((beat.worker_id, beat.version), beat.last_swap_s)
+    save_progress(progress, s.progress_file, run=cfg.run)
+    lost, spooled = count_lost(final_beats), count_spooled(final_beats)
+    progress.rewards, progress.tool_calls = await s.stop.race(samples_by_version(s.store, cfg.run, registry))
+    if not cfg.no_eval and progress.last_version not in progress.eval_pass1:  # no version since: evaluated
+        await s.stop.race(heldout_eval(s.store, cfg, progress, s.report, progress.last_version))
+    assert consumer is not None  # opened, or train() was never reached
+    groups_used_run = consumer.counters.get("groups_used", 0)
+    refused = rejects_by_reason(consumer.counters)
     return summarize(progress, cfg, lost=lost, spooled=spooled, refused=refused, groups_used_run=groups_used_run)
 
 
