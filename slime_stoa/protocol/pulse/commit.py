@@ -1,0 +1,155 @@
+"""The commit step of a chain: the signed version manifest, then the signed pointer by CAS.
+
+Given the run key, every version manifest and pointer is signed with it, and the publisher
+resumes only under the run's keys (`publisher_trust`). Freshness (signed runs): a version number
+gets one signed manifest: a commit is refused (`PreconditionFailed`) when another signed manifest
+of its version exists (this publisher's own unanswered attempts aside: they are never
+referenced), and `highest_signed` finds the head an old genuine pointer put back (a rollback)
+would hide. The one exception is the repair of an unsigned v0 (`stoa weights publish-anchor`):
+the unsigned v0 was never trusted by a signed reader, so the run still has one signed v0.
+"""
+
+from __future__ import annotations
+
+import time
+
+from slime_stoa.protocol.layout import RunLayout, version_str
+from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations
+from slime_stoa.protocol.signing import PublicKey, SigningKey
+from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store
+
+from .history import MalformedPointer, NotPublished, read_manifest, read_pointer_etag
+from .manifests import ManifestError, Pointer, VersionManifest
+from .publish_types import UntrustedState
+
+# How many manifests above the pointer `open` reads looking for the highest signed one (a worker's
+# token can list junk there; each candidate is one small GET).
+MAX_HEAD_CANDIDATES = 64
+
+
+async def publisher_trust(store: Store, run: str, key: SigningKey) -> RunTrust:
+    """The keys a publisher holding `key` resumes under: pinned to the run manifest's `run_key`
+    (the publisher's own key for a run without one, or without a manifest), plus the run's
+    rotations; UntrustedState unless `key` is the newest of them."""
+    try:
+        manifest = await read_run_manifest(store, run)
+        pinned = PublicKey.from_text(manifest.run_key) if manifest.run_key else key.public
+    except RunNotFound:
+        pinned = key.public
+    except ValueError as exc:
+        raise UntrustedState(f"cannot read the run manifest to check the run key: {exc}") from None
+    trust = RunTrust(run, pinned)
+    try:
+        await load_rotations(store, trust)
+    except Untrusted as exc:
+        raise UntrustedState(f"a key rotation of run {run!r} does not verify: {exc}") from None
+    if trust.newest != key.public:
+        raise UntrustedState(
+            f"key {key.key_id} is not the current key of run {run!r} (that is {trust.newest.key_id}, "
+            f"fingerprint {trust.newest.fingerprint}): publish with that key"
+        )
+    return trust
+
+
+class Committer:
+    """Writes one chain's version manifests and moves its pointer; owns the pointer's ETag and
+    the keys of the manifests this publisher wrote."""
+
+    def __init__(self, store: Store, layout: RunLayout, key: SigningKey | None):
+        self.store = store
+        self.layout = layout
+        self.key = key  # the run key: signs everything written (None: an unsigned run)
+        self.trust: RunTrust | None = None  # the run keys `authenticate` resumed under (with a key)
+        self.etag: str | None = None  # the pointer's, as this publisher last wrote or read it
+        self._written: set[str] = set()  # version manifests this publisher wrote (its own lost attempts)
+
+    async def authenticate(self) -> None:
+        """With a run key: the run's keys, refusing a key that is not its current one."""
+        if self.key is not None:
+            self.trust = await publisher_trust(self.store, self.layout.run, self.key)
+
+    async def read_pointer(self) -> tuple[Pointer, str] | None:
+        """The chain's pointer and ETag to resume from; None when the chain has none, and
+        UntrustedState when the run's keys did not sign it."""
+        try:
+            found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
+        except NotPublished:
+            return None
+        except MalformedPointer as exc:
+            if exc.untrusted:
+                raise UntrustedState(f"refusing to resume run {self.layout.run!r}: {exc}") from None
+            raise
+        assert found is not None  # an unconditional read always returns the object
+        return found
+
+    async def landed(self, manifest: VersionManifest) -> str | None:
+        """After a pointer write that got no answer: the pointer's ETag when it names `manifest`
+        (the write landed), else None. StoreError while the store stays down."""
+        try:
+            found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
+        except MalformedPointer as exc:
+            if not exc.untrusted:
+                raise
+            return None  # not ours (ours are signed): it never landed
+        if found is None or found[0].manifest != self.layout.version_manifest(manifest.version, manifest.attempt):
+            return None
+        return found[1]
+
+    async def commit(self, manifest: VersionManifest, *, create: bool) -> None:
+        """Write the manifest, then move the pointer (create it for the first version). In a
+        signed run, PreconditionFailed when another signed manifest of the version exists."""
+        key = self.layout.version_manifest(manifest.version, manifest.attempt)
+        other = await self.signed_manifests(manifest.version)
+        if other:
+            raise PreconditionFailed(f"{other[0]} is already a signed manifest of v{manifest.version}")
+        self._written.add(key)
+        await self.store.put_if_absent(key, manifest.to_bytes(self.key))
+        self.etag = await self.store.cas(self.layout.pointer, self.pointer(manifest).to_bytes(self.key), None if create else self.etag)
+
+    async def point_back(self, head: VersionManifest) -> None:
+        """Move the pointer (at `etag`) back to `head`, a signed version above it."""
+        self.etag = await self.store.cas(self.layout.pointer, self.pointer(head).to_bytes(self.key), self.etag)
+
+    def pointer(self, manifest: VersionManifest) -> Pointer:
+        return Pointer(
+            run=self.layout.run, version=manifest.version, state_digest=manifest.state_digest,
+            manifest=self.layout.version_manifest(manifest.version, manifest.attempt), anchor=manifest.anchor,
+            updated_at=time.time(), epoch=manifest.origin.epoch, plane=self.layout.plane,
+        )
+
+    async def signed_manifests(self, version: int) -> list[str]:
+        """Keys of the signed manifests of `version` this publisher did not write (signed runs;
+        an unsigned or forged one is not a version: a worker's token cannot block the trainer)."""
+        if self.trust is None:
+            return []
+        found = []
+        async for info in self.store.list(self.layout.version_manifests_prefix(version)):
+            if info.key not in self._written and await self.verified(info.key) is not None:
+                found.append(info.key)
+        return found
+
+    async def highest_signed(self, pointer: Pointer) -> VersionManifest | None:
+        """The signed manifest of the highest version the bucket lists above the pointer's, or
+        None (an unsigned run, or none above it). A publisher resumes from it: an old genuine
+        pointer put back must not make it publish a version number again. Reads at most
+        MAX_HEAD_CANDIDATES manifests, highest first."""
+        if self.trust is None:
+            return None
+        after = f"{self.layout.versions_prefix}{version_str(pointer.version)}."  # past every attempt of it
+        keys = []
+        async for info in self.store.list(self.layout.versions_prefix, start_after=after):
+            parsed = self.layout.parse_version_manifest(info.key)
+            if parsed is not None and parsed[0] > pointer.version:
+                keys.append((parsed[0], info.key))
+        for _, key in sorted(keys, reverse=True)[:MAX_HEAD_CANDIDATES]:
+            manifest = await self.verified(key)
+            if manifest is not None:
+                return manifest
+        return None
+
+    async def verified(self, key: str) -> VersionManifest | None:
+        try:
+            return await read_manifest(self.store, key, trust=self.trust)
+        except (ManifestError, NotFound):
+            return None

@@ -1,0 +1,102 @@
+"""The quantized planes' publishers, siblings of the bf16 one (`PublisherConfig.planes`;
+`pulse.plane`, `layout.RunLayout(run, plane)`).
+
+After each bf16 version v is committed, each plane of it (MLX affine codes, scales and biases of
+the same weights) is published as version v of that plane by a chain publisher of its own, under
+the plane's folder: its own patches, catch-ups on its own schedule and anchors, signed by the
+same key, with state digests over the plane, and each version manifest naming the bf16 version
+it quantizes (`source`). A plane that is not at the bf16 version (a crash between the two
+commits, a plane publish that failed, a plane added to a running run) is brought to it before the
+next bf16 version and when the publisher opens: as a step from the version before, or as a new
+chain from an anchor when it is further behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from slime_stoa.protocol.layout import QuantPlane
+from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
+from slime_stoa.protocol.signing import SigningKey
+from slime_stoa.protocol.store import Store, StoreError
+
+from .chain import ChainPublisher
+from .codec import Delta
+from .manifests import Ref
+from .plane import plane_bits, updated_plane_bits
+from .publish_config import PublisherConfig
+from .publish_types import PublishError
+
+log = logging.getLogger("stoa.pulse")
+
+
+def plane_publishers(
+    store: Store, run: str, config: PublisherConfig, key: SigningKey | None, planes: tuple[QuantPlane, ...]
+) -> dict[QuantPlane, ChainPublisher]:
+    """A chain publisher per plane, with the bf16 publisher's config."""
+    config = replace(config, planes=())
+    return {p: ChainPublisher(store, run, config, key=key, plane=p) for p in planes}
+
+
+async def bring_planes_to(
+    planes: Mapping[QuantPlane, ChainPublisher], source: Ref, state: Mapping[str, np.ndarray],
+    last_delta: tuple[int, Delta] | None, config: PublisherConfig,
+) -> tuple[QuantPlane, ...]:
+    """Bring every plane not at the committed bf16 version `source` (whose state is `state`) to
+    it; the planes published. `last_delta`: the bf16 publisher's latest committed step, which
+    re-quantizes only the groups it changed for a plane one version behind. A plane that fails
+    is logged and left to the next call."""
+    done = []
+    for plane, pub in planes.items():
+        try:
+            if not pub.opened:
+                await pub.open()
+            if pub.version is not None and pub.version >= source.version:
+                continue
+            if last_delta is not None and last_delta[0] == source.version and pub.version == source.version - 1:
+                # One step behind: re-quantize only the groups the step changed.
+                changed = {name: indices for name, (indices, _) in last_delta[1].items()}
+                bits = await asyncio.to_thread(
+                    updated_plane_bits, pub.baseline, state, changed, plane, model_type_of(config),
+                    threads=config.threads,
+                )
+            else:
+                bits = await asyncio.to_thread(plane_bits, state, plane, model_type_of(config), threads=config.threads)
+            await pub.publish(bits, source=source)
+            done.append(plane)
+        except (PublishError, StoreError) as exc:
+            log.warning(
+                "run %s: plane %s of v%d not published (%s); retried before the next version",
+                pub.layout.run, plane, source.version, exc,
+            )
+    return tuple(done)
+
+
+def model_type_of(config: PublisherConfig) -> str | None:
+    """`PublisherConfig.model_type`, else the `model_type` of `extras_dir`'s config.json."""
+    if config.model_type is not None or config.extras_dir is None:
+        return config.model_type
+    try:
+        found = json.loads((Path(config.extras_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+async def offered_planes(store: Store, run: str) -> tuple[QuantPlane, ...]:
+    """The quantized planes the run manifest offers; none without a readable one (a warning
+    says why when it does not parse)."""
+    try:
+        return (await read_run_manifest(store, run)).planes
+    except RunNotFound:
+        return ()
+    except ValueError as exc:
+        log.warning("%s; publishing no quantized plane until it is fixed", exc)
+        return ()
