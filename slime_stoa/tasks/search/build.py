@@ -22,14 +22,15 @@ import array
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-from slime_stoa.tasks.search.passages import PassageWriter
+from slime_stoa.tasks.search import compact
+from slime_stoa.tasks.search.passages import BlockPassageWriter, PassageWriter
 from slime_stoa.tasks.search.tokenizer import PRESETS, SETTINGS_FILE, Bm25Settings, Tokenizer
 
 PARAMS_FILE = "params.index.json"
@@ -134,34 +135,59 @@ def _write_vocab(path: Path, vocab: dict[str, int]) -> None:
         f.write("}")
 
 
-def _merge(postings: _Postings, folder: Path, settings: Bm25Settings, block_entries: int) -> int:
+def _scoring(postings: _Postings, settings: Bm25Settings) -> tuple[np.ndarray, np.ndarray, float]:
+    """Every passage's length norm, every term's idf (float32, the order of operations the
+    stored scores were always computed in) and the mean passage length."""
     df, n_docs = postings.df, len(postings.lengths)
-    indptr = np.concatenate(([0], np.cumsum(df)))
-    total = int(indptr[-1])
     lengths = np.frombuffer(postings.lengths, dtype=np.int32).astype(np.float32)
     avgdl = float(lengths.mean()) if n_docs else 1.0
     norm = (settings.k1 * (1 - settings.b + settings.b * lengths / (avgdl or 1.0))).astype(np.float32)
     idf = np.log1p((n_docs - df + 0.5) / (df + 0.5)).astype(np.float32)
-    np.save(folder / INDPTR_FILE, indptr.astype(np.int64), allow_pickle=False)
-    with _npy_writer(folder / DATA_FILE, np.dtype(np.float32), total) as data, \
-            _npy_writer(folder / INDICES_FILE, np.dtype(np.int32), total) as indices:
-        start = 0
-        while start < len(df):
-            # the largest block of terms from `start` within block_entries postings (one term at least)
-            end = max(start + 1, int(np.searchsorted(indptr, indptr[start] + block_entries, side="right")) - 1)
-            parts = [s.take_below(end) for s in postings.shards]
-            terms = np.concatenate([p[0] for p in parts])
-            order = np.argsort(terms, kind="stable")  # shards hold increasing passages: docs stay sorted
-            terms = terms[order]
-            docs = np.concatenate([p[1] for p in parts])[order]
-            tfs = np.concatenate([p[2] for p in parts])[order].astype(np.float32)
-            scores = idf[terms] * (tfs / (tfs + norm[docs]))
-            data.write(scores.astype(np.float32).tobytes())
-            indices.write(docs.astype(np.int32).tobytes())
-            start = end
+    return norm, idf, avgdl
+
+
+def _blocks(postings: _Postings, block_entries: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The postings (terms, docs, tfs) in blocks of whole terms of at most `block_entries`
+    postings (one term at least), by term then document."""
+    df = postings.df
+    indptr = np.concatenate(([0], np.cumsum(df)))
+    start = 0
+    while start < len(df):
+        end = max(start + 1, int(np.searchsorted(indptr, indptr[start] + block_entries, side="right")) - 1)
+        parts = [s.take_below(end) for s in postings.shards]
+        terms = np.concatenate([p[0] for p in parts])
+        order = np.argsort(terms, kind="stable")  # shards hold increasing passages: docs stay sorted
+        yield terms[order], np.concatenate([p[1] for p in parts])[order], np.concatenate([p[2] for p in parts])[order]
+        start = end
     for s in postings.shards:
         s.close()
+
+
+def _merge(postings: _Postings, folder: Path, settings: Bm25Settings, block_entries: int) -> int:
+    """Write bm25s's arrays (scores stored per posting)."""
+    norm, idf, _ = _scoring(postings, settings)
+    total = int(postings.df.sum())
+    np.save(folder / INDPTR_FILE, np.concatenate(([0], np.cumsum(postings.df))).astype(np.int64), allow_pickle=False)
+    with _npy_writer(folder / DATA_FILE, np.dtype(np.float32), total) as data, \
+            _npy_writer(folder / INDICES_FILE, np.dtype(np.int32), total) as indices:
+        for terms, docs, tfs in _blocks(postings, block_entries):
+            data.write(compact.term_scores(idf[terms], tfs, norm[docs]).tobytes())
+            indices.write(docs.astype(np.int32).tobytes())
     return total
+
+
+def _merge_compact(postings: _Postings, folder: Path, settings: Bm25Settings, block_entries: int) -> int:
+    """Write the compact index (`compact`: packed postings, scored at query time)."""
+    norm, idf, avgdl = _scoring(postings, settings)
+    writer = compact.CompactWriter(folder, norms=norm, df=postings.df, idf=idf)
+    for terms, docs, tfs in _blocks(postings, block_entries):
+        writer.add(terms, docs, tfs, compact.term_scores(idf[terms], tfs, norm[docs]))
+    del norm
+    columns = [""] * len(postings.vocab)
+    for term, column in postings.vocab.items():
+        columns[column] = term
+    params = writer.close(columns, k1=settings.k1, b=settings.b, avgdl=avgdl)
+    return int(params["postings"])
 
 
 def build_index(
@@ -172,18 +198,23 @@ def build_index(
     shard_docs: int = SHARD_DOCS,
     block_entries: int = BLOCK_ENTRIES,
     on_passages: Callable[[int], None] | None = None,
+    compact_format: bool = False,
+    work_dir: Path | None = None,
 ) -> BuildStats:
     """Index `passages` (any iterable, read once) into the empty (or new) `folder`.
 
-    `on_passages(count)` is called as passages are read (with how many since the last call)."""
+    `on_passages(count)` is called as passages are read (with how many since the last call).
+    `compact_format`: write the compact index (`compact`, zstd passage blocks) instead of
+    bm25s's arrays. `work_dir`: where the shards go (a scratch folder made and removed there;
+    default: beside `folder`); it holds about 12 bytes per posting at the peak."""
     if shard_docs < 1 or block_entries < 1:
         raise ValueError("shard_docs and block_entries must be at least 1")
     folder.mkdir(parents=True, exist_ok=True)
     if any(folder.iterdir()):
         raise ValueError(f"{folder} is not empty: build an index into a fresh folder")
-    scratch = Path(tempfile.mkdtemp(prefix=".stoa-index-build-", dir=folder.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=".stoa-index-build-", dir=work_dir or folder.parent))
     try:
-        writer = PassageWriter(folder)
+        writer: PassageWriter | BlockPassageWriter = BlockPassageWriter(folder) if compact_format else PassageWriter(folder)
         postings = _Postings(scratch, Tokenizer(settings.tokenizer))
         pending = 0
         try:
@@ -203,6 +234,10 @@ def build_index(
             on_passages(pending)
         if not count:
             raise ValueError("cannot build a search index over no passages")
+        if compact_format:
+            total = _merge_compact(postings, folder, settings, block_entries)
+            (folder / SETTINGS_FILE).write_text(json.dumps(settings.as_meta(), indent=1, sort_keys=True))
+            return BuildStats(passages=count, terms=len(postings.vocab), postings=total)
         total = _merge(postings, folder, settings, block_entries)
         _write_vocab(folder / VOCAB_FILE, postings.vocab)
         params = {"k1": float(settings.k1), "b": float(settings.b), "delta": 0.5, "method": "lucene",

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+import zstandard
 
 TEXT_FILE = "passages.txt"
 OFFSETS_FILE = "passages.offsets.npy"
@@ -78,3 +79,103 @@ class PassageStore:
             raise IndexError(f"passage {i} out of range ({len(self)} passages)")
         start, end = int(self._offsets[i]), int(self._offsets[i + 1])
         return self._text[start:end].decode("utf-8", "replace")
+
+
+# -- compressed passages: zstd blocks with random access ---------------------------------------
+#
+#     passages.zst          zstd frames, one per block of whole passages (about BLOCK_BYTES of text
+#                           each): a block is a uint32 count c, c uint32 byte lengths, the texts
+#     passages.blocks.npy   int64 (blocks + 1, 2): row j = (first passage of block j, its byte
+#                           offset in passages.zst); the last row = (passages, file size)
+#
+# A passage is read by decompressing its one block (the table's binary search finds it).
+
+ZST_FILE = "passages.zst"
+BLOCKS_FILE = "passages.blocks.npy"
+BLOCK_BYTES = 64 << 10
+ZSTD_LEVEL = 9
+MAX_BLOCK_BYTES = 64 << 20  # a block decompresses to no more (one passage may exceed BLOCK_BYTES)
+
+
+class BlockPassageWriter:
+    """Appends passages to the compressed files of `folder`, one block held at a time."""
+
+    def __init__(self, folder: Path, *, block_bytes: int = BLOCK_BYTES, level: int = ZSTD_LEVEL):
+        self._folder, self._block_bytes = folder, block_bytes
+        self._out = open(folder / ZST_FILE, "wb")  # noqa: SIM115 (closed in close)
+        self._zstd = zstandard.ZstdCompressor(level=level)
+        self._texts: list[bytes] = []
+        self._pending = 0
+        self._count = 0
+        self._rows = array.array("q", [0, 0])
+
+    def add(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise ValueError(f"passage {self._count} must be str, got {type(text).__name__}")
+        data = text.encode("utf-8", "replace")
+        if len(data) > MAX_BLOCK_BYTES // 2:
+            raise ValueError(f"passage {self._count} is {len(data)} bytes, over {MAX_BLOCK_BYTES // 2}")
+        self._texts.append(data)
+        self._pending += len(data)
+        self._count += 1
+        if self._pending >= self._block_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._texts:
+            return
+        head = np.array([len(self._texts), *map(len, self._texts)], dtype="<u4").tobytes()
+        written = self._out.write(self._zstd.compress(head + b"".join(self._texts)))
+        self._rows.extend((self._count, self._rows[-1] + written))
+        self._texts, self._pending = [], 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def close(self) -> int:
+        self._flush()
+        self._out.close()
+        np.save(self._folder / BLOCKS_FILE, np.frombuffer(self._rows, dtype=np.int64).reshape(-1, 2), allow_pickle=False)
+        return self._count
+
+
+class BlockPassageStore:
+    """Read-only compressed passages by position (the format above). Opening checks the block
+    table against the file; a block that does not decode to its passages fails the read with
+    ValueError."""
+
+    def __init__(self, folder: Path):
+        rows = np.load(folder / BLOCKS_FILE, mmap_mode="r", allow_pickle=False)
+        size = os.path.getsize(folder / ZST_FILE)
+        if rows.ndim != 2 or rows.shape[1:] != (2,) or rows.dtype != np.int64 or len(rows) < 1:
+            raise ValueError(f"{BLOCKS_FILE}: expected an int64 (blocks + 1, 2) array, got {rows.dtype} {rows.shape}")
+        if tuple(rows[0]) != (0, 0) or rows[-1, 1] != size or bool(np.any(np.diff(rows, axis=0) <= 0)):
+            raise ValueError(f"{BLOCKS_FILE} does not describe {ZST_FILE} ({size} bytes)")
+        self._first, self._at = np.ascontiguousarray(rows[:, 0]), np.ascontiguousarray(rows[:, 1])
+        with open(folder / ZST_FILE, "rb") as f:
+            self._data: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self._zstd = zstandard.ZstdDecompressor()
+
+    def __len__(self) -> int:
+        return int(self._first[-1])
+
+    def __getitem__(self, i: int) -> str:
+        if not 0 <= i < len(self):
+            raise IndexError(f"passage {i} out of range ({len(self)} passages)")
+        j = int(np.searchsorted(self._first, i, side="right")) - 1
+        frame = self._data[int(self._at[j]):int(self._at[j + 1])]
+        try:
+            if not 0 <= zstandard.frame_content_size(frame) <= MAX_BLOCK_BYTES:  # -1: not recorded
+                raise ValueError(f"{ZST_FILE}: block {j} does not record a size up to {MAX_BLOCK_BYTES}")
+            block = self._zstd.decompress(frame)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"{ZST_FILE}: block {j} does not decompress: {exc}") from None
+        count = int(self._first[j + 1] - self._first[j])
+        if len(block) < 4 * (count + 1) or int.from_bytes(block[:4], "little") != count:
+            raise ValueError(f"{ZST_FILE}: block {j} does not hold its {count} passages")
+        lengths = np.frombuffer(block, dtype="<u4", count=count, offset=4).astype(np.int64)
+        start = 4 * (count + 1) + int(lengths[: i - int(self._first[j])].sum())
+        end = start + int(lengths[i - int(self._first[j])])
+        if 4 * (count + 1) + int(lengths.sum()) != len(block):
+            raise ValueError(f"{ZST_FILE}: block {j} does not hold its {count} passages")
+        return block[start:end].decode("utf-8", "replace")

@@ -46,10 +46,17 @@ from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.strict_json import load_json
-from slime_stoa.tasks.search import build
+from slime_stoa.tasks.search import build, compact
 from slime_stoa.tasks.search.bundle import fetch_index, verified_digest
 from slime_stoa.tasks.search.formats import format_passages
-from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE, PassageStore
+from slime_stoa.tasks.search.passages import (
+    BLOCKS_FILE,
+    OFFSETS_FILE,
+    TEXT_FILE,
+    ZST_FILE,
+    BlockPassageStore,
+    PassageStore,
+)
 from slime_stoa.tasks.search.task import Search
 from slime_stoa.tasks.search.tokenizer import PRESETS, SETTINGS_FILE, Bm25Settings, Tokenizer
 
@@ -58,6 +65,8 @@ logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets its logger to
 PARAMS_FILE, VOCAB_FILE = build.PARAMS_FILE, build.VOCAB_FILE
 ARRAY_FILES = (build.DATA_FILE, build.INDICES_FILE, build.INDPTR_FILE)
 INDEX_FILES = (PARAMS_FILE, VOCAB_FILE, *ARRAY_FILES, SETTINGS_FILE, TEXT_FILE, OFFSETS_FILE)
+#: The files of a compact index folder (`build_index(compact_format=True)`).
+COMPACT_INDEX_FILES = (*compact.FILES, SETTINGS_FILE, ZST_FILE, BLOCKS_FILE)
 MAX_QUERY_CHARS = 1000  # a generated query longer than this is cut: it costs time, not recall
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 SCANNED_FILE = ".scanned"  # in a fetched folder: the manifest digest whose files passed the full check
@@ -226,12 +235,18 @@ def _score_all(data: np.ndarray, indices: np.ndarray, n_docs: int, spans: list[t
 
 
 class Retriever:
-    """Top-k BM25 search over a memory-mapped index folder (open with `Retriever.open`)."""
+    """Top-k BM25 search over a memory-mapped index folder (open with `Retriever.open`): a
+    compact one (`compact.CompactIndex`, its vocabulary searched in the mapped file) or bm25s's
+    arrays (`bm`, its vocabulary a dict in this process)."""
 
-    def __init__(self, bm: Any, passages: PassageStore, settings: Bm25Settings):
+    def __init__(
+        self, bm: Any | None, passages: PassageStore | BlockPassageStore, settings: Bm25Settings,
+        index: compact.CompactIndex | None = None,
+    ):
         self._bm = bm
-        self._vocab: dict[str, int] = bm.vocab_dict
-        self._columns = len(bm.scores["indptr"]) - 1
+        self._index = index
+        self._vocab: dict[str, int] = bm.vocab_dict if bm is not None else {}
+        self._columns = len(bm.scores["indptr"]) - 1 if bm is not None else 0
         self._column_max: dict[int, float] = {}  # a term's largest posting, read at its first query
         self.passages = passages
         self.settings = settings
@@ -245,6 +260,8 @@ class Retriever:
         the verified stamp), so the checks that read every posting are skipped."""
         folder = Path(folder)
         settings = read_settings(folder)
+        if (folder / compact.PARAMS_FILE).is_file():
+            return cls._open_compact(folder, settings, scanned)
         missing = [name for name in INDEX_FILES if not (folder / name).is_file()]
         if missing:
             raise ValueError(f"{folder} is not a search index folder: missing {missing}")
@@ -261,6 +278,19 @@ class Retriever:
             _scan_arrays(bm, len(passages))
         return cls(bm, passages, settings)
 
+    @classmethod
+    def _open_compact(cls, folder: Path, settings: Bm25Settings, scanned: bool) -> Retriever:
+        missing = [name for name in COMPACT_INDEX_FILES if not (folder / name).is_file()]
+        if missing:
+            raise ValueError(f"{folder} is not a compact search index folder: missing {missing}")
+        index = compact.CompactIndex.open(folder, scanned=scanned)
+        if (index.k1, index.b) != (settings.k1, settings.b):
+            raise ValueError(f"{folder}: {compact.PARAMS_FILE} and {SETTINGS_FILE} disagree on k1 and b")
+        passages = BlockPassageStore(folder)
+        if len(passages) != index.passages:
+            raise ValueError(f"index covers {index.passages} documents but the folder holds {len(passages)} passages")
+        return cls(None, passages, settings, index)
+
     def __len__(self) -> int:
         return len(self.passages)
 
@@ -268,7 +298,9 @@ class Retriever:
         """The largest score a passage gets from `term` (cached: one read of its postings)."""
         best = self._column_max.get(term)
         if best is None:
-            data, indptr = self._bm.scores["data"], self._bm.scores["indptr"]
+            bm = self._bm
+            assert bm is not None  # a compact index keeps its largest scores in its term table
+            data, indptr = bm.scores["data"], bm.scores["indptr"]
             start, end = int(indptr[term]), int(indptr[term + 1])
             best = self._column_max[term] = float(data[start:end].max(initial=0.0))
         return best
@@ -280,10 +312,18 @@ class Retriever:
         or unknown query returns []. The query is cut to `MAX_QUERY_CHARS`."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
+        if self._index is not None:
+            index = self._index
+            ranks = [r for t in self.tokenize(query[:MAX_QUERY_CHARS]) if (r := index.lookup(t)) is not None]
+            if not ranks:
+                return []
+            top, scores = index.top_k(ranks, k)
+            return [Hit(int(i), float(s), self.passages[int(i)]) for i, s in zip(top, scores, strict=True)]
         vocab = self._vocab
         ids = [i for t in self.tokenize(query[:MAX_QUERY_CHARS]) if (i := vocab.get(t)) is not None and i < self._columns]
         if not ids:
             return []
+        assert self._bm is not None  # the compact index answered above
         m = self._bm.scores
         top, scores = top_k(m["data"], m["indices"], m["indptr"], len(self.passages), ids, k, self.column_max)
         return [Hit(int(i), float(s), self.passages[int(i)]) for i, s in zip(top, scores, strict=True)]
