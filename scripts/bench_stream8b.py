@@ -21,6 +21,16 @@ RL step's Adam update does: ~1-3% of bf16 weights change per step). Then, timed:
              a whole tensor once `WHOLE_TENSOR_SHARE` of its groups are touched), then the same
              step over the plane. A sample of tensors (every `PLANE_CHECK_EVERY`-th of a batch,
              the first round) is checked bit for bit against a full `plane.plane_bits`, untimed.
+  device, per thread count, in the same rounds right after the numpy contenders (the numpy path
+    is the baseline): the torch path (`trainer.device_delta`) on `--device` (the CPU here, CUDA on
+    a GPU box), which keeps the previous version beside the weights and hands the host only the
+    patches: bf16 "diff" (`PreviousState.diff`), int8/int4 "quantize" (`PreviousState.plane_delta`:
+    both versions' planes of the changed tensors quantized on the device, compared there), then on
+    the host "mirror" (the delta applied to the host's copy, `apply_delta`) and the same digest
+    update, encode and sha256 as the numpy path. The first round checks every delta bit for bit
+    against the numpy path's. Reported: its wall and CPU seconds per version, and the bytes each
+    path moves from the device to the host per version (numpy: the whole bf16 state, as
+    `publish.gather_state` copies it; torch: the bf16 and plane patches' indices and values).
   Not timed: catch-up patches (merge and encode at the distances the schedule picks), uploads,
   anchors, the state digest's root.
   worker, per thread count: `apply.apply_patch` (verify, decode, scatter) of the step patch into
@@ -46,7 +56,9 @@ cores, "published" with the defaults: `--quick` ~2 minutes, the full run ~14 min
 ~2.6 GB either way.
 
 Usage: python scripts/bench_stream8b.py [--quick | --smoke] [--shape published|defaults] [--density 0.02]
-       [--rounds 3] [--threads 1,2] [--batch-mib 256] [--seed 0] [--json PATH]
+       [--rounds 3] [--threads 1,2] [--batch-mib 256] [--seed 0] [--device cpu|cuda] [--json PATH]
+
+Exits 1 when a result does not check out, 2 when it cannot run (e.g. `--device cuda` without CUDA).
 """
 
 from __future__ import annotations
@@ -89,6 +101,7 @@ from slime_stoa.protocol.pulse.plane import (
 )
 from slime_stoa.protocol.run_trust import content_hash
 from slime_stoa.quickstart.tiny_model import lfm2_param_shapes
+from slime_stoa.trainer.device_delta import PreviousState, apply_delta
 
 Shape = Literal["published", "defaults"]
 SHAPES: tuple[Shape, ...] = ("published", "defaults")
@@ -313,6 +326,42 @@ class Totals:
         return out
 
 
+def same_delta(a: Delta, b: Delta) -> bool:
+    """Two deltas with the same names, index bytes and value bytes."""
+    return a.keys() == b.keys() and all(
+        a[n][0].dtype == b[n][0].dtype and a[n][0].tobytes() == b[n][0].tobytes()
+        and a[n][1].dtype == b[n][1].dtype and a[n][1].tobytes() == b[n][1].tobytes()
+        for n in b
+    )
+
+
+def device_step(
+    previous: PreviousState, state: Mapping[str, Any], held: Mapping[str, dict[str, np.ndarray]],
+    digests_of: Mapping[str, StateDigest], threads: int, device: str,
+) -> dict[str, tuple[Delta, Clock]]:
+    """The torch path's per-version work on one batch, per plane: the device diff (bf16) or plane
+    delta, then on the host the mirror, digest update, encode and sha256. Returns each plane's
+    delta and the clock that timed it."""
+    import torch
+
+    torch.set_num_threads(threads)
+    out: dict[str, tuple[Delta, Clock]] = {}
+    for p in PLANES:
+        clock = Clock()
+        if p == "bf16":
+            delta = clock.time("diff", partial(previous.diff, state))
+        else:
+            delta = clock.time("quantize", partial(previous.plane_delta, state, out["bf16"][0].keys(), p, MODEL_TYPE))
+        if device != "cpu":
+            torch.cuda.synchronize()
+        target = clock.time("mirror", partial(apply_delta, held[p], delta))
+        clock.time("digest", partial(digests_of[p].update, target, delta.keys(), threads=threads))
+        _, body = clock.time("encode", partial(encode_delta, delta, shapes_of(target), base=held[p], mode="rel", threads=threads))
+        clock.time("sha256", partial(content_hash, body))
+        out[p] = (delta, clock)
+    return out
+
+
 def measure_unit(
     unit: Unit, shapes: Mapping[str, tuple[int, ...]], args: argparse.Namespace, threads: list[int],
     totals: Totals, sizes: dict[str, float], check: dict[str, int],
@@ -330,6 +379,8 @@ def measure_unit(
         sizes[f"anchor_{q}"] += w * sum(a.nbytes for a in held[q].values())  # what a worker on it holds
     digests_of = {p: StateDigest.of(held[p]) for p in PLANES}  # the publisher's digest of the previous version
     sample = list(unit.names[::PLANE_CHECK_EVERY])
+    previous, device_state = device_states(prev, new, args.device)
+    sizes["to_host_numpy"] += w * 2 * elements  # the numpy path gathers every bf16 weight to the host
     for r in range(args.rounds):
         patches: dict[str, tuple[Any, bytes]] = {}
         targets: dict[str, dict[str, np.ndarray]] = {"bf16": new}
@@ -353,6 +404,15 @@ def measure_unit(
                     counts = group_counts(delta, {n: shapes[n] for n in unit.names}, q)
                     for key, count in zip(("groups", "touched", "quantized", "whole"), counts, strict=True):
                         sizes[f"{q}_{key}"] += w * count
+        for t in threads:  # the torch path, in the same round
+            handed = previous.transfer.device_to_host
+            done = device_step(previous, device_state, held, digests_of, t, args.device)
+            for p, (_, clock) in done.items():
+                totals.add_clock(("device", str(t), p), r, clock, w)
+            if r == 0 and t == threads[0]:
+                sizes["to_host_torch"] += w * (previous.transfer.device_to_host - handed)
+                check["device_deltas"] += len(PLANES)
+                check["device_mismatched"] += sum(not same_delta(done[p][0], diff(held[p], targets[p])) for p in PLANES)
         for t in threads:
             for p in PLANES:
                 clock = Clock()
@@ -368,6 +428,24 @@ def measure_unit(
             for p in PLANES:
                 sizes[f"patch_{p}"] += w * len(patches[p][1])
         del patches, targets
+
+
+def device_states(
+    prev: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], device: str
+) -> tuple[PreviousState, dict[str, Any]]:
+    """The previous version kept by a `PreviousState` (all of it on the device: the budget is the
+    batch's bytes) and the new version as bf16 torch tensors on `device`."""
+    import torch
+
+    from slime_stoa.trainer.device_delta import DeviceDeltaConfig
+
+    def tensors(state: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {n: torch.from_numpy(a.view(np.int16)).to(device).view(torch.bfloat16) for n, a in state.items()}
+
+    budget = sum(2 * a.size for a in prev.values())
+    previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=budget))
+    previous.reset(tensors(prev))
+    return previous, tensors(new)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,6 +487,21 @@ def summarize(totals: Totals, sizes: Mapping[str, float], threads: list[int]) ->
             "whole_tensor_share": WHOLE_TENSOR_SHARE}
         for q in QUANT
     }
+    out["device_path"] = {
+        "baseline": "numpy (the trainer_* figures)",
+        "trainer_wall_s_per_version": {
+            str(t): {p: spread(totals.summed(("device", str(t), p), "wall")) for p in PLANES} for t in threads
+        },
+        "trainer_cpu_s_per_version": {
+            str(t): {p: spread(totals.summed(("device", str(t), p), "cpu")) for p in PLANES} for t in threads
+        },
+        "parts_wall_median": {
+            str(t): {p: {k[3]: spread(v)["median"] for k, v in totals.values.items()
+                         if k[:3] == ("device", str(t), p) and k[-1] == "wall"} for p in PLANES}
+            for t in threads
+        },
+        "bytes_to_host_per_version": {"numpy": sizes["to_host_numpy"], "torch": sizes["to_host_torch"]},
+    }
     out["cpu_ns_per_element"] = {  # medians per version over the model's elements, per thread count
         side: {t: {p: 1e9 * row[p]["median"] / elements for p in PLANES} for t, row in out[f"{side}_cpu_s_per_version"].items()}
         for side in ("trainer", "worker")
@@ -436,6 +529,17 @@ def print_report(doc: dict[str, Any]) -> None:
     for t, row in doc["trainer_cpu_s_per_version"].items():
         parts = "; ".join(f"{p}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["parts"][p].items()) for p in PLANES)
         print(f"  trainer CPU parts, threads {t}: {parts}")
+    dev = doc["device_path"]
+    moved = dev["bytes_to_host_per_version"]
+    print(f"torch path on {doc['device']} (numpy above is the baseline), wall s per version, median (min-max):")
+    for t, row in dev["trainer_wall_s_per_version"].items():
+        base = doc["trainer_wall_s_per_version"][t]
+        cells = "  ".join(f"{p} {row[p]['median']:7.2f} ({row[p]['min']:.2f}-{row[p]['max']:.2f}; numpy "
+                          f"{base[p]['median']:.2f})" for p in PLANES)
+        print(f"  threads {t}:  {cells}")
+    print(f"  device -> host per version: numpy {moved['numpy'] / 1e9:.3f} GB (the bf16 state), "
+          f"torch {moved['torch'] / 1e9:.3f} GB (bf16 and plane patches); deltas checked bit for bit: "
+          f"{doc['device_check']['mismatched']} of {doc['device_check']['deltas']} differ")
     for q, u in doc["plane_update"].items():
         print(f"  {q} plane update: {u['groups_touched_fraction'] * 100:.1f}% of groups touched, "
               f"{u['whole_tensor_fraction'] * 100:.1f}% of quantized elements re-quantized as whole tensors")
@@ -469,6 +573,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=parse_threads, default=None, help="thread counts, e.g. 1,2 (default: 1 and all CPUs)")
     ap.add_argument("--batch-mib", type=float, default=256, help="bf16 MiB measured at a time")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="the torch path's device: cpu, cuda, cuda:1, ...")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if not 0 < args.density < 1:
@@ -489,7 +594,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     units, layers = plan_units(shapes, config, quick=args.quick, batch_bytes=int(args.batch_mib * 2**20))
     totals = Totals(args.rounds)
     sizes: dict[str, float] = defaultdict(float)
-    check = {"tensors": 0, "mismatched": 0, "plane_tensors": 0, "plane_mismatched": 0}
+    check = {"tensors": 0, "mismatched": 0, "plane_tensors": 0, "plane_mismatched": 0, "device_deltas": 0,
+             "device_mismatched": 0}
     for i, unit in enumerate(units):
         measure_unit(unit, shapes, args, threads, totals, sizes, check)
         print(f"  batch {i + 1}/{len(units)}: {len(unit.names)} tensors x{unit.weight}", flush=True)
@@ -503,20 +609,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "date": date, "shape": "smoke" if args.smoke else args.shape, "config": config, "quick": args.quick,
         "scaling": scaling, "elements": total, "elements_measured": measured, "tensors": len(shapes),
         "density": args.density, "rounds": args.rounds, "threads": threads, "seed": args.seed,
-        "batch_mib": args.batch_mib, "mode": "rel",
+        "batch_mib": args.batch_mib, "mode": "rel", "device": args.device,
     }
     doc |= summarize(totals, sizes, threads)
     doc["plane_check"] = {"every": PLANE_CHECK_EVERY, "tensors": check["plane_tensors"],
                           "mismatched_arrays": check["plane_mismatched"]}
+    doc["device_check"] = {"deltas": check["device_deltas"], "mismatched": check["device_mismatched"]}
     doc["verified"] = (check["mismatched"] == 0 and check["tensors"] > 0
-                       and check["plane_mismatched"] == 0 and check["plane_tensors"] > 0)
+                       and check["plane_mismatched"] == 0 and check["plane_tensors"] > 0
+                       and check["device_mismatched"] == 0 and check["device_deltas"] > 0)
     doc["peak_rss_bytes"] = peak_rss_bytes()
     doc |= session.meta()
     return doc
 
 
+def device_problem(device: str) -> str | None:
+    """Why the torch path cannot run on `device` (None: it can)."""
+    import torch
+
+    try:
+        where = torch.device(device)
+    except RuntimeError as exc:
+        return f"--device {device!r}: {exc}"
+    if where.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {device!r}: this torch has no CUDA device; run with --device cpu"
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        return f"--device {device!r}: there are {torch.cuda.device_count()} CUDA devices"
+    if where.type not in ("cpu", "cuda"):
+        return f"--device {device!r}: only cpu and cuda are measured"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = device_problem(args.device)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     doc = run(args)
     print_report(doc)
     if args.json is not None:

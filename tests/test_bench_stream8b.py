@@ -76,6 +76,20 @@ def test_smoke_run_reports_bytes_times_and_memory(tmp_path: Path) -> None:
         assert 0.6 < doc["plane_update"][q]["groups_touched_fraction"] < 0.85
         assert 0 < doc["plane_update"][q]["whole_tensor_fraction"] <= 1
     assert doc["date"][:2] == "20"
+    # the torch path, measured in the same rounds against the numpy baseline, checked bit for bit
+    dev = doc["device_path"]
+    assert doc["device"] == "cpu" and doc["device_check"]["mismatched"] == 0 and doc["device_check"]["deltas"] > 0
+    for key in ("trainer_wall_s_per_version", "trainer_cpu_s_per_version"):
+        assert set(dev[key]) == {"1", "2"}
+        for row in dev[key].values():
+            for plane in ("bf16", "int8", "int4"):
+                check_spread(row[plane])
+                assert row[plane]["n"] == 2
+    assert set(dev["parts_wall_median"]["1"]["int4"]) == {"quantize", "mirror", "digest", "encode", "sha256"}
+    moved = dev["bytes_to_host_per_version"]
+    assert moved["numpy"] == b["anchor_bf16"]  # every bf16 weight gathered to the host
+    # the torch path hands over the patches alone: 6 bytes (int32 index, bf16 value) per change
+    assert 0 < moved["torch"] < 0.5 * moved["numpy"]
 
 
 def test_plane_update_is_the_publishers_and_its_check_catches_a_wrong_array() -> None:
@@ -99,6 +113,8 @@ def test_plane_update_is_the_publishers_and_its_check_catches_a_wrong_array() ->
 
 
 def test_bad_flags_are_refused() -> None:
+    for device in ("cuda:99", "nonsense", "meta"):  # cannot run: exits 2 before measuring anything
+        assert bench.main(["--smoke", "--device", device]) == 2
     with pytest.raises(SystemExit):
         bench.parse_args(["--density", "0"])
     with pytest.raises(SystemExit):

@@ -79,7 +79,8 @@ class DeviceDeltaConfig:
 
 @dataclass(slots=True)
 class Transfer:
-    """Bytes copied from the device to the host, and host to device, by this object's calls."""
+    """Bytes handed from the weights' device to the host (copied when that is an accelerator; the
+    same count on the CPU, where they stay put), and copied host to device, by this object's calls."""
 
     device_to_host: int = 0
     host_to_device: int = 0
@@ -98,7 +99,7 @@ def bf16_view(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _to_host(tensor: torch.Tensor, transfer: Transfer | None) -> np.ndarray:
-    if transfer is not None and tensor.device.type != "cpu":
+    if transfer is not None:
         transfer.device_to_host += tensor.numel() * tensor.element_size()
     return tensor.cpu().numpy()
 
