@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from slime_stoa.tasks.episode import Episode, StopMatcher, observation_tokens, turn_action
+from slime_stoa.tasks.episode import Episode, StopMatcher, invalid_action_tokens, observation_tokens, turn_action
 from slime_stoa.tasks.tool_format import ToolFormat
 from slime_stoa.tasks.tools import Tool, call_tool
 
@@ -128,7 +128,10 @@ class EpisodeGenerator(_GroupBatch[_Group]):
         self.model, self.config, self.format, self.share_prefill = model, config, tool_format, share_prefill
         self.tokenizer = _as_wrapper(tokenizer)
         self._eos = set(self.tokenizer.eos_token_ids)
-        self._gen = _batch_generator(model, config, self._eos, max_batch=max_batch)
+        # with Search-R1's no-action rule an EOS may end a turn, not the episode: the sequence must
+        # stay in the batch (its cache kept) for the feedback, so the episode, not mlx-lm, sees EOS
+        self._feedback = tool_format.no_action == "feedback"
+        self._gen = _batch_generator(model, config, set() if self._feedback else self._eos, max_batch=max_batch)
         self._stop = StopMatcher(self.tokenizer, (*config.stop, tool_format.answer_close))
         self._call = StopMatcher(self.tokenizer, (tool_format.call_close,))
         self._groups: dict[int, _Group] = {}
@@ -167,7 +170,8 @@ class EpisodeGenerator(_GroupBatch[_Group]):
         self._groups[gid] = _Group(tag, eids, g)
         for uid, eid in zip(uids, eids, strict=True):
             self._owner[eid] = gid
-            self._episodes[eid] = Episode(budget=self.config.max_tokens, max_turns=self.format.max_turns)
+            self._episodes[eid] = Episode(budget=self.config.max_tokens, max_turns=self.format.max_turns,
+                                          turn_budget=self.format.max_turn_tokens, no_action_feedback=self._feedback)
             self._live[uid] = eid
 
     def step(self) -> list[FinishedGroupLike]:
@@ -184,7 +188,8 @@ class EpisodeGenerator(_GroupBatch[_Group]):
         for r, lp in zip(responses, _picked_logprobs(responses), strict=True):
             eid = self._live[r.uid]
             ep = self._episodes[eid]
-            eos = r.finish_reason == "stop"  # mlx-lm's only stop sequences are the EOS tokens
+            # mlx-lm's only stop sequences are the EOS tokens (none with the no-action feedback)
+            eos = r.token in self._eos if self._feedback else r.finish_reason == "stop"
             turn = [*ep.turn_tokens, r.token]
             stopped = not eos and self._stop.hit(turn)
             call, query = None, ""
@@ -197,7 +202,7 @@ class EpisodeGenerator(_GroupBatch[_Group]):
                 self._calls.append(ToolCall(eid, query))
             elif action == "invalid":
                 paused.append(r.uid)
-                self._inbox.append((eid, self.format.invalid_action_text))  # taken in at the next step
+                self._inbox.append((eid, ""))  # the feedback, taken in at the next step (`_take_in`)
             elif action == "done":
                 del self._live[r.uid]
                 if r.finish_reason is None:
@@ -249,6 +254,10 @@ class EpisodeGenerator(_GroupBatch[_Group]):
         """The forced tokens of a tool's output: the observation tags around the cleaned, cut output."""
         return observation_tokens(self.format, self._encode, output, tuple(self.config.stop))
 
+    def invalid_action_tokens(self) -> list[int]:
+        """The forced tokens of the invalid-action feedback (`ToolFormat.layout`)."""
+        return invalid_action_tokens(self.format, self._encode, tuple(self.config.stop))
+
     def _take_in(self) -> list[int]:
         """Append delivered observations and re-enter their sequences; the groups that finished."""
         done = []
@@ -257,7 +266,8 @@ class EpisodeGenerator(_GroupBatch[_Group]):
             ep = self._episodes.get(eid)
             if ep is None or not ep.waiting:
                 continue  # dropped at a swap meanwhile
-            action, appended = ep.observe(self.observation_tokens(output))
+            tokens = self.invalid_action_tokens() if ep.pending == "invalid" else self.observation_tokens(output)
+            action, appended = ep.observe(tokens)
             self.tool_tokens += len(appended)
             cache = self._caches.pop(eid)
             if action == "done":

@@ -39,8 +39,11 @@ from slime_stoa.quickstart.tiny_model import build_tiny_model
 from slime_stoa.tasks import tools
 from slime_stoa.tasks.episode import extract_query
 from slime_stoa.tasks.objects import put_task_objects
+from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.search import Search
+from slime_stoa.tasks.search.formats import format_search_r1
 from slime_stoa.tasks.search.prepare import prepare_search
+from slime_stoa.tasks.search.presets import TASK_PRESETS
 from slime_stoa.tasks.search.retriever import Retriever, build_index
 from slime_stoa.tasks.search.synthetic import generate, task_items
 from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer, sample_fields
@@ -74,9 +77,11 @@ def scripted_model(folder: Path) -> Path:
         return tok.encode(text, add_special_tokens=False).ids
 
     (newline,) = ids("\n")
+    # Search-R1's observation ends "\n\n": a token of several newlines starts a turn as one does
+    also = [t for t in ids("\n\n") if t != newline]
     chains = [ids(f"<search>{QUERY}</search>"), ids(f"<answer>{ANSWER}</answer>")]
     tokens = [newline, *chains[0], *chains[1]]
-    assert len(set(tokens)) == len(tokens), "the script needs distinct tokens"
+    assert len(set(tokens + also)) == len(tokens) + len(also), "the script needs distinct tokens"
     state = {k: bf16_bits_to_f32(v) for k, v in load_hf_state(folder).items()}
     hidden = config["hidden_size"]
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -90,6 +95,8 @@ def scripted_model(folder: Path) -> Path:
     for t in tokens:
         embed[t] = 0.0
         embed[t, slot[t]] = 1.0
+    for t in also:
+        embed[t] = embed[newline]
     for chain in chains:
         prev = newline
         for t in chain:
@@ -120,12 +127,13 @@ class Recording:
         return await self.inner(query)
 
 
-async def seed_search_run(store: Store, model_dir: Path) -> RunManifest:
+async def seed_search_run(store: Store, model_dir: Path, meta: dict[str, Any] = META,
+                          max_tokens: int = MAX_TOKENS) -> RunManifest:
     """run.json, the search task with its index (as `stoa task prepare search` writes them), v0."""
-    manifest = RunManifest(run=RUN, model="tiny", task="search", group_size=4, max_tokens=MAX_TOKENS,
+    manifest = RunManifest(run=RUN, model="tiny", task="search", group_size=4, max_tokens=max_tokens,
                            temperature=1.0, stop=("</answer>",))
     await store.put(RunLayout(RUN).run_manifest, manifest.to_bytes())
-    prepared = await prepare_search(store, RUN, {"train": task_items(DATA)}, DATA.passages, meta=META)
+    prepared = await prepare_search(store, RUN, {"train": task_items(DATA)}, DATA.passages, meta=meta)
     await put_task_objects(store, RUN, "search", dict(prepared.objects))
     pub = Publisher(store, RUN, PublisherConfig(extras_dir=model_dir))
     await pub.open()
@@ -251,3 +259,65 @@ async def test_a_slow_tool_does_not_hold_a_new_version_back(
         assert await asyncio.wait_for(run, 120) == 0
     (swap, *_) = worker.swaps
     assert swap.version == 1 and swap.drain_s < 10.0  # not the tool's 30 s timeout
+
+
+async def test_worker_and_trainer_agree_under_the_papersearchqa_preset(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `papersearchqa` preset through the real worker and the trainer's consumer: Search-R1's
+    prompt as the one user message (the consumer rebuilds the prompt tokens from the task and
+    admits the record only when they agree), observations of the top 3 passages whole in
+    Search-R1's layout and text, encoded whole, at most 2 searches, and the loss masks the
+    trainer builds equal to the worker's."""
+    import mlx_lm
+
+    meta = dict(TASK_PRESETS["papersearchqa"].meta)
+    task = Search(task_items(DATA), meta=meta)
+    fmt = task.tool_format
+    assert fmt is not None and fmt.max_turns == 3 and fmt.layout == "search-r1" and fmt.max_observation_tokens == 500
+    await seed_search_run(store, model_dir, meta=meta, max_tokens=400)
+    monkeypatch.setenv("STOA_SHARED_DIR", str(tmp_path / "shared"))
+    config = DaemonConfig(store=store_url, run=RUN, name="test-mac", worker_id="test-mac-5e4c11", data_dir=tmp_path / "data", batch=2)
+    worker = Worker(config, store, WorkerOptions(seed=3, heartbeat_s=0.5, max_cohorts=2))
+    assert await asyncio.wait_for(asyncio.create_task(worker.run(asyncio.Event())), 120) == 0
+    tok = mlx_lm.load(str(model_dir))[1]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    limits = RecordLimits(vocab_size=vocab, expected_group_size=4, max_turns=3)
+    keys = [i.key async for i in store.list(RunLayout(RUN).rollouts_prefix())]
+    groups = [load_record(await store.get_bytes(k), limits) for k in keys]
+    assert len(groups) == 4
+
+    hits = Retriever.open(build_index(DATA.passages, tmp_path / "reference-index")).search(QUERY, 3)
+    assert len(hits) == 3
+    observation = f"\n\n<information>{format_search_r1([h.text for h in hits]).strip()}</information>\n\n"
+    assert observation.startswith("\n\n<information>Doc 1(Title: The code word of ") and "\nDoc 3(Title: " in observation
+    obs_tokens = tok.encode(observation, add_special_tokens=False)
+    assert len(obs_tokens) < 500  # whole, not cut
+    calls = 0
+    for g in groups:
+        item = task.item(g.prompt_index)
+        assert g.prompt_tokens.tolist() == prompt_tokens(tok, task, item)
+        prompt_text = tok.decode(g.prompt_tokens.tolist())
+        assert task.messages(item) == [{"role": "user", "content": task.config.tags.search_r1_prompt(item.prompt)}]
+        assert "<|im_start|>system" not in prompt_text and "Answer the given question. You must conduct reasoning" in prompt_text
+        for s in g.samples:
+            tokens, runs = s.response_tokens.tolist(), spans(s.mask)
+            calls += s.tool_calls
+            assert s.tool_calls <= 2 and s.turns <= 3
+            for v, start, end in runs:
+                if v == 0:  # the observation's tokens are Search-R1's text encoded whole
+                    assert tokens[start:end] == obs_tokens or end == len(tokens), tok.decode(tokens[start:end])
+            if s.finish_reason == "turns":
+                assert s.tool_calls == 2 and tok.decode(tokens[runs[-1][1]:]) == f"<search>{QUERY}</search>"
+    assert calls > 0
+
+    cfg = ConsumerConfig(store_url=store_url, run=RUN, poll_interval_s=0.02, wait_timeout_s=10.0, filter_all_equal=False)
+    consumer = await RolloutConsumer.open(store, cfg, restore=False)
+    try:
+        batch = await consumer.next_batch(4, trainer_version=0)
+    finally:
+        await consumer.close()
+    assert len(batch.groups) == 4 and batch.metrics["rollout/stoa_rejected"] == 0
+    for consumed in batch.groups:
+        for f, s in zip(sample_fields(consumed), consumed.group.samples, strict=True):
+            assert f["loss_mask"] == s.mask.tolist()

@@ -16,10 +16,13 @@ from slime_stoa.quickstart.meter import StepMeter, cli_console
 from slime_stoa.tasks import TASKS, TaskItem
 from slime_stoa.tasks.objects import put_task_objects, task_objects
 from slime_stoa.tasks.search.data import Columns, iter_corpus, load_qa
+from slime_stoa.tasks.search.presets import TASK_PRESETS, resolve
 from slime_stoa.tasks.search.rewards import MATCH_KINDS
 from slime_stoa.tasks.search.synthetic import generate as generate_search
 from slime_stoa.tasks.search.synthetic import task_items as search_task_items
-from slime_stoa.tasks.search.tokenizer import PRESETS, Bm25Settings
+from slime_stoa.tasks.search.task import NO_ACTIONS, PROMPT_KINDS
+from slime_stoa.tasks.search.tokenizer import PRESETS, Bm25Settings, PresetName
+from slime_stoa.tasks.tool_format import LAYOUTS
 
 from .common import add_run_options, os_error_text, require_run_options
 
@@ -56,11 +59,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     search.add_argument("--contents-field", default="contents", help="corpus passage column (default: contents)")
     search.add_argument("--title-field", default="title", help="corpus title column, used with --text-field when a row has no contents (default: title)")
     search.add_argument("--text-field", default="text", help="corpus text column (default: text)")
-    search.add_argument("--match", choices=MATCH_KINDS, default="cover_em", help="answer match of the reward: cover_em (the gold answer as whole words in the answer; default), em (exact) or subem (the gold answer as a substring, as Search-R1 scores)")
-    search.add_argument("--top-k", type=int, default=3, help="passages per search (default: 3)")
-    search.add_argument("--max-observation-chars", type=int, default=1500, help="characters of passages per search (default: 1500)")
+    search.add_argument("--preset", choices=sorted(TASK_PRESETS), default=None, help="settings of a published run, each flag below still applying over them: papersearchqa (PaperSearchQA / Search-R1: its prompt, --max-searches 2, top-3 whole passages, 500-token observations and turns, invalid-action feedback, strict EM, --bm25 search-r1)")
+    search.add_argument("--match", choices=MATCH_KINDS, default=None, help="answer match of the reward: cover_em (the gold answer as whole words in the answer; default), em (exact) or subem (the gold answer as a substring, as Search-R1 scores)")
+    search.add_argument("--top-k", type=int, default=None, help="passages per search (default: 3)")
+    search.add_argument("--max-observation-chars", type=int, default=None, help="characters of passages per search, --observation stoa (default: 1500)")
+    search.add_argument("--max-searches", type=int, default=None, help="searches per episode (default: 4)")
+    search.add_argument("--prompt", choices=PROMPT_KINDS, default=None, help="stoa (a system prompt, then the question; default) or search-r1 (Search-R1's template around the question, one user message)")
+    search.add_argument("--observation", choices=LAYOUTS, default=None, help="stoa (passages cut to share --max-observation-chars; default) or search-r1 (the top passages whole, 'Doc i(Title: ...)', cut at --max-observation-tokens)")
+    search.add_argument("--max-observation-tokens", type=int, default=None, help="tokens of one observation at most (default: 512)")
+    search.add_argument("--max-turn-tokens", type=int, default=None, help="model tokens of one turn at most (default: no limit but the run's --max-tokens)")
+    search.add_argument("--no-action", choices=NO_ACTIONS, default=None, help="a turn ending without a search or an answer: end the episode (default) or feedback (Search-R1's invalid-action text, the episode goes on)")
     search.add_argument("--chunk-mb", type=int, default=64, help="size of the index's bucket objects in MiB (default: 64)")
-    search.add_argument("--bm25", choices=sorted(PRESETS), default="default", help="BM25 preset: default (Snowball English stemming, k1 1.5, b 0.75) or search-r1 (Porter stemming, k1 0.9, b 0.4, as Search-R1's pyserini)")
+    search.add_argument("--bm25", choices=sorted(PRESETS), default=None, help="BM25 preset: default (Snowball English stemming, k1 1.5, b 0.75) or search-r1 (Porter stemming, k1 0.9, b 0.4, as Search-R1's pyserini)")
     search.add_argument("--k1", type=float, default=None, help="BM25 k1 (default: the preset's)")
     search.add_argument("--b", type=float, default=None, help="BM25 b (default: the preset's)")
     prep.set_defaults(handler=_prepare)
@@ -74,7 +84,7 @@ async def _put(url: str, run: str, task: str, objects: dict[str, bytes]) -> list
 def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, ...]], Iterable[str], dict[str, Any]]:
     """(items per split, passages, task meta) of `prepare search`; the passages of a corpus file
     are a stream, read once by the index build."""
-    meta: dict[str, Any] = {"match": args.match, "top_k": args.top_k, "max_observation_chars": args.max_observation_chars}
+    meta, _ = search_settings(args)
     if args.synthetic is not None:
         if args.files:
             raise ValueError("--synthetic generates the questions and the corpus: give no files")
@@ -100,12 +110,21 @@ def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, .
     meta["source"] = {"questions": [p.name for p in qa_files], "corpus": corpus_file.name}
     if not corpus_file.is_file():
         raise ValueError(f"{corpus_file}: no such corpus file")
-    return splits, iter_corpus(corpus_file, columns=columns), meta
+    return splits, iter_corpus(corpus_file, columns=columns, raw=meta.get("observation") == "search-r1"), meta
+
+
+def search_settings(args: argparse.Namespace) -> tuple[dict[str, Any], PresetName]:
+    """(task meta, BM25 preset name) of `prepare search`: --preset's settings, the flags given over them."""
+    flags = {"match": args.match, "top_k": args.top_k, "max_observation_chars": args.max_observation_chars,
+             "max_searches": args.max_searches, "prompt": args.prompt, "observation": args.observation,
+             "max_observation_tokens": args.max_observation_tokens, "max_turn_tokens": args.max_turn_tokens,
+             "no_action": args.no_action, "bm25": args.bm25}
+    return resolve(args.preset, flags)
 
 
 def bm25_settings(args: argparse.Namespace) -> Bm25Settings:
-    """The preset of --bm25 with --k1 / --b applied."""
-    base = PRESETS[args.bm25]
+    """The BM25 preset (--bm25, else --preset's) with --k1 / --b applied."""
+    base = PRESETS[search_settings(args)[1]]
     return dataclasses.replace(base, k1=base.k1 if args.k1 is None else args.k1, b=base.b if args.b is None else args.b)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_stoa.tasks import Task
-from slime_stoa.tasks.episode import Episode, StopMatcher, observation_tokens, turn_action
+from slime_stoa.tasks.episode import Episode, StopMatcher, invalid_action_tokens, observation_tokens, turn_action
 from slime_stoa.tasks.tools import Tool, call_tool
 
 DEFAULT_MAX_BATCH = 16  # sequences per `generate` call
@@ -119,7 +119,10 @@ class _Sampler:
             torch.manual_seed(seed)
 
     def new_episode(self) -> Episode:
-        return Episode(budget=self.max_tokens, max_turns=self.fmt.max_turns if self.fmt is not None else 1)
+        if self.fmt is None:
+            return Episode(budget=self.max_tokens, max_turns=1)
+        return Episode(budget=self.max_tokens, max_turns=self.fmt.max_turns, turn_budget=self.fmt.max_turn_tokens,
+                       no_action_feedback=self.fmt.no_action == "feedback")
 
     def _generate(self, histories: Sequence[Sequence[int]], max_new: int) -> list[list[int]]:
         """One `generate` call over left-padded histories: the new tokens of each."""
@@ -170,7 +173,7 @@ class _Sampler:
             for start in range(0, len(active), self.max_batch):
                 chunk = active[start : start + self.max_batch]
                 histories = [[*prompts[p], *ep.tokens] for p, ep in chunk]
-                news = await asyncio.to_thread(self._generate, histories, max(ep.left for _, ep in chunk))
+                news = await asyncio.to_thread(self._generate, histories, max(ep.turn_left for _, ep in chunk))
                 for (p, ep), new in zip(chunk, news, strict=True):
                     if self.feed(ep, new) in ("call", "invalid"):
                         calls.append((p, ep))
@@ -187,9 +190,9 @@ class _Sampler:
     async def _answer(self, ep: Episode) -> None:
         assert self.fmt is not None and self.tool is not None
         if ep.pending == "invalid":
-            output = self.fmt.invalid_action_text
-        else:
-            output = await call_tool(self.tool, ep.query or "")
+            ep.observe(invalid_action_tokens(self.fmt, self._encode, self.stop))
+            return
+        output = await call_tool(self.tool, ep.query or "")
         ep.observe(observation_tokens(self.fmt, self._encode, output, self.stop))
 
     def _encode(self, text: str) -> list[int]:

@@ -35,10 +35,17 @@ class Episode:
     `observe` its output), gets the invalid-action feedback as its observation ("invalid":
     `observe` it at once; the turn counts), or, when the call was closed inside an open answer,
     ends the episode "stop" (`format_error`: the reward scores it 0). `tool_calls` counts the
-    observations (a record's tool spans), `invalid_actions` those that were feedback."""
+    observations (a record's tool spans), `invalid_actions` those that were feedback.
+
+    A turn that ends without a call or an answer (EOS, or `turn_budget` model tokens) ends the
+    episode, unless `no_action_feedback` (Search-R1's rule: `ToolFormat.no_action`): then it gets
+    the invalid-action feedback like an invalid call and the episode goes on (an EOS it sampled
+    stays in its tokens: the record holds what the model sampled)."""
 
     budget: int  # most response tokens, model and tool together
     max_turns: int
+    turn_budget: int | None = None  # most model tokens in one turn (None: no limit but `budget`)
+    no_action_feedback: bool = False
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -71,15 +78,19 @@ class Episode:
         now holds a stop string (the answer tag), `call` what closing a call in this turn's text
         means (`turn_action`), None if it closed none.
 
-        Precedence: EOS or a stop string ("stop"), the budget ("length"), a call inside an open
-        answer ("stop", `format_error`), the turn limit ("turns": the tool is not run), then the
-        call ("call") or the invalid action ("invalid")."""
+        Precedence: a stop string, or EOS without `no_action_feedback` ("stop"), the budget
+        ("length"), a call inside an open answer ("stop", `format_error`), the turn limit
+        ("turns": the tool is not run), the call ("call") or the invalid action ("invalid"), then
+        a turn ended without an action (EOS, or `turn_budget` reached): "invalid" with
+        `no_action_feedback` while turns are left, else the episode ends ("stop" at EOS,
+        "length" at the turn budget)."""
         if self.finish is not None or self.pending is not None:
             raise RuntimeError("a finished or waiting episode sampled a token")
         self.tokens.append(int(token))
         self.logprobs.append(float(logprob))
         self.mask.append(1)
-        if eos or stopped:
+        turn_spent = self.turn_budget is not None and len(self.tokens) - self.turn_start >= self.turn_budget
+        if stopped or (eos and not self.no_action_feedback):
             self.finish, self.eos = "stop", eos
         elif self.left <= 0:
             self.finish = "length"
@@ -90,9 +101,21 @@ class Episode:
         elif call is not None:
             self.pending = call
             return call
+        elif eos or turn_spent:  # the turn ended without a call or an answer
+            if self.no_action_feedback and self.turns < self.max_turns:
+                self.pending = "invalid"
+                return "invalid"
+            self.finish, self.eos = ("stop" if eos else "length"), eos
         else:
             return "continue"
         return "done"
+
+    @property
+    def turn_left(self) -> int:
+        """Model tokens this turn may still sample (the budget's and the turn budget's least)."""
+        if self.turn_budget is None:
+            return self.left
+        return min(self.left, self.turn_budget - (len(self.tokens) - self.turn_start))
 
     def ask(self, query: str) -> None:
         """The query of a pending call (the driver sends it to the tool)."""
@@ -165,11 +188,34 @@ def extract_query(turn_text: str, fmt: ToolFormat) -> str | None:
 def observation_tokens(fmt: ToolFormat, encode: Callable[[str], list[int]], output: str,
                        stop: tuple[str, ...] = ()) -> list[int]:
     """The forced tokens of a tool's output: the observation tags around the output escaped and
-    cleaned of the format's tags and the run's `stop` strings (`ToolFormat.clean_output`), cut
-    to `fmt.max_observation_tokens`."""
+    cleaned of the format's tags and the run's `stop` strings (`ToolFormat.clean_output`).
+
+    "stoa" layout: the output cut to `fmt.max_observation_tokens`, each part encoded alone.
+    "search-r1" layout: Search-R1's observation text (`open + output.strip() + close`) encoded
+    whole, as Search-R1 does; one longer than `max_observation_tokens` keeps its tags and the
+    output's first tokens, so that it is exactly that long (Search-R1 cuts the closing tag too,
+    which its regex reward does not mind and stoa's parser would)."""
     cap = fmt.max_observation_tokens
     content = fmt.clean_output(str(output), max_chars=16 * cap, extra=tuple(stop))
-    return encode(fmt.observation_open) + encode(content)[:cap] + encode(fmt.observation_close)
+    if fmt.layout == "stoa":
+        return encode(fmt.observation_open) + encode(content)[:cap] + encode(fmt.observation_close)
+    content = content.strip()
+    whole = encode(fmt.observation_open + content + fmt.observation_close)
+    if len(whole) <= cap:
+        return whole
+    head, tail = encode(fmt.observation_open), encode(fmt.observation_close)
+    return head + encode(content)[: max(0, cap - len(head) - len(tail))] + tail
 
 
-__all__ = ["Action", "CallKind", "Episode", "StopMatcher", "extract_query", "observation_tokens", "turn_action"]
+def invalid_action_tokens(fmt: ToolFormat, encode: Callable[[str], list[int]], stop: tuple[str, ...] = ()) -> list[int]:
+    """The forced tokens of the invalid-action feedback: an observation of
+    `fmt.invalid_action_text` ("stoa" layout), or Search-R1's exact feedback text, encoded whole,
+    with no tags around it ("search-r1": `ToolFormat.invalid_action_observation`)."""
+    exact = fmt.invalid_action_observation
+    if exact is None:
+        return observation_tokens(fmt, encode, fmt.invalid_action_text, stop)
+    return encode(exact)
+
+
+__all__ = ["Action", "CallKind", "Episode", "StopMatcher", "extract_query", "invalid_action_tokens", "observation_tokens",
+           "turn_action"]

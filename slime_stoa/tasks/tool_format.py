@@ -18,6 +18,10 @@ Pure Python: imports neither torch, mlx nor slime.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+Layout = Literal["stoa", "search-r1"]
+LAYOUTS: tuple[Layout, ...] = ("stoa", "search-r1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +43,22 @@ class ToolFormat:
     max_turns: int = 4
     """Most model turns; a tool call in the last one ends the episode (finish "turns")."""
     max_observation_tokens: int = 512
-    """Longest tool output, in tokens (cut beyond), not counting the observation tags."""
+    """Longest tool output, in tokens (cut beyond), not counting the observation tags ("stoa"
+    layout); the whole observation, tags included ("search-r1" layout)."""
+    max_turn_tokens: int | None = None
+    """Most model tokens in one turn (None: only the run's budget for the whole response). A turn
+    that reaches it without a call or an answer has taken no action (`no_action`)."""
+    no_action: Literal["end", "feedback"] = "end"
+    """What a turn that ends without a call or an answer (EOS, or `max_turn_tokens`) does: "end"
+    the episode, or get `invalid_action_text` as its observation and go on ("feedback",
+    Search-R1's rule; the turn counts)."""
+    layout: Layout = "stoa"
+    """How observations become tokens. "stoa": `observation_open` + the output (cut to
+    `max_observation_tokens`) + `observation_close`, each encoded alone; the invalid-action
+    feedback is an observation like any other. "search-r1": Search-R1's text, encoded whole:
+    `observation_open` + the output stripped + `observation_close`, the whole cut to
+    `max_observation_tokens` (the closing tag kept); the feedback is "\n" + its text + "\n",
+    with no tags around it (`invalid_action_observation`)."""
 
     def __post_init__(self) -> None:
         for name in ("call_open", "call_close", "answer_open", "answer_close", "observation_open", "observation_close"):
@@ -49,6 +68,12 @@ class ToolFormat:
             raise ValueError("ToolFormat.call_close and answer_close must differ")
         if self.max_turns < 1 or self.max_observation_tokens < 1:
             raise ValueError("ToolFormat.max_turns and max_observation_tokens must be >= 1")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError("ToolFormat.max_turn_tokens must be None or >= 1")
+        if self.no_action not in ("end", "feedback"):
+            raise ValueError(f"ToolFormat.no_action must be 'end' or 'feedback', got {self.no_action!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"ToolFormat.layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -65,6 +90,13 @@ class ToolFormat:
             f"{self.call_open} and {self.call_close}. If I want to give the final answer, I should "
             f"put the answer between {self.answer_open} and {self.answer_close}. Let me try again."
         )
+
+    @property
+    def invalid_action_observation(self) -> str | None:
+        """The feedback observation's exact text in the "search-r1" layout (Search-R1's, tags
+        and all: the reward's parser skips it, `AnswerTags.feedback`); None in the "stoa" layout,
+        where the feedback is escaped and wrapped like any tool output."""
+        return f"\n{self.invalid_action_text}\n" if self.layout == "search-r1" else None
 
     def clean_output(self, text: str, max_chars: int, extra: tuple[str, ...] = ()) -> str:
         """A tool's output cut to `max_chars`, escaped (`escape_tags`), without the format's tags
@@ -91,4 +123,4 @@ def strip_all(text: str, needles: tuple[str, ...]) -> str:
             return text
 
 
-__all__ = ["ToolFormat", "escape_tags", "strip_all"]
+__all__ = ["LAYOUTS", "Layout", "ToolFormat", "escape_tags", "strip_all"]

@@ -128,7 +128,27 @@ def _search_tool(task: Any, context: ToolContext) -> Tool:
     root = context.shared_dir or context.data_dir
     if root is None:
         raise ValueError("the search tool needs a data folder for its index")
-    return SearchTool(task, context.store, context.run, index_folder(Path(root) / "search-index", task, context.run))
+    tool = SearchTool(task, context.store, context.run, index_folder(Path(root) / "search-index", task, context.run))
+    return SearchR1Observation(tool) if task.config.observation == "search-r1" else tool
+
+
+class SearchR1Observation:
+    """A search tool whose answer is Search-R1's observation body: the top `config.top_k`
+    passages whole, in rank order (`formats.format_search_r1`), not cut to
+    `max_observation_chars` (the episode runner cuts the observation to its token cap)."""
+
+    def __init__(self, tool: Any) -> None:
+        self.tool = tool  # a `retriever.SearchTool`: its index opens once, at `prepare` or first use
+
+    async def prepare(self) -> None:
+        await prepare_tool(self.tool)
+
+    async def __call__(self, query: str) -> str:
+        from slime_stoa.tasks.search.formats import format_search_r1
+
+        retriever = await self.tool.retriever()
+        hits = await retriever.asearch(query, self.tool.task.config.top_k)
+        return format_search_r1([h.text for h in hits])
 
 
 register_tool("search", _search_tool)
@@ -137,6 +157,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "EchoTool",
     "LookupTool",
+    "SearchR1Observation",
     "Tool",
     "ToolContext",
     "ToolFactory",

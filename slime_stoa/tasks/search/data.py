@@ -14,6 +14,10 @@ Search-R1 corpus layout it builds on:
   abstractText` for BioASQ's own files) give the same "(Title: <title>) <text>" (just the text
   when the title is empty).
 
+With `raw` (a task whose observation layout is Search-R1's, `SearchConfig.observation`), a
+passage is stored as Search-R1's corpus holds it, its title line shown by the observation
+(`formats.format_search_r1`): `contents` unchanged, else "\"<title>\"\n<text>".
+
 The corpus is read as a stream (`iter_corpus`), one row at a time.
 
 Every column name can be changed (`Columns`). Parquet needs pyarrow, which stoa does not
@@ -106,10 +110,12 @@ def _titled(title: str, text: str) -> str:
     return f"(Title: {title}) {text}" if title else text
 
 
-def passage_text(row: dict[str, Any], columns: Columns) -> str | None:
+def passage_text(row: dict[str, Any], columns: Columns, *, raw: bool = False) -> str | None:
     """The passage of a corpus row (see the module doc), or None if the row has none."""
     contents = row.get(columns.contents)
     if isinstance(contents, str) and contents.strip():
+        if raw:
+            return contents
         head, sep, rest = contents.strip().partition("\n")
         if sep and len(head) >= 2 and head[0] == head[-1] == '"':  # Search-R1's "<title>"\n<text>
             return _titled(head[1:-1].strip(), " ".join(rest.split()))
@@ -117,22 +123,24 @@ def passage_text(row: dict[str, Any], columns: Columns) -> str | None:
     text, title = row.get(columns.text), row.get(columns.title)
     if not isinstance(text, str) or not text.strip():
         return None
+    if raw:
+        return f'"{title.strip() if isinstance(title, str) else ""}"\n{text.strip()}'
     return _titled(title.strip() if isinstance(title, str) else "", text.strip())
 
 
-def iter_corpus(path: Path, *, columns: Columns = Columns()) -> Iterator[str]:
+def iter_corpus(path: Path, *, columns: Columns = Columns(), raw: bool = False) -> Iterator[str]:
     """The passages of a corpus file, in file order, one at a time (a row without a passage is an
-    error, naming the row)."""
+    error, naming the row); `raw`: as Search-R1 stores them (module doc)."""
     for where, row in read_rows(path):
-        text = passage_text(row, columns)
+        text = passage_text(row, columns, raw=raw)
         if text is None:
             raise ValueError(f"{where}: no passage: expected {columns.contents!r}, or {columns.title!r} and {columns.text!r}")
         yield text
 
 
-def load_corpus(path: Path, *, columns: Columns = Columns()) -> list[str]:
+def load_corpus(path: Path, *, columns: Columns = Columns(), raw: bool = False) -> list[str]:
     """`iter_corpus` as a list (small corpora; the index build streams instead)."""
-    passages = list(iter_corpus(path, columns=columns))
+    passages = list(iter_corpus(path, columns=columns, raw=raw))
     if not passages:
         raise ValueError(f"{path}: no passages")
     return passages

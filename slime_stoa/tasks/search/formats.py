@@ -65,6 +65,36 @@ class SearchTags:
         )
 
 
+    def search_r1_prompt(self, question: str) -> str:
+        """Search-R1's prompt (its `make_prefix`, template "base", also PaperSearchRL's), in these
+        tags, for one user message: the question stripped and ended with "?" as both do."""
+        q = question.strip()
+        if not q.endswith("?"):
+            q += "?"
+        s, i, a = (self.open(k) for k in TAG_KEYS)
+        s_, i_, a_ = (self.close(k) for k in TAG_KEYS)
+        return (
+            "Answer the given question. You must conduct reasoning inside <think> and </think> first every time "
+            "you get new information. After reasoning, if you find you lack some knowledge, you can call a search "
+            f"engine by {s} query {s_} and it will return the top searched results between {i} and {i_}. You can "
+            "search as many times as your want. If you find no further external knowledge needed, you can directly "
+            f"provide the answer inside {a} and {a_}, without detailed illustrations. For example, {a} Beijing {a_}. "
+            f"Question: {q}\n"
+        )
+
+
+def format_search_r1(passages: Sequence[str]) -> str:
+    """Passages as Search-R1 shows them (its `_passages2string`): whole, in rank order, each
+    "Doc i(Title: <first line>) <the other lines>" and a newline. The passages are stored as
+    Search-R1's corpus holds them (`data.passage_text` with `raw`: a quoted title line, then the
+    text), so the title keeps its quotes. No passage: "" (an empty observation, as Search-R1's)."""
+    out = []
+    for rank, text in enumerate(passages, 1):
+        title, _, rest = text.partition("\n")
+        out.append(f"Doc {rank}(Title: {title}) {rest}\n")
+    return "".join(out)
+
+
 MIN_DOC_CHARS = 40
 """A passage is shown only when it can keep at least this many characters (or all of it)."""
 

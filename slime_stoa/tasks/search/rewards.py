@@ -101,6 +101,9 @@ class AnswerTags:
     call_close: str = "</search>"
     observation_open: str = "<information>"
     observation_close: str = "</information>"
+    feedback: str = ""
+    """Text that is not the model's: Search-R1's invalid-action feedback, whose tags are plain
+    text (`ToolFormat.invalid_action_observation`); every occurrence is skipped ("": none)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +128,8 @@ class ParsedCompletion:
 
 def parse_completion(completion: str, tags: AnswerTags = AnswerTags()) -> ParsedCompletion:
     """Read a completion's turns, calls, observations and final answer (see the module doc)."""
+    if tags.feedback:
+        completion = completion.replace(tags.feedback, "")
     names = (tags.answer_open, tags.answer_close, tags.call_open, tags.call_close,
              tags.observation_open, tags.observation_close)
     # longest first: a tag that is a prefix of another must not hide it
@@ -291,3 +296,20 @@ def answer_reward(completion: str, label: str, *, match: MatchKind = DEFAULT_MAT
         retrieved = any(substring_exact_match(o, golds) for o in parsed.observations)
         return format_reward.structure + (format_reward.retrieval if retrieved else 0.0)
     return format_reward.final if parsed.answer is not None else 0.0
+
+
+REPORTED_MATCHES: tuple[MatchKind, ...] = ("em", "cover_em")
+"""The match modes `stoa eval` reports for a search task, beside its reward."""
+
+
+def answer_matches(completion: str, label: str, *, tags: AnswerTags = AnswerTags(),
+                   kinds: Sequence[MatchKind] = REPORTED_MATCHES) -> dict[str, float]:
+    """1.0 or 0.0 per match mode in `kinds`: whether the final answer of `completion` matches a
+    gold answer of `label` under it (a format error or a malformed label: 0.0 each). Unlike
+    `answer_reward` no format reward applies: these are the plain metrics."""
+    try:
+        golds = decode_label(label)
+    except ValueError:
+        return dict.fromkeys(kinds, 0.0)
+    answer = parse_completion(completion, tags).answer if isinstance(completion, str) else None
+    return {k: 1.0 if answer is not None and matches(answer, golds, k) else 0.0 for k in kinds}
