@@ -15,7 +15,7 @@ baseline from the bucket and rebuilding the catch-up union (`catchup_union`); ea
 records its lineage (`restore`); after an anchor, old objects go (`retention`).
 
 A plane's chain publishes each version as the bf16 version it quantizes (`source`): the next
-version, or a new chain from an anchor when it is further behind. `planes.PlaneSiblings` drives
+version, or a new chain from an anchor when it is further behind. `plane_siblings` drives
 the plane chains beside the bf16 one.
 """
 

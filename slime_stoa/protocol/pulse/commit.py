@@ -1,7 +1,10 @@
 """The commit step of a chain: the signed version manifest, then the signed pointer by CAS.
 
-Given the run key, every version manifest and pointer is signed with it, and the publisher
-resumes only under the run's keys (`publisher_trust`). Freshness (signed runs): a version number
+Given the run key, the publisher signs every pointer, version manifest and anchor manifest it
+writes, and every manifest carries the sha256 of each object it names. On `open` it refuses
+(`UntrustedState`) to resume from a pointer or manifests the run's keys did not sign, or with a
+key that is not the run's current one (the run manifest's `run_key`, or the newest key its
+rotations announce: `publisher_trust`). Freshness (signed runs): a version number
 gets one signed manifest: a commit is refused (`PreconditionFailed`) when another signed manifest
 of its version exists (this publisher's own unanswered attempts aside: they are never
 referenced), and `highest_signed` finds the head an old genuine pointer put back (a rollback)
@@ -105,7 +108,8 @@ class Committer:
             raise PreconditionFailed(f"{other[0]} is already a signed manifest of v{manifest.version}")
         self._written.add(key)
         await self.store.put_if_absent(key, manifest.to_bytes(self.key))
-        self.etag = await self.store.cas(self.layout.pointer, self.pointer(manifest).to_bytes(self.key), None if create else self.etag)
+        pointer = self.pointer(manifest).to_bytes(self.key)
+        self.etag = await self.store.cas(self.layout.pointer, pointer, None if create else self.etag)
 
     async def point_back(self, head: VersionManifest) -> None:
         """Move the pointer (at `etag`) back to `head`, a signed version above it."""

@@ -40,7 +40,9 @@ def deletion_order(layout: RunLayout, keys: Iterable[str], keep_from: int) -> li
     return sorted(doomed, key=lambda k: (not k.startswith(layout.versions_prefix), k))
 
 
-async def retain(store: Store, layout: RunLayout, *, retain_anchors: int | None, retain_versions: int, head: int) -> None:
+async def retain(
+    store: Store, layout: RunLayout, *, retain_anchors: int | None, retain_versions: int, head: int
+) -> None:
     """Delete the chain's weight objects older than the oldest anchor kept (best effort).
     `retain_anchors` None: the run manifest's; the versions kept behind `head` are at least
     `retain_versions` and the run's staleness window."""
@@ -61,8 +63,8 @@ async def retain(store: Store, layout: RunLayout, *, retain_anchors: int | None,
         keep_from = retention_floor(anchors, retain=retain, head=head, window=window)
         if keep_from is None:
             return
-        listed = [info.key for prefix in (layout.versions_prefix, layout.patches_prefix, layout.anchors_prefix)
-                  async for info in store.list(prefix)]
+        prefixes = (layout.versions_prefix, layout.patches_prefix, layout.anchors_prefix)
+        listed = [info.key for prefix in prefixes async for info in store.list(prefix)]
         doomed = deletion_order(layout, listed, keep_from)
         for key in doomed:
             await store.delete(key)
