@@ -31,6 +31,16 @@ converter names `lm_head.weight`; for a folder that ties its head and stores non
 (a warning if it drifted from the embedding), and a tied folder that stores one gets the
 embedding's copy.
 
+The device path (`slime_stoa.trainer.device_delta`: the diff and the planes' deltas computed
+where the weights live, bit for bit the numpy path's) is not wired in yet. The publisher takes it
+without an edit of its own (`Publisher(..., diff_step=)`, `pulse/step_diff.py`); what must change
+is here: `gather_state` diffs each chunk against a `PreviousState` instead of copying it
+(`tensor_bits`), the host state handed to the publisher is its baseline with that delta applied
+(`device_delta.apply_delta`), the `diff_step` given to `SyncPublisher`'s `Publisher` returns that
+delta with `StateDigest.update`, and `PreviousState.commit` runs once the version is committed
+(`reset` from the gathered tensors after an anchor, a resume or a restore, whose baseline the
+device does not hold).
+
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
 reaches the patched branch, and slime's `keep_old_actor` queue is not advanced by a publish.
