@@ -362,3 +362,54 @@ def test_mlx_work_can_run_on_its_own_thread(loaded: tuple[Any, Any], prompts: li
     assert len(groups[0]) == CONFIG.group_size and loop_thread
     assert set(loop_thread) == {threading.get_ident()}
 
+
+
+# -- Search-R1's rules (the search task's papersearchqa preset): turn budget, no-action feedback ----
+R1_FORMAT = ToolFormat(call_open=" ", call_close="e", answer_close="<|im_start|>", observation_open="[",
+                       observation_close="]", max_turns=3, max_observation_tokens=6, max_turn_tokens=4,
+                       no_action="feedback", layout="search-r1")
+
+
+def test_no_action_feedback_and_turn_budget_in_the_state_machine() -> None:
+    ep = Episode(budget=50, max_turns=3, turn_budget=3, no_action_feedback=True)
+    assert ep.sampled(1, -0.1, eos=False, stopped=False) == "continue" and ep.turn_left == 2
+    assert ep.sampled(2, -0.1, eos=False, stopped=False) == "continue"
+    assert ep.sampled(3, -0.1, eos=False, stopped=False) == "invalid"  # the turn budget, no action: feedback
+    assert ep.observe([9, 9]) == ("continue", [9, 9]) and ep.turns == 2 and ep.invalid_actions == 1
+    assert ep.sampled(7, -0.1, eos=True, stopped=False) == "invalid"  # an EOS without an answer: feedback too
+    ep.observe([9])
+    assert ep.sampled(7, -0.1, eos=True, stopped=False) == "done"  # the last turn: the episode ends
+    assert (ep.finish, ep.eos, ep.turns, ep.tool_calls) == ("stop", True, 3, 2)
+    assert ep.mask == [1, 1, 1, 0, 0, 1, 0, 1] and ep.tokens[4] == 9
+    # without feedback the turn budget ends the episode ("length"), and EOS stops it
+    plain = Episode(budget=50, max_turns=3, turn_budget=1)
+    assert plain.sampled(1, -0.1, eos=False, stopped=False) == "done" and plain.finish == "length"
+    answered = Episode(budget=50, max_turns=3, turn_budget=2, no_action_feedback=True)
+    assert answered.sampled(1, -0.1, eos=False, stopped=True) == "done" and answered.finish == "stop"
+
+
+def test_search_r1_episodes_continue_after_feedback_from_their_cache(loaded: tuple[Any, Any], prompts: list[list[int]]) -> None:
+    """With Search-R1's rules the MLX driver keeps a turn that ended without an action (EOS or
+    the turn budget) in the batch, appends the exact feedback text and goes on from its cache:
+    the teacher-forced logprobs match the recorded ones at every model token."""
+    model, tok = loaded
+    groups = asyncio.run(run_episodes(model, tok, prompts, CONFIG, R1_FORMAT, LookupTool({}, default="Doc 1(Title: x) y")))
+    feedback = tok.encode(R1_FORMAT.invalid_action_observation, add_special_tokens=False)
+    assert tok.decode(feedback) == "\nMy previous action is invalid. If I want to search, I should put the query between " \
+        "  and e. If I want to give the final answer, I should put the answer between <answer> and <|im_start|>. Let me try again.\n"
+    no_action = 0
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            runs = spans(c.mask)
+            for k, (value, start, end) in enumerate(runs):
+                if value == 1:
+                    assert end - start <= R1_FORMAT.max_turn_tokens
+                    continue
+                turn = c.tokens[runs[k - 1][1] : start].tolist()
+                if R1_FORMAT.call_close not in tok.decode(turn):  # ended without an action
+                    assert len(turn) == R1_FORMAT.max_turn_tokens or turn[-1] in tok.eos_token_ids
+                    assert c.tokens[start:end].tolist() == feedback[: end - start]
+                    no_action += 1
+            teacher = teacher_forced_logprobs(model, prompt, c.tokens, CONFIG.temperature)
+            np.testing.assert_allclose(c.logprobs[c.mask == 1], teacher[c.mask == 1], atol=RECORDED_VS_TEACHER_ATOL, rtol=0)
+    assert no_action >= 1
