@@ -27,10 +27,14 @@ previous batch. Expect ~1 (one GET each, plus one LIST per 1,000 keys) whatever 
 Headlines (medians): `requests_ratio_pile` = steady+ / steady requests (1.0: the pile costs
 nothing), `seconds_ratio_workers` = the largest fleet's steady seconds / the smallest's.
 
+Bounded by work: every batch of every round is assembled however long it takes; a batch that
+gets no groups for `--stall-s` (900 s by default: the consumer's wait limit for that call) ends
+the run with exit 1, naming the fleet and the batch, and no JSON is written.
+
 The S3 server is stopped on any exit, SIGTERM and SIGHUP included (not on SIGKILL).
 
 Usage: python scripts/bench_ingest.py [--quick | --smoke] [--workers 10,100,1000] [--pile N] [--rounds N]
-       [--json PATH]
+       [--stall-s S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,7 +54,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, spread
+from benchlib import (
+    STALL_S,
+    Incomplete,
+    Session,
+    exit_code,
+    exit_on_signals,
+    on_signal_exit,
+    print_spreads,
+    ratio,
+    require,
+    spread,
+    write_json,
+)
 
 from slime_stoa.judging.scoring import tokenizer_decode
 from slime_stoa.protocol.hf.folders import load_hf_state
@@ -66,7 +82,7 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.tiny_model import IM_END, build_tiny_model
 from slime_stoa.tasks import generate_items, make_task
-from slime_stoa.trainer.consumer import ConsumerConfig, RolloutConsumer
+from slime_stoa.trainer.consumer import ConsumerConfig, ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.counting import CountingStore
 from tests.s3server import LocalS3Server
 
@@ -151,16 +167,17 @@ async def setup_run(store: Store, vocab: int, model_dir: Path) -> tuple[int, str
     await store.put_if_absent(layout.task_data("synthetic", "train"), make_task("synthetic", ITEMS).encode())
     pub = Publisher(store, RUN, PublisherConfig(extras_dir=model_dir))
     result = await pub.publish(load_hf_state(model_dir))
-    assert pub.state_digest is not None
-    return result.version, pub.state_digest
+    require(pub.state_digest is not None, "the publisher gave anchor v0 no state digest")
+    return result.version, pub.state_digest or ""
 
 
 class Bench:
     """One fleet of W workers, its bucket and its consumer."""
 
-    def __init__(self, server: LocalS3Server, tok: Any, vocab: int, workers: int, model_dir: Path, batch: int) -> None:
+    def __init__(self, server: LocalS3Server, tok: Any, vocab: int, workers: int, model_dir: Path, batch: int,
+                 stall_s: float) -> None:
         self.server, self.tok, self.vocab, self.workers, self.model_dir = server, tok, vocab, workers, model_dir
-        self.batch = batch
+        self.batch, self.stall_s = batch, stall_s
         bucket = server.create_bucket()
         self.uploader = server.store(bucket, "b", max_concurrency=32)
         self.reader = server.store(bucket, "b")
@@ -188,13 +205,21 @@ class Bench:
             await self.uploader.close()
             await self.reader.close()
 
+    async def next_batch(self, n: int, what: str) -> Any:
+        """The consumer's next `n` groups; `Incomplete` when none come for the stall limit."""
+        assert self.consumer is not None  # open() first
+        try:
+            batch = await self.consumer.next_batch(n, trainer_version=self.version, timeout_s=self.stall_s)
+        except ConsumerTimeout as exc:
+            raise Incomplete(f"the {self.workers}-worker fleet's {what}: {exc}") from exc
+        require(len(batch.groups) == n, f"the {self.workers}-worker fleet's {what} held {len(batch.groups)} of {n} groups")
+        return batch
+
     async def timed_batch(self, phase: str, new: int) -> dict[str, Any]:
-        assert self.consumer is not None
         self.counting.reset()
         start = time.perf_counter()
-        batch = await self.consumer.next_batch(self.batch, trainer_version=self.version)
+        await self.next_batch(self.batch, f"{phase} batch")
         seconds = time.perf_counter() - start
-        assert len(batch.groups) == self.batch
         calls = dict(self.counting.calls)
         requests = self.counting.requests
         return {
@@ -206,10 +231,9 @@ class Bench:
 
     async def consume(self, count: int) -> None:
         """Consume `count` groups (untimed)."""
-        assert self.consumer is not None
         while count > 0:
             n = min(count, 1024)
-            await self.consumer.next_batch(n, trainer_version=self.version)
+            await self.next_batch(n, "untimed consumption")
             count -= n
 
     async def first(self) -> dict[str, Any]:
@@ -229,10 +253,10 @@ class Bench:
 
 
 async def run_benches(server: LocalS3Server, tok: Any, vocab: int, model_dir: Path, workers: list[int], pile: int,
-                      rounds: int, batch: int) -> list[dict[str, Any]]:
+                      rounds: int, batch: int, stall_s: float) -> list[dict[str, Any]]:
     """first per W, then `rounds` rounds of steady batches (every W in each round), the piles,
     then `rounds` rounds of steady+ batches."""
-    benches = [Bench(server, tok, vocab, w, model_dir, batch) for w in workers]
+    benches = [Bench(server, tok, vocab, w, model_dir, batch, stall_s) for w in workers]
     rows: list[dict[str, Any]] = []
     try:
         for bench in benches:
@@ -291,7 +315,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-async def run(workers: list[int], pile: int, rounds: int, batch: int) -> list[dict[str, Any]]:
+async def run(workers: list[int], pile: int, rounds: int, batch: int, stall_s: float) -> list[dict[str, Any]]:
     from tokenizers import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="stoa-bench-") as tmp:
@@ -301,7 +325,12 @@ async def run(workers: list[int], pile: int, rounds: int, batch: int) -> list[di
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         with LocalS3Server() as server:
             on_signal_exit(server.stop)
-            return await run_benches(server, tok, vocab, folder, workers, pile, rounds, batch)
+            return await run_benches(server, tok, vocab, folder, workers, pile, rounds, batch, stall_s)
+
+
+def pile_note(summary: dict[str, Any]) -> str:
+    ratio_ = summary.get("requests_ratio_pile")
+    return "not measured (--pile 0)" if ratio_ is None else f"{ratio_:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default=None, help="comma-separated fleet sizes (default 10,100,1000)")
     parser.add_argument("--pile", type=int, default=None, help="old records added before the steady+ batches")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of steady batches (default 5, quick 3)")
+    parser.add_argument("--stall-s", type=float, default=STALL_S, help="a batch that gets no groups for this long "
+                        f"ends the run with exit 1 (default {STALL_S:.0f})")
     parser.add_argument("--json", type=Path, help="write the rows and the summary as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -320,11 +351,15 @@ def main(argv: list[str] | None = None) -> int:
     pile = args.pile if args.pile is not None else (300 if args.smoke else 1000 if args.quick else 5000)
     rounds = args.rounds or (2 if args.smoke else 3 if args.quick else 5)
     batch = 64 if args.smoke else BATCH
-    if not workers or min(workers) < 1 or pile < 0 or rounds < 1:
-        parser.error("--workers must be >= 1, --pile >= 0 and --rounds >= 1")
+    if not workers or min(workers) < 1 or pile < 0 or rounds < 1 or not args.stall_s > 0:
+        parser.error("--workers must be >= 1, --pile >= 0, --rounds >= 1 and --stall-s > 0")
+    return exit_code(lambda: bench(args, workers, pile, rounds, batch), "bench_ingest")
+
+
+def bench(args: argparse.Namespace, workers: list[int], pile: int, rounds: int, batch: int) -> int:
     session = Session()
     with exit_on_signals():
-        rows = asyncio.run(run(workers, pile, rounds, batch))
+        rows = asyncio.run(run(workers, pile, rounds, batch, args.stall_s))
     summary = summarize(rows, workers)
     print(f"rollout ingestion, SeaweedFS on loopback, batches of {batch} groups of {G} samples, {rounds} rounds")
     print_table(rows)
@@ -333,13 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     print_spreads("requests per new record", {k: c["requests_per_new_record"] for k, c in summary["cells"].items()},
                   unit="requests", digits=3)
     print(f"medians: requests per new record {summary['requests_per_new_record_median']:.3f} (steady, worst W); "
-          f"steady+ / steady requests {summary.get('requests_ratio_pile', math.nan):.3f}; "
+          f"steady+ / steady requests {pile_note(summary)}; "
           f"{max(workers)} / {min(workers)} workers, steady seconds {summary['seconds_ratio_workers']:.2f}x")
     session.print_load()
     if args.json:
         doc = {"workers": workers, "pile": pile, "rounds": rounds, "batch": batch, **session.meta(), **summary,
                "rows": rows}
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc)
     return 0
 
 

@@ -24,12 +24,15 @@ shape, in a child process per plane whose memory is its own:
 
 Reported per plane: served bytes (`PlaneWeights.nbytes`), the KV/conv cache held, RSS over the
 baseline after each stage and its peak, and `rss_over_served` = RSS over the baseline after the
-generation / (served + cache). Target (issue 22): <= 1.15x. The bf16 master a worker-side int8
+generation / (served + cache). Target: <= 1.15x. The bf16 master a worker-side int8
 would keep (`master_bytes`) is 0 on a published plane by construction; the JSON says so from the
 model (`PlaneWeights.master_apart`).
 
 Memory: the int4 plane is ~4.8 GB and the int8 plane ~9.0 GB (plus the bench's own transients), so
 both fit this machine's 24 GB one after the other; `--smoke` runs a tiny width of the same layout.
+
+A plane whose child fails (killed for memory, a patch that did not land in the served memory)
+ends the run with exit 1 naming the plane; no JSON is written.
 
 Usage: python scripts/bench_plane_memory.py [--planes int4,int8] [--smoke] [--json PATH]
        [--prompt-tokens N] [--decode-steps N]
@@ -51,7 +54,7 @@ os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import Session, exit_on_signals
+from benchlib import Session, exit_code, exit_on_signals, require, write_json
 
 PLANES = ("int4", "int8")
 DENSITY = 0.02  # share of bf16 elements a version moves (bench_stream8b's default)
@@ -158,7 +161,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     return_freed_memory()
     stages["version applied"] = rss_now() - baseline
     seconds["apply"] = time.perf_counter() - tic
-    assert live.shares(state) and stats.tensors == 0, "the patch must land in the served memory"
+    require(live.shares(state) and stats.tensors == 0, f"{plane}: the patch did not land in the served memory "
+            f"({stats.tensors} tensors reinstalled)")
 
     tic = time.perf_counter()
     cache = make_prompt_cache(model)
@@ -203,8 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
-        Path(spec["out"]).write_text(json.dumps(child(spec)))
-        return 0
+        return exit_code(lambda: write_child(spec), f"bench_plane_memory's {spec['plane']} child")
+    return exit_code(lambda: bench(args), "bench_plane_memory")
+
+
+def write_child(spec: dict[str, Any]) -> int:
+    Path(spec["out"]).write_text(json.dumps(child(spec)))
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
     from bench_stream8b import SMOKE, config_of
 
     config = dict(SMOKE if args.smoke else config_of("published"))
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = {"plane": plane, "config": config, "folder": str(folder), "out": str(out),
                     "prompt_tokens": args.prompt_tokens, "decode_steps": args.decode_steps}
             print(f"{plane}: building, installing, patching and generating in a child process ...", flush=True)
-            subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], check=True)
+            code = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)]).returncode
+            require(code == 0 and out.exists(), f"the {plane} child exited with {code}")
             r = results[plane] = json.loads(out.read_text())
             gib = 2**30
             print(f"{plane}: served {r['served_bytes'] / gib:.2f} GiB + cache {r['cache_bytes'] / 2**20:.1f} MiB; RSS over "
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "master_bytes": {p: r["master_bytes"] for p, r in results.items()},
     }
     if args.json:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc)
     return 0
 
 

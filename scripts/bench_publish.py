@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -75,7 +74,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, rounds, spread
+from benchlib import (
+    Incomplete,
+    Session,
+    exit_code,
+    exit_on_signals,
+    on_signal_exit,
+    print_spreads,
+    ratio,
+    require,
+    rounds,
+    spread,
+    write_json,
+)
 
 from slime_stoa.protocol.pulse.apply import apply_patch
 from slime_stoa.protocol.pulse.codec import bf16_bits_to_float32, diff, float32_to_bf16_bits, merge_deltas, shapes_of
@@ -171,6 +182,7 @@ def summarize_receive(rows: list[dict[str, Any]], state_gb: float) -> dict[str, 
     out = {}
     for threads in sorted({r["threads"] for r in rows}):
         steps = [r for r in rows if r["threads"] == threads and r["path"] == "step"]
+        require(bool(steps), f"the {threads}-thread subscriber reached no version by its step patch")
         wall = spread([r["wall_s"] for r in steps])["median"]
         cpu = spread([r["cpu_s"] for r in steps])["median"]
         changes = spread([r["changes"] for r in steps])["median"]
@@ -328,9 +340,9 @@ def plane_quantize_rates(
     for n in names:
         ours, theirs = work["whole"]["current"](n), work["whole"]["baseline"](n)
         for a, b in zip((ours.codes, ours.scales, ours.biases), theirs, strict=True):
-            assert np.array_equal(a.reshape(-1), b.reshape(-1)), f"{n}: the quantizers disagree"
+            require(np.array_equal(a.reshape(-1), b.reshape(-1)), f"{n}: the quantizers disagree")
         for a, b in zip(work["touched"]["current"](n), work["touched"]["baseline"](n), strict=True):
-            assert np.array_equal(a, b), f"{n}: the touched-group updates disagree"
+            require(np.array_equal(a, b), f"{n}: the touched-group updates disagree")
 
     def run(fn: Any, threads: int) -> None:  # `rounds` times a call that returns None
         ordered_map(fn, names, threads)
@@ -374,11 +386,13 @@ def publish_one(path: str, pub: SyncPublisher, live: dict[str, np.ndarray], vers
         handoff = pub.submit(gathered, copy=False)
         blocked = time.perf_counter() - start
         pub.wait()
-        assert pub.last is not None
+        if pub.last is None:
+            raise Incomplete(f"the background publish of v{version} left no result")
         result = pub.last
         row |= {"blocked_s": blocked, "wait_s": handoff.wait_s, "background_s": time.perf_counter() - start}
     del gathered
-    assert result.version == version and result.anchored == (kind != "patch"), result
+    require(result.version == version and result.anchored == (kind != "patch"),
+            f"{path}: v{version} ({kind}) was published as v{result.version}, anchored {result.anchored}")
     row |= {"patch_mib": result.patch_bytes / 2**20, "anchor_mib": result.anchor_bytes / 2**20,
             "density": result.density}
     return row
@@ -477,6 +491,10 @@ def print_table(summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return exit_code(lambda: bench(argv), "bench_publish")
+
+
+def bench(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="1 layer, vocabulary / 28, 3 patch versions (~110 MB)")
@@ -538,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary)
     session.print_load()
     if args.json:
-        args.json.write_text(json.dumps(session.meta() | summary, indent=2) + "\n")
+        write_json(args.json, session.meta() | summary)
     return 0
 
 

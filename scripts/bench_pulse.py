@@ -73,7 +73,18 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import Session, exit_on_signals, on_signal_exit, print_spreads, ratio, spread
+from benchlib import (
+    Incomplete,
+    Session,
+    exit_code,
+    exit_on_signals,
+    on_signal_exit,
+    print_spreads,
+    ratio,
+    require,
+    spread,
+    write_json,
+)
 
 from slime_stoa.protocol.pulse.apply import ChangedIndices, apply_patch
 from slime_stoa.protocol.pulse.codec import (
@@ -453,12 +464,12 @@ def run_case(label: str, base: State, new: State, repeat: int, *, speed: bool = 
         if key == "rel_v1":
             continue
         undo = apply_patch(work, index, all_frames(index, body))
-        assert all(np.array_equal(work[n], new[n]) for n in new), f"{key} round trip differs"
+        require(all(np.array_equal(work[n], new[n]) for n in new), f"{label}: the {key} round trip differs")
         undo.rollback(work)
         if speed:
             enc_s, _ = timed(partial(encode_patch, base, new, threads=1, **options), repeat)
             enc_mt_s, mt = timed(partial(encode_patch, base, new, **options), repeat)
-            assert mt == (index, body), "encoding must not depend on threads"
+            require(mt == (index, body), f"{label}: the {key} encoding depends on the thread count")
             row[f"{key}_encode_mb_s"] = state_bytes / 1e6 / enc_s
             row[f"{key}_encode_mb_s_mt"] = state_bytes / 1e6 / enc_mt_s
             row[f"{key}_apply_s"] = time_apply(work, index, body, max(repeat, 3))
@@ -466,7 +477,7 @@ def run_case(label: str, base: State, new: State, repeat: int, *, speed: bool = 
     peer_s, blob = timed(lambda: peer_v31_patch(diff(base, new), shapes), repeat if speed else 1)
     check = {n: a.copy() for n, a in base.items()}
     peer_apply_s, _ = timed(lambda: peer_v31_apply(blob, check), 1)
-    assert all(np.array_equal(check[n], new[n]) for n in new), "peer v3.1 round trip differs"
+    require(all(np.array_equal(check[n], new[n]) for n in new), f"{label}: the peer v3.1 round trip differs")
     row["peer_v31_bytes"] = len(blob)
     row["peer_v31_bits_per_changed"] = 8 * len(blob) / changed
     row["flat_bits_per_changed"] = 8 * len(flat_patch(delta)) / changed
@@ -542,13 +553,15 @@ async def reach_head(sub: Subscriber, target, expected: str, repeat: int) -> tup
             start = time.perf_counter()
             await twin._execute(plan, target)
             times[i].append(time.perf_counter() - start)
-            assert twin.digest is not None and twin.digest.root() == expected, plan.name
+            require(twin.digest is not None and twin.digest.root() == expected,
+                    f"the {plan.name} path did not reach the head's state digest")
             del twin
         fresh = Subscriber(sub.store, RUN)
         start = time.perf_counter()
         got = await fresh.sync()
         times[-1].append(time.perf_counter() - start)
-        assert got is not None and got.path == "anchor" and fresh.digest is not None
+        require(got is not None and got.path == "anchor" and fresh.digest is not None,
+                f"a fresh subscriber did not reach the head by its anchor ({got.path if got else 'nothing synced'})")
         del fresh
     rows = [{"path": plan.name, "taken": i == 0, "bytes": plan.cost, "seconds": statistics.median(times[i]),
              "spread": spread(times[i]), "estimate_s": plan.estimate_s, "speeds": dataclasses.asdict(speeds)}
@@ -589,7 +602,8 @@ async def lag_sweep(layers: int, lr: float, snr: float, seed: int, use_s3: bool)
         step_bytes = catchup_bytes = 0
         for v, state in enumerate(simulate(qwen_shapes(layers), SWEEP_HEAD, lr, snr, seed)):
             result = await pub.publish(state)
-            assert not result.anchored or v == 0, "the sweep must stay within one anchor interval"
+            require(not result.anchored or v == 0, f"the lag sweep published an anchor at v{v}: it must stay "
+                    "within one anchor interval")
             step_bytes += result.patch_bytes
             catchup_bytes += result.catchup_bytes
             await follower.sync()
@@ -637,9 +651,10 @@ async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: in
             start = time.perf_counter()
             result = await follower.sync()
             seconds = time.perf_counter() - start
-            assert result is not None and result.version == v
+            require(result is not None and result.version == v, f"the follower did not reach v{v}")
             if v:
-                assert result.path == "step", result.path
+                require(result is not None and result.path == "step",
+                        f"the follower reached v{v} by {result.path if result else None}, not its step patch")
                 sync_s.append(seconds)
             for k, sub in laggers.items():
                 if v <= HEAD - k:  # follows (and measures its speeds) until it falls behind
@@ -647,9 +662,11 @@ async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: in
             if v in keep:
                 kept[v] = state
         target = follower.current
-        assert target is not None and target.anchor.version == HEAD
+        if target is None or target.anchor.version != HEAD:
+            raise Incomplete(f"the follower's head is not the anchor published at v{HEAD}")
         step = target.patch("step")
-        assert step is not None and step.index.mode == DEFAULT_MODE
+        if step is None or step.index.mode != DEFAULT_MODE:
+            raise Incomplete(f"v{HEAD} has no {DEFAULT_MODE} step patch")
         body = await store.get_bytes(step.key)
         base = {n: a.copy() for n, a in kept[HEAD - 1].items()}
         apply_all = apply_times(base, step.index, body, max(repeat, 5))
@@ -761,6 +778,10 @@ def print_receive(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return exit_code(lambda: bench(argv), "bench_pulse")
+
+
+def bench(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 layer (110 MB), short torch warm-up, 1 synthetic tensor")
     parser.add_argument("--layers", type=int, help="Qwen2.5-1.5B layers to keep (default 2: 218 MB; 28 = full)")
@@ -855,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": table,
     }
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(args.json, summary)
     return 0
 
 

@@ -3,10 +3,17 @@ load average, and cleanups (servers, temp folders) on SIGTERM/SIGHUP.
 
 Contenders run A, B, A, B, ... (one of each per round), so a load change on a shared machine
 touches every contender alike; headline ratios are ratios of medians.
+
+A benchmark is bounded by its work (versions, groups, rounds), never by a wall-clock deadline:
+when the work cannot finish (a child died, a contender made no progress for `STALL_S`, a result
+failed its check) it raises `Incomplete` naming what did not finish, `exit_code` turns that into
+one line and exit status 1, and `write_json` refuses a document holding a figure that is not a
+number, so a cut run never leaves NaN figures behind as if they were results.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -15,7 +22,10 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
+
+STALL_S = 900.0  # default stall limit: no sign of progress for this long means the work cannot finish
 
 
 def load_average() -> float:
@@ -133,3 +143,70 @@ def exit_on_signals() -> Iterator[None]:
         for sig, old in previous.items():
             signal.signal(sig, old)
         _cleanups.clear()
+
+
+class Incomplete(Exception):
+    """The benchmark's work did not finish; the message names what (and how far it got)."""
+
+
+def require(ok: bool, what: str) -> None:
+    """Raise `Incomplete(what)` unless `ok`: the check of a result the figures depend on (an
+    `assert` would vanish under `python -O` and end the run with a traceback)."""
+    if not ok:
+        raise Incomplete(what)
+
+
+class StallWatch:
+    """One piece of work against a stall limit: call `progressed()` at every sign of progress;
+    `check()` raises `Incomplete` once none came for `limit_s` seconds. The work itself stays
+    bounded by its size; the limit only tells a stuck run from a slow one."""
+
+    def __init__(self, what: str, limit_s: float = STALL_S) -> None:
+        if not limit_s > 0:
+            raise ValueError(f"a stall limit must be > 0 seconds, got {limit_s!r}")
+        self.what, self.limit_s = what, limit_s
+        self.last = time.monotonic()
+
+    def progressed(self) -> None:
+        self.last = time.monotonic()
+
+    def left_s(self) -> float:
+        """Seconds until the limit (0 once past it)."""
+        return max(0.0, self.last + self.limit_s - time.monotonic())
+
+    def check(self, done: str = "") -> None:
+        """Raise `Incomplete` if no progress came for the limit; `done` says how far it got."""
+        if self.left_s() <= 0:
+            raise Incomplete(f"{self.what} made no progress for {self.limit_s:g} s" + (f" ({done})" if done else ""))
+
+
+def not_numbers(doc: Any, at: str = "") -> list[str]:
+    """The paths (`a.b[2]`) of the floats in `doc` that are NaN or infinite."""
+    if isinstance(doc, float):
+        return [] if math.isfinite(doc) else [at or "(the document)"]
+    if isinstance(doc, Mapping):
+        return [p for k, v in doc.items() for p in not_numbers(v, f"{at}.{k}" if at else str(k))]
+    if isinstance(doc, list | tuple):
+        return [p for i, v in enumerate(doc) for p in not_numbers(v, f"{at}[{i}]")]
+    return []
+
+
+def write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    """Write a run's results atomically, refusing (`Incomplete`) any figure that is not a number:
+    a NaN in a results file is a run that did not measure it."""
+    bad = not_numbers(doc)
+    if bad:
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise Incomplete(f"not written to {path}: no figure for {', '.join(bad[:8])}{more}")
+    from slime_stoa.protocol.fsutil import atomic_write
+
+    atomic_write(path, (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode(), durable=False)
+
+
+def exit_code(main: Callable[[], int], name: str) -> int:
+    """`main()`'s status, or 1 with one line on stderr when its work did not finish."""
+    try:
+        return main()
+    except Incomplete as exc:
+        print(f"error: {name} did not finish: {exc}", file=sys.stderr)
+        return 1
