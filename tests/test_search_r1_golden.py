@@ -181,3 +181,16 @@ def test_prepare_with_the_preset_records_every_setting(tmp_path: Path) -> None:
     assert (plain["match"], plain["top_k"], plain["max_observation_chars"]) == ("cover_em", 3, 1500)
     over = _prepare(tmp_path, "over", "--preset", "papersearchqa", "--max-searches", "3", "--bm25", "default")
     assert over["header"]["max_searches"] == 3 and Bm25Settings.from_meta(over["task"].config.index["bm25"]) == PRESETS["default"]
+
+
+def test_stoa_eval_rows_report_em_and_cover_em_beside_the_reward() -> None:
+    from slime_stoa.evaluation.report import PromptResult, VersionResult, answer_matches
+
+    label = encode_label(["BRCA1"])
+    texts = ["<answer>the BRCA1 gene</answer>", "<answer>BRCA1</answer>"]
+    result = VersionResult(3, "test", 2, (PromptResult(
+        prompt_index=0, rewards=tuple(TASK.reward(t, label) for t in texts), truncated=(False, False),
+        matches=tuple(m for t in texts if (m := answer_matches(TASK, t, label)) is not None)),), match="em")
+    row = result.row()
+    assert (row["pass@1"], row["pass@1_em"], row["pass@1_cover_em"], row["match"]) == (0.5, 0.5, 1.0, "em")
+    assert answer_matches(object(), "x", label) is None  # a task without them: not reported

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from slime_stoa.protocol.eval_request import EvalRequest, EvalRequestError, get_request, parse_request
 from slime_stoa.protocol.records import SCHEMA_V2
@@ -22,7 +23,7 @@ from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.protocol.store.capped import TooLarge
 
 from .collect import EvalCollector
-from .report import PromptResult, VersionResult, task_match
+from .report import PromptResult, VersionResult, answer_matches, task_match
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ async def post_request(
     return wanted
 
 
+def _matches(task: Any, scored: list[tuple[str, str]]) -> tuple[dict[str, float], ...] | None:
+    """Each kept sample's EM and cover-EM when the task reports them (`report.answer_matches`)."""
+    rows = [answer_matches(task, text, label) for text, label in scored]
+    return None if any(r is None for r in rows) else tuple(r for r in rows if r is not None)
+
+
 def version_result(collector: EvalCollector, threshold: float) -> VersionResult:
     """The kept samples of every prompt as a `VersionResult` (every prompt must be complete)."""
     request = collector.request
@@ -76,6 +83,7 @@ def version_result(collector: EvalCollector, threshold: float) -> VersionResult:
                 rewards=tuple(r for g in groups for r in g.rewards),
                 truncated=tuple(s.finish_reason in ("length", "turns") for s in samples),
                 tool_calls=tuple(s.tool_calls for s in samples) if tool else None,
+                matches=_matches(collector.ctx.task, [(t, g.label) for g in groups for t in g.texts]),
             )
         )
     return VersionResult(

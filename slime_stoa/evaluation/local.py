@@ -40,7 +40,7 @@ from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.tools import Tool, ToolContext, call_tool, tool_for
 
 from .collect import read_split
-from .report import PromptResult, VersionResult, task_match
+from .report import PromptResult, VersionResult, answer_matches, task_match
 
 Engine = Literal["mlx", "transformers"]
 ENGINES: tuple[Engine, ...] = ("mlx", "transformers")
@@ -81,6 +81,12 @@ class Sampled:
     tool_calls: int
 
 
+def _matches(task: Task, texts: Sequence[str], label: str) -> tuple[dict[str, float], ...] | None:
+    """Each sample's EM and cover-EM when the task reports them (`report.answer_matches`)."""
+    rows = [answer_matches(task, t, label) for t in texts]
+    return None if any(r is None for r in rows) else tuple(r for r in rows if r is not None)
+
+
 async def local_eval(
     store: Store, manifest: RunManifest, *, version: int, split: str, k: int, n_prompts: int | None,
     max_tokens: int, temperature: float, work_dir: Path, threshold: float, seed: int | None = None,
@@ -115,6 +121,7 @@ async def local_eval(
             rewards=tuple(float(task.reward(c.text, item.label)) for c in group),
             truncated=tuple(c.finish_reason in ("length", "turns") for c in group),
             tool_calls=tuple(int(c.tool_calls) for c in group) if tool is not None else None,
+            matches=_matches(task, [c.text for c in group], item.label),
         )
         for item, group in zip(items, groups, strict=True)
     )

@@ -9,6 +9,11 @@ A `VersionResult` holds, per prompt, the k kept samples' trainer rewards, trunca
 included) is None when the records carry no tool calls (single-turn, schema v1). `match` is the
 answer match mode the rewards were scored with (a search task's "em", "cover_em" or "subem",
 `task_match`); the row has it only when the result was given one (CSV: empty otherwise).
+
+pass@1 and pass@k are of the task's reward (for a search task: its `match` mode, strict EM
+under the `papersearchqa` preset). A search task's rows also carry `pass@1_em` and
+`pass@1_cover_em`, the pass@1 of exact match and of cover-EM whatever the reward's mode
+(`Search.answer_matches`), so runs scored differently compare; empty for other tasks.
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ from typing import Any
 
 from .passk import DEFAULT_PASS_THRESHOLD, mean_pass_at_k
 
-COLUMNS = ("version", "split", "k", "n_prompts", "pass@1", "pass@k", "reward_mean", "search_rate", "match")
+COLUMNS = ("version", "split", "k", "n_prompts", "pass@1", "pass@k", "reward_mean", "search_rate", "match",
+           "pass@1_em", "pass@1_cover_em")
+REPORTED_MATCHES = ("em", "cover_em")
+
+
+def answer_matches(task: Any, text: str, label: str) -> dict[str, float] | None:
+    """EM and cover-EM of one sample when `task` reports them (a search task), else None."""
+    fn = getattr(task, "answer_matches", None)
+    return fn(text, label) if fn is not None else None
 
 
 def task_match(task: Any) -> str | None:
@@ -37,6 +50,7 @@ class PromptResult:
     rewards: tuple[float, ...]
     truncated: tuple[bool, ...]
     tool_calls: tuple[int, ...] | None = None  # None: single-turn samples
+    matches: tuple[dict[str, float], ...] | None = None  # per sample, `answer_matches` (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,10 @@ class VersionResult:
         }
         if self.match is not None:
             row["match"] = self.match
+        if all(p.matches is not None for p in self.prompts):
+            for kind in REPORTED_MATCHES:
+                scores = [tuple(m[kind] for m in p.matches or ()) for p in self.prompts]
+                row[f"pass@1_{kind}"] = mean_pass_at_k(scores, 1, self.threshold)
         return row
 
 
