@@ -406,3 +406,27 @@ async def _load(url: str, split: str) -> Search:
         task = load_task(await store.get_bytes(RunLayout(RUN).task_data("search", split)))
     assert isinstance(task, Search)
     return task
+
+
+async def test_prepare_builds_in_the_work_dir(store: Store, tmp_path: Path) -> None:
+    from slime_stoa.tasks.search.prepare import prepare_search
+    from slime_stoa.tasks.search.synthetic import task_items
+
+    data = generate(20, seed=4)
+    work = tmp_path / "work"
+    work.mkdir()
+    during: list[list[str]] = []
+    prepared = await prepare_search(store, RUN, {"train": task_items(data)}, iter(data.passages), chunk_bytes=SMALL_CHUNK,
+                                    work_dir=work, on_passages=lambda _: during.append([p.name for p in work.iterdir()]))
+    assert prepared.passages == 80
+    assert len(during) == 1 and len(during[0]) == 1 and during[0][0].startswith("stoa-index-")  # the build, under work
+    assert list(work.iterdir()) == []  # and gone after the upload
+    with pytest.raises(ValueError, match="work folder"):
+        await prepare_search(store, RUN, {"train": task_items(data)}, iter(data.passages), work_dir=tmp_path / "missing")
+
+
+def test_cli_refuses_a_missing_work_dir(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    url = f"file://{tmp_path / 'bucket'}"
+    (tmp_path / "bucket").mkdir()
+    assert main(["task", "prepare", "search", "--store", url, "--run", RUN, "--synthetic", "5", "--work-dir", str(tmp_path / "missing")]) == 1
+    assert "--work-dir" in capsys.readouterr().err

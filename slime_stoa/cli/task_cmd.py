@@ -70,6 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     search.add_argument("--max-turn-tokens", type=int, default=None, help="model tokens of one turn at most (default: no limit but the run's --max-tokens)")
     search.add_argument("--no-action", choices=NO_ACTIONS, default=None, help="a turn ending without a search or an answer: end the episode (default) or feedback (Search-R1's invalid-action text, the episode goes on)")
     search.add_argument("--chunk-mb", type=int, default=64, help="size of the index's bucket objects in MiB (default: 64)")
+    search.add_argument("--work-dir", type=Path, default=None,
+                        help="build the index in this folder (the index and ~12 bytes of scratch a posting; default: $TMPDIR)")
     search.add_argument("--bm25", choices=sorted(PRESETS), default=None, help="BM25 preset: default (Snowball English stemming, k1 1.5, b 0.75) or search-r1 (Porter stemming, k1 0.9, b 0.4, as Search-R1's pyserini)")
     search.add_argument("--k1", type=float, default=None, help="BM25 k1 (default: the preset's)")
     search.add_argument("--b", type=float, default=None, help="BM25 b (default: the preset's)")
@@ -140,7 +142,7 @@ async def _put_search(url: str, run: str, args: argparse.Namespace) -> tuple[dic
     async with open_store(url) as store:
         with passage_meter(total=total) as advance:
             prepared = await prepare_search(store, run, splits, passages, meta=meta, chunk_bytes=args.chunk_mb << 20,
-                                            settings=settings, on_passages=advance)
+                                            settings=settings, on_passages=advance, work_dir=args.work_dir)
         keys = await put_task_objects(store, run, "search", dict(prepared.objects))
     print(f"index: {prepared.passages:,} passages, manifest {RunLayout(run).task_index_file('search', 'manifest.json')} (sha256 {prepared.manifest_sha256[:16]}...)")
     return dict(prepared.objects), keys

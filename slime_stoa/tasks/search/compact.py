@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -45,6 +45,7 @@ BLOCK_DTYPE = np.dtype([("last", "<u4"), ("doc_bits", "u1"), ("tf_bits", "u1")])
 
 CANDIDATE_SHARE = 4  # candidates from postings naming over 1/4 of the passages: score them all instead
 BOUND_SLACK = 1 + 1e-5  # float32 sums of a few terms stay well within this of the exact sum
+DECODE_BLOCKS = 512  # blocks decoded at once (64k postings: a few MB of temporaries)
 MAX_ROUNDS = 2  # candidate rounds before scoring every passage: each round rescores the candidates
 
 
@@ -254,6 +255,12 @@ class CompactIndex:
     def postings_of(self, t: _Term, which: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The documents and frequencies of term `t`'s blocks `which` (positions among its
         blocks, ascending; all when None)."""
+        docs, tfs = zip(*self.chunks_of(t, which), strict=True)
+        return np.concatenate(docs), np.concatenate(tfs)
+
+    def chunks_of(self, t: _Term, which: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """`postings_of` in pieces of at most `DECODE_BLOCKS` blocks (at least one piece): the
+        decoder's temporaries stay a few MB whatever the term's document frequency."""
         nb = (t.df + packing.BLOCK - 1) // packing.BLOCK
         table = self.blocks[t.block:t.block + nb]
         doc_bits, tf_bits = table["doc_bits"].astype(np.int64), table["tf_bits"].astype(np.int64)
@@ -266,13 +273,15 @@ class CompactIndex:
         prev[1:] = table["last"][:-1]
         if which is not None:
             offsets, counts, doc_bits, tf_bits, prev = offsets[which], counts[which], doc_bits[which], tf_bits[which], prev[which]
-        try:
-            docs, tfs = packing.decode(self.postings, offsets, counts, doc_bits, tf_bits, prev)
-        except IndexError:
-            raise ValueError(f"{POSTINGS_FILE}: a block reads past the end (damaged index)") from None
-        if len(docs) and int(docs.max()) >= self.passages:
-            raise ValueError(f"{POSTINGS_FILE}: a posting names passage {int(docs.max())} of {self.passages} (damaged index)")
-        return docs, tfs
+        for lo in range(0, max(len(counts), 1), DECODE_BLOCKS):
+            part = slice(lo, lo + DECODE_BLOCKS)
+            try:
+                docs, tfs = packing.decode(self.postings, offsets[part], counts[part], doc_bits[part], tf_bits[part], prev[part])
+            except IndexError:
+                raise ValueError(f"{POSTINGS_FILE}: a block reads past the end (damaged index)") from None
+            if len(docs) and int(docs[-1]) >= self.passages:  # ascending: the last is the largest
+                raise ValueError(f"{POSTINGS_FILE}: a posting names a passage past the {self.passages} (damaged index)")
+            yield docs, tfs
 
     def scores_of(self, t: _Term, docs: np.ndarray, tfs: np.ndarray) -> np.ndarray:
         return term_scores(t.idf, tfs, self.norms[docs])
@@ -352,9 +361,16 @@ def top_k(index: CompactIndex, ranks: list[int], k: int) -> tuple[np.ndarray, np
         if n_taken == len(order) or kth > bound:
             pos = _select(sub, k)
             return docs[pos].astype(np.int64), sub[pos]
+    return score_all(index, ranks, k)
+
+
+def score_all(index: CompactIndex, ranks: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`top_k` by scoring every passage: bm25s's adds (`BM25._compute_relevance_from_scores`),
+    term by term in query order, each term's postings decoded a piece at a time."""
     scores = np.zeros(index.passages, dtype=np.float32)
-    for t in terms:
-        pdocs, ptfs = postings(t)
-        np.add.at(scores, pdocs, index.scores_of(t, pdocs, ptfs))
+    for r in ranks:
+        t = index.term(r)
+        for docs, tfs in index.chunks_of(t):
+            np.add.at(scores, docs, index.scores_of(t, docs, tfs))
     top = _select(scores, k)
     return top.astype(np.int64), scores[top]

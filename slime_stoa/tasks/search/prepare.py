@@ -46,14 +46,18 @@ async def prepare_search(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     settings: Bm25Settings = PRESETS["default"],
     on_passages: Callable[[int], None] | None = None,
+    work_dir: Path | None = None,
 ) -> PreparedSearch:
     """Index `passages` (read once), upload the index, and encode each split's task data naming it.
 
     The index objects are written here (put-if-absent); the task data is returned for the caller
-    to write the same way (`slime_stoa.tasks.objects.put_task_objects`), so an identical re-run is a no-op."""
+    to write the same way (`slime_stoa.tasks.objects.put_task_objects`), so an identical re-run is a no-op.
+    The index and the build's scratch go in a temporary folder under `work_dir` (default: $TMPDIR)."""
     meta = dict(meta or {})
     SearchConfig.from_meta(meta)  # refuse bad options before the slow part
-    with tempfile.TemporaryDirectory(prefix="stoa-index-") as tmp:
+    if work_dir is not None and not work_dir.is_dir():
+        raise ValueError(f"the work folder {work_dir} does not exist: make it, or leave --work-dir out for $TMPDIR")
+    with tempfile.TemporaryDirectory(prefix="stoa-index-", dir=work_dir) as tmp:
         folder = Path(tmp) / "index"
         stats = await asyncio.to_thread(build_index, passages, folder, settings=settings, on_passages=on_passages)
         digest = await upload_index(store, run, folder, task=TASK, passages=stats.passages, chunk_bytes=chunk_bytes)
