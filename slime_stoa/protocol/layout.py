@@ -28,7 +28,13 @@ order and time order. Weight objects carry the attempt so that a publisher that 
 a race never blocks a version: only the pointer's compare-and-swap decides which attempt became
 version v, and the pointer and every manifest name the exact keys they stand on. Rollout keys lead with the time so the trainer
 finds new records across all workers with one listing from a cursor (cost grows with new
-records, not with the number of workers); within a worker they also sort by sequence.
+records, not with the number of workers); within a worker they also sort by sequence. Anyone
+holding a worker token can write under the rollouts prefix, so the trainer lists it only between
+its cursor and a horizon (the run's clock tolerance, `max_clock_skew_s`, past its clock: a key that does not lead with a
+timestamp, or leads with one further ahead, sorts after it and is never listed), moves the cursor
+over junk too, and keeps in its state only valid names of registered workers
+(`slime_stoa.trainer.consumer.discovery` states what junk can still cost). Workers stamp `<ts>`
+with a clock corrected from the store's `Date` header, so honest keys are never far ahead.
 
 Names (`check_name`, `check_worker_id`) are the one grammar for everything that becomes a key
 segment or a local file name: run, task, split and file names are 1-64 of `[A-Za-z0-9._-]`,

@@ -31,6 +31,7 @@ from .state import ReplayLedger
 CONSUMER_REASONS = SIGNATURE_REASONS | QUARANTINE_REASONS | frozenset(
     {
         "bad_key",  # a key under the rollouts prefix that is not a record name
+        "future_key",  # a record key stamped further ahead of when it was written than the future window
         "key_mismatch",  # the record's worker_id / seq / kind differ from its key
         "task",  # the record names another task than the run's
         "prompt_index",  # no task item with the record's prompt_index

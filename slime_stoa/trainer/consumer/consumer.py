@@ -110,13 +110,14 @@ class RolloutConsumer:
             run_key = PublicKey.from_text(config.run_key)
         trust = None if run_key is None else RunTrust(config.run, run_key)
         signers = None if trust is None else Signers(store, config.run, trust, refresh_s=config.registry_refresh_s)
-        self._discovery = Discovery(
-            store, shared.layout, shared.state, window_ms=config.skew_window_ms,
-            late_window_ms=config.late_window_ms, clock=clock,
-        )
         self._pool = Pool()
         self._versions = PublishedVersions(shared, trust)
         self._trust = WorkerTrust(shared, self._pool, task=rescorer.task.name, signers=signers)
+        self._discovery = Discovery(
+            store, shared.layout, shared.state, window_ms=config.skew_window_ms,
+            late_window_ms=config.late_window_ms, future_ms=int(config.record_limits.max_clock_skew_s * 1000),
+            admits=None if signers is None else self._trust.admits, clock=clock,
+        )
         self._intake = Intake(shared, rescorer=rescorer, versions=self._versions, trust=self._trust, pool=self._pool)
         self._downloads = Downloads(shared, judge=self._intake.take, refuse=self._trust.refuse_before_download)
         self._filler = Filler(

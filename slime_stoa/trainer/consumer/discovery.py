@@ -1,21 +1,48 @@
-"""Finding new rollout records: one listing from a cursor, whatever the number of workers.
+"""Finding new rollout records: one listing from a cursor, whatever the number of workers, at a
+cost that junk in the prefix cannot raise for long.
 
 Rollout keys lead with a 13-digit millisecond timestamp, so every worker's new records sort
 after the cursor and one paginated listing finds them all: a poll costs one request per 1,000
 new keys, never one per worker, and nothing grows with the total number of records.
 
-Two listings, both plain `list(prefix, start_after=...)`:
+Two listings, both plain `list(prefix, start_after=...)`, each ended at the horizon:
 
 - `tail(capacity)`: keys strictly after the cursor, in key order, taking at most `capacity`
   (backpressure: the cursor stops at the last key taken, so nothing is skipped; the rest is
-  found by the next poll). The cursor then moves to the last key taken, but never past the
-  trainer's clock: a worker whose clock runs ahead cannot make the cursor jump over the keys
-  of the others.
+  found by the next poll). The cursor moves over every key listed, taken or not (junk is
+  listed once, then sorts behind the cursor), but never past the trainer's clock: a worker
+  whose clock runs ahead cannot make the cursor jump over the keys of the others.
 - `sweep(window_ms)`: a window before the cursor, listed again now and then, for keys that
-  landed late: often over the short skew window (a slow upload, a worker clock behind), rarely
-  over the long late window (a worker that was offline with a full spool). Names already
-  discovered in the longest window are in `state.seen` and skipped; older names are pruned from
-  it, so memory holds one long window of keys.
+  landed late: often over the short skew window (a slow upload), rarely over the long late
+  window (a worker that was offline with a full spool). Names already discovered in the
+  longest window are in `state.seen` and skipped; older names are pruned from it, so memory
+  holds one long window of keys.
+
+What a listed key must be to be taken (added to `seen` and the download queue, i.e. to the saved
+state) -- anything else is counted once, when the tail passes it (`rejected/<reason>`), and left
+where it is:
+
+- a valid record name (`RunLayout.parse_rollout`), else `rejected/bad_key`;
+- stamped no later than `future_ms` past the trainer's clock: the listing ends at the first key
+  stamped later (`horizon`), so keys stamped further ahead are never listed (until their time
+  comes) and never stored;
+- not stamped more than `future_ms` after the store says it was written (the listing's
+  LastModified): such a key was written in the future on purpose, so it is junk even when its
+  time comes (`rejected/future_key`);
+- of a worker the run admits (`admits`: in a signed run, an id of the worker registry), else
+  `rejected/unknown_key` with no per-worker counter, so made-up ids grow nothing.
+
+What a writer of the prefix (any worker token, revoked ones included) can still cost:
+- every junk key stamped within the windows behind the cursor is listed once by the tail and
+  again by each sweep whose window covers it: at most `1 + skew/sweep_interval +
+  late/late_sweep_interval` listings of it (43 with the defaults), i.e. one LIST request per
+  ~23 junk PUTs it paid for, spread over the late window, then nothing;
+- a key stamped within `future_ms` ahead of the clock is listed by every tail poll until the
+  clock passes it (one LIST request per 1,000 such keys per poll), so the writer must keep
+  writing fresh keys to keep the cost up;
+- a key under a registered worker's id (a forgery: its signature fails) is taken like an honest
+  one: one GET, and about 60 bytes of saved state until it leaves the late window.
+Nothing of it is saved beyond that, and no amount of it changes which honest keys are found.
 
 A key stamped more than the longest window before the cursor when it lands is never found:
 choose it longer than the worst upload delay worth keeping (such a record is often stale anyway;
@@ -26,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from slime_stoa.protocol.layout import RunLayout
@@ -35,7 +62,7 @@ from slime_stoa.protocol.store import Store
 from .state import ConsumerState, name_time_ms
 
 PAGE_SIZE = 1000  # keys per LIST response (S3's maximum, and what every backend here uses)
-MAX_BAD_NAMES = 10_000  # invalid key names remembered so each is counted once
+MAX_BAD_NAMES = 10_000  # junk key names remembered so each is counted once (then counted again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +81,8 @@ class PollResult:
     requests: int = 0  # LIST requests made
     late: int = 0  # new keys found behind the cursor by a sweep
     bad: int = 0  # keys under the prefix that are not valid record names (counted once each)
+    future: int = 0  # valid names written stamped more than the future window ahead (junk)
+    unknown: int = 0  # valid names of workers the run does not admit (unregistered ids)
 
 
 def cursor_cap(now_ms: int) -> str:
@@ -62,8 +91,33 @@ def cursor_cap(now_ms: int) -> str:
 
 
 def advance_cursor(cursor: str, name: str, now_ms: int) -> str:
-    """The cursor after discovering `name`: forward only, and never past the clock."""
-    return max(cursor, min(name, cursor_cap(now_ms)))
+    """The cursor after listing `name`: forward only, and never past the clock."""
+    past = cursor_past(name)
+    return cursor if past is None else max(cursor, min(past, cursor_cap(now_ms)))
+
+
+def cursor_past(name: str) -> str | None:
+    """A cursor (13 leading digits) at or after `name` with no record name between the two:
+    `name` itself when it leads with 13 digits; else, for a junk name that leads with k < 13
+    digits, the next k-digit prefix padded with zeros (every record name in between would need a
+    non-digit among its first 13 characters). None when there is no such cursor."""
+    digits = len(name) - len(name.lstrip("0123456789"))
+    if digits >= 13:
+        return name
+    if digits == 0 or name[:digits] == "9" * digits:
+        return None
+    return f"{int(name[:digits]) + 1:0{digits}d}".ljust(13, "0")
+
+
+def horizon(now_ms: int, future_ms: int) -> str:
+    """Where a listing at `now_ms` ends: every name stamped more than `future_ms` ahead (and every
+    name that does not start with a timestamp, such as letters) sorts at or after it."""
+    return f"{max(now_ms + future_ms + 1, 0):013d}"
+
+
+def written_ahead(name: str, last_modified: float | None, future_ms: int) -> bool:
+    """Whether the key `name` was stamped more than `future_ms` after the store wrote it."""
+    return last_modified is not None and name_time_ms(name) > int(last_modified * 1000) + future_ms
 
 
 def window_floor_ms(cursor: str, window_ms: int) -> int:
@@ -94,6 +148,8 @@ class Discovery:
         *,
         window_ms: int,
         late_window_ms: int = 0,
+        future_ms: int = 300_000,
+        admits: Callable[[str], Awaitable[bool]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
@@ -101,6 +157,8 @@ class Discovery:
         self.state = state
         self.window_ms = window_ms
         self.keep_ms = max(window_ms, late_window_ms)  # how long discovered names are remembered
+        self.future_ms = future_ms
+        self.admits = admits  # worker id -> whether its records may be taken (None: every id)
         self.clock = clock
         self.prefix = layout.rollouts_prefix("train")
         self._bad: set[str] = set()
@@ -117,32 +175,64 @@ class Discovery:
             state.last_seen[worker] = ts
         result.new.append(Listed(name, worker, size))
 
-    def _bad_key(self, key: str, result: PollResult) -> None:
-        if key not in self._bad and len(self._bad) < MAX_BAD_NAMES:
+    def _count_junk(self, key: str, result: PollResult, what: str, *, once: bool) -> None:
+        """Count a junk key; `once`: the cursor passes it now, so no poll lists it again (a
+        key ahead of the clock is listed by every poll: counted once per process, bounded)."""
+        if key in self._bad:  # counted while it was ahead of the clock
+            if once:
+                self._bad.discard(key)
+            return
+        if not once:
+            if len(self._bad) >= MAX_BAD_NAMES:
+                return
             self._bad.add(key)
-            result.bad += 1
+        setattr(result, what, getattr(result, what) + 1)
+
+    async def _judge_key(
+        self, key: str, last_modified: float | None, result: PollResult, *, count: bool, once: bool = True
+    ) -> tuple[str, str] | None:
+        """(name, worker) of a listed key to take, or None for junk (with `count`, counted: the
+        tail counts what it passes; a sweep lists keys the tail counted already)."""
+        parsed = self.layout.parse_rollout(key)
+        what = None
+        if parsed is None or parsed.kind != "train":
+            what = "bad"
+        elif written_ahead(key[len(self.prefix) :], last_modified, self.future_ms):
+            what = "future"
+        elif self.admits is not None and not await self.admits(parsed.worker):
+            what = "unknown"
+        if what is not None:
+            if count:
+                self._count_junk(key, result, what, once=once)
+            return None
+        assert parsed is not None
+        return key[len(self.prefix) :], parsed.worker
 
     async def tail(self, capacity: int) -> PollResult:
-        """List keys after the cursor and take up to `capacity` new ones (0: no request)."""
+        """List keys after the cursor, up to the horizon, and take up to `capacity` new ones (0: no request)."""
         result = PollResult()
         if capacity <= 0:
             return result
         state = self.state
         start = self.prefix + state.cursor if state.cursor else None
         now_ms = self._now_ms()
+        end = horizon(now_ms, self.future_ms)
         listing = self.store.list(self.prefix, start_after=start)
         async with contextlib.aclosing(listing):
             async for info in listing:
                 result.listed += 1
-                parsed = self.layout.parse_rollout(info.key)
-                if parsed is None or parsed.kind != "train":
-                    self._bad_key(info.key, result)
-                    continue
                 name = info.key[len(self.prefix) :]
-                if name in state.seen:
-                    continue  # a key stamped in the future, taken by an earlier poll
-                self._take(name, parsed.worker, info.size, result)
-                state.cursor = advance_cursor(state.cursor, name, now_ms)
+                if name >= end:  # stamped too far ahead, or not a timestamp: nothing after it is listed
+                    if self.layout.parse_rollout(info.key) is None:  # in the page already: counted, free
+                        self._count_junk(info.key, result, "bad", once=False)
+                    break
+                state.cursor = advance_cursor(state.cursor, name, now_ms)  # junk too: listed once
+                past = cursor_past(name)
+                passed = past is not None and past <= state.cursor  # no later tail lists it again
+                judged = await self._judge_key(info.key, info.last_modified, result, count=True, once=passed)
+                if judged is None or name in state.seen:
+                    continue  # junk, or a key stamped ahead taken by an earlier poll
+                self._take(name, judged[1], info.size, result)
                 if len(result.new) >= capacity:
                     break
         result.requests = pages(result.listed)
@@ -165,13 +255,12 @@ class Discovery:
                 name = info.key[len(self.prefix) :]
                 if name > state.cursor:
                     break  # the tail's part
-                parsed = self.layout.parse_rollout(info.key)
-                if parsed is None or parsed.kind != "train":
-                    self._bad_key(info.key, result)
-                    continue
                 if name in state.seen:
                     continue
-                self._take(name, parsed.worker, info.size, result)
+                judged = await self._judge_key(info.key, info.last_modified, result, count=False)
+                if judged is None:
+                    continue
+                self._take(name, judged[1], info.size, result)
                 result.late += 1
         result.requests = pages(result.listed)
         prune_seen(state.seen, state.cursor, self.keep_ms)

@@ -15,6 +15,7 @@ Counter names:
     groups_used / groups_reused       groups put in batches (reused: not for the first time)
     late_keys                         keys found behind the cursor by a sweep
     list_requests / get_requests      store requests
+    tail_listings / tail_list_requests  listings of new keys after the cursor, and their LIST requests
     store_outage_retries              store calls tried again while the store was down
     registry_invalid / registry_rollback  reads of a signed run's worker registry ignored: not
                                       signed by the run key, or older than the one already read

@@ -27,6 +27,7 @@ from .state import name_worker
 log = logging.getLogger(__name__)
 
 MAX_UNREGISTERED_IDS = 10_000  # unregistered worker ids remembered (then forgotten all at once)
+UNKNOWN_ID_REREAD_S = 2.0  # at most one registry read this often for keys under unknown worker ids
 
 
 class WorkerTrust:
@@ -37,6 +38,7 @@ class WorkerTrust:
         self.signers = signers  # None: an unsigned run
         self.quarantine = Quarantine(shared.config.quarantine, shared.state.quarantine)
         self._unregistered: dict[str, float] = {}  # worker id -> when a key of it was first seen unregistered
+        self._unknown_read = -float("inf")  # when discovery last had the registry read for an unknown id
         self.canary_secret = shared.config.canary.secret()
 
     # -- worker keys (signed runs) ----------------------------------------------------------------
@@ -120,6 +122,20 @@ class WorkerTrust:
         for worker in lifted:
             log.warning("stoa: worker %r released from quarantine", worker)
         return lifted
+
+    async def admits(self, worker: str) -> bool:
+        """Whether discovery may take keys of `worker`: in a signed run, an id of the registry.
+        An id it does not hold has the registry read again first, at once unless such a read
+        happened within `UNKNOWN_ID_REREAD_S`, whatever the number of ids (a worker added since is learned; made-up
+        ids cost no read each). Keys skipped while their worker was unknown are found by a sweep."""
+        signers = self.signers
+        if signers is None or worker in signers.registry.workers:
+            return True
+        now = signers.clock()
+        if now - self._unknown_read >= min(UNKNOWN_ID_REREAD_S, signers.refresh_s):
+            self._unknown_read = now
+            await self.refresh_signers(since=now)
+        return worker in signers.registry.workers
 
     async def refuse_before_download(self, name: str) -> bool:
         """True (counted as rejected) for a record not even to download: a quarantined worker's,

@@ -77,6 +77,8 @@ class Filler:
             lambda: self.discovery.tail(self.capacity()), f"listing new records of run {shared.config.run!r}"
         )
         self._count_poll(result)
+        shared.count("tail_listings")
+        shared.count("tail_list_requests", result.requests)
         return len(result.new)
 
     async def poll_sweep(self, window_ms: int | None = None) -> int:
@@ -93,6 +95,8 @@ class Filler:
         self.shared.count("list_requests", result.requests)
         self.shared.count("late_keys", result.late)
         self.shared.count(reject_counter("bad_key"), result.bad)
+        self.shared.count(reject_counter("future_key"), result.future)
+        self.shared.count(reject_counter("unknown_key"), result.unknown)
 
     # -- the wait ------------------------------------------------------------------------------
     async def ready(self, n_groups: int, timeout: float | None) -> float:

@@ -1,0 +1,65 @@
+"""Junk in the rollouts prefix (one token holder's attack) costs the consumer nothing that grows
+with it: the small form of scripts/bench_junk.py, plus the discovery rules one by one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.store import Store, open_store
+from slime_stoa.trainer.consumer.discovery import Discovery, advance_cursor, cursor_past, horizon
+from slime_stoa.trainer.consumer.state import ConsumerState
+from tests.scripts_loader import load_script
+from tests.test_consumer import RUN, Tiny, tiny
+
+__all__ = ["tiny"]  # the session fixture
+
+bench = load_script("bench_junk")
+
+
+async def test_twenty_thousand_junk_keys_of_each_kind_cost_nothing_that_grows(tmp_path: Path, tiny: Tiny) -> None:
+    junk, control = await bench.bench_pair(
+        tiny, junk=20_000, waves=3, per_wave=4, wait_s=120.0, s3_url=None, root=tmp_path
+    )
+    summary, missed = bench.summarize(junk, control, 4)
+    assert missed == [], (summary, junk, control)
+    assert junk["admitted"] == control["admitted"] == 12
+    assert junk["get_requests"] == control["get_requests"]  # no junk key is downloaded
+    # Each junk key was seen and counted once; none is in the saved state.
+    assert junk["rejected"]["unknown_key"] == 20_000
+    assert junk["rejected"]["bad_key"] >= 10_000  # those stamped behind the clock, and the first after the horizon
+
+
+def test_the_cursor_passes_junk_but_never_the_clock_nor_a_record_name() -> None:
+    assert cursor_past("1700000000000-X_1.rec") == "1700000000000-X_1.rec"
+    assert cursor_past("17000000000x") == "1700000000100"  # no 13-digit name lies in between
+    assert "1700000000099-a-0000000000.rec" < "17000000000x" < "1700000000100"
+    assert cursor_past("zz-junk") is None and cursor_past("99x") is None
+    assert advance_cursor("", "17000000000x", now_ms=1_700_000_000_050) == "1700000000050"
+    assert advance_cursor("1700000000200", "17000000000x", now_ms=1_800_000_000_000) == "1700000000200"
+    assert horizon(1_000, 500) == "0000000001501" and horizon(10**12, 0) < "zz"
+
+
+async def test_keys_written_stamped_ahead_are_never_taken_even_when_their_time_comes(tmp_path: Path) -> None:
+    root = tmp_path / "bucket"
+    root.mkdir()
+    layout = RunLayout(RUN)
+    async with open_store(f"file://{root}") as store:
+        honest = layout.rollout("mac-a", 2_000_000_000_000, 0)
+        ahead = layout.rollout("mac-a", 2_000_000_000_000 + 3_600_000, 1)  # written an hour ahead
+        for key in (honest, ahead):
+            await store.put_if_absent(key, b"x")
+        # The store wrote both at this test's real time; the "trainer clock" is the keys' time.
+        state = ConsumerState(run=RUN)
+        clock = [2_000_000_000.0]
+        discovery = _discovery(store, layout, state, clock)
+        first = await discovery.tail(100)
+        assert [n.name for n in first.new] == []  # both written long before they were stamped
+        assert first.future == 1  # the other lies beyond the horizon: not even listed
+        clock[0] += 3600.0
+        second = await discovery.tail(100)
+        assert second.new == [] and second.future == 1 and state.seen == set() and state.pending == {}
+
+
+def _discovery(store: Store, layout: RunLayout, state: ConsumerState, clock: list[float]) -> Discovery:
+    return Discovery(store, layout, state, window_ms=60_000, late_window_ms=0, future_ms=300_000, clock=lambda: clock[0])
