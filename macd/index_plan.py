@@ -4,7 +4,11 @@
 A run whose task is a search task (`Search`) has its index at
 ``runs/<run>/tasks/<task>/index/manifest.json``. What the plan counts of it is
 `memory_plan`'s rule (`COUNTED_FILES`: the BM25 postings and the vocabulary, not the passage
-texts). The manifest is read capped (`MAX_MANIFEST_BYTES`) and checked like a worker checks it
+texts). A compact index (`slime_stoa.tasks.search.compact`, its files named in the manifest) is
+counted as it is resident: its postings, block and term tables and per-passage norms whole (mapped,
+read by every query), plus one query's working memory (`QUERY_BYTES_PER_PASSAGE`: the scores of
+every passage and the decoded candidates); its vocabulary takes no heap (searched in the mapped
+file) and its zstd passage blocks are read per hit, not counted. The manifest is read capped (`MAX_MANIFEST_BYTES`) and checked like a worker checks it
 (`bundle.parse_manifest`: the files of an index, sizes bounded and adding up); one that is
 missing, too large or malformed gives a plan line saying the size is unknown and why, and 0
 counted. When the machine's shared folder (`shared_dir`) already holds that index, verified
@@ -31,13 +35,19 @@ from slime_stoa.tasks.search.bundle import (
     parse_manifest,
     verified_digest,
 )
-from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE
+from slime_stoa.tasks.search.compact import FILES as COMPACT_FILES
+from slime_stoa.tasks.search.passages import BLOCKS_FILE, OFFSETS_FILE, TEXT_FILE, ZST_FILE
 
 GIB = 1 << 30
-#: The passage texts and their offsets: mapped, but a query reads only its top hits.
-PASSAGE_FILES = frozenset({TEXT_FILE, OFFSETS_FILE})
+#: The passage texts and their offsets (raw, or zstd blocks): mapped, but a query reads only its top hits.
+PASSAGE_FILES = frozenset({TEXT_FILE, OFFSETS_FILE, ZST_FILE, BLOCKS_FILE})
 #: The files the plan counts whole (`memory_plan`'s rule): the postings and the vocabulary.
 COUNTED_FILES = INDEX_FILES - PASSAGE_FILES
+#: A compact index's files counted whole: postings, block and term tables, norms, parameters.
+COMPACT_COUNTED_FILES = frozenset(COMPACT_FILES)
+#: One query's heap on a compact index, per passage: float32 scores of every passage when it
+#: scores them all, or at most a quarter of the passages decoded as candidates (16 bytes each).
+QUERY_BYTES_PER_PASSAGE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +72,18 @@ def index_key(manifest: RunManifest) -> str:
 def known_plan(where: str, index: IndexManifest, fetched: Path | None) -> IndexPlan:
     """The plan of a checked index manifest: the counted files' bytes, the passages' named."""
     sizes = {f.name: f.size for f in index.files}
-    counted = sum(size for name, size in sizes.items() if name in COUNTED_FILES)
     passages = sum(size for name, size in sizes.items() if name in PASSAGE_FILES)
     local = f"on this Mac in {fetched}" if fetched is not None else "not fetched to this Mac yet"
+    if set(sizes) >= COMPACT_COUNTED_FILES:
+        mapped = sum(size for name, size in sizes.items() if name in COMPACT_COUNTED_FILES)
+        query = QUERY_BYTES_PER_PASSAGE * index.passages
+        return IndexPlan(
+            mapped + query,
+            f"search index: {where}, {index.passages:,} passages, compact: postings, term tables and norms "
+            f"{mapped / GIB:.2f} GiB and one query's memory {query / GIB:.2f} GiB counted, passage texts (zstd) "
+            f"{passages / GIB:.2f} GiB mapped but read per hit, not counted; {local}",
+        )
+    counted = sum(size for name, size in sizes.items() if name in COUNTED_FILES)
     return IndexPlan(
         counted,
         f"search index: {where}, {index.passages:,} passages: postings and vocabulary {counted / GIB:.2f} GiB "

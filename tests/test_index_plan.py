@@ -208,3 +208,20 @@ def test_the_override_wins_over_the_manifest(tmp_path: Path, capsys: pytest.Capt
     assert macd(["doctor", "--plan-for", "24", "--plan-index-gb", "-1"]) == 1
     assert macd(["doctor", "--plan-index-gb", "-1"]) == 1
     assert capsys.readouterr().err.count("error: --plan-index-gb must be between 0 and") == 2
+
+
+def test_a_compact_index_counts_its_mapped_tables_and_one_query(tmp_path: Path) -> None:
+    """The compact format (once the bucket's manifest names its files): postings, term tables
+    and norms whole, plus one query's memory per passage; the zstd passages not at all."""
+    from macd.index_plan import COMPACT_COUNTED_FILES, QUERY_BYTES_PER_PASSAGE, known_plan
+    from slime_stoa.tasks.search.build import build_index
+    from slime_stoa.tasks.search.synthetic import generate
+
+    folder = tmp_path / "compact"
+    stats = build_index(generate(5, seed=1).passages, folder, compact_format=True)
+    files = tuple(IndexFile(p.name, p.stat().st_size, "0" * 64, ()) for p in sorted(folder.iterdir()))
+    plan = known_plan("runs/r/tasks/search/index", IndexManifest(passages=stats.passages, files=files), None)
+    mapped = sum((folder / name).stat().st_size for name in COMPACT_COUNTED_FILES)
+    assert plan.counted == mapped + QUERY_BYTES_PER_PASSAGE * stats.passages
+    assert mapped < plan.counted < sum(f.size for f in files) + QUERY_BYTES_PER_PASSAGE * stats.passages  # the passages left out
+    assert ", compact: postings, term tables and norms " in plan.line and "passage texts (zstd)" in plan.line
