@@ -1,19 +1,21 @@
 """Following the run's weights beside generation and installing each version at a safe point.
 
-Polling, downloading and verifying run on the asyncio side while the MLX thread generates: the
-subscriber is deferred (`pulse.subscriber`), so a sync writes nothing and returns the verified
-version staged (a patch's final bits, or an anchor's new state). The worker installs it in one
-direction, at the generation loop's next safe point (`WeightFollower.swap`): on the bf16 plane,
-where the subscriber's state *is* the model's memory (one copy of the weights, `weights.py`),
-the commit scatters the patch's bits into the live weights there; on the int8 plane the bf16
-master is not the model, so it is written beside generation and the safe point re-quantizes the
-groups that changed. On a quantized plane the run publishes (the Mac's pick, `plane_for`), the
-worker follows that plane and holds it alone (`held_plane`, `macd.plane_weights`): like bf16, its
-state is the model's memory; the groups it makes carry the state digest of the bf16 version the
-plane quantizes (the plane's manifest names it, signed), the one the trainer checks records
-against. A patch commit the model cannot take is undone (the state and the subscriber back at
-the version the model computes with; an anchor's new state stays, as the subscriber's); either
-way the next version is installed whole.
+Who owns what: the weights' bytes belong to the live weights (`weights.LiveWeights`: the MLX
+model's memory and the bits that are it, or on int8 the bf16 master beside it), written only on
+the MLX thread (`mlx_thread`). The subscriber (`pulse.subscriber`, deferred) owns no bytes: it
+polls, downloads and verifies on the asyncio side while the MLX thread generates, reading the
+held bits lent read-only for the length of a sync (`LiveWeights.bits`), and returns the
+verified version staged (a patch's final bits, or an anchor's new state).
+
+One install path, every plane (bf16, int8 from the bf16 master, a published int8/int4 plane
+held alone): at the generation loop's next safe point (`WeightFollower.swap`), the MLX thread
+installs the staged version in one call (`LiveWeights.install_version`); then the subscriber
+stands at it (`Subscriber.advance`). A version the model cannot take changes nothing: the
+model keeps serving, and the subscriber stays at, the version it holds. If the model could not
+be brought back (it then holds no verified version), the subscriber forgets its version and the
+next sync restores the model from an anchor. On a published quantized plane the groups carry
+the state digest of the bf16 version the plane quantizes (the plane's manifest names it,
+signed), the one the trainer checks records against (`served_digest`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from slime_stoa.protocol.pulse.anchor import download_extras, fetch_verified
 from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
 from slime_stoa.protocol.pulse.manifests import VersionManifest
 from slime_stoa.protocol.pulse.subscriber import Subscriber
-from slime_stoa.protocol.pulse.sync_result import Committed, SyncError, SyncResult, WeightsRefused
+from slime_stoa.protocol.pulse.sync_result import StagedSync, SyncError, SyncResult, WeightsRefused
 from slime_stoa.protocol.run_manifest import Plane, RunManifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
@@ -69,11 +71,11 @@ class SwapRecord:
 
     version: int  # installed
     path: str  # how the subscriber reached it ("step", "chain", "catchup", "catchup+chain", "anchor...")
-    ready_s: float  # poll, download, verify (int8: patch the master), all beside generation
+    ready_s: float  # poll, download, verify, all beside generation
     drain_s: float  # from then to the safe point; in-flight groups kept decoding
     drain_steps: int  # decode steps taken from then to the safe point (at most swap_drain_s's worth + 1)
     pause_s: float  # decoding stopped: drop what was in flight, wait for MLX, install
-    install_s: float  # the install itself, on the MLX thread (bf16: the patch's scatter into the weights)
+    install_s: float  # the install itself, on the MLX thread (a patch: its scatter, and int8's re-quantized groups)
     dropped: int  # groups in flight at the safe point, dropped and restarted on the new weights
 
 
@@ -120,7 +122,6 @@ class WeightFollower:
         self.pending: Pending | None = None
         self.clock = _SwapClock()  # the version change under way
         self.swaps: collections.deque[SwapRecord] = collections.deque(maxlen=1000)  # the latest version changes
-        self._whole = False  # the next version is installed whole (an install failed)
 
     def subscriber(self, trust: RunTrust | None, plane: QuantPlane | None = None) -> Subscriber:
         """The worker's subscriber, of the run's bf16 weights or of its published `plane`
@@ -180,15 +181,17 @@ class WeightFollower:
             log.warning("could not keep the installed weights' version in %s: %s", self.config.data_dir, exc)
 
     # -- cold start ------------------------------------------------------------------------------
-    async def first_sync(self, sub: Subscriber, stop: asyncio.Event) -> bool:
-        """Wait for the run's weights and sync to them; False if stopped first. Nothing computes
-        with the state yet, so what a sync staged is committed at once.
+    async def first_sync(self, sub: Subscriber, stop: asyncio.Event) -> StagedSync | None:
+        """Wait for the run's weights and sync to them: the verified state staged, for
+        `load_model` to build the model holding it; None if stopped first.
 
         A malformed or unreadable pointer or manifest, or a store outage, is reported and the
         pointer polled again."""
         while not stop.is_set():
+            staged = None
             try:
                 result = await sub.sync()
+                staged = None if result is None else result.staged
             except StoreConfigError:
                 raise
             except (SyncError, StoreError) as exc:
@@ -197,23 +200,19 @@ class WeightFollower:
                     hint = (f" (this worker installed {sub.floor} before; if the run was re-created on purpose, "
                             f"delete {head_path(self.config.data_dir, self.config.run)})")
                 self.reporter.error(f"weights: {exc}{hint}")
-            else:
-                if result is not None and result.staged is not None:
-                    sub.commit(result.staged)
-                    self.keep_head()
-                if sub.state is None:
-                    log.info("waiting for the trainer to publish weights for run %s", self.config.run)
             self.count_refused(sub)
-            if sub.state is not None:
-                return True
+            if staged is not None:
+                return staged
+            log.info("waiting for the trainer to publish weights for run %s", self.config.run)
             await wait(stop, self.options.idle_poll_s)
-        return False
+        return None
 
-    async def load_model(self, sub: Subscriber, plane: Plane) -> tuple[Model, Tokenizer]:
-        """The model, built from the anchor's config and tokenizer files and holding the synced
-        state in memory (`LiveWeights.from_state`, on the MLX thread)."""
-        assert sub.state is not None and sub.current is not None
-        anchor = await read_anchor_manifest(self.store, sub.current.anchor.manifest, trust=sub.trust)
+    async def load_model(self, sub: Subscriber, staged: StagedSync, plane: Plane) -> tuple[Model, Tokenizer]:
+        """The model, built from the anchor's config and tokenizer files and holding the state
+        `first_sync` staged (`LiveWeights.from_state`, on the MLX thread, which owns it from then
+        on); the subscriber then stands at its version."""
+        assert staged.state is not None
+        anchor = await read_anchor_manifest(self.store, staged.manifest.anchor.manifest, trust=sub.trust)
         folder = self.config.data_dir / "models" / self.config.run
         extras = folder / "extras"
         await download_extras(self.store, anchor, extras)
@@ -227,17 +226,19 @@ class WeightFollower:
         held = sub.layout.plane
         try:
             model, tokenizer, self.live = await self.mlx.run(
-                _build_model, extras, sub.state, held or plane, held is not None
+                _build_model, extras, staged.state, held or plane, held is not None, staged.digest.root()
             )
         except (MemoryError, OSError):
             raise  # this Mac's memory or disk: may pass, retried
         except Exception as exc:  # mlx-lm refused the anchor's config or weights: the same every time
             log.debug("building the model failed", exc_info=exc)
             raise Fatal(
-                f"run {self.config.run!r}: macd could not build its model from the anchor of v{sub.current.version} "
+                f"run {self.config.run!r}: macd could not build its model from the anchor of v{staged.version} "
                 f"({describe_error(exc)}); retrying cannot fix it: upgrade macd if the run's model is newer than "
                 f"its mlx-lm, else the operator creates a run of a model macd can build (`{create}`)"
             ) from exc
+        sub.advance(staged)
+        self.keep_head()
         self.plane = held or plane
         self.reporter.update(plane=self.plane)
         return model, tokenizer
@@ -258,8 +259,9 @@ class WeightFollower:
     async def _sync(self, sub: Subscriber) -> SyncResult | None:
         """One sync (None when nothing changed); errors are reported, the state stays verified."""
         self.clock = _SwapClock(synced=time.perf_counter())
+        assert self.live is not None
         try:
-            return await sub.sync()
+            return await sub.sync(self.live.bits())
         except SyncError as exc:  # the subscriber's state is still the last verified one (it says so)
             self.reporter.error(f"weights: {exc}")  # a refusal (WeightsRefused) too: its reason in last_error
         except StoreError as exc:
@@ -277,47 +279,31 @@ class WeightFollower:
             self.reporter.update(weights_refused=sub.refused)
 
     async def _install(self, sub: Subscriber, result: SyncResult) -> None:
-        """Commit what a sync staged and refresh the model from it, at a safe point (module doc).
-        A version that does not fit the model, or whose install fails, is reported (the model
-        keeps serving the version it holds) and the next one is installed whole."""
+        """Install what a sync staged at a safe point, in one call on the MLX thread (module
+        doc); then the subscriber stands at it. A version that does not fit the model, or whose
+        install fails, is reported and changes nothing (the model keeps serving the version it
+        holds); a model left at no verified version is restored from an anchor at the next sync."""
         staged, live = result.staged, self.live
         assert staged is not None and live is not None
         before = self.installed[0]
-        whole = self._whole or staged.patch is None
-        changed = None if whole else result.changed
-        early: Committed | None = None
-        if live.master_apart:  # the master is not the model: written beside generation
-            early = await asyncio.to_thread(sub.commit, staged)
-        reverted = False
-
-        def install() -> None:
-            nonlocal reverted
-            done = early or sub.commit(staged)
-            assert sub.state is not None
-            try:
-                live.apply(sub.state, changed, result.touched)
-            except BaseException:
-                if done.undo is not None:
-                    sub.revert(done)  # the state back at the version the model computes with
-                    reverted = True
-                raise
-
         try:
-            await self.install_at_safe_point(install, staged.version, served_digest(staged.manifest, staged.digest.root()))
+            await self.install_at_safe_point(
+                lambda: live.install_version(staged), staged.version, served_digest(staged.manifest, staged.digest.root())
+            )
         except Exception as exc:  # the model keeps its version; the follow loop goes on
-            if early is not None and early.undo is not None and not reverted:
-                await asyncio.to_thread(sub.revert, early)  # the install never ran: the master back too
-            self._whole = True
             if isinstance(exc, ValueError):
                 problem = f"does not fit the model ({exc})"
             else:
                 log.exception("installing weights v%d failed", staged.version)
                 problem = f"failed to install ({describe_error(exc)})"
+            if live.digest is None:  # half-written: only a whole verified state puts it right
+                sub.forget()
+                problem += "; the model is restored from the anchor at the next sync"
             self.reporter.error(f"weights: v{staged.version} {problem}; serving v{self.installed[0]}")
             return
-        self._whole = False
+        sub.advance(staged)
         self.keep_head()
-        if changed is None:
+        if staged.patch is None:
             return_freed_memory()  # the replaced state's
         c = self.clock
         record = SwapRecord(
@@ -410,19 +396,20 @@ def served_digest(manifest: VersionManifest | None, digest: str) -> str:
 
 
 def _build_model(
-    folder: Path, state: dict[str, np.ndarray], plane: Plane, held: bool = False
+    folder: Path, state: dict[str, np.ndarray], plane: Plane, held: bool = False, digest: str | None = None
 ) -> tuple[Model, Tokenizer, LiveWeights]:
     """(model, tokenizer, LiveWeights) on the MLX thread: the model of `folder`'s config holding
-    `state` (with `held`, the quantized `plane` itself: `PlaneWeights`)."""
+    `state`, whose root digest is `digest` (with `held`, the quantized `plane` itself:
+    `PlaneWeights`)."""
     from .generate import build_model
     from .hf_layout import live_weights
     from .plane_weights import PlaneWeights
 
     model, tokenizer = build_model(folder)
     if held:
-        live: LiveWeights = PlaneWeights.from_state(model, state, check_plane(plane))
+        live: LiveWeights = PlaneWeights.from_state(model, state, check_plane(plane), digest)
     else:
-        live = live_weights(model, state, plane)  # through the model's own layout of the checkpoint (LFM2)
+        live = live_weights(model, state, plane, digest)  # through the model's own layout of the checkpoint (LFM2)
     return_freed_memory()  # what the state's own arrays held before it lent the model's memory
     return model, tokenizer, live
 

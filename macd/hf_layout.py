@@ -9,7 +9,7 @@ convolution's kernel ``(hidden, 1, L)`` is ``(hidden, L, 1)`` (the same memory: 
 size 1 moves).
 
 `LayoutWeights` keeps a model-layout state (one array per model parameter, its "home") and
-lends the checkpoint state views into it: an expert's tensor is row ``e`` of its stack, a
+lends the checkpoint state (its `state`, which it owns as `LiveWeights` does) views into it: an expert's tensor is row ``e`` of its stack, a
 kernel a reshape of its home. On the bf16 plane the homes are the model's own memory
 (`LiveWeights` lends them), so a patch written into the checkpoint state writes the live
 weights in place, as for any other model; on int8 they are the bf16 master that the quantized
@@ -98,13 +98,17 @@ def _model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(a.shape) for name, a in params.items()}
 
 
-def live_weights(model: nn.Module, state: MutableMapping[str, np.ndarray], plane: Plane) -> LiveWeights:
+def live_weights(
+    model: nn.Module, state: dict[str, np.ndarray], plane: Plane, digest: str | None = None
+) -> LiveWeights:
     """`LiveWeights.from_state`, through `LayoutWeights` when the model lays the checkpoint out
     otherwise (module docstring)."""
     slots = checkpoint_layout(_model_shapes(model), {n: tuple(a.shape) for n, a in state.items()})
     if not slots:
-        return LiveWeights.from_state(model, state, plane)
-    return LayoutWeights.from_layout(model, state, plane, slots)
+        return LiveWeights.from_state(model, state, plane, digest)
+    live = LayoutWeights.from_layout(model, state, plane, slots)
+    live.digest = digest
+    return live
 
 
 class LayoutWeights(LiveWeights):
@@ -114,6 +118,8 @@ class LayoutWeights(LiveWeights):
     def __init__(self, inner: LiveWeights, slots: dict[str, Slot], homes: dict[str, np.ndarray]):
         self.inner, self.slots, self.homes = inner, slots, homes
         self.model, self.plane = inner.model, inner.plane
+        self.state: MutableMapping[str, np.ndarray] = {}  # the checkpoint state, lent views of the homes
+        self.digest: str | None = None
         self._lent: dict[str, np.ndarray] = {}  # checkpoint name -> the view of its home lent to the state
         self._model_state_cache: dict[str, np.ndarray] = {}  # what `inner` was last handed
 
@@ -135,6 +141,7 @@ class LayoutWeights(LiveWeights):
         self.inner = LiveWeights.from_state(model, self._model_state(state), plane)
         self._sync_back(state)
         self._lend(state, slots)
+        self.state = state
         return self
 
     # -- the model-layout state ------------------------------------------------------------
@@ -177,6 +184,7 @@ class LayoutWeights(LiveWeights):
             stats = self.inner.apply(self._model_state(state), None, ())
             self._sync_back(state)
             self._lend(state, self.slots)
+            self.state = state
             return stats
         names = set(touched) | set(changed)
         mapped = [n for n in names if n in self.slots]
@@ -205,6 +213,14 @@ class LayoutWeights(LiveWeights):
 
     def install(self, state: MutableMapping[str, np.ndarray]) -> ApplyStats:
         return self.apply(state, None, ())
+
+    def check_whole(self, state: Mapping[str, np.ndarray]) -> None:
+        missing = [name for name in self.slots if name not in state]
+        if missing:
+            raise ValueError(f"{missing[0]}: the model holds this tensor but the state lacks it")
+        for name, slot in self.slots.items():
+            _check_bits(name, state[name], slot.shape)
+        self.inner.check_whole({**{n: a for n, a in state.items() if n not in self.slots}, **self.homes})
 
     def _sync_back(self, state: MutableMapping[str, np.ndarray]) -> None:
         """The tensors `inner` lent the model's memory under their own names go back to `state`."""

@@ -1,7 +1,7 @@
 """The daemon's live MLX weights on a quantized plane the run publishes, held alone.
 
 A run that publishes a quantized plane (`RunManifest.planes`; `pulse.plane`) lets a worker on it
-download and hold that plane only: the subscriber's state is the plane (each quantized layer's
+download and hold that plane only: the weights' `state` is the plane (each quantized layer's
 uint32 codes as their uint16 halves, its bf16 scales and biases, every other tensor bf16), and
 the served model is mlx-lm's quantized model (``nn.QuantizedLinear``, ``QuantizedEmbedding``,
 ``QuantizedSwitchLinear``; groups of 64, each layer at the bits its codes and scales imply, e.g.
@@ -12,8 +12,8 @@ numpy uint16 view of the parameter's memory (codes through a uint16 view of thei
 patch committed into the state writes the served weights in place, the digest covers exactly the
 bytes the model computes with, and no bf16 master of the quantized layers exists anywhere:
 memory is the plane's bytes (int8: ~1.06 per quantized weight, 4-bit: ~0.56) plus 2 per other
-weight. Nothing may write into the state while the model computes: the worker commits a staged
-patch at a safe point (`macd.following`).
+weight. Nothing may write into the state while the model computes: the worker installs a staged
+version at a safe point, on the MLX thread (`LiveWeights.install_version`, `macd.following`).
 
 The plane is published under the checkpoint's names. A model that renames or restacks them on
 load (LFM2 / LFM2-MoE, `macd.hf_layout`: the experts' codes, scales and biases are rows of
@@ -95,7 +95,8 @@ def quantize_structure(model: nn.Module, layers: Mapping[str, int]) -> None:
 
 class PlaneWeights(LiveWeights):
     """An mlx-lm quantized model serving a plane state it shares its memory with (module doc).
-    The interface of `LiveWeights`; `master_apart` is False: the state is the model."""
+    The interface of `LiveWeights` (the one owner of these bytes, installed by its
+    `install_version`); `master_apart` is False: the state is the model."""
 
     def __init__(self, model: nn.Module, plane: QuantPlane, slots: Mapping[str, Slot] | None = None):
         """Wrap `model` (already quantized as its plane) as it is; `slots`: the checkpoint tensors
@@ -114,6 +115,8 @@ class PlaneWeights(LiveWeights):
             else:
                 raise ValueError(f"{name}: the model holds {array.dtype}; a plane serves uint32 codes and bfloat16")
             self._dtypes[name] = array.dtype
+        self.state: MutableMapping[str, np.ndarray] = {}  # the plane's bits: views of the model's memory
+        self.digest: str | None = None  # their state digest's root, when they are a verified version
         self._views: dict[str, np.ndarray] = {}  # checkpoint name -> the view of its parameter lent to the state
         self._arrays: dict[str, mx.array] = {}  # model parameter -> the MLX array those views show
 
@@ -123,7 +126,7 @@ class PlaneWeights(LiveWeights):
 
     @classmethod
     def from_state(  # type: ignore[override]
-        cls, model: nn.Module, state: MutableMapping[str, np.ndarray], plane: QuantPlane
+        cls, model: nn.Module, state: dict[str, np.ndarray], plane: QuantPlane, digest: str | None = None
     ) -> PlaneWeights:
         """Quantize `model` (a bf16 mlx-lm model built from its config) as the plane `state`
         says and install the state into it, sharing its memory (module doc); on the CPU device its
@@ -140,6 +143,7 @@ class PlaneWeights(LiveWeights):
         live._validate(state, list(state), None)
         live._check_complete(state)
         live._install(state)
+        live.digest = digest
         if cpu_compute.float32_activations_wanted():
             cpu_compute.use_float32_activations(model)
         return live
@@ -185,7 +189,13 @@ class PlaneWeights(LiveWeights):
         members = self._members(state)
         for target in stale:
             self._share(state, target, members[target])
+        if changed is None:
+            self.state = state
         return ApplyStats(len(stale), 0, changed is None, time.perf_counter() - start)
+
+    def check_whole(self, state: Mapping[str, np.ndarray]) -> None:
+        self._validate(state, list(state), None)
+        self._check_complete(state)
 
     def install(self, state: MutableMapping[str, np.ndarray]) -> ApplyStats:
         return self.apply(state, None, ())

@@ -1,22 +1,32 @@
 """The daemon's live MLX weights, following the PULSE bf16 master state version after version.
 
-`LiveWeights` owns an mlx-lm model's parameters on one of two planes:
+Who owns which bytes, and which thread touches them
+---------------------------------------------------
+`LiveWeights` (and its subclasses `hf_layout.LayoutWeights`, `plane_weights.PlaneWeights`) is
+the one owner of a worker's weight bytes: the MLX parameters and `state`, the uint16 bits of
+the verified version they hold (`digest`, its root). The protocol layer's deferred subscriber
+holds none of them: for the length of a sync it reads them through `bits()` (read-only views)
+to stage the next version beside generation, and returns it verified
+(`pulse.sync_result.StagedSync`). Everything that writes them runs on the MLX thread
+(`mlx_thread.MLXThread`), where nothing computes with the model (a safe point of the
+generation loop): `install_version` takes a staged version in one call, `from_state` a first
+one. Reads for staging may run on any thread meanwhile: no write happens while a sync runs
+(the follower installs only between syncs).
 
-- ``"bf16"``: one copy of the weights. The master *is* the model: `from_state` installs each
-  tensor into MLX and replaces it, in the caller's state mapping, by a writable numpy view of
-  the MLX parameter's memory (uint16 bits), so a patch written into the state writes the live
-  weights in place and the digest covers exactly the bits the model computes with. Memory: 2
-  bytes per weight. Nothing may write into such a state while the model computes: a worker's
-  deferred subscriber stages and verifies a patch beside the running model and the worker
-  commits it only at a safe point (`pulse.staged`, `macd.following`). A state
-  tensor that is not the live view (after an anchor sync, which builds a new state) is
-  installed and shared in its turn by `apply`.
+`LiveWeights` serves an mlx-lm model on one of two planes:
+
+- ``"bf16"``: one copy of the weights. The state *is* the model: `from_state` installs each
+  tensor into MLX and replaces it, in the state mapping, by a writable numpy view of the MLX
+  parameter's memory (uint16 bits), so a patch written into the state writes the live weights
+  in place and the digest covers exactly the bits the model computes with. Memory: 2 bytes per
+  weight. A state tensor that is not the live view (a new state, from an anchor) is installed
+  and shared in its turn by `apply`.
 - ``"int8"``: Linear/Embedding layers are MLX affine-quantized (8 bits, groups of 64 along the
   input axis), chosen by mlx-lm's rule: a layer is quantized when it can be (``to_quantized``)
   and its input size is a multiple of the group size, subject to the model's own
   ``quant_predicate``; the other tensors (norms, biases, misfit layers) stay bf16. After a sync
   only the *groups* holding changed elements are re-quantized from the master. The plane keeps
-  the bf16 master beside the model (the subscriber's ``state``, separate numpy arrays, which it
+  the bf16 master beside the model (``state``: separate numpy arrays, its own, which it
   re-quantizes from): 2 bytes per weight for the master plus ~1.06 for the served int8 weights
   (8 bits and a bf16 scale and bias per 64) and 2 for each tensor left in bf16, so ~3.06 bytes
   per weight, against 2 on the bf16 plane.
@@ -31,8 +41,13 @@ weights. The bf16 parameters stay the master the state shares; a tensor written 
 rewidened into its copy at the same safe point (`apply`), a replaced one at its layer's next
 call, and `mismatches` checks the copies too.
 
-The subscriber's ``state`` dict (uint16 bit patterns) is the master; this class keeps no copy of
-it (on bf16 it lends the state its own memory) and is handed it on every call.
+Installing a version (`install_version`, the one install path of every plane): a staged patch
+is committed into ``state`` (`pulse.staged.StagedPatch.commit`: on bf16 and a held plane that
+is the model's memory, on int8 the master) and the model refreshed from it (`apply`: float32
+copies rewidened, int8 groups re-quantized); a new state (an anchor) is installed whole. On a
+failure nothing changed: the patch's undo log restores ``state`` and the model is refreshed from
+it again. When even that fails, or a whole install stopped half-way, `digest` becomes None:
+the model holds no verified version, and the follower restores it from an anchor.
 
 Why re-quantizing a subset of groups equals quantizing the whole tensor
 -----------------------------------------------------------------------
@@ -57,6 +72,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import mlx.core as mx
@@ -64,6 +80,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from slime_stoa.protocol.pulse.sync_result import StagedSync
 from slime_stoa.protocol.run_manifest import PLANES, Plane
 
 from . import cpu_compute
@@ -140,12 +157,17 @@ class LiveWeights:
             raise ValueError(f"plane {plane} is served only from the run's published {plane} plane (PlaneWeights)")
         self.model = model
         self.plane = plane
+        self.state: MutableMapping[str, np.ndarray] = {}  # the bits it holds (module doc); filled by `from_state`
+        self.digest: str | None = None  # their state digest's root, when they are a verified version
         self._index()
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_state(cls, model: nn.Module, state: MutableMapping[str, np.ndarray], plane: Plane) -> LiveWeights:
-        """Install the full bf16 master `state` into `model`, quantizing it for the int8 plane.
+    def from_state(
+        cls, model: nn.Module, state: dict[str, np.ndarray], plane: Plane, digest: str | None = None
+    ) -> LiveWeights:
+        """Install the full bf16 master `state` into `model`, quantizing it for the int8 plane;
+        the weights own `state` from then on (`digest`: its root, when a verified version).
 
         On bf16 the state's tensors are replaced, in `state` itself, by views of the model's
         memory (see the module docstring): from then on the state and the model are one copy.
@@ -161,6 +183,7 @@ class LiveWeights:
             _quantize_structure(model)
             live._index()
         live._install(state)
+        live.digest = digest
         if plane == "bf16" and cpu_compute.float32_compute_wanted():
             cpu_compute.use_float32_compute(model)  # copies made at each layer's first call
         if plane == "int8" and cpu_compute.float32_activations_wanted():
@@ -169,9 +192,42 @@ class LiveWeights:
 
     @property
     def master_apart(self) -> bool:
-        """Whether the subscriber's state is kept apart from the served weights (int8: the bf16
-        master they are quantized from), so a commit into it may run beside generation."""
+        """Whether `state` is kept apart from the served weights (int8: the bf16 master they are
+        quantized from), a second copy of the weights in memory."""
         return self.plane != "bf16"
+
+    def bits(self) -> Mapping[str, np.ndarray]:
+        """The bits held, read-only, for a deferred sync to stage the next version on (module doc)."""
+        return MappingProxyType({name: _read_only(bits) for name, bits in self.state.items()})
+
+    def install_version(self, staged: StagedSync) -> ApplyStats:
+        """Install a verified version in one call (module doc); on the MLX thread, where nothing
+        computes with the model. ValueError when a patch was staged on another version than the
+        one held or does not fit the model; on any error nothing changed (`digest` None when the
+        model could not be brought back: it then holds no verified version)."""
+        held = self.digest
+        if staged.patch is None:
+            assert staged.state is not None
+            self.check_whole(staged.state)  # ValueError with nothing written when it does not fit
+            self.digest = None  # from here the old bits go as the new ones come in (no second copy)
+            self.state = {}
+            stats = self.apply(staged.state, None, ())
+            self.digest = staged.digest.root()
+            return stats
+        if held is None or staged.base != held:
+            raise ValueError(f"v{staged.version} was staged on state {staged.base}, the model holds {held}")
+        patch = staged.patch
+        undo = patch.commit(self.state)  # ValueError with nothing written when it does not fit
+        self.digest = None
+        try:
+            stats = self.apply(self.state, patch.written, patch.touched)
+        except BaseException:
+            undo.rollback(self.state)
+            self.apply(self.state, patch.written, patch.touched)  # copies and groups back from the bits
+            self.digest = held
+            raise
+        self.digest = staged.digest.root()
+        return stats
 
     def shares(self, state: Mapping[str, np.ndarray]) -> bool:
         """True when every bf16 tensor of `state` the model holds is the model's own memory
@@ -229,10 +285,11 @@ class LiveWeights:
         changed: Mapping[str, np.ndarray] | None,
         touched: Iterable[str],
     ) -> ApplyStats:
-        """Refresh the model from the master after a sync (`SyncResult.changed` / `.touched`).
+        """Refresh the model from the master `state` (`install_version`'s second half).
 
-        `changed` maps tensor names to the sorted unique flat indices written; None means the whole
-        state was replaced and everything is re-installed. A touched tensor without indices is
+        `changed` maps tensor names to the sorted unique flat indices written into `state` (the
+        one held); None means `state` is a whole new one: everything is installed from it and the
+        weights own it from then on. A touched tensor without indices is
         refreshed whole. On bf16 a tensor that is the model's own memory is already live (nothing
         to do); any other is installed and shared (replaced in `state` by the live view).
         ValueError (model unchanged) if a tensor does not fit the model.
@@ -274,10 +331,15 @@ class LiveWeights:
         """Re-install the whole master (same checks as `from_state`)."""
         return self.apply(state, None, ())
 
+    def check_whole(self, state: Mapping[str, np.ndarray]) -> None:
+        """ValueError naming the first tensor of a whole new `state` that does not fit the model."""
+        self._validate_full(state)
+
     def _install(self, state: MutableMapping[str, np.ndarray], start: float | None = None) -> ApplyStats:
-        """Write every tensor of an already validated state. On bf16 one tensor at a time, each
-        shared as soon as it is in MLX, so the state's own arrays are freed as it goes (peak: one
-        tensor more than the weights) unless the caller holds on to them."""
+        """Write every tensor of an already validated state, which the weights hold from then on.
+        On bf16 one tensor at a time, each shared as soon as it is in MLX, so the state's own
+        arrays are freed as it goes (peak: one tensor more than the weights) unless the caller
+        holds on to them."""
         start = time.perf_counter() if start is None else start
         groups = 0
         for name in self._shapes:
@@ -290,6 +352,7 @@ class LiveWeights:
             else:
                 self._load(self._quantize_full(q, state[name]))
                 groups += q.groups
+        self.state = state
         return ApplyStats(len(self._shapes), groups, True, time.perf_counter() - start)
 
     def _layer(self, name: str) -> nn.Module | None:
@@ -434,6 +497,12 @@ def bf16_bits(a: mx.array) -> np.ndarray:
     if a.dtype != mx.bfloat16:
         raise ValueError(f"expected a bfloat16 array, got {a.dtype}")
     return np.array(a.view(mx.uint16))
+
+
+def _read_only(bits: np.ndarray) -> np.ndarray:
+    view = bits.view()
+    view.flags.writeable = False
+    return view
 
 
 def _bf16(bits: np.ndarray) -> mx.array:

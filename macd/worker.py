@@ -5,9 +5,9 @@ network (pointer polls, weight downloads, uploads, heartbeats). The worker is ma
 one job each:
 
 - `following.WeightFollower`: follows the run's weights beside generation (poll, download,
-  verify) and installs each version at a safe point, in one direction: the subscriber's sync
-  returns the staged version and the follower commits it. On the bf16 plane the subscriber's
-  state *is* the model's memory (one copy of the weights, `weights.py`).
+  verify) and installs each version at a safe point: the subscriber's sync returns the staged
+  version and the MLX thread installs it in one call into the live weights, the one owner of
+  the weights' bytes (on the bf16 plane the model's memory itself: one copy, `weights.py`).
 - `generation.GenerationLoop`: one continuous generator of groups (for a tool task, multi-turn
   episodes whose tool calls run on the asyncio side), kept full across weight versions, each
   group exact to the version it is tagged with (a group that straddles a swap is dropped and
@@ -265,9 +265,10 @@ class Worker:
                     return None
                 plane = await self.weights.plane_for(manifest, self.trust)
                 sub = self.weights.subscriber(self.trust, held_plane(manifest, plane))
-                if not await self.weights.first_sync(sub, stop):
+                staged = await self.weights.first_sync(sub, stop)
+                if staged is None:
                     return None
-                model, tokenizer = await self.weights.load_model(sub, plane)
+                model, tokenizer = await self.weights.load_model(sub, staged, plane)
                 return Ready(manifest, task, model, tokenizer)
             except (StoreConfigError, WorkerKeyError):
                 raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ mlx_lm = pytest.importorskip("mlx_lm")
 pytest.importorskip("tokenizers")
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model
 
@@ -113,43 +115,62 @@ def expected_groups(live: LiveWeights, result: SyncResult) -> int:
     return sum(np.unique(idx // GROUP).size for name, idx in result.changed.items() if name in quantized)
 
 
+async def first_install(sub: Subscriber, model: nn.Module, plane: str) -> LiveWeights:
+    """A worker's cold start: a deferred sync's verified state, owned by the live weights from then on."""
+    result = await sub.sync()
+    assert result is not None and result.changed is None and result.staged is not None and result.staged.state is not None
+    live = LiveWeights.from_state(model, result.staged.state, plane, result.staged.digest.root())  # type: ignore[arg-type]
+    sub.advance(result.staged)
+    assert sub.state is None  # the subscriber holds no weight bytes
+    return live
+
+
+async def install_next(sub: Subscriber, live: LiveWeights) -> tuple[SyncResult, ApplyStats]:
+    """A worker's install: a sync staged on the live weights' bits (lent read-only), installed by
+    them in one call (at a safe point, on the MLX thread), then the subscriber stands at it."""
+    result = await sub.sync(live.bits())
+    assert result is not None and result.staged is not None
+    stats = live.install_version(result.staged)
+    sub.advance(result.staged)
+    assert live.digest == sub.digest.root() == result.staged.digest.root()  # type: ignore[union-attr]
+    return result, stats
+
+
 async def follow(tiny: Path, bucket: Path, plane: str) -> None:
-    """Publish the versions, sync a subscriber, apply, and compare after each version."""
+    """Publish the versions, sync a deferred subscriber, install, and compare after each version."""
     rng = np.random.default_rng(0)
     states = versions(load_hf_state(tiny), rng)
     async with open_store(f"file://{bucket}") as store:
-        pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+        pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
         stale = LiveWeights.from_state(fresh_model(tiny), states[0], plane)  # for the anchor path
         live: LiveWeights | None = None
         for v, state in enumerate(states):
             await pub.publish(state)
-            result = await sub.sync()
-            assert result is not None and result.version == v and sub.state is not None
             if live is None:
-                assert result.changed is None
-                live = LiveWeights.from_state(fresh_model(tiny), sub.state, plane)
+                live = await first_install(sub, fresh_model(tiny), plane)
+                check(tiny, plane, live, state)
+                continue
+            result, stats = await install_next(sub, live)
+            assert result.version == v and result.path == "step" and result.changed is not None
+            assert not stats.full
+            if plane == "bf16":  # one copy: the patch was committed into the live weights
+                assert live.shares(live.state) and stats.tensors == 0
             else:
-                assert result.path == "step" and result.changed is not None
-                stats = live.apply(sub.state, result.changed, result.touched)
-                assert not stats.full
-                if plane == "bf16":  # one copy: the subscriber's patch wrote the live weights
-                    assert live.shares(sub.state) and stats.tensors == 0
-                else:
-                    assert stats.tensors == len([i for i in result.changed.values() if i.size])
-                if plane == "int8":
-                    assert stats.groups == expected_groups(live, result)
-                if v == 3:
-                    assert stats.tensors == stats.groups == 0  # nothing changed
-                if v in (1, 4) and plane == "int8":
-                    total = sum(m.scales.size for _, m in live.model.named_modules() if "scales" in m)
-                    assert 0 < stats.groups < total  # a real subset
+                assert stats.tensors == len([i for i in result.changed.values() if i.size])
+            if plane == "int8":
+                assert stats.groups == expected_groups(live, result)
+            if v == 3:
+                assert stats.tensors == stats.groups == 0  # nothing changed
+            if v in (1, 4) and plane == "int8":
+                total = sum(m.scales.size for _, m in live.model.named_modules() if "scales" in m)
+                assert 0 < stats.groups < total  # a real subset
             check(tiny, plane, live, state)
 
-        cold = Subscriber(store, RUN)  # far behind: the anchor path replaces the whole state
+        cold = Subscriber(store, RUN, deferred=True)  # far behind: the anchor path replaces the whole state
         result = await cold.sync()
-        assert result is not None and result.path.startswith("anchor") and result.changed is None
-        stats = stale.apply(cold.state, result.changed, result.touched)
-        assert stats.full and stats.tensors == len(states[-1])
+        assert result is not None and result.path.startswith("anchor") and result.staged is not None
+        stats = stale.install_version(result.staged)
+        assert stats.full and stats.tensors == len(states[-1]) and stale.digest == pub.state_digest
         check(tiny, plane, stale, states[-1])
 
 
@@ -178,35 +199,25 @@ def assert_one_copy(live: LiveWeights, state: State) -> None:
     assert live.nbytes == sum(b.nbytes for b in state.values())
 
 
-async def sync_committed(sub: Subscriber) -> SyncResult | None:
-    """A sync; a deferred subscriber's staged version committed at once (a worker: at a safe point)."""
-    result = await sub.sync()
-    if result is not None and result.staged is not None:
-        sub.commit(result.staged)
-    return result
-
-
 async def test_one_copy_stays_bit_identical_to_a_fresh_load_over_20_patches(tiny: Path, tmp_path: Path) -> None:
-    """bf16: the subscriber's state is the model's memory. Twenty patches, written in place by the
-    subscriber or staged by a deferred one and committed, leave it bit-identical to a freshly loaded model of the
-    published state; an anchor sync's new state is installed and shared in its turn."""
+    """bf16: the live weights' state is the model's memory, and the subscriber holds none of it.
+    Twenty patches staged on it and installed in one call each leave it bit-identical to a freshly
+    loaded model of the published state; an anchor's new state is installed and shared in its
+    turn, and the old one let go."""
     rng = np.random.default_rng(5)
     state = load_hf_state(tiny)
     async with open_store(f"file://{tmp_path}") as store:
-        pub, sub = Publisher(store, RUN), Subscriber(store, RUN)
+        pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
         await pub.publish(state)
-        assert await sub.sync() is not None and sub.state is not None
-        live = LiveWeights.from_state(fresh_model(tiny), sub.state, "bf16")
-        assert_one_copy(live, sub.state)
+        live = await first_install(sub, fresh_model(tiny), "bf16")
+        assert_one_copy(live, live.state)
         for v in range(1, 21):
             state = nudge(state, rng)
             await pub.publish(state)
-            sub.deferred = bool(v % 2)
-            result = await sync_committed(sub)
-            assert result is not None and result.version == v and result.path == "step"
-            stats = live.apply(sub.state, result.changed, result.touched)
+            result, stats = await install_next(sub, live)
+            assert result.version == v and result.path == "step"
             assert stats.tensors == 0  # nothing to copy: the patch wrote the live weights
-            assert_one_copy(live, sub.state)
+            assert_one_copy(live, live.state)
         assert sub.digest is not None and sub.digest.root() == state_digest(state) == pub.state_digest
         assert_same_params(live.model, state)
         assert_same_logits(live.model, fresh_model(tiny, state))
@@ -214,22 +225,78 @@ async def test_one_copy_stays_bit_identical_to_a_fresh_load_over_20_patches(tiny
         for _ in range(3):  # three versions behind: a catch-up patch or a chain, staged
             state = nudge(state, rng)
             await pub.publish(state)
-        sub.deferred = True
-        result = await sync_committed(sub)
-        assert result is not None and result.version == 23 and not result.path.startswith("anchor")
-        live.apply(sub.state, result.changed, result.touched)
-        assert_one_copy(live, sub.state)
+        result, _ = await install_next(sub, live)
+        assert result.version == 23 and not result.path.startswith("anchor")
+        assert_one_copy(live, live.state)
         assert_same_params(live.model, state)
 
-        cold = Subscriber(store, RUN)
+        cold = Subscriber(store, RUN, deferred=True)
         result = await cold.sync()
-        assert result is not None and result.path.startswith("anchor") and cold.state is not None
-        old = sub.state
-        stats = live.apply(cold.state, result.changed, result.touched)
-        assert stats.full and stats.tensors == len(state)
-        assert_one_copy(live, cold.state)
+        assert result is not None and result.path.startswith("anchor") and result.staged is not None
+        old, new = live.state, result.staged.state
+        stats = live.install_version(result.staged)
+        assert stats.full and stats.tensors == len(state) and live.state is new
+        assert_one_copy(live, live.state)
         assert not live.shares(old)
         assert_same_params(live.model, state)
+
+
+@pytest.mark.parametrize("plane", ["bf16", "int8"])
+async def test_a_failed_install_changes_nothing(
+    tiny: Path, tmp_path: Path, plane: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged version the model cannot take (staged on another version, a new state that does
+    not fit) or whose install fails half-way (an MLX error after the patch was committed) leaves
+    the model and its state at the version it held, bit for bit; the same version installs after."""
+    rng = np.random.default_rng(9)
+    state = load_hf_state(tiny)
+    async with open_store(f"file://{tmp_path}") as store:
+        pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
+        await pub.publish(state)
+        live = await first_install(sub, fresh_model(tiny), plane)
+        before, held = snapshot(live.model), {n: b.copy() for n, b in live.state.items()}
+        new = nudge(state, rng)
+        await pub.publish(new)
+        result = await sub.sync(live.bits())
+        assert result is not None and result.staged is not None and result.staged.patch is not None
+
+        def unchanged() -> None:
+            assert live.digest == sub.digest.root() and sub.version == 0  # type: ignore[union-attr]
+            assert_same_params(live.model, before)
+            assert all(np.array_equal(live.state[n], b) for n, b in held.items())
+            assert live.digest_check(live.state)
+
+        with pytest.raises(ValueError, match="staged on state"):
+            live.install_version(dataclasses.replace(result.staged, base="another version"))
+        unchanged()
+        misfit = {**held, "model.norm.weight": held["model.norm.weight"][:-1].copy()}
+        with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+            live.install_version(dataclasses.replace(result.staged, patch=None, state=misfit))
+        unchanged()
+
+        failed: list[str] = []
+
+        def failing_once(real):  # type: ignore[no-untyped-def]
+            def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+                if not failed:  # an MLX error after the patch was written into the state
+                    failed.append(real.__name__)
+                    raise RuntimeError("out of memory (a test's)")
+                return real(*args, **kwargs)
+            return wrapper
+
+        if plane == "bf16":  # the patch lands in the model's memory: refreshing a layer after it fails
+            monkeypatch.setattr(LiveWeights, "_rewiden", failing_once(LiveWeights._rewiden))
+        else:  # the patch lands in the master: loading the re-quantized groups fails
+            monkeypatch.setattr(LiveWeights, "_load", failing_once(LiveWeights._load))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            live.install_version(result.staged)
+        assert failed
+        unchanged()
+        monkeypatch.undo()
+        stats = live.install_version(result.staged)
+        sub.advance(result.staged)
+        assert not stats.full and live.digest == pub.state_digest
+        assert live.digest_check(live.state) and all(np.array_equal(live.state[n], b) for n, b in new.items())
 
 
 async def test_int8_plane_requantizes_only_touched_groups(tiny: Path, tmp_path: Path) -> None:

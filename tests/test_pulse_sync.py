@@ -531,60 +531,76 @@ async def test_a_base_relative_catchup_serves_only_its_exact_base(store: Store) 
         assert_same(sub.state, states[3])
 
 
-# -- a deferred subscriber: sync stages, commit writes -------------------------------------------
+# -- a deferred subscriber: sync stages on lent bytes, their owner installs ---------------------
 
 
 def copies(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: bits.copy() for name, bits in state.items()}
 
 
-async def test_a_deferred_sync_writes_nothing_until_committed(store: Store) -> None:
-    """Cold start, a step, a catch-up and a fallback past a corrupt patch: each sync returns the
-    verified version staged and leaves the state and the version alone; `commit` installs it,
-    `revert` undoes a patch's commit exactly."""
+def read_only(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The owner's bits lent for a sync: views nothing can write through."""
+    out = {}
+    for name, bits in state.items():
+        out[name] = bits.view()
+        out[name].flags.writeable = False
+    return out
+
+
+async def test_a_deferred_sync_stages_on_lent_bytes_and_holds_none(store: Store) -> None:
+    """Cold start, a step, a catch-up: each sync reads the owner's bytes (read-only views) and
+    returns the verified version staged, writing nothing and standing where it stood; the owner
+    commits the patch (or takes the new state) and the subscriber then `advance`s."""
     rng = np.random.default_rng(21)
     pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
     states = await publish_versions(pub, rng, 1)
     result = await sub.sync()
     assert result is not None and result.path == "anchor" and result.staged is not None
     assert sub.state is None and sub.version is None and result.staged.state is not None
-    sub.commit(result.staged)
+    owned = result.staged.state  # the owner's from now on
+    sub.advance(result.staged)
     assert sub.version == 0 and sub.digest is not None and sub.digest.root() == pub.state_digest
-    assert_same(sub.state, states[0])
+    assert sub.state is None
+    assert_same(owned, states[0])
 
     for behind in (1, 3):
         states += await publish_versions(pub, rng, behind, step_state(states[-1], rng))
-        held, version = copies(sub.state), sub.version
-        result = await sub.sync()
+        held, version = copies(owned), sub.version
+        result = await sub.sync(read_only(owned))
         assert result is not None and result.staged is not None and result.staged.patch is not None
         assert result.path == ("step" if behind == 1 else result.path) and not result.path.startswith("anchor")
         assert sub.version == version and sub.digest is not None and sub.digest.root() == result.staged.base
-        assert_same(sub.state, held)  # staging only reads
+        assert sub.state is None
+        assert_same(owned, held)  # staging only reads
         assert result.changed is not None and set(result.changed) == set(result.touched)
         for name, at in result.changed.items():
             assert not at.flags.writeable and np.all(np.diff(at) > 0)
             changed = np.flatnonzero(held[name].reshape(-1) != states[-1][name].reshape(-1))
             assert np.isin(changed, at).all(), name  # every changed element is named
-        done = sub.commit(result.staged)
-        assert sub.version == len(states) - 1 and sub.digest.root() == pub.state_digest
-        assert_same(sub.state, states[-1])
+        undo = result.staged.patch.commit(owned)
+        assert_same(owned, states[-1])
         if behind == 1:
-            sub.revert(done)  # e.g. the model could not take it
-            assert sub.version == version and sub.digest.root() == result.staged.base
-            assert_same(sub.state, held)
-            with pytest.raises(ValueError, match="revert"):
-                sub.revert(done)
-            sub.commit(result.staged)
-            assert_same(sub.state, states[-1])
+            undo.rollback(owned)  # e.g. the model could not take it: the owner never advances the subscriber
+            assert_same(owned, held)
+            result.staged.patch.commit(owned)
+        sub.advance(result.staged)
+        assert sub.version == len(states) - 1 and sub.digest.root() == pub.state_digest
+        with pytest.raises(ValueError, match="staged on state"):
+            sub.advance(result.staged)  # the subscriber stands past the state it was staged on
 
-    # a staged patch is committed only onto the state it was staged on
     states += await publish_versions(pub, rng, 1, step_state(states[-1], rng))
-    result = await sub.sync()
-    assert result is not None and result.staged is not None
-    sub.state["norm"][0] ^= 1
-    sub.digest = StateDigest.of(sub.state)  # the held state moved on
-    with pytest.raises(ValueError, match="staged on state"):
-        sub.commit(result.staged)
+    with pytest.raises(ValueError, match="owner's bytes"):
+        await sub.sync()  # holding a version, a deferred sync stages on the owner's bytes only
+    result = await sub.sync_to(await _manifest(store, len(states) - 1), read_only(owned))
+    assert result.staged is not None and result.staged.patch is not None
+    before = copies(owned)
+    for state, problem in (
+        ({n: a for n, a in owned.items() if n != result.staged.patch.touched[0]}, "not in the state"),
+        (read_only(owned), "writeable"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            result.staged.patch.commit(state)  # nothing written when a tensor cannot take it
+        assert_same(owned, before)
 
 
 async def test_a_deferred_sync_past_a_corrupt_patch_stages_the_next_path(store: Store) -> None:
@@ -592,18 +608,25 @@ async def test_a_deferred_sync_past_a_corrupt_patch_stages_the_next_path(store: 
     pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
     states = await publish_versions(pub, rng, 2)
     result = await sub.sync()
-    assert result is not None and result.staged is not None
-    sub.commit(result.staged)
+    assert result is not None and result.staged is not None and result.staged.state is not None
+    owned = result.staged.state
+    sub.advance(result.staged)
     await pub.publish(step_state(states[-1], rng))
     step = (await _manifest(store, 2)).patch("step")
     assert step is not None
     body = bytearray(await store.get_bytes(step.key))
     body[len(body) // 2] ^= 0x40
     await store.put(step.key, bytes(body))
-    held = copies(sub.state)
-    result = await sub.sync()
+    held = copies(owned)
+    result = await sub.sync(read_only(owned))
     assert result is not None and result.path != "step" and result.staged is not None
-    assert sub.version == 1 and sub.state is not None
-    assert_same(sub.state, held)
-    sub.commit(result.staged)
+    assert sub.version == 1 and sub.state is None
+    assert_same(owned, held)
+    if result.staged.patch is not None:
+        result.staged.patch.commit(owned)
+    else:
+        assert result.staged.state is not None
+        owned = result.staged.state
+    sub.advance(result.staged)
     assert sub.version == 2 and sub.digest is not None and sub.digest.root() == pub.state_digest
+    assert StateDigest.of(owned).root() == pub.state_digest  # the owner's bytes are the version

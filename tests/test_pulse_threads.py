@@ -129,6 +129,32 @@ async def test_a_publish_is_byte_identical_whatever_the_thread_count(store: Stor
         assert a.state_digest == StateDigest.of(states[a.version]).root()
 
 
+class Holder:
+    """A subscriber and the bytes it reaches: its own, or (deferred) held here and lent to each
+    sync, installed here as a worker's live weights install them."""
+
+    def __init__(self, sub: Subscriber) -> None:
+        self.sub = sub
+        self.owned: dict[str, np.ndarray] | None = None
+
+    @property
+    def state(self) -> dict[str, np.ndarray] | None:
+        return self.owned if self.sub.deferred else self.sub.state
+
+    async def sync(self) -> subscriber.SyncResult | None:
+        result = await self.sub.sync(self.owned)
+        staged = None if result is None else result.staged
+        if staged is not None:
+            assert self.sub.state is None  # a deferred subscriber holds no bytes
+            if staged.patch is not None:
+                assert self.owned is not None
+                staged.patch.commit(self.owned)
+            else:
+                self.owned = staged.state
+            self.sub.advance(staged)
+        return result
+
+
 @pytest.mark.parametrize("deferred", [False, True])
 async def test_a_sync_reaches_the_same_state_whatever_the_thread_count(
     store: Store, deferred: bool, monkeypatch: pytest.MonkeyPatch
@@ -136,19 +162,18 @@ async def test_a_sync_reaches_the_same_state_whatever_the_thread_count(
     monkeypatch.setattr(subscriber, "WHOLE_BODY_BYTES", 0)  # every frame by its own ranged GET
     states = trajectory(3, 6)
     pub = Publisher(store, "run", replace(CONFIG, anchor_every=100))
-    subs = {t: Subscriber(store, "run", SubscriberConfig(threads=t), deferred=deferred) for t in (1, 4)}
+    subs = {t: Holder(Subscriber(store, "run", SubscriberConfig(threads=t), deferred=deferred)) for t in (1, 4)}
     for v, state in enumerate(states):
         await pub.publish(state)
         if v in (0, 1, 4, 5):  # the anchor, a step, a 3-version path, a step
-            results = {t: await sub.sync() for t, sub in subs.items()}
-            for t, sub in subs.items():
-                result = results[t]
+            results = {t: await holder.sync() for t, holder in subs.items()}
+            for t, holder in subs.items():
+                result, sub = results[t], holder.sub
                 assert result is not None and result.version == v
-                if result.staged is not None:
-                    sub.commit(result.staged)
                 assert sub.version == v and sub.digest is not None
                 assert sub.digest.root() == StateDigest.of(state).root()
-                assert sub.state is not None and all(np.array_equal(sub.state[n], state[n]) for n in state)
+                held = holder.state
+                assert held is not None and all(np.array_equal(held[n], state[n]) for n in state)
             one, four = results[1], results[4]
             assert one is not None and four is not None and one.path == four.path
             if v:
@@ -212,11 +237,9 @@ async def test_frames_are_decoded_while_later_frames_are_still_fetched(
     monkeypatch.setattr(frames, "decode_frame", logged_decode)
     states = trajectory(4, 2)
     pub = Publisher(store, "run", replace(CONFIG, catchup=False, frame_bytes=300))
-    sub = Subscriber(held, "run", SubscriberConfig(threads=2), deferred=deferred)
+    sub = Holder(Subscriber(held, "run", SubscriberConfig(threads=2), deferred=deferred))
     await pub.publish(states[0])
-    first = await sub.sync()
-    if first is not None and first.staged is not None:
-        sub.commit(first.staged)
+    await sub.sync()
     result = await pub.publish(states[1])
     manifest = await read_manifest(store, (await read_pointer(store, "run")).manifest)
     step = manifest.patch("step")
@@ -225,8 +248,6 @@ async def test_frames_are_decoded_while_later_frames_are_still_fetched(
     held.held, held.log[:] = (step.key, last), []
     synced = await sub.sync()
     assert synced is not None and synced.path == "step"
-    if synced.staged is not None:
-        sub.commit(synced.staged)
     assert sub.state is not None and all(np.array_equal(sub.state[n], states[1][n]) for n in states[1])
     log = held.log
     assert "nothing decoded while the frame was held" not in log
@@ -248,11 +269,12 @@ async def test_a_frame_not_matching_its_signed_patch_is_refused_and_nothing_is_k
     await store.put_if_absent(RunLayout("signed").run_manifest, manifest.to_bytes(key))
     states = trajectory(5, 2)
     pub = Publisher(store, "signed", replace(CONFIG, catchup=False, frame_bytes=300), key=key)
-    sub = Subscriber(store, "signed", SubscriberConfig(threads=2), trust=RunTrust("signed", key.public), deferred=deferred)
+    holder = Holder(
+        Subscriber(store, "signed", SubscriberConfig(threads=2), trust=RunTrust("signed", key.public), deferred=deferred)
+    )
+    sub = holder.sub
     await pub.publish(states[0])
-    first = await sub.sync()
-    if first is not None and first.staged is not None:
-        sub.commit(first.staged)
+    await holder.sync()
     await pub.publish(states[1])
     step = (await read_manifest(store, (await read_pointer(store, "signed")).manifest)).patch("step")
     assert step is not None and len(step.index.frames) >= 3
@@ -260,6 +282,7 @@ async def test_a_frame_not_matching_its_signed_patch_is_refused_and_nothing_is_k
     body[step.index.frames[1].offset + 5] ^= 0x40
     await store.put(step.key, bytes(body))
     with pytest.raises(WeightsRefused, match="does not match"):
-        await sub.sync()
+        await holder.sync()
     assert sub.refused == 1 and sub.version == 0
-    assert sub.state is not None and all(np.array_equal(sub.state[n], states[0][n]) for n in states[0])
+    held = holder.state
+    assert held is not None and all(np.array_equal(held[n], states[0][n]) for n in states[0])

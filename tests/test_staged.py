@@ -127,6 +127,13 @@ def test_a_failed_commit_restores_the_state() -> None:
     live = copy(s0)
     staged = stage_patches(live, StateDigest.of(live), [(index, frames_of(index, body))], state_digest(s1))
     live["c.weight"] = live["c.weight"][:1].copy()  # the last tensor no longer takes its writes
-    with pytest.raises(IndexError):
-        staged.commit(live)
+    with pytest.raises(ValueError, match=r"c\.weight"):
+        staged.commit(live)  # found before anything is written
     assert same({n: b for n, b in live.items() if n != "c.weight"}, {n: b for n, b in s0.items() if n != "c.weight"})
+    lent = copy(s0)
+    for bits in lent.values():
+        bits.flags.writeable = False  # bytes lent for staging only
+    again = stage_patches(lent, StateDigest.of(lent), [(index, frames_of(index, body))], state_digest(s1))
+    with pytest.raises(ValueError, match="writeable"):
+        again.commit(lent)
+    assert same(lent, s0)

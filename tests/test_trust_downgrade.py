@@ -66,7 +66,7 @@ async def _refused(worker: Worker, caplog: pytest.LogCaptureFixture) -> str:
                                timeout=30, message=lambda: f"two refusals ({worker.beat})")
         stop.set()
         assert await asyncio.wait_for(run, 30) == 0
-    assert worker.sub is None or worker.sub.state is None  # nothing taken from the refused run
+    assert worker.live is None and (worker.sub is None or worker.sub.version is None)  # nothing taken from the refused run
     lines = [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()]
     assert len(lines) == 1, lines  # counted at every retry, logged once
     return lines[0]

@@ -5,9 +5,11 @@ afterwards. A worker whose state *is* its model's live weights (one copy, the me
 with MLX) cannot let anything write while the model generates. `stage_patches` does all the
 work that does not need the state to change, beside the running model: decode and verify every
 frame, compute the final bits at every written index and check that the resulting state digest
-is the target's. What remains for the safe point is `StagedPatch.commit`: scatter the final
-bits into the state, work proportional to the patch. A deferred `subscriber.Subscriber` syncs
-this way and hands the staged patch to its receiver (`Subscriber.commit`).
+is the target's. Staging only reads the state (a worker lends its weights read-only for the
+length of a sync). What remains for the safe point is `StagedPatch.commit`, called by whoever
+owns the state's bytes: scatter the final bits into the state, work proportional to the patch.
+A deferred `subscriber.Subscriber` syncs this way and hands the staged patch to the owner of the
+bytes (a worker's `macd.weights.LiveWeights.install_version`).
 
 Extra memory while staging, about 6 bytes per change (an int32 index and the bf16 bits, held as
 decoded and kept as the staged writes), the decoding buffers of one frame per thread (frames
@@ -21,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -64,13 +67,33 @@ class StagedPatch:
     def touched(self) -> tuple[str, ...]:
         return tuple(w.name for w in self.writes)
 
+    @property
+    def written(self) -> Mapping[str, np.ndarray]:
+        """The sorted unique flat indices written per tensor (read-only views)."""
+        out = {}
+        for w in self.writes:
+            view = w.indices.view()
+            view.flags.writeable = False
+            out[w.name] = view
+        return MappingProxyType(out)
+
     def commit(self, state: MutableMapping[str, np.ndarray]) -> UndoLog:
         """Write into `state` (the one staged from, unchanged since) in place; the undo log of
-        what was overwritten. On an error the state is restored before it propagates."""
+        what was overwritten. ValueError, nothing written, when a tensor is missing or cannot
+        be written in place; on any other error the state is restored before it propagates."""
+        flats = []
+        for w in self.writes:
+            if w.name not in state:
+                raise ValueError(f"{w.name}: not in the state this patch was staged on")
+            bits = check_bits(w.name, state[w.name])
+            if w.indices.size and bits.size <= w.indices[-1]:
+                raise ValueError(f"{w.name}: {bits.size} elements, the patch writes index {w.indices[-1]}")
+            if not (bits.flags.c_contiguous and bits.flags.writeable):
+                raise ValueError(f"{w.name}: must be a writeable C-contiguous array to commit in place")
+            flats.append(bits.reshape(-1))
         entries: list[UndoEntry] = []
         try:
-            for w in self.writes:
-                flat = state[w.name].reshape(-1)
+            for w, flat in zip(self.writes, flats, strict=True):
                 entries.append(UndoEntry(w.name, w.indices, flat[w.indices]))
                 flat[w.indices] = w.bits
         except BaseException:
@@ -169,11 +192,11 @@ def _digest_with(name: str, bits: np.ndarray, at: np.ndarray, final: np.ndarray,
 
 
 def _check_target(state: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], i: int) -> None:
+    """The tensor an entry stages onto is in the state, of its shape (only read here: `commit`
+    checks that it can be written)."""
     where = f"frame {i}, tensor {name!r}"
     if name not in state:
         raise ValueError(f"{where}: not in the state")
     bits = check_bits(name, state[name])
     if bits.shape != shape:
         raise ValueError(f"{where}: state shape {bits.shape} != patch shape {shape}")
-    if not (bits.flags.c_contiguous and bits.flags.writeable):
-        raise ValueError(f"{where}: must be a writeable C-contiguous array to patch in place")

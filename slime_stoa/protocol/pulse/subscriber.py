@@ -16,7 +16,7 @@ change or to load an anchor, all measured as the subscriber goes):
 It tries them best first. Patches of a path are fetched concurrently (frames with ranged GETs);
 each frame is verified against its digest and decoded as it arrives, on `SubscriberConfig.threads`
 threads, while later frames still download (`feed.FrameFeed`), and applied in place, in order,
-with an undo log (a deferred sync stages it instead, writing nothing); the final state digest
+with an undo log (a deferred sync stages it instead, writing nothing: see below); the final state digest
 must equal the manifest's, and a patch counts only once its whole body matched the sha256 its
 signed manifest carries. A patch carrying a base digest (every step patch, and every
 base-relative patch) is only tried on exactly that base. Any failure (bad digest, missing object,
@@ -39,6 +39,15 @@ frame failing its digest in a signed patch counts as a mismatch). A refused obje
 (`refused`), logged once, and when no path is left the sync raises `WeightsRefused` (a
 SyncError): the state stays at its last verified version.
 
+Who owns the bytes. A plain subscriber owns its `state` (numpy arrays nothing else holds) and
+writes it. A `deferred` one holds no weight bytes at all, only where it stands (`version`,
+`digest`, `current`): their owner (a worker's live weights, whose bytes are the model's memory)
+lends them read-only to each `sync(base)`, which stages the next version against them
+(`staged.stage_patches`: decode, verify, compute the final bits and the state digest they
+make) or reads a new verified state (anchor paths) and returns it (`SyncResult.staged`). The
+owner writes it where nothing computes with it and then calls `advance` (or nothing, if the
+install failed: the subscriber still stands at the version the owner still holds).
+
 What a sync returns and raises, and what a deferred sync stages, are in `sync_result.py`.
 """
 
@@ -53,7 +62,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -73,8 +81,8 @@ from .history import MalformedPointer, NotPublished, read_anchor_manifest, read_
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
 from .parallel import check_threads, thread_count
 from .route import Link, Route, RouteBy, SpeedMeter, Speeds, estimate_s, patch_paths, rank_key
-from .staged import StagedPatch, stage_patches
-from .sync_result import Committed, StagedSync, SyncError, SyncResult, WeightsRefused
+from .staged import stage_patches
+from .sync_result import StagedSync, SyncError, SyncResult, WeightsRefused
 
 log = logging.getLogger("stoa.pulse")
 
@@ -112,7 +120,9 @@ class _Plan:
 class Subscriber:
     """Holds a bf16 state (`dict[str, np.ndarray]` of uint16) at a verified version.
 
-    `deferred`: a sync writes nothing and returns the verified version to `commit` (module doc)."""
+    `deferred`: it holds no state; a sync reads the owner's bytes lent to it (`sync(base)`),
+    writes nothing and returns the verified version staged; the owner installs it and calls
+    `advance` (module doc)."""
 
     def __init__(
         self,
@@ -135,7 +145,7 @@ class Subscriber:
         self._refused_ids: OrderedDict[str, None] = OrderedDict()
         self.deferred = deferred
         self.floor: Head | None = None  # a pointer below this is refused before any version is held
-        self.state: dict[str, np.ndarray] | None = None
+        self.state: dict[str, np.ndarray] | None = None  # a plain subscriber's own bytes (never deferred)
         self.version: int | None = None
         self.digest: StateDigest | None = None
         self.current: VersionManifest | None = None  # the manifest of `version`
@@ -166,8 +176,11 @@ class Subscriber:
         pointer, self._etag = got
         return pointer
 
-    async def sync(self) -> SyncResult | None:
-        """Move to the pointer's version if it advanced; None when there was nothing to do."""
+    async def sync(self, base: Mapping[str, np.ndarray] | None = None) -> SyncResult | None:
+        """Move to the pointer's version if it advanced; None when there was nothing to do.
+
+        Deferred: `base` is the owner's bytes at the held version, only read, and only during
+        this call (None before any version is held)."""
         etag = self._etag
         pointer = await self.poll()
         if pointer is None:
@@ -196,21 +209,24 @@ class Subscriber:
                 or manifest.origin.epoch != pointer.epoch
             ):
                 raise SyncError(f"manifest {pointer.manifest} does not match the pointer; {self._keeping()}")
-            return await self.sync_to(manifest)
+            return await self.sync_to(manifest, base)
         except BaseException:
             self._etag = etag  # retry this pointer on the next poll
             raise
 
-    async def sync_to(self, target: VersionManifest) -> SyncResult:
-        """Reach `target`'s version by the cheapest path that verifies; SyncError if none does."""
+    async def sync_to(self, target: VersionManifest, base: Mapping[str, np.ndarray] | None = None) -> SyncResult:
+        """Reach `target`'s version by the cheapest path that verifies; SyncError if none does
+        (`base`: as for `sync`)."""
         start = time.perf_counter()
         previous = self.version
+        if self.deferred and self.version is not None and base is None:
+            raise ValueError("a deferred subscriber holding a version syncs on its owner's bytes (`base`)")
         plans = await self._plans(target)
         errors = []
         refused = False
         for plan in plans:
             try:
-                touched, changed, staged = await self._execute(plan, target)
+                touched, changed, staged = await self._execute(plan, target, base)
             except Untrusted as exc:
                 refused = True
                 self._refuse(exc.key or f"{plan.name} of v{target.version}", str(exc))
@@ -238,30 +254,21 @@ class Subscriber:
             + "; ".join(errors or ["no path available"])
         )
 
-    def commit(self, staged: StagedSync) -> Committed:
-        """Hold the version a deferred sync staged: write its patch into the held state in place,
-        or take its new state. Call it where nothing reads the state (a worker: at a safe point).
-        ValueError when the held state is no longer the one the patch was staged on; on any
-        error nothing changed. A new state replaces the held one for good; a patch's commit can
-        be undone with `revert`."""
+    def advance(self, staged: StagedSync) -> None:
+        """Stand at the version a deferred sync staged: its owner installed it (writing nothing
+        here: the subscriber holds no bytes). ValueError when it was staged on another version
+        than the one held."""
         held = self.digest.root() if self.digest is not None else None
-        undo = None
-        if staged.patch is not None:
-            if self.state is None or staged.base != held:
-                raise ValueError(f"v{staged.version} was staged on state {staged.base}, the subscriber holds {held}")
-            undo = staged.patch.commit(self.state)
-        done = Committed(staged, undo, self.version, self.digest, self.current)
-        if staged.state is not None:
-            self.state = staged.state
+        if staged.patch is not None and staged.base != held:
+            raise ValueError(f"v{staged.version} was staged on state {staged.base}, the subscriber stands at {held}")
         self.version, self.digest, self.current = staged.version, staged.digest, staged.manifest
-        return done
 
-    def revert(self, done: Committed) -> None:
-        """Undo the latest `commit` of a patch: the held bits, version and digest as before it."""
-        if done.undo is None or self.digest is not done.staged.digest or self.state is None:
-            raise ValueError(f"cannot revert v{done.staged.version}: not the latest commit of a patch")
-        done.undo.rollback(self.state)
-        self.version, self.digest, self.current = done.version, done.digest, done.current
+    def forget(self) -> None:
+        """Stand at no version (the owner's bytes match none any more): the next sync reads an
+        anchor. The version left is kept as the `floor`, so no older pointer is taken meanwhile."""
+        self.floor = self.head
+        self.version = self.digest = self.current = None
+        self._etag = None  # the pointer that may not have moved is read again
 
     @property
     def head_epoch(self) -> int:
@@ -385,18 +392,21 @@ class Subscriber:
 
     # -- execution ---------------------------------------------------------------------------
     async def _execute(
-        self, plan: _Plan, target: VersionManifest
+        self, plan: _Plan, target: VersionManifest, base: Mapping[str, np.ndarray] | None
     ) -> tuple[tuple[str, ...], Mapping[str, np.ndarray] | None, StagedSync | None]:
         """Run a plan; the subscriber's state changes only if the target digest verifies, and
-        not at all when deferred (the staged version is returned instead).
+        nothing is written when deferred (the staged version is returned instead, staged on
+        `base`).
 
         Returns (touched names, changed indices per tensor or None for a whole new state, staged)."""
         if plan.anchor is None:
-            assert self.state is not None and self.digest is not None
+            assert self.digest is not None
             if self.deferred:
-                staged = await self._stage(self.state, self.digest, plan.patches, target)
+                assert base is not None
+                staged = await self._stage(base, self.digest, plan.patches, target)
                 assert staged.patch is not None
-                return staged.patch.touched, _written(staged.patch), staged
+                return staged.patch.touched, staged.patch.written, staged
+            assert self.state is not None
             logs, self.digest = await self._apply_verified(self.state, self.digest, plan.patches, target.state_digest)
             return _touched(logs), ChangedIndices(logs), None
         anchor = await read_anchor_manifest(self.store, plan.anchor, trust=self.trust)
@@ -408,7 +418,7 @@ class Subscriber:
         return tuple(sorted(state)), None, None
 
     async def _stage(
-        self, state: dict[str, np.ndarray], digest: StateDigest, patches: list[PatchRef], target: VersionManifest
+        self, state: Mapping[str, np.ndarray], digest: StateDigest, patches: list[PatchRef], target: VersionManifest
     ) -> StagedSync:
         """Fetch and verify `patches` against `state` without writing it (`stage_patches`, on a
         thread, decoding each frame as it arrives); its cost feeds the speed estimates (the
@@ -618,13 +628,3 @@ def _apply_hashing(
 
 def _touched(logs: list[UndoLog]) -> tuple[str, ...]:
     return tuple(sorted({name for undo in logs for name in undo.touched}))
-
-
-def _written(patch: StagedPatch) -> Mapping[str, np.ndarray]:
-    """A staged patch's sorted unique written indices per tensor, read-only."""
-    out = {}
-    for w in patch.writes:
-        view = w.indices.view()
-        view.flags.writeable = False
-        out[w.name] = view
-    return MappingProxyType(out)

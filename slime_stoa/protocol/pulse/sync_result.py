@@ -1,10 +1,10 @@
 """What a sync of the weight plane gives: its result, its errors, and the version a deferred
-subscriber staged and a commit of it.
+subscriber staged.
 
 `Subscriber.sync` returns a `SyncResult` (None when nothing changed) or raises `SyncError`
-(`WeightsRefused` for a forgery); a deferred subscriber's result carries the verified version it
-has not written yet (`StagedSync`), which `Subscriber.commit` installs and records as a
-`Committed` that `Subscriber.revert` undoes.
+(`WeightsRefused` for a forgery); a deferred subscriber's result carries the verified version
+(`StagedSync`) that the owner of the weights' bytes installs (`StagedPatch.commit`, or taking
+the new state), after which it tells the subscriber (`Subscriber.advance`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .apply import UndoLog
 from .digest import StateDigest
 from .manifests import VersionManifest
 from .staged import StagedPatch
@@ -31,7 +30,7 @@ class WeightsRefused(SyncError):
 
 @dataclass(frozen=True, slots=True)
 class StagedSync:
-    """A verified version a deferred subscriber has not written yet (`Subscriber.commit` does).
+    """A verified version a deferred subscriber staged; the owner of the bytes writes it.
 
     `patch`: the verified writes that take the held state, whose root digest is `base`, to
     `digest` (patch paths); `state`: a whole new verified state (anchor paths)."""
@@ -48,17 +47,6 @@ class StagedSync:
 
 
 @dataclass(frozen=True, slots=True)
-class Committed:
-    """A patch's commit: its undo log and what the subscriber held before (`Subscriber.revert`)."""
-
-    staged: StagedSync
-    undo: UndoLog | None
-    version: int | None
-    digest: StateDigest | None
-    current: VersionManifest | None
-
-
-@dataclass(frozen=True, slots=True)
 class SyncResult:
     version: int
     previous: int | None
@@ -71,4 +59,4 @@ class SyncResult:
     # changed, e.g. re-quantize touched groups.
     changed: Mapping[str, np.ndarray] | None = None
     estimate_s: float = 0.0  # what path choice expected the path to take
-    staged: StagedSync | None = None  # a deferred subscriber's: what `commit` installs
+    staged: StagedSync | None = None  # a deferred subscriber's: what the bytes' owner installs
