@@ -5,6 +5,8 @@
   SeaweedFS honour both; a lost race answers 412, a race still in flight 409, which is retried).
 - Large payloads (above `multipart_threshold`) go up as a multipart upload, `max_concurrency`
   parts at a time; a failed upload is aborted. S3 needs parts of at least 5 MiB.
+- Every try of a request has an overall deadline (`request_deadline_s`, plus the bytes it moves
+  at a slow uplink's rate), not only botocore's per-read timeout, which a trickle never trips.
 - botocore's own retries are off: `RetryPolicy` retries throttling, 5xx, timeouts, dropped
   connections and 409 ConditionalRequestConflict; other 4xx surface at once as store errors.
 - A conditional write that was retried after an ambiguous failure (the first try may have landed
@@ -64,6 +66,7 @@ class S3Store(S3Writer, Store):
         max_concurrency: int = 8,
         connect_timeout: float = 5,
         read_timeout: float = 60,
+        request_deadline_s: float = 60,
     ) -> None:
         super().__init__(
             multipart_threshold=multipart_threshold,
@@ -77,6 +80,7 @@ class S3Store(S3Writer, Store):
             retry=retry,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
+            request_deadline_s=request_deadline_s,
         )
         root = prefix.strip("/")
         if root:
@@ -124,7 +128,7 @@ class S3Store(S3Writer, Store):
                 data = await body.read()
             return GetResult(data=data, etag=unquote_etag(resp["ETag"]), size=_total_size(resp, len(data)))
 
-        result = await self._call("GET", key, fetch)
+        result = await self._call("GET", key, fetch, size=length)  # unknown length: no deadline
         if result is False:
             return await self._empty_read(key, offset, if_none_match)
         assert result is None or isinstance(result, GetResult)

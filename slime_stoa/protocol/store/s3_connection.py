@@ -99,6 +99,8 @@ class S3Connection:
         max_concurrency: int,
         connect_timeout: float,
         read_timeout: float,
+        request_deadline_s: float = 60.0,
+        min_rate_bytes_s: float = 64 << 10,
     ) -> None:
         self.bucket = bucket
         self.endpoint_url = endpoint_url
@@ -109,6 +111,11 @@ class S3Connection:
         self.max_concurrency = max_concurrency
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        # The per-read timeout restarts with every byte: a server (or proxy) trickling one byte
+        # every few seconds never trips it. Each try also has an overall deadline: this long,
+        # plus its payload's bytes at `min_rate_bytes_s` (a slow uplink still finishes).
+        self.request_deadline_s = request_deadline_s
+        self.min_rate_bytes_s = min_rate_bytes_s
         self._client: AioBaseClient | None = None
         self._stack: AsyncExitStack | None = None
         self._lock = asyncio.Lock()
@@ -193,18 +200,30 @@ class S3Connection:
         return failure_advice(exc, endpoint=self._endpoint, url=self.url)
 
     async def _call(
-        self, action: str, key: str | None, fn: Callable[[AioBaseClient], Awaitable[T]], *, cas: bool = False
+        self,
+        action: str,
+        key: str | None,
+        fn: Callable[[AioBaseClient], Awaitable[T]],
+        *,
+        cas: bool = False,
+        size: int | None = 0,
     ) -> T:
         """Run one S3 request with retries, mapping its errors onto the store's.
+
+        Each try must finish within `deadline(size)` (`size`: the bytes it moves; None: unknown,
+        no deadline), else it is cancelled and counts as a timeout (retried like one).
 
         Every try takes the current client: a try that failed because `close()` closed its client
         meanwhile fails as `ClientClosedInFlight` (a server's answer stays what it is), and the next
         try opens a fresh client, as any call after `close()` does."""
 
+        limit = self.deadline(size)
+
         async def attempt() -> T:
             client = await self._s3()
             try:
-                return await fn(client)
+                async with asyncio.timeout(limit):
+                    return await fn(client)
             except Exception as exc:
                 if client is not self._client and not isinstance(exc, ClientError):  # closed under the request
                     raise ClientClosedInFlight(
@@ -226,6 +245,10 @@ class S3Connection:
             raise StoreConfigError(
                 f"{self._where(action, key)}: TLS failed ({exc}); check the endpoint URL (https vs http)"
             ) from exc
+
+    def deadline(self, size: int | None) -> float | None:
+        """The most seconds one try of a request moving `size` bytes may take (None: no limit)."""
+        return None if size is None else self.request_deadline_s + size / self.min_rate_bytes_s
 
     def _map_error(self, exc: ClientError, action: str, key: str | None, *, cas: bool) -> StoreError:
         code, status, where = error_code(exc), error_status(exc), self._where(action, key)

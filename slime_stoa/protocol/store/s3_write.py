@@ -135,6 +135,7 @@ class S3Writer(S3Connection):
         send: Callable[[Any], Awaitable[str]],
         conditions: dict[str, str],
         expected_etag: str,
+        size: int | None = None,
     ) -> str:
         """Send a (maybe conditional) write; settle a retried write that then seems to lose."""
         tries = 0
@@ -145,7 +146,7 @@ class S3Writer(S3Connection):
             return await send(client)
 
         try:
-            return await self._call(action, key, attempt, cas="IfMatch" in conditions)
+            return await self._call(action, key, attempt, cas="IfMatch" in conditions, size=size)
         except (PreconditionFailed, _UploadGone):
             if tries > 1 and await self._holds(key, full, expected_etag):
                 return expected_etag
@@ -168,7 +169,7 @@ class S3Writer(S3Connection):
             )
             return unquote_etag(resp["ETag"])
 
-        return await self._conditional("PUT", key, full, send, conditions, digest.hex())
+        return await self._conditional("PUT", key, full, send, conditions, digest.hex(), size=len(body))
 
     async def _put_multipart(
         self, key: str, full: str, blocks: AsyncIterator[bytes], conditions: dict[str, str]
@@ -230,7 +231,7 @@ class S3Writer(S3Connection):
             )
             return unquote_etag(resp["ETag"])
 
-        etag = await self._call(f"upload part {number} of", key, send)
+        etag = await self._call(f"upload part {number} of", key, send, size=len(block))
         return _Part(number=number, etag=etag, md5=digest)
 
     async def _complete(
