@@ -202,10 +202,12 @@ class PreviousState:
     """The previous published bf16 version, kept for the device diff (module doc): on the weights'
     device while the tensors fit `config.device_budget_bytes`, the rest in pinned host memory.
 
-    `reset(state)` keeps a copy of a whole state (the first version, or after a resume);
-    `diff(state)` gives the delta to a new state and remembers it; `commit()` applies the
-    remembered delta once the version is published (the previous version advances only after
-    the pointer moved, as the publisher's baseline). `transfer` counts the bytes each way.
+    `reset(state)` keeps a copy of a whole state (the first version, or after a resume), and
+    `reset_from_host` one of the publisher's host baseline; `diff(state)` gives the delta to a new
+    state and remembers it (`begin`, `diff_tensor` and `end` the same a tensor at a time, as a
+    gather streams them); `commit()` applies the remembered delta once the version is published
+    (the previous version advances only after the pointer moved, as the publisher's baseline),
+    `discard()` forgets it. `transfer` counts the bytes each way.
     """
 
     def __init__(self, config: DeviceDeltaConfig = DeviceDeltaConfig()) -> None:
@@ -213,6 +215,7 @@ class PreviousState:
         self.transfer = Transfer()
         self._kept: dict[str, torch.Tensor] = {}
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._diffed: set[str] = set()  # the names `diff_tensor` gave since `begin`
 
     @property
     def names(self) -> frozenset[str]:
@@ -241,6 +244,32 @@ class PreviousState:
                 kept[name] = view.clone()
         self._kept, self._pending = kept, None
 
+    def reset_from_host(self, state: Mapping[str, np.ndarray], device: torch.device | str) -> None:
+        """Keep a copy of the host state `state` (name -> uint16 bf16 bits, the publisher's
+        baseline) as the previous version, for weights on `device`: as `reset` places them, the
+        tensors that fit the budget copied to `device` (counted host to device), the rest in pinned
+        host memory. Nothing crosses from the device."""
+        device = torch.device(device)
+        kept: dict[str, torch.Tensor] = {}
+        used = 0
+        for name in sorted(state):
+            bits = np.ascontiguousarray(state[name])
+            if bits.dtype != np.uint16:
+                raise ValueError(f"tensor {name!r}: expected uint16 bf16 bits, got {bits.dtype}")
+            host = torch.from_numpy(bits.view(np.int16))
+            size = host.numel() * 2
+            if device.type != "cpu" and used + size <= self.config.device_budget_bytes:
+                kept[name] = host.to(device, copy=True)
+                self.transfer.host_to_device += size
+                used += size
+            elif device.type != "cpu":
+                pinned = torch.empty(host.shape, dtype=torch.int16, pin_memory=True)
+                pinned.copy_(host)
+                kept[name] = pinned
+            else:
+                kept[name] = host.clone()
+        self._kept, self._pending = kept, None
+
     def _previous_on(self, name: str, device: torch.device) -> torch.Tensor:
         kept = self._kept[name]
         if kept.device == device:
@@ -264,17 +293,61 @@ class PreviousState:
         states differ in names or shapes, or a tensor is not a float tensor."""
         if not self._kept and state:
             raise ValueError("no previous version: reset() with the published state first")
+        names = self._check(state)
+        self.begin()
         delta: Delta = {}
-        pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name in self._check(state):
-            new = bf16_view(name, state[name])
-            found = changed_indices(self._previous_on(name, new.device), new)
-            if found.numel():
-                values = new.reshape(-1)[found]
-                pending[name] = (found, values)
-                delta[name] = _entry(found, values, self.transfer)
-        self._pending = pending
+        for name in names:
+            if (entry := self.diff_tensor(name, state[name])) is not None:
+                delta[name] = entry
         return delta
+
+    def begin(self) -> None:
+        """Start the delta of a new version given one tensor at a time (`diff_tensor`, then
+        `end`), as a gather streams them: what `diff` does for a whole state."""
+        self._pending, self._diffed = {}, set()
+
+    def diff_tensor(self, name: str, tensor: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+        """Tensor `name`'s entry of the delta begun by `begin` (None: its bits did not change),
+        remembered for `commit`; diffing a name again replaces its entry. ValueError for a name
+        the previous version lacks, another shape, or a tensor that is not a float tensor."""
+        if self._pending is None:
+            raise RuntimeError("diff_tensor() without begin()")
+        new = self._checked_view(name, name, tensor)
+        found = changed_indices(self._previous_on(name, new.device), new)
+        self._diffed.add(name)
+        self._pending.pop(name, None)
+        if not found.numel():
+            return None
+        values = new.reshape(-1)[found]
+        self._pending[name] = (found, values)
+        return _entry(found, values, self.transfer)
+
+    def end(self) -> None:
+        """Check that `diff_tensor` gave every tensor of the previous version since `begin`."""
+        if self._pending is None:
+            raise RuntimeError("end() without begin()")
+        if missing := sorted(set(self._kept) - self._diffed):
+            raise ValueError(f"states differ in tensor names: missing {missing}, extra []")
+
+    def diff_against(self, kept: str, tensor: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The delta entry from the previous version's tensor `kept` to `tensor` (empty arrays:
+        equal bits), not remembered: how another tensor differs from it, moving only that."""
+        new = self._checked_view(kept, "another tensor", tensor)
+        found = changed_indices(self._previous_on(kept, new.device), new)
+        return _entry(found, new.reshape(-1)[found], self.transfer)
+
+    def _checked_view(self, kept: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        previous = self._kept.get(kept)
+        if previous is None:
+            raise ValueError(f"states differ in tensor names: {kept!r} is not in the previous version")
+        new = bf16_view(name, tensor)
+        if tuple(new.shape) != tuple(previous.shape):
+            raise ValueError(f"tensor {kept!r}: shape {tuple(previous.shape)} != {tuple(new.shape)}")
+        return new
+
+    def discard(self) -> None:
+        """Forget the delta of a version that was not committed: the previous version stays."""
+        self._pending = None
 
     def commit(self) -> None:
         """The version `diff` was last called for is published: it becomes the previous one."""

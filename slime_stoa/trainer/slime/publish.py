@@ -31,15 +31,11 @@ converter names `lm_head.weight`; for a folder that ties its head and stores non
 (a warning if it drifted from the embedding), and a tied folder that stores one gets the
 embedding's copy.
 
-The device path (`slime_stoa.trainer.device_delta`: the diff and the planes' deltas computed
-where the weights live, bit for bit the numpy path's) is not wired in yet. The publisher takes it
-without an edit of its own (`Publisher(..., diff_step=)`, `pulse/step_diff.py`); what must change
-is here: `gather_state` diffs each chunk against a `PreviousState` instead of copying it
-(`tensor_bits`), the host state handed to the publisher is its baseline with that delta applied
-(`device_delta.apply_delta`), the `diff_step` given to `SyncPublisher`'s `Publisher` returns that
-delta with `StateDigest.update`, and `PreviousState.commit` runs once the version is committed
-(`reset` from the gathered tensors after an anchor, a resume or a restore, whose baseline the
-device does not hold).
+The device path (`stoa_device_budget_bytes` set; `device_publish`): instead of copying every
+gathered tensor to the host (`tensor_bits`, the default numpy path), rank 0 diffs each chunk
+where it lives against the device's copy of the committed version, and only that delta crosses;
+the state handed to the publisher is the publisher's own baseline with the delta applied, and
+the publisher's `diff_step` takes the delta as it is. The published bytes are the numpy path's.
 
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
@@ -56,23 +52,27 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from slime_stoa.protocol.pulse.codec import check_bits
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult
 from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
+from slime_stoa.protocol.pulse.step_diff import DiffStep, diff_step
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, open_store
 
 from ..loop_thread import LoopThread
 from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan, family_converter, head_plan
 from .settings import StoaSettings, settings_from_args
+
+if TYPE_CHECKING:
+    from .device_publish import DevicePath
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,51 @@ def chunks_to_state(chunks: Iterable[NamedTensors]) -> dict[str, np.ndarray]:
     return state
 
 
+class Collector(Protocol):
+    """What `gather_state` turns slime's chunks into the published host state with."""
+
+    def add(self, chunk: NamedTensors) -> None:
+        """Take one chunk; ValueError for a bad or duplicate tensor."""
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The state (uint16 bf16 bits, in the chunks' order); ValueError when it is unusable."""
+
+
+class HostCollector:
+    """The numpy path: every gathered tensor copied to the host as bf16 bits, its output head as
+    `plan` says. `counted` (when given) is called with the bytes each copy took off the device."""
+
+    def __init__(self, plan: HeadPlan, counted: Callable[[int], None] | None = None) -> None:
+        self.plan, self.counted = plan, counted
+        self.state: dict[str, np.ndarray] = {}
+        self.dropped: dict[str, np.ndarray] = {}
+
+    def add(self, chunk: NamedTensors) -> None:
+        add_chunk(self.state, chunk, drop=frozenset({TIED_HEAD}) if self.plan.drop else frozenset(),
+                  dropped=self.dropped)
+
+    def finish(self) -> dict[str, np.ndarray]:
+        state = self.state
+        if not state:
+            raise ValueError("slime produced no weight tensors")
+        if self.counted is not None:
+            self.counted(sum(bits.nbytes for bits in [*state.values(), *self.dropped.values()]))
+        if mismatch := check_tied_head(state, self.dropped):
+            log.warning("stoa: %s", mismatch)
+        if self.plan.copy and TIED_HEAD not in state and EMBEDDING in state:
+            state[TIED_HEAD] = state[EMBEDDING].copy()  # a tied folder that stores its head
+        return state
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The publisher's last committed bf16 version (`SyncPublisher.committed`)."""
+
+    version: int
+    digest: str  # its state digest's root
+    baseline: Mapping[str, np.ndarray]  # its state: the publisher's own arrays, not to be written
+
+
 # -- a Publisher for synchronous callers ---------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Handoff:
@@ -183,10 +228,13 @@ class SyncPublisher:
         environ: Mapping[str, str] | None = None,
         create: bool = False,
         key: SigningKey | None = None,
+        device: DevicePath | None = None,
     ) -> None:
         if retries < 0 or backoff_s < 0:
             raise ValueError("retries and backoff_s must be >= 0")
         self.url, self.run, self.config = url, run, config
+        self.device = device  # the device path's state (None: the numpy path)
+        self._diff_step: DiffStep = device.diff_step if device is not None else diff_step
         self.key = key  # the run key: signs every version (None: an unsigned run)
         self.retries, self.backoff_s = retries, backoff_s
         self._publisher: Publisher | None = None
@@ -234,12 +282,21 @@ class SyncPublisher:
         # Runs on the loop while the caller holds `_lock`.
         if self._publisher is None:
             assert self._store is not None
-            publisher = Publisher(self._store, self.run, self.config, key=self.key)
+            publisher = Publisher(self._store, self.run, self.config, key=self.key, diff_step=self._diff_step)
             version = await publisher.open()
             self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
             where = f"resuming after v{version}" if version is not None else "new run"
             log.info("stoa: publishing weights to run %s at %s (%s)", self.run, self.url, where)
         return self._publisher.version
+
+    def committed(self) -> Committed | None:
+        """The last committed bf16 version of an opened publisher (None: not opened, or a new
+        run). Read it while no publish is in flight (after `wait`): the baseline changes in place
+        when a version commits."""
+        publisher = self._publisher
+        if publisher is None or publisher.version is None or publisher.state_digest is None:
+            return None
+        return Committed(publisher.version, publisher.state_digest, publisher.weights.baseline)
 
     def publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
         """Publish `state` (uint16 bf16 bits) as the next version, retrying store failures, and
@@ -372,8 +429,14 @@ def get_publisher(settings: StoaSettings) -> SyncPublisher:
     global _PUBLISHER
     if _PUBLISHER is None:
         s = settings
+        device = None
+        if s.device_budget_bytes is not None:
+            from .device_publish import DevicePath
+
+            device = DevicePath(s.device_budget_bytes)
         _PUBLISHER = SyncPublisher(  # closed at exit
-            s.bucket, s.run, s.publisher, retries=s.publish_retries, backoff_s=s.publish_backoff_s, key=s.run_key
+            s.bucket, s.run, s.publisher, retries=s.publish_retries, backoff_s=s.publish_backoff_s, key=s.run_key,
+            device=device,
         )
     return _PUBLISHER
 
@@ -398,13 +461,18 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
     rank = dist.get_rank()
     error: Exception | None = None
     waited = 0.0
-    if rank == 0 and background:
-        try:  # before the gather: at most one more copy of the weights in memory
-            waited = get_publisher(settings).wait()
+    collect: Callable[[HeadPlan], Collector] | None = None
+    if rank == 0:
+        try:
+            publisher = get_publisher(settings)
+            if background:  # before the gather: at most one more copy of the weights in memory
+                waited = publisher.wait()
+            if publisher.device is not None:  # no publish in flight now: the device path syncs with it
+                collect = publisher.device.collector(publisher)
         except Exception as exc:  # reported to every rank below, after the collective
             error = exc
     start = time.perf_counter()
-    state, gather_error = gather_state(actor, args, keep=rank == 0)
+    state, gather_error = gather_state(actor, args, keep=rank == 0, collect=collect)
     gathered = time.perf_counter()
     error = error or gather_error
     result: PublishResult | Handoff | None = None
@@ -435,8 +503,11 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
     return result
 
 
-def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.ndarray], Exception | None]:
-    """Iterate slime's HF weight chunks (collective); where `keep`, collect them as bf16 bits.
+def gather_state(
+    actor: Any, args: Any, *, keep: bool, collect: Callable[[HeadPlan], Collector] | None = None
+) -> tuple[dict[str, np.ndarray], Exception | None]:
+    """Iterate slime's HF weight chunks (collective); where `keep`, collect them as bf16 bits
+    (by `collect(plan)`'s collector; `HostCollector`, copying them, by default).
 
     A conversion error is returned, not raised, after the iteration finished, so that no rank
     leaves the collective early. Mirrors slime's engine path for `--offload-train`: the process
@@ -457,10 +528,9 @@ def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.nda
         reload_process_groups()
         guard = torch_memory_saver.disable()
     state: dict[str, np.ndarray] = {}
-    dropped: dict[str, np.ndarray] = {}
     error: Exception | None = None
     plan = tied_head(actor, args) if keep else HeadPlan()
-    drop = frozenset({TIED_HEAD}) if plan.drop else frozenset()
+    collector = (collect or HostCollector)(plan)
     if plan.error is not None:
         error = ValueError(f"stoa: {plan.error}")
     try:
@@ -473,7 +543,7 @@ def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.nda
             for chunk in chunks:
                 if keep and error is None:
                     try:
-                        add_chunk(state, chunk, drop=drop, dropped=dropped)
+                        collector.add(chunk)
                     except Exception as exc:
                         error = exc
                 del chunk
@@ -481,12 +551,11 @@ def gather_state(actor: Any, args: Any, *, keep: bool) -> tuple[dict[str, np.nda
     finally:
         if offload:
             destroy_process_groups()
-    if keep and error is None and not state:
-        error = ValueError("slime produced no weight tensors")
-    if keep and error is None and (mismatch := check_tied_head(state, dropped)):
-        log.warning("stoa: %s", mismatch)
-    if keep and error is None and plan.copy and TIED_HEAD not in state and EMBEDDING in state:
-        state[TIED_HEAD] = state[EMBEDDING].copy()  # a tied folder that stores its head
+    if keep and error is None:
+        try:
+            state = collector.finish()
+        except Exception as exc:
+            error = exc
     return state, error
 
 

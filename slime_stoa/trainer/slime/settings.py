@@ -174,6 +174,13 @@ class StoaSettings:
     background_publish: bool = field(default=True, metadata=spec(part="publisher"))
     """Diff, encode and upload the weights on a background thread while training goes on (false:
     inside `update_weights`)."""
+    device_budget_bytes: int | None = field(
+        default=None,
+        metadata=spec(parse=optional(at_least(as_int, 0)), shown_default="null (diff on the host)", part="publisher"),
+    )
+    """The device path: diff the weights where they live against a copy of the last published
+    version kept beside them (this many bytes of it on the GPU, the rest in pinned host memory)
+    and move only the patch to the host. null: copy every weight to the host and diff there."""
     publisher: PublisherConfig = field(default=PublisherConfig(), metadata=nested(_PUBLISHER))
     """The weight publisher's settings."""
 

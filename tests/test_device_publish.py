@@ -1,0 +1,324 @@
+"""The slime hook's device path (`stoa_device_budget_bytes`, `trainer.slime.device_publish`), torch on
+the CPU: the versions it publishes are byte for byte the numpy path's in the bucket (patches,
+anchors, planes, manifests and pointers but for attempt ids and clocks) over an anchor, a failed
+publish that is retried, a pointer write whose answer was lost (a version the trainer does not
+know committed), a resume that restores an older checkpoint; and only the patch leaves the device
+for every version but a run's first.
+
+`publish_weights` runs against the stand-in for slime of tests/test_slime_hook.py, publishing in
+the background (the default), through a store that injects the faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.codec import diff
+from slime_stoa.protocol.pulse.publisher import PublisherConfig, PublishError, PublishResult
+from slime_stoa.protocol.store import Store, StoreError, open_store
+from slime_stoa.protocol.store.base import Payload
+from slime_stoa.trainer.consumer.counting import CountingStore
+from slime_stoa.trainer.slime import publish as slime_hook
+from slime_stoa.trainer.slime.device_publish import DevicePath
+from slime_stoa.trainer.slime.hf_names import EMBEDDING, TIED_HEAD, HeadPlan
+from slime_stoa.trainer.slime.publish import Handoff, HostCollector, SyncPublisher
+from tests.test_slime_hook import FakeBackuper, fake_slime  # noqa: F401 - the fixture (pytest finds it by name)
+
+RUN = "dev"
+CONFIG = PublisherConfig(anchor_every=3, planes=("int8", "int4"), shard_bytes=8 << 10, retain_anchors=0)
+SHAPES = {
+    "embed_tokens.weight": (128, 64),
+    "layers.0.mlp.up_proj.weight": (128, 64),
+    "layers.0.self_attn.q_proj.weight": (64, 64),
+    "norm.weight": (64,),
+}
+PUBLISHED = ["model." + name for name in SHAPES]  # the stand-in's HF names
+
+
+class UntiedConfig:  # an HF config with its own output head (no head plan)
+    tie_word_embeddings = False
+
+
+class FaultStore(CountingStore):
+    """The real store, failing once where the test arms it: `patch` fails the next bf16 patch
+    upload; `lose` lets the next pointer write land but loses its answer, and the pointer read
+    that would have told fails too."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.armed: set[str] = set()
+        self.pointer = RunLayout(RUN).pointer
+
+    async def put_if_absent(self, key: str, data: Payload) -> str:
+        if "patch" in self.armed and key.startswith(f"runs/{RUN}/patches/"):
+            self.armed.discard("patch")
+            raise StoreError("the upload failed (injected)")
+        return await super().put_if_absent(key, data)
+
+    async def put(self, key: str, data: Payload, *, if_match: str | None = None) -> str:
+        etag = await super().put(key, data, if_match=if_match)
+        if "lose" in self.armed and key == self.pointer:
+            self.armed.discard("lose")
+            self.armed.add("pointer read")
+            raise StoreError("the answer was lost (injected)")
+        return etag
+
+    async def get(self, key: str, **kw: Any) -> Any:
+        if "pointer read" in self.armed and key == self.pointer:
+            self.armed.discard("pointer read")
+            raise StoreError("the pointer did not read (injected)")
+        return await super().get(key, **kw)
+
+
+class FaultPublisher(SyncPublisher):
+    faults: FaultStore
+
+    async def _open_store(self, environ: Any, create: bool) -> Store:
+        self.faults = FaultStore(open_store(self.url))
+        return self.faults
+
+
+def int16(tensor: Any) -> Any:
+    return tensor.view(torch.int16)
+
+
+def bits_of(weights: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {"model." + n: int16(t).numpy().view(np.uint16).copy() for n, t in weights.items()}
+
+
+def step(weights: dict[str, Any], rng: np.random.Generator, names: list[str]) -> None:
+    """A training step that changes about 5% of the elements of `names`, in place."""
+    for name in names:
+        flat = int16(weights[name]).reshape(-1)
+        where = torch.from_numpy(rng.random(flat.numel()) < 0.05)
+        flat[where] ^= 1
+
+
+class Trainer:
+    """One run of the scenario: the hook, its publisher (device path or not) and its bucket."""
+
+    def __init__(self, url: str, budget: int | None) -> None:
+        self.url, self.budget = url, budget
+        rng = np.random.default_rng(11)
+        self.weights = {  # finite weights: the planes quantize them
+            n: torch.from_numpy(rng.standard_normal(s, dtype=np.float32) * 0.02).to(torch.bfloat16)
+            for n, s in SHAPES.items()
+        }
+        self.actor = Namespace(weights_backuper=FakeBackuper(self.weights), hf_config=UntiedConfig(), model=[object()])
+        self.args = Namespace(
+            stoa_publish=True, stoa_bucket=url, stoa_run=RUN, model_name=None, offload_train=False,
+            untie_embeddings_and_output_weights=True,
+        )
+        self.publisher = self.start()
+        self.moved: list[int] = []  # bytes device -> host per gather (device path)
+
+    def start(self) -> FaultPublisher:
+        device = DevicePath(self.budget) if self.budget is not None else None
+        publisher = FaultPublisher(self.url, RUN, CONFIG, retries=1, backoff_s=0, device=device)
+        slime_hook._PUBLISHER = publisher  # what get_publisher returns (closed by the fixture)
+        return publisher
+
+    def restart(self) -> None:
+        """The trainer process restarts: a new publisher, and a new device path, resuming."""
+        self.publisher.close()
+        self.publisher = self.start()
+
+    def publish(self) -> Handoff:
+        device = self.publisher.device
+        before = device.transfer.device_to_host if device is not None else 0
+        handoff = slime_hook.publish_weights(self.actor, self.args)
+        assert isinstance(handoff, Handoff)
+        self.moved.append(device.transfer.device_to_host - before if device is not None else 0)
+        return handoff
+
+    def committed(self) -> PublishResult:
+        self.publisher.wait()
+        assert self.publisher.last is not None
+        return self.publisher.last
+
+
+Gather = tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray]]
+
+
+def scenario(trainer: Trainer) -> tuple[list[tuple[int, bool, int, int | None]], list[Gather]]:
+    """The versions the trainer publishes, (version, anchored, changed, restored_from) each, and
+    each gather's (the last state it knew committed (None: none), the state it gathered)."""
+    rng = np.random.default_rng(5)
+    w = trainer.weights
+    names = list(SHAPES)
+    results: list[tuple[int, bool, int, int | None]] = []
+    gathers: list[Gather] = []
+    committed: list[dict[str, np.ndarray]] = []  # the states of the versions the trainer knows committed
+
+    def version() -> None:
+        trainer.publish()
+        result = trainer.committed()
+        gathers.append((committed[-1] if committed else None, bits_of(w)))
+        committed.append(bits_of(w))
+        results.append((result.version, result.anchored, result.changed, result.restored_from))
+
+    version()  # v0: the run's first version, an anchor
+    for _ in range(3):  # v1..v3 (v3 an anchor: anchor_every)
+        step(w, rng, names)
+        version()
+    step(w, rng, names)
+    trainer.publisher.faults.armed.add("patch")
+    version()  # v4: its first try fails, the retry commits it
+    before_lost = {n: int16(t).clone() for n, t in w.items()}
+    step(w, rng, names[:2])
+    trainer.publisher.faults.armed.add("lose")
+    trainer.publish()  # v5: its pointer write lands, but no answer says so (twice): it fails
+    with pytest.raises(PublishError):
+        trainer.publisher.wait()
+    gathers.append((committed[-1], bits_of(w)))
+    # The next step undoes v5's change of the embedding: unchanged since v4, which the trainer
+    # believes is the committed version, but not since v5, which the publisher settles first.
+    int16(w["embed_tokens.weight"]).copy_(before_lost["embed_tokens.weight"])
+    step(w, rng, names[2:])
+    version()  # v6
+    trainer.restart()  # the trainer restarts from an older checkpoint: v2's weights
+    for name, bits in committed[2].items():
+        int16(w[name.removeprefix("model.")]).copy_(torch.from_numpy(bits.view(np.int16)))
+    version()  # v7 restores v2 (a new branch)
+    step(w, rng, names)
+    version()  # v8
+    assert [r[0] for r in results] == [0, 1, 2, 3, 4, 6, 7, 8]
+    return results, gathers
+
+
+async def committed_objects(url: str, planes: tuple[str, ...] = CONFIG.planes or ()) -> dict[str, Any]:
+    """Everything the run's pointers reach (version and anchor manifests, patches, anchor
+    shards, the planes'), by key, with each attempt id and clock taken out: what a reader sees."""
+    attempt = re.compile(r"(\d{12})-[0-9a-f]{8}")
+    out: dict[str, Any] = {}
+
+    def strip(doc: Any, found: list[str]) -> Any:
+        if isinstance(doc, dict):
+            return {k: strip(v, found) for k, v in doc.items() if k not in ("attempt", "created_at", "updated_at")}
+        if isinstance(doc, list):
+            return [strip(v, found) for v in doc]
+        if isinstance(doc, str) and doc.startswith(f"runs/{RUN}/"):
+            found.append(doc)
+            return attempt.sub(r"\1", doc)
+        return doc
+
+    async with open_store(url) as store:
+        todo = [RunLayout(RUN).pointer] + [RunLayout(RUN, p).pointer for p in planes]  # type: ignore[arg-type]
+        while todo:
+            key = todo.pop()
+            name = attempt.sub(r"\1", key)
+            if name in out:
+                continue
+            data = await store.get_bytes(key)
+            if key.endswith(".json"):
+                found: list[str] = []
+                out[name] = strip(json.loads(data), found)
+                todo += found
+            else:
+                out[name] = data
+    return out
+
+
+@pytest.fixture
+def buckets(tmp_path: Path) -> tuple[str, str]:
+    for name in ("numpy", "device"):
+        (tmp_path / name).mkdir()
+    return f"file://{tmp_path / 'numpy'}", f"file://{tmp_path / 'device'}"
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30])  # the previous version in host memory / beside the weights
+def test_the_device_path_publishes_the_numpy_paths_bytes_moving_only_the_patch(
+    fake_slime, buckets: tuple[str, str], budget: int  # noqa: F811
+) -> None:
+    numpy_url, device_url = buckets
+    want, _ = scenario(Trainer(numpy_url, None))
+    device = Trainer(device_url, budget)
+    got, gathers = scenario(device)
+    assert got == want
+    assert [r[1] for r in want] == [True, False, False, True, False, True, False, False]  # v0, v3, v6
+    assert want[6][3] == 2 and want[5][3] is None  # v7 restores v2
+
+    numpy_objects = asyncio.run(committed_objects(numpy_url))
+    device_objects = asyncio.run(committed_objects(device_url))
+    assert device_objects.keys() == numpy_objects.keys()
+    assert any("/planes/int4/patches/" in k for k in numpy_objects) and any("/patches/" in k for k in numpy_objects)
+    for key, value in numpy_objects.items():
+        assert device_objects[key] == value, key
+
+    # What crossed from the device: the whole state for v0 (an anchor, from host copies), then
+    # for each version the delta from the committed state the device held: int32 indices and
+    # bf16 values, 6 bytes an element.
+    elements = sum(int(np.prod(s)) for s in SHAPES.values())
+    assert device.moved[0] == elements * 2 and gathers[0][0] is None
+    for i, (base, new) in enumerate(gathers[1:], start=1):
+        assert base is not None
+        changed = sum(int(indices.size) for indices, _ in diff(base, new).values())
+        assert device.moved[i] == 6 * changed, i
+        assert 0 < device.moved[i] < elements * 2, i  # less than copying the state
+
+
+# -- the output head's plans --------------------------------------------------------------------
+def chunk_versions() -> list[list[tuple[str, Any]]]:
+    """Three versions of a tied model's gathered chunks, the last stage's output head included
+    (kept equal to the embedding, except in one element of the last version)."""
+    rng = np.random.default_rng(3)
+    embed = torch.from_numpy(rng.standard_normal((64, 64), dtype=np.float32) * 0.02).to(torch.bfloat16)
+    norm = torch.from_numpy(rng.standard_normal(64, dtype=np.float32)).to(torch.bfloat16)
+    out = []
+    for i in range(3):
+        int16(embed).reshape(-1)[i * 7 : i * 7 + 5] ^= 1
+        head = embed.clone()
+        if i == 2:
+            int16(head).reshape(-1)[0] ^= 2
+        out.append([(EMBEDDING, embed.clone()), ("model.norm.weight", norm.clone()), (TIED_HEAD, head)])
+    return out
+
+
+@pytest.mark.parametrize("plan", [HeadPlan(drop=True), HeadPlan(copy=True)])
+def test_the_head_plans_publish_the_numpy_paths_bytes(
+    buckets: tuple[str, str], plan: HeadPlan, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dropped head (compared with the embedding by its delta from it) and a stored one (the
+    chunk's own when it brings one, else the embedding's copy) as the host collector makes them."""
+    results = {}
+    for url, device in zip(buckets, (None, DevicePath(0)), strict=True):
+        with SyncPublisher(url, RUN, PublisherConfig(retain_anchors=0), device=device) as publisher:
+            out = []
+            for i, chunks in enumerate(chunk_versions()):
+                collect = device.collector(publisher) if device is not None else HostCollector
+                collector = collect(plan)
+                # The second version brings no head: the copy plan copies the embedding.
+                collector.add([pair for pair in chunks if i != 1 or pair[0] != TIED_HEAD])
+                state = collector.finish()
+                assert (TIED_HEAD in state) == plan.copy
+                out.append(publisher.publish(state).changed)
+            results[url] = out
+    assert results[buckets[0]] == results[buckets[1]]
+    numpy_objects = asyncio.run(committed_objects(buckets[0], ()))
+    assert asyncio.run(committed_objects(buckets[1], ())) == numpy_objects
+    if plan.drop:  # the last version's head differs from its embedding: both paths say so
+        assert caplog.text.count("differs from model.embed_tokens.weight in 1 of 4096 elements") == 2
+
+
+def test_the_device_budget_setting_selects_the_path(fake_slime, tmp_path: Path) -> None:  # noqa: F811
+    args = Namespace(stoa_publish=True, stoa_bucket=f"file://{tmp_path}", stoa_run=RUN)
+    settings = slime_hook.settings_from_args(args)
+    assert settings.device_budget_bytes is None and slime_hook.get_publisher(settings).device is None
+    slime_hook._PUBLISHER.close()  # type: ignore[union-attr]
+    slime_hook._PUBLISHER = None
+    args.stoa_device_budget_bytes = "1024"
+    publisher = slime_hook.get_publisher(slime_hook.settings_from_args(args))
+    assert publisher.device is not None and publisher.device.previous.config.device_budget_bytes == 1024
+    args.stoa_device_budget_bytes = -1
+    with pytest.raises(ValueError, match="stoa_device_budget_bytes must be a finite number >= 0"):
+        slime_hook.settings_from_args(args)
