@@ -178,9 +178,12 @@ def scenario(trainer: Trainer) -> tuple[list[tuple[int, bool, int, int | None]],
     step(w, rng, names[:2])
     trainer.publisher.faults.armed.add("lose")
     trainer.publish()  # v5: its pointer write lands, but no answer says so (twice): it fails
-    with pytest.raises(PublishError):
-        trainer.publisher.wait()
     gathers.append((committed[-1], bits_of(w)))
+    device = trainer.publisher.device
+    moved = device.transfer.device_to_host if device is not None else 0
+    with pytest.raises(PublishError):  # raised by the next call, which gathers (collectively) and keeps nothing
+        slime_hook.publish_weights(trainer.actor, trainer.args)
+    assert device is None or device.transfer.device_to_host == moved
     # The next step undoes v5's change of the embedding: unchanged since v4, which the trainer
     # believes is the committed version, but not since v5, which the publisher settles first.
     int16(w["embed_tokens.weight"]).copy_(before_lost["embed_tokens.weight"])
@@ -265,6 +268,43 @@ def test_the_device_path_publishes_the_numpy_paths_bytes_moving_only_the_patch(
         changed = sum(int(indices.size) for indices, _ in diff(base, new).values())
         assert device.moved[i] == 6 * changed, i
         assert 0 < device.moved[i] < elements * 2, i  # less than copying the state
+
+
+def test_previous_state_streams_a_gather() -> None:
+    """`begin`, `diff_tensor` and `end` give `codec.diff`'s delta a tensor at a time; a version
+    that did not commit is discarded; the copy rebuilt from host bits diffs as one from tensors."""
+    rng = np.random.default_rng(8)
+    base = {n: rng.integers(0, 1 << 15, s, dtype=np.uint16) for n, s in SHAPES.items()}
+    new = {n: b.copy() for n, b in base.items()}
+    new["norm.weight"][3] ^= 1
+    new["embed_tokens.weight"][0, :5] ^= 4
+    tensors = {n: torch.from_numpy(b.view(np.int16).copy()) for n, b in new.items()}
+    previous = DevicePath(0).previous
+    previous.reset_from_host(base, "cpu")
+    previous.begin()
+    delta = {}
+    for name in reversed(SHAPES):  # the chunks' order, not sorted
+        if (entry := previous.diff_tensor(name, tensors[name])) is not None:
+            delta[name] = entry
+    previous.end()
+    want = diff(base, new)
+    assert delta.keys() == want.keys()
+    for name, (indices, values) in want.items():
+        assert np.array_equal(delta[name][0], indices) and np.array_equal(delta[name][1], values)
+    previous.discard()  # not committed: the copy stays the base
+    with pytest.raises(RuntimeError, match="commit"):
+        previous.commit()
+    assert previous.diff(tensors).keys() == want.keys()
+    previous.begin()
+    previous.diff_tensor("norm.weight", tensors["norm.weight"])
+    with pytest.raises(ValueError, match=r"missing \['embed_tokens.weight'"):
+        previous.end()
+    with pytest.raises(ValueError, match="'extra' is not in the previous version"):
+        previous.diff_tensor("extra", tensors["norm.weight"])
+    with pytest.raises(ValueError, match=r"shape \(64,\) != \(64, 64\)"):
+        previous.diff_tensor("norm.weight", tensors["layers.0.self_attn.q_proj.weight"])
+    indices, values = previous.diff_against("embed_tokens.weight", tensors["embed_tokens.weight"])
+    assert np.array_equal(indices, want["embed_tokens.weight"][0])
 
 
 # -- the output head's plans --------------------------------------------------------------------
