@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
-from slime_stoa.protocol.cli_fields import add_field_options
+from slime_stoa.protocol.cli_fields import add_field_options, field_values
 from slime_stoa.protocol.shell import shell_command
 from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
 
@@ -47,7 +46,7 @@ def _quickstart(args: argparse.Namespace) -> int:
     from slime_stoa.quickstart.interrupt import Interrupt, Interrupted
 
     try:
-        cfg = QuickstartConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuickstartConfig)})
+        cfg = QuickstartConfig(**field_values(args, QuickstartConfig))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,11 @@
-"""Command-line options derived from a dataclass's fields (stdlib only).
+"""Configuration as dataclasses: documented fields, and the command-line options derived from
+them (stdlib only). Every process's config is a dataclass whose fields say what they are in
+one form, `setting(help, default=...)`: the help text in the field's metadata under `HELP`,
+beside what other readers of the field need (a command's `Flag`, a settings reader's keys).
 
 A field is an option of a command when its metadata holds, under the command's key, its help
-text or a `Flag` (the help plus what the field alone does not say). From the field come:
+text or a `Flag` (the help plus what the field alone does not say); under the key `HELP` (the
+default) every documented field is an option, with its help. From the field come:
 
 - the option: `--max-versions` for `max_versions` (`Flag.option` overrides the name,
   `Flag.aliases` adds short forms such as `-n`), or a positional argument (`Flag.positional`);
@@ -22,6 +26,9 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+HELP = "help"
+"""The metadata key of a field's help text (what it is, in one line or a few sentences)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Flag:
@@ -34,6 +41,18 @@ class Flag:
     positional: bool = False  # a positional argument (always required) instead of an option
     required: bool = False
     type: Callable[[str], Any] | None = None  # the parser of the value when not the annotation's
+
+
+def setting(help: str, default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+            **metadata: Any) -> Any:
+    """A documented dataclass field: `help` (metadata `HELP`) says what it is; `metadata` adds
+    what other readers of the field need, e.g. `join=Flag(...)` for the command `join`."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={HELP: help, **metadata})
+
+
+def help_of(f: dataclasses.Field[Any]) -> str:
+    """The help text of field `f` ("" when it has none)."""
+    return f.metadata.get(HELP, "")
 
 
 def option_name(name: str) -> str:
@@ -69,7 +88,7 @@ def _value_type(hint: Any) -> Any:
 def add_field_options(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
-    key: str = "help",
+    key: str = HELP,
     *,
     with_defaults: bool = True,
 ) -> list[str]:
@@ -103,6 +122,6 @@ def add_field_options(
     return added
 
 
-def field_values(args: argparse.Namespace, cls: type, key: str = "help") -> dict[str, Any]:
+def field_values(args: argparse.Namespace, cls: type, key: str = HELP) -> dict[str, Any]:
     """The parsed values of the options `add_field_options(parser, cls, key)` added, by field."""
     return {f.name: getattr(args, f.name) for f, _ in option_fields(cls, key)}

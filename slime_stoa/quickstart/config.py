@@ -1,8 +1,8 @@
 """What `stoa quickstart` does, field by field (torch-free, so `stoa --help` stays fast).
 
-Every field is a command-line option of `stoa quickstart` (`--max-versions` for `max_versions`),
-with the default and the help text given here: `slime_stoa/cli/quickstart_cmd.py` builds its
-parser from these fields.
+Every field is a `setting` (`slime_stoa.protocol.cli_fields`) and a command-line option of
+`stoa quickstart` (`--max-versions` for `max_versions`), with the default and the help text
+given here: `slime_stoa/cli/quickstart_cmd.py` builds its parser from these fields.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from slime_stoa.protocol.cli_fields import setting
 from slime_stoa.protocol.hf.architectures import unsupported_model
 
 TaskName = Literal["synthetic", "search", "gsm8k", "math"]
@@ -41,21 +42,16 @@ _BY_TASK = None  # a field's default when --task decides it (TASK_DEFAULTS)
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"tiny": {"lr": 3e-4}, "real": {"lr": 1e-6}}
 
 
-def _knob(default: Any, help: str) -> Any:
-    """A field with its command-line help."""
-    return field(default=default, metadata={"help": help})
-
-
-def _task_knob(name: str, help: str) -> Any:
-    """The field `name`, whose default depends on --task (TASK_DEFAULTS); the help lists them."""
+def _by_task(name: str, help: str) -> str:
+    """The help of the field `name`, whose default depends on --task (TASK_DEFAULTS): it lists them."""
     shown = ", ".join(f"{task} {values[name]}" for task, values in TASK_DEFAULTS.items())
-    return field(default=_BY_TASK, metadata={"help": f"{help} (default by --task: {shown})"})
+    return f"{help} (default by --task: {shown})"
 
 
-def _model_knob(name: str, help: str) -> Any:
-    """The field `name`, whose default depends on whether --model is given (MODEL_DEFAULTS)."""
+def _by_model(name: str, help: str) -> str:
+    """The help of the field `name`, whose default depends on whether --model is given (MODEL_DEFAULTS)."""
     tiny, real = MODEL_DEFAULTS["tiny"][name], MODEL_DEFAULTS["real"][name]
-    return field(default=_BY_TASK, metadata={"help": f"{help} (default: {tiny} for the tiny model, {real} with --model)"})
+    return f"{help} (default: {tiny} for the tiny model, {real} with --model)"
 
 
 class QuickstartError(Exception):
@@ -64,59 +60,64 @@ class QuickstartError(Exception):
 
 @dataclass(frozen=True, kw_only=True)
 class QuickstartConfig:
-    out: Path = _knob(Path("stoa-quickstart"), "run folder: bucket, model, worker data, logs, report")
-    store: str | None = _knob(None, "bucket URL (default: file://<out>/bucket)")
-    run: str = _knob("quickstart", "run name; rerunning the same name resumes it")
-    task: TaskName = _knob(
-        "synthetic",
+    out: Path = setting("run folder: bucket, model, worker data, logs, report", Path("stoa-quickstart"))
+    store: str | None = setting("bucket URL (default: file://<out>/bucket)", None)
+    run: str = setting("run name; rerunning the same name resumes it", "quickstart")
+    task: TaskName = setting(
         "synthetic (name the digit the rule picks), search (a retrieval task: the answer is only in a "
         "corpus the workers search), gsm8k or math (public data, from --data; with a real --model)",
+        "synthetic",
     )
-    model: Path | None = _knob(
-        None,
+    model: Path | None = setting(
         f"HF/MLX model folder, or {PACKAGED_MODEL!r} for SmolLM2-135M-Instruct built from its package "
         "(default: a tiny model built locally)",
-    )
-    data: Path | None = _knob(
         None,
+    )
+    data: Path | None = setting(
         f"the data of --task gsm8k (a folder with train.jsonl and test.jsonl; default ${GSM8K_DIR_ENV}) or "
         "--task math (a folder with train and test, each a MATH folder or a .jsonl file)",
+        None,
     )
-    family: FamilyName = _knob(
-        "qwen2",
+    family: FamilyName = setting(
         "the tiny model's family (when no --model is given): qwen2, llama, lfm2 (gated short convolutions "
         "and attention) or lfm2_moe (LFM2 with a routed mixture of experts, the family of LFM2.5-8B-A1B)",
+        "qwen2",
     )
-    model_hidden: int = _knob(96, "the tiny model's width (when no --model is given)")
-    model_layers: int = _knob(3, "the tiny model's depth")
-    workers: int = _knob(2, "`macd run` worker processes")
-    minutes: float = _knob(10.0, "time budget of the RL part")
-    max_versions: int = _knob(300, "stop after publishing this many versions")
-    target: float = _knob(0.9, "stop once the last --window versions' mean reward reaches this")
-    window: int = _knob(5, "versions averaged for the target and for the last-versions reward")
-    batch_groups: int = _knob(16, "prompt groups per learner step")
-    group_size: int = _knob(8, "samples per prompt")
-    max_tokens: int = _task_knob("max_tokens", "longest response, in tokens (tool tokens included)")
-    temperature: float = _knob(1.0, "sampling temperature of the workers")
-    lr: float = _model_knob("lr", "learner AdamW learning rate (RL)")
-    warmup_lr: float = _task_knob("warmup_lr", "learning rate of the supervised warm start")
-    staleness_limit: int = _knob(2, "versions a group may lag when used")
-    warmup_steps: int = _task_knob("warmup_steps", "supervised steps before RL (new runs only)")
-    no_warm_start: bool = _knob(False, "skip the supervised warm start: RL starts from the model as it is")
-    worker_batch: int = _knob(4, "prompts per worker cohort")
-    eval_prompts: int = _task_knob("eval_prompts", "held-out test prompts evaluated at the first and the last version")
-    eval_samples: int = _task_knob("eval_samples", "samples per held-out prompt (pass@1 is their mean)")
-    no_eval: bool = _knob(False, "skip the held-out evals (the first and the last version's)")
-    kill_worker_at: int | None = _knob(None, "SIGKILL worker 0 at this version, then restart it")
-    seed: int = _knob(0, "seed of the model, the prompts and the workers")
-    wandb: bool = _knob(
-        False,
+    model_hidden: int = setting("the tiny model's width (when no --model is given)", 96)
+    model_layers: int = setting("the tiny model's depth", 3)
+    workers: int = setting("`macd run` worker processes", 2)
+    minutes: float = setting("time budget of the RL part", 10.0)
+    max_versions: int = setting("stop after publishing this many versions", 300)
+    target: float = setting("stop once the last --window versions' mean reward reaches this", 0.9)
+    window: int = setting("versions averaged for the target and for the last-versions reward", 5)
+    batch_groups: int = setting("prompt groups per learner step", 16)
+    group_size: int = setting("samples per prompt", 8)
+    max_tokens: int = setting(_by_task("max_tokens", "longest response, in tokens (tool tokens included)"), _BY_TASK)
+    temperature: float = setting("sampling temperature of the workers", 1.0)
+    lr: float = setting(_by_model("lr", "learner AdamW learning rate (RL)"), _BY_TASK)
+    warmup_lr: float = setting(_by_task("warmup_lr", "learning rate of the supervised warm start"), _BY_TASK)
+    staleness_limit: int = setting("versions a group may lag when used", 2)
+    warmup_steps: int = setting(_by_task("warmup_steps", "supervised steps before RL (new runs only)"), _BY_TASK)
+    no_warm_start: bool = setting("skip the supervised warm start: RL starts from the model as it is", False)
+    worker_batch: int = setting("prompts per worker cohort", 4)
+    eval_prompts: int = setting(
+        _by_task("eval_prompts", "held-out test prompts evaluated at the first and the last version"), _BY_TASK
+    )
+    eval_samples: int = setting(
+        _by_task("eval_samples", "samples per held-out prompt (pass@1 is their mean)"), _BY_TASK
+    )
+    no_eval: bool = setting("skip the held-out evals (the first and the last version's)", False)
+    kill_worker_at: int | None = setting("SIGKILL worker 0 at this version, then restart it", None)
+    seed: int = setting("seed of the model, the prompts and the workers", 0)
+    wandb: bool = setting(
         "log train/*, rollout/* and worker/* to Weights & Biases (needs the wandb package; "
         "WANDB_MODE=offline keeps the run on this machine)",
+        False,
     )
-    wandb_project: str = _knob("stoa-quickstart", "the Weights & Biases project of --wandb")
-    restart_from: int | None = _knob(
-        None, "restart the run from the checkpoint of this earlier version (<out>/checkpoints/v<N>.pt; the last few are kept)"
+    wandb_project: str = setting("the Weights & Biases project of --wandb", "stoa-quickstart")
+    restart_from: int | None = setting(
+        "restart the run from the checkpoint of this earlier version (<out>/checkpoints/v<N>.pt; the last few are kept)",
+        None,
     )
 
     def __post_init__(self) -> None:
