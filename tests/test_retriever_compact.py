@@ -26,7 +26,9 @@ def zipf_corpus(n: int, vocab: int, seed: int) -> tuple[list[str], list[str], li
     return docs, words, weights
 
 
-def test_packing_round_trips_blocks_of_every_width() -> None:
+@pytest.mark.parametrize("encode_blocks", [1024, 3])
+def test_packing_round_trips_blocks_of_every_width(encode_blocks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing, "ENCODE_BLOCKS", encode_blocks)  # 3: the bits laid out in many pieces
     rng = np.random.default_rng(0)
     dfs = [1, 2, 127, 128, 129, 300, 2000]
     docs, tfs, starts = [], [], []

@@ -139,7 +139,7 @@ def _load(folder: Path, name: str, dtype: np.dtype, length: int) -> np.ndarray:
         raise ValueError(f"{name}: cannot map it: {exc}") from None
     if arr.dtype != dtype or arr.shape != (length,):
         raise ValueError(f"{name}: expected {length} entries of {dtype}, got {arr.dtype} {arr.shape}")
-    return arr
+    return arr.view(np.ndarray)  # the same mapped pages, without np.memmap's cost on every slice
 
 
 def _int(params: dict[str, Any], key: str) -> int:
@@ -180,7 +180,7 @@ class CompactIndex:
         self.stats = _load(folder, TERM_STATS_FILE, STATS_DTYPE, n_terms)
         self.blocks = _load(folder, BLOCKS_FILE, BLOCK_DTYPE, n_blocks)
         self.norms = _load(folder, NORMS_FILE, np.dtype("<f4"), self.passages)
-        self.postings = np.memmap(folder / POSTINGS_FILE, dtype=np.uint8, mode="r")
+        self.postings = np.memmap(folder / POSTINGS_FILE, dtype=np.uint8, mode="r").view(np.ndarray)
         with open(folder / TERMS_FILE, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             # mmap cannot map an empty file (an index of no terms)
@@ -316,52 +316,86 @@ def _select(scores: np.ndarray, k: int) -> np.ndarray:
     return pos[np.lexsort((pos, -scores[pos]))][:k]
 
 
+def _kth(values: np.ndarray, k: int) -> float:
+    """The k-th largest of `values` (0 when there are fewer)."""
+    return float(np.partition(values, len(values) - k)[len(values) - k]) if k <= len(values) else 0.0
+
+
 def top_k(index: CompactIndex, ranks: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
     """The `k` (>= 1) best passages for the query terms `ranks` (in query order, repeats
     counting again), best first (ties: lower passage first), with their scores; passages scoring
     0 are left out. Exactly bm25s's scores (float32 adds, term by term in query order) and a
-    full sort.
+    full sort (`score_all`), at less cost (MaxScore):
 
-    MaxScore: terms are taken by their largest score, highest first; the passages the taken
-    terms name are scored exactly (the other terms looked up block by block), and once the k-th
-    best of them beats the most any other passage can score (the other terms' largest scores
-    summed), those are the top k. Every passage is scored instead when the taken terms name over
-    1/`CANDIDATE_SHARE` of the corpus or after `MAX_ROUNDS` rounds of candidates (each round
-    rescores every candidate against every term: past that, scoring all is cheaper)."""
-    terms = [index.term(r) for r in ranks]
+    - the terms are weighed by the most they add to a passage (largest score times repeats); the
+      heaviest ones, until they outweigh the rest, are decoded whole: the passages they name are
+      the candidates, no other passage can score above the rest's weight;
+    - the k-th best candidate so far is a floor under the k-th best score; each other term, the
+      heaviest first, is looked up only for the candidates that can still reach the floor
+      (decoding only the blocks that hold them), which raises the floor;
+    - the survivors are scored exactly, term by term in query order, and sorted.
+
+    When the floor does not clear the rest's weight, the next heaviest term joins the decoded
+    ones (a new round); every passage is scored instead when the decoded terms name over
+    1/`CANDIDATE_SHARE` of the corpus or after `MAX_ROUNDS` rounds. Bounds carry
+    `BOUND_SLACK` for float32 rounding, so a passage is dropped only when strictly below."""
+    terms = {r: index.term(r) for r in ranks}
+    times = {r: ranks.count(r) for r in terms}
+    weight = {r: terms[r].peak * times[r] for r in terms}
+    order = sorted(terms, key=lambda r: -weight[r])
     decoded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def postings(t: _Term) -> tuple[np.ndarray, np.ndarray]:
-        if t.rank not in decoded:
-            decoded[t.rank] = index.postings_of(t)
-        return decoded[t.rank]
-
-    order = sorted(range(len(terms)), key=lambda j: -terms[j].peak)
     taken = rounds = 0
     for n_taken in range(1, len(order) + 1):
         taken += terms[order[n_taken - 1]].df
         if taken * CANDIDATE_SHARE > index.passages or rounds >= MAX_ROUNDS:
             break
-        bound = sum(terms[j].peak for j in order[n_taken:]) * BOUND_SLACK
-        if n_taken < len(order) and sum(terms[j].peak for j in order[:n_taken]) <= bound:
-            continue  # the candidates would hardly beat the bound: take the next term first
+        rest = sum(weight[r] for r in order[n_taken:]) * BOUND_SLACK
+        if n_taken < len(order) and sum(weight[r] for r in order[:n_taken]) <= rest:
+            continue  # the candidates would hardly beat the rest's weight: take the next term first
         rounds += 1
-        chosen = {terms[j].rank for j in order[:n_taken]}
-        docs = np.unique(np.concatenate([postings(terms[j])[0] for j in order[:n_taken]]))
-        sub = np.zeros(len(docs), dtype=np.float32)
-        for t in terms:  # query order: the same float32 adds as scoring every passage
-            if t.rank in chosen or t.rank in decoded:
-                pdocs, ptfs = postings(t)
-                pos = np.minimum(np.searchsorted(pdocs, docs), len(pdocs) - 1)
-                hit = pdocs[pos] == docs
-                sub[hit] += index.scores_of(t, pdocs[pos[hit]], ptfs[pos[hit]])
+        for r in order[:n_taken]:
+            if r not in decoded:
+                decoded[r] = index.postings_of(terms[r])
+        docs = np.unique(np.concatenate([decoded[r][0] for r in order[:n_taken]]))
+        partial = np.zeros(len(docs), dtype=np.float32)
+        for r in order[:n_taken]:
+            partial += _scores_at(index, terms[r], decoded[r], docs) * np.float32(times[r])
+        floor = _kth(partial, k) / BOUND_SLACK
+        if n_taken < len(order) and floor <= rest:
+            continue
+        alive = np.arange(len(docs))
+        looked: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        remaining = sum(weight[r] for r in order[n_taken:])
+        for r in order[n_taken:]:
+            alive = alive[(partial[alive] + np.float32(remaining)) * BOUND_SLACK >= floor]
+            found = index.lookup_scores(terms[r], docs[alive])
+            looked[r] = (docs[alive], found)
+            partial[alive] += found * np.float32(times[r])
+            remaining -= weight[r]
+            floor = max(floor, _kth(partial[alive], k) / BOUND_SLACK)
+        alive = alive[partial[alive] * BOUND_SLACK >= floor]
+        survivors = docs[alive]
+        exact = np.zeros(len(survivors), dtype=np.float32)
+        for r in ranks:  # query order: the same float32 adds as scoring every passage
+            if r in decoded:
+                exact += _scores_at(index, terms[r], decoded[r], survivors)
             else:
-                sub += index.lookup_scores(t, docs)
-        kth = np.partition(sub, len(sub) - k)[len(sub) - k] if k <= len(sub) else 0.0
-        if n_taken == len(order) or kth > bound:
-            pos = _select(sub, k)
-            return docs[pos].astype(np.int64), sub[pos]
+                at_docs, found = looked[r]
+                exact += found[np.searchsorted(at_docs, survivors)]
+        pos = _select(exact, k)
+        return survivors[pos].astype(np.int64), exact[pos]
     return score_all(index, ranks, k)
+
+
+def _scores_at(index: CompactIndex, t: _Term, postings: tuple[np.ndarray, np.ndarray], docs: np.ndarray) -> np.ndarray:
+    """Term `t`'s score for each of `docs` (ascending) from its decoded `postings` (0: none)."""
+    pdocs, ptfs = postings
+    out = np.zeros(len(docs), dtype=np.float32)
+    if len(pdocs) and len(docs):
+        pos = np.minimum(np.searchsorted(pdocs, docs), len(pdocs) - 1)
+        hit = pdocs[pos] == docs
+        out[hit] = index.scores_of(t, pdocs[pos[hit]], ptfs[pos[hit]])
+    return out
 
 
 def score_all(index: CompactIndex, ranks: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -19,11 +19,14 @@ by `PAD` readable bytes (the writer appends them).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 BLOCK = 128
-PAD = 8
+PAD = 8  # readable bytes after the last block: the decoder reads 8 bytes at a value's position
 MAX_BITS = 32
+ENCODE_BLOCKS = 1024  # blocks whose bits are laid out at once (each bit a byte while packing)
 
 
 def bit_lengths(values: np.ndarray) -> np.ndarray:
@@ -83,13 +86,19 @@ def encode(docs: np.ndarray, tfs: np.ndarray, term_starts: np.ndarray) -> tuple[
     doc_len = (sizes * doc_bits + 7) // 8
     nbytes = doc_len + (sizes * tf_bits + 7) // 8
     offsets = np.cumsum(nbytes) - nbytes
-    block_of = np.repeat(np.arange(len(starts), dtype=np.int64), sizes)
-    within = np.arange(n, dtype=np.int64) - starts[block_of]
-    bits = np.zeros(int(nbytes.sum()) * 8, dtype=np.uint8)
-    _write_bits(bits, gaps, doc_bits[block_of], offsets[block_of] * 8 + within * doc_bits[block_of])
-    _write_bits(bits, tf1, tf_bits[block_of], (offsets + doc_len)[block_of] * 8 + within * tf_bits[block_of])
-    packed = np.packbits(bits, bitorder="little").tobytes()
-    return packed, docs[ends - 1] if n else docs[:0], doc_bits, tf_bits, offsets
+    pieces = []
+    for lo in range(0, len(starts), ENCODE_BLOCKS):  # the bit arrays of a few MB at a time
+        hi = min(lo + ENCODE_BLOCKS, len(starts))
+        span = slice(int(starts[lo]), int(ends[hi - 1]))
+        piece_sizes = sizes[lo:hi]
+        block_of = np.repeat(np.arange(lo, hi, dtype=np.int64), piece_sizes)
+        within = np.arange(span.start, span.stop, dtype=np.int64) - starts[block_of]
+        at = (offsets - offsets[lo])[block_of] * 8
+        bits = np.zeros(int(nbytes[lo:hi].sum()) * 8, dtype=np.uint8)
+        _write_bits(bits, gaps[span], doc_bits[block_of], at + within * doc_bits[block_of])
+        _write_bits(bits, tf1[span], tf_bits[block_of], at + doc_len[block_of] * 8 + within * tf_bits[block_of])
+        pieces.append(np.packbits(bits, bitorder="little").tobytes())
+    return b"".join(pieces), docs[ends - 1] if n else docs[:0], doc_bits, tf_bits, offsets
 
 
 def _read(buf: np.ndarray, bit_pos: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -99,13 +108,76 @@ def _read(buf: np.ndarray, bit_pos: np.ndarray, widths: np.ndarray) -> np.ndarra
     return (raw & ((np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1))).astype(np.int64)
 
 
+def _unpack_rows(rows: np.ndarray, width: int) -> np.ndarray:
+    """The BLOCK values of `width` bits packed in each row of `rows` (uint8, BLOCK * width / 8
+    bytes a row), as int64 (rows, BLOCK). A run of g = 8 / gcd(width, 8) values fills m whole
+    bytes, so value j of every run is read from the same byte columns: one vectorised pass per
+    lane (g <= 8), never a gather per value."""
+    g = 8 // math.gcd(width, 8)
+    m = width * g // 8
+    runs = rows.reshape(-1, m)
+    out = np.empty((len(runs), g), dtype=np.uint64)
+    mask = np.uint64((1 << width) - 1)
+    for j in range(g):
+        bit = j * width
+        first, last, shift = bit // 8, (bit + width - 1) // 8, bit % 8
+        v = runs[:, first].astype(np.uint64) >> np.uint64(shift)
+        for byte in range(first + 1, last + 1):
+            v |= runs[:, byte].astype(np.uint64) << np.uint64(8 * (byte - first) - shift)
+        out[:, j] = v & mask
+    return out.reshape(len(rows), BLOCK).astype(np.int64)
+
+
+def _unpack_full(buf: np.ndarray, starts: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The values of full blocks whose sections start at byte `starts` with `widths`, (blocks, BLOCK)."""
+    out = np.zeros((len(starts), BLOCK), dtype=np.int64)
+    for width in np.unique(widths).tolist():
+        if width:
+            rows = np.flatnonzero(widths == width)
+            at = starts[rows][:, None] + np.arange(BLOCK * width // 8, dtype=np.int64)
+            out[rows] = _unpack_rows(buf[at], width)
+    return out
+
+
 def decode(
     buf: np.ndarray, offsets: np.ndarray, counts: np.ndarray, doc_bits: np.ndarray, tf_bits: np.ndarray,
     prev_last: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The documents and frequencies of the blocks at byte `offsets` of `buf` (uint8, followed by
     PAD bytes), `counts` postings each, with these widths; `prev_last`: each block's previous
-    block's last document (-1 for a term's first block). Returns (docs, tfs) as int64."""
+    block's last document (-1 for a term's first block). Returns (docs, tfs) as int64.
+
+    Full blocks are unpacked a width at a time (`_unpack_full`); shorter ones (a term's last)
+    value by value (`_decode_values`)."""
+    counts = counts.astype(np.int64)
+    full = counts == BLOCK
+    if not full.any() or len(counts) < 4:
+        return _decode_values(buf, offsets, counts, doc_bits, tf_bits, prev_last)
+    offsets, doc_bits, tf_bits, prev_last = (a.astype(np.int64) for a in (offsets, doc_bits, tf_bits, prev_last))
+    rows = np.flatnonzero(full)
+    gaps = _unpack_full(buf, offsets[rows], doc_bits[rows])
+    tfs = _unpack_full(buf, offsets[rows] + doc_bits[rows] * (BLOCK // 8), tf_bits[rows]) + 1
+    docs = np.cumsum(gaps + 1, axis=1) + prev_last[rows][:, None]
+    if full.all():
+        return docs.ravel(), tfs.ravel()
+    short = np.flatnonzero(~full)
+    s_docs, s_tfs = _decode_values(buf, offsets[short], counts[short], doc_bits[short], tf_bits[short], prev_last[short])
+    # blocks back in their order: each block's postings after those of the blocks before it
+    where = np.cumsum(counts) - counts
+    dest_full = (where[rows][:, None] + np.arange(BLOCK, dtype=np.int64)).ravel()
+    dest_short = np.repeat(where[short], counts[short]) + np.arange(len(s_docs), dtype=np.int64) - np.repeat(
+        np.cumsum(counts[short]) - counts[short], counts[short])
+    out_docs, out_tfs = np.empty(int(counts.sum()), dtype=np.int64), np.empty(int(counts.sum()), dtype=np.int64)
+    out_docs[dest_full], out_tfs[dest_full] = docs.ravel(), tfs.ravel()
+    out_docs[dest_short], out_tfs[dest_short] = s_docs, s_tfs
+    return out_docs, out_tfs
+
+
+def _decode_values(
+    buf: np.ndarray, offsets: np.ndarray, counts: np.ndarray, doc_bits: np.ndarray, tf_bits: np.ndarray,
+    prev_last: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`decode` reading each value on its own (an unaligned 8-byte read at its bit position)."""
     counts = counts.astype(np.int64)
     n = int(counts.sum())
     if not n:
