@@ -27,11 +27,11 @@ import sys
 import textwrap
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from slime_stoa.protocol.cli_fields import Flag
+from slime_stoa.protocol.cli_fields import Flag, help_of, setting
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.layout import check_name, check_worker_id
 from slime_stoa.protocol.run_manifest import PLANES, Plane, RunManifest, read_run_manifest
@@ -144,23 +144,17 @@ def _tier_batch() -> int:
     return tier_for(memory_bytes()).batch
 
 
-def _doc(text: str, *, join: Flag | str | None = None, run: Flag | str | None = None, **kwargs: Any) -> Any:
-    """A dataclass field documented in place: `text` heads its key in the TOML file; `join` and
-    `run` make it an option of `macd join` / `macd run` with that help (`slime_stoa.protocol.cli_fields`)."""
-    flags = {key: flag for key, flag in (("join", join), ("run", run)) if flag is not None}
-    return field(metadata={"doc": text, **flags}, **kwargs)
-
-
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
     """Everything `macd run` needs besides what the run manifest in the bucket says.
 
-    A field with `join=` is an option of `macd join` (`--worker-id` for `worker_id`), one with
-    `run=` an option of `macd run` that overrides the file's value for that run; the others are
-    edited in the file and kept when re-joining.
+    Each field is a `setting` (`slime_stoa.protocol.cli_fields`): its help heads its key in the
+    TOML file. A field with `join=` is an option of `macd join` (`--worker-id` for `worker_id`),
+    one with `run=` an option of `macd run` that overrides the file's value for that run; the
+    others are edited in the file and kept when re-joining.
     """
 
-    store: str = _doc(
+    store: str = setting(
         "Bucket URL of the run: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix.",
         join=Flag(
             positional=True,
@@ -168,45 +162,45 @@ class DaemonConfig:
             help="bucket URL: file:///dir, s3://bucket/prefix?endpoint=..., r2://account/bucket/prefix",
         ),
     )
-    run: str = _doc(
+    run: str = setting(
         "Run name: the daemon follows runs/<run>/ in that bucket.",
         join=Flag(required=True, help="run name (created by the operator with `stoa run create`)"),
     )
-    name: str = _doc(
+    name: str = setting(
         "Display name of this worker in the fleet table (default: the host name).",
         join="this worker's name in the fleet table (default: the host name)",
     )
-    worker_id: str = _doc(
+    worker_id: str = setting(
         "Stable id in the bucket's keys (heartbeat, rollout records): made once by `macd join` and "
         "kept across restarts and re-joins of the same run. 1-48 lowercase letters, digits or '-'.",
         join="this worker's id in the bucket's keys, 1-48 lowercase letters, digits or '-' (default: "
         "kept when re-joining the same run, else made from the name); two workers must never share one",
     )
-    data_dir: Path = _doc(  # noqa: RUF009
+    data_dir: Path = setting(
         "Folder of the anchor cache and the upload spool (absolute; several GB for big models).",
         join="anchor cache and spool folder (default: the user's data folder)",
     )
-    credentials_file: Path | None = _doc(  # noqa: RUF009
+    credentials_file: Path | None = setting(
         "Env file (mode 0600) with the bucket credentials. Absent: the usual lookup (environment, "
         "~/.r2env, ~/.config/stoa/credentials.env, $STOA_ENV_FILE).",
         join="use this existing env file (mode 0600) instead of writing one",
         default=None,
     )
-    batch: int = _doc(
+    batch: int = setting(
         "Prompts generated together, each becoming a group of the run's group size. Default: this "
         "machine's memory tier (`macd doctor`).",
         join="prompts generated together (default: this machine's memory tier)",
         default_factory=_tier_batch,
     )
-    max_decode: int = _doc("Most sequences decoding at once; 0: batch x group size, all at once.", default=0)
-    transfer_concurrency: int = _doc("Parallel transfers with the bucket (record uploads, weight downloads).", default=4)
-    spool_max_mb: int = _doc(
+    max_decode: int = setting("Most sequences decoding at once; 0: batch x group size, all at once.", default=0)
+    transfer_concurrency: int = setting("Parallel transfers with the bucket (record uploads, weight downloads).", default=4)
+    spool_max_mb: int = setting(
         "Most megabytes of finished groups kept on disk while the bucket cannot be reached; "
         "generation pauses when the spool is full.",
         default=2048,
     )
-    log_level: str = _doc("Log level of the daemon: DEBUG, INFO, WARNING or ERROR.", default="INFO")
-    wandb_project: str | None = _doc(
+    log_level: str = setting("Log level of the daemon: DEBUG, INFO, WARNING or ERROR.", default="INFO")
+    wandb_project: str | None = setting(
         "Weights & Biases project to log this worker's heartbeats to (worker/*, one W&B run per "
         "`macd run`; needs the wandb package). Absent: no W&B. `macd run --wandb-project` overrides it.",
         run=Flag(
@@ -216,7 +210,7 @@ class DaemonConfig:
         ),
         default=None,
     )
-    run_key: str = _doc(
+    run_key: str = setting(
         "The run key pinned at `macd join` (public key text, ed25519:...): weights, pointers and the "
         "run manifest must be signed by it or by a key it rotated to, else they are refused. Empty: "
         "the first run key the worker sees is trusted and kept in its data folder (an unsigned run: "
@@ -228,7 +222,7 @@ class DaemonConfig:
         ),
         default="",
     )
-    worker_key: str = _doc(
+    worker_key: str = setting(
         "Path of this worker's key file (mode 0600), installed by `macd join --worker-key`; it signs "
         "this worker's rollout records. Empty: no worker key.",
         join=Flag(  # the file to install; the config keeps the installed copy's path
@@ -239,7 +233,7 @@ class DaemonConfig:
         ),
         default="",
     )
-    rollouts_store: str = _doc(
+    rollouts_store: str = setting(
         "Least privilege: URL of a second bucket for this worker's rollout records and heartbeat "
         "(runs/<run>/rollouts|evals|workers/); the first (`store`) is then only read. Empty: one bucket.",
         join=Flag(
@@ -249,7 +243,7 @@ class DaemonConfig:
         ),
         default="",
     )
-    plane: str = _doc(
+    plane: str = setting(
         "The weight plane this Mac serves the run on: bf16, int8 or int4 (int4 only when the run "
         "publishes it), never a larger one than the run's. Empty: the largest that fits this Mac's "
         "memory (the run's plane, or a smaller one the run publishes; `macd join` shows it).",
@@ -260,7 +254,7 @@ class DaemonConfig:
         ),
         default="",
     )
-    rollouts_credentials_file: Path | None = _doc(  # noqa: RUF009
+    rollouts_credentials_file: Path | None = setting(
         "Env file (mode 0600) with the credentials of `rollouts_store` (a token that may write that "
         "bucket only). Absent: the usual lookup.",
         join=Flag(metavar="FILE", help="env file (mode 0600) with the --rollouts-store token (default: the usual lookup)"),
@@ -351,7 +345,7 @@ class DaemonConfig:
             "# (`macd start` restarts a running agent). Credentials are not kept here.",
             "",
         ]
-        docs = {f.name: f.metadata.get("doc", "") for f in fields(self)}
+        docs = {f.name: help_of(f) for f in fields(self)}
         for key, value in self.to_dict().items():
             lines += [f"# {line}" for line in textwrap.wrap(docs[key], 96)]
             lines += [tomli_w.dumps({key: value}).rstrip("\n"), ""]

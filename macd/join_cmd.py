@@ -13,11 +13,11 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slime_stoa.protocol.cli_fields import add_field_options
+from slime_stoa.protocol.cli_fields import add_field_options, setting
 from slime_stoa.protocol.shell import shell_command
 from slime_stoa.protocol.signing import PublicKey, write_private_file
 from slime_stoa.protocol.worker_keys import worker_key_bytes
@@ -39,21 +39,17 @@ class JoinInputs:
     """The options of `macd join` that are not config fields: credentials to write, and whether to
     check the bucket (with `--config`, every other option is a `DaemonConfig` field)."""
 
-    access_key_id: str | None = field(
-        default=None, metadata={"join": "bucket access key id (default: from the environment)"}
+    access_key_id: str | None = setting("bucket access key id (default: from the environment)", None, join=True)
+    secret_access_key: str | None = setting(
+        "bucket secret key; visible to other users in `ps` and kept in shell history: prefer "
+        "AWS_SECRET_ACCESS_KEY in the environment, --credentials-stdin, or the prompt",
+        None,
+        join=True,
     )
-    secret_access_key: str | None = field(
-        default=None,
-        metadata={
-            "join": "bucket secret key; visible to other users in `ps` and kept in shell history: prefer "
-            "AWS_SECRET_ACCESS_KEY in the environment, --credentials-stdin, or the prompt"
-        },
+    credentials_stdin: bool = setting(
+        "read KEY=VALUE lines (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) from stdin", False, join=True
     )
-    credentials_stdin: bool = field(
-        default=False,
-        metadata={"join": "read KEY=VALUE lines (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) from stdin"},
-    )
-    no_check: bool = field(default=False, metadata={"join": "write the config without contacting the bucket"})
+    no_check: bool = setting("write the config without contacting the bucket", False, join=True)
 
 
 #: The fields a re-join of any run keeps from the previous config unless a flag sets them.

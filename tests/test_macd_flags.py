@@ -13,7 +13,7 @@ import pytest
 from macd.cli import build_parser
 from macd.config import DaemonConfig
 from macd.join_cmd import KEPT_ON_REJOIN, JoinInputs
-from slime_stoa.protocol.cli_fields import Flag, add_field_options, field_values, flag_of, option_name
+from slime_stoa.protocol.cli_fields import Flag, add_field_options, field_values, flag_of, help_of, option_name, setting
 from slime_stoa.quickstart.config import TASKS, QuickstartConfig
 
 #: Every option of `macd join` as users type it (`store` is the positional BUCKET_URL).
@@ -149,6 +149,30 @@ def test_bad_metadata_is_a_type_error() -> None:
 
     with pytest.raises(TypeError, match="help text or a Flag"):
         add_field_options(argparse.ArgumentParser(), Bad, "cmd")
+
+
+def test_a_setting_is_documented_once_and_an_option_where_its_metadata_says() -> None:
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Conf:
+        depth: int = setting("how deep", 3, cmd=True)  # the option takes the field's own help
+        name: str = setting("what it is called", "x", cmd="the option's own words")
+        kept: int = setting("edited in the file only", 1)
+
+    assert [help_of(f) for f in dataclasses.fields(Conf)] == ["how deep", "what it is called", "edited in the file only"]
+    parser = argparse.ArgumentParser()
+    assert add_field_options(parser, Conf, "cmd") == ["depth", "name"]
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["depth"] == "how deep (default: 3)" and helps["name"] == "the option's own words (default: x)"
+    everything = argparse.ArgumentParser()  # under HELP every documented field is an option, with its help
+    assert add_field_options(everything, Conf) == ["depth", "name", "kept"]
+    assert field_values(everything.parse_args(["--kept", "5"]), Conf) == {"depth": 3, "name": "x", "kept": 5}
+
+    @dataclasses.dataclass
+    class Undocumented:
+        x: int = dataclasses.field(default=0, metadata={"cmd": True})  # True needs a help text to show
+
+    with pytest.raises(TypeError, match="help text or a Flag"):
+        add_field_options(argparse.ArgumentParser(), Undocumented, "cmd")
 
 
 def test_quickstart_options_come_from_the_same_helper() -> None:

@@ -3,9 +3,10 @@ them (stdlib only). Every process's config is a dataclass whose fields say what 
 one form, `setting(help, default=...)`: the help text in the field's metadata under `HELP`,
 beside what other readers of the field need (a command's `Flag`, a settings reader's keys).
 
-A field is an option of a command when its metadata holds, under the command's key, its help
-text or a `Flag` (the help plus what the field alone does not say); under the key `HELP` (the
-default) every documented field is an option, with its help. From the field come:
+A field is an option of a command when its metadata holds, under the command's key, the
+option's help text, True (the field's own help) or a `Flag` (the help plus what the field alone
+does not say); under the key `HELP` (the default) every documented field is an option, with its
+help. From the field come:
 
 - the option: `--max-versions` for `max_versions` (`Flag.option` overrides the name,
   `Flag.aliases` adds short forms such as `-n`), or a positional argument (`Flag.positional`);
@@ -61,13 +62,18 @@ def option_name(name: str) -> str:
 
 
 def flag_of(f: dataclasses.Field[Any], key: str) -> Flag | None:
-    """The `Flag` of field `f` for the command `key` (plain help text becomes one), or None."""
+    """The `Flag` of field `f` for the command `key` (plain help text becomes one, True one with
+    the field's own help), or None."""
     spec = f.metadata.get(key)
     if spec is None or isinstance(spec, Flag):
         return spec
+    if spec is True and help_of(f):
+        return Flag(help=help_of(f))
     if isinstance(spec, str):
         return Flag(help=spec)
-    raise TypeError(f"field {f.name}: metadata[{key!r}] must be help text or a Flag, got {spec!r}")
+    raise TypeError(
+        f"field {f.name}: metadata[{key!r}] must be help text or a Flag (or True: the field's own help), got {spec!r}"
+    )
 
 
 def option_fields(cls: type, key: str) -> list[tuple[dataclasses.Field[Any], Flag]]:
