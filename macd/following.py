@@ -212,6 +212,14 @@ class WeightFollower:
         `first_sync` staged (`LiveWeights.from_state`, on the MLX thread, which owns it from then
         on); the subscriber then stands at its version."""
         assert staged.state is not None
+        try:
+            return await self._load_model(sub, staged, plane)
+        except BaseException:
+            sub.forget()  # nothing took the state: the next try syncs (and reads the pointer) again
+            raise
+
+    async def _load_model(self, sub: Subscriber, staged: StagedSync, plane: Plane) -> tuple[Model, Tokenizer]:
+        assert staged.state is not None
         anchor = await read_anchor_manifest(self.store, staged.manifest.anchor.manifest, trust=sub.trust)
         folder = self.config.data_dir / "models" / self.config.run
         extras = folder / "extras"

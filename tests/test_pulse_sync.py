@@ -630,3 +630,23 @@ async def test_a_deferred_sync_past_a_corrupt_patch_stages_the_next_path(store: 
     sub.advance(result.staged)
     assert sub.version == 2 and sub.digest is not None and sub.digest.root() == pub.state_digest
     assert StateDigest.of(owned).root() == pub.state_digest  # the owner's bytes are the version
+
+
+async def test_a_forgotten_version_is_restored_from_the_anchor(store: Store) -> None:
+    """The owner's bytes match no version any more (an install stopped half-way): after `forget`
+    the same pointer is read again and the sync brings a whole verified state, from the anchor;
+    an older pointer than the version left is still refused meanwhile."""
+    rng = np.random.default_rng(23)
+    pub, sub = Publisher(store, RUN), Subscriber(store, RUN, deferred=True)
+    states = await publish_versions(pub, rng, 3)
+    result = await sub.sync()
+    assert result is not None and result.staged is not None
+    sub.advance(result.staged)
+    assert await sub.sync(read_only(states[-1])) is None  # nothing new
+    sub.forget()
+    assert sub.version is None and sub.floor is not None and sub.floor.version == len(states) - 1
+    result = await sub.sync()
+    assert result is not None and result.path.startswith("anchor") and result.staged is not None
+    assert result.staged.state is not None and StateDigest.of(result.staged.state).root() == pub.state_digest
+    sub.advance(result.staged)
+    assert sub.version == len(states) - 1

@@ -65,7 +65,7 @@ async def test_a_worker_refuses_an_attackers_weights_and_keeps_its_own(
     )
     assert not run.done(), run
     assert worker.sub is not None and worker.sub.version == 0 and worker.sub.digest is not None
-    assert worker.sub.digest.root() == digest and worker.live.digest_check(worker.sub.state)
+    assert worker.sub.digest.root() == digest and worker.live.digest_check(worker.live.state)
     assert worker.beat.weights_refused == 1 and "refused the pointer" in worker.beat.last_error
 
     async def beat_says_so() -> bool:

@@ -185,7 +185,7 @@ async def test_a_revoked_worker_stops_at_start_and_says_so(
     data = await store.get_bytes(layout.heartbeat("mac-c"))
     beat_now = Heartbeat.from_bytes(data)
     assert beat_now.status == "revoked" and judge_heartbeat(data, beat_now, registry()) == "revoked"
-    assert worker.sub is None or worker.sub.state is None  # no weights taken
+    assert worker.live is None and (worker.sub is None or worker.sub.version is None)  # no weights taken
 
 
 async def test_a_registered_worker_signs_its_heartbeat(store: Store, store_url: str, tmp_path: Path) -> None:
