@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup
+from slime_stoa.protocol.records import RolloutGroup
 
 STATUS_COMPLETED = "completed"
 STATUS_TRUNCATED = "truncated"
@@ -122,7 +122,6 @@ def sample_fields(
     if indices is not None and len(indices) != len(g.samples):
         raise ValueError(f"{len(indices)} indices for a group of {len(g.samples)} samples")
     prompt = [int(t) for t in g.prompt_tokens]
-    v2 = g.schema_version == SCHEMA_V2  # v1: every token the model's (no mask on the wire)
     out = []
     for i, s in enumerate(g.samples):
         response = [int(t) for t in s.response_tokens]
@@ -137,7 +136,7 @@ def sample_fields(
                 "response": group.texts[i],
                 "response_length": n,
                 "reward": float(group.rewards[i]),
-                "loss_mask": [int(m) for m in s.mask] if v2 else [1] * n,
+                "loss_mask": [int(m) for m in s.mask],
                 "rollout_log_probs": np.minimum(s.logprobs.astype(np.float64), 0.0).tolist(),
                 "status": sample_status(s.finish_reason),
                 "weight_versions": [str(g.weight_version)],
