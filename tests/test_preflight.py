@@ -191,6 +191,7 @@ def test_a_consistent_setup_passes_every_check(setup: Setup) -> None:
         "rollout-top-p", "n-samples-per-prompt", "rollout-max-response-len", "global-batch-size",
         "rollout-function-path", "loss-type", "custom-loss-function-path", "stoa-bucket", "stoa-run",
         "stoa-publish", "rollout-settings", "publisher-settings", "dppo-settings", "slime-patch", "data-source-path",
+        "slime-flags",
     ):  # fmt: skip
         assert expected in checks
     assert "0 to fix; ready to launch" in preflight.format_findings(findings)

@@ -9,7 +9,7 @@ Everything here is a small function. The bucket is read once (`inspect_store`, a
 `StoreFacts`; every other check is a pure function of the parsed flags, the YAML, the facts and
 the run manifest:
 
-    flags, unknown = parse_slime_args(argv)           # tolerant: unknown slime flags are kept aside
+    flags, unknown = parse_slime_args(argv)           # slime's own parser where slime imports; tolerant
     config = load_custom_config(flags.custom_config_path)
     args = effective_args(flags, config)              # the YAML overrides flags, as in slime
     facts = asyncio.run(inspect_store(url, run))
@@ -89,67 +89,126 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def slime_flag_parser() -> argparse.ArgumentParser:
-    """A parser for the slime flags preflight reads, with slime's types and defaults at HEAD."""
-    p = argparse.ArgumentParser(prog="slime", add_help=False, allow_abbrev=False)
-    add = p.add_argument
-    add("--rollout-num-gpus", type=int, default=None)
-    add("--colocate", action="store_true", default=False)
-    add("--debug-train-only", action="store_true", default=False)
-    add("--debug-rollout-only", action="store_true", default=False)
-    add("--rollout-function-path", default=SLIME_DEFAULT_ROLLOUT_FUNCTION)
-    add("--data-source-path", default=SLIME_DEFAULT_DATA_SOURCE)
-    add("--rollout-temperature", type=float, default=1.0)
-    add("--rollout-top-p", type=float, default=1.0)
-    add("--rollout-max-response-len", type=int, default=None)
-    add("--rollout-batch-size", type=int, default=None)
-    add("--n-samples-per-prompt", type=int, default=1)
-    add("--global-batch-size", type=int, default=None)
-    add("--num-steps-per-rollout", type=int, default=None)
-    add("--num-rollout", type=int, default=None)
-    add("--num-epoch", type=int, default=None)
-    add("--loss-type", default="policy_loss")
-    add("--custom-loss-function-path", default=None)
-    add("--advantage-estimator", default="grpo")
-    add("--use-rollout-logprobs", action="store_true", default=False)
-    add("--calculate-per-token-loss", action="store_true", default=False)
-    add("--use-kl-loss", action="store_true", default=False)
-    add("--use-tis", action="store_true", default=False)
-    add("--use-opsm", action="store_true", default=False)
-    add("--custom-pg-loss-reducer-function-path", default=None)
-    add("--custom-config-path", default=None)
-    add("--eval-interval", type=int, default=None)
-    add("--eval-prompt-data", nargs="+", default=None)
-    add("--prompt-data", default=None)
-    add("--disable-rollout-global-dataset", action="store_false", dest="rollout_global_dataset")
-    add("--eval-config", default=None)
-    add("--n-samples-per-eval-prompt", type=int, default=1)
-    add("--eval-temperature", type=float, default=None)
-    add("--eval-top-p", type=float, default=None)
-    add("--eval-top-k", type=int, default=None)
-    add("--eval-max-response-len", type=int, default=None)
-    add("--eval-min-new-tokens", type=int, default=None)
-    add("--rollout-top-k", type=int, default=-1)
-    add("--get-mismatch-metrics", action="store_true", default=False)
-    add("--pipeline-model-parallel-size", type=int, default=1)
-    add("--untie-embeddings-and-output-weights", action="store_true", default=False)
-    add("--hf-checkpoint", default=None)
-    add("--save", default=None)
-    add("--load", default=None)
-    return p
+#: The slime flags preflight reads, as slime (and Megatron, for the flags slime takes from it)
+#: declares them at `preflight_slime_api.SLIME_COMMIT`: where slime is importable its own parser
+#: reads the launch flags and this copy only adds what that parser lacks (Megatron's flags when
+#: Megatron does not import, and the flags of slime's pre-pass `_pre_parse_mode`, which has a
+#: parser of its own); elsewhere this copy reads them, and preflight says so.
+SLIME_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--rollout-num-gpus", {"type": int, "default": None}),
+    ("--colocate", {"action": "store_true", "default": False}),
+    ("--debug-train-only", {"action": "store_true", "default": False}),
+    ("--debug-rollout-only", {"action": "store_true", "default": False}),
+    ("--rollout-function-path", {"default": SLIME_DEFAULT_ROLLOUT_FUNCTION}),
+    ("--data-source-path", {"default": SLIME_DEFAULT_DATA_SOURCE}),
+    ("--rollout-temperature", {"type": float, "default": 1.0}),
+    ("--rollout-top-p", {"type": float, "default": 1.0}),
+    ("--rollout-max-response-len", {"type": int, "default": None}),
+    ("--rollout-batch-size", {"type": int, "default": None}),
+    ("--n-samples-per-prompt", {"type": int, "default": 1}),
+    ("--global-batch-size", {"type": int, "default": None}),
+    ("--num-steps-per-rollout", {"type": int, "default": None}),
+    ("--num-rollout", {"type": int, "default": None}),
+    ("--num-epoch", {"type": int, "default": None}),
+    ("--loss-type", {"default": "policy_loss"}),
+    ("--custom-loss-function-path", {"default": None}),
+    ("--advantage-estimator", {"default": "grpo"}),
+    ("--use-rollout-logprobs", {"action": "store_true", "default": False}),
+    ("--calculate-per-token-loss", {"action": "store_true", "default": False}),
+    ("--use-kl-loss", {"action": "store_true", "default": False}),
+    ("--use-tis", {"action": "store_true", "default": False}),
+    ("--use-opsm", {"action": "store_true", "default": False}),
+    ("--custom-pg-loss-reducer-function-path", {"default": None}),
+    ("--custom-config-path", {"default": None}),
+    ("--eval-interval", {"type": int, "default": None}),
+    ("--eval-prompt-data", {"nargs": "+", "default": None}),
+    ("--prompt-data", {"default": None}),
+    ("--disable-rollout-global-dataset", {"action": "store_false", "dest": "rollout_global_dataset"}),
+    ("--eval-config", {"default": None}),
+    ("--n-samples-per-eval-prompt", {"type": int, "default": 1}),
+    ("--eval-temperature", {"type": float, "default": None}),
+    ("--eval-top-p", {"type": float, "default": None}),
+    ("--eval-top-k", {"type": int, "default": None}),
+    ("--eval-max-response-len", {"type": int, "default": None}),
+    ("--eval-min-new-tokens", {"type": int, "default": None}),
+    ("--rollout-top-k", {"type": int, "default": -1}),
+    ("--get-mismatch-metrics", {"action": "store_true", "default": False}),
+    ("--pipeline-model-parallel-size", {"type": int, "default": 1}),
+    ("--untie-embeddings-and-output-weights", {"action": "store_true", "default": False}),
+    ("--hf-checkpoint", {"default": None}),
+    ("--save", {"default": None}),
+    ("--load", {"default": None}),
+)
 
 
-def parse_slime_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(the flags preflight reads, every other token). Unknown flags are tolerated; a bare `--`
-    is dropped. ValueError for a known flag with a bad value (e.g. `--rollout-batch-size x`)."""
+@dataclass(frozen=True)
+class SlimeFlagParser:
+    """The parser of the launch flags, and whose it is: `unavailable` says why slime's own
+    parser is not used ("" when it is)."""
+
+    parser: argparse.ArgumentParser
+    unavailable: str = ""
+
+
+def slime_own_parser() -> argparse.ArgumentParser:
+    """slime's own parser of its launch flags: Megatron's arguments (where Megatron imports) with
+    slime's added by `slime.utils.arguments.get_slime_extra_args_provider`, as slime's
+    `parse_args` builds it (sglang's flags, parsed apart by slime, are left to the unknown ones).
+    ImportError (or whatever importing slime raises) where slime is not importable."""
+    from slime.utils.arguments import get_slime_extra_args_provider
+
+    parser = argparse.ArgumentParser(prog="slime", add_help=False, allow_abbrev=False)
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+    except Exception:  # no Megatron here (or one without it): stoa's copy adds the Megatron flags it reads
+        pass
+    else:
+        parser = add_megatron_arguments(parser) or parser
+    return get_slime_extra_args_provider()(parser) or parser
+
+
+def slime_flag_parser() -> SlimeFlagParser:
+    """slime's own parser where slime imports (completed from `SLIME_FLAGS` with the flags it does
+    not declare), else a parser of `SLIME_FLAGS` alone, saying why."""
+    try:
+        parser, unavailable = slime_own_parser(), ""
+    except Exception as exc:  # slime is not importable here (or its import fails): say why
+        parser = argparse.ArgumentParser(prog="slime", add_help=False, allow_abbrev=False)
+        unavailable = " ".join(f"{type(exc).__name__}: {exc}".split())
+    declared = parser._option_string_actions
+    for option, kwargs in SLIME_FLAGS:
+        if option not in declared:
+            parser.add_argument(option, **kwargs)
+    return SlimeFlagParser(parser, unavailable)
+
+
+def parse_slime_args(
+    argv: Sequence[str], flag_parser: SlimeFlagParser | None = None
+) -> tuple[argparse.Namespace, list[str]]:
+    """(the parsed flags, every other token). Unknown flags are tolerated; a bare `--` is dropped.
+    ValueError for a known flag with a bad value (e.g. `--rollout-batch-size x`)."""
     tokens = [t for t in argv if t != "--"]
-    parser = slime_flag_parser()
+    parser = (flag_parser or slime_flag_parser()).parser
 
     def error(message: str) -> NoReturn:  # argparse would exit; raise instead
         raise ValueError(f"slime flags: {message}")
 
     parser.error = error  # type: ignore[method-assign]
     return parser.parse_known_args(tokens)
+
+
+def check_flag_parser(flag_parser: SlimeFlagParser) -> Finding:
+    """One line: the flags were read by slime's own parser, or why not (slime not importable)."""
+    check = "slime-flags"
+    if not flag_parser.unavailable:
+        return ok(check, "the slime flags parse with slime's own parser")
+    from .preflight_slime_api import SLIME_COMMIT
+
+    return ok(
+        check,
+        f"slime is not importable here ({flag_parser.unavailable}): the flags were read as slime "
+        f"{SLIME_COMMIT[:12]} declares them; run preflight where slime imports to check them with slime's own parser",
+    )
 
 
 def read_args_file(path: str | Path) -> list[str]:
@@ -967,8 +1026,9 @@ def run_checks(
     facts: StoreFacts,
 ) -> list[Finding]:
     """Every check, given what was read from the bucket (`inspect_store`)."""
+    flag_parser = slime_flag_parser()
     try:
-        flags, _unknown = parse_slime_args(slime_argv)
+        flags, _unknown = parse_slime_args(slime_argv, flag_parser)
     except ValueError as exc:
         return [*check_store(facts), fix("slime-flags", str(exc))]
     config: dict[str, Any] | None = None
@@ -979,7 +1039,7 @@ def run_checks(
         except ValueError as exc:
             config_error = str(exc)
     args = effective_args(flags, config or {})
-    out = [*check_store(facts), *check_flags(args, facts.manifest, config)]
+    out = [*check_store(facts), check_flag_parser(flag_parser), *check_flags(args, facts.manifest, config)]
     out += check_custom_config(args, config, store_url=store_url, run=run, config_error=config_error)
     out += check_settings(args)
     tokenizer = check_tokenizer(args, facts)
