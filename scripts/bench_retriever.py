@@ -51,6 +51,7 @@ import math
 import random
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -388,6 +389,229 @@ def bench_query_scale(sizes: list[int], queries: int, seed: int) -> list[dict[st
     return rows
 
 
+# -- PubMed scale: the compact index against the bm25s arrays -------------------------------------
+
+PUBMED_WORDS = 233  # words per passage: a PubMed abstract's mean
+PUBMED_ZIPF = (1.35, 2.0, 20_000_000)  # p(rank k) ~ (k + 2)^-1.35 over 20M made-up words
+
+
+def pubmed_corpus(n: int, seed: int, path: Path) -> None:
+    """Write `n` PubMed-like passages, one a line: `PUBMED_WORDS` words each drawn from a
+    Zipf-Mandelbrot vocabulary calibrated on PubMed (at 1M passages: ~2.5M distinct words and
+    ~113 distinct words a passage, against PubMed's 3.2M and 118)."""
+    a, q, vocab = PUBMED_ZIPF
+    cdf = np.cumsum((np.arange(1, vocab + 1, dtype=np.float64) + q) ** -a)
+    cdf /= cdf[-1]
+    rng = np.random.default_rng(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for start in range(0, n, 20_000):
+            count = min(20_000, n - start)
+            ranks = np.searchsorted(cdf, rng.random(count * PUBMED_WORDS)).reshape(count, PUBMED_WORDS)
+            for row in ranks:
+                f.write(" ".join(f"w{r:x}q" for r in row.tolist()) + "\n")
+
+
+def corpus_lines(path: Path, limit: int | None = None) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                return
+            yield line.rstrip("\n")
+
+
+def anon_rss() -> int:
+    """This process's anonymous resident bytes (heap, not mapped files); 0 off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pubmed_build_child(corpus: Path, n: int, folder: Path, compact_format: bool) -> None:
+    """Build one index of the first `n` passages of `corpus`; print one JSON line: time, peak RSS,
+    the scratch folder's largest size (sampled every 0.2 s) and each file's bytes."""
+    import threading
+
+    work = folder.parent / (folder.name + ".work")
+    work.mkdir()
+    peak_scratch = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+            peak_scratch[0] = max(peak_scratch[0], size)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    before = peak_rss_mb()  # the interpreter and its imports
+    t = time.perf_counter()
+    stats = build_index(corpus_lines(corpus, n), folder, compact_format=compact_format, work_dir=work)
+    took = time.perf_counter() - t
+    done.set()
+    sampler.join()
+    files = {p.name: p.stat().st_size for p in folder.iterdir()}
+    print(json.dumps({"passages": stats.passages, "terms": stats.terms, "postings": stats.postings, "build_s": took,
+                      "peak_rss_mb": peak_rss_mb(), "rss_before_mb": before, "peak_scratch_bytes": peak_scratch[0], "files": files}))
+
+
+def pubmed_query_child(folder: Path, corpus: Path, n: int, queries: int, seed: int) -> None:
+    """Open the index (heap and time), then time keyword and phrase-like queries: the retriever's
+    top k and full scoring of every passage; print one JSON line."""
+    from slime_stoa.tasks.search import compact
+
+    rng = random.Random(seed)
+    t = time.perf_counter()
+    Retriever.open(folder)  # the first open: the checks that read whole tables
+    first_open = time.perf_counter() - t
+    heap0 = anon_rss()
+    t = time.perf_counter()
+    retriever = Retriever.open(folder, scanned=True)  # a verified folder: what every later start does
+    start_s = time.perf_counter() - t
+    heap_open = anon_rss() - heap0
+    picks = sorted(rng.sample(range(n), min(n, queries)))
+    texts = dict(zip(picks, (line for i, line in enumerate(corpus_lines(corpus, n)) if i in set(picks)), strict=False))
+    keyword, phrase = [], []
+    for i in picks:
+        words = texts[i].split()
+        keyword.append(" ".join(rng.sample(words, rng.randint(2, 4))))  # the passage's words: common and rare mixed
+        at = rng.randrange(len(words) - 9)
+        phrase.append(" ".join(words[at:at + rng.randint(5, 9)]))
+    tok = retriever.tokenize
+
+    def ids(q: str) -> list[int]:
+        if retriever._index is not None:
+            return [r for w in tok(q) if (r := retriever._index.lookup(w)) is not None]
+        return [i for w in tok(q) if (i := retriever._vocab.get(w)) is not None]
+
+    def top(q: str) -> list[int]:
+        return [h.index for h in retriever.search(q, K)]
+
+    def full(q: str) -> list[int]:
+        if retriever._index is not None:
+            return compact.score_all(retriever._index, ids(q), K)[0].tolist()
+        m = retriever._bm.scores
+        return top_k(m["data"], m["indices"], m["indptr"], len(retriever), ids(q), K)[0].tolist()
+
+    out: dict[str, Any] = {"first_open_s": first_open, "start_s": start_s, "heap_open_bytes": heap_open}
+    for kind, qs in (("keyword", keyword), ("phrase", phrase)):
+        times: dict[str, list[float]] = {"top_k": [], "full": []}
+        same = 0
+        for q in qs:  # the two ways in turn on each query: a load change touches both alike
+            got = {}
+            for name, fn in (("top_k", top), ("full", full)):
+                s = time.perf_counter()
+                got[name] = fn(q)
+                times[name].append((time.perf_counter() - s) * 1000)
+            same += got["top_k"] == got["full"]
+        for name, ms in times.items():
+            out[f"{kind}_{name}_ms"] = {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
+                                        "max": max(ms), "n": len(ms)}
+        out[f"{kind}_same_top10"] = same
+    out["heap_after_queries_bytes"] = anon_rss() - heap0
+    print(json.dumps(out))
+
+
+def rank_bm25_latency(corpus: Path, n: int, queries: int, seed: int) -> dict[str, Any]:
+    """rank-bm25's BM25Okapi over the first `n` passages: ms a query (keyword-like), p50/p99."""
+    from rank_bm25 import BM25Okapi
+
+    tok = Tokenizer(PRESETS["default"].tokenizer)
+    docs = [tok(p) for p in corpus_lines(corpus, n)]
+    bm = BM25Okapi(docs, k1=1.5, b=0.75)
+    rng = random.Random(seed)
+    times = []
+    for _ in range(queries):
+        words = docs[rng.randrange(n)]
+        q = rng.sample(words, min(len(words), rng.randint(2, 4)))
+        s = time.perf_counter()
+        bm.get_scores(q)
+        times.append((time.perf_counter() - s) * 1000)
+    return {"passages": n, "p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99)), "n": len(times)}
+
+
+def _child(*args: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+INDEX_OF_POSTINGS = {True: ("postings.bin", "blocks.npy"), False: ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy")}
+PASSAGE_FILES = {"passages.txt", "passages.offsets.npy", "passages.zst", "passages.blocks.npy"}
+
+
+def bench_pubmed(n: int, queries: int, seed: int, arrays_up_to: int, rank_bm25_passages: int) -> dict[str, Any]:
+    """Both formats built from the same PubMed-like corpus (a child process each, for a clean peak
+    RSS), a smaller compact build to fit the vocabulary's growth, the query times, and the
+    projection to 16M passages."""
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-pubmed-") as tmp_name:
+        tmp = Path(tmp_name)
+        corpus = tmp / "corpus.txt"
+        t = time.perf_counter()
+        pubmed_corpus(n, seed, corpus)
+        print(f"\nPubMed-like corpus: {n:,} passages of {PUBMED_WORDS} words ({time.perf_counter() - t:.0f} s to write)", flush=True)
+        formats = [("compact", True)] + ([("arrays", False)] if n <= arrays_up_to else [])
+        for name, compact_format in formats:
+            folder = tmp / name
+            row = _child("--pubmed-build", str(corpus), "--passages", str(n), "--folder", str(folder),
+                         *(["--compact"] if compact_format else []))
+            row.update(_child("--pubmed-query", str(corpus), "--passages", str(n), "--folder", str(folder),
+                              "--queries", str(queries), "--seed", str(seed)))
+            files = row["files"]
+            row["download_bytes"] = sum(files.values())
+            row["postings_bytes"] = sum(files[f] for f in INDEX_OF_POSTINGS[compact_format])
+            row["bytes_per_posting"] = row["postings_bytes"] / row["postings"]
+            row["index_bytes_per_posting"] = sum(v for f, v in files.items() if f not in PASSAGE_FILES) / row["postings"]
+            row["passage_bytes_per_passage"] = sum(v for f, v in files.items() if f in PASSAGE_FILES) / row["passages"]
+            rows[name] = row
+            shutil.rmtree(folder)
+            print(f"{name}: built in {row['build_s']:.0f} s, peak RSS {row['peak_rss_mb']:.0f} MB ({row['rss_before_mb']:.0f} before), scratch {row['peak_scratch_bytes'] / 1e6:.0f} MB; "
+                  f"download {row['download_bytes'] / 1e6:.0f} MB; postings {row['bytes_per_posting']:.2f} B each "
+                  f"({row['index_bytes_per_posting']:.2f} B with the term tables); passages {row['passage_bytes_per_passage']:.0f} B each; "
+                  f"heap at open {row['heap_open_bytes'] / 1e6:.1f} MB, start {row['start_s'] * 1000:.0f} ms (first open {row['first_open_s']:.2f} s)", flush=True)
+            for kind in ("keyword", "phrase"):
+                a, b = row[f"{kind}_top_k_ms"], row[f"{kind}_full_ms"]
+                print(f"  {kind:<8} top_k p50 {a['p50']:.1f} ms p99 {a['p99']:.1f} ms | full scoring p50 {b['p50']:.1f} ms p99 {b['p99']:.1f} ms"
+                      f" | same top 10 {row[f'{kind}_same_top10']}/{a['n']}", flush=True)
+        small = max(1000, n // 4)
+        row = _child("--pubmed-build", str(corpus), "--passages", str(small), "--folder", str(tmp / "small"), "--compact")
+        rows["compact_quarter"] = {k: row[k] for k in ("passages", "terms", "postings")}
+        if rank_bm25_passages:
+            rows["rank_bm25"] = rank_bm25_latency(corpus, min(n, rank_bm25_passages), min(queries, 50), seed)
+            r = rows["rank_bm25"]
+            print(f"rank-bm25 over {r['passages']:,} passages: p50 {r['p50']:.0f} ms, p99 {r['p99']:.0f} ms", flush=True)
+    rows["projected_16m"] = project_pubmed(rows)
+    return rows
+
+
+def project_pubmed(rows: dict[str, Any]) -> dict[str, Any]:
+    """16M passages: postings and passage bytes linear in the passages; distinct terms by Heaps'
+    law fitted through the two compact builds (terms ~ passages^beta); term tables per term."""
+    c, q = rows["compact"], rows["compact_quarter"]
+    scale = PROJECT_TO / c["passages"]
+    beta = math.log(c["terms"] / q["terms"]) / math.log(c["passages"] / q["passages"])
+    terms = c["terms"] * scale ** beta
+    files = c["files"]
+    term_bytes = sum(files[f] for f in ("terms.bin", "terms.offsets.npy", "terms.stats.npy")) / c["terms"]
+    postings = c["postings"] * scale
+    # the block table: one 6-byte row a term plus one per further 128 postings of a term
+    further_blocks_per_posting = ((files["blocks.npy"] - 128) / 6 - c["terms"]) / c["postings"]
+    out = {"passages": PROJECT_TO, "terms": terms, "heaps_beta": beta, "postings": postings,
+           "postings_bytes": files["postings.bin"] / c["postings"] * postings + 6 * (terms + further_blocks_per_posting * postings),
+           "term_table_bytes": term_bytes * terms, "norms_bytes": 4 * PROJECT_TO,
+           "passage_bytes": c["passage_bytes_per_passage"] * PROJECT_TO,
+           "build_peak_rss_mb": c["peak_rss_mb"] * (terms / c["terms"]),  # the vocabulary dict dominates: per term
+           "scratch_bytes": c["peak_scratch_bytes"] * scale}
+    out["download_bytes"] = out["postings_bytes"] + out["term_table_bytes"] + out["norms_bytes"] + out["passage_bytes"]
+    print(f"projected to {PROJECT_TO:,} passages: {terms / 1e6:.1f}M terms (Heaps beta {beta:.2f}), download "
+          f"{out['download_bytes'] / 1e9:.1f} GB (postings {out['postings_bytes'] / 1e9:.1f}, term tables {out['term_table_bytes'] / 1e9:.2f}, "
+          f"norms {out['norms_bytes'] / 1e9:.2f}, passages {out['passage_bytes'] / 1e9:.1f}); build scratch {out['scratch_bytes'] / 1e9:.1f} GB", flush=True)
+    return out
+
+
 # -- beside generation -----------------------------------------------------------------------------
 
 
@@ -461,12 +685,26 @@ def main() -> None:
     parser.add_argument("--beside-generation", action="store_true",
                         help="only measure queries/s beside a tiny MLX model generating in the same process")
     parser.add_argument("--seconds", type=float, default=10.0, help="--beside-generation: seconds per measurement")
+    parser.add_argument("--pubmed-scale", type=int, default=None,
+                        help="only compare the compact index with the bm25s arrays on this many PubMed-like passages")
+    parser.add_argument("--arrays-up-to", type=int, default=300_000, help="--pubmed-scale: build the bm25s arrays up to this size")
+    parser.add_argument("--rank-bm25-passages", type=int, default=20_000, help="--pubmed-scale: rank-bm25 over this many (0: skip)")
     parser.add_argument("--build-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pubmed-build", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pubmed-query", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--compact", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     if args.build_child is not None:
         build_child(args.build_child, args.seed)
+        return
+    if args.pubmed_build is not None:
+        pubmed_build_child(args.pubmed_build, args.passages, args.folder, args.compact)
+        return
+    if args.pubmed_query is not None:
+        pubmed_query_child(args.folder, args.pubmed_query, args.passages, args.queries, args.seed)
         return
     args.passages = args.passages or (3000 if args.quick else 30_000)
     args.queries = args.queries or (200 if args.quick else 1000)
@@ -474,7 +712,12 @@ def main() -> None:
     session = benchlib.Session()
     doc: dict[str, Any]
     with benchlib.exit_on_signals():
-        if args.query_scale:
+        if args.pubmed_scale:
+            doc = {"pubmed_scale": bench_pubmed(args.pubmed_scale, args.queries, args.seed, args.arrays_up_to,
+                                                args.rank_bm25_passages)}
+            if args.json:  # the figures are written even if a later part fails
+                args.json.write_text(json.dumps(doc, indent=2))
+        elif args.query_scale:
             doc = {"query_scale": bench_query_scale([int(x) for x in args.query_scale.split(",")], args.queries, args.seed)}
         elif args.beside_generation:
             doc = {"beside_generation": bench_beside_generation(args)}

@@ -35,3 +35,23 @@ def test_bench_retriever_tiny(tmp_path: Path) -> None:
     assert build["passages"] == 2000 and build["peak_rss_mb"] > 0 and build["postings"] > 2000
     assert doc["build"]["projected"]["passages"] == 16_000_000
     assert "load_average_start" in doc
+
+
+@pytest.mark.slow  # ~40 s on two cores: four builds in child processes
+def test_bench_retriever_pubmed_scale_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["--pubmed-scale", "1500", "--queries", "20", "--rank-bm25-passages", "300", "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_retriever.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())["pubmed_scale"]
+    small, arrays = doc["compact"], doc["arrays"]
+    assert small["passages"] == arrays["passages"] == 1500 and small["postings"] == arrays["postings"]
+    assert small["bytes_per_posting"] < arrays["bytes_per_posting"] / 3 and small["download_bytes"] < arrays["download_bytes"]
+    for row in (small, arrays):  # the pruned top k and scoring every passage agree on every query
+        assert row["keyword_same_top10"] == row["keyword_top_k_ms"]["n"] == 20
+        assert row["phrase_same_top10"] == row["phrase_top_k_ms"]["n"] == 20
+        assert row["peak_rss_mb"] >= row["rss_before_mb"] > 0
+    assert doc["compact_quarter"]["passages"] == 1000 and doc["rank_bm25"]["passages"] == 300
+    assert doc["projected_16m"]["passages"] == 16_000_000 and doc["projected_16m"]["download_bytes"] > 0

@@ -110,21 +110,21 @@ class CompactWriter:
         np.save(self.folder / BLOCKS_FILE, blocks, allow_pickle=False)
         raw.unlink()
         del blocks
-        order = sorted(range(len(terms_by_column)), key=terms_by_column.__getitem__)
-        offsets = np.zeros(len(order) + 1, dtype=np.uint64)
+        # code point order, which is the UTF-8 bytes' order (an int64 a term, no list of ints)
+        cols = np.argsort(np.array(terms_by_column, dtype=object), kind="stable")
+        offsets = np.zeros(len(cols) + 1, dtype=np.uint64)
         with open(self.folder / TERMS_FILE, "wb") as f:
             at = 0
-            for rank, col in enumerate(order):
-                at += f.write(encode_term(terms_by_column[col]))
+            for rank, col in enumerate(cols):
+                at += f.write(encode_term(terms_by_column[int(col)]))
                 offsets[rank + 1] = at
         np.save(self.folder / TERM_OFFSETS_FILE, offsets, allow_pickle=False)
-        cols = np.asarray(order, dtype=np.int64)
-        stats = np.empty(len(order), dtype=STATS_DTYPE)
+        stats = np.empty(len(cols), dtype=STATS_DTYPE)
         stats["offset"], stats["block"] = self._offset[cols], self._first_block[cols]
         stats["df"], stats["idf"], stats["peak"] = self.df[cols], self.idf[cols], self._peak[cols]
         np.save(self.folder / TERM_STATS_FILE, stats, allow_pickle=False)
         params = {"format": FORMAT, "k1": float(k1), "b": float(b), "passages": len(self._norms),
-                  "terms": len(order), "blocks": self._block_count, "postings": self._postings_count, "avgdl": float(avgdl)}
+                  "terms": len(cols), "blocks": self._block_count, "postings": self._postings_count, "avgdl": float(avgdl)}
         (self.folder / PARAMS_FILE).write_text(json.dumps(params, indent=1))
         return params
 
