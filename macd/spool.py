@@ -51,12 +51,6 @@ from pathlib import Path
 
 from slime_stoa.protocol.fsutil import atomic_write, fsync_dir
 from slime_stoa.protocol.layout import ROLLOUT_KINDS, RunLayout, check_worker_id
-from slime_stoa.protocol.records import (
-    DEFAULT_MAX_RECORD_BYTES,
-    RecordError,
-    decode_group,
-)
-from slime_stoa.protocol.signed_record import record_bytes
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +205,12 @@ class Spool:
         max_bytes: int,
         max_items: int,
         clock: Callable[[], float] = time.time,
-        verify: bool = True,
     ) -> None:
         """Open (creating if needed) the spool at `folder` and recover it.
 
         `clock` gives seconds since the epoch (pass one corrected by the store's `Date` header);
-        with `verify`, every committed record must decode and carry the reserved run, kind,
-        worker and seq, so the bytes and the key can never disagree.
-        """
+        a record's bytes are spooled as built: its builder gets the reserved seq (`add`), and
+        its encoder refuses a record over the trainer's size limit (`records.encode_group`)."""
         if max_bytes < 1 or max_items < 1:
             raise ValueError(f"max_bytes and max_items must be positive, got {max_bytes}, {max_items}")
         self.folder = Path(folder)
@@ -227,7 +219,6 @@ class Spool:
         self.max_bytes = max_bytes
         self.max_items = max_items
         self.clock = clock
-        self.verify = verify
         self.quarantine_folder = self.folder / QUARANTINE_DIR
         self._cond = threading.Condition(threading.Lock())  # guards the in-memory state
         self._reserve_lock = threading.Lock()  # serialises counter writes (held across fsync)
@@ -357,8 +348,6 @@ class Spool:
         with self._cond:
             if reservation.file_name in self._entries:
                 raise SpoolError(f"reservation seq {reservation.seq} was already committed")
-        if self.verify:
-            self._check_record(reservation, data)
         path = atomic_write(self.folder / reservation.file_name, data, tmp_prefix=TMP_PREFIX)
         entry = SpoolEntry(
             path=path,
@@ -386,20 +375,6 @@ class Spool:
         reservation = self.reserve(kind)
         data = record(reservation.seq, reservation.timestamp_ms) if callable(record) else record
         return self.commit(reservation, data)
-
-    def _check_record(self, reservation: Reservation, data: bytes) -> None:
-        """The record (inside its signed envelope, if signed) must decode and match the reservation."""
-        try:
-            group = decode_group(record_bytes(data), max_bytes=max(DEFAULT_MAX_RECORD_BYTES, len(data)))
-        except RecordError as exc:
-            raise SpoolError(f"refusing to spool a record that does not decode: {exc}") from None
-        found = (group.run, group.kind, group.worker_id, group.seq)
-        wanted = (reservation.run, reservation.kind, reservation.worker, reservation.seq)
-        if found != wanted:
-            raise SpoolError(
-                f"record identity (run, kind, worker, seq) {found} does not match its reservation "
-                f"{wanted}; build the record with the reserved seq"
-            )
 
     # -- uploader side -------------------------------------------------------------------------
     def pending(self) -> list[SpoolEntry]:

@@ -282,7 +282,7 @@ async def test_heartbeat_reports_quarantined_groups(
     await seed_run(store, manifest, model_dir, task_count=50)
     config = daemon_config(store_url, tmp_path / "data")
     spool = Spool(config.data_dir / "spool" / RUN, worker_id=config.worker_id, run=RUN,
-                  max_bytes=1 << 20, max_items=10, verify=False)
+                  max_bytes=1 << 20, max_items=10)
     spool.quarantine(spool.add(b"not a record"), "test: the key held other bytes")
     spool.close()
     worker = Worker(config, store, WorkerOptions(seed=7, max_cohorts=1))
