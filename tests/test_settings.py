@@ -160,3 +160,17 @@ def test_the_docs_table_is_the_rendered_one() -> None:
     assert settings_table.doc_with_table(doc) == doc, (
         "docs/slime.md's settings table is out of date: python -m slime_stoa.trainer.slime.settings_table docs/slime.md"
     )
+
+
+def test_the_plugins_own_fields_carry_their_help_and_the_table_shows_it() -> None:
+    """One form: every StoaSettings field is a `setting` whose help (metadata, not a docstring) is
+    the meaning column of its key in the reference table."""
+    import dataclasses
+
+    from slime_stoa.protocol.cli_fields import help_of
+
+    own = {f.name: help_of(f) for f in dataclasses.fields(settings.StoaSettings)}
+    assert all(own.values()), [name for name, text in own.items() if not text]
+    rows = {leaf.key: leaf.doc for leaf in settings.leaves()}
+    assert rows["stoa_device_budget_bytes"] == " ".join(own["device_budget_bytes"].split())
+    assert rows["stoa_bucket"].startswith("Required: the store URL of the run's bucket")

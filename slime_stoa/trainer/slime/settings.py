@@ -4,14 +4,14 @@ slime sets every key of the `--custom-config-path` YAML as an attribute of `args
 process. `StoaSettings` describes every key stoa reads there: its own fields (the bucket, the
 run, the rollout function's and the publisher's knobs) and three nested configs, the rollout
 consumer's (`ConsumerConfig`), the publisher's (`PublisherConfig`) and the DPPO loss's
-(`DPPOConfig`). `StoaSettings.from_args` walks the fields (into nested dataclasses too;
-settings_walk.py) and parses each key by the field's type (settings_parsers.py):
+(`DPPOConfig`). Every field is a `setting` (`slime_stoa.protocol.cli_fields`): its help and how it is read in its
+metadata. `StoaSettings.from_args` walks the fields (into nested dataclasses too; settings_walk.py)
+and parses each key by the field's type or its `parse` (settings_parsers.py):
 
 - a field `x` of StoaSettings, of the consumer or of the publisher config is the key `stoa_x`,
   a field `x` of the DPPO config `dppo_x`; a field `y` of a dataclass nested in those under the
   name `x` is `<prefix>x_y` (`ConsumerConfig.quarantine.min_samples`: `stoa_quarantine_min_samples`);
-  a `Spec(key=...)` names a key that does not follow the rule;
-- a key that is not set keeps the field's default (or the one `Spec.default_from` derives
+- a key that is not set keeps the field's default (or the one its `default_from` derives
   from slime's flags); a YAML null means None, or the default in a `Section(null_is_default)`;
 - every error is a ValueError naming the key.
 
@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from slime_stoa.protocol.cli_fields import setting
 from slime_stoa.protocol.pulse.publisher import PublisherConfig
 from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES
 from slime_stoa.protocol.signing import SigningKey
@@ -37,18 +38,18 @@ from slime_stoa.trainer.loss_config import DPPOConfig
 
 from .settings_parsers import as_float, as_int, as_key_file, as_run_name, as_store_url, at_least, optional
 from .settings_walk import (
+    DEFAULT_FROM,
+    DERIVED,
     MISSING,
+    SHOWN_DEFAULT,
     Leaf,
     Section,
     SettingError,
-    Spec,
     build,
     hints,
     leaves_of,
-    nested,
     read,
     section_of,
-    spec,
 )
 
 T = TypeVar("T")
@@ -90,11 +91,11 @@ _CONSUMER = Section(
     skip=("record_limits",),
     reads=("bucket", "run", "rollouts_bucket", "run_key"),
     fields={
-        "store_url": Spec(derived=lambda top: top["bucket"]),
-        "run": Spec(derived=lambda top: top["run"]),
-        "rollouts_url": Spec(derived=lambda top: top.get("rollouts_bucket")),
+        "store_url": {DERIVED: lambda top: top["bucket"]},
+        "run": {DERIVED: lambda top: top["run"]},
+        "rollouts_url": {DERIVED: lambda top: top.get("rollouts_bucket")},
         # the trainer's own run key: the run manifest must name its public half
-        "run_key": Spec(derived=lambda top: top["run_key"].public.to_text() if top.get("run_key") else None),
+        "run_key": {DERIVED: lambda top: top["run_key"].public.to_text() if top.get("run_key") else None},
     },
 )
 _PUBLISHER = Section(
@@ -102,7 +103,7 @@ _PUBLISHER = Section(
     part="publisher",
     what="stoa publisher",
     fields={
-        "extras_dir": Spec(default_from=_extras_default, shown_default="--hf-checkpoint, if a local folder"),
+        "extras_dir": {DEFAULT_FROM: _extras_default, SHOWN_DEFAULT: "--hf-checkpoint, if a local folder"},
     },
 )
 _DPPO = Section(
@@ -110,11 +111,11 @@ _DPPO = Section(
     part="loss",
     what="DPPO loss",
     fields={
-        "reduction": Spec(
-            default_from=_reduction_default,
-            shown_default="token_mean with --calculate-per-token-loss, else seq_mean",
-        ),
-        "drgrpo_max_len": Spec(default_from=_drgrpo_default, shown_default="--rollout-max-response-len for drgrpo"),
+        "reduction": {
+            DEFAULT_FROM: _reduction_default,
+            SHOWN_DEFAULT: "token_mean with --calculate-per-token-loss, else seq_mean",
+        },
+        "drgrpo_max_len": {DEFAULT_FROM: _drgrpo_default, SHOWN_DEFAULT: "--rollout-max-response-len for drgrpo"},
     },
 )
 
@@ -123,69 +124,81 @@ _DPPO = Section(
 class StoaSettings:
     """Every setting of the slime plugin (the `--custom-config-path` YAML keys), parsed."""
 
-    bucket: str = field(metadata=spec(parse=as_store_url, part="shared"))
-    """Required: the store URL of the run's bucket (`file://`, `s3://...?endpoint=...`, `r2://`);
-    credentials come from the environment."""
-    run: str = field(metadata=spec(parse=as_run_name, part="shared"))
-    """Required: the run's name in the bucket."""
-    rollouts_bucket: str | None = field(default=None, metadata=spec(parse=optional(as_store_url), part="shared"))
-    """Least privilege: the workers' records and heartbeats in a second bucket (their token
-    writes only there)."""
-    run_key: SigningKey | None = field(
-        default=None, metadata=spec(parse=optional(as_key_file), shown_default="null (unsigned)", part="shared")
+    bucket: str = setting(
+        "Required: the store URL of the run's bucket (`file://`, `s3://...?endpoint=...`, `r2://`); "
+        "credentials come from the environment.",
+        parse=as_store_url, part="shared",
     )
-    """A signed run: the run key file (mode 0600, `stoa keys create`). Every version is signed
-    with it, the run manifest must name its public half, records need registered worker keys."""
+    run: str = setting("Required: the run's name in the bucket.", parse=as_run_name, part="shared")
+    rollouts_bucket: str | None = setting(
+        "Least privilege: the workers' records and heartbeats in a second bucket (their token writes only "
+        "there).",
+        None, parse=optional(as_store_url), part="shared",
+    )
+    run_key: SigningKey | None = setting(
+        "A signed run: the run key file (mode 0600, `stoa keys create`). Every version is signed with it, "
+        "the run manifest must name its public half, records need registered worker keys.",
+        None, parse=optional(as_key_file), shown_default="null (unsigned)", part="shared",
+    )
 
-    tokenizer_dir: Path | None = field(default=None, metadata=spec(shown_default="null (the anchor's)", part="rollout"))
-    """A local folder with tokenizer.json the completions are re-scored with."""
-    state_in_bucket: bool = field(default=True, metadata=spec(part="rollout"))
-    """Also write the consumer state to the bucket after every batch
-    (`runs/<run>/trainer/consumer.json`, compare-and-swap)."""
-    check_publishing: bool = field(default=True, metadata=spec(part="rollout"))
-    """Publisher liveness: fail a rollout when the weight pointer did not move after the
-    previous train step (section 9). false for slime's train_async.py or
-    --update-weights-interval > 1."""
-    publish_grace_s: float = field(
-        default=DEFAULT_PUBLISH_GRACE_S, metadata=spec(parse=at_least(as_float, 0), part="rollout")
+    tokenizer_dir: Path | None = setting(
+        "A local folder with tokenizer.json the completions are re-scored with.",
+        None, shown_default="null (the anchor's)", part="rollout",
     )
-    """How long a rollout waits for the previous step's version before it fails."""
-    worker_metrics: bool = field(
-        metadata=spec(
-            default_from=_worker_metrics_default, shown_default="on with --use-wandb or --use-tensorboard",
-            part="rollout",
-        )
+    state_in_bucket: bool = setting(
+        "Also write the consumer state to the bucket after every batch "
+        "(`runs/<run>/trainer/consumer.json`, compare-and-swap).",
+        True, part="rollout",
     )
-    """Add each worker's heartbeat (`worker/<id>/*`) and the fleet's totals to each rollout's metrics."""
-    eval_prompts: int | None = field(default=None, metadata=spec(shown_default="null (all)", part="rollout"))
-    """An eval (`--eval-interval`) covers the split's first N prompts."""
-    consumer: ConsumerConfig = field(metadata=nested(_CONSUMER))
-    """The rollout consumer's settings."""
+    check_publishing: bool = setting(
+        "Publisher liveness: fail a rollout when the weight pointer did not move after the previous train "
+        "step (section 9). false for slime's train_async.py or --update-weights-interval > 1.",
+        True, part="rollout",
+    )
+    publish_grace_s: float = setting(
+        "How long a rollout waits for the previous step's version before it fails.",
+        DEFAULT_PUBLISH_GRACE_S, parse=at_least(as_float, 0), part="rollout",
+    )
+    worker_metrics: bool = setting(
+        "Add each worker's heartbeat (`worker/<id>/*`) and the fleet's totals to each rollout's metrics.",
+        default_from=_worker_metrics_default, shown_default="on with --use-wandb or --use-tensorboard", part="rollout",
+    )
+    eval_prompts: int | None = setting(
+        "An eval (`--eval-interval`) covers the split's first N prompts.",
+        None, shown_default="null (all)", part="rollout",
+    )
+    consumer: ConsumerConfig = setting("The rollout consumer's settings.", section=_CONSUMER)
 
-    publish: bool = field(default=False, metadata=spec(part="publisher"))
-    """Read by stoa's slime patch: the YAML boolean true makes `update_weights` publish the weights."""
-    publish_retries: int = field(default=DEFAULT_RETRIES, metadata=spec(parse=at_least(as_int, 0), part="publisher"))
-    """Retries of a failed publish (store errors; never a conflict with another publisher; an
-    outage is waited out)."""
-    publish_backoff_s: float = field(
-        default=DEFAULT_BACKOFF_S, metadata=spec(parse=at_least(as_float, 0), part="publisher")
+    publish: bool = setting(
+        "Read by stoa's slime patch: the YAML boolean true makes `update_weights` publish the weights.",
+        False, part="publisher",
     )
-    """The pause before the first retry, doubled after each."""
-    background_publish: bool = field(default=True, metadata=spec(part="publisher"))
-    """Diff, encode and upload the weights on a background thread while training goes on (false:
-    inside `update_weights`)."""
-    device_budget_bytes: int | None = field(
-        default=None,
-        metadata=spec(parse=optional(at_least(as_int, 0)), shown_default="null (diff on the host)", part="publisher"),
+    publish_retries: int = setting(
+        "Retries of a failed publish (store errors; never a conflict with another publisher; an outage is "
+        "waited out).",
+        DEFAULT_RETRIES, parse=at_least(as_int, 0), part="publisher",
     )
-    """The device path: diff the weights where they live against a copy of the last published
-    version kept beside them (this many bytes of it on the GPU, the rest in pinned host memory)
-    and move only the patch to the host. null: copy every weight to the host and diff there."""
-    publisher: PublisherConfig = field(default=PublisherConfig(), metadata=nested(_PUBLISHER))
-    """The weight publisher's settings."""
+    publish_backoff_s: float = setting(
+        "The pause before the first retry, doubled after each.",
+        DEFAULT_BACKOFF_S, parse=at_least(as_float, 0), part="publisher",
+    )
+    background_publish: bool = setting(
+        "Diff, encode and upload the weights on a background thread while training goes on (false: inside "
+        "`update_weights`).",
+        True, part="publisher",
+    )
+    device_budget_bytes: int | None = setting(
+        "The device path: diff the weights where they live against a copy of the last published version "
+        "kept beside them (this many bytes of it on the GPU, the rest in pinned host memory) and move "
+        "only the patch to the host. null: copy every weight to the host and diff there.",
+        None, parse=optional(at_least(as_int, 0)), shown_default="null (diff on the host)", part="publisher",
+    )
+    publisher: PublisherConfig = setting("The weight publisher's settings.", PublisherConfig(), section=_PUBLISHER)
 
-    dppo: DPPOConfig = field(default=DPPOConfig(), metadata=nested(_DPPO))
-    """The DPPO loss's settings (slime flags only its built-in loss honours are refused by the loss)."""
+    dppo: DPPOConfig = setting(
+        "The DPPO loss's settings (slime flags only its built-in loss honours are refused by the loss).",
+        DPPOConfig(), section=_DPPO,
+    )
 
     @classmethod
     def from_args(cls, args: Any) -> StoaSettings:
@@ -224,7 +237,7 @@ def read_section(args: Any, name: str) -> Any:
     """The nested config `name` of StoaSettings (one that derives nothing from the shared fields)."""
     f = next(f for f in dataclasses.fields(StoaSettings) if f.name == name)
     cls, sec = hints(StoaSettings)[name], section_of(f, TOP)
-    assert not any(s.derived for s in sec.fields.values()), f"{name} needs the shared settings"
+    assert not any(DERIVED in rules for rules in sec.fields.values()), f"{name} needs the shared settings"
     values, errors = read(cls, args, sec)
     if errors:
         raise errors[0]

@@ -3,7 +3,7 @@
 slime hands every `--custom-config-path` YAML key over as it was written (a string from the
 command line, a number, a bool, None for a YAML null). `parser_for` picks the parser of a
 dataclass field by its type; the others (`as_store_url`, `as_run_name`, `as_key_file`,
-`at_least`) are named by a field's `Spec` (settings_walk.py).
+`at_least`) are named by a field's `parse` metadata (settings_walk.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 from .settings import leaves
 
 PARTS = {"shared": "Shared", "rollout": "Rollout function", "publisher": "Weight publisher", "loss": "DPPO loss"}
-"""The pieces that read the keys (`Spec.part`), in table order, with their headings."""
+"""The pieces that read the keys (a field's `part`), in table order, with their headings."""
 
 TABLE_START = "<!-- settings: generated from StoaSettings (slime_stoa/trainer/slime/settings.py) -->"
 TABLE_END = "<!-- end of the generated settings -->"

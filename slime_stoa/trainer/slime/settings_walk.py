@@ -1,11 +1,13 @@
 """The field walk: a settings dataclass read from slime's `args`, key by key, by its fields' types.
 
-A field `x` read under a `Section` is the key `<prefix>x`; a field `y` of a dataclass nested
-under the name `x` is `<prefix>x_y`, read under that field's own `Section` or one derived from
-the parent's; a `Spec` in a field's metadata (or in the parent Section's `fields`) names a key
-that does not follow the rule, a parser, a default derived from slime's flags, or a value derived
-from the parent's fields. A key that is not set keeps the field's default; a YAML null means None,
-or the default in a `Section(null_is_default)`. Every error is a `SettingError` naming the key.
+A field is a `setting` (`slime_stoa.protocol.cli_fields`): its help in its metadata, beside how
+it is read where its name, type or default is not enough (`READS`: the parser, a default derived
+from slime's flags, the default the reference table shows, a value derived from the parent's
+fields, the piece that reads it). A field `x` read under a `Section` is the key `<prefix>x`; a
+field `y` of a dataclass nested under the name `x` is `<prefix>x_y`, read under the `Section` in
+that field's metadata or one derived from the parent's. A key that is not set keeps the field's
+default; a YAML null means None, or the default in a `Section(null_is_default)`. Every error is
+a `SettingError` naming the key.
 
 `read` parses the keys, `leaves_of` lists them (with the default and meaning the reference
 table shows).
@@ -21,12 +23,13 @@ import itertools
 import re
 import sys
 import textwrap
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, TypeVar, get_type_hints
 
-from .settings_parsers import Parser, parser_for
+from slime_stoa.protocol.cli_fields import help_of
+
+from .settings_parsers import parser_for
 
 T = TypeVar("T")
 
@@ -35,22 +38,20 @@ MISSING: Any = object()
 
 
 # -- how a field is read -----------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class Spec:
-    """How one field is read, where its key, type or default is not enough."""
-
-    key: str | None = None
-    """The key, where it is not the prefix + the field name."""
-    parse: Parser | None = None
-    """The parser, where the field's type does not choose it."""
-    default_from: Callable[[Any, Mapping[str, Any]], Any] | None = None
-    """The default when the key is not set, from slime's args and the fields read before it."""
-    shown_default: str | None = None
-    """The default as the reference table shows it."""
-    derived: Callable[[Mapping[str, Any]], Any] | None = None
-    """Not a key: the value, from the parent's fields (StoaSettings' own)."""
-    part: str = ""
-    """Which piece reads it (a heading of the reference table): shared, rollout, publisher, loss."""
+PARSE = "parse"
+"""Metadata: the parser (`settings_parsers`), where the field's type does not choose it."""
+DEFAULT_FROM = "default_from"
+"""Metadata: `(args, the fields read before it) -> default` when the key is not set, from slime's flags."""
+SHOWN_DEFAULT = "shown_default"
+"""Metadata: the default as the reference table shows it."""
+DERIVED = "derived"
+"""Metadata: not a key: `(the parent's fields) -> value` (StoaSettings' own)."""
+PART = "part"
+"""Metadata: which piece reads it (a heading of the reference table): shared, rollout, publisher, loss."""
+SECTION = "section"
+"""Metadata of a nested config: its `Section`."""
+READS = (PARSE, DEFAULT_FROM, SHOWN_DEFAULT, DERIVED, PART)
+"""How a field is read, where its key, type or default is not enough (metadata keys)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +62,8 @@ class Section:
     """The key prefix of the nested fields (default: the parent's prefix + the field name + _)."""
     null_is_default: bool = False
     """A YAML null keeps a field's default (else null means None, an error where None is not allowed)."""
-    fields: Mapping[str, Spec] = field(default_factory=dict)
-    """Specs of the nested class's own fields (it may not be ours to annotate)."""
+    fields: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """How the nested class's own fields are read (`READS` keys), where it is not ours to annotate."""
     skip: tuple[str, ...] = ()
     """Fields that are no settings: they keep their defaults."""
     reads: tuple[str, ...] = ()
@@ -71,16 +72,6 @@ class Section:
     part: str = ""
     what: str = ""
     """The section in an error that names no field."""
-
-
-def spec(**kw: Any) -> Mapping[str, Spec]:
-    """The metadata of a field read by a `Spec`."""
-    return MappingProxyType({"stoa": Spec(**kw)})
-
-
-def nested(sec: Section) -> Mapping[str, Section]:
-    """The metadata of a nested config read by a `Section`."""
-    return MappingProxyType({"stoa": sec})
 
 
 class SettingError(ValueError):
@@ -92,10 +83,6 @@ class SettingError(ValueError):
 
 
 # -- the walk ---------------------------------------------------------------------------------------
-def _meta(f: dataclasses.Field) -> Any:
-    return f.metadata.get("stoa")
-
-
 def _nested(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
@@ -108,7 +95,7 @@ def hints(cls: type) -> dict[str, Any]:
 
 def section_of(f: dataclasses.Field, parent: Section) -> Section:
     """How the nested field `f` of a class read under `parent` is read."""
-    own = _meta(f)
+    own = f.metadata.get(SECTION)
     if isinstance(own, Section):
         return own
     return Section(
@@ -117,9 +104,13 @@ def section_of(f: dataclasses.Field, parent: Section) -> Section:
     )
 
 
-def _spec_of(f: dataclasses.Field, parent: Section) -> Spec:
-    own = _meta(f)
-    return own if isinstance(own, Spec) else parent.fields.get(f.name, Spec())
+def _rules(f: dataclasses.Field, parent: Section) -> Mapping[str, Any]:
+    """How the leaf `f` is read: its own metadata, or what the parent `Section` says of it."""
+    return {**parent.fields.get(f.name, {}), **f.metadata}
+
+
+def _key(f: dataclasses.Field, parent: Section) -> str:
+    return (parent.prefix or "") + f.name
 
 
 def read(cls: type, args: Any, parent: Section, top: Mapping[str, Any] | None = None,
@@ -148,9 +139,8 @@ def read(cls: type, args: Any, parent: Section, top: Mapping[str, Any] | None = 
                 except SettingError as exc:
                     errors.append(exc)
             continue
-        spec = _spec_of(f, parent)
         try:
-            value = _read_leaf(f, types[f.name], spec, parent, args, values, top_values)
+            value = _read_leaf(f, types[f.name], _rules(f, parent), parent, args, values, top_values)
         except SettingError as exc:
             errors.append(exc)
             failed.add(f.name)
@@ -161,26 +151,26 @@ def read(cls: type, args: Any, parent: Section, top: Mapping[str, Any] | None = 
 
 
 def _read_leaf(
-    f: dataclasses.Field, hint: Any, spec: Spec, parent: Section, args: Any, read_so_far: Mapping[str, Any],
-    top: Mapping[str, Any],
+    f: dataclasses.Field, hint: Any, rules: Mapping[str, Any], parent: Section, args: Any,
+    read_so_far: Mapping[str, Any], top: Mapping[str, Any],
 ) -> Any:
-    if spec.derived is not None:
-        return spec.derived(top)
-    key = spec.key or (parent.prefix or "") + f.name
-    part = spec.part or parent.part
+    if DERIVED in rules:
+        return rules[DERIVED](top)
+    key = _key(f, parent)
+    part = rules.get(PART) or parent.part
     raw = getattr(args, key, MISSING)
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     if (raw is None and parent.null_is_default) or (required and raw == ""):
         raw = MISSING
     if raw is MISSING:
-        if spec.default_from is not None:
-            return spec.default_from(args, read_so_far)
+        if DEFAULT_FROM in rules:
+            return rules[DEFAULT_FROM](args, read_so_far)
         if required:
             raise SettingError(
                 f"stoa needs the setting {key!r} (e.g. in the --custom-config-path YAML)", key=key, part=part
             )
         return MISSING
-    parse = spec.parse or parser_for(hint)
+    parse = rules.get(PARSE) or parser_for(hint)
     assert parse is not None, f"{f.name}: no setting parser for {hint!r}"
     try:
         return parse(key, raw)
@@ -206,12 +196,11 @@ def _key_named(cls: type, message: str, sec: Section) -> str | None:
     for f in dataclasses.fields(cls):
         if _nested(types[f.name]) or f.name in sec.skip:
             continue
-        spec = _spec_of(f, sec)
-        if spec.derived is not None:
+        if DERIVED in _rules(f, sec):
             continue
         found = re.search(rf"(?<![\w.]){re.escape(f.name)}\b|\.{re.escape(f.name)}\b", message)
         if found and (best is None or found.start() < best[0]):
-            best = (found.start(), spec.key or (sec.prefix or "") + f.name)
+            best = (found.start(), _key(f, sec))
     return best[1] if best else None
 
 
@@ -237,16 +226,15 @@ def leaves_of(cls: type, parent: Section, path: tuple[str, ...] = ()) -> Iterato
         if _nested(types[f.name]):
             yield from leaves_of(types[f.name], section_of(f, parent), (*path, f.name))
             continue
-        spec = _spec_of(f, parent)
-        if spec.derived is not None:
+        rules = _rules(f, parent)
+        if DERIVED in rules:
             continue
-        key = spec.key or (parent.prefix or "") + f.name
-        yield Leaf(key, (*path, f.name), spec.part or parent.part, _shown(f, spec), docs.get(f.name, ""))
+        yield Leaf(_key(f, parent), (*path, f.name), rules.get(PART) or parent.part, _shown(f, rules), docs.get(f.name, ""))
 
 
-def _shown(f: dataclasses.Field, spec: Spec) -> str:
-    if spec.shown_default is not None:
-        return spec.shown_default
+def _shown(f: dataclasses.Field, rules: Mapping[str, Any]) -> str:
+    if SHOWN_DEFAULT in rules:
+        return rules[SHOWN_DEFAULT]
     if f.default is not dataclasses.MISSING:
         return _yaml(f.default)
     if f.default_factory is not dataclasses.MISSING:
@@ -264,8 +252,25 @@ def _yaml(value: Any) -> str:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: its docstring (the string literal after it), on one line}; a docstring that only
-    names another class's field (`` `QuarantineConfig.min_samples`. ``) is that field's."""
+    """{field: its help, on one line}: the `setting`'s help (metadata `HELP`); for a class that is
+    not ours to annotate (its fields carry no help) the docstring after each field, read from its
+    source until its owner moves them into `setting`s. A help that only names another class's field
+    (`` `QuarantineConfig.min_samples`. ``) is that field's."""
+    fields = dataclasses.fields(cls)
+    out = {f.name: " ".join(help_of(f).split()) for f in fields}
+    if not any(out.values()):
+        out.update(_docstrings(cls))
+    module = sys.modules.get(cls.__module__)
+    for name, doc in out.items():
+        ref = re.fullmatch(r"`(\w+)\.(\w+)`\.?", doc)
+        other = getattr(module, ref.group(1), None) if ref else None
+        if ref and isinstance(other, type) and other is not cls:
+            out[name] = field_docs(other).get(ref.group(2), doc)
+    return out
+
+
+def _docstrings(cls: type) -> dict[str, str]:
+    """{field: the string literal after it in the class body, on one line}."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
@@ -278,10 +283,4 @@ def field_docs(cls: type) -> dict[str, str]:
             and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
         ):
             out[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    module = sys.modules.get(cls.__module__)
-    for name, doc in out.items():
-        ref = re.fullmatch(r"`(\w+)\.(\w+)`\.?", doc)
-        other = getattr(module, ref.group(1), None) if ref else None
-        if ref and isinstance(other, type) and other is not cls:
-            out[name] = field_docs(other).get(ref.group(2), doc)
     return out
