@@ -537,9 +537,10 @@ async def _child_worker(spec: dict[str, Any]) -> None:
                                 mx.get_cache_memory(), len(worker.swaps)))
         stop.set()
         await run
-    live, state = worker.live, worker.sub.state if worker.sub else None
-    if live is None or state is None or not live.shares(state):
-        raise SystemExit("the worker's served weights are not its subscriber's state")
+    live = worker.live
+    if live is None or not live.state or not live.shares(live.state):  # its bits are the served memory: one copy
+        raise SystemExit("the worker's served weights are not the bits it holds")
+    state = live.state
     installs = []
     for _ in range(3):  # a whole version into MLX, from its own arrays
         copy = {name: bits.copy() for name, bits in state.items()}
