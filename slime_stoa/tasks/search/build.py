@@ -2,14 +2,19 @@
 
 Passages are read once, in order, and never held together: each is appended to the passage
 files (`passages.PassageWriter`) and tokenised (`tokenizer.Tokenizer`); every `shard_docs`
-passages, the shard's (term, document, term frequency) triples are sorted by term and written
-to a scratch folder beside `folder`. The merge then walks the vocabulary in blocks of at most
-`block_entries` postings, reads each shard's next run of postings for the block, scores them
-(Lucene BM25: idf = ln(1 + (N - df + 0.5) / (df + 0.5)), tf / (tf + k1 (1 - b + b dl / avgdl)))
-and appends them to the index arrays on disk.
+passages, the shard's words are sorted and written (one a line) and its (word, document, term
+frequency) triples, by the word's rank in the shard, to a scratch folder (`work_dir`, default
+beside `folder`). The vocabulary is then merged from the shards' sorted words (a heap merge,
+streamed): a term's id is its rank among all the terms, so ids follow the terms' order, and
+each shard gets the map from its ranks to those ids (ascending, so its postings stay in term
+order). The merge then walks the terms in blocks of at most `block_entries` postings, reads
+each shard's next run of postings for the block, scores them (Lucene BM25: idf =
+ln(1 + (N - df + 0.5) / (df + 0.5)), tf / (tf + k1 (1 - b + b dl / avgdl))) and appends them to
+the index on disk.
 
-What stays in memory: the vocabulary (a dict of the distinct terms) with its document
-frequencies, one int32 length per passage, one shard's token ids, and one block of postings.
+What stays in memory: one shard's words (a dict) and token ids, one int32 length per passage,
+per term its document frequency (and a few numbers of the compact index's term table), per
+(shard, word) pair its term id (4 bytes), and one block of postings; never a dict of every term.
 
 The folder holds bm25s's files (`BM25.load` reads them; lucene scoring, float32 scores, int32
 document ids, columns = terms), the passage files, and `tokenizer.SETTINGS_FILE` (k1, b and the
@@ -19,6 +24,7 @@ tokeniser, which queries must use).
 from __future__ import annotations
 
 import array
+import heapq
 import json
 import shutil
 import tempfile
@@ -51,16 +57,27 @@ class BuildStats:
 
 
 class _Shard:
-    """One shard's postings on disk (terms, docs, tfs as raw int32 files), read forward by term."""
+    """One shard's postings on disk (word ranks, docs, tfs as raw int32 files), read forward by
+    term, and its sorted words (one a line) with their document frequencies."""
 
-    def __init__(self, folder: Path, n: int, terms: np.ndarray, docs: np.ndarray, tfs: np.ndarray):
+    def __init__(self, folder: Path, n: int, words: list[str], terms: np.ndarray, docs: np.ndarray, tfs: np.ndarray):
         self.paths = [folder / f"shard{n:05d}.{part}" for part in ("terms", "docs", "tfs")]
         for path, arr in zip(self.paths, (terms, docs, tfs), strict=True):
             arr.astype(np.int32).tofile(path)
+        self.words_path, self.df_path = folder / f"shard{n:05d}.words", folder / f"shard{n:05d}.df"
+        # \w+ tokens hold no line break; lone surrogates pass through as they came
+        self.words_path.write_bytes("".join(w + "\n" for w in words).encode("utf-8", "surrogatepass"))
+        np.bincount(terms, minlength=len(words)).astype(np.int32).tofile(self.df_path)
         self.size = len(terms)
+        self.to_term = array.array("i")  # this shard's word rank -> term id (`_Postings.merge_vocabulary`)
         self._files: list[BinaryIO] = []
         self._buf = [np.empty(0, np.int32)] * 3
         self._read = 0
+
+    def words(self) -> Iterator[str]:
+        with open(self.words_path, encoding="utf-8", errors="surrogatepass", newline="\n") as f:
+            for line in f:
+                yield line[:-1]
 
     def take_below(self, term_end: int) -> list[np.ndarray]:
         """The shard's next postings whose term is below `term_end` (terms, docs, tfs)."""
@@ -69,6 +86,7 @@ class _Shard:
         while (not len(self._buf[0]) or self._buf[0][-1] < term_end) and self._read < self.size:
             count = min(_READ_ENTRIES, self.size - self._read)
             fresh = [np.fromfile(f, dtype=np.int32, count=count) for f in self._files]
+            fresh[0] = np.frombuffer(self.to_term, dtype=np.int32)[fresh[0]]
             self._buf = [np.concatenate((old, new)) for old, new in zip(self._buf, fresh, strict=True)]
             self._read += count
         cut = int(np.searchsorted(self._buf[0], term_end))
@@ -86,8 +104,8 @@ class _Postings:
 
     def __init__(self, scratch: Path, tokenizer: Tokenizer):
         self.scratch, self.tokenize = scratch, tokenizer
-        self.vocab: dict[str, int] = {}
-        self.df = np.zeros(0, dtype=np.int64)
+        self.words: dict[str, int] = {}  # the current shard's words, by first sight
+        self.df = np.zeros(0, dtype=np.int64)  # per term, once `merge_vocabulary` has run
         self.lengths = array.array("i")
         self.shards: list[_Shard] = []
         self._ids = array.array("i")
@@ -99,8 +117,8 @@ class _Postings:
         return len(self._doc_lengths)
 
     def add(self, text: str) -> None:
-        vocab = self.vocab
-        ids = [vocab.setdefault(t, len(vocab)) for t in self.tokenize(text)]
+        words = self.words
+        ids = [words.setdefault(t, len(words)) for t in self.tokenize(text)]
         self._ids.extend(ids)
         self._doc_lengths.append(len(ids))
 
@@ -108,17 +126,37 @@ class _Postings:
         n = len(self._doc_lengths)
         if not n:
             return
-        ids = np.frombuffer(self._ids, dtype=np.int32).astype(np.int64)
+        words = list(self.words)
+        order = np.argsort(np.array(words, dtype=object), kind="stable")  # code point (UTF-8 byte) order
+        rank = np.empty(len(words), dtype=np.int64)
+        rank[order] = np.arange(len(words))
+        ids = rank[np.frombuffer(self._ids, dtype=np.int32)]
         lens = np.frombuffer(self._doc_lengths, dtype=np.int32)
         keys, tfs = np.unique(ids * n + np.repeat(np.arange(n, dtype=np.int64), lens), return_counts=True)
-        terms = keys // n
         base = len(self.lengths)
-        if len(self.df) < len(self.vocab):
-            self.df = np.concatenate((self.df, np.zeros(len(self.vocab) - len(self.df), dtype=np.int64)))
-        self.df += np.bincount(terms, minlength=len(self.df))
-        self.shards.append(_Shard(self.scratch, len(self.shards), terms, keys % n + base, tfs))
+        sorted_words = [words[i] for i in order.tolist()]
+        self.shards.append(_Shard(self.scratch, len(self.shards), sorted_words, keys // n, keys % n + base, tfs))
         self.lengths.extend(self._doc_lengths)
-        self._ids, self._doc_lengths = array.array("i"), array.array("i")
+        self.words, self._ids, self._doc_lengths = {}, array.array("i"), array.array("i")
+
+    def merge_vocabulary(self, on_term: Callable[[str], None]) -> int:
+        """Merge the shards' sorted words into the terms, calling `on_term` with each in order
+        (its id: how many came before); sets each shard's map and every term's document
+        frequency. Returns the number of terms."""
+        def tagged(shard: _Shard, i: int) -> Iterator[tuple[str, int]]:
+            return ((w, i) for w in shard.words())
+
+        last: str | None = None
+        terms = 0
+        for word, i in heapq.merge(*(tagged(s, i) for i, s in enumerate(self.shards))):
+            if word != last:
+                on_term(word)
+                last, terms = word, terms + 1
+            self.shards[i].to_term.append(terms - 1)
+        self.df = np.zeros(terms, dtype=np.int64)
+        for shard in self.shards:
+            np.add.at(self.df, np.frombuffer(shard.to_term, dtype=np.int32), np.fromfile(shard.df_path, dtype=np.int32))
+        return terms
 
 
 def _npy_writer(path: Path, dtype: np.dtype, count: int) -> BinaryIO:
@@ -127,12 +165,21 @@ def _npy_writer(path: Path, dtype: np.dtype, count: int) -> BinaryIO:
     return f
 
 
-def _write_vocab(path: Path, vocab: dict[str, int]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("{")
-        for i, (token, tid) in enumerate(vocab.items()):
-            f.write(("," if i else "") + json.dumps(token, ensure_ascii=False) + ":" + str(tid))
-        f.write("}")
+class _VocabWriter:
+    """bm25s's vocabulary file ({term: id}), written a term at a time in id order."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in close)
+        self._count = 0
+        self._f.write("{")
+
+    def add(self, term: str) -> None:
+        self._f.write(("," if self._count else "") + json.dumps(term, ensure_ascii=False) + ":" + str(self._count))
+        self._count += 1
+
+    def close(self) -> None:
+        self._f.write("}")
+        self._f.close()
 
 
 def _scoring(postings: _Postings, settings: Bm25Settings) -> tuple[np.ndarray, np.ndarray, float]:
@@ -183,10 +230,7 @@ def _merge_compact(postings: _Postings, folder: Path, settings: Bm25Settings, bl
     for terms, docs, tfs in _blocks(postings, block_entries):
         writer.add(terms, docs, tfs, compact.term_scores(idf[terms], tfs, norm[docs]))
     del norm
-    columns = [""] * len(postings.vocab)
-    for term, column in postings.vocab.items():
-        columns[column] = term
-    params = writer.close(columns, k1=settings.k1, b=settings.b, avgdl=avgdl)
+    params = writer.close(k1=settings.k1, b=settings.b, avgdl=avgdl)
     return int(params["postings"])
 
 
@@ -235,17 +279,22 @@ def build_index(
         if not count:
             raise ValueError("cannot build a search index over no passages")
         if compact_format:
+            term_table = compact.TermTableWriter(folder)
+            terms = postings.merge_vocabulary(term_table.add)
+            term_table.close()
             total = _merge_compact(postings, folder, settings, block_entries)
             (folder / SETTINGS_FILE).write_text(json.dumps(settings.as_meta(), indent=1, sort_keys=True))
-            return BuildStats(passages=count, terms=len(postings.vocab), postings=total)
+            return BuildStats(passages=count, terms=terms, postings=total)
+        vocab = _VocabWriter(folder / VOCAB_FILE)
+        terms = postings.merge_vocabulary(vocab.add)
+        vocab.close()
         total = _merge(postings, folder, settings, block_entries)
-        _write_vocab(folder / VOCAB_FILE, postings.vocab)
         params = {"k1": float(settings.k1), "b": float(settings.b), "delta": 0.5, "method": "lucene",
                   "idf_method": "lucene", "dtype": "float32", "int_dtype": "int32", "num_docs": count,
                   "version": "stoa-stream", "backend": "numpy"}
         (folder / PARAMS_FILE).write_text(json.dumps(params, indent=1))
         (folder / SETTINGS_FILE).write_text(json.dumps(settings.as_meta(), indent=1, sort_keys=True))
-        return BuildStats(passages=count, terms=len(postings.vocab), postings=total)
+        return BuildStats(passages=count, terms=terms, postings=total)
     except BaseException:
         for p in folder.iterdir():
             p.unlink()

@@ -22,10 +22,11 @@ O(terms + blocks)); a decoded document outside the corpus fails the query with V
 
 from __future__ import annotations
 
+import array
 import json
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -65,7 +66,7 @@ def term_scores(idf: np.ndarray | np.float32, tfs: np.ndarray, norms: np.ndarray
 
 class CompactWriter:
     """Writes a compact index into `folder` from postings given a block of whole terms at a time,
-    in column order (the build's term ids); `close` writes the term table in sorted order."""
+    in column order (the build's term ids, which are the terms' ranks in the term table)."""
 
     def __init__(self, folder: Path, *, norms: np.ndarray, df: np.ndarray, idf: np.ndarray):
         self.folder = folder
@@ -100,33 +101,39 @@ class CompactWriter:
         self._block_count += len(last)
         self._postings_count += len(terms)
 
-    def close(self, terms_by_column: Sequence[str], *, k1: float, b: float, avgdl: float) -> dict[str, Any]:
-        """Finish the files; `terms_by_column[c]` is column c's term. Returns the parameters."""
+    def close(self, *, k1: float, b: float, avgdl: float) -> dict[str, Any]:
+        """Finish the files (the term table is `TermTableWriter`'s, its order the columns'). Returns the parameters."""
         self._postings.write(b"\0" * packing.PAD)
         self._postings.close()
         self._blocks.close()
         raw = self.folder / (BLOCKS_FILE + ".raw")
-        blocks = np.fromfile(raw, dtype=BLOCK_DTYPE)
-        np.save(self.folder / BLOCKS_FILE, blocks, allow_pickle=False)
+        np.save(self.folder / BLOCKS_FILE, np.fromfile(raw, dtype=BLOCK_DTYPE), allow_pickle=False)
         raw.unlink()
-        del blocks
-        # code point order, which is the UTF-8 bytes' order (an int64 a term, no list of ints)
-        cols = np.argsort(np.array(terms_by_column, dtype=object), kind="stable")
-        offsets = np.zeros(len(cols) + 1, dtype=np.uint64)
-        with open(self.folder / TERMS_FILE, "wb") as f:
-            at = 0
-            for rank, col in enumerate(cols):
-                at += f.write(encode_term(terms_by_column[int(col)]))
-                offsets[rank + 1] = at
-        np.save(self.folder / TERM_OFFSETS_FILE, offsets, allow_pickle=False)
-        stats = np.empty(len(cols), dtype=STATS_DTYPE)
-        stats["offset"], stats["block"] = self._offset[cols], self._first_block[cols]
-        stats["df"], stats["idf"], stats["peak"] = self.df[cols], self.idf[cols], self._peak[cols]
+        stats = np.empty(len(self.df), dtype=STATS_DTYPE)
+        stats["offset"], stats["block"] = self._offset, self._first_block
+        stats["df"], stats["idf"], stats["peak"] = self.df, self.idf, self._peak
         np.save(self.folder / TERM_STATS_FILE, stats, allow_pickle=False)
         params = {"format": FORMAT, "k1": float(k1), "b": float(b), "passages": len(self._norms),
-                  "terms": len(cols), "blocks": self._block_count, "postings": self._postings_count, "avgdl": float(avgdl)}
+                  "terms": len(stats), "blocks": self._block_count, "postings": self._postings_count, "avgdl": float(avgdl)}
         (self.folder / PARAMS_FILE).write_text(json.dumps(params, indent=1))
         return params
+
+
+class TermTableWriter:
+    """Writes the sorted term table (`TERMS_FILE`, `TERM_OFFSETS_FILE`) a term at a time, in
+    order (the caller sorts: the build merges its shards' sorted words)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._f: BinaryIO = open(folder / TERMS_FILE, "wb")  # noqa: SIM115 (closed in close)
+        self._ends = array.array("Q", [0])
+
+    def add(self, term: str) -> None:
+        self._ends.append(self._ends[-1] + self._f.write(encode_term(term)))
+
+    def close(self) -> None:
+        self._f.close()
+        np.save(self.folder / TERM_OFFSETS_FILE, np.frombuffer(self._ends, dtype=np.uint64), allow_pickle=False)
 
 
 # -- reading -----------------------------------------------------------------------------------
