@@ -7,6 +7,12 @@ An index folder (what `build_index` writes, `bundle` ships and `fetch_index` reb
     stoa.index.json                      k1, b and the tokeniser (`tokenizer.Bm25Settings`)
     passages.txt  passages.offsets.npy   the passage texts (`passages.PassageStore`)
 
+A compact index folder (`build_index(..., compact_format=True)`: `compact`'s packed postings and
+sorted term table, `stoa.index.json`, the zstd passage blocks `passages.zst` and
+`passages.blocks.npy`, named in `COMPACT_INDEX_FILES`) opens the same way, its vocabulary
+searched in the mapped term table (no dict per process) and its postings scored at query time,
+with the same hits and scores as the arrays of the same passages.
+
 `build_index` is the streaming build of `build.py`. Queries are tokenised with the tokeniser the
 folder records (`tokenizer.Tokenizer`), so build and query always agree; a folder without that
 record (built by an earlier stoa, whose tokeniser dropped numbers and one-letter words) is
