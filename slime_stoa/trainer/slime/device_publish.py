@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,10 +39,18 @@ from slime_stoa.protocol.pulse.digest import StateDigest
 from slime_stoa.protocol.pulse.step_diff import StepDiff, diff_step
 
 from ..device_delta import DeviceDeltaConfig, PreviousState, Transfer, apply_delta
+from .gathered import Collector, Committed, HostCollector, NamedTensors, check_tied_head
 from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan
-from .publish import Collector, Committed, HostCollector, NamedTensors, SyncPublisher, check_tied_head
 
 log = logging.getLogger(__name__)
+
+
+class CommittedSource(Protocol):
+    """What the device path reads of the publisher (`publish.SyncPublisher`)."""
+
+    def open(self) -> object: ...
+
+    def committed(self) -> Committed | None: ...
 
 
 @dataclass(slots=True)
@@ -69,7 +77,7 @@ class DevicePath:
         """The bytes moved each way, the host copies of a run's first version included."""
         return self.previous.transfer
 
-    def collector(self, publisher: SyncPublisher) -> Callable[[HeadPlan], Collector]:
+    def collector(self, publisher: CommittedSource) -> Callable[[HeadPlan], Collector]:
         """How the next gather collects the state; call while no publish is in flight. Opens the
         publisher to learn its committed version (an error there: the numpy path this time)."""
         handed, self.handed = self.handed, None

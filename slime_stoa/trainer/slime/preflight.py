@@ -42,10 +42,11 @@ from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_
 from slime_stoa.protocol.shell import run_create_command, shell_command, task_prepare_command
 from slime_stoa.protocol.store import StoreError, open_store, parse_store_url
 
+from .findings import FIX, OK, STATUSES, WARN, Finding, fix, ok, warn
+from .preflight_slime_api import SLIME_COMMIT, check_slime_api
+
 Config = Mapping[str, Any] | None  # the custom-config YAML, if read
 
-OK, WARN, FIX = "ok", "warn", "fix"
-STATUSES = (OK, WARN, FIX)
 
 STOA_ROLLOUT_FUNCTION = "slime_stoa.generate_rollout"
 STOA_LOSS_FUNCTION = "slime_stoa.dppo_loss"
@@ -53,35 +54,6 @@ STOA_DATA_SOURCE = "slime_stoa.StoaDataSource"
 SLIME_DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
 SLIME_DEFAULT_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
 NEW_RUN = "NEW_RUN"  # the placeholder of a run name to pick, in the commands preflight prints
-
-
-@dataclass(frozen=True)
-class Finding:
-    """The outcome of one check."""
-
-    check: str  # short name, e.g. "rollout-temperature"
-    status: str  # OK, WARN or FIX
-    message: str  # what was found and, unless OK, exactly what to change
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
-
-    @property
-    def failed(self) -> bool:
-        return self.status == FIX
-
-
-def ok(check: str, message: str) -> Finding:
-    return Finding(check, OK, message)
-
-
-def warn(check: str, message: str) -> Finding:
-    return Finding(check, WARN, message)
-
-
-def fix(check: str, message: str) -> Finding:
-    return Finding(check, FIX, message)
 
 
 # -- slime flags ----------------------------------------------------------------------------------
@@ -202,8 +174,6 @@ def check_flag_parser(flag_parser: SlimeFlagParser) -> Finding:
     check = "slime-flags"
     if not flag_parser.unavailable:
         return ok(check, "the slime flags parse with slime's own parser")
-    from .preflight_slime_api import SLIME_COMMIT
-
     return ok(
         check,
         f"slime is not importable here ({flag_parser.unavailable}): the flags were read as slime "
@@ -1047,7 +1017,6 @@ def run_checks(
         out.append(tokenizer)
     out += check_hf_names(args, facts)
     out.append(check_patch(slime_dir))
-    from .preflight_slime_api import check_slime_api  # imports this module's Finding helpers
 
     api = check_slime_api()  # None where slime is not importable
     if api is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from .preflight import Finding, fix, ok
+from .findings import Finding, fix, ok
 
 #: The slime commit stoa's plugin and patches are tested against (`git -C SLIME_DIR checkout` it).
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
