@@ -133,6 +133,7 @@ from benchlib import (
     StallWatch,
     exit_code,
     exit_on_signals,
+    load_average,
     on_signal_exit,
     print_spreads,
     ratio,
@@ -179,10 +180,6 @@ def _blas_note() -> str:
         return "platform default (Accelerate/Metal)"
     line = _BLAS_LINE.removeprefix("BLAS for MLX's CPU matmuls: ") or "MLX's bundled reference BLAS"
     return re.sub(r"\(/[^)]*/([^/)]+)\)", r"(\1)", line)
-
-
-def _load() -> float:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
 def _rss() -> int:
@@ -270,7 +267,8 @@ def run_mlx_lm(model: Any, tok: Any, prompts: list[list[int]], g: int, b: int, m
             completion_batch_size=len(caches), prefill_batch_size=len(caches),
         )
         tokens += out.stats.generation_tokens
-        assert out.logprobs is not None
+        if out.logprobs is None:
+            raise Incomplete("mlx-lm's batch_generate returned no logprobs")
         lengths += [len(x) for x in out.logprobs]
         steps += max((len(x) for x in out.logprobs), default=0)  # the call steps until its longest ends
     return {"tokens": tokens, "seconds": time.perf_counter() - tic, "lengths": lengths, "steps": steps}
@@ -344,11 +342,11 @@ def bench_throughput(model: Any, tok: Any, args: argparse.Namespace) -> dict[str
     loads: list[float] = []  # the 1-minute load average after each contender's run: the load it ran under
     for r in range(args.rounds):  # interleaved: every contender once per round; seeds differ per round
         runs["mlx_lm"].append(run_mlx_lm(model, tok, prompts, g, b, args.max_tokens, seed=r))
-        loads.append(_load())
+        loads.append(load_average())
         runs["macd"].append(run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=r, endless=True))
-        loads.append(_load())
+        loads.append(load_average())
         runs["macd_drained"].append(run_macd(model, tok, prompts, g, capacity, args.max_tokens, seed=r))
-        loads.append(_load())
+        loads.append(load_average())
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
             f"{name} {x[-1]['tokens'] / x[-1]['seconds']:.0f} tok/s" for name, x in runs.items())
             + f" (load {loads[-1]:.1f})", flush=True)
@@ -671,7 +669,7 @@ def serve_contender(kind: str, folder: Path | None) -> int:
         if "prompts_for" in request:  # the macd side's tokenizer (mlx-lm's wrapper of the folder's)
             result: dict[str, Any] = {"prompts": gsm8k_prompts(contender.tok, request["prompts_for"])}
         else:
-            result = {**contender.run(**request), "rss_bytes": _rss(), "load_average": _load()}
+            result = {**contender.run(**request), "rss_bytes": _rss(), "load_average": load_average()}
         answer.write(json.dumps(result) + "\n")
     return 0
 
@@ -735,7 +733,7 @@ def bench_vs_transformers(folder: Path, args: argparse.Namespace) -> dict[str, A
                 got = hf.ask(**work, new_tokens=warm, seed=99, threads=threads, dtype=dtype)
                 calibration.append({"threads": threads, "dtype": dtype, "tok_s": got["tokens"] / got["seconds"]})
                 print(f"  transformers, {threads} thread(s), {dtype}: {calibration[-1]['tok_s']:.1f} tok/s "
-                      f"({warm} new tokens, load {_load():.1f})", flush=True)
+                      f"({warm} new tokens, load {load_average():.1f})", flush=True)
         best = max(calibration, key=lambda c: c["tok_s"])
         setting = {"threads": best["threads"], "dtype": best["dtype"]}
         runs: dict[str, list[dict[str, Any]]] = {"macd": [], "transformers": []}
@@ -744,7 +742,7 @@ def bench_vs_transformers(folder: Path, args: argparse.Namespace) -> dict[str, A
             runs["transformers"].append(hf.ask(**work, new_tokens=args.new_tokens, seed=r, **setting))
             print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{name} {x[-1]['tokens'] / x[-1]['seconds']:.1f} tok/s" for name, x in runs.items())
-                + f" (load {_load():.1f})", flush=True)
+                + f" (load {load_average():.1f})", flush=True)
     finally:
         macd.close()
         if hf is not None:
@@ -782,7 +780,7 @@ def main_vs_transformers(args: argparse.Namespace) -> int:
             return 2
     print(f"macd vs transformers generate: {folder.name}, {args.prompts} GSM8K prompts x G={args.group_size} "
           f"(batch {args.prompts * args.group_size}), {args.new_tokens} new tokens each, T={TEMPERATURE}; "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, load average {_load():.1f}", flush=True)
+          f"{platform.machine()}, {os.cpu_count()} CPUs, load average {load_average():.1f}", flush=True)
     with exit_on_signals():
         result = bench_vs_transformers(folder, args)
     m = result["macd"]
@@ -947,7 +945,7 @@ def run(args: argparse.Namespace) -> int:
         model.set_dtype(getattr(mx, args.dtype))
         print(f"model: random Qwen2 {size} ({n_params / 1e6:.1f}M parameters), throughput computed in {args.dtype}"
               f"{' (Linux CPUs have no fast bf16 matmul; a Mac runs bf16)' if args.dtype == 'float32' else ''}; "
-              f"BLAS: {_blas_note()}; {platform.machine()}, {os.cpu_count()} CPUs, load average {_load():.1f}")
+              f"BLAS: {_blas_note()}; {platform.machine()}, {os.cpu_count()} CPUs, load average {load_average():.1f}")
         print(f"workload: {args.cohorts} cohorts of B={args.prompts} prompts x G={args.group_size}, "
               f"batch {args.prompts * args.group_size}, max_tokens={args.max_tokens}, stop set aiming at a mean of "
               f"{args.mean_tokens:.0f} tokens, T={TEMPERATURE}")
@@ -969,7 +967,7 @@ def run(args: argparse.Namespace) -> int:
     session.print_load()
     result = {
         "quick": args.quick, "model": size, "params": n_params, "dtype": args.dtype, "blas": _blas_note(),
-        **session.meta(), "load_average": _load(), "cohorts": args.cohorts, "prompts": args.prompts, "group_size": args.group_size,
+        **session.meta(), "load_average": load_average(), "cohorts": args.cohorts, "prompts": args.prompts, "group_size": args.group_size,
         "max_tokens": args.max_tokens, "mean_tokens_target": args.mean_tokens, "temperature": TEMPERATURE, **gen,
     }  # fmt: skip
     if workers:
