@@ -30,7 +30,7 @@ import numpy as np
 
 from slime_stoa.protocol.eval_request import MAX_REQUEST_BYTES, EvalRequest, EvalRequestError, parse_request
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.records import SCHEMA_V1, SCHEMA_V2, RolloutGroup, Sample, encode_group
+from slime_stoa.protocol.records import RolloutGroup, Sample, encode_group
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signed_record import sign_record
@@ -86,7 +86,7 @@ def eval_record(
     def build(seq: int, _timestamp_ms: int) -> bytes:
         record = encode_group(
             RolloutGroup(
-                schema_version=SCHEMA_V2 if tool_task else SCHEMA_V1, kind="eval", run=manifest.run,
+                kind="eval", run=manifest.run,
                 task_id=manifest.task, prompt_index=item.index, prompt_tokens=np.asarray(prompt, dtype=np.int32),
                 samples=samples, weight_version=request.version, state_digest=digest,
                 sampling=request.sampling(manifest.stop), worker_id=worker_id, seq=seq, started_at=started_at,

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -106,12 +107,12 @@ def test_replays_under_another_key_or_sequence_number_are_duplicates() -> None:
     # the very same bytes under another key (another timestamp): same worker and seq
     assert reason(lambda: judge(first, ts=1_700_000_000_500, replay=ledger)) == "duplicate"
     # re-encoded with another sequence number, worker, timestamps: same content
-    again = dataclasses.replace(first, seq=2, worker_id="mac-02", started_at=NOW - 5, finished_at=NOW - 4)
+    again = msgspec.structs.replace(first, seq=2, worker_id="mac-02", started_at=NOW - 5, finished_at=NOW - 4)
     assert reason(lambda: judge(again, replay=ledger)) == "duplicate"
     # shuffled samples, relabelled to newer weights, other worker rewards
-    shuffled = dataclasses.replace(
+    shuffled = msgspec.structs.replace(
         first, seq=3, weight_version=2, state_digest=DIGESTS[2],
-        samples=tuple(dataclasses.replace(s, reward=9.0) for s in reversed(first.samples)),
+        samples=tuple(msgspec.structs.replace(s, reward=9.0) for s in reversed(first.samples)),
     )
     assert content_digest(shuffled) == content_digest(first)
     assert reason(lambda: judge(shuffled, replay=ledger, published=DIGESTS)) == "duplicate"
@@ -121,7 +122,7 @@ def test_replays_under_another_key_or_sequence_number_are_duplicates() -> None:
     # judged again under its own key (a restored reuse-ledger entry): admitted
     assert judge(first, replay=ledger).group == first
     # genuinely new records: admitted
-    judge(dataclasses.replace(other, seq=7), replay=ledger)
+    judge(msgspec.structs.replace(other, seq=7), replay=ledger)
     judge(group(seq=8, prompt_index=1), replay=ledger)
     assert len(ledger) == 3
     # a rejected record is not remembered
@@ -145,8 +146,8 @@ def test_the_ledger_is_bounded_and_forgets_the_oldest() -> None:
     for i, g in enumerate(groups):
         ledger.add(g, f"name-{i}")
     assert len(ledger) == 3
-    assert ledger.problem(dataclasses.replace(groups[0], seq=100), "x") is None  # forgotten
-    assert ledger.problem(dataclasses.replace(groups[4], seq=100), "x") is not None
+    assert ledger.problem(msgspec.structs.replace(groups[0], seq=100), "x") is None  # forgotten
+    assert ledger.problem(msgspec.structs.replace(groups[4], seq=100), "x") is not None
     with pytest.raises(ValueError):
         ReplayLedger(capacity=0)
 

@@ -4,11 +4,11 @@ worker that fails one, on both store backends."""
 from __future__ import annotations
 
 import base64
-import dataclasses
 import math
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from slime_stoa.protocol.records import RolloutGroup
@@ -30,8 +30,8 @@ from tests.test_consumer import ITEMS, RUN, Tiny, make_group, now_ms, open_consu
 
 
 def with_logprobs(group: RolloutGroup, value: float) -> RolloutGroup:
-    samples = tuple(dataclasses.replace(s, logprobs=[value] * len(s.response_tokens)) for s in group.samples)
-    return dataclasses.replace(group, samples=samples)
+    samples = tuple(msgspec.structs.replace(s, logprobs=[value] * len(s.response_tokens)) for s in group.samples)
+    return msgspec.structs.replace(group, samples=samples)
 
 
 def trainer_view(group: RolloutGroup, tiny: Tiny) -> tuple[list[float], list[str]]:  # noqa: F811
@@ -78,7 +78,7 @@ def test_strict_checks(tiny: Tiny) -> None:  # noqa: F811
     assert canary_problem(honest, rewards=rewards, texts=texts, vocab_size=tiny.vocab, config=cfg) is None
 
     # A reward off by 1e-9: within the normal tolerance (1e-6), not on a canary.
-    off = dataclasses.replace(honest, samples=(dataclasses.replace(honest.samples[0], reward=rewards[0] - 1e-9),
+    off = msgspec.structs.replace(honest, samples=(msgspec.structs.replace(honest.samples[0], reward=rewards[0] - 1e-9),
                                                *honest.samples[1:]))
     assert "worker reward" in canary_problem(off, rewards=rewards, texts=texts, vocab_size=tiny.vocab, config=cfg)
 

@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -405,7 +406,7 @@ async def test_hostile_records_are_rejected_and_counted(store: Store, store_url:
     bad_token = make_group(tiny, worker="evil", seq=1, prompt_tokens=[tiny.vocab + 5])
     nan_lp = make_group(tiny, worker="evil", seq=2)
     s0 = nan_lp.samples[0]
-    nan_lp = dataclasses.replace(nan_lp, samples=(dataclasses.replace(s0, logprobs=[math.nan] * len(s0.logprobs)),) + nan_lp.samples[1:])
+    nan_lp = msgspec.structs.replace(nan_lp, samples=(msgspec.structs.replace(s0, logprobs=[math.nan] * len(s0.logprobs)),) + nan_lp.samples[1:])
     objects = {
         layout.rollout("evil", t + 0, 0): b"not a record at all",
         layout.rollout("evil", t + 1, 1): good[: len(good) // 2],  # truncated
@@ -558,8 +559,8 @@ async def test_sample_fields_field_by_field(store: Store, store_url: str, tiny: 
                        finish=["stop", "stop", "length", "length"], weight_version=3)
     # A "length" sample is cut at exactly max_tokens, as a worker cuts it (a shorter one is refused).
     cut = [(tiny.encode(text) * MAX_TOKENS)[:MAX_TOKENS] for text in (item.label, "12345")]
-    group = dataclasses.replace(group, samples=(*group.samples[:2], *(
-        dataclasses.replace(group.samples[2 + i], response_tokens=t, logprobs=[-0.5] * MAX_TOKENS, reward=0.0)
+    group = msgspec.structs.replace(group, samples=(*group.samples[:2], *(
+        msgspec.structs.replace(group.samples[2 + i], response_tokens=t, logprobs=[-0.5] * MAX_TOKENS, mask=[1] * MAX_TOKENS, reward=0.0)
         for i, t in enumerate(cut))))
     key = await upload(store, group)
     consumer = await open_consumer(store, tiny, store_url)
@@ -594,8 +595,8 @@ def test_sample_fields_clamp_positive_logprobs(tiny: Tiny) -> None:
     from slime_stoa.trainer.consumer import ConsumedGroup
 
     g = make_group(tiny, worker="w", seq=0)
-    s0 = dataclasses.replace(g.samples[0], logprobs=[5e-5] * len(g.samples[0].logprobs))
-    g = dataclasses.replace(g, samples=(s0,) + g.samples[1:])
+    s0 = msgspec.structs.replace(g.samples[0], logprobs=[5e-5] * len(g.samples[0].logprobs))
+    g = msgspec.structs.replace(g, samples=(s0,) + g.samples[1:])
     cg = ConsumedGroup(key="k", group=g, prompt="p", label="l", texts=("",) * G, rewards=(0.0,) * G, version_lag=0, use=1)
     assert sample_fields(cg)[0]["rollout_log_probs"] == [0.0] * len(s0.logprobs)
 

@@ -16,7 +16,7 @@ pytest.importorskip("tokenizers")
 
 from macd.episodes import EpisodeCompletion, EpisodeGenerator, run_episodes
 from macd.generate import SamplingConfig, teacher_forced_logprobs
-from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup, Sample, SamplingParams, encode_group
+from slime_stoa.protocol.records import RolloutGroup, Sample, SamplingParams, encode_group
 from slime_stoa.protocol.validate import RecordLimits, load_record
 from slime_stoa.quickstart.tiny_model import build_tiny_model
 from slime_stoa.tasks.episode import Episode, extract_query, turn_action
@@ -296,7 +296,7 @@ def test_episodes_make_valid_v2_records(
     groups, _ = episodes
     for i, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
         record = RolloutGroup(
-            schema_version=SCHEMA_V2, kind="train", run="run-1", task_id="search", prompt_index=i,
+            kind="train", run="run-1", task_id="search", prompt_index=i,
             prompt_tokens=prompt, weight_version=1, state_digest="ab" * 16,
             samples=[Sample(response_tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish_reason, reward=0.0,
                             mask=c.mask, turns=c.turns, tool_calls=c.tool_calls) for c in group],

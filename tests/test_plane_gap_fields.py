@@ -1,5 +1,5 @@
 """The plane a worker serves, where the trainer and the operator read it: the signed record's
-`plane` (travels only when not bf16, so bf16 records keep their bytes; strict), the heartbeat's
+`plane` (always on the wire; strict), the heartbeat's
 `plane` (strict), and the quarantine state's per-worker plane."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from slime_stoa.trainer.consumer.quarantine import Quarantine, QuarantineConfig,
 from tests.test_records import decode_reason, make_group
 
 
-def test_a_record_names_its_plane_and_a_bf16_one_keeps_its_bytes() -> None:
+def test_a_record_names_its_plane() -> None:
     bf16 = make_group()
-    assert "plane" not in msgspec.msgpack.decode(encode_payload(bf16))  # the layout of before
+    assert msgspec.msgpack.decode(encode_payload(bf16))["plane"] == "bf16"
     assert encode_group(make_group(plane="".join(["bf", "16"]))) == encode_group(bf16)  # equal, not the same str
     for plane in ("int8", "int4"):
         group = make_group(plane=plane)
@@ -30,12 +30,13 @@ def test_a_record_names_its_plane_and_a_bf16_one_keeps_its_bytes() -> None:
         make_group(plane="fp8")
 
 
-def test_a_record_with_a_bad_or_redundant_plane_is_refused() -> None:
+def test_a_record_with_a_bad_or_missing_plane_is_refused() -> None:
     wire = msgspec.msgpack.decode(encode_payload(make_group(plane="int8")))
-    assert decode_reason(frame_payload(msgspec.msgpack.encode({**wire, "plane": "fp8"}))) == "schema"
+    assert decode_reason(frame_payload(msgspec.msgpack.encode({**wire, "plane": "fp8"}))) == "type"
     assert decode_reason(frame_payload(msgspec.msgpack.encode({**wire, "plane": 8}))) == "type"
-    # "bf16" spelled out is not the canonical form (one byte form per record)
-    assert decode_reason(frame_payload(msgspec.msgpack.encode({**wire, "plane": "bf16"}))) == "msgpack"
+    # a plane left out (the default, bf16) is not the canonical form (one byte form per record)
+    del wire["plane"]
+    assert decode_reason(frame_payload(msgspec.msgpack.encode(wire))) == "msgpack"
 
 
 def test_a_record_on_a_plane_the_run_does_not_offer_is_refused() -> None:

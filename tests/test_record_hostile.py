@@ -26,10 +26,12 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slime_stoa.protocol.record_types import MAX_STOP_SEQUENCES
 from slime_stoa.protocol.records import (
     DECODE_REASONS,
     FORMAT,
     MAGIC,
+    MAX_SAMPLES,
     RecordError,
     RolloutGroup,
     Sample,
@@ -40,9 +42,8 @@ from slime_stoa.protocol.records import (
     frame_payload,
 )
 from slime_stoa.protocol.validate import REJECT_REASONS, RecordRejected, load_record
-from tests.test_records import LIMITS, NOW, decode_reason, make_sample, outcome
+from tests.test_records import LIMITS, NOW, decode_reason, episode, make_sample, outcome
 from tests.test_records import make_group as base_group
-from tests.test_records_v2 import episode
 
 PROPERTY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -221,10 +222,12 @@ HOSTILE_PAYLOADS: list[tuple[str, bytes, str]] = [
     # duplicate keys: msgspec alone would take the last value
     ("duplicate seq", build([*ITEMS, ("seq", b"\x05")]), "msgpack"),
     ("duplicate kind first", build([("kind", mp_str("eval")), *ITEMS]), "msgpack"),
-    ("duplicate in sample", replaced("samples", b"\x91" + mp_map_header(5) + b"".join(
-        mp_str(k) + v for k, v in [("response_tokens", b"\xc4\x00"), ("logprobs", b"\xc4\x00"),
+    ("duplicate in sample", replaced("samples", b"\x91" + mp_map_header(8) + b"".join(
+        mp_str(k) + v for k, v in [("response_tokens", b"\xc4\x00"), ("logprobs", b"\xc4\x00"), ("mask", b"\xc4\x00"),
                                    ("finish_reason", mp_str("stop")), ("reward", b"\xcb" + bytes(8)),
+                                   ("turns", b"\x01"), ("tool_calls", b"\x00"),
                                    ("reward", b"\xcb" + struct.pack(">d", 5.0))])), "msgpack"),
+    ("field left to its default", build([(k, v) for k, v in ITEMS if k != "plane"]), "msgpack"),
     ("reordered keys", build(ITEMS[1:] + ITEMS[:1]), "msgpack"),
     # non-canonical but well-typed encodings
     ("int for a float", replaced("started_at", b"\xce" + struct.pack(">I", int(NOW))), "msgpack"),
@@ -236,7 +239,8 @@ HOSTILE_PAYLOADS: list[tuple[str, bytes, str]] = [
     ("deep array for a str", replaced("kind", nested(1_000_000)), "type"),
     ("deep map for a str", replaced("kind", nested(1_000_000, header=b"\x81\xa1k")), "type"),
     ("deep unknown field", build([*ITEMS, ("z", nested(1_000_000))]), "type"),
-    ("deep unknown field, other schema", build([("schema_version", b"\x03"), *ITEMS[1:], ("z", nested(200_000))]), "schema_version"),
+    ("deep unknown field first", build([("z", nested(1_000_000)), *ITEMS]), "type"),
+    ("a version field", build([("schema_version", b"\x03"), *ITEMS]), "type"),
     ("deep top level", nested(1_000_000), "type"),
     ("deep samples", replaced("samples", nested(100_000)), "type"),
     # huge declared lengths
@@ -356,10 +360,9 @@ def test_bombs_never_inflate() -> None:
 # -- property tests against a reference decoder -------------------------------------------------------
 
 
-GROUP_KEYS = ["schema_version", "kind", "run", "task_id", "prompt_index", "prompt_tokens", "samples",
-              "weight_version", "state_digest", "sampling", "worker_id", "seq", "started_at", "finished_at"]
-SAMPLE_KEYS = ["response_tokens", "logprobs", "finish_reason", "reward"]
-SAMPLE_KEYS_V2 = [*SAMPLE_KEYS, "mask", "turns", "tool_calls"]  # schema v2: tool episodes
+GROUP_KEYS = ["kind", "run", "task_id", "prompt_index", "prompt_tokens", "samples", "weight_version",
+              "state_digest", "sampling", "plane", "worker_id", "seq", "started_at", "finished_at"]
+SAMPLE_KEYS = ["response_tokens", "logprobs", "mask", "finish_reason", "reward", "turns", "tool_calls"]
 SAMPLING_KEYS = ["temperature", "top_p", "max_tokens", "stop"]
 
 
@@ -406,20 +409,21 @@ def ref_decode(payload: bytes) -> RolloutGroup:
     g = struct_of(value, GROUP_KEYS)
     if type(g["samples"]) is not list or type(g["sampling"]) is not dict:
         raise Invalid("containers")
-    v2 = g["schema_version"] == 2 and type(g["schema_version"]) is int
     samples = []
     for raw in g["samples"]:
-        s = struct_of(raw, SAMPLE_KEYS_V2 if v2 else SAMPLE_KEYS)
-        extra = dict(mask=array(s["mask"], "u1"), turns=int64(s["turns"]), tool_calls=int64(s["tool_calls"])) if v2 else {}
+        s = struct_of(raw, SAMPLE_KEYS)
         samples.append(Sample(
             response_tokens=array(s["response_tokens"], "<i4"), logprobs=array(s["logprobs"], "<f4"),
-            finish_reason=string(s["finish_reason"]), reward=f64(s["reward"]), **extra,
+            mask=array(s["mask"], "u1"), finish_reason=string(s["finish_reason"]), reward=f64(s["reward"]),
+            turns=int64(s["turns"]), tool_calls=int64(s["tool_calls"]),
         ))
+    if len(samples) > MAX_SAMPLES:
+        raise Invalid("samples")
     sp = struct_of(g["sampling"], SAMPLING_KEYS)
-    if type(sp["stop"]) is not list:
+    if type(sp["stop"]) is not list or len(sp["stop"]) > MAX_STOP_SEQUENCES:
         raise Invalid("stop")
     group = RolloutGroup(
-        schema_version=int64(g["schema_version"]), kind=string(g["kind"]), run=string(g["run"]),
+        kind=string(g["kind"]), run=string(g["run"]),
         task_id=string(g["task_id"]), prompt_index=int64(g["prompt_index"]),
         prompt_tokens=array(g["prompt_tokens"], "<i4"), samples=samples,
         weight_version=int64(g["weight_version"]), state_digest=string(g["state_digest"]),
@@ -427,7 +431,7 @@ def ref_decode(payload: bytes) -> RolloutGroup:
             temperature=f64(sp["temperature"]), top_p=f64(sp["top_p"]), max_tokens=int64(sp["max_tokens"]),
             stop=tuple(string(x) for x in sp["stop"]),
         ),
-        worker_id=string(g["worker_id"]), seq=int64(g["seq"]),
+        plane=string(g["plane"]), worker_id=string(g["worker_id"]), seq=int64(g["seq"]),
         started_at=f64(g["started_at"]), finished_at=f64(g["finished_at"]),
     )
     if msgspec.msgpack.encode(plain(value)) != payload:  # canonical: minimal headers and ints
@@ -503,23 +507,23 @@ def test_mutated_larger_payloads_match_the_reference(payload: bytes) -> None:
     check_against_reference(payload)
 
 
-def make_v2_group() -> RolloutGroup:
-    """A tool episode group (schema v2): model, tool and model tokens in each sample."""
+def make_tool_group() -> RolloutGroup:
+    """A tool episode group: model, tool and model tokens in each sample."""
     samples = [episode(response_tokens=[5 + i, 6, 7, 8, 9], reward=float(i)) for i in range(3)]
-    return make_group(samples=samples, schema_version=2)
+    return make_group(samples=samples)
 
 
-PAYLOAD_V2 = encode_payload(make_v2_group())
+TOOL_PAYLOAD = encode_payload(make_tool_group())
 
 
-def test_reference_reads_v2() -> None:
-    assert ref_decode(PAYLOAD_V2) == make_v2_group() == decode_group(frame_payload(PAYLOAD_V2))
-    load_record(frame_payload(PAYLOAD_V2), LIMITS, now=NOW)
+def test_reference_reads_episodes() -> None:
+    assert ref_decode(TOOL_PAYLOAD) == make_tool_group() == decode_group(frame_payload(TOOL_PAYLOAD))
+    load_record(frame_payload(TOOL_PAYLOAD), LIMITS, now=NOW)
 
 
 @PROPERTY
-@given(mutated(PAYLOAD_V2))
-def test_mutated_v2_payloads_match_the_reference(payload: bytes) -> None:
+@given(mutated(TOOL_PAYLOAD))
+def test_mutated_episode_payloads_match_the_reference(payload: bytes) -> None:
     check_against_reference(payload)
 
 

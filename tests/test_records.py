@@ -1,8 +1,9 @@
-"""Rollout-group records: exact round trips, hostile bytes, and validation reasons."""
+"""Rollout-group records: exact round trips, hostile bytes, tool episodes, and validation reasons."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pickle
 import tracemalloc
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from slime_stoa.protocol.records import (
     DECODE_REASONS,
     FORMAT,
     MAGIC,
+    MAX_SAMPLES,
     RecordError,
     RolloutGroup,
     Sample,
@@ -158,15 +160,17 @@ def samples(draw: st.DrawFn) -> Sample:
     return Sample(
         response_tokens=draw(st.lists(i32, min_size=n, max_size=n)),
         logprobs=f32(*draw(st.lists(st.integers(0, 2**32 - 1), min_size=m, max_size=m))),
-        finish_reason=draw(st.sampled_from(["stop", "length", ""]) | text),
+        mask=draw(st.lists(st.integers(0, 255), min_size=n, max_size=n) | st.lists(st.integers(0, 255), max_size=12)),
+        finish_reason=draw(st.sampled_from(["stop", "length", "turns", ""]) | text),
         reward=draw(any_float),
+        turns=draw(i64),
+        tool_calls=draw(i64),
     )
 
 
 @st.composite
 def groups(draw: st.DrawFn) -> RolloutGroup:
     return RolloutGroup(
-        schema_version=draw(st.sampled_from([1]) | i64),
         kind=draw(text),
         run=draw(text),
         task_id=draw(text),
@@ -185,6 +189,7 @@ def groups(draw: st.DrawFn) -> RolloutGroup:
         seq=draw(i64),
         started_at=draw(any_float),
         finished_at=draw(any_float),
+        plane=draw(st.sampled_from(["bf16", "int8", "int4"])),
     )
 
 
@@ -216,7 +221,22 @@ def test_encoding_is_compact() -> None:
         ],
         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n),
     )
-    assert len(encode_group(group)) < 8 * n * g  # at most the raw int32 + float32 bytes
+    assert len(encode_group(group)) < 9 * n * g  # at most the raw int32 + float32 + uint8 bytes
+
+
+def test_the_encoder_refuses_a_record_no_reader_would_take() -> None:
+    """A record over the size limit would be refused as "too_large": the encoder never writes it."""
+    assert encode_group(make_group(), max_bytes=len(PAYLOAD)) == VALID
+    with pytest.raises(ValueError, match="over the record limit"):
+        encode_group(make_group(), max_bytes=len(PAYLOAD) - 1)
+    with pytest.raises(ValueError, match="over the record limit"):
+        encode_group(make_group(), max_bytes=len(VALID) - 1)  # compresses, but not enough
+
+
+def test_the_layout_is_pinned() -> None:
+    """The payload of a fixed group: a layout change must bump FORMAT (and this digest)."""
+    assert FORMAT == 2
+    assert hashlib.sha256(PAYLOAD).hexdigest() == "fa91d9ff49e1d24b59def165b918aff47f46ebb63d0989190d472f025381e986"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +252,7 @@ def test_constructors_coerce_and_freeze() -> None:
     assert s.logprobs.dtype == np.float32 and s.logprobs[0] == np.float32(-0.1)
     with pytest.raises(ValueError):
         s.response_tokens[0] = 5
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):  # frozen
         s.reward = 2.0  # type: ignore[misc]
     g = make_group(samples=[s], sampling=SamplingParams(temperature=1, top_p=1, max_tokens=4))
     assert isinstance(g.samples, tuple) and isinstance(g.sampling.temperature, float)
@@ -348,6 +368,13 @@ DELETE = object()
         ("samples.0.response_tokens", "abc", "type"),
         ("samples.0.reward", None, "type"),
         ("samples.0.reward", DELETE, "type"),
+        ("samples.0.mask", DELETE, "msgpack"),  # the default (all ones) must be spelled out
+        ("samples.0.turns", DELETE, "msgpack"),
+        ("plane", DELETE, "msgpack"),
+        ("sampling.stop", DELETE, "msgpack"),
+        ("samples.0.mask", [1, 1, 1], "type"),
+        ("samples.0.tool_calls", None, "type"),
+        ("samples.0.turns", 1.0, "type"),
         ("sampling.stop", [1], "type"),
         ("sampling.surprise", 1, "type"),
         ("surprise", 1, "type"),
@@ -361,10 +388,11 @@ def test_decode_rejects_wrong_wire_types(path: str, value: Any, reason: str) -> 
     assert decode_reason(reframe(with_field(path, value))) == reason
 
 
-def test_other_schema_versions_are_named() -> None:
-    newer = {**wire_dict(), "schema_version": 3, "new_field": [1, 2]}  # 2 is v2: see test_records_v2
-    assert decode_reason(reframe(newer)) == "schema_version"
+def test_other_layouts_are_named() -> None:
+    """One schema: a field it does not know is refused, and another layout is another FORMAT."""
+    assert decode_reason(reframe({**wire_dict(), "schema_version": 3})) == "type"
     assert decode_reason(reframe({**wire_dict(), "new_field": 1})) == "type"
+    assert decode_reason(MAGIC + bytes([1]) + VALID[len(MAGIC) + 1 :]) == "bad_format"
 
 
 def peak_alloc(fn: Callable[[], object]) -> int:
@@ -402,15 +430,33 @@ def test_oversized_object_and_payload_are_too_large() -> None:
     assert decode_group(VALID, max_bytes=len(PAYLOAD)) == make_group()
 
 
-def test_sample_flood_is_refused_before_building_arrays() -> None:
-    w = wire_dict()
-    w["samples"] = [dict(response_tokens=b"", logprobs=b"", finish_reason="", reward=0.0)] * 50_000
-    payload = msgspec.msgpack.encode(w)
-    flood = frame_payload(payload)
-    assert decode_reason(flood, max_samples=8) == "group_size"
-    assert peak_alloc(lambda: decode_group(flood, max_samples=8)) < 3 * len(payload)
+EMPTY_SAMPLE = dict(response_tokens=b"", logprobs=b"", mask=b"", finish_reason="", reward=0.0, turns=1, tool_calls=0)
+
+
+def flood(n: int) -> bytes:
+    """A payload of `n` empty samples: the most samples (and arrays) per payload byte."""
+    return msgspec.msgpack.encode({**wire_dict(), "samples": [EMPTY_SAMPLE] * n})
+
+
+def test_sample_flood_is_refused_before_building_samples() -> None:
+    payload = flood(50_000)
+    record = frame_payload(payload)
+    assert decode_reason(record) == "type"  # over the schema's MAX_SAMPLES, refused at the array header
+    assert peak_alloc(lambda: decode_group(record)) < 3 * len(payload)
+    with pytest.raises(RecordRejected, match="type"):
+        load_record(record, LIMITS, now=NOW)
+
+
+def test_samples_within_the_schema_cap_cost_bounded_memory() -> None:
+    payload = flood(MAX_SAMPLES)
+    record = frame_payload(payload)
+    assert decode_reason(record, max_samples=8) == "group_size"
     with pytest.raises(RecordRejected, match="group_size"):
-        load_record(flood, LIMITS, now=NOW)
+        load_record(record, LIMITS, now=NOW)
+    # What decoding builds for the most samples the schema allows: a few times the payload, and
+    # at most ~1 KiB a sample (their arrays are views of the decoded bytes).
+    assert peak_alloc(lambda: decode_group(record, max_samples=8)) < 3 * len(payload) + MAX_SAMPLES * 1024
+    assert len(decode_group(record).samples) == MAX_SAMPLES
 
 
 def test_every_truncation_is_rejected() -> None:
@@ -503,7 +549,6 @@ def replace_sample(**kw: Any) -> RolloutGroup:
 
 
 HOSTILE: list[tuple[str, RolloutGroup, str]] = [
-    ("schema v3", make_group(schema_version=3), "schema_version"),
     ("unknown kind", make_group(kind="sft"), "kind"),
     ("empty run", make_group(run=""), "identifier"),
     ("control char", make_group(worker_id="mac\n01"), "identifier"),
@@ -512,13 +557,13 @@ HOSTILE: list[tuple[str, RolloutGroup, str]] = [
     ("short digest", make_group(state_digest="abcd"), "state_digest"),
     ("negative seq", make_group(seq=-1), "counter"),
     ("negative version", make_group(weight_version=-3), "counter"),
-    ("zero temperature", make_group(sampling=dataclasses.replace(SAMPLING, temperature=0.0)),
+    ("zero temperature", make_group(sampling=msgspec.structs.replace(SAMPLING, temperature=0.0)),
      "sampling"),
-    ("nan top_p", make_group(sampling=dataclasses.replace(SAMPLING, top_p=float("nan"))),
+    ("nan top_p", make_group(sampling=msgspec.structs.replace(SAMPLING, top_p=float("nan"))),
      "sampling"),
-    ("huge max_tokens", make_group(sampling=dataclasses.replace(SAMPLING, max_tokens=10**6)),
+    ("huge max_tokens", make_group(sampling=msgspec.structs.replace(SAMPLING, max_tokens=10**6)),
      "sampling"),
-    ("empty stop", make_group(sampling=dataclasses.replace(SAMPLING, stop=("",))), "sampling"),
+    ("empty stop", make_group(sampling=msgspec.structs.replace(SAMPLING, stop=("",))), "sampling"),
     ("reversed times", make_group(started_at=NOW - 1, finished_at=NOW - 2), "timestamps"),
     ("future", make_group(started_at=NOW, finished_at=NOW + 3600), "timestamps"),
     ("zero clock", make_group(started_at=0.0, finished_at=1.0), "timestamps"),
@@ -566,7 +611,7 @@ def test_hostile_groups_are_rejected(group: RolloutGroup, reason: str) -> None:
         (dataclasses.replace(LIMITS, expected_group_size=2), "group_size"),
         (dataclasses.replace(LIMITS, expected_run="other-run"), "run"),
         (dataclasses.replace(LIMITS, allowed_kinds=frozenset({"eval"})), "kind"),
-        (dataclasses.replace(LIMITS, expected_sampling=dataclasses.replace(SAMPLING, top_p=0.9)),
+        (dataclasses.replace(LIMITS, expected_sampling=msgspec.structs.replace(SAMPLING, top_p=0.9)),
          "sampling"),
         (dataclasses.replace(LIMITS, min_logprob=-1.0), "logprob_too_small"),
         (dataclasses.replace(LIMITS, vocab_size=999), "token_range"),
@@ -613,7 +658,7 @@ def test_reasons_survive_pickling() -> None:
     e = pickle.loads(pickle.dumps(RecordRejected("token_range", "samples[1] = 1000")))
     assert (type(e), e.reason, e.detail) == (RecordRejected, "token_range", "samples[1] = 1000")
     assert str(e) == "token_range: samples[1] = 1000"
-    assert {"group_size", "schema_version"} == DECODE_REASONS & VALIDATION_REASONS
+    assert {"group_size"} == DECODE_REASONS & VALIDATION_REASONS
 
 
 @pytest.mark.parametrize(
@@ -633,3 +678,126 @@ def test_reasons_survive_pickling() -> None:
 def test_limits_reject_nonsense(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         RecordLimits(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool episodes: the mask, turns and tool calls (a single-turn sample: all ones, one turn, none)
+
+TOOL_SAMPLING = SamplingParams(temperature=0.7, top_p=1.0, max_tokens=16, stop=("</answer>",))
+TOOL_LIMITS = RecordLimits(vocab_size=1000, max_samples=8, max_prompt_tokens=64, max_response_tokens=32,
+                           max_turns=3, max_tool_tokens=4)
+
+
+def episode(**kw: Any) -> Sample:
+    """model (2) | tool (2) | model (1): two turns, one tool call."""
+    fields: dict[str, Any] = dict(
+        response_tokens=[5, 6, 7, 8, 9], logprobs=[-0.1, -2.5, 0.0, 0.0, -0.3], finish_reason="stop", reward=1.0,
+        mask=[1, 1, 0, 0, 1], turns=2, tool_calls=1,
+    )
+    return Sample(**{**fields, **kw})
+
+
+def make_tool_group(samples: list[Sample] | None = None, **kw: Any) -> RolloutGroup:
+    """`make_group` as a search group of two episodes."""
+    fields: dict[str, Any] = dict(
+        task_id="search", prompt_index=3, prompt_tokens=[1, 2, 3],
+        samples=samples or [episode(), episode(reward=0.0)], sampling=TOOL_SAMPLING,
+    )
+    return make_group(**{**fields, **kw})
+
+
+def tool_reason(group: RolloutGroup) -> str:
+    return rejection_reason(group, TOOL_LIMITS)
+
+
+def test_episodes_round_trip_exactly() -> None:
+    group = make_tool_group()
+    back = decode_group(encode_group(group))
+    assert back == group
+    s = back.samples[0]
+    assert s.mask.dtype == np.uint8 and s.mask.tolist() == [1, 1, 0, 0, 1] and not s.mask.flags.writeable
+    assert (s.turns, s.tool_calls) == (2, 1)
+    assert load_record(encode_group(group), TOOL_LIMITS, now=NOW) == group
+
+
+def test_every_sample_carries_its_mask_on_the_wire() -> None:
+    keys = ["response_tokens", "logprobs", "mask", "finish_reason", "reward", "turns", "tool_calls"]
+    tool = wire_dict(make_tool_group())["samples"][0]
+    assert list(tool) == keys and tool["mask"] == bytes([1, 1, 0, 0, 1])
+    single = wire_dict(make_group())["samples"][0]
+    assert list(single) == keys and single["mask"] == b"\x01\x01\x01"
+    assert (single["turns"], single["tool_calls"]) == (1, 0)
+
+
+def test_a_single_turn_sample_is_all_ones() -> None:
+    single = Sample(response_tokens=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], finish_reason="stop", reward=1.0)
+    assert single == Sample(response_tokens=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], finish_reason="stop",
+                            reward=1.0, mask=[1, 1, 1], turns=1, tool_calls=0)
+    back = decode_group(encode_group(make_tool_group([single])))
+    s = back.samples[0]
+    assert s.mask.tolist() == [1, 1, 1] and not s.mask.flags.writeable and (s.turns, s.tool_calls) == (1, 0)
+    validate_group(back, TOOL_LIMITS, now=NOW)
+    # replacing the tokens keeps a mask given explicitly: its length is the validator's to check
+    longer = msgspec.structs.replace(s, response_tokens=[5, 6, 7, 8], logprobs=[-0.1] * 4)
+    assert tool_reason(make_tool_group([longer])) == "mask_length"
+
+
+def test_a_non_canonical_mask_is_refused() -> None:
+    payload = encode_payload(make_tool_group())
+    key = b"\xa4mask\xc4\x05"
+    assert payload.count(key) == 2
+    bin16 = payload.replace(key, b"\xa4mask\xc5\x00\x05", 1)  # bin16 header for a 5-byte mask
+    with pytest.raises(RecordError, match="msgpack"):
+        decode_group(frame_payload(bin16))
+
+
+TOOL_HOSTILE: list[tuple[str, RolloutGroup, str]] = [
+    ("mask shorter", make_tool_group([episode(mask=[1, 1, 0, 0])]), "mask_length"),
+    ("mask longer", make_tool_group([episode(mask=[1, 1, 0, 0, 1, 1])]), "mask_length"),
+    ("mask value 2", make_tool_group([episode(mask=[1, 2, 0, 0, 1])]), "mask_value"),
+    ("mask value 255", make_tool_group([episode(mask=[1, 1, 0, 255, 1])]), "mask_value"),
+    ("tool first", make_tool_group([episode(mask=[0, 1, 0, 0, 1], logprobs=[0.0, -2.5, 0.0, 0.0, -0.3], turns=2,
+                                            tool_calls=2)]), "mask_value"),
+    ("turns off by one", make_tool_group([episode(turns=3)]), "turns"),
+    ("tool calls hidden", make_tool_group([episode(tool_calls=0)]), "turns"),
+    ("single turn with a tool call", make_tool_group([episode(mask=[1] * 5, logprobs=[-0.1] * 5, turns=1)]), "turns"),
+    ("too many turns", make_tool_group([episode(response_tokens=[5] * 7, mask=[1, 0, 1, 0, 1, 0, 1],
+                                                logprobs=[-0.1, 0, -0.1, 0, -0.1, 0, -0.1], turns=4, tool_calls=3)]),
+     "turns"),
+    ("tool span over the limit", make_tool_group([episode(response_tokens=[5] * 7, mask=[1, 0, 0, 0, 0, 0, 1],
+                                                          logprobs=[-0.1, 0, 0, 0, 0, 0, -0.1])]), "tool_span"),
+    ("logprob at a tool token", make_tool_group([episode(logprobs=[-0.1, -2.5, -0.7, 0.0, -0.3])]), "logprob_tool"),
+    ("-0.0 at a tool token", make_tool_group([episode(logprobs=[-0.1, -2.5, -0.0, 0.0, -0.3])]), "logprob_tool"),
+    ("turns ending on a tool", make_tool_group([episode(response_tokens=[5, 6, 7], mask=[1, 0, 0],
+                                                        logprobs=[-0.1, 0, 0], turns=1, tool_calls=1,
+                                                        finish_reason="turns")]), "finish_mismatch"),
+    ("length below the budget", make_tool_group([episode(finish_reason="length")]), "finish_mismatch"),
+    ("episode over the budget", make_tool_group([episode(response_tokens=[5] * 17, mask=[1] * 17,
+                                                         logprobs=[-0.1] * 17, turns=1, tool_calls=0)]),
+     "response_length"),
+]
+
+
+@pytest.mark.parametrize("group, want", [h[1:] for h in TOOL_HOSTILE], ids=[h[0] for h in TOOL_HOSTILE])
+def test_hostile_episodes_are_rejected(group: RolloutGroup, want: str) -> None:
+    assert want in VALIDATION_REASONS
+    assert tool_reason(group) == want
+
+
+def test_episode_finish_reasons() -> None:
+    ends_in_call = episode(response_tokens=[5, 6, 7, 8], mask=[1, 0, 0, 1], logprobs=[-0.1, 0, 0, -0.2],
+                           finish_reason="turns")
+    validate_group(make_tool_group([ends_in_call]), TOOL_LIMITS, now=NOW)
+    # "length": the budget (sampling.max_tokens) counts tool tokens too, and may end in a tool span
+    full = episode(response_tokens=[5] * 16, mask=[1] * 12 + [0] * 4, logprobs=[-0.1] * 12 + [0.0] * 4, turns=1,
+                   finish_reason="length")
+    validate_group(make_tool_group([full]), TOOL_LIMITS, now=NOW)
+
+
+def test_limits_for_turns_and_tool_tokens_are_checked() -> None:
+    for bad in (dict(max_turns=0), dict(max_tool_tokens=0)):
+        with pytest.raises(ValueError):
+            RecordLimits(vocab_size=10, **bad)  # type: ignore[arg-type]
+    wide = dataclasses.replace(TOOL_LIMITS, max_tool_tokens=5, max_turns=4)
+    long_span = episode(response_tokens=[5] * 7, mask=[1, 0, 0, 0, 0, 0, 1], logprobs=[-0.1, 0, 0, 0, 0, 0, -0.1])
+    validate_group(make_tool_group([long_span]), wide, now=NOW)

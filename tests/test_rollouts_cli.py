@@ -5,18 +5,18 @@ episode), a hostile record, a stray key and the trainer's saved state with a qua
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from slime_stoa.cli import main
 from slime_stoa.cli.rollouts_show import reward_condition
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup, Sample
+from slime_stoa.protocol.records import RolloutGroup, Sample
 from slime_stoa.protocol.store import open_store
 from slime_stoa.trainer.consumer.persistence import write_state
 from slime_stoa.trainer.consumer.quarantine import WorkerRecord
@@ -25,7 +25,7 @@ from tests.test_consumer import ITEMS, RUN, Tiny, make_group, setup_run, tiny, u
 
 
 def tool_group(tiny: Tiny, seq: int) -> RolloutGroup:  # noqa: F811
-    """A schema-v2 group: each sample searches once (model, observation, model) then answers."""
+    """A tool group: each sample searches once (model, observation, model) then answers."""
     base = make_group(tiny, worker="w-tool", seq=seq, prompt_index=1, weight_version=1)
     item = ITEMS[1]
     samples = []
@@ -35,7 +35,7 @@ def tool_group(tiny: Tiny, seq: int) -> RolloutGroup:  # noqa: F811
         mask = [1] * len(call) + [0] * len(obs) + [1] * (len(answer) + 1)
         lp = [0.0 if m == 0 else -0.25 - 0.01 * i for m in mask]
         samples.append(Sample(response_tokens=tokens, logprobs=lp, finish_reason="stop", reward=0.0, mask=mask, turns=2, tool_calls=1))
-    return dataclasses.replace(base, schema_version=SCHEMA_V2, samples=tuple(samples))
+    return msgspec.structs.replace(base, samples=tuple(samples))
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_show_marks_tool_turns_rewards_refusals_and_the_trainer_state(
     assert names == sorted(names, reverse=True)
     (tool,) = [b for b in blocks.values() if "worker w-tool" in b]
     assert "[model]\n      search x" in tool and "[tool]\n       seen" in tool
-    assert "schema v2" in tool and "2 turns, 1 tool calls" in tool
+    assert "plane bf16" in tool and "2 turns, 1 tool calls" in tool
     assert "reward 0, stop" in tool  # the synthetic task matches the whole continuation exactly
     assert "logprob mean -0.250 min -0.250" in tool  # over the model's tokens only (tool tokens are 0.0)
     (liar,) = [b for b in blocks.values() if "worker w-b" in b]

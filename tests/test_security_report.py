@@ -27,6 +27,11 @@ and `crashes`, is 0.
   workers (`test_trust_downgrade`), the registry from before a revocation against a fresh trainer
   and an old consumer state against a restarted one (`test_trust_consumer_state`). An attack is
   accepted when the refusal its test asserts does not happen.
+- a worker token's writes in single-bucket mode (`writer_tried`, `writer_stops_trainer`,
+  `honest_rejected_for_missing_object`): the run manifest, pointer, a version manifest, the
+  registry, the consumer state and its heads deleted or overwritten under a trainer with its own
+  copies (`test_trust_writer`); one stops the trainer when it raises, does not put the object
+  back or admits a revoked worker's record.
 - heartbeats (`heartbeat_forged_tried`/`heartbeat_forged_shown_healthy`): unsigned, unknown-key,
   revoked, other-worker, other-run and tampered heartbeats beside an honest one, read the way
   `stoa fleet` and the trainer's metrics read them (`test_trust_heartbeats`).
@@ -76,11 +81,12 @@ from tests.s3server import LocalS3Server
 from . import oversize_reads as ov
 from . import test_hostile_names as hn
 from . import test_record_hostile as rh
-from . import test_records_v2 as v2
+from . import test_records as tr
 from . import test_trust_consumer_state as tcs
 from . import test_trust_downgrade as tdg
 from . import test_trust_heartbeats as thb
 from . import test_trust_rollback as trb
+from . import test_trust_writer as tw
 from .conftest import s3_url
 from .forged_weights import CASES, honest_run, run_case, tally
 from .test_consumer import Tiny, tiny
@@ -189,17 +195,17 @@ def hand_made_records() -> dict[str, list[RecordCase]]:
     return {
         "hostile_payloads": [(loaded(frame_payload(p), rh.LIMITS), none) for _, p, _ in rh.HOSTILE_PAYLOADS],
         "hostile_frames": [(loaded(make(), rh.LIMITS), none) for _, make, _ in rh.HOSTILE_FRAMES],
-        "hostile_v2_groups": [(loaded(encode_group(g), v2.LIMITS), none) for _, g, _ in v2.HOSTILE],
+        "hostile_episodes": [(loaded(encode_group(g), tr.TOOL_LIMITS), none) for _, g, _ in tr.TOOL_HOSTILE],
     }
 
 
 def mutated_records(seed: int) -> dict[str, list[RecordCase]]:
     """Seeded mutations of valid payloads (framed) and of a valid framed record."""
-    donors = [rh.PAYLOAD, *rh.OTHER_PAYLOADS, rh.PAYLOAD_V2]
+    donors = [rh.PAYLOAD, *rh.OTHER_PAYLOADS, rh.TOOL_PAYLOAD]
     sources = {
-        "mutated_v1_payload": (rh.PAYLOAD, 160),
-        "mutated_v1_large_payload": (rh.OTHER_PAYLOADS[1], 80),
-        "mutated_v2_payload": (rh.PAYLOAD_V2, 160),
+        "mutated_payload": (rh.PAYLOAD, 160),
+        "mutated_large_payload": (rh.OTHER_PAYLOADS[1], 80),
+        "mutated_episode_payload": (rh.TOOL_PAYLOAD, 160),
     }
     out: dict[str, list[RecordCase]] = {}
     for i, (source, (base, n)) in enumerate(sources.items()):
@@ -551,10 +557,17 @@ async def freshness(
     state = int(await tcs.state_rollback(store, url, tiny))
     store, url = await file_store(stack, tmp / "registry-rollback")
     registry = int(await tcs.registry_rollback(store, url, tiny))
+    writer = []  # single-bucket mode: a worker token's writes against a trainer with its own copies
+    for name, writer_attack in tw.ATTACKS.items():
+        store, url = await file_store(stack, tmp / f"writer-{name}" / "bucket")
+        writer.append(await writer_attack(store, url, tiny, tmp / f"writer-{name}" / "trainer"))
     return {
         "rollback_tried": len(rollback) + 2, "rollback_accepted": sum(rollback) + state + registry,
         "downgrade_tried": len(downgrade), "downgrade_accepted": sum(downgrade),
         "registry_rollback_accepted": registry, "state_rollback_accepted": state,
+        "writer_tried": len(writer),
+        "writer_stops_trainer": sum(o.stopped or not o.restored or o.revoked_admitted > 0 for o in writer),
+        "honest_rejected_for_missing_object": sum(o.honest_rejected for o in writer),
     }
 
 
@@ -667,10 +680,10 @@ async def test_security_report(
     assert report["weights_forged_applied"] == 0, (where, report["weights_by_kind"])
     assert report["max_bytes_read_over_limit"] == 0, (where, report["oversize_by_backend"])
     for name in ("rollback_accepted", "downgrade_accepted", "registry_rollback_accepted", "state_rollback_accepted",
-                 "heartbeat_forged_shown_healthy"):
+                 "heartbeat_forged_shown_healthy", "writer_stops_trainer", "honest_rejected_for_missing_object"):
         assert report[name] == 0, (name, where)
     assert report["rollback_tried"] == 2 * len(ROLLBACK_ATTACKS) + 2 and report["downgrade_tried"] == len(DOWNGRADE_ATTACKS)
-    assert report["heartbeat_forged_tried"] == 7, where
+    assert report["heartbeat_forged_tried"] == 7 and report["writer_tried"] == len(tw.ATTACKS), where
     assert report["oversize_tried"] == 2 * len(ov.cases()), where
     assert all(t["oversize_refused"] == t["oversize_tried"] for t in report["oversize_by_backend"].values()), report
     # The corpus is the size the report claims, and the checks can say yes: honest and
@@ -680,7 +693,7 @@ async def test_security_report(
     by_source = report["records_by_source"]
     assert by_source["signed_honest"] == {"tried": 2, "admitted": 2}, by_source["signed_honest"]
     assert report["records_admitted_valid"] > 2, where
-    for source in ("hostile_payloads", "hostile_frames", "hostile_v2_groups", "signed_attacks", "signed_mutated"):
+    for source in ("hostile_payloads", "hostile_frames", "hostile_episodes", "signed_attacks", "signed_mutated"):
         assert by_source[source]["tried"] == by_source[source].get("refused"), (source, by_source[source])
     kinds = report["weights_by_kind"]
     assert set(kinds) >= WEIGHT_KINDS, sorted(kinds)

@@ -9,6 +9,7 @@ import inspect
 import json
 from typing import Any
 
+import msgspec
 import pytest
 
 from slime_stoa.protocol.layout import RolloutKey, RunLayout
@@ -338,7 +339,7 @@ async def test_a_forged_pointer_does_not_make_a_forged_version_published(store: 
     assert [g.worker for g in (await consumer.next_batch(1, trainer_version=0)).groups] == ["mac-a"]
 
     await publish_versions(store, 1)  # the forgery: an unsigned publisher moves the pointer to its own v1
-    forged = dataclasses.replace(
+    forged = msgspec.structs.replace(
         make_group(tiny, worker="mac-b", seq=0, prompt_index=1), weight_version=1, state_digest=digest_of(1)
     )
     await put(store, signed(forged, run.workers["mac-b"]), "mac-b", 0, base + 1)

@@ -194,7 +194,7 @@ def _kept_group(prompt: int, n: int, reward: float) -> Any:
                               finish_reason="stop", reward=reward, turns=1, tool_calls=0)
         for _ in range(n)
     ]
-    group = types.SimpleNamespace(prompt_tokens=np.array([1, 2]), schema_version=2, samples=samples, weight_version=3,
+    group = types.SimpleNamespace(prompt_tokens=np.array([1, 2]), samples=samples, weight_version=3,
                                   worker_id="mac-1", task_id="synthetic", prompt_index=prompt)
     return types.SimpleNamespace(key=f"k{prompt}", group=group, prompt=f"p{prompt}", label="l", texts=["t"] * n,
                                  rewards=[reward] * n)

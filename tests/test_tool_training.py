@@ -3,16 +3,16 @@ learner train on model tokens only; tool (observation) tokens are context."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from slime_stoa.protocol.records import SCHEMA_V2, RolloutGroup, Sample
+from slime_stoa.protocol.records import RolloutGroup, Sample
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.tiny_model import build_tiny_model
 from slime_stoa.trainer.consumer import sample_fields
@@ -38,7 +38,7 @@ def episode_group(tiny: Tiny, **kw: object) -> RolloutGroup:
         lp = [-0.5 - 0.01 * i if m else 0.0 for m in mask]
         samples[i] = Sample(response_tokens=tokens, logprobs=lp, finish_reason="stop", reward=0.0, mask=mask,
                             turns=2, tool_calls=1)
-    return dataclasses.replace(base, schema_version=SCHEMA_V2, samples=tuple(samples))
+    return msgspec.structs.replace(base, samples=tuple(samples))
 
 
 async def test_consumer_accepts_episodes_and_builds_masked_samples(store: Store, store_url: str, tiny: Tiny) -> None:
@@ -68,7 +68,7 @@ def test_turn_limited_episodes_are_truncated_samples(tiny: Tiny) -> None:
 
     group = episode_group(tiny)
     s = group.samples[1]
-    group = dataclasses.replace(group, samples=(group.samples[0], dataclasses.replace(s, finish_reason="turns"), *group.samples[2:]))
+    group = msgspec.structs.replace(group, samples=(group.samples[0], msgspec.structs.replace(s, finish_reason="turns"), *group.samples[2:]))
     cg = ConsumedGroup(key="k", group=group, prompt="p", label="l", texts=("",) * G, rewards=(0.0,) * G, version_lag=0, use=1)
     assert [f["status"] for f in sample_fields(cg)] == ["completed", "truncated", "completed", "completed"]
 

@@ -66,7 +66,7 @@ def record_lines(view: RecordView) -> list[str]:
     when = datetime.fromtimestamp(key.timestamp_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     lines = [f"== {view.name}  worker {key.worker} seq {key.seq}  {when}"]
     if g is not None:
-        lines.append(f"  task {g.task_id} prompt {g.prompt_index}, weights v{g.weight_version}, {len(g.samples)} samples, schema v{g.schema_version}")
+        lines.append(f"  task {g.task_id} prompt {g.prompt_index}, weights v{g.weight_version}, {len(g.samples)} samples, plane {g.plane}")
     if view.refused is not None:
         lines.append(f"  REFUSED ({view.refused[0]}): {view.refused[1]}")
     if view.consumer:

@@ -17,6 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import msgspec
+
 from slime_stoa.judging.run_data import load_decoding, read_task
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
 from slime_stoa.judging.signature import check_signature
@@ -123,7 +125,8 @@ class EvalGroup:
         """The first `n` samples."""
         if n >= len(self.rewards):
             return self
-        return replace(self, group=replace(self.group, samples=self.group.samples[:n]), texts=self.texts[:n], rewards=self.rewards[:n])
+        group = msgspec.structs.replace(self.group, samples=self.group.samples[:n])
+        return replace(self, group=group, texts=self.texts[:n], rewards=self.rewards[:n])
 
 
 class NotForRequest(Exception):

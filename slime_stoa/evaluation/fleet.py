@@ -16,7 +16,6 @@ from dataclasses import replace
 from typing import Any
 
 from slime_stoa.protocol.eval_request import EvalRequest, EvalRequestError, get_request, parse_request
-from slime_stoa.protocol.records import SCHEMA_V2
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import NotFound, Store
@@ -72,11 +71,11 @@ def _matches(task: Any, scored: list[tuple[str, str]]) -> tuple[dict[str, float]
 def version_result(collector: EvalCollector, threshold: float) -> VersionResult:
     """The kept samples of every prompt as a `VersionResult` (every prompt must be complete)."""
     request = collector.request
+    tool = collector.ctx.task.tool_format is not None  # a tool task's results count tool calls
     prompts = []
     for p in request.prompts:
         groups = collector.kept(p)
         samples = [s for g in groups for s in g.group.samples]
-        tool = any(g.group.schema_version == SCHEMA_V2 for g in groups)
         prompts.append(
             PromptResult(
                 prompt_index=p,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slime_stoa.protocol.layout import check_name
-from slime_stoa.protocol.records import MAGIC, RecordError
+from slime_stoa.protocol.records import DEFAULT_MAX_RECORD_BYTES, MAGIC, RecordError
 from slime_stoa.protocol.signing import KEY_ID_HEX, SIGNATURE_BYTES, PublicKey, SignatureError, SigningKey
 
 SIGNED_MAGIC = b"\x89STOASR"  # like the record magic: a text file never looks like one
@@ -44,9 +44,13 @@ def _message(run: str, record: bytes) -> bytes:
     return check_name("run", run).encode() + b"\0" + record
 
 
-def sign_record(record: bytes, key: SigningKey, *, run: str) -> bytes:
-    """Wrap `record` (encoded record bytes) in a signed envelope for `run`."""
+def sign_record(record: bytes, key: SigningKey, *, run: str, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+    """Wrap `record` (encoded record bytes) in a signed envelope for `run`.
+
+    ValueError when the envelope would be over `max_bytes`: a reader caps the whole object."""
     record = bytes(record)
+    if HEADER_LEN + len(record) > max_bytes:
+        raise ValueError(f"signed record is {HEADER_LEN + len(record)} bytes, over the record limit {max_bytes}")
     signature = key.sign(_message(run, record), context=CONTEXT)
     return SIGNED_MAGIC + bytes([SIGNED_FORMAT]) + bytes.fromhex(key.key_id) + signature + record
 

@@ -19,13 +19,13 @@ an EOS token or a stop string, at any length up to the limit. Whether a "stop" a
 ends on a stop token (and a "length" does not) needs the tokenizer: the trainer's re-scoring
 checks that (`slime_stoa.judging.scoring`).
 
-Schema v2 (tool episodes, see `slime_stoa.protocol.records`): the response is the whole episode,
-so `max_response_tokens` and `sampling.max_tokens` bound model and tool tokens together (the
+Tool episodes (see `slime_stoa.protocol.record_types`): the response is the whole episode, so
+`max_response_tokens` and `sampling.max_tokens` bound model and tool tokens together (the
 episode's token budget). Each sample's `mask` must have one 0/1 value per response token and
 start with a model token; `turns` and `tool_calls` must be its runs of 1s and 0s; no run of tool
 tokens may exceed `max_tool_tokens` and no episode `max_turns` model turns; a tool position's
-logprob must be +0.0 exactly (one byte form). "turns" (the last allowed turn called a tool) is a
-v2 finish reason and ends on a model token; v1 samples have neither tool positions nor "turns".
+logprob must be +0.0 exactly (one byte form). "turns" (the last allowed turn called a tool) ends
+on a model token. A single-turn sample is the case of an all-ones mask: one turn, no tool call.
 """
 
 from __future__ import annotations
@@ -42,11 +42,8 @@ from slime_stoa.protocol.records import (
     DECODE_REASONS,
     DEFAULT_MAX_RECORD_BYTES,
     FINISH_REASONS,
-    FINISH_REASONS_V2,
     KINDS,
     PLANES,
-    SCHEMA_V2,
-    SCHEMA_VERSIONS,
     RecordError,
     RolloutGroup,
     Sample,
@@ -58,7 +55,6 @@ from slime_stoa.protocol.strict_json import MAX_TIMESTAMP
 # Stable reason codes of validate_group (RecordRejected.reason).
 VALIDATION_REASONS = frozenset(
     {
-        "schema_version",  # schema_version not in SCHEMA_VERSIONS
         "kind",  # kind not in limits.allowed_kinds
         "plane",  # plane not in limits.allowed_planes (a plane the run does not offer)
         "run",  # run differs from limits.expected_run
@@ -79,7 +75,7 @@ VALIDATION_REASONS = frozenset(
         "bad_finish_reason",  # finish_reason not in FINISH_REASONS
         "finish_mismatch",  # "length" on a response shorter than sampling.max_tokens
         "reward_not_finite",  # NaN or infinite reward
-        # schema v2
+        # tool episodes (a single-turn sample: an all-ones mask)
         "mask_length",  # len(mask) != len(response_tokens)
         "mask_value",  # a mask value other than 0/1, or a response that starts with a tool token
         "tool_span",  # a run of tool tokens longer than max_tool_tokens
@@ -142,9 +138,9 @@ class RecordLimits:
     max_generation_s: float = 86_400.0
     """Longest finished_at - started_at."""
     max_turns: int = 16
-    """Schema v2: most model turns in one episode."""
+    """Most model turns in one episode."""
     max_tool_tokens: int = 4096
-    """Schema v2: longest run of tool (observation) tokens."""
+    """Longest run of tool (observation) tokens."""
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "max_samples", "max_prompt_tokens", "max_response_tokens")
@@ -185,8 +181,6 @@ def _check_identifier(name: str, value: str, limits: RecordLimits) -> None:
 
 
 def _check_header(g: RolloutGroup, limits: RecordLimits) -> None:
-    if g.schema_version not in SCHEMA_VERSIONS:
-        raise RecordRejected("schema_version", f"{g.schema_version}, expected one of {SCHEMA_VERSIONS}")
     if g.kind not in limits.allowed_kinds:
         raise RecordRejected("kind", f"{_short(g.kind)} not in {sorted(limits.allowed_kinds)}")
     if g.plane not in limits.allowed_planes:
@@ -278,7 +272,7 @@ def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check_mask(i: int, s: Sample, limits: RecordLimits) -> None:
-    """Schema v2: the mask, turns, tool calls, tool spans and tool-position logprobs."""
+    """The mask, turns, tool calls, tool spans and tool-position logprobs."""
     n, mask = len(s.response_tokens), s.mask
     if len(mask) != n:
         raise RecordRejected("mask_length", f"samples[{i}]: {len(mask)} mask values for {n} tokens")
@@ -305,7 +299,7 @@ def _check_mask(i: int, s: Sample, limits: RecordLimits) -> None:
         raise RecordRejected("finish_mismatch", f"samples[{i}]: 'turns' must end on a model turn")
 
 
-def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits, v2: bool) -> None:
+def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits) -> None:
     n = len(s.response_tokens)
     if n == 0:
         raise RecordRejected("empty_response", f"samples[{i}] has no response tokens")
@@ -315,7 +309,7 @@ def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits, v2: 
     if len(s.logprobs) != n:
         detail = f"samples[{i}]: {len(s.logprobs)} logprobs for {n} tokens"
         raise RecordRejected("length_mismatch", detail)
-    if s.finish_reason not in (FINISH_REASONS_V2 if v2 else FINISH_REASONS):
+    if s.finish_reason not in FINISH_REASONS:
         raise RecordRejected("bad_finish_reason", f"samples[{i}]: {_short(s.finish_reason)}")
     if s.finish_reason == "length" and n != max_tokens:
         # A worker reports "length" only for a response cut at exactly sampling.max_tokens
@@ -326,10 +320,7 @@ def _check_sample(i: int, s: Sample, max_tokens: int, limits: RecordLimits, v2: 
         raise RecordRejected("reward_not_finite", f"samples[{i}]: {s.reward}")
     _check_token_range(s.response_tokens, limits.vocab_size, f"samples[{i}].response_tokens")
     _check_logprobs(s.logprobs, limits, f"samples[{i}].logprobs")
-    if v2:
-        _check_mask(i, s, limits)
-    elif not s.single_turn:  # only built in memory: the v1 wire has no mask
-        raise RecordRejected("mask_value", f"samples[{i}] has tool tokens in a v1 group")
+    _check_mask(i, s, limits)
 
 
 def validate_group(group: RolloutGroup, limits: RecordLimits, *, now: float | None = None) -> None:
@@ -345,9 +336,8 @@ def validate_group(group: RolloutGroup, limits: RecordLimits, *, now: float | No
         raise RecordRejected("timestamps", problem)
     _check_prompt(group.prompt_tokens, limits)
     _check_group_size(len(group.samples), limits)
-    v2 = group.schema_version == SCHEMA_V2
     for i, s in enumerate(group.samples):
-        _check_sample(i, s, group.sampling.max_tokens, limits, v2)
+        _check_sample(i, s, group.sampling.max_tokens, limits)
 
 
 def load_record(

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from slime_stoa.protocol.heartbeat import Heartbeat
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import published_digests, read_lineage, read_manifest, read_pointer_etag
@@ -370,7 +372,7 @@ class Forger:
             ("record_unpublished_version", {"weight_version": group.weight_version + 50}),
             ("record_replay", {}),
         ):
-            forged = dataclasses.replace(group, worker_id=FORGER, seq=self._seq + 1, **change)
+            forged = msgspec.structs.replace(group, worker_id=FORGER, seq=self._seq + 1, **change)
             await self._plant(kind, encode_group(forged))
 
     async def _beat_errors(self, w: WorkerProcess) -> int:
