@@ -106,3 +106,14 @@ def test_worker_key_checks(tmp_path: Path) -> None:
     mine.chmod(0o644)
     with pytest.raises(WorkerKeyError, match="chmod 600"):
         load_worker_key(_config(url, tmp_path, worker_key=str(mine)))
+
+
+def test_a_signed_record_over_the_object_limit_is_never_built() -> None:
+    """The trainer caps the whole object (envelope included): the signer refuses past that cap."""
+    from slime_stoa.protocol.signed_record import HEADER_LEN, sign_record
+
+    key = SigningKey.generate()
+    record = b"r" * 100
+    assert len(sign_record(record, key, run=RUN, max_bytes=HEADER_LEN + 100)) == HEADER_LEN + 100
+    with pytest.raises(ValueError, match="over the record limit"):
+        sign_record(record, key, run=RUN, max_bytes=HEADER_LEN + 99)
