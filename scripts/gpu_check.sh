@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# gpu_check.sh: stoa's trainer on one CUDA GPU in slime's image, end to end, in under 10 minutes.
+# gpu_check.sh: stoa's trainer on one CUDA GPU in slime's image, end to end, in 40 minutes at most
+# (the checks' caps; see BUDGET).
 #
 #   scripts/gpu_check.sh [--dry-run]
 #
@@ -32,7 +33,9 @@
 # Settings (environment): SLIME_DIR (/root/slime), MEGATRON_DIR (/root/Megatron-LM), STOA_DIR (this
 # checkout), WORK (a new temporary folder; must be new or empty; kept, logs inside), PYTHON
 # (python3: slime's), WORKER_PYTHON (a Python with `stoa[worker]`; default: a venv made in WORK from
-# STOA_DIR, which needs PyPI), NUM_ROLLOUT (3), BUDGET (600 s for all checks), CONVERT_TIMEOUT
+# STOA_DIR, which needs PyPI), NUM_ROLLOUT (3), BUDGET (seconds for all checks; default: the checks'
+# caps added up, 2400 s with the defaults, 2040 s with WORKER_PYTHON, so that no check is cut short by
+# the budget before its own cap; a smaller BUDGET can leave the last checks "not run"), CONVERT_TIMEOUT
 # (150 s per conversion), E2E_TIMEOUT (240 s per launch), RAY_HEAD_IP (127.0.0.1),
 # RAY_DASHBOARD_PORT (8265), SKIP_PREFLIGHT (0; 1: the launches skip the patch check and
 # preflight). The recipes read their other settings (OPTIMIZER_OFFLOAD, RECOMPUTE,
@@ -47,7 +50,7 @@ MEGATRON_DIR=${MEGATRON_DIR:-/root/Megatron-LM}
 PYTHON=${PYTHON:-python3}
 WORKER_PYTHON=${WORKER_PYTHON:-}
 NUM_ROLLOUT=${NUM_ROLLOUT:-3}
-BUDGET=${BUDGET:-600}
+BUDGET=${BUDGET:-}  # default: CAPS_TOTAL (below)
 CONVERT_TIMEOUT=${CONVERT_TIMEOUT:-150}
 E2E_TIMEOUT=${E2E_TIMEOUT:-240}
 RAY_HEAD_IP=${RAY_HEAD_IP:-127.0.0.1}
@@ -56,7 +59,9 @@ SKIP_PREFLIGHT=${SKIP_PREFLIGHT:-0}
 GROUP_SIZE=4
 ROLLOUT_BATCH_SIZE=4
 MAX_TOKENS=32
-SETUP_TIMEOUT=120  # each of the other commands
+SETUP_TIMEOUT=120  # each command that imports the GPU stack or builds models (gpu, imports, tiny_models, ...)
+QUICK_TIMEOUT=60  # each small command (the patch, a run's set-up, the Qwen2 model args)
+VENV_TIMEOUT=60 PIP_TIMEOUT=300  # the worker venv from PyPI (without WORKER_PYTHON)
 CHECKS=(gpu imports patch tiny_models lfm2_provider worker_env convert_lfm2_moe e2e_lfm2_moe convert_qwen2 e2e_qwen2)
 
 DRY_RUN=0
@@ -68,6 +73,7 @@ case "${1:-}" in
 esac
 [ $# -le 1 ] || { echo "$PROG: error: one argument at most (usage: $PROG [--dry-run])" >&2; exit 2; }
 for n in NUM_ROLLOUT BUDGET CONVERT_TIMEOUT E2E_TIMEOUT; do
+  [ "$n" = BUDGET ] && [ -z "$BUDGET" ] && continue
   [[ ${!n} =~ ^[1-9][0-9]*$ ]] || { echo "$PROG: error: $n must be a positive whole number, got '${!n}'" >&2; exit 2; }
 done
 
@@ -81,6 +87,28 @@ WORK="$WORK_PARENT/$(basename -- "$WORK")"
 if [ -d "$WORK" ] && [ -n "$(ls -A -- "$WORK")" ]; then
   echo "$PROG: error: WORK=$WORK is not empty: give a new or empty folder (an earlier check's checkpoints and versions would count)" >&2
   exit 2
+fi
+
+# Each check's cap: the caps of the commands it runs, added up (keep in step with the checks below).
+# The default BUDGET is their sum, so the budget never cuts a check before its own cap does.
+worker_env_cap=$SETUP_TIMEOUT
+if [ -z "$WORKER_PYTHON" ]; then worker_env_cap=$((VENV_TIMEOUT + PIP_TIMEOUT + SETUP_TIMEOUT)); fi
+e2e_cap=$((4 * QUICK_TIMEOUT + E2E_TIMEOUT))
+declare -A CAP=(
+  [gpu]=$SETUP_TIMEOUT [imports]=$SETUP_TIMEOUT [patch]=$((2 * QUICK_TIMEOUT)) [tiny_models]=$SETUP_TIMEOUT
+  [lfm2_provider]=$SETUP_TIMEOUT [worker_env]=$worker_env_cap [convert_lfm2_moe]=$CONVERT_TIMEOUT
+  [e2e_lfm2_moe]=$e2e_cap [convert_qwen2]=$((QUICK_TIMEOUT + CONVERT_TIMEOUT)) [e2e_qwen2]=$e2e_cap
+)
+CAPS_TOTAL=0
+CAPS_LIST=""
+for check in "${CHECKS[@]}"; do
+  CAPS_TOTAL=$((CAPS_TOTAL + CAP[$check]))
+  CAPS_LIST="$CAPS_LIST${CAPS_LIST:+, }$check ${CAP[$check]}"
+done
+BUDGET=${BUDGET:-$CAPS_TOTAL}
+TIME_PLAN="time budget BUDGET=${BUDGET} s; the checks' caps add up to ${CAPS_TOTAL} s ($CAPS_LIST)"
+if [ "$BUDGET" -lt "$CAPS_TOTAL" ]; then
+  TIME_PLAN="$TIME_PLAN; BUDGET is smaller: the last checks may be reported \"not run\""
 fi
 
 export PYTHONPATH="${MEGATRON_DIR}:${STOA_DIR}:${SLIME_DIR}${PYTHONPATH:+:${PYTHONPATH}}"
@@ -188,7 +216,7 @@ recipe() {  # CAP FAMILY ARGS...: the family's recipe with this check's settings
 
 write_qwen2_model_args() {  # HF_DIR FILE: slime's model args for a Qwen2 folder, as slime's scripts/models/qwen2.5-*.sh
   # set them (--rotary-base is the recipe's ROTARY_BASE)
-  limited "$SETUP_TIMEOUT" "$PYTHON" -c '
+  limited "$QUICK_TIMEOUT" "$PYTHON" -c '
 import json, shlex, sys
 c = json.load(open(sys.argv[1] + "/config.json"))
 flags = ["--swiglu", "--num-layers", c["num_hidden_layers"], "--hidden-size", c["hidden_size"],
@@ -236,12 +264,12 @@ e2e() {  # FAMILY: seed a run, start a worker, launch the recipe; 0 when it publ
   url="file://$bucket"
   local stoa=("$WORK/bin/stoa")
   if [ "$DRY_RUN" = 0 ]; then mkdir -p "$bucket"; fi
-  limited "$SETUP_TIMEOUT" "${stoa[@]}" run create --store "$url" --run "$run" --model "$WORK/$family" --task synthetic \
+  limited "$QUICK_TIMEOUT" "${stoa[@]}" run create --store "$url" --run "$run" --model "$WORK/$family" --task synthetic \
     --task-split train --temperature 1.0 --group-size "$GROUP_SIZE" --max-tokens "$MAX_TOKENS" --staleness-limit 4 \
     --reuse-limit 1 || return 1
-  limited "$SETUP_TIMEOUT" "${stoa[@]}" task prepare synthetic --store "$url" --run "$run" --split train --count 256 || return 1
-  limited "$SETUP_TIMEOUT" "${stoa[@]}" weights publish-anchor --store "$url" --run "$run" "$WORK/$family" || return 1
-  limited "$SETUP_TIMEOUT" "$WORKER_PYTHON" -m macd join "$url" --run "$run" --name "gpucheck-${family//_/-}" \
+  limited "$QUICK_TIMEOUT" "${stoa[@]}" task prepare synthetic --store "$url" --run "$run" --split train --count 256 || return 1
+  limited "$QUICK_TIMEOUT" "${stoa[@]}" weights publish-anchor --store "$url" --run "$run" "$WORK/$family" || return 1
+  limited "$QUICK_TIMEOUT" "$WORKER_PYTHON" -m macd join "$url" --run "$run" --name "gpucheck-${family//_/-}" \
     --worker-id "gpucheck-${family//_/-}" --config "$WORK/worker-$family/macd.toml" --data-dir "$WORK/worker-$family/data" \
     --batch 8 --no-check || return 1
   local worker_cmd=("$WORKER_PYTHON" -m macd run --config "$WORK/worker-$family/macd.toml" --seed 1 --parent-pid $$)
@@ -278,14 +306,14 @@ cleanup() {
 }
 
 patch_slime() {  # apply stoa's slime patch (idempotent), then check it as the recipes do
-  limited "$SETUP_TIMEOUT" "$PYTHON" "$STOA_DIR/scripts/apply_slime_patches.py" "$SLIME_DIR" \
-    && limited "$SETUP_TIMEOUT" "$PYTHON" "$STOA_DIR/scripts/apply_slime_patches.py" "$SLIME_DIR" --check
+  limited "$QUICK_TIMEOUT" "$PYTHON" "$STOA_DIR/scripts/apply_slime_patches.py" "$SLIME_DIR" \
+    && limited "$QUICK_TIMEOUT" "$PYTHON" "$STOA_DIR/scripts/apply_slime_patches.py" "$SLIME_DIR" --check
 }
 
 make_worker_env() {
   if [ -z "$WORKER_PYTHON" ]; then
-    limited 300 "$PYTHON" -m venv "$WORK/worker-venv" \
-      && limited 300 "$WORK/worker-venv/bin/python" -m pip install --quiet -e "${STOA_DIR}[worker]" || return 1
+    limited "$VENV_TIMEOUT" "$PYTHON" -m venv "$WORK/worker-venv" \
+      && limited "$PIP_TIMEOUT" "$WORK/worker-venv/bin/python" -m pip install --quiet -e "${STOA_DIR}[worker]" || return 1
     WORKER_PYTHON="$WORK/worker-venv/bin/python"
   fi
   limited "$SETUP_TIMEOUT" "$WORKER_PYTHON" -c 'import mlx_lm, macd; print("mlx-lm", mlx_lm.__version__)'
@@ -293,7 +321,7 @@ make_worker_env() {
 
 # -- the checks ------------------------------------------------------------------------------------
 if [ "$DRY_RUN" = 1 ]; then
-  echo "# dry run: nothing is run or written; the checks' commands, in order (work folder $WORK)"
+  echo "# dry run: nothing is run or written; the checks' commands, in order (work folder $WORK); $TIME_PLAN"
   WORKER_PYTHON=${WORKER_PYTHON:-"$WORK/worker-venv/bin/python"}
 else
   mkdir -p "$WORK/bin"
@@ -302,7 +330,7 @@ else
   ray status --address "${RAY_HEAD_IP}:6379" >/dev/null 2>&1 || RAY_WAS_UP=0
   trap cleanup EXIT
   trap 'exit 130' INT TERM
-  echo "stoa gpu check: work folder $WORK, time budget ${BUDGET} s"
+  echo "stoa gpu check: work folder $WORK; $TIME_PLAN"
 fi
 
 step gpu "" "$WORK/gpu.log" limited "$SETUP_TIMEOUT" "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name(0))'

@@ -40,8 +40,9 @@ missing package); a check that raises is a FAIL with the error (the traceback in
 Time: each check has its own cap (device_delta 300 s, dppo_step 90 s, megatron_local 150 s) and the
 run a budget (`--budget`, 480 s): a check is cut between tensors or steps when either is spent (a
 FAIL: raise --budget, or use --delta-sample quick), and a check with no time left is a FAIL "not
-run". The defaults take about four minutes on an H200 (measured sizes: the quick sample is ~1.4 B of
-the model's 8.3 B weights per version).
+run". Not yet timed on a GPU box: the quick sample streams ~1.1 B of the model's 8.5 B weights, and
+the numpy baseline took ~25 ns a weight a version on one CPU core here, so the defaults should take
+two to four minutes there; the JSON has each check's seconds.
 
 Exit status: 0 when every check that could run passed (SKIPs allowed), 1 otherwise, 2 for bad
 arguments. docs/gpu-day.md has the commands for a bare GPU box and what each line does not prove.

@@ -221,3 +221,55 @@ esac
         assert launched["converted"]  # the launch came after its conversion, from its checkpoint
         assert launched["argv"][launched["argv"].index("--ref-load") + 1] == str(work / f"{family}_torch_dist")
     assert "ray start --head" in (tmp_path / "ray.log").read_text()
+
+
+# -- the time budget ----------------------------------------------------------------------------------
+def _time_plan(stdout: str) -> tuple[int, dict[str, int]]:
+    """(BUDGET, {check: cap}) from the line that states them."""
+    m = re.search(r"time budget BUDGET=(\d+) s; the checks' caps add up to (\d+) s \(([^)]*)\)", stdout)
+    assert m, stdout[:500]
+    caps = {name: int(cap) for name, cap in (item.rsplit(" ", 1) for item in m[3].split(", "))}
+    assert sum(caps.values()) == int(m[2])
+    return int(m[1]), caps
+
+
+@pytest.mark.parametrize("worker_python", [False, True])
+def test_the_default_budget_is_the_checks_caps_added_up(tmp_path: Path, worker_python: bool) -> None:
+    env = {"WORK": str(tmp_path / "work"), "SLIME_DIR": "/s"}
+    if worker_python:
+        env["WORKER_PYTHON"] = str(_recorder(tmp_path / "worker-py", tmp_path / "calls.log"))
+    proc = _gpu_check("--dry-run", **env)
+    assert proc.returncode == 0, proc.stderr
+    budget, caps = _time_plan(proc.stdout.splitlines()[0])
+    assert list(caps) == CHECKS and budget == sum(caps.values())
+    assert caps["worker_env"] == (120 if worker_python else 60 + 300 + 120)
+    assert caps["e2e_lfm2_moe"] == caps["e2e_qwen2"] == 4 * 60 + 240 and caps["convert_qwen2"] == 60 + 150
+    assert budget <= 2400  # the header's promise: 40 minutes at most
+    assert "not run" not in proc.stdout.splitlines()[0]
+
+    small = _gpu_check("--dry-run", BUDGET="600", CONVERT_TIMEOUT="100", **env)
+    budget, caps = _time_plan(small.stdout.splitlines()[0])
+    assert budget == 600 and caps["convert_lfm2_moe"] == 100
+    assert 'BUDGET is smaller: the last checks may be reported "not run"' in small.stdout.splitlines()[0]
+
+
+def test_each_checks_cap_is_the_caps_of_the_commands_it_runs(tmp_path: Path) -> None:
+    """A stand-in `timeout` records the cap of every command the checks run (and runs none): the
+    caps a check's log shows add up to the cap the time plan states for it."""
+    calls = tmp_path / "calls.log"
+    python = _recorder(tmp_path / "py", calls, rc=0)
+    _recorder(tmp_path / "bin" / "ray", calls)
+    _executable(tmp_path / "bin" / "timeout", '#!/bin/sh\necho "cap=$3"\nexit 0\n')
+    work = tmp_path / "work"
+    proc = _gpu_check(path=f"{tmp_path / 'bin'}:{os.environ['PATH']}", WORK=str(work), PYTHON=str(python),
+                      SLIME_DIR=str(tmp_path / "slime"))
+    _, caps = _time_plan(proc.stdout.splitlines()[0])
+    results = _results(proc.stdout)
+    logs = {"gpu": "gpu", "imports": "imports", "patch": "patch", "tiny_models": "tiny", "lfm2_provider": "provider",
+            "worker_env": "worker_env", "convert_lfm2_moe": "convert-lfm2_moe"}
+    for check, log in logs.items():
+        ran = [int(c) for c in re.findall(r"^cap=(\d+)$", (work / f"{log}.log").read_text(), re.M)]
+        assert ran and sum(ran) == caps[check], (check, ran)
+    # every command of these checks "ran" (the conversion wrote no checkpoint: a FAIL)
+    assert all(results[c].startswith("PASS") for c in logs if c != "convert_lfm2_moe"), results
+    assert results["convert_lfm2_moe"].startswith("FAIL")
