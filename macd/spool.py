@@ -18,7 +18,10 @@ Guarantees:
 - A sequence number is never handed out twice: the counter is rewritten atomically (temp file,
   fsync, rename, fsync of the folder) *before* the record is written, and on open the next
   number is also at least one above every entry on disk (quarantined ones included).
-- Timestamps never go backwards for this spool: `max(clock, last timestamp)`, also persisted.
+- Timestamps do not go backwards for this spool: `max(clock, last timestamp)`, also persisted,
+  except when the clock stepped back by more than `MAX_CLOCK_STEP_BACK_MS` (a clock that ran
+  ahead and was corrected, e.g. by `clock.StoreClock`): then the clock wins, else every key would
+  stay stamped that far ahead (refused by the trainer past its tolerance) until time catches up.
 - An entry appears atomically (temp file, fsync, rename, fsync of the folder): after a crash
   there is either nothing or the complete record. Leftover temp files are removed on open.
 - The entry's file name holds every part of its key, so nothing else is needed to upload it.
@@ -59,6 +62,9 @@ LOCK_FILE = ".lock"
 QUARANTINE_DIR = "quarantine"
 TMP_PREFIX = ".tmp-"
 MAX_SEQ = 10**10 - 1  # the key holds 10 digits
+#: The most a timestamp is held above a clock that went back (the jitter of a second-resolution
+#: store Date); a larger step back is a correction, and the clock is followed.
+MAX_CLOCK_STEP_BACK_MS = 5_000
 
 _ENTRY = re.compile(
     r"^(\d{10})\+(\d{13})\+(train|eval)\+([a-z0-9][a-z0-9-]{0,47})\+([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.rec$"
@@ -208,7 +214,7 @@ class Spool:
     ) -> None:
         """Open (creating if needed) the spool at `folder` and recover it.
 
-        `clock` gives seconds since the epoch (pass one corrected by the store's `Date` header);
+        `clock` gives seconds since the epoch (macd passes `clock.StoreClock`: the store's clock);
         a record's bytes are spooled as built: its builder gets the reserved seq (`add`), and
         its encoder refuses a record over the trainer's size limit (`records.encode_group`)."""
         if max_bytes < 1 or max_items < 1:
@@ -330,7 +336,8 @@ class Spool:
                 seq, last_ms = self._next_seq, self._last_ms
             if seq > MAX_SEQ:
                 raise SpoolError(f"spool {self.folder}: sequence numbers exhausted")
-            ts = max(int(self.clock() * 1000), last_ms)
+            now_ms = int(self.clock() * 1000)
+            ts = now_ms if last_ms - now_ms > MAX_CLOCK_STEP_BACK_MS else max(now_ms, last_ms)
             state = json.dumps({"next_seq": seq + 1, "last_ms": ts}).encode()
             atomic_write(self.folder / STATE_FILE, state, tmp_prefix=TMP_PREFIX)  # durable before the seq is used
             with self._cond:

@@ -65,6 +65,7 @@ from slime_stoa.tasks import Task, load_task
 from slime_stoa.tasks.tools import Tool, ToolContext, prepare_tool, tool_for
 
 from .aio import Wakeup, settle_task, wait
+from .clock import StoreClock
 from .cmdline import task_prepare_command
 from .config import DaemonConfig
 from .evaluate import EvalResponder
@@ -223,6 +224,7 @@ class Worker:
                     run=self.config.run,
                     max_bytes=self.config.spool_max_mb << 20,
                     max_items=1_000_000,
+                    clock=StoreClock(self.store),  # keys stamped by the bucket's clock (clock.py)
                 )
             except SpoolLocked as exc:
                 if time.monotonic() >= deadline or exc.pid == os.getpid():

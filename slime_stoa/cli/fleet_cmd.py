@@ -48,6 +48,7 @@ from slime_stoa.protocol.run_trust import Untrusted
 from slime_stoa.protocol.store import Store, StoreError, open_store
 from slime_stoa.trainer.consumer.persistence import read_state
 from slime_stoa.trainer.consumer.quarantine import WorkerRecord
+from slime_stoa.trainer.consumer.shared import CLOCK_REFUSED
 
 from .common import add_run_options, require_run_options
 from .run_key_pin import RunKeyPin, parse_run_key, pinned_key
@@ -131,14 +132,36 @@ def render(rows: list[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table)
 
 
-async def read_quarantine(store: Store, run: str) -> tuple[dict[str, WorkerRecord], str | None]:
-    """The quarantine records of the trainer's saved consumer state ({} when it saved none yet),
-    and a problem reading it (None if read)."""
+async def read_quarantine(store: Store, run: str) -> tuple[dict[str, WorkerRecord], dict[str, int], str | None]:
+    """The quarantine records and the per-worker clock refusals (`clock_refusals`) of the
+    trainer's saved consumer state ({} when it saved none yet), and a problem reading it (None if read)."""
     try:
         state, _ = await read_state(store, run)
     except (StoreError, ValueError) as exc:
-        return {}, str(exc)
-    return ({} if state is None else state.quarantine), None
+        return {}, {}, str(exc)
+    return ({}, {}, None) if state is None else (state.quarantine, clock_refusals(state.counters), None)
+
+
+def clock_refusals(counters: Mapping[str, int]) -> dict[str, int]:
+    """{worker: records the trainer refused for that worker's clock} (`worker/<id>/clock_refused`)."""
+    suffix = "/" + CLOCK_REFUSED
+    return {
+        k[len("worker/") : -len(suffix)]: v
+        for k, v in sorted(counters.items())
+        if k.startswith("worker/") and k.endswith(suffix) and v > 0
+    }
+
+
+def refusal_line(refused: Mapping[str, int]) -> str | None:
+    """The line telling the owners of Macs whose records the trainer refused for their clock."""
+    if not refused:
+        return None
+    shown = ", ".join(f"{w} {n}" for w, n in list(refused.items())[:20])
+    more = f" and {len(refused) - 20} more" if len(refused) > 20 else ""
+    return (
+        f"records refused for the worker's clock (stamped too far ahead of the trainer's; "
+        f"sync the Mac's clock, e.g. `sudo sntp -sS time.apple.com`): {shown}{more}"
+    )
 
 
 async def read_trusted_registry(
@@ -166,7 +189,7 @@ async def _show(url: str, run: str, watch: bool, interval: float, pin: RunKeyPin
         while True:
             registry, registry_problem = await read_trusted_registry(store, manifest, pin)
             beats, bad = await read_fleet(store, run, registry)
-            quarantine, problem = await read_quarantine(store, run)
+            quarantine, refused, problem = await read_quarantine(store, run)
             head: int | None = None
             try:
                 head = (await read_pointer(store, run)).version
@@ -193,6 +216,8 @@ async def _show(url: str, run: str, watch: bool, interval: float, pin: RunKeyPin
             beating = {b.worker_id for b, _ in beats}
             for worker in (w for w in held if w not in beating):
                 print(f"quarantined, no heartbeat: {worker} {quarantine_cell(quarantine[worker], now)}")
+            if line := refusal_line(refused):
+                print(line)
             if problem:
                 print(f"quarantine unknown: the trainer's consumer state could not be read: {problem}")
             if not watch:

@@ -53,6 +53,16 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerDate:
+    """The store's own clock as one of its answers told it: its `Date` header (seconds since the
+    epoch; HTTP dates are whole seconds) and `time.monotonic()` when that answer arrived, so a
+    reader can carry it forward without trusting the local wall clock."""
+
+    server_s: float
+    monotonic_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class GetResult:
     data: bytes
     etag: str
@@ -131,6 +141,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Remove an object. Deleting a missing key is not an error."""
+
+    def server_date(self) -> ServerDate | None:
+        """The `Date` of the store's last answer; None when it has not answered yet or has no
+        clock of its own (the folder store: the local clock is the store's)."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 - a no-op unless the backend holds connections
         """Release connections."""

@@ -34,6 +34,7 @@ from .base import (
     NotFound,
     ObjectInfo,
     Payload,
+    ServerDate,
     Store,
     check_key,
     check_prefix,
@@ -91,6 +92,9 @@ class S3Store(S3Writer, Store):
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
+
+    def server_date(self) -> ServerDate | None:
+        return self.last_date
 
     def _full(self, key: str) -> str:
         return self._root + check_key(key)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 
 import aiohttp
@@ -21,7 +23,7 @@ from aiobotocore.httpsession import AIOHTTPSession
 from aiobotocore.session import get_session
 from botocore.exceptions import ClientError, SSLError
 
-from .base import NotFound, PreconditionFailed, StoreConfigError, StoreError
+from .base import NotFound, PreconditionFailed, ServerDate, StoreConfigError, StoreError
 from .credentials import Credentials, default_env_file
 from .retry import RetryPolicy, describe_error, with_retries
 from .s3_errors import (
@@ -36,6 +38,17 @@ from .s3_errors import (
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def parse_http_date(value: object) -> float | None:
+    """Seconds since the epoch of an HTTP `Date` header; None when absent or unreadable."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return parsed.timestamp() if parsed.tzinfo is not None else None
 
 
 def unquote_etag(etag: str) -> str:
@@ -119,6 +132,7 @@ class S3Connection:
         self._client: AioBaseClient | None = None
         self._stack: AsyncExitStack | None = None
         self._lock = asyncio.Lock()
+        self.last_date: ServerDate | None = None  # the Date of the newest answer (errors too)
 
     # -- client ------------------------------------------------------------------------------
     @property
@@ -165,7 +179,7 @@ class S3Connection:
             raise self._missing_credentials()
         stack = AsyncExitStack()
         try:
-            self._client = await stack.enter_async_context(
+            client = await stack.enter_async_context(
                 get_session().create_client(
                     "s3",
                     endpoint_url=self.endpoint_url,
@@ -184,7 +198,14 @@ class S3Connection:
         except BaseException:
             await stack.aclose()
             raise
-        self._stack = stack
+        client.meta.events.register("after-call.s3", self._saw_answer)
+        self._client, self._stack = client, stack
+
+    def _saw_answer(self, http_response: Any = None, **_: Any) -> None:
+        """Keep the `Date` of every answer (an error's too): the workers' clock correction."""
+        date = parse_http_date(getattr(http_response, "headers", {}).get("Date"))
+        if date is not None:
+            self.last_date = ServerDate(server_s=date, monotonic_s=time.monotonic())
 
     async def close(self) -> None:
         stack, self._stack, self._client = self._stack, None, None

@@ -19,7 +19,7 @@ import heapq
 from collections.abc import AsyncGenerator
 
 from ..layout import ROLLOUT_KINDS
-from .base import GetResult, ObjectInfo, Payload, Store, check_key, check_prefix
+from .base import GetResult, ObjectInfo, Payload, ServerDate, Store, check_key, check_prefix
 
 #: The run sub-folders workers write (records of every kind, heartbeats): the rollouts store's.
 WORKER_FOLDERS = (*ROLLOUT_KINDS.values(), "workers")
@@ -84,6 +84,11 @@ class SplitStore(Store):
             self.weights.list(prefix, start_after=start_after),
             self.rollouts.list(prefix, start_after=start_after),
         )
+
+    def server_date(self) -> ServerDate | None:
+        """The newer of the two stores' dates (both are servers' clocks; either will do)."""
+        dates = [d for d in (self.rollouts.server_date(), self.weights.server_date()) if d is not None]
+        return max(dates, key=lambda d: d.monotonic_s, default=None)
 
     async def close(self) -> None:
         try:

@@ -28,7 +28,8 @@ where it is:
   comes) and never stored;
 - not stamped more than `future_ms` after the store says it was written (the listing's
   LastModified): such a key was written in the future on purpose, so it is junk even when its
-  time comes (`rejected/future_key`);
+  time comes (`rejected/future_key`; under the id of a worker the run admits, also counted as
+  that worker's `clock_refused`: an honest Mac whose clock runs ahead, see below);
 - of a worker the run admits (`admits`: in a signed run, an id of the worker registry), else
   `rejected/unknown_key` with no per-worker counter, so made-up ids grow nothing.
 
@@ -47,12 +48,22 @@ Nothing of it is saved beyond that, and no amount of it changes which honest key
 A key stamped more than the longest window before the cursor when it lands is never found:
 choose it longer than the worst upload delay worth keeping (such a record is often stale anyway;
 the staleness rule decides).
+
+Workers' clocks. macd stamps keys (and record times) with the store's clock (`macd/clock.py`:
+the `Date` of the store's answers), so an honest key's skew is the store's against the trainer's
+plus a second or two, whatever the Mac's own clock says. Where a worker has no store date (the
+folder store, which shares the local clock) its clock must lie within these limits of the
+trainer's: up to `future_ms` ahead (further: every record refused as `future_key` or
+`timestamps`, counted as the worker's `clock_refused`); up to `skew_window_ms` behind and found
+by the tail's next polls or the short sweep; up to `late_window_ms` behind and found by the deep
+sweep, within `late_sweep_interval_s`; further behind, never found (nothing lists there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -83,6 +94,7 @@ class PollResult:
     bad: int = 0  # keys under the prefix that are not valid record names (counted once each)
     future: int = 0  # valid names written stamped more than the future window ahead (junk)
     unknown: int = 0  # valid names of workers the run does not admit (unregistered ids)
+    clock_refused: Counter[str] = field(default_factory=Counter)  # `future` keys of admitted workers, by worker
 
 
 def cursor_cap(now_ms: int) -> str:
@@ -175,18 +187,20 @@ class Discovery:
             state.last_seen[worker] = ts
         result.new.append(Listed(name, worker, size))
 
-    def _count_junk(self, key: str, result: PollResult, what: str, *, once: bool) -> None:
-        """Count a junk key; `once`: the cursor passes it now, so no poll lists it again (a
-        key ahead of the clock is listed by every poll: counted once per process, bounded)."""
+    def _count_junk(self, key: str, result: PollResult, what: str, *, once: bool) -> bool:
+        """Count a junk key (True when counted now); `once`: the cursor passes it now, so no
+        poll lists it again (a key ahead of the clock is listed by every poll: counted once
+        per process, bounded)."""
         if key in self._bad:  # counted while it was ahead of the clock
             if once:
                 self._bad.discard(key)
-            return
+            return False
         if not once:
             if len(self._bad) >= MAX_BAD_NAMES:
-                return
+                return False
             self._bad.add(key)
         setattr(result, what, getattr(result, what) + 1)
+        return True
 
     async def _judge_key(
         self, key: str, last_modified: float | None, result: PollResult, *, count: bool, once: bool = True
@@ -202,8 +216,10 @@ class Discovery:
         elif self.admits is not None and not await self.admits(parsed.worker):
             what = "unknown"
         if what is not None:
-            if count:
-                self._count_junk(key, result, what, once=once)
+            if count and self._count_junk(key, result, what, once=once) and what == "future":
+                assert parsed is not None
+                if self.admits is None or await self.admits(parsed.worker):  # made-up ids grow nothing
+                    result.clock_refused[parsed.worker] += 1
             return None
         assert parsed is not None
         return key[len(self.prefix) :], parsed.worker

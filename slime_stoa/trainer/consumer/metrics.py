@@ -22,6 +22,8 @@ Counter names:
     worker/<id>/groups                groups of this worker put in batches
     worker/<id>/reward_disagreements  its samples whose reward disagreed
     worker/<id>/rejected              its records rejected
+    worker/<id>/clock_refused         its records refused for its clock (`timestamps`, `future_key`):
+                                      `stoa fleet` shows them
     rejected/quarantined              records of a quarantined worker refused (`quarantine`)
     rejected/canary_failed            canary groups refused by the strict checks (`canary`)
     canary_gap_failures               canary groups whose learner-measured logprob gap was too large

@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LOUD_REJECTS = 10  # rejects logged per reason; later ones every 1,000th
+#: Refusals that mean the worker's clock is off (its times or its key stamped too far ahead of the
+#: trainer's clock): also counted per worker as `worker/<id>/clock_refused`, which `stoa fleet`
+#: shows from the saved state, so the Mac's owner learns that its records are lost, and why.
+CLOCK_REASONS = frozenset({"timestamps", "future_key"})
+CLOCK_REFUSED = "clock_refused"
 
 
 class Shared:
@@ -47,6 +52,8 @@ class Shared:
         (a group identical to one admitted: used once, nothing to act on), which is info."""
         self.count(reject_counter(reason))
         self.count(worker_counter(name_worker(name), "rejected"))
+        if reason in CLOCK_REASONS:
+            self.count(worker_counter(name_worker(name), CLOCK_REFUSED))
         seen = self._logged[reason] = self._logged.get(reason, 0) + 1
         if seen <= LOUD_REJECTS or seen % 1000 == 0:
             level = logging.INFO if reason == "duplicate" else logging.WARNING

@@ -24,9 +24,9 @@ import time
 
 from .discovery import Discovery, PollResult
 from .downloads import Downloads
-from .metrics import reject_counter, rejects_by_reason
+from .metrics import reject_counter, rejects_by_reason, worker_counter
 from .pool import Pool
-from .shared import Shared
+from .shared import CLOCK_REFUSED, Shared
 from .trust import WorkerTrust
 from .versions import PublishedVersions
 from .workers import SHOWN, describe_workers, heartbeat_summaries, heartbeat_times, newest_first
@@ -97,6 +97,8 @@ class Filler:
         self.shared.count(reject_counter("bad_key"), result.bad)
         self.shared.count(reject_counter("future_key"), result.future)
         self.shared.count(reject_counter("unknown_key"), result.unknown)
+        for worker, n in result.clock_refused.items():
+            self.shared.count(worker_counter(worker, CLOCK_REFUSED), n)
 
     # -- the wait ------------------------------------------------------------------------------
     async def ready(self, n_groups: int, timeout: float | None) -> float:
