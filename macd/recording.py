@@ -17,14 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slime_stoa.protocol.records import (
-    SCHEMA_V1,
-    SCHEMA_V2,
-    RolloutGroup,
-    Sample,
-    SamplingParams,
-    encode_group,
-)
+from slime_stoa.protocol.records import RolloutGroup, Sample, SamplingParams, encode_group
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.shell import shell_command
 from slime_stoa.protocol.signed_record import sign_record
@@ -61,8 +54,8 @@ def build_group(
 ) -> Callable[[int, int], bytes]:
     """A spool builder: the record's bytes for the seq the spool assigns, signed by the worker
     key `signer` when given (`signed_record`: the envelope the trainer of a signed run requires).
-    A `tool_task`'s group (`macd.episodes.EpisodeCompletion`s) is a schema v2 record with each
-    sample's mask, turns and tool calls. `plane`: the weight plane the worker sampled with."""
+    A `tool_task`'s group (`macd.episodes.EpisodeCompletion`s) carries each sample's mask, turns
+    and tool calls (a single-turn sample's: all ones, one turn, none). `plane`: the weight plane the worker sampled with."""
     samples = tuple(
         Sample(
             response_tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish_reason, reward=float(r),
@@ -77,7 +70,6 @@ def build_group(
     def build(seq: int, _timestamp_ms: int) -> bytes:
         record = encode_group(
             RolloutGroup(
-                schema_version=SCHEMA_V2 if tool_task else SCHEMA_V1,
                 kind="train",
                 run=manifest.run,
                 task_id=manifest.task,
@@ -185,7 +177,7 @@ class VersionBudget:
 class Recorder:
     """Scores finished groups (`score`, on the generation loop) and spools them in the order they
     finished (`run`, until `close`); counts cohorts: every `batch` groups spooled or filtered.
-    A tool task's groups are schema v2 records (masks, turns, tool calls)."""
+    A tool task's records carry each sample's mask, turns and tool calls."""
 
     def __init__(
         self, *, manifest: RunManifest, task: Task, picker: PromptPicker, spool: Spool, reporter: Reporter,
