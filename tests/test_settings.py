@@ -32,7 +32,7 @@ KEYS = {
     "stoa_quarantine_canary_strikes", "stoa_quarantine_int8_gap_allowance", "stoa_quarantine_int4_gap_allowance",
     "stoa_canary_rate", "stoa_canary_key_file", "stoa_canary_max_logprob_gap",
     "stoa_canary_min_format_rate", "stoa_admission_order", "stoa_max_pool_groups", "stoa_prefetch_groups",
-    "stoa_version_ahead_slack", "stoa_progress_interval_s", "stoa_store_retry_max_delay_s", "stoa_registry_refresh_s",
+    "stoa_version_ahead_slack", "stoa_progress_interval_s", "stoa_store_retry_max_delay_s", "stoa_registry_refresh_s", "stoa_keep_dir",
     "stoa_publish", "stoa_publish_retries", "stoa_publish_backoff_s", "stoa_background_publish", "stoa_device_budget_bytes",
     "stoa_anchor_every", "stoa_anchor_fraction", "stoa_catchup", "stoa_catchup_schedule", "stoa_catchup_every", "stoa_catchup_budget",
     "stoa_mode", "stoa_frame_bytes", "stoa_shard_bytes",

@@ -136,7 +136,17 @@ def _run_create(args: argparse.Namespace) -> int:
           f"temperature {manifest.temperature}, plane {manifest.plane}; {retention_text(manifest.retain_anchors)}")
     if key is not None:
         print(f"signed with run key {key.key_id} ({key.public.fingerprint}); workers pin it at `macd join`")
+    print(SINGLE_BUCKET_NOTE)
     return 0
+
+
+#: What a worker's token can do when workers and trainer share this one bucket (see docs/protocol.md).
+SINGLE_BUCKET_NOTE = (
+    "single-bucket mode (workers write to this same bucket): a worker's token can overwrite or delete ANY key of "
+    "this run (weights, pointer, registry, trainer state, other workers' records), though it cannot forge them; "
+    "the trainer puts back what it signed from its own copies (set keep_dir), and a separate rollouts bucket "
+    "(rollouts_url) confines workers to their records"
+)
 
 
 def retention_text(retain_anchors: int) -> str:

@@ -10,6 +10,9 @@ baseline advances only after the pointer moved. A second publisher racing on the
 loses the CAS and gets a `PublishConflict`; its objects are unreferenced and nothing it wrote is
 visible to readers. A pointer write without an answer is settled on the next publish (`unsure`).
 
+With `PublisherConfig.keep_dir` the committer keeps each pointer and manifest it commits and puts
+them back when a bucket writer deletes or overwrites them (`commit`).
+
 `open` resumes from the highest signed version (`commit.Committer.highest_signed`), syncing the
 baseline from the bucket and rebuilding the catch-up union (`catchup_union`); each version
 records its lineage (`restore`); after an anchor, old objects go (`retention`).
@@ -26,6 +29,7 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -39,7 +43,7 @@ from .anchor import write_anchor
 from .anchor_policy import anchor_due
 from .catchup_union import merge_sources, union_sources
 from .codec import Delta, check_bits, diff
-from .commit import Committer
+from .commit import Committer, Copies
 from .digest import StateDigest
 from .manifests import Origin, Pointer, Ref, VersionManifest
 from .publish_config import PublisherConfig
@@ -71,7 +75,7 @@ class ChainPublisher:
         self.config = config
         self.key = key  # the run key: signs everything written (None: an unsigned run)
         self.diff_step = diff_step
-        self.committer = Committer(store, self.layout, key)
+        self.committer = Committer(store, self.layout, key, copies=_copies(config.keep_dir))
         self.head: VersionManifest | None = None  # the committed version the pointer names
         self.last_delta: tuple[int, Delta] | None = None  # (version, what changed) of the latest step committed
         self._baseline: dict[str, np.ndarray] = {}
@@ -184,6 +188,7 @@ class ChainPublisher:
                 if source.version <= self.version:
                     raise ValueError(f"plane {self.layout.plane} is at v{self.version} already, not below v{source.version}")
                 return await self._publish_first(state, source)  # behind by more than one: a new chain
+            await self.committer.put_back_window(self.version, self.config.retain_versions)
             return await self._publish_next(state, source)
         except PreconditionFailed as exc:
             raise PublishConflict(
@@ -325,6 +330,15 @@ class ChainPublisher:
             extras=extras, shard_bytes=self.config.shard_bytes, concurrency=self.config.concurrency, key=self.key,
         )
         return key, anchor.total_bytes
+
+
+def _copies(folder: Path | None) -> Copies | None:
+    """The trainer's own copies in `folder` (`PublisherConfig.keep_dir`); None: none kept."""
+    if folder is None:
+        return None
+    from slime_stoa.trainer.kept import TrainerCopies  # the trainer's side: not loaded by readers of weights
+
+    return TrainerCopies(folder)
 
 
 def _elements(state: Mapping[str, np.ndarray]) -> int:

@@ -10,25 +10,50 @@ of its version exists (this publisher's own unanswered attempts aside: they are 
 referenced), and `highest_signed` finds the head an old genuine pointer put back (a rollback)
 would hide. The one exception is the repair of an unsigned v0 (`stoa weights publish-anchor`):
 the unsigned v0 was never trusted by a signed reader, so the run still has one signed v0.
+
+A bucket writer cannot stop the publisher (single-bucket mode: every worker's token can write
+the pointer). A pointer CAS that loses to an object no publisher wrote (garbage, a forgery) or
+to an older pointer put back, or finds the pointer gone, writes over it: only a pointer signed
+at this version or above is another publisher's (`PublishConflict`). With `copies` (the
+trainer's own folder, `PublisherConfig.keep_dir`), the committer keeps each pointer and version
+manifest it commits; `open` puts the pointer back when it is gone or refused, and each commit
+puts back the manifests of the versions a reader still checks records against
+(`put_back_window`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
+from typing import Protocol
 
 from slime_stoa.protocol.layout import RunLayout, version_str
 from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store
+from slime_stoa.protocol.store.capped import TooLarge, read_capped
 
-from .history import MalformedPointer, NotPublished, read_manifest, read_pointer_etag
-from .manifests import ManifestError, Pointer, VersionManifest
+from .history import MAX_POINTER_BYTES, MalformedPointer, NotPublished, read_manifest, read_pointer_etag
+from .manifests import ManifestError, Pointer, UntrustedDocument, VersionManifest
 from .publish_types import UntrustedState
+
+log = logging.getLogger("stoa.pulse")
 
 # How many manifests above the pointer `open` reads looking for the highest signed one (a worker's
 # token can list junk there; each candidate is one small GET).
 MAX_HEAD_CANDIDATES = 64
+
+
+class Copies(Protocol):
+    """The trainer's own copies of what it signed, by bucket key (`slime_stoa.trainer.kept`)."""
+
+    def keep(self, key: str, data: bytes) -> None: ...
+    def kept(self, key: str) -> bytes | None: ...
+    def forget(self, key: str) -> None: ...
+    def path(self, key: str) -> Path: ...
+    async def put_back(self, store: Store, key: str, why: str) -> bytes | None: ...
 
 
 async def publisher_trust(store: Store, run: str, key: SigningKey) -> RunTrust:
@@ -59,10 +84,11 @@ class Committer:
     """Writes one chain's version manifests and moves its pointer; owns the pointer's ETag and
     the keys of the manifests this publisher wrote."""
 
-    def __init__(self, store: Store, layout: RunLayout, key: SigningKey | None):
+    def __init__(self, store: Store, layout: RunLayout, key: SigningKey | None, copies: Copies | None = None):
         self.store = store
         self.layout = layout
         self.key = key  # the run key: signs everything written (None: an unsigned run)
+        self.copies = copies  # the trainer's own copies of the pointer and manifests committed (None: none)
         self.trust: RunTrust | None = None  # the run keys `authenticate` resumed under (with a key)
         self.etag: str | None = None  # the pointer's, as this publisher last wrote or read it
         self._written: set[str] = set()  # version manifests this publisher wrote (its own lost attempts)
@@ -78,12 +104,26 @@ class Committer:
         try:
             found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
         except NotPublished:
-            return None
+            return await self._put_pointer_back(None, "is gone")
         except MalformedPointer as exc:
+            if (back := await self._put_pointer_back(exc.etag, f"was refused ({exc})")) is not None:
+                return back
             if exc.untrusted:
                 raise UntrustedState(f"refusing to resume run {self.layout.run!r}: {exc}") from None
             raise
         assert found is not None  # an unconditional read always returns the object
+        return found
+
+    async def _put_pointer_back(self, etag: str | None, why: str) -> tuple[Pointer, str] | None:
+        """The trainer's copy of the pointer it last committed, written over the bucket's (at
+        `etag`; None: gone) and read back; None when it keeps none."""
+        kept = None if self.copies is None else self.copies.kept(self.layout.pointer)
+        if kept is None:
+            return None
+        self.etag = await self.store.cas(self.layout.pointer, kept, etag)
+        log.warning("run %s: the pointer %s; put the trainer's own copy back", self.layout.run, why)
+        found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
+        assert found is not None
         return found
 
     async def landed(self, manifest: VersionManifest) -> str | None:
@@ -107,13 +147,73 @@ class Committer:
         if other:
             raise PreconditionFailed(f"{other[0]} is already a signed manifest of v{manifest.version}")
         self._written.add(key)
-        await self.store.put_if_absent(key, manifest.to_bytes(self.key))
+        data = manifest.to_bytes(self.key)
+        await self.store.put_if_absent(key, data)
         pointer = self.pointer(manifest).to_bytes(self.key)
-        self.etag = await self.store.cas(self.layout.pointer, pointer, None if create else self.etag)
+        try:
+            self.etag = await self.store.cas(self.layout.pointer, pointer, None if create else self.etag)
+        except PreconditionFailed:
+            if create or not await self._writable_over(manifest.version):
+                raise
+            self.etag = await self.store.cas(self.layout.pointer, pointer, self.etag)
+        if self.copies is not None:
+            self.copies.keep(key, data)
+            self.copies.keep(self.layout.pointer, pointer)
+
+    async def _writable_over(self, version: int) -> bool:
+        """After the pointer's CAS lost, before committing `version`: True (and the ETag to write
+        over remembered) unless the pointer is another publisher's, signed at `version` or above;
+        garbage, a forgery, an older pointer put back, or none at all is a bucket writer's doing."""
+        try:
+            got = await read_capped(self.store, self.layout.pointer, MAX_POINTER_BYTES)
+        except NotFound:
+            why, etag = "is gone", None
+        except TooLarge as exc:
+            why, etag = "is oversized junk", exc.etag
+        else:
+            assert got is not None
+            etag = got.etag
+            try:
+                theirs = Pointer.from_bytes(got.data, self.layout.pointer, run=self.layout.run, trust=self.trust,
+                                            plane=self.layout.plane)
+            except (ManifestError, UntrustedDocument, Untrusted) as exc:
+                why = f"was overwritten with an object this run's publisher did not write ({exc})"
+            else:
+                if theirs.version >= version:
+                    return False
+                why = f"was put back to v{theirs.version}"
+        log.warning("run %s: the pointer %s; writing v%d over it", self.layout.run, why, version)
+        self.etag = etag
+        return True
+
+    async def put_back_window(self, head: int, window: int) -> None:
+        """Put back the kept manifests of versions head-window+1..head that the bucket lacks
+        (deleted by a bucket writer); forget the copies older than that."""
+        if self.copies is None:
+            return
+        low = max(0, head - window + 1)
+        prefix = self.layout.versions_prefix
+        folder = self.copies.path(prefix.rstrip("/"))
+        kept = {prefix + p.name: parsed[0] for p in (folder.iterdir() if folder.is_dir() else ())
+                if (parsed := self.layout.parse_version_manifest(prefix + p.name)) is not None}
+        for key, v in kept.items():
+            if v < low:
+                self.copies.forget(key)
+        wanted = {key for key, v in kept.items() if low <= v <= head}
+        if not wanted:
+            return
+        after = f"{prefix}{version_str(low - 1)}." if low > 0 else None
+        async for info in self.store.list(prefix, start_after=after):
+            wanted.discard(info.key)
+        for key in sorted(wanted):
+            await self.copies.put_back(self.store, key, "is gone")
 
     async def point_back(self, head: VersionManifest) -> None:
         """Move the pointer (at `etag`) back to `head`, a signed version above it."""
-        self.etag = await self.store.cas(self.layout.pointer, self.pointer(head).to_bytes(self.key), self.etag)
+        pointer = self.pointer(head).to_bytes(self.key)
+        self.etag = await self.store.cas(self.layout.pointer, pointer, self.etag)
+        if self.copies is not None:
+            self.copies.keep(self.layout.pointer, pointer)
 
     def pointer(self, manifest: VersionManifest) -> Pointer:
         return Pointer(

@@ -50,6 +50,10 @@ class PublisherConfig:
     publisher keeps max(this, the run's staleness_limit + 2)."""
     extras_dir: Path | None = None
     """An HF folder whose config and tokenizer files ship with anchors (`""`: none)."""
+    keep_dir: Path | None = None
+    """The trainer's own folder for its copies of each pointer and version manifest it commits
+    (`slime_stoa.trainer.kept`), put back when a bucket writer deletes or overwrites them. None:
+    no copies."""
     concurrency: int = 8
     """Uploads in flight."""
     threads: int | None = None

@@ -120,6 +120,10 @@ class ConsumerConfig:
     """The run's public key (`ed25519:...`) the trainer expects: a run manifest naming another
     key (or none) is refused, and records must be signed by worker keys of the registry this key
     signed. None: the run manifest's `run_key`, if it has one (trusted as found in the bucket)."""
+    keep_dir: str | None = None
+    """The trainer's own folder for its copies of what it signed (`slime_stoa.trainer.kept`: run
+    manifest, registry, consumer state and head), which it puts back when a bucket writer deletes
+    or overwrites them. None: no copies (the trainer then cannot repair such a write)."""
     registry_refresh_s: float = 10.0
     """How often, at most this many seconds apart, the worker registry of a signed run is read
     again (cached by ETag), so a revocation reaches every group not yet handed to training. It

@@ -59,6 +59,7 @@ from slime_stoa.protocol.registry import Registry
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import Store
+from slime_stoa.trainer.kept import TrainerCopies
 
 from .config import ConsumerConfig, ResolvedConfig
 from .discovery import Discovery
@@ -126,7 +127,9 @@ class RolloutConsumer:
         )
         # The trainer's own run key (when it has it) signs the state it saves in the bucket, and
         # a state read back must carry a run key's signature (`persistence.UntrustedState`).
-        self._saved = SavedState(store, config.run, retry=self.patiently, key=state_key, trust=trust)
+        self._saved = SavedState(
+            store, config.run, retry=self.patiently, key=state_key, trust=trust, copies=TrainerCopies.at(config.keep_dir)
+        )
         self._batch_counters: dict[str, int] = {}
 
     @property

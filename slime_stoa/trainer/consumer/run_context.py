@@ -6,19 +6,26 @@ The run key: a run whose manifest names one is a signed run (records must carry 
 signature, see `slime_stoa.judging.signers`). The manifest is in the bucket, which every worker
 can write, so a trainer given the key it expects (`ConsumerConfig.run_key`) refuses a manifest
 naming another key or none.
+
+With `ConsumerConfig.keep_dir` the trainer keeps its own copy of the manifest it accepted
+(`slime_stoa.trainer.kept`): a manifest a bucket writer deleted or replaced (refused as another
+key's, or not parsing) is put back from it, and the trainer starts all the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from slime_stoa.judging.run_data import load_decoding, read_task
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
-from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.signing import PublicKey
-from slime_stoa.protocol.store import Store
+from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.tasks import Task
+from slime_stoa.trainer.kept import TrainerCopies
 
 from .config import ConsumerConfig, ResolvedConfig
 
@@ -49,7 +56,7 @@ async def open_run_context(
     expected prompt tokens with this instead of the run's tokenizer (with a custom `decode`,
     prompts are checked only when it is given).
     """
-    manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+    manifest = await kept_run_manifest(store, config)
     run_key = manifest.public_key
     task = await read_task(store, manifest)
     decode, eos_ids, prompt_of, vocab = await load_decoding(
@@ -67,3 +74,23 @@ async def open_run_context(
     return RunContext(
         manifest=manifest, task=task, config=resolved, rescorer=Rescorer(task, decode, eos_ids, prompt_of), run_key=run_key
     )
+
+
+async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest:
+    """The run manifest (pinned to `config.run_key`); with `config.keep_dir`, the trainer's own
+    copy put back when the bucket's is gone or refused, and the accepted one kept."""
+    copies = TrainerCopies.at(config.keep_dir)
+    key = RunLayout(config.run).run_manifest
+    try:
+        manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+    except (RunNotFound, ValueError) as exc:  # gone, garbage, or another key's (RunKeyMismatch)
+        if copies is None or copies.kept(key) is None:
+            raise
+        await copies.put_back(store, key, f"was refused ({exc})")
+        manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+    if copies is not None:
+        with contextlib.suppress(NotFound, ValueError):  # swapped since it was read: kept next time
+            data = await store.get_bytes(key)
+            if RunManifest.from_bytes(data) == manifest:
+                copies.keep(key, data)
+    return manifest
