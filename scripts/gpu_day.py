@@ -539,11 +539,6 @@ def check_megatron(device: str, why_not_cuda: str | None, deadline: Deadline, wo
     except ImportError as exc:
         raise Skip(f"megatron-core not importable ({exc}); install its wheel: pip install --no-deps "
                    "megatron_core-0.16.1-cp311-*.whl, or put it in --wheels DIR") from exc
-    import torch
-
-    if device != "cpu":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     figures: dict[str, Any] = {"device": device, "layer_spec": "local", "tolerances": MEGATRON_TOLERANCE,
                                "megatron_core": importlib.metadata.version("megatron-core")}
     for family in ("lfm2", "lfm2_moe"):
@@ -645,6 +640,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         report("wheels", results["wheels"])
     env = environment()
     device, why = resolve_device(args.device)
+    if device == "cuda":  # float32 comparisons: no TF32 rounding in matrix products or convolutions
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     print(f"gpu_day: python {env['python']}, torch {env['packages']['torch']}, device {device}"
           f"{f' ({why})' if why else ''}; missing packages: {', '.join(env['missing']) or 'none'}", flush=True)
     with tempfile.TemporaryDirectory(prefix="stoa-gpu-day-") as tmp:
