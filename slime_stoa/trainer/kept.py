@@ -16,22 +16,13 @@ back only from their own disk.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.store import Store
 
 log = logging.getLogger("stoa.kept")
-T = TypeVar("T")
-
-#: The pause before the first retry of `until_done`, doubled after each up to the most.
-FIRST_PAUSE_S = 1.0
-MOST_PAUSE_S = 60.0
 
 
 class TrainerCopies:
@@ -81,19 +72,3 @@ class TrainerCopies:
         log.warning("stoa: %s %s; put the trainer's own copy back", key, why)
         return data
 
-
-async def until_done(
-    op: Callable[[], Awaitable[T]], retry_on: tuple[type[BaseException], ...], describe: str,
-    *, first_s: float = FIRST_PAUSE_S, most_s: float = MOST_PAUSE_S,
-) -> T:
-    """`op()`, retried while it raises one of `retry_on` (a condition a bucket writer caused that
-    the trainer cannot repair yet): it pauses and says so in one line, repeated with a growing
-    pause, and never gives up."""
-    pause = first_s
-    while True:
-        try:
-            return await op()
-        except retry_on as exc:
-            log.error("stoa: %s: %s; retrying in %.0f s", describe, exc, pause)
-        await asyncio.sleep(pause * random.uniform(0.8, 1.2))
-        pause = min(most_s, pause * 2)
