@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -781,11 +782,21 @@ def phase_warm_start(s: Session, learner: Learner) -> Path:
     return warm_dir
 
 
+def kept_dir(cfg: QuickstartConfig) -> Path:
+    """The folder of the trainer's own copies of what it signed (run manifest, registry, pointer,
+    manifests, consumer state), beside the bucket in the run folder."""
+    return cfg.out / "kept"
+
+
 async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
     """The run in the bucket: its run key, manifest and first weights (put-if-absent: an
     existing run's are kept), its publisher, and in a signed run the workers' keys registered."""
     cfg = s.cfg
-    publisher_cfg = PublisherConfig(extras_dir=extras_dir, anchor_every=100)
+    if s.new_run:  # copies kept for an earlier run of this folder (its bucket deleted) are not this run's
+        shutil.rmtree(kept_dir(cfg), ignore_errors=True)
+    # The trainer's own copies of what it signs (`trainer/kept.py`): a bucket writer that deletes
+    # or overwrites them gets them put back instead of stopping the run.
+    publisher_cfg = PublisherConfig(extras_dir=extras_dir, anchor_every=100, keep_dir=kept_dir(cfg))
     run_key = await s.at_startup(partial(run_key_for, s.store, cfg, new_run=s.new_run), f"reading run {cfg.run!r}")
     manifest = RunManifest(
         run=cfg.run, model=str(s.model_dir), task=cfg.task, group_size=cfg.group_size,
@@ -906,7 +917,7 @@ async def phase_open_consumer(s: Session, seeded: Seeded, restart: Checkpoint | 
             ConsumerConfig(
                 store_url=s.cfg.store_url, run=s.cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
                 admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
-                run_key=seeded.run_key_text,
+                run_key=seeded.run_key_text, keep_dir=str(kept_dir(s.cfg)),
             ),
             tokenizer_dir=s.model_dir,
             restore=restart is None,
