@@ -28,6 +28,12 @@ stopped before it is forwarded and `Hold.hit` is set; it goes on at `Hold.releas
 `Hold.drop()`, or reaches the server with its answer cut at `Hold.lose_answer()`. A test kills a
 process at that exact moment (its pointer write in flight, say) and decides whether it lands.
 Interim answers (`100 Continue`) always pass, so a cut answer means the request was whole.
+
+`trickle(match, every_s, times=1)`: the answers of the next `times` requests `match` accepts
+reach the client one byte every `every_s` seconds (the rest of that connection's answers too),
+as a stuck or overloaded server would send them: no read timeout ever trips, only an overall
+deadline (the store's, or its caller's) ends the request. `Trickle.hits` counts the requests
+trickled, and `faults_injected["trickle"]` too.
 """
 
 from __future__ import annotations
@@ -103,6 +109,16 @@ class Hold:
 
 
 @dataclass
+class Trickle:
+    """Requests whose answers are trickled (`FaultyProxy.trickle`, see the module doc)."""
+
+    match: Callable[[str, str], bool]
+    every_s: float
+    times: int
+    hits: int = 0
+
+
+@dataclass
 class _Request:
     method: str
     path: str
@@ -117,6 +133,7 @@ class _AnswerCut:
 
     limit: int | None = None
     then_down: bool = False
+    trickle_s: float | None = None  # send one byte per this many seconds (None: at full speed)
 
 
 class _Cut(Exception):
@@ -139,6 +156,7 @@ class FaultyProxy:
         self.faults_injected: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()  # requests forwarded, by method
         self._holds: list[Hold] = []
+        self._trickles: list[Trickle] = []
         self._open: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -186,6 +204,22 @@ class FaultyProxy:
         """Arm a one-shot trap for the next request `match(method, path)` accepts."""
         trap = Hold(match)
         self._holds.append(trap)
+        return trap
+
+    def trickle(self, match: Callable[[str, str], bool], every_s: float, *, times: int = 1) -> Trickle:
+        """Trickle the answers of the next `times` requests `match(method, path)` accepts."""
+        if not every_s > 0 or times < 1:
+            raise ValueError(f"trickle needs every_s > 0 and times >= 1, got {every_s}, {times}")
+        trap = Trickle(match, every_s, times)
+        self._trickles.append(trap)
+        return trap
+
+    def _trickled(self, request: _Request) -> Trickle | None:
+        """The armed trickle this request sets off (counted), if any."""
+        trap = next((t for t in self._trickles if t.hits < t.times and t.match(request.method, request.path)), None)
+        if trap is not None:
+            trap.hits += 1
+            self.faults_injected["trickle"] += 1
         return trap
 
     # -- connections ----------------------------------------------------------------------------
@@ -249,6 +283,14 @@ class FaultyProxy:
                     return  # cut part-way into the answer
                 if limit is not None:
                     cut.limit = limit - len(data)
+                if cut.trickle_s is not None:
+                    for i in range(len(data)):
+                        await asyncio.sleep(cut.trickle_s)
+                        if self.down:
+                            return
+                        dst.write(data[i : i + 1])
+                        await dst.drain()
+                    continue
                 dst.write(data)
                 await dst.drain()
 
@@ -328,6 +370,8 @@ class FaultyProxy:
         if self._chance(f.reset_response):
             self.faults_injected["reset_response"] += 1
             cut.limit = self.rng.randrange(1, 200)
+        if (trap := self._trickled(request)) is not None:
+            cut.trickle_s = trap.every_s
         self.requests[request.method] += 1
         dst.write(request.head)
         await dst.drain()

@@ -67,6 +67,11 @@ class ConsumerConfig:
     """How often the late window is listed (one request per 1,000 keys in it)."""
     download_concurrency: int = 16
     """Record downloads in flight at once."""
+    download_deadline_s: float = 20.0
+    """One slow object never holds a batch: a record download still running after this long
+    (plus its listed size at 64 KiB/s) is cut, and the record is tried again once every other
+    record waiting was tried, with only the store's own deadline then (never lost). Keep it
+    shorter than the store's overall deadline (60 s plus the bytes at 64 KiB/s)."""
     max_download_attempts: int = 3
     """Attempts to fetch one record when the store fails for it while answering other calls (the
     store retries each attempt itself); after the last the record is rejected as `download`.
@@ -150,6 +155,7 @@ class ConsumerConfig:
             "progress_interval_s",
             "store_retry_max_delay_s",
             "registry_refresh_s",
+            "download_deadline_s",
         ):
             _check_positive(name, getattr(self, name))
         if self.run_key is not None:

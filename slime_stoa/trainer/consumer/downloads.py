@@ -2,6 +2,14 @@
 oldest first, `download_concurrency` at a time, each object at most one byte past the record
 size limit, and the retries.
 
+One slow object never holds a batch. Only as many downloads start as the batch still needs, so
+a GET that the network holds (a trickling answer never trips a read timeout) would hold the
+batch until the store's own deadline. A download still fetching after `download_deadline_s`
+(plus its listed size at `MIN_RATE_BYTES_S`) is cut: its slot goes to the next record, and the
+record stays queued behind every record not yet tried (`deferred`), then is fetched once more
+with only the store's deadline (one cut per record, so a slow link still gets every record, and
+none is lost). Cuts are counted (`downloads_cut`); a cut is not a failed attempt.
+
 A download that fails as unavailable asks the store a cheap question (HEAD of the pointer, one
 probe shared by every download): if the store does not answer, the downloads wait without
 counting the try; if it does, only that object fails and the try counts towards
@@ -14,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
@@ -23,6 +33,10 @@ from slime_stoa.protocol.validate import RecordRejected
 from .shared import Shared
 
 log = logging.getLogger(__name__)
+
+#: A download's deadline grows with the record's listed size at this rate (the store's own
+#: overall deadline assumes the same slow link, so this one stays the shorter).
+MIN_RATE_BYTES_S = 64 << 10
 
 #: Judges a downloaded record (name, bytes, uses: None for a new record, else its ledger count);
 #: False when the record stays queued (a fatal error met while judging it).
@@ -44,6 +58,9 @@ class Downloads:
         self.refuse = refuse  # True (counted) for a record not even to download (a quarantined or unregistered worker's)
         self.restore: dict[str, int] = {}  # ledger entries to download again: name -> uses
         self.inflight: dict[str, asyncio.Task[None]] = {}
+        self.deferred: set[str] = set()  # cut at the deadline once: tried again after the others
+        self._fetching: dict[str, float] = {}  # name -> when its cuttable GET must be done (monotonic)
+        self._cut_tasks: set[asyncio.Task[None]] = set()  # cut, still ending
         self._attempts: dict[str, int] = {}
         self._probe: asyncio.Task[bool] | None = None  # the shared "is the store down?" question
 
@@ -56,27 +73,59 @@ class Downloads:
         return len(self.restore) + len(self.shared.state.pending)
 
     def launch(self, want: int) -> None:
-        """Start downloads, oldest key first (ledger entries before new ones)."""
-        pending = self.shared.state.pending
+        """Cut the downloads past their deadline, then start downloads, oldest key first (ledger
+        entries before new ones, records cut once after both)."""
+        self.cut_slow()
+        pending, busy = self.shared.state.pending, set(self.inflight) | self.deferred
         slots = min(self.shared.config.download_concurrency, want) - len(self.inflight)
         if slots <= 0:
             return
-        restore = [n for n in sorted(self.restore) if n not in self.inflight][:slots]
+        restore = [n for n in sorted(self.restore) if n not in busy][:slots]
         slots -= len(restore)
-        fresh = heapq.nsmallest(slots + len(self.inflight), pending) if slots > 0 else []
-        fresh = [n for n in fresh if n not in self.inflight][:slots]
+        fresh = heapq.nsmallest(slots + len(busy), pending) if slots > 0 else []
+        fresh = [n for n in fresh if n not in busy][:slots]
+        slots -= len(fresh)
+        self.deferred = {n for n in self.deferred if n in pending or n in self.restore}  # not dropped meanwhile
+        again = [n for n in sorted(self.deferred) if n not in self.inflight][: max(slots, 0)]
         for name in restore:
             self._start(name, None, self.restore[name])
-        for name in fresh:
-            self._start(name, pending[name], None)
+        for name in fresh + again:
+            if name in self.restore:
+                self._start(name, None, self.restore[name])
+            else:
+                self._start(name, pending[name], None)
 
     def _start(self, name: str, size: int | None, uses: int | None) -> None:
         self.inflight[name] = asyncio.create_task(self._download(name, size, uses), name=f"stoa-get-{name}")
+
+    def cut_slow(self) -> int:
+        """Cut every GET past its deadline (its record stays queued, `deferred`); how many."""
+        now = time.monotonic()
+        late = [name for name, due in self._fetching.items() if now >= due]
+        for name in late:
+            del self._fetching[name]
+            task = self.inflight.pop(name, None)  # the slot is free now; its task ends on its own
+            if task is not None:
+                task.cancel()
+                self._cut_tasks.add(task)
+                task.add_done_callback(self._cut_tasks.discard)
+            self.deferred.add(name)
+            self.shared.count("downloads_cut")
+            log.warning(
+                "stoa: download of %s took longer than %.0f s: cut; it is tried again after the other records",
+                self.shared.prefix + name, self.shared.config.download_deadline_s,
+            )
+        return len(late)
+
+    def next_cut(self) -> float:
+        """When (monotonic) the next GET in flight passes its deadline (inf: none will)."""
+        return min(self._fetching.values(), default=math.inf)
 
     def forget(self, name: str) -> None:
         self.shared.state.pending.pop(name, None)
         self.restore.pop(name, None)
         self._attempts.pop(name, None)
+        self.deferred.discard(name)
 
     async def _download(self, name: str, size: int | None, uses: int | None) -> None:
         shared = self.shared
@@ -104,7 +153,8 @@ class Downloads:
             if await self.judge(name, data, uses):
                 self.forget(name)
         finally:
-            self.inflight.pop(name, None)
+            if self.inflight.get(name) is asyncio.current_task():  # a cut task's slot went to another
+                del self.inflight[name]
 
     async def _fetch(self, name: str, size: int | None) -> bytes:
         shared = self.shared
@@ -115,9 +165,14 @@ class Downloads:
             return b""
         key = shared.prefix + name
         shared.count("get_requests")
+        if name not in self.deferred:  # a record's first GET may be cut; its second has the store's deadline
+            self._fetching[name] = time.monotonic() + shared.config.download_deadline_s + (size or 0) / MIN_RATE_BYTES_S
         try:
-            # Never more than one byte past the limit, even if the object grew since it was listed.
-            result = await shared.store.get(key, length=limit + 1)
+            try:
+                # Never more than one byte past the limit, even if the object grew since it was listed.
+                result = await shared.store.get(key, length=limit + 1)
+            finally:
+                self._fetching.pop(name, None)  # the GET is over: waiting out an outage is never cut
         except NotFound:
             raise RecordRejected("missing", "listed, then gone (deleted by retention?)") from None
         except StoreConfigError:
@@ -164,9 +219,10 @@ class Downloads:
 
     def take_tasks(self) -> list[asyncio.Task]:
         """Every task in flight (downloads, the probe), for `close` to cancel; forgets them."""
-        tasks: list[asyncio.Task] = list(self.inflight.values())
+        tasks: list[asyncio.Task] = [*self.inflight.values(), *self._cut_tasks]
         if self._probe is not None:
             tasks.append(self._probe)
             self._probe = None
         self.inflight.clear()
+        self._fetching.clear()
         return tasks

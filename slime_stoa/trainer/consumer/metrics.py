@@ -15,6 +15,7 @@ Counter names:
     groups_used / groups_reused       groups put in batches (reused: not for the first time)
     late_keys                         keys found behind the cursor by a sweep
     list_requests / get_requests      store requests
+    downloads_cut                     record GETs cut at `download_deadline_s` (tried again later)
     tail_listings / tail_list_requests  listings of new keys after the cursor, and their LIST requests
     store_outage_retries              store calls tried again while the store was down
     registry_invalid / registry_rollback  reads of a signed run's worker registry ignored: not
@@ -100,6 +101,7 @@ def batch_metrics(
         "rollout/stoa_late_keys": float(gained.get("late_keys", 0)),
         "rollout/stoa_list_requests": float(gained.get("list_requests", 0)),
         "rollout/stoa_get_requests": float(gained.get("get_requests", 0)),
+        "rollout/stoa_downloads_cut": float(gained.get("downloads_cut", 0)),
         "rollout/stoa_store_outage_retries": float(gained.get("store_outage_retries", 0)),
         "rollout/stoa_wait_s": float(wait_s),
         "rollout/stoa_pool_groups": float(pool),

@@ -148,7 +148,8 @@ class Filler:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return False
-            # List again only when the queue cannot cover the need and there is room for more.
+            # List again only when the queue cannot cover the need and there is room for more
+            # (records cut at their deadline count as queued: they are tried again later).
             listing_helps = downloads.queued() < need - len(downloads.inflight) and self.capacity() > 0
             if listing_helps and now >= self._next_tail:
                 if self.trust.signers_due():
@@ -177,6 +178,7 @@ class Filler:
                 self._next_late_sweep if cfg.late_window_ms else math.inf,
                 math.inf if deadline is None else deadline,
                 next_log,
+                downloads.next_cut(),  # a GET past its deadline frees its slot for another record
             )
             timeout = max(wake - now, 0.0)
             if downloads.inflight:
