@@ -251,7 +251,8 @@ async def test_pool_groups_expire_when_the_trainer_moves(store: Store, store_url
 def test_admission_order_policy() -> None:
     cands = [Candidate("3-new-old-version", 1, 0), Candidate("1-old-new-version", 5, 0), Candidate("0-used", 0, 1)]
     assert select(cands, 3, "oldest_version") == ["3-new-old-version", "1-old-new-version", "0-used"]
-    assert select(cands, 2, "fifo") == ["1-old-new-version", "3-new-old-version"]
+    with pytest.raises(ValueError, match="unknown admission order 'fifo'"):
+        select(cands, 2, "fifo")  # type: ignore[arg-type]
     assert select(cands, 3, "newest_version") == ["1-old-new-version", "3-new-old-version", "0-used"]
     assert all_equal([1.0, 1.0]) and not all_equal([1.0, 0.0]) and all_equal([])
 
@@ -634,9 +635,9 @@ def test_config_from_args_names_missing_and_bad_settings() -> None:
         config_from_args(types.SimpleNamespace(stoa_bucket="file://bucket-dir", stoa_run="r", stoa_staleness_limit="x"))
     cfg = config_from_args(types.SimpleNamespace(
         stoa_bucket="file://bucket-dir", stoa_run="r", stoa_staleness_limit=3, stoa_filter_all_equal="false",
-        stoa_wait_timeout_s="12.5", stoa_admission_order="fifo",
+        stoa_wait_timeout_s="12.5", stoa_admission_order="newest_version",
     ))
-    assert (cfg.staleness_limit, cfg.filter_all_equal, cfg.wait_timeout_s, cfg.admission_order) == (3, False, 12.5, "fifo")
+    assert (cfg.staleness_limit, cfg.filter_all_equal, cfg.wait_timeout_s, cfg.admission_order) == (3, False, 12.5, "newest_version")
     assert cfg.reuse_limit is None  # the run manifest's
     assert (cfg.run_key, cfg.rollouts_url) == (None, None)
 

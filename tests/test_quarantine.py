@@ -262,8 +262,7 @@ async def test_logprob_gap_quarantines_and_drops_buffered_groups(store: Store, s
         await upload(store, make_group(tiny, worker="mac-f", seq=i, prompt_index=i), base + i)
     for i in range(4):
         await upload(store, make_group(tiny, worker="mac-h", seq=i, prompt_index=4 + i), base + 4 + i)
-    consumer = await open_consumer(store, tiny, store_url, quarantine=QuarantineConfig(min_gap_tokens=100), prefetch_groups=6,
-                                   admission_order="fifo")
+    consumer = await open_consumer(store, tiny, store_url, quarantine=QuarantineConfig(min_gap_tokens=100), prefetch_groups=6)
     first = await consumer.next_batch(2, trainer_version=0)
     assert [g.worker for g in first.groups] == ["mac-f", "mac-f"]
     await async_wait_until(lambda: consumer.counters.get("admitted", 0) == 8, message="the prefetch")

@@ -24,7 +24,7 @@ KEYS = {
     "stoa_bucket", "stoa_run", "stoa_rollouts_bucket", "stoa_run_key", "stoa_tokenizer_dir", "stoa_state_in_bucket",
     "stoa_check_publishing", "stoa_publish_grace_s", "stoa_worker_metrics", "stoa_eval_prompts",
     "stoa_staleness_limit", "stoa_reuse_limit", "stoa_wait_timeout_s", "stoa_poll_interval_s", "stoa_skew_window_ms",
-    "stoa_sweep_interval_s", "stoa_late_window_ms", "stoa_late_sweep_interval_s", "stoa_download_concurrency",
+    "stoa_sweep_interval_s", "stoa_late_window_ms", "stoa_late_sweep_interval_s", "stoa_download_concurrency", "stoa_download_deadline_s",
     "stoa_max_download_attempts", "stoa_filter_all_equal", "stoa_verify_prompts", "stoa_reward_tolerance",
     "stoa_quarantine_enabled", "stoa_quarantine_min_samples", "stoa_quarantine_window_samples",
     "stoa_quarantine_max_disagreement_rate", "stoa_quarantine_min_gap_tokens", "stoa_quarantine_window_tokens",

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from slime_stoa.protocol.cli_fields import setting
 from slime_stoa.protocol.records import RolloutGroup
 from slime_stoa.protocol.signing import KeyFileError, read_private_file, write_private_file
 
@@ -55,17 +56,22 @@ LOGPROB_SLACK_NATS = 1.0
 class CanaryConfig:
     """Canary settings (`ConsumerConfig.canary`)."""
 
-    rate: float = 0.0
-    """Share of the task's prompts that are canaries, in [0, 1]; 0 turns canaries off."""
-    key_file: Path | None = None
-    """A 0600 file holding the secret that picks the canaries (created if missing). None: a fresh
-    secret in memory each time the consumer starts (the subset then changes with every restart)."""
-    max_logprob_gap: float = 0.1
-    """Largest mean |trainer - worker| logprob per token (nats) the learner may measure on a
-    canary group before it counts as failed."""
-    min_format_rate: float = 0.0
-    """Least share of a canary group's samples whose answer must parse in the task's format
-    (`answer_parses`); 0 turns the format check off."""
+    rate: float = setting("Share of the task's prompts that are canaries, in [0, 1]; 0 turns canaries off.", 0.0)
+    key_file: Path | None = setting(
+        "A 0600 file holding the secret that picks the canaries (created if missing). None: a fresh "
+        "secret in memory each time the consumer starts (the subset then changes with every restart).",
+        None,
+    )
+    max_logprob_gap: float = setting(
+        "Largest mean |trainer - worker| logprob per token (nats) the learner may measure on a canary "
+        "group before it counts as failed.",
+        0.1,
+    )
+    min_format_rate: float = setting(
+        "Least share of a canary group's samples whose answer must parse in the task's format "
+        "(`answer_parses`); 0 turns the format check off.",
+        0.0,
+    )
 
     def __post_init__(self) -> None:
         for name in ("rate", "min_format_rate"):

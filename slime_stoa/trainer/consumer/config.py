@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, get_args
 
+from slime_stoa.protocol.cli_fields import setting
 from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.records import SamplingParams
 from slime_stoa.protocol.run_manifest import RunManifest
@@ -23,7 +24,7 @@ from slime_stoa.protocol.validate import RecordLimits
 from .canary import CanaryConfig
 from .quarantine import QuarantineConfig
 
-AdmissionOrder = Literal["oldest_version", "fifo", "newest_version"]
+AdmissionOrder = Literal["oldest_version", "newest_version"]
 ADMISSION_ORDERS: tuple[AdmissionOrder, ...] = get_args(AdmissionOrder)
 
 
@@ -31,108 +32,156 @@ ADMISSION_ORDERS: tuple[AdmissionOrder, ...] = get_args(AdmissionOrder)
 class ConsumerConfig:
     """How the trainer reads rollout groups from a run's bucket."""
 
-    store_url: str
-    """The bucket: `file:///dir`, `s3://bucket/prefix?endpoint=...` or `r2://<account>/<bucket>/prefix`."""
-    run: str
-    """The run name (`runs/<run>/` in the bucket)."""
-    rollouts_url: str | None = None
-    """Least privilege: a second bucket holding the workers' records and heartbeats (the
-    workers' token may write only there; `slime_stoa.protocol.store.split`). None: one bucket."""
+    store_url: str = setting(
+        "The bucket: `file:///dir`, `s3://bucket/prefix?endpoint=...` or "
+        "`r2://<account>/<bucket>/prefix`.",
+    )
+    run: str = setting("The run name (`runs/<run>/` in the bucket).")
+    rollouts_url: str | None = setting(
+        "Least privilege: a second bucket holding the workers' records and heartbeats (the workers' token "
+        "may write only there; `slime_stoa.protocol.store.split`). None: one bucket.",
+        None,
+    )
 
-    staleness_limit: int | None = None
-    """Most weight versions a group may lag behind the trainer when it is used
-    (lag = trainer version - record weight_version); a group that lags more is dropped and counted.
-    None: the run manifest's `staleness_limit`."""
-    reuse_limit: int | None = None
-    """Most batches one group may appear in (each time only while it is fresh enough); 1 = use once.
-    None: the run manifest's `reuse_limit`."""
+    staleness_limit: int | None = setting(
+        "Most weight versions a group may lag behind the trainer when it is used (lag = trainer version - "
+        "record weight_version); a group that lags more is dropped and counted. None: the run manifest's "
+        "`staleness_limit`.",
+        None,
+    )
+    reuse_limit: int | None = setting(
+        "Most batches one group may appear in (each time only while it is fresh enough); 1 = use once. "
+        "None: the run manifest's `reuse_limit`.",
+        None,
+    )
 
-    wait_timeout_s: float | None = None
-    """How long `next_batch` waits for enough groups before raising `ConsumerTimeout`.
-    None (the default): as long as it takes (a quiet fleet is a condition that heals: Macs come
-    back), logging its progress every `progress_interval_s`."""
-    poll_interval_s: float = 1.0
-    """Pause between two listings of new records while waiting (one listing costs one request
-    per 1,000 new keys)."""
-    skew_window_ms: int = 60_000
-    """Clock-skew and late-upload window: keys stamped up to this long before the newest key
-    discovered are still found (by a periodic sweep)."""
-    sweep_interval_s: float = 5.0
-    """How often the window behind the cursor is listed again for late keys."""
-    late_window_ms: int = 1_800_000
-    """The longer window of a rarer deep sweep, for records a worker uploads long after it
-    spooled them (a Mac offline for minutes); a record that lands later than this after its
-    key's timestamp is never discovered. 0: no deep sweep (then `skew_window_ms` is the limit)."""
-    late_sweep_interval_s: float = 60.0
-    """How often the late window is listed (one request per 1,000 keys in it)."""
-    download_concurrency: int = 16
-    """Record downloads in flight at once."""
-    download_deadline_s: float = 20.0
-    """One slow object never holds a batch: a record download still running after this long
-    (plus its listed size at 64 KiB/s) is cut, and the record is tried again once every other
-    record waiting was tried, with only the store's own deadline then (never lost). Keep it
-    shorter than the store's overall deadline (60 s plus the bytes at 64 KiB/s)."""
-    max_download_attempts: int = 3
-    """Attempts to fetch one record when the store fails for it while answering other calls (the
-    store retries each attempt itself); after the last the record is rejected as `download`.
-    Tries that fail during an outage (the store answers nothing) do not count: the downloads wait."""
+    wait_timeout_s: float | None = setting(
+        "How long `next_batch` waits for enough groups before raising `ConsumerTimeout`. None (the "
+        "default): as long as it takes (a quiet fleet is a condition that heals: Macs come back), logging "
+        "its progress every `progress_interval_s`.",
+        None,
+    )
+    poll_interval_s: float = setting(
+        "Pause between two listings of new records while waiting (one listing costs one request per 1,000 "
+        "new keys).",
+        1.0,
+    )
+    skew_window_ms: int = setting(
+        "Clock-skew and late-upload window: keys stamped up to this long before the newest key discovered "
+        "are still found (by a periodic sweep).",
+        60_000,
+    )
+    sweep_interval_s: float = setting("How often the window behind the cursor is listed again for late keys.", 5.0)
+    late_window_ms: int = setting(
+        "The longer window of a rarer deep sweep, for records a worker uploads long after it spooled them "
+        "(a Mac offline for minutes); a record that lands later than this after its key's timestamp is "
+        "never discovered. 0: no deep sweep (then `skew_window_ms` is the limit).",
+        1_800_000,
+    )
+    late_sweep_interval_s: float = setting(
+        "How often the late window is listed (one request per 1,000 keys in it).",
+        60.0,
+    )
+    download_concurrency: int = setting("Record downloads in flight at once.", 16)
+    download_deadline_s: float = setting(
+        "One slow object never holds a batch: a record download still running after this long (plus its "
+        "listed size at 64 KiB/s) is cut, and the record is tried again once every other record waiting "
+        "was tried, with only the store's own deadline then (never lost). Keep it shorter than the "
+        "store's overall deadline (60 s plus the bytes at 64 KiB/s).",
+        20.0,
+    )
+    max_download_attempts: int = setting(
+        "Attempts to fetch one record when the store fails for it while answering other calls (the store "
+        "retries each attempt itself); after the last the record is rejected as `download`. Tries that "
+        "fail during an outage (the store answers nothing) do not count: the downloads wait.",
+        3,
+    )
 
-    filter_all_equal: bool = True
-    """Drop (and count) groups whose recomputed rewards are all equal: they carry no GRPO signal."""
-    verify_prompts: bool = True
-    """Reject (as `prompt`) records whose prompt tokens are not the run's prompt for their
-    `prompt_index`, built with the run's tokenizer and chat template (needs transformers)."""
-    reward_tolerance: float = 1e-6
-    """A worker reward further than this from the trainer's counts as a disagreement."""
+    filter_all_equal: bool = setting(
+        "Drop (and count) groups whose recomputed rewards are all equal: they carry no GRPO signal.",
+        True,
+    )
+    verify_prompts: bool = setting(
+        "Reject (as `prompt`) records whose prompt tokens are not the run's prompt for their "
+        "`prompt_index`, built with the run's tokenizer and chat template (needs transformers).",
+        True,
+    )
+    reward_tolerance: float = setting(
+        "A worker reward further than this from the trainer's counts as a disagreement.",
+        1e-6,
+    )
 
-    quarantine: QuarantineConfig = field(default_factory=QuarantineConfig)
-    """Quarantine of workers whose statistics are outliers: their records are then refused as
-    `quarantined` and their groups not yet used are dropped, until `stoa worker release`
-    (`QuarantineConfig`; the plugin settings `stoa_quarantine_<field>`)."""
-    canary: CanaryConfig = field(default_factory=CanaryConfig)
-    """Canaries: an undisclosed share of the prompts judged strictly (`CanaryConfig`; the plugin
-    settings `stoa_canary_<field>`). Off by default (`rate` 0)."""
+    quarantine: QuarantineConfig = setting(
+        "Quarantine of workers whose statistics are outliers: their records are then refused as "
+        "`quarantined` and their groups not yet used are dropped, until `stoa worker release` "
+        "(`QuarantineConfig`; the plugin settings `stoa_quarantine_<field>`).",
+        default_factory=QuarantineConfig,
+    )
+    canary: CanaryConfig = setting(
+        "Canaries: an undisclosed share of the prompts judged strictly (`CanaryConfig`; the plugin "
+        "settings `stoa_canary_<field>`). Off by default (`rate` 0).",
+        default_factory=CanaryConfig,
+    )
 
-    admission_order: AdmissionOrder = "oldest_version"
-    """Which ready groups a batch takes first, after the least-used ones:
-    `oldest_version` (lowest weight version, then key time: groups nearest their staleness limit,
-    such as slow, hard prompts, are used before they expire), `fifo` (key time only) or
-    `newest_version` (highest weight version first: the most on-policy data when the trainer is
-    faster than its workers, as in the quickstart)."""
-    max_pool_groups: int = 4096
-    """Backpressure: at most this many groups discovered but not yet used (downloaded or not).
-    When full, listing stops and the cursor waits; nothing is dropped because newer groups came."""
-    prefetch_groups: int = 0
-    """After a batch, keep downloading in the background until this many groups are ready for
-    the next one (0: download only on demand)."""
-    version_ahead_slack: int = 1
-    """A record may claim a weight version at most this far ahead of the trainer version passed
-    to `next_batch` (a version published during the wait); further ahead is rejected as
-    `version_ahead`."""
-    progress_interval_s: float = 60.0
-    """How often a waiting `next_batch` logs its progress (what it has, what it needs), and how
-    often a store outage is logged again (with the error) while the consumer waits it out."""
-    store_retry_max_delay_s: float = 30.0
-    """Longest pause between two tries of a store call during an outage. The consumer waits out
-    an outage of any length (pointer reads, listings, record downloads, its state) with a
-    jittered backoff doubling from 0.5 s to this; a `StoreConfigError` fails at once."""
+    admission_order: AdmissionOrder = setting(
+        "Which ready groups a batch takes first, after the least-used ones: `oldest_version` (lowest "
+        "weight version, then key time: groups nearest their staleness limit, such as slow, hard prompts, "
+        "are used before they expire) or `newest_version` (highest weight version first: the most "
+        "on-policy data when the trainer is faster than its workers, as in the quickstart).",
+        "oldest_version",
+    )
+    max_pool_groups: int = setting(
+        "Backpressure: at most this many groups discovered but not yet used (downloaded or not). When "
+        "full, listing stops and the cursor waits; nothing is dropped because newer groups came.",
+        4096,
+    )
+    prefetch_groups: int = setting(
+        "After a batch, keep downloading in the background until this many groups are ready for the next "
+        "one (0: download only on demand).",
+        0,
+    )
+    version_ahead_slack: int = setting(
+        "A record may claim a weight version at most this far ahead of the trainer version passed to "
+        "`next_batch` (a version published during the wait); further ahead is rejected as "
+        "`version_ahead`.",
+        1,
+    )
+    progress_interval_s: float = setting(
+        "How often a waiting `next_batch` logs its progress (what it has, what it needs), and how often a "
+        "store outage is logged again (with the error) while the consumer waits it out.",
+        60.0,
+    )
+    store_retry_max_delay_s: float = setting(
+        "Longest pause between two tries of a store call during an outage. The consumer waits out an "
+        "outage of any length (pointer reads, listings, record downloads, its state) with a jittered "
+        "backoff doubling from 0.5 s to this; a `StoreConfigError` fails at once.",
+        30.0,
+    )
 
-    record_limits: RecordLimits | None = None
-    """What a record must satisfy (see `slime_stoa.protocol.validate`). None: derived from the run
-    manifest (vocabulary, group size, prompt and response lengths, sampling parameters)."""
+    record_limits: RecordLimits | None = setting(
+        "What a record must satisfy (see `slime_stoa.protocol.validate`). None: derived from the run "
+        "manifest (vocabulary, group size, prompt and response lengths, sampling parameters).",
+        None,
+    )
 
-    run_key: str | None = None
-    """The run's public key (`ed25519:...`) the trainer expects: a run manifest naming another
-    key (or none) is refused, and records must be signed by worker keys of the registry this key
-    signed. None: the run manifest's `run_key`, if it has one (trusted as found in the bucket)."""
-    keep_dir: str | None = None
-    """The trainer's own folder for its copies of what it signed (`slime_stoa.trainer.kept`: run
-    manifest, registry, consumer state and head), which it puts back when a bucket writer deletes
-    or overwrites them. None: no copies (the trainer then cannot repair such a write)."""
-    registry_refresh_s: float = 10.0
-    """How often, at most this many seconds apart, the worker registry of a signed run is read
-    again (cached by ETag), so a revocation reaches every group not yet handed to training. It
-    is also read when a record names a key it does not hold."""
+    run_key: str | None = setting(
+        "The run's public key (`ed25519:...`) the trainer expects: a run manifest naming another key (or "
+        "none) is refused, and records must be signed by worker keys of the registry this key signed. "
+        "None: the run manifest's `run_key`, if it has one (trusted as found in the bucket).",
+        None,
+    )
+    keep_dir: str | None = setting(
+        "The trainer's own folder for its copies of what it signed (`slime_stoa.trainer.kept`: run "
+        "manifest, registry, consumer state and head), which it puts back when a bucket writer deletes or "
+        "overwrites them. None: no copies (the trainer then cannot repair such a write).",
+        None,
+    )
+    registry_refresh_s: float = setting(
+        "How often, at most this many seconds apart, the worker registry of a signed run is read again "
+        "(cached by ETag), so a revocation reaches every group not yet handed to training. It is also "
+        "read when a record names a key it does not hold.",
+        10.0,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.store_url, str) or "://" not in self.store_url:

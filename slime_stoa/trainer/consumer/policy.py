@@ -9,10 +9,10 @@
 - Admission order: a batch takes the least-used groups first; among those, `oldest_version`
   takes the lowest weight version first (the group nearest its staleness limit: slow, hard
   prompts finish late from old weights and would otherwise expire behind a stream of fast, easy
-  ones), then the oldest key; `fifo` takes the oldest key first; `newest_version` takes the
-  highest weight version first (the most on-policy data, for a trainer that outpaces its
-  workers; older groups wait and may expire past the staleness limit). A group is never dropped
-  because newer ones arrived; when the pool is full, discovery pauses instead (backpressure).
+  ones), then the oldest key; `newest_version` takes the highest weight version first (the
+  most on-policy data, for a trainer that outpaces its workers; older groups wait and may
+  expire past the staleness limit). A group is never dropped because newer ones arrived; when
+  the pool is full, discovery pauses instead (backpressure).
 - Dynamic sampling: a group whose recomputed rewards are all equal has zero advantage for every
   sample under GRPO, so it carries no signal; it can be filtered (and counted).
 """
@@ -65,8 +65,6 @@ class Candidate:
 def admission_key(c: Candidate, order: AdmissionOrder) -> tuple:
     if order == "oldest_version":
         return (c.uses, c.weight_version, c.name)
-    if order == "fifo":
-        return (c.uses, c.name)
     if order == "newest_version":
         return (c.uses, -c.weight_version, c.name)
     raise ValueError(f"unknown admission order {order!r}; expected one of {ADMISSION_ORDERS}")

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from slime_stoa.protocol.cli_fields import setting
 from slime_stoa.protocol.run_manifest import PLANES
 
 #: Reject reasons the quarantine adds: a record of a quarantined worker, a failed canary group.
@@ -54,35 +55,44 @@ MEDIAN_MIN_WORKERS = 3
 class QuarantineConfig:
     """Thresholds of the quarantine policy (`ConsumerConfig.quarantine`)."""
 
-    enabled: bool = True
-    """False: evidence is still gathered, nobody is quarantined."""
-    min_samples: int = 64
-    """Samples scored (since first seen or released) before the disagreement rate is judged."""
-    window_samples: int = 2048
-    """The disagreement rate covers about this many of the worker's latest samples."""
-    max_disagreement_rate: float = 0.05
-    """Largest share of samples whose worker reward may differ from the trainer's."""
-    min_gap_tokens: int = 1024
-    """Tokens with a measured logprob gap before the gap is judged."""
-    window_tokens: int = 65536
-    """The mean gap covers about this many of the worker's latest measured tokens."""
-    max_logprob_gap: float | None = 0.5
-    """Largest mean |trainer - worker| logprob per token (nats); None: no absolute limit."""
-    max_gap_ratio: float | None = 10.0
-    """Largest mean gap as a multiple of the fleet median (median of the workers not quarantined
-    with enough gap evidence, once there are `MEDIAN_MIN_WORKERS`); None: no relative limit."""
-    gap_floor: float = 0.05
-    """The relative limit never goes below this gap: a fleet whose gaps are all tiny noise
-    quarantines nobody for noise ten times as tiny."""
-    canary_strikes: int = 2
-    """Failed canary groups that quarantine a worker."""
-    int8_gap_allowance: float = 0.5
-    """Gap (nats per token) added to every gap limit (`max_logprob_gap`, the relative limit's
-    floor, the canary's) for a worker on the int8 plane: above the honest gaps measured on the
-    tiny models (mean up to ~0.18 on a random MoE), well below made-up logprobs' (4-6)."""
-    int4_gap_allowance: float = 2.0
-    """The same for the int4 plane (honest mean gaps measured up to ~1.1 on a random MoE whose
-    routing flips, ~0.02 on a dense model)."""
+    enabled: bool = setting("False: evidence is still gathered, nobody is quarantined.", True)
+    min_samples: int = setting(
+        "Samples scored (since first seen or released) before the disagreement rate is judged.",
+        64,
+    )
+    window_samples: int = setting("The disagreement rate covers about this many of the worker's latest samples.", 2048)
+    max_disagreement_rate: float = setting(
+        "Largest share of samples whose worker reward may differ from the trainer's.",
+        0.05,
+    )
+    min_gap_tokens: int = setting("Tokens with a measured logprob gap before the gap is judged.", 1024)
+    window_tokens: int = setting("The mean gap covers about this many of the worker's latest measured tokens.", 65536)
+    max_logprob_gap: float | None = setting(
+        "Largest mean |trainer - worker| logprob per token (nats); None: no absolute limit.",
+        0.5,
+    )
+    max_gap_ratio: float | None = setting(
+        "Largest mean gap as a multiple of the fleet median (median of the workers not quarantined with "
+        "enough gap evidence, once there are `MEDIAN_MIN_WORKERS`); None: no relative limit.",
+        10.0,
+    )
+    gap_floor: float = setting(
+        "The relative limit never goes below this gap: a fleet whose gaps are all tiny noise quarantines "
+        "nobody for noise ten times as tiny.",
+        0.05,
+    )
+    canary_strikes: int = setting("Failed canary groups that quarantine a worker.", 2)
+    int8_gap_allowance: float = setting(
+        "Gap (nats per token) added to every gap limit (`max_logprob_gap`, the relative limit's floor, "
+        "the canary's) for a worker on the int8 plane: above the honest gaps measured on the tiny models "
+        "(mean up to ~0.18 on a random MoE), well below made-up logprobs' (4-6).",
+        0.5,
+    )
+    int4_gap_allowance: float = setting(
+        "The same for the int4 plane (honest mean gaps measured up to ~1.1 on a random MoE whose routing "
+        "flips, ~0.02 on a dense model).",
+        2.0,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
