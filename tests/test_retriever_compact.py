@@ -93,10 +93,19 @@ def test_every_top_k_path_is_the_full_scoring(tmp_path: Path, monkeypatch: pytes
     queries = [q for q in queries if q]
     monkeypatch.setattr(compact, "CANDIDATE_SHARE", 0)  # always score every passage
     full = [tuple(a.tolist() for a in index.top_k(q, 5)) for q in queries]
-    for share, rounds in ((1, 1), (4, 2), (10**9, 99)):
+    scored_all: list[int] = []
+    real_score_all = compact.score_all
+    monkeypatch.setattr(compact, "score_all", lambda *a: (scored_all.append(1), real_score_all(*a))[1])
+    for share, rounds, candidate_cost in ((1, 1, 2), (4, 2, 2), (10**9, 99, 2), (1, 99, 0), (1, 99, 10**6)):
         monkeypatch.setattr(compact, "CANDIDATE_SHARE", share)
         monkeypatch.setattr(compact, "MAX_ROUNDS", rounds)
+        monkeypatch.setattr(compact, "CANDIDATE_COST", candidate_cost)  # 10**6: the lookups always lose
+        scored_all.clear()
         assert [tuple(a.tolist() for a in index.top_k(q, 5)) for q in queries] == full
+        if candidate_cost == 10**6:  # all but the queries whose terms are all decoded whole
+            assert len(scored_all) > len(queries) * 3 // 4
+        elif candidate_cost == 0:
+            assert len(scored_all) < len(queries) // 2
 
 
 def test_block_passages_random_access(tmp_path: Path) -> None:

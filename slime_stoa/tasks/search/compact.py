@@ -47,6 +47,10 @@ BLOCK_DTYPE = np.dtype([("last", "<u4"), ("doc_bits", "u1"), ("tf_bits", "u1")])
 CANDIDATE_SHARE = 4  # candidates from postings naming over 1/4 of the passages: score them all instead
 BOUND_SLACK = 1 + 1e-5  # float32 sums of a few terms stay well within this of the exact sum
 DECODE_BLOCKS = 512  # blocks decoded at once (64k postings: a few MB of temporaries)
+# Costs in decoded postings, to choose between the lookups and scoring every passage: zeroing and
+# sorting the scores of this many passages, and one candidate's search in one term's blocks.
+PASSAGE_COST = 4
+CANDIDATE_COST = 2
 MAX_ROUNDS = 2  # candidate rounds before scoring every passage: each round rescores the candidates
 
 
@@ -344,7 +348,9 @@ def top_k(index: CompactIndex, ranks: list[int], k: int) -> tuple[np.ndarray, np
 
     When the floor does not clear the rest's weight, the next heaviest term joins the decoded
     ones (a new round); every passage is scored instead when the decoded terms name over
-    1/`CANDIDATE_SHARE` of the corpus or after `MAX_ROUNDS` rounds. Bounds carry
+    1/`CANDIDATE_SHARE` of the corpus, after `MAX_ROUNDS` rounds, or when the lookups would cost
+    more than scoring all (`PASSAGE_COST`, `CANDIDATE_COST`: the many candidates of
+    mid-frequency terms, where pruning saves nothing). Bounds carry
     `BOUND_SLACK` for float32 rounding, so a passage is dropped only when strictly below."""
     terms = {r: index.term(r) for r in ranks}
     times = {r: ranks.count(r) for r in terms}
@@ -370,6 +376,12 @@ def top_k(index: CompactIndex, ranks: list[int], k: int) -> tuple[np.ndarray, np
         floor = _kth(partial, k) / BOUND_SLACK
         if n_taken < len(order) and floor <= rest:
             continue
+        # the lookups (the blocks they decode, and each candidate's search in each term) would
+        # cost more than scoring every passage: score them all
+        lookups = sum(min(terms[r].df, len(docs) * packing.BLOCK) for r in order[n_taken:])
+        lookups += len(docs) * (len(order) - n_taken) * CANDIDATE_COST
+        if lookups > sum(t.df for t in terms.values()) + index.passages / PASSAGE_COST:
+            break
         alive = np.arange(len(docs))
         looked: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         remaining = sum(weight[r] for r in order[n_taken:])
