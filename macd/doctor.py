@@ -116,6 +116,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-for", metavar="GB[,GB...]", default=None,
                         help="print the memory plan of LFM2.5-8B-A1B (or --plan-config) on Macs of these sizes, e.g. 16,24,32,64")
     parser.add_argument("--plan-config", type=Path, default=None, help="a model's config.json to plan for instead")
+    parser.add_argument("--plan-device", choices=("gpu", "cpu"), default="gpu",
+                        help="where MLX computes: gpu (a Mac's Metal GPU, default) or cpu (MLX's CPU device, e.g. "
+                             "Linux: float32 compute, float32 copies of the bf16 weights)")
     parser.add_argument("--plan-group-size", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--plan-batch", type=int, default=2, help="prompts decoding at once (default 2)")
     parser.add_argument("--plan-prompt-tokens", type=int, default=512, help="longest prompt (default 512)")
@@ -158,6 +161,7 @@ def print_plan(args: argparse.Namespace) -> int:
         model, group_size=args.plan_group_size, groups=args.plan_batch, prompt_tokens=args.plan_prompt_tokens,
         response_tokens=args.plan_response_tokens, mac_sizes_gb=sizes,
         index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
+        device=args.plan_device,
     ) if isinstance(model, dict) else None
     if plan is None:
         print(f"error: --plan-config {name}: not a model config with the sizes a plan needs", file=sys.stderr)

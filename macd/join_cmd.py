@@ -10,6 +10,7 @@ import getpass
 import json
 import math
 import os
+import platform
 import sys
 import time
 from collections.abc import Mapping
@@ -402,9 +403,12 @@ def join_report(
     return lines
 
 
-def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None) -> list[str]:
+def plan_lines(
+    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None, device: str | None = None,
+) -> list[str]:
     """What this Mac will generate for the run, and whether it fits in `memory` bytes beside the
-    run's search `index` (None: the run has none)."""
+    run's search `index` (None: the run has none), computing on `device` (None: this machine's,
+    `plan_device`)."""
     m = info.manifest
     sequences = cfg.decoding_sequences(config, m.group_size)
     lines = [
@@ -425,7 +429,7 @@ def plan_lines(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: 
         lines.append(f"  weights      v{info.version}")
     else:
         lines.append(f"  weights      v{info.version} ({info.elements:,} weights)")
-    plan, warning = memory_plan_lines(config, info, memory, index)
+    plan, warning = memory_plan_lines(config, info, memory, index, device)
     tail = plan + ([] if warning is None else [warning])
     if elements is None:
         lines.append(f"  memory       unknown until the weights' size is known ({memory / 2**30:.0f} GiB here)")
@@ -513,11 +517,12 @@ def _planned(plan: list[str]) -> bool:
 
 
 def memory_plan_lines(
-    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None
+    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None, device: str | None = None,
 ) -> tuple[list[str], str | None]:
     """`memory_plan.this_mac` for the run's model, group size, lengths and this config's batch,
-    with the run's search `index` (None: the run has none): (indented lines, warning or None);
-    nothing but the index's line when the model config is unknown."""
+    with the run's search `index` (None: the run has none), on `device` (None: this machine's,
+    `plan_device`): (indented lines, warning or None); nothing but the index's line when the model
+    config is unknown."""
     from .memory_plan import this_mac
 
     model = model_config_of(info)
@@ -529,11 +534,22 @@ def memory_plan_lines(
         model, memory=memory, plane=m.plane, group_size=cfg.decoding_sequences(config, m.group_size), groups=1,
         prompt_tokens=m.max_prompt_tokens, response_tokens=m.max_tokens, published=m.planes,
         index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
-        served=served_plane(config, info, memory, index)[0],
+        served=served_plane(config, info, memory, index)[0], device=device or plan_device(),
     )
     if not lines:
         return [f"{_NO_PLAN[1]} the sizes a plan needs", *index_lines], None
     return [f"  {'memory plan' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)], warning
+
+
+def plan_device() -> str:
+    """Where MLX computes on this machine, as `memory_plan.DEVICES` names it: "gpu" (a Mac's
+    Metal GPU) or "cpu" (MLX's CPU device: float32 compute, `macd.cpu_compute`). Without MLX
+    importable, by the platform: only an Apple silicon Mac has the GPU."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return "gpu" if sys.platform == "darwin" and platform.machine() == "arm64" else "cpu"
+    return "cpu" if mx.default_device().type == mx.cpu else "gpu"
 
 
 def _gib(n: float) -> str:

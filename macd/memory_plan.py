@@ -1,7 +1,19 @@
 """What a worker's memory holds for a model, and whether that fits a Mac: a pure function of the
 model's config.json, the run's group size and lengths.
 
-Terms (bytes):
+Device (`DEVICES`): what a worker holds depends on where MLX computes.
+
+- ``gpu`` (a Mac's Metal GPU; MLX's CUDA device likewise): the terms below as they are.
+- ``cpu`` (MLX's CPU device: Linux, CI; `macd.cpu_compute`): the bf16 plane's matmul layers
+  (every Linear, the experts, and a tied embedding used as the output head; not an untied input
+  embedding, whose lookup widens only the rows it gathers) keep exact float32 copies of their bf16
+  weights beside them, 4 more bytes per such weight (~6 in all); a quantized plane keeps its codes
+  (no copies) but computes with float32 activations. Every plane's activations are float32 from the
+  embedding on, so its KV cache, conv state and prefill logits are float32: 4 bytes per value.
+  (Without a fast BLAS the bf16 plane computes in bf16 and holds no copies: the plan is then an
+  upper bound.) Nothing is wired on the CPU: the usable memory is the machine's RAM.
+
+Terms (bytes), as on the GPU:
 
 - weights, per plane (`macd.weights`): ``bf16`` 2 per parameter (the master is the model);
   ``int8`` the bf16 master (2 per parameter) plus the served copy: 1 + 4/64 per quantizable
@@ -27,7 +39,8 @@ Terms (bytes):
   a query reads only its top hits, pages macOS drops first: named, not counted.
 
 Usable memory: what MLX may wire on the GPU, macOS's recommended working set (about 2/3 of RAM
-below 64 GB, 3/4 from 64 GB), unless the caller passes the device's own figure.
+below 64 GB, 3/4 from 64 GB); on the CPU the RAM itself; unless the caller passes the device's own
+figure.
 """
 
 from __future__ import annotations
@@ -45,6 +58,11 @@ INT4_BYTES = 0.5 + 4 / QUANT_GROUP  # 4-bit code, bf16 scale and bias per 64
 #: Bytes per quantizable parameter of a quantized plane held alone.
 HELD_BYTES = {"int8": INT8_BYTES, "int4": INT4_BYTES}
 PREFILL_STEP = 2048  # macd.generate.PREFILL_STEP
+#: Where MLX computes (module doc): a GPU (Metal on a Mac) or MLX's CPU device (float32 compute).
+DEVICES = ("gpu", "cpu")
+#: Bytes of an activation, KV cache or conv state value on each device.
+ACTIVATION_BYTES = {"gpu": 2, "cpu": 4}
+WIDE_BYTES = 4  # a float32 copy of a bf16 weight (`macd.cpu_compute`)
 
 #: LFM2.5-8B-A1B as published (LiquidAI/LFM2.5-8B-A1B config.json): 24 layers, 18 conv and 6
 #: attention. transformers' `Lfm2MoeConfig()` defaults differ (32 layers, vocab 65536, no
@@ -73,8 +91,11 @@ LFM2_5_8B_A1B: dict[str, Any] = {
 MAC_SIZES_GB = (16, 24, 32, 64)
 
 
-def usable_bytes(ram_gb: float) -> int:
-    """macOS's default GPU working-set limit for a Mac with `ram_gb` of memory (approximate)."""
+def usable_bytes(ram_gb: float, device: str = "gpu") -> int:
+    """macOS's default GPU working-set limit for a Mac with `ram_gb` of memory (approximate); on
+    the CPU device (nothing wired) the whole RAM."""
+    if device == "cpu":
+        return int(ram_gb * GIB)
     return int(ram_gb * GIB * (0.75 if ram_gb >= 64 else 2 / 3))
 
 
@@ -118,6 +139,7 @@ def _dense_ff(config: Mapping[str, Any]) -> int:
 class ParamCount:
     quantizable: int  # Linear/Embedding/expert weights with an input size divisible by 64
     other: int  # norms, conv kernels, biases, misfit layers
+    widened: int = 0  # weights the CPU device keeps float32 copies of: matmul layers, a tied head
 
     @property
     def total(self) -> int:
@@ -126,7 +148,8 @@ class ParamCount:
 
 def param_count(config: Mapping[str, Any]) -> ParamCount:
     """Parameters of an LFM2 / LFM2-MoE (or a plain GQA transformer) config, split by whether
-    the int8 plane quantizes them."""
+    the int8 plane quantizes them; `widened`: those of the layers that compute with a float32 copy
+    on the CPU device (module doc)."""
     h, v = int(config["hidden_size"]), int(config["vocab_size"])
     heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     hd = int(config.get("head_dim") or h // heads)
@@ -135,18 +158,21 @@ def param_count(config: Mapping[str, Any]) -> ParamCount:
     dense_layers = int(config.get("num_dense_layers", 0)) if experts else 10**9
     ff = _dense_ff(config)
     moe_ff = int(config.get("moe_intermediate_size") or 0)
-    q = o = 0
+    q = o = wide = 0
 
-    def linear(n_out: int, n_in: int) -> None:
-        nonlocal q, o
+    def linear(n_out: int, n_in: int, *, matmul: bool = True) -> None:
+        nonlocal q, o, wide
         if n_in % QUANT_GROUP == 0:
             q += n_out * n_in
         else:
             o += n_out * n_in
+        if matmul:
+            wide += n_out * n_in
 
-    linear(v, h)  # embedding (quantized along its rows of h)
-    if not config.get("tie_word_embeddings", True):
-        linear(v, h)
+    tied = bool(config.get("tie_word_embeddings", True))
+    linear(v, h, matmul=tied)  # embedding (quantized along its rows of h); tied: the output head too
+    if not tied:
+        linear(v, h)  # the output head
     o += h  # final norm
     for i, kind in enumerate(_layer_types(config)):
         o += 2 * h  # operator / ffn norms
@@ -167,13 +193,15 @@ def param_count(config: Mapping[str, Any]) -> ParamCount:
             o += experts  # expert bias
             linear(2 * experts * moe_ff, h)
             linear(experts * h, moe_ff)
-    return ParamCount(q, o)
+    return ParamCount(q, o, wide)
 
 
-def weights_by_plane(counts: ParamCount, published: Sequence[str] = ()) -> dict[str, int]:
-    """Bytes of the weights of each plane a worker can serve (module doc): bf16; int8 quantized
-    here beside the bf16 master, or held alone when `published`; int4 only when published."""
-    out = {"bf16": 2 * counts.total}
+def weights_by_plane(counts: ParamCount, published: Sequence[str] = (), device: str = "gpu") -> dict[str, int]:
+    """Bytes of the weights of each plane a worker can serve on `device` (module doc): bf16 (on
+    the CPU with the float32 copies of its matmul weights); int8 quantized here beside the bf16
+    master, or held alone when `published`; int4 only when published."""
+    _check_device(device)
+    out = {"bf16": 2 * counts.total + (WIDE_BYTES * counts.widened if device == "cpu" else 0)}
     for plane, per in HELD_BYTES.items():
         alone = int(per * counts.quantizable + 2 * counts.other)
         if plane in published:
@@ -181,6 +209,11 @@ def weights_by_plane(counts: ParamCount, published: Sequence[str] = ()) -> dict[
         elif plane == "int8":
             out[plane] = 2 * counts.total + alone
     return out
+
+
+def _check_device(device: str) -> None:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +231,7 @@ class MemoryPlan:
     index: int
     macs: list[dict[str, Any]] = field(default_factory=list)  # one row per (RAM, plane)
     index_line: str = ""  # what the index is and why its size counts so (`macd.index_plan`)
+    device: str = "gpu"  # where MLX computes (`DEVICES`)
 
     def total(self, plane: str) -> int:
         return self.weights[plane] + self.cache + self.activations + self.index
@@ -215,13 +249,16 @@ def plan(
     usable: Mapping[float, int] | None = None,
     published: Sequence[str] = (),
     index_line: str = "",
+    device: str = "gpu",
 ) -> MemoryPlan:
     """The memory plan of `config` for `groups` concurrent groups of `group_size` sequences of at
     most `prompt_tokens + response_tokens` tokens, on each Mac of `mac_sizes_gb` (usable bytes
     from `usable` where given, else `usable_bytes`), with the quantized planes the run
     `published` held alone and a search index of `index_bytes` (`index_line` says which). Per
     (RAM, plane) row: ``fits``, the headroom, and ``max_sequences``: how many full-length
-    sequences would fit beside the weights and the index."""
+    sequences would fit beside the weights and the index. `device`: where MLX computes (`DEVICES`,
+    module doc), which decides the float32 terms and the usable memory."""
+    _check_device(device)
     if index_bytes < 0:
         raise ValueError(f"the search index's size must be >= 0 bytes, got {index_bytes}")
     if min(group_size, groups, prompt_tokens + response_tokens) < 1:
@@ -231,23 +268,24 @@ def plan(
     h, v = int(config["hidden_size"]), int(config["vocab_size"])
     heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     hd = int(config.get("head_dim") or h // heads)
-    kv_token = types.count("full_attention") * 2 * kv * hd * 2
-    conv_seq = types.count("conv") * (int(config.get("conv_L_cache", 3)) - 1) * h * 2
+    act = ACTIVATION_BYTES[device]
+    kv_token = types.count("full_attention") * 2 * kv * hd * act
+    conv_seq = types.count("conv") * (int(config.get("conv_L_cache", 3)) - 1) * h * act
     seqs = group_size * groups
     length = KV_STEP * math.ceil((prompt_tokens + response_tokens) / KV_STEP)
     per_seq = kv_token * length + conv_seq
     chunk = min(PREFILL_STEP, prompt_tokens)
     widest = max(3 * h, 2 * _dense_ff(config),
                  2 * int(config.get("num_experts_per_tok") or 0) * int(config.get("moe_intermediate_size") or 0))
-    activations = chunk * v * 2 + seqs * v * 4 + chunk * widest * 4
+    activations = chunk * v * act + seqs * v * 4 + chunk * widest * 4
     offered = tuple(p for p in ("int8", "int4") if p in published)
-    weights = weights_by_plane(counts, offered)
+    weights = weights_by_plane(counts, offered, device)
     result = MemoryPlan(
         counts.total, weights, offered, kv_token, conv_seq, seqs, seqs * per_seq, activations, index_bytes,
-        index_line=index_line,
+        index_line=index_line, device=device,
     )
     for gb in mac_sizes_gb:
-        limit = (usable or {}).get(gb, usable_bytes(gb))
+        limit = (usable or {}).get(gb, usable_bytes(gb, device))
         for plane in weights:
             room = limit - weights[plane] - activations - index_bytes
             result.macs.append({
@@ -265,22 +303,36 @@ def _verdict(row: Mapping[str, Any]) -> str:
     return "does not fit" if row["max_sequences"] == 0 else f"fits only {row['max_sequences']} sequences"
 
 
+#: What each device's figures count, the first line of a plan (`describe`).
+DEVICE_LINES = {
+    "gpu": "device: the GPU (Metal): bf16 weights, KV cache and activations",
+    "cpu": "device: the CPU (MLX float32 compute): bf16 weights plus float32 copies of the matmul weights "
+           "(bf16 plane), float32 KV cache and activations; usable: all of RAM",
+}
+
+
+def machine(ram_gb: float, device: str) -> str:
+    """How a plan's row names a machine of `ram_gb` GB: a Mac (GPU), or a CPU machine."""
+    return f"{ram_gb:g} GB Mac" if device == "gpu" else f"{ram_gb:g} GB CPU machine"
+
+
 def describe(p: MemoryPlan) -> list[str]:
-    """Lines for `macd doctor` / `macd join`: the terms (the index's own line when it has one),
-    then one line per (RAM, plane)."""
-    sizes = [f"bf16 {p.weights['bf16'] / GIB:.1f} GiB"] + [
+    """Lines for `macd doctor` / `macd join`: the device the figures are for, the terms (the
+    index's own line when it has one), then one line per (RAM, plane)."""
+    sizes = [f"bf16 {p.weights['bf16'] / GIB:.1f} GiB" + (" (with float32 copies)" if p.device == "cpu" else "")] + [
         f"{plane} {p.weights[plane] / GIB:.1f} GiB "
         + ("(published, held alone)" if plane in p.published else "(bf16 master + int8 copy)")
         for plane in ("int8", "int4") if plane in p.weights
     ]
     lines = [
+        DEVICE_LINES[p.device],
         f"model: {p.params / 1e9:.2f}B parameters; weights {', '.join(sizes)}",
         f"cache: {p.sequences} sequences, KV {p.kv_bytes_per_token / 1024:.0f} KiB/token (attention layers), "
         f"conv state {p.conv_bytes_per_sequence / 1024:.0f} KiB/sequence: {p.cache / GIB:.2f} GiB; "
         f"activations {p.activations / GIB:.2f} GiB; search index {p.index / GIB:.2f} GiB",
     ] + ([p.index_line] if p.index_line else [])
     for row in p.macs:
-        lines.append(f"{row['ram_gb']:g} GB Mac, {row['plane']}: needs {row['total_bytes'] / GIB:.1f} of "
+        lines.append(f"{machine(row['ram_gb'], p.device)}, {row['plane']}: needs {row['total_bytes'] / GIB:.1f} of "
                      f"{row['usable_bytes'] / GIB:.1f} GiB usable: {_verdict(row)}")
     return lines
 
@@ -299,31 +351,33 @@ def config_plan(config: Mapping[str, Any], **shape: Any) -> MemoryPlan | None:
 def this_mac(
     config: Mapping[str, Any], *, memory: int, plane: str, group_size: int, groups: int, prompt_tokens: int,
     response_tokens: int, index_bytes: int = 0, index_line: str = "", published: Sequence[str] = (),
-    served: str | None = None,
+    served: str | None = None, device: str = "gpu",
 ) -> tuple[list[str], str | None]:
     """(plan lines, warning or None) for serving `config` on this Mac (`memory` bytes): the weights
     of each plane (those the run `published` held alone), the cache and the index, then total vs
     usable per plane, the run's `plane` marked. `served`: the plane this Mac will serve, when not
     the run's (`plane_choice` picks a smaller one the run publishes, or the config sets one): one
     more line names it and says whether it fits. The warning says what to change when the served
-    plane does not fit. ([], None): not plannable."""
+    plane does not fit. `device`: where MLX computes here (`DEVICES`; "cpu": the lines say "this
+    machine"). ([], None): not plannable."""
     served = served or plane
+    here = "this Mac" if device == "gpu" else "this machine"
     ram_gb = memory / GIB
     p = config_plan(
         config, group_size=group_size, groups=groups, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
-        index_bytes=index_bytes, index_line=index_line, mac_sizes_gb=(ram_gb,), published=published,
+        index_bytes=index_bytes, index_line=index_line, mac_sizes_gb=(ram_gb,), published=published, device=device,
     )
     if p is None:
         return [], None
-    mac = f"{ram_gb:g} GB Mac, "
+    mac = f"{machine(ram_gb, device)}, "
     marks = {plane: " (the run's plane)"} | ({served: " (served here)"} if served != plane else {})
-    lines = [line.replace(mac, "this Mac, ", 1) + next((m for pl, m in marks.items() if line.startswith(f"{mac}{pl}:")), "")
+    lines = [line.replace(mac, f"{here}, ", 1) + next((m for pl, m in marks.items() if line.startswith(f"{mac}{pl}:")), "")
              if line.startswith(mac) else line for line in describe(p)]
     rows = {r["plane"]: r for r in p.macs}
     row, run_row = rows.get(served), rows.get(plane)
     if row is not None and served != plane:
         lines.append(
-            f"this Mac will serve the {served} plane: needs {row['total_bytes'] / GIB:.1f} of "
+            f"{here} will serve the {served} plane: needs {row['total_bytes'] / GIB:.1f} of "
             f"{row['usable_bytes'] / GIB:.1f} GiB usable: {_verdict(row)}"
             + ("" if run_row is None else f" (the run's {plane} plane: {_verdict(run_row)})")
         )
@@ -331,7 +385,7 @@ def this_mac(
         return lines, None
     fit = row["max_sequences"]
     warning = (
-        f"warning: the run's model does not fit this Mac's usable memory on the {served} plane"
+        f"warning: the run's model does not fit {here}'s usable memory on the {served} plane"
         f"{'' if served == plane else ' it serves'} ({row['total_bytes'] / GIB:.1f} of {row['usable_bytes'] / GIB:.1f} GiB): "
         + (f"lower `batch` (or set `max_decode`) to at most {fit} sequences decoding" if fit else
            f"its {'weights and search index' if p.index else 'weights'} alone do not fit; join a run of a smaller "

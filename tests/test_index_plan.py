@@ -141,7 +141,7 @@ def test_join_counts_the_index_its_manifest_gives(
     config, info = daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest)
     index = index_plan(url, manifest)
     assert index is not None and index.counted == BIG_COUNTED
-    without, counted = plan_lines(config, info, 24 * GIB), plan_lines(config, info, 24 * GIB, index)
+    without, counted = plan_lines(config, info, 24 * GIB, device="gpu"), plan_lines(config, info, 24 * GIB, index, "gpu")
     assert needs(counted) == pytest.approx(needs(without) + 6.5, abs=0.1)
     assert "               this Mac, bf16: needs 16.3 of 16.0 GiB usable: fits only 2 sequences (the run's plane)" in without
     assert "               this Mac, bf16: needs 22.8 of 16.0 GiB usable: does not fit (the run's plane)" in counted
@@ -186,7 +186,7 @@ def test_a_missing_or_hostile_manifest_counts_nothing_and_says_why(tmp_path: Pat
     assert plan.line.startswith(f"search index: size unknown (runs/{RUN}/tasks/search/index/manifest.json: ")
     assert why in plan.line and plan.line.endswith("); 0 GiB counted") and "\n" not in plan.line
     assert len(plan.line) < 400  # the bucket's text is cut, never echoed whole
-    lines = plan_lines(daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest), 64 * GIB, plan)
+    lines = plan_lines(daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest), 64 * GIB, plan, "gpu")
     assert "search index 0.00 GiB" in "\n".join(lines) and any(plan.line in line for line in lines)
     rows = asyncio.run(plan_rows(daemon_config(url, tmp_path)))  # doctor: that row needs fixing
     assert [ok for _, finding, ok in rows if finding.startswith("search index:")] == [False]

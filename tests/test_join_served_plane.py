@@ -30,13 +30,13 @@ def _config(tmp_path: Path, **fields: object) -> cfg.DaemonConfig:
 
 def test_a_smaller_published_plane_that_fits_is_named_once_and_nothing_warns(tmp_path: Path) -> None:
     config, info = _config(tmp_path), _run()
-    lines = plan_lines(config, info, 24 * GIB)
+    lines = plan_lines(config, info, 24 * GIB, device="gpu")
     assert served_plane(config, info, 24 * GIB)[0] == "int8"
     served = [line.strip() for line in lines if line.strip().startswith(SERVED)]
     assert served == ["this Mac will serve the int8 plane: needs 9.1 of 16.0 GiB usable: fits "
                       "(the run's bf16 plane: does not fit)"]
     assert not any(line.startswith("warning") for line in lines)
-    assert memory_plan_lines(config, info, 24 * GIB)[1] is None  # doctor: no failing row either
+    assert memory_plan_lines(config, info, 24 * GIB, device="gpu")[1] is None  # doctor: no failing row either
     rows = [line.strip() for line in lines if line.strip().startswith("this Mac, ")]
     assert rows[:2] == ["this Mac, bf16: needs 16.5 of 16.0 GiB usable: does not fit (the run's plane)",
                         "this Mac, int8: needs 9.1 of 16.0 GiB usable: fits (served here)"]
@@ -47,7 +47,7 @@ def test_a_smaller_published_plane_that_fits_is_named_once_and_nothing_warns(tmp
 
 
 def test_the_runs_plane_that_fits_is_served_without_another_line(tmp_path: Path) -> None:
-    lines = plan_lines(_config(tmp_path), _run(), 64 * GIB)
+    lines = plan_lines(_config(tmp_path), _run(), 64 * GIB, device="gpu")
     assert not any(SERVED in line or "served here" in line or line.startswith("warning") for line in lines)
     assert any(line.strip() == "this Mac, bf16: needs 16.5 of 48.0 GiB usable: fits (the run's plane)" for line in lines)
     assert not any(line.startswith("  memory       ") for line in lines)
@@ -55,7 +55,7 @@ def test_the_runs_plane_that_fits_is_served_without_another_line(tmp_path: Path)
 
 def test_a_served_plane_that_does_not_fit_is_what_the_warning_names(tmp_path: Path) -> None:
     config = _config(tmp_path, plane="int8")  # this config's plane, on a Mac too small for it
-    lines = plan_lines(config, _run(), 12 * GIB)
+    lines = plan_lines(config, _run(), 12 * GIB, device="gpu")
     assert "  plane        int8 (this config's `plane`)" in lines
     assert lines[-2].strip() == ("this Mac will serve the int8 plane: needs 9.1 of 8.0 GiB usable: does not fit "
                                  "(the run's bf16 plane: does not fit)")
@@ -63,7 +63,7 @@ def test_a_served_plane_that_does_not_fit_is_what_the_warning_names(tmp_path: Pa
                          "(9.1 of 8.0 GiB): its weights alone do not fit; join a run of a smaller model or use a Mac "
                          "with more memory")
     # nothing smaller fits: the run's plane is served, and its warning is as before
-    nothing = plan_lines(_config(tmp_path), _run(planes=()), 12 * GIB)
+    nothing = plan_lines(_config(tmp_path), _run(planes=()), 12 * GIB, device="gpu")
     assert nothing[-1].startswith("warning: the run's model does not fit this Mac's usable memory on the bf16 plane (")
     assert not any(SERVED in line for line in nothing)
 

@@ -35,7 +35,7 @@ def test_lfm2_5_8b_a1b_on_macs() -> None:
                         (32, "bf16"): True, (32, "int8"): False, (64, "bf16"): True, (64, "int8"): True}
     row24 = next(r for r in p.macs if (r["ram_gb"], r["plane"]) == (24, "bf16"))
     assert 0 < row24["max_sequences"] < 16  # a 24 GB Mac holds the weights but not this run's batch
-    assert len(describe(p)) == 2 + len(p.macs)
+    assert len(describe(p)) == 3 + len(p.macs)  # the device, the terms, a row per (RAM, plane)
 
 
 def test_cache_terms_follow_the_run_shape() -> None:

@@ -16,7 +16,8 @@ from slime_stoa.protocol.run_manifest import RunManifest
 def test_this_mac_warns_only_when_the_runs_plane_does_not_fit() -> None:
     shape = {"group_size": 16, "groups": 1, "prompt_tokens": 512, "response_tokens": 1536}
     lines, warning = this_mac(LFM2_5_8B_A1B, memory=24 * GIB, plane="bf16", **shape)
-    assert lines[0].startswith("model: 8.47B parameters; weights bf16 15.8 GiB, int8 24.2 GiB")
+    assert lines[0].startswith("device: the GPU (Metal)")
+    assert lines[1].startswith("model: 8.47B parameters; weights bf16 15.8 GiB, int8 24.2 GiB")
     assert "this Mac, bf16: needs 16.3 of 16.0 GiB usable: fits only 2 sequences (the run's plane)" in lines
     assert warning is not None and "at most 2 sequences" in warning
     assert this_mac(LFM2_5_8B_A1B, memory=64 * GIB, plane="bf16", **shape)[1] is None
@@ -47,9 +48,10 @@ def test_join_reports_the_plan_of_the_runs_model(tmp_path: Path) -> None:
     manifest = RunManifest(run="r", model="LiquidAI/LFM2.5-8B-A1B", task="synthetic", group_size=8, max_tokens=1536,
                            max_prompt_tokens=512)
     info = cfg.RunInfo(manifest=manifest, version=3, elements=8_470_000_000, model_config=LFM2_5_8B_A1B)
-    small = plan_lines(config, info, 24 * GIB)
-    assert any(line.startswith("  memory plan  model: 8.47B parameters") for line in small)
+    small = plan_lines(config, info, 24 * GIB, device="gpu")
+    assert small[small.index("  memory plan  device: the GPU (Metal): bf16 weights, KV cache and activations") + 1].strip().startswith(
+        "model: 8.47B parameters")
     assert small[-1].startswith("warning: the run's model does not fit this Mac's usable memory on the bf16 plane")
-    assert not plan_lines(config, info, 64 * GIB)[-1].startswith("warning")
+    assert not plan_lines(config, info, 64 * GIB, device="gpu")[-1].startswith("warning")
     unknown = plan_lines(config, cfg.RunInfo(manifest=manifest), 64 * GIB)
     assert "  memory plan  unknown until the model's config.json is published" in unknown

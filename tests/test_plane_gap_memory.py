@@ -28,8 +28,8 @@ def test_published_planes_are_planned_without_the_master() -> None:
     assert fits[(16, "int8")] and fits[(16, "int4")] and not fits[(16, "bf16")]  # the 16 GB tier fits
     assert not any(r["fits"] for r in before.macs if r["ram_gb"] == 16)
     lines = describe(both)
-    assert "int8 8.4 GiB (published, held alone)" in lines[0] and "int4 4.4 GiB (published, held alone)" in lines[0]
-    assert "(bf16 master + int8 copy)" in describe(before)[0]
+    assert "int8 8.4 GiB (published, held alone)" in lines[1] and "int4 4.4 GiB (published, held alone)" in lines[1]
+    assert "(bf16 master + int8 copy)" in describe(before)[1]
     assert [line for line in lines if line.startswith("16 GB Mac, int4")]
     only8 = plan(LFM2_5_8B_A1B, **SHAPE, published=("int8",))
     assert set(only8.weights) == {"bf16", "int8"} and only8.weights["int8"] == both.weights["int8"]
@@ -63,4 +63,4 @@ def test_the_daemon_config_keeps_a_checked_plane(tmp_path) -> None:  # type: ign
         cfg.DaemonConfig(**base, plane="int2")
     info = cfg.RunInfo(manifest=_run(planes=("int8", "int4")), version=3, elements=8_470_000_000,
                        model_config=LFM2_5_8B_A1B)
-    assert "  plane        int4 (this config's `plane`)" in plan_lines(config, info, 64 * GIB)
+    assert "  plane        int4 (this config's `plane`)" in plan_lines(config, info, 64 * GIB, device="gpu")

@@ -55,7 +55,7 @@ def test_join_says_which_plane_this_mac_serves(tmp_path: Path) -> None:
     config = cfg.DaemonConfig(store=f"file://{tmp_path}", run="r", name="mac", worker_id="mac-1", data_dir=tmp_path, batch=2)
     manifest = run(planes=("int8", "int4"))
     info = cfg.RunInfo(manifest=manifest, version=3, elements=8_470_000_000, model_config=LFM2_5_8B_A1B)
-    assert "  plane        int8 (the run's published plane, held alone): " in "\n".join(plan_lines(config, info, 24 * GIB))
-    assert "  plane        bf16 (the bf16 weights): " in "\n".join(plan_lines(config, info, 64 * GIB))
+    assert "  plane        int8 (the run's published plane, held alone): " in "\n".join(plan_lines(config, info, 24 * GIB, device="gpu"))
+    assert "  plane        bf16 (the bf16 weights): " in "\n".join(plan_lines(config, info, 64 * GIB, device="gpu"))
     plain = cfg.RunInfo(manifest=run(), version=3, elements=8_470_000_000, model_config=LFM2_5_8B_A1B)
     assert not any(line.startswith("  plane ") for line in plan_lines(config, plain, 24 * GIB))  # no planes: the run's
