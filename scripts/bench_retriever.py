@@ -587,6 +587,24 @@ def bench_pubmed(n: int, queries: int, seed: int, arrays_up_to: int, rank_bm25_p
     return rows
 
 
+BUILD_TERM_BYTES = 40  # the build's state per term: df, idf, peak, postings offset, first block, term end
+BUILD_PASSAGE_BYTES = 16  # per passage: its length (int32), its norm and the float32 copies computing it
+
+
+def build_growth_mb(c: dict[str, Any], terms: float, beta: float) -> float:
+    """What the build holds beyond the measured peak at 16M passages: the per-term and
+    per-passage state, and the shards' maps (4 bytes a shard's word; a shard's words by Heaps'
+    law at `SHARD_DOCS` passages). The shard flush and the merge blocks do not grow."""
+    from slime_stoa.tasks.search.build import SHARD_DOCS
+
+    def pairs(n: float) -> float:
+        return max(1.0, n / SHARD_DOCS) * c["terms"] * (min(n, SHARD_DOCS) / c["passages"]) ** beta
+
+    grow = (BUILD_TERM_BYTES * (terms - c["terms"]) + BUILD_PASSAGE_BYTES * (PROJECT_TO - c["passages"])
+            + 4 * (pairs(PROJECT_TO) - pairs(c["passages"])))
+    return grow / (1 << 20)
+
+
 def project_pubmed(rows: dict[str, Any]) -> dict[str, Any]:
     """16M passages: postings and passage bytes linear in the passages; distinct terms by Heaps'
     law fitted through the two compact builds (terms ~ passages^beta); term tables per term."""
@@ -603,12 +621,13 @@ def project_pubmed(rows: dict[str, Any]) -> dict[str, Any]:
            "postings_bytes": files["postings.bin"] / c["postings"] * postings + 6 * (terms + further_blocks_per_posting * postings),
            "term_table_bytes": term_bytes * terms, "norms_bytes": 4 * PROJECT_TO,
            "passage_bytes": c["passage_bytes_per_passage"] * PROJECT_TO,
-           "build_peak_rss_mb": c["peak_rss_mb"] * (terms / c["terms"]),  # the vocabulary dict dominates: per term
+           "build_peak_rss_mb": c["peak_rss_mb"] + build_growth_mb(c, terms, beta),
            "scratch_bytes": c["peak_scratch_bytes"] * scale}
     out["download_bytes"] = out["postings_bytes"] + out["term_table_bytes"] + out["norms_bytes"] + out["passage_bytes"]
     print(f"projected to {PROJECT_TO:,} passages: {terms / 1e6:.1f}M terms (Heaps beta {beta:.2f}), download "
           f"{out['download_bytes'] / 1e9:.1f} GB (postings {out['postings_bytes'] / 1e9:.1f}, term tables {out['term_table_bytes'] / 1e9:.2f}, "
-          f"norms {out['norms_bytes'] / 1e9:.2f}, passages {out['passage_bytes'] / 1e9:.1f}); build scratch {out['scratch_bytes'] / 1e9:.1f} GB", flush=True)
+          f"norms {out['norms_bytes'] / 1e9:.2f}, passages {out['passage_bytes'] / 1e9:.1f}); build scratch {out['scratch_bytes'] / 1e9:.1f} GB, "
+          f"build peak RSS {out['build_peak_rss_mb'] / 1024:.1f} GiB", flush=True)
     return out
 
 
