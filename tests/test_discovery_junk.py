@@ -4,6 +4,7 @@ with it: the small form of scripts/bench_junk.py, plus the discovery rules one b
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store, open_store
@@ -15,13 +16,21 @@ from tests.test_consumer import RUN, Tiny, tiny
 __all__ = ["tiny"]  # the session fixture
 
 bench = load_script("bench_junk")
+PER_WAVE = 4
+
+
+async def small_form(tiny: Tiny, root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[str]]:
+    """scripts/bench_junk.py at 20,000 junk keys of each kind: (junk, control, summary, targets
+    missed); the security report takes its `junk_list_ratio` and `junk_state_bytes`."""
+    junk, control = await bench.bench_pair(
+        tiny, junk=20_000, waves=3, per_wave=PER_WAVE, wait_s=120.0, s3_url=None, root=root
+    )
+    summary, missed = bench.summarize(junk, control, PER_WAVE)
+    return junk, control, summary, missed
 
 
 async def test_twenty_thousand_junk_keys_of_each_kind_cost_nothing_that_grows(tmp_path: Path, tiny: Tiny) -> None:
-    junk, control = await bench.bench_pair(
-        tiny, junk=20_000, waves=3, per_wave=4, wait_s=120.0, s3_url=None, root=tmp_path
-    )
-    summary, missed = bench.summarize(junk, control, 4)
+    junk, control, summary, missed = await small_form(tiny, tmp_path)
     assert missed == [], (summary, junk, control)
     assert junk["admitted"] == control["admitted"] == 12
     assert junk["get_requests"] == control["get_requests"]  # no junk key is downloaded

@@ -32,6 +32,11 @@ and `crashes`, is 0.
   registry, the consumer state and its heads deleted or overwritten under a trainer with its own
   copies (`test_trust_writer`); one stops the trainer when it raises, does not put the object
   back or admits a revoked worker's record.
+- delivery (`junk_list_ratio`, `junk_state_bytes`, `skew_rejected`, `slow_answer_admitted_ratio`):
+  LIST requests per poll with 20,000 junk keys of each kind against a clean control and the
+  saved state's growth (`test_discovery_junk`), records of Macs whose clocks are 10 minutes
+  ahead, 10 and 40 minutes behind refused by the trainer (`test_worker_clock`: 0 within the
+  tolerance), the share of 12 honest records admitted when one GET trickles (`test_slow_download`).
 - heartbeats (`heartbeat_forged_tried`/`heartbeat_forged_shown_healthy`): unsigned, unknown-key,
   revoked, other-worker, other-run and tampered heartbeats beside an honest one, read the way
   `stoa fleet` and the trainer's metrics read them (`test_trust_heartbeats`).
@@ -79,14 +84,17 @@ from slime_stoa.trainer.consumer.state import ReplayLedger
 from tests.s3server import LocalS3Server
 
 from . import oversize_reads as ov
+from . import test_discovery_junk as junk
 from . import test_hostile_names as hn
 from . import test_record_hostile as rh
 from . import test_records as tr
+from . import test_slow_download as slow
 from . import test_trust_consumer_state as tcs
 from . import test_trust_downgrade as tdg
 from . import test_trust_heartbeats as thb
 from . import test_trust_rollback as trb
 from . import test_trust_writer as tw
+from . import test_worker_clock as clock
 from .conftest import s3_url
 from .forged_weights import CASES, honest_run, run_case, tally
 from .test_consumer import Tiny, tiny
@@ -614,6 +622,23 @@ def plain(counts: dict[str, Counter[str]]) -> dict[str, dict[str, int]]:
     return {k: {"tried": sum(c.values()), **dict(sorted(c.items()))} for k, c in counts.items()}
 
 
+async def delivery(tmp: Path, server: LocalS3Server, bucket: str, tiny: Tiny) -> dict[str, Any]:
+    """What junk in the prefix, a Mac's clock and a slow answer cost the honest records, each
+    measured by the test that asserts it: junk keys (`test_discovery_junk`'s small form: LISTs
+    per poll against a control, saved-state growth), corrected clocks at +10/-10/-40 minutes
+    (`test_worker_clock`: records refused), one trickled GET among 12 (`test_slow_download`)."""
+    (tmp / "junk").mkdir(parents=True)
+    _, _, summary, _ = await junk.small_form(tiny, tmp / "junk")
+    skew = await clock.skew_report(server, bucket, tmp / "clock", tiny)
+    return {
+        "junk_list_ratio": summary["junk_list_ratio"],
+        "junk_state_bytes": summary["junk_state_bytes"],
+        "skew_tried": skew["skew_tried"],
+        "skew_rejected": skew["skew_rejected"],
+        **await slow.slow_answer_report(server, bucket, tiny),
+    }
+
+
 async def build_report(
     tmp: Path, server: LocalS3Server, bucket: str, seed: int, tiny: Tiny | None = None, caplog: Any = None
 ) -> dict[str, Any]:
@@ -631,6 +656,7 @@ async def build_report(
         if tiny is not None:
             fresh = await freshness(stack, tmp / "freshness", factories, tiny, caplog)
             fresh.update(await forged_heartbeats(await factories["file"]("heartbeats")))
+            fresh.update(await delivery(tmp / "delivery", server, bucket, tiny))
         for backend, factory in factories.items():
             name_counts[f"download_extras.{backend}"] = await probe_extras(await factory("extras"), tmp / f"extras-{backend}", names)
             tallied = await factory("tally")
@@ -684,6 +710,10 @@ async def test_security_report(
         assert report[name] == 0, (name, where)
     assert report["rollback_tried"] == 2 * len(ROLLBACK_ATTACKS) + 2 and report["downgrade_tried"] == len(DOWNGRADE_ATTACKS)
     assert report["heartbeat_forged_tried"] == 7 and report["writer_tried"] == len(tw.ATTACKS), where
+    assert report["junk_list_ratio"] <= junk.bench.TARGET_RATIO, where
+    assert report["junk_state_bytes"] < junk.bench.TARGET_STATE_GROWTH, where
+    assert report["skew_tried"] == 3 * clock.PER_WORKER and report["skew_rejected"] == 0, where
+    assert report["slow_answer_admitted_ratio"] == 1.0, where
     assert report["oversize_tried"] == 2 * len(ov.cases()), where
     assert all(t["oversize_refused"] == t["oversize_tried"] for t in report["oversize_by_backend"].values()), report
     # The corpus is the size the report claims, and the checks can say yes: honest and
