@@ -1,12 +1,12 @@
 """Problems retrying cannot fix: `macd run` stops with their one line (exit status 2) instead.
 
 The worker outlives whatever the bucket does: an outage, a malformed or missing weights object
-is reported and retried (`worker.py`), since the bucket may be put right. Some problems are the
-same on every try, and a worker retrying them looks busy while it never generates:
+is reported and retried (`worker.py`), since the bucket may be put right; so is missing task data
+(never prepared, or deleted by a token holder: `stoa task prepare` puts it back), which the worker
+waits for, naming that command (`worker.TaskNotPrepared`). Some problems are the same on every
+try, and a worker retrying them looks busy while it never generates:
 
-- the run's setup is incomplete in a way only the operator can fix (its task data was never
-  prepared: `stoa task prepare`), or its model is of a family macd cannot run
-  (`slime_stoa.protocol.hf.architectures`);
+- the run's model is of a family macd cannot run (`slime_stoa.protocol.hf.architectures`);
 - the model could not be built from the run's anchor (mlx-lm refused its config or its weights);
 - an error of the code itself (`PROGRAMMING_ERRORS`: a bug, or an incompatible install such as
   another mlx-lm version), which no store or network problem raises.

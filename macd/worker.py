@@ -33,8 +33,10 @@ keeps retrying; after, it keeps generating with its last verified weights and mo
 first good pointer. A store outage of any length only delays uploads: groups wait in the spool,
 which drains when the store is back. Only what retrying cannot fix stops it, with one line naming
 the cause and the fix: a configuration error (`StoreConfigError`: credentials, bucket), and the
-problems `fatal.py` lists (the run's task never prepared, a model family macd cannot run or a
-model it cannot build, an error of the code itself).
+problems `fatal.py` lists (a model family macd cannot run or a model it cannot build, an error of
+the code itself). A run whose task data is missing (never prepared, or deleted) is waited for:
+one line naming the `stoa task prepare` command, said again with backoff, and the worker goes on
+once the task is there (`TaskNotPrepared`).
 
 In a signed run the worker signs its heartbeat with its worker key, and reads the run's registry
 at start and every `registry_poll_s` (`revocation.py`). Once its key is revoked it stops
@@ -69,7 +71,7 @@ from .clock import StoreClock
 from .cmdline import task_prepare_command
 from .config import DaemonConfig
 from .evaluate import EvalResponder
-from .fatal import Fatal, permanent
+from .fatal import permanent
 from .following import SwapRecord, WeightFollower, held_plane, served_digest
 from .generation import GenerationLoop, Ready, ToolCalls, at_safe_point
 from .mlx_thread import MLXThread, return_freed_memory
@@ -98,6 +100,17 @@ __all__ = [  # with the parts' names other modules import from here
 def task_key(manifest: RunManifest) -> str:
     """The bucket key of the task file workers draw prompts from."""
     return manifest.layout.task_data(manifest.task, manifest.task_split)
+
+
+class TaskNotPrepared(Exception):
+    """The run's task data is not in the bucket. Healable (the operator prepares it, or prepares it
+    again after a token holder deleted it), so the worker waits for it instead of stopping."""
+
+
+def says_again(tries: int) -> bool:
+    """Whether the `tries`-th try of a wait says its line again: at tries 1, 2, 4, 8, ... (a
+    backoff on top of the polls' own)."""
+    return tries > 0 and tries & (tries - 1) == 0
 
 
 class Worker:
@@ -185,11 +198,11 @@ class Worker:
             self.trust = RunTrust.from_text(self.config.run, key_text)
         try:
             data = await self.store.get_bytes(task_key(manifest))
-        except NotFound:  # the operator created the run and never prepared its task: only they can fix it
+        except NotFound:  # never prepared, or deleted: the operator prepares it, this worker waits
             prepare = task_prepare_command(manifest.task, manifest.task_split, self.config.store, manifest.run)
-            raise Fatal(
+            raise TaskNotPrepared(
                 f"run {manifest.run!r} has no task data ({task_key(manifest)} is not in the bucket): "
-                f"the operator prepares it with `{prepare}`, then start this worker again"
+                f"the operator prepares it with `{prepare}`; this worker waits for it"
             ) from None
         task = await asyncio.to_thread(load_task, data)
         if task.name != manifest.task:
@@ -255,10 +268,13 @@ class Worker:
         (each failure reported) until it works. None if stopped first (or the uploader failed)."""
         delay = self.options.idle_poll_s
         loaded: tuple[RunManifest, Task] | None = None
+        task_waits = 0  # tries that found no task data
         while not stop.is_set() and not upload_task.done():
             try:
                 if loaded is None:
                     loaded = await self._load_run()
+                    if task_waits:
+                        log.info("run %s: its task data is there now: starting", self.config.run)
                     if self.reporter.beat.status == "refused":
                         self.reporter.update(status="starting")
                 manifest, task = loaded
@@ -277,6 +293,11 @@ class Worker:
             except RunKeyRefused as exc:  # one line per `repeat_log_s`; the bucket may be put right
                 self.reporter.update(status="refused")
                 self.reporter.error(str(exc))
+            except TaskNotPrepared as exc:  # counted at every try, said at tries 1, 2, 4, 8, ...
+                task_waits += 1
+                if says_again(task_waits):
+                    log.warning("%s", exc)
+                self.reporter.update(errors=self.reporter.beat.errors + 1, last_error=str(exc)[:500])
             except Exception as exc:  # malformed or missing objects, a store outage: retried
                 what = "run" if loaded is None else "weights"
                 self._stop_if_permanent(exc, what)

@@ -1,6 +1,6 @@
 """What retrying cannot fix stops a worker with one line (exit 2) instead of being retried forever:
 a model family macd cannot run (refused at `macd join` too), a model mlx-lm cannot build, an error of
-the code itself, a run whose task was never prepared. Outages and malformed objects stay retried."""
+the code itself. Outages and malformed objects stay retried, and missing task data is waited for."""
 
 from __future__ import annotations
 
@@ -98,16 +98,38 @@ def test_join_refuses_an_unsupported_architecture(
     assert not (tmp_path / "joined.toml").exists()
 
 
-def test_a_run_whose_task_was_never_prepared_stops_naming_stoa_task_prepare(model_dir: Path, tmp_path: Path) -> None:
+async def test_a_worker_waits_for_missing_task_data_naming_stoa_task_prepare(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Task data deleted (or never prepared) is healable: the worker says the exact `stoa task
+    prepare` command at tries 1, 2, 4, 8, ... and generates once the task is back."""
     from slime_stoa.cli import build_parser
 
-    url, path = seeded(tmp_path, model_dir, task=False)
-    rc, errors, out = macd_run(path)
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in out, out
-    line = errors[0]
-    command = next(part for part in line.split("`")[1::2] if part.startswith("stoa task prepare"))
-    args: argparse.Namespace = build_parser().parse_args(shlex.split(command)[1:])
-    assert (args.task, args.files, args.store, args.run, args.split) == ("synthetic", [], url, RUN, "train")
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    async with open_store(url) as store:
+        await seed_run(store, MANIFEST, model_dir, task_count=20)
+        data = await store.get_bytes(task_key(MANIFEST))
+        await store.delete(task_key(MANIFEST))
+        options = WorkerOptions(seed=1, idle_poll_s=0.001, setup_retry_max_s=0.002, max_cohorts=1)
+        worker = Worker(daemon_config(url, tmp_path / "data"), store, options)
+        caplog.set_level("INFO", logger="macd")
+        running = asyncio.create_task(worker.run(asyncio.Event()))
+        while worker.beat.errors < 9 and not running.done():  # nine tries found no task
+            await asyncio.sleep(0.001)
+        said = [r.getMessage() for r in caplog.records if "has no task data" in r.getMessage()]
+        tries = worker.beat.errors  # read with the lines, nothing awaited between
+        assert not running.done() and worker.cohorts == 0
+        assert len(said) == tries.bit_length() < tries  # tries 1, 2, 4, 8: a backoff, not a line per poll
+        assert len(set(said)) == 1 and worker.beat.last_error == said[0] and "\n" not in said[0]
+        command = next(part for part in said[0].split("`")[1::2] if part.startswith("stoa task prepare"))
+        args: argparse.Namespace = build_parser().parse_args(shlex.split(command)[1:])
+        assert (args.task, args.files, args.store, args.run, args.split) == ("synthetic", [], url, RUN, "train")
+        await store.put(task_key(MANIFEST), data)  # the operator prepared it again
+        assert await asyncio.wait_for(running, 120) == 0
+    assert worker.cohorts == 1 and worker.groups_recorded + worker.groups_filtered > 0
+    assert any("its task data is there now" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("error", [TypeError("build() got an unexpected keyword"), ValueError("shape (4, 8) != (8, 4)")])
