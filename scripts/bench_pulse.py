@@ -16,9 +16,9 @@ Trajectories (bf16 casts of fp32 master weights after each optimizer step):
   the bf16 weights change per step.
 - `synthetic`: the one reference step of the research notes (5.1).
 
-Layouts, for the patch from version v-k to v (k = 1, 4, 16): PULSE `stoa-pulse/2` with
-base-relative values (`rel`: the publisher's default mode) and with new values (`abs`), the
-previous format `stoa-pulse/1` (rel), the deployed layout of the closest peer (grail's
+Layouts, for the patch from version v-k to v (k = 1, 4, 16): PULSE with base-relative values
+(`rel`: what step patches carry) and with new values (`abs`: what catch-up patches carry), the
+deployed layout of the closest peer (grail's
 sparse_codec v3.1, reimplemented here from its description: per tensor 2-D COO coordinates,
 rows gap-coded, columns gap-coded within a row, each downcast to the smallest of uint8 / uint16 /
 int32 that holds it, raw bf16 values, a JSON header, everything in one zstd-1 frame), and a flat
@@ -96,14 +96,14 @@ from slime_stoa.protocol.pulse.codec import (
     shapes_of,
 )
 from slime_stoa.protocol.pulse.digest import state_digest
-from slime_stoa.protocol.pulse.frames import FORMAT_V1, PatchIndex, encode_patch, frame_slice
+from slime_stoa.protocol.pulse.frames import MODES, PatchIndex, encode_patch, frame_slice
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.pulse.subscriber import Subscriber
+from slime_stoa.protocol.pulse.version_patches import STEP_MODE
 from slime_stoa.protocol.store import open_store
 
 State = dict[str, np.ndarray]
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 1536, 8960, 12, 2, 128, 151936, 28
-DEFAULT_MODE = "rel"  # the publisher's default patch mode (PublisherConfig.mode)
 LAGS = (1, 4, 16)
 HEAD = max(LAGS) + 1  # the head version; v0 is the first anchor
 RUN = "bench"
@@ -455,20 +455,17 @@ def run_case(label: str, base: State, new: State, repeat: int, *, speed: bool = 
     row: dict = {"case": label, "state_mb": state_bytes / 1e6, "changed": changed,
                  "density": changed / elements, "abs_floor_bits": abs_floor, "rel_floor_bits": rel_floor}
     work = {n: a.copy() for n, a in base.items()}
-    for key, mode, fmt in (("rel", "rel", None), ("abs", "abs", None), ("rel_v1", "rel", FORMAT_V1)):
-        options = {"mode": mode} | ({"format": fmt} if fmt else {})
-        index, body = encode_patch(base, new, threads=1, **options)
+    for key in MODES:  # "abs" and "rel"
+        index, body = encode_patch(base, new, threads=1, mode=key)
         row[f"{key}_bytes"] = len(body) + index_bytes(index)
         row[f"{key}_index_bits"] = 8 * index_bytes(index) / changed
         row[f"{key}_bits_per_changed"] = 8 * row[f"{key}_bytes"] / changed
-        if key == "rel_v1":
-            continue
         undo = apply_patch(work, index, all_frames(index, body))
         require(all(np.array_equal(work[n], new[n]) for n in new), f"{label}: the {key} round trip differs")
         undo.rollback(work)
         if speed:
-            enc_s, _ = timed(partial(encode_patch, base, new, threads=1, **options), repeat)
-            enc_mt_s, mt = timed(partial(encode_patch, base, new, **options), repeat)
+            enc_s, _ = timed(partial(encode_patch, base, new, threads=1, mode=key), repeat)
+            enc_mt_s, mt = timed(partial(encode_patch, base, new, mode=key), repeat)
             require(mt == (index, body), f"{label}: the {key} encoding depends on the thread count")
             row[f"{key}_encode_mb_s"] = state_bytes / 1e6 / enc_s
             row[f"{key}_encode_mb_s_mt"] = state_bytes / 1e6 / enc_mt_s
@@ -639,7 +636,7 @@ async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: in
     results and the states kept for the codec table (HEAD - k for k in LAGS, and HEAD)."""
     keep = {HEAD - k for k in LAGS} | {HEAD}
     kept: dict[int, State] = {}
-    config = PublisherConfig(mode=DEFAULT_MODE, anchor_every=HEAD, anchor_fraction=100.0)
+    config = PublisherConfig(anchor_every=HEAD, anchor_fraction=100.0)
     async with bench_store(use_s3) as (store, where):
         pub, follower = Publisher(store, RUN, config), Subscriber(store, RUN)
         laggers = {k: Subscriber(store, RUN) for k in LAGS}  # lag 1: download bytes only
@@ -665,8 +662,8 @@ async def receive_case(layers: int, lr: float, snr: float, seed: int, repeat: in
         if target is None or target.anchor.version != HEAD:
             raise Incomplete(f"the follower's head is not the anchor published at v{HEAD}")
         step = target.patch("step")
-        if step is None or step.index.mode != DEFAULT_MODE:
-            raise Incomplete(f"v{HEAD} has no {DEFAULT_MODE} step patch")
+        if step is None or step.index.mode != STEP_MODE:
+            raise Incomplete(f"v{HEAD} has no {STEP_MODE} step patch")
         body = await store.get_bytes(step.key)
         base = {n: a.copy() for n, a in kept[HEAD - 1].items()}
         apply_all = apply_times(base, step.index, body, max(repeat, 5))
@@ -714,7 +711,6 @@ SIZE_COLUMNS = [
     ("rel_bytes", "rel MB", "{:.3f}", 1e-6),
     ("rel_bits_per_changed", "rel b/chg", "{:.2f}"),
     ("abs_bits_per_changed", "abs b/chg", "{:.2f}"),
-    ("rel_v1_bits_per_changed", "rel v1 b/chg", "{:.2f}"),
     ("peer_v31_bits_per_changed", "peer v3.1 b/chg", "{:.2f}"),
     ("flat_bits_per_changed", "flat b/chg", "{:.2f}"),
     ("rel_floor_bits", "rel floor", "{:.2f}"),
@@ -748,7 +744,7 @@ def print_table(rows: list[dict], columns) -> None:
 
 def print_receive(r: dict) -> None:
     print(f"\nReceive, {r['state_mb']:.0f} MB model through a {r['store']}, step patch {r['step_bytes'] / 1e6:.2f} MB "
-          f"({r['step_changes']} changes, {DEFAULT_MODE}):")
+          f"({r['step_changes']} changes, {STEP_MODE}):")
     lines = [
         ("1-step sync (median of {})".format(len(r["sync_s_all"])), "step", r["step_bytes"], r["sync_s_step"], None),
         ("  verify + decode + apply a step patch in memory (median)", "", r["step_bytes"], r["apply_s_step"], None),
@@ -796,9 +792,6 @@ def bench(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     layers = args.layers or (1 if args.quick else 2)
     repeat = args.repeat or (3 if args.quick else 5)
-    if PublisherConfig().mode != DEFAULT_MODE:
-        print(f"note: PublisherConfig().mode is {PublisherConfig().mode!r}; measuring the intended default "
-              f"{DEFAULT_MODE!r}")
     started = time.perf_counter()
     session = Session()
 
@@ -832,8 +825,8 @@ def bench(argv: list[str] | None) -> int:
     table = rows + torch_rows + [synth]
     print()
     print_table(table, SIZE_COLUMNS)
-    print("\nb/chg = bits per changed element (patch body + index as carried in the manifest); rel = stoa-pulse/2 "
-          "base-relative (the publisher's default), abs = new values, rel v1 = the previous format;\n"
+    print("\nb/chg = bits per changed element (patch body + index as carried in the manifest); rel = base-relative "
+          "(step patches), abs = new values (catch-up patches);\n"
           "peer v3.1 = grail sparse_codec v3.1 layout (reimplemented); flat = int32 gap-coded flat indices + raw "
           "bf16; floor = order-0 bound; vs full = full bf16 state / patch.\n")
     print_table(table, SPEED_COLUMNS)
@@ -841,7 +834,7 @@ def bench(argv: list[str] | None) -> int:
           f"apply in place; state digest {state_mb / hash_s:.0f} MB/s.")
     print_receive(receive)
     head = torch_rows[0]
-    print(f"\nheadline (torch k=1, {head['density']:.3%} density): default (rel) {head['rel_bits_per_changed']:.2f} "
+    print(f"\nheadline (torch k=1, {head['density']:.3%} density): step patches (rel) {head['rel_bits_per_changed']:.2f} "
           f"b/chg, {head['rel_ratio_vs_full']:.0f}x smaller than a full sync; peer v3.1 "
           f"{head['peer_v31_bits_per_changed']:.2f} b/chg. Medians: sync/apply = "
           f"{receive['sync_over_apply_median']:.2f}; catch-up 4 / anchor = "
@@ -853,7 +846,7 @@ def bench(argv: list[str] | None) -> int:
         **session.meta(), "repeat": repeat,
         "scale": {"layers": layers, "params": params, "lr": args.lr, "snr": args.snr},
         "torch": torch_info,
-        "default_mode": DEFAULT_MODE,
+        "default_mode": STEP_MODE,
         "density": head["density"],
         "default_bits_per_changed": head["rel_bits_per_changed"],
         "abs_bits_per_changed": head["abs_bits_per_changed"],

@@ -13,7 +13,7 @@ from slime_stoa.cli import fleet_cmd, main
 from slime_stoa.protocol.heartbeat import MAX_HEARTBEAT_BYTES, MAX_TEXT_CHARS, Heartbeat
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse import history
-from slime_stoa.protocol.pulse.patch_index import FORMAT_V1, FORMAT_V2, EntryInfo, FrameInfo, PatchIndex
+from slime_stoa.protocol.pulse.patch_index import EntryInfo, FrameInfo, PatchIndex
 from slime_stoa.protocol.run_manifest import MAX_RUN_MANIFEST_BYTES, MAX_STOP, MAX_STOP_CHARS, RunManifest
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import GetResult, NotFound, Store, open_store
@@ -107,7 +107,7 @@ def test_stoa_fleet_reports_oversize_heartbeats_and_pointer_and_carries_on(
 LFM2_TENSORS = 2_600
 
 
-def patch_index(fmt: str, tensors: int, frames: int) -> PatchIndex:
+def patch_index(tensors: int, frames: int) -> PatchIndex:
     """An index naming `tensors` tensors with long names over `frames` frames (a tensor in the
     frame before it too, as one split over two frames)."""
     names = [f"model.layers.{i // 96}.feed_forward.experts.{i // 3 % 32}.w{i % 3 + 1}.weight.{i}" for i in range(tensors)]
@@ -118,22 +118,21 @@ def patch_index(fmt: str, tensors: int, frames: int) -> PatchIndex:
             EntryInfo(name=n, shape=(1792, 2048), count=3_000_000, width=2, high=100_000)
             for n in names[max(f * per - 1, 0) : (f + 1) * per]
         )
-        streams = (1_000_000, 2_000_000, 3_000_000, 400_000) if fmt == FORMAT_V2 else ()
         out.append(FrameInfo(offset=f * 12_000_000, length=12_000_000, raw_size=16 << 20, digest="ab" * 16,
-                             entries=entries, streams=streams))
-    return PatchIndex(mode="rel", frames=tuple(out), format=fmt)
+                             entries=entries, streams=(1_000_000, 2_000_000, 3_000_000, 400_000)))
+    return PatchIndex(mode="rel", frames=tuple(out))
 
 
 @pytest.mark.parametrize(
-    "fmt, tensors, frames",
+    "tensors, frames",
     [
-        pytest.param(FORMAT_V2, history.MAX_MODEL_TENSORS, 20_000, marks=pytest.mark.slow),  # ~15 s to build
-        (FORMAT_V1, 4 * LFM2_TENSORS, 5_000),
-        (FORMAT_V2, LFM2_TENSORS, 1_000),
+        pytest.param(history.MAX_MODEL_TENSORS, 20_000, marks=pytest.mark.slow),  # ~15 s to build
+        (4 * LFM2_TENSORS, 5_000),
+        (LFM2_TENSORS, 1_000),
     ],
 )
-def test_a_version_manifest_of_a_large_model_fits(fmt: str, tensors: int, frames: int) -> None:
-    index = json.dumps(patch_index(fmt, tensors, frames).to_json())
+def test_a_version_manifest_of_a_large_model_fits(tensors: int, frames: int) -> None:
+    index = json.dumps(patch_index(tensors, frames).to_json())
     assert 2 * len(index) + 4096 < history.MAX_VERSION_MANIFEST_BYTES / 2, len(index)  # step + catch-up, 2x headroom
 
 

@@ -19,20 +19,12 @@ HEAD = 33  # lags 1..32 from v1..v32; v0 is the anchor
 
 
 def test_the_schedule_and_the_budget():
-    due = [d for d in range(70) if catchup_due(d, "powers_of_two")]
-    assert due == [2, 4, 8, 16, 32, 64]
-    assert [d for d in range(20) if catchup_due(d, "every", 5)] == [5, 10, 15]
-    assert [d for d in range(4) if catchup_due(d, "every", 1)] == [2, 3]  # one past the anchor: the step is it
-    with pytest.raises(ValueError, match="schedule"):
-        catchup_due(4, "sometimes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="every"):
-        catchup_due(4, "every", 0)
+    due = [d for d in range(70) if catchup_due(d)]
+    assert due == [2, 4, 8, 16, 32, 64]  # one past the anchor never: the step patch is that change
     assert within_budget(100, 50, 100, 1.5) and not within_budget(100, 51, 100, 1.5)
     assert not within_budget(0, 100, 100, 1.5) and within_budget(0, 99, 100, 1.5)  # no cheaper than the chain
     with pytest.raises(ValueError, match="catchup_budget"):
         PublisherConfig(catchup_budget=-1.0)
-    with pytest.raises(ValueError, match="catchup_schedule"):
-        PublisherConfig(catchup_schedule="sometimes")  # type: ignore[arg-type]
 
 
 def tiny_states(n: int, seed: int) -> list[dict[str, np.ndarray]]:

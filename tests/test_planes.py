@@ -163,7 +163,7 @@ def test_a_step_requantizes_only_the_groups_it_changed_bit_exact(plane: str) -> 
 async def test_the_publisher_writes_each_plane_after_its_bf16_version_signed(store: Store) -> None:
     key = SigningKey.generate()
     trust = RunTrust(RUN, key.public)
-    config = PublisherConfig(planes=("int8", "int4"), catchup_schedule="every", catchup_every=2, catchup_budget=float("inf"))
+    config = PublisherConfig(planes=("int8", "int4"), catchup_budget=float("inf"))
     pub = Publisher(store, RUN, config, key=key)
     subs = {p: Subscriber(store, RUN, trust=RunTrust(RUN, key.public), plane=p) for p in QUANT_PLANES}
     states = [bf16_state()]
@@ -185,7 +185,7 @@ async def test_the_publisher_writes_each_plane_after_its_bf16_version_signed(sto
             assert sub.state is not None and sub.state.keys() == expected.keys()
             assert all(np.array_equal(sub.state[n], a) for n, a in expected.items())
             assert sub.digest is not None and sub.digest.root() == pointer.state_digest != bf16.state_digest
-            if v == 2:  # the plane's own catch-up schedule: every 2nd version from its anchor
+            if v == 2:  # the plane's own catch-up schedule: two versions past its anchor
                 assert manifest.patch("catchup") is not None
         assert pub.planes["int8"].state_digest == (await read_pointer(store, RUN, plane="int8")).state_digest
     # A bf16 reader never sees a plane's objects.

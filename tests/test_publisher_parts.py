@@ -96,7 +96,7 @@ async def test_a_due_catchup_carries_the_union_since_the_anchor_and_the_budget_c
     for _ in range(2):
         states.append(step_state(states[-1], rng))
     layout = RunLayout("r")
-    config = PublisherConfig(catchup_schedule="every", catchup_every=2, catchup_budget=float("inf"))
+    config = PublisherConfig(catchup_budget=float("inf"))  # v2: two past the anchor, a catch-up is due
     first = diff(states[0], states[1])
 
     async def v2(config: PublisherConfig):
@@ -117,7 +117,7 @@ async def test_a_due_catchup_carries_the_union_since_the_anchor_and_the_budget_c
         changed = np.flatnonzero((states[0][name] != states[1][name]) | (states[1][name] != states[2][name]))
         got = union[name][0] if name in union else np.empty(0, dtype=np.int64)
         assert np.array_equal(np.sort(got), changed)
-    skipped = await v2(PublisherConfig(catchup_schedule="every", catchup_every=2, catchup_budget=0.0))
+    skipped = await v2(PublisherConfig(catchup_budget=0.0))
     assert [p.kind for p in skipped.patches] == ["step"] and skipped.catchup_bytes == 0
     assert skipped.bodies[0] == written.bodies[0]  # the step patch does not depend on the catch-up
     without = await v2(PublisherConfig(catchup=False))

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from slime_stoa.protocol.pulse.apply import ChangedIndices, UndoEntry, UndoLog, apply_patch
 from slime_stoa.protocol.pulse.codec import (
     PatchCorrupt,
-    PatchError,
     bf16_bits_to_float32,
     changed_indices,
     diff,
@@ -30,9 +29,7 @@ from slime_stoa.protocol.pulse.codec import (
 )
 from slime_stoa.protocol.pulse.digest import StateDigest, state_digest, tensor_digest
 from slime_stoa.protocol.pulse.frames import (
-    FORMAT_V1,
-    FORMAT_V2,
-    FORMATS,
+    FORMAT,
     PatchIndex,
     decode_frame,
     encode_delta,
@@ -40,6 +37,7 @@ from slime_stoa.protocol.pulse.frames import (
     frame_slice,
     verify_frame,
 )
+from slime_stoa.protocol.pulse.manifests import ManifestError, PatchRef
 from slime_stoa.protocol.pulse.patch_index import MAX_INDEX_BYTES, validate_index
 
 # ±0, ±inf, NaNs with various payloads and signs, denormals, ±1.
@@ -114,18 +112,15 @@ def forge_frame(index: PatchIndex, i: int, blob: bytes, **changes) -> PatchIndex
 
     frame = index.frames[i]
     entries = (dataclasses.replace(frame.entries[0], **changes), *frame.entries[1:])
-    streams = frame.streams
-    if streams:  # stoa-pulse/2: `blob` is the frame's section-0 stream plus its other streams
-        streams = (len(blob) - sum(streams[1:]), *streams[1:])
+    streams = (len(blob) - sum(frame.streams[1:]), *frame.streams[1:])  # blob: a new section-0 stream + the rest
     forged = dataclasses.replace(frame, length=len(blob), digest=xxhash.xxh3_128(blob).hexdigest(),
                                  entries=entries, streams=streams)
     return reindexed(index, [*index.frames[:i], forged, *index.frames[i + 1:]])
 
 
 def with_section0(index: PatchIndex, i: int, frame: bytes, stream: bytes) -> bytes:
-    """Frame i's bytes with its zstd frame (v1) or its section-0 stream (v2) replaced."""
-    streams = index.frames[i].streams
-    return stream + frame[streams[0]:] if streams else stream
+    """Frame i's bytes with its section-0 stream replaced."""
+    return stream + frame[index.frames[i].streams[0]:]
 
 
 # ------------------------------------------------------------------------------------------
@@ -142,20 +137,16 @@ shape_st = st.lists(st.integers(0, 12), min_size=0, max_size=3).map(tuple)
     density=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
     mode=st.sampled_from(["abs", "rel"]),
     frame_bytes=st.sampled_from([16, 300, 16 << 20]),
-    fmt=st.sampled_from(FORMATS),
 )
-def test_round_trip_is_bit_identical(shapes, seed, density, mode, frame_bytes, fmt):
+def test_round_trip_is_bit_identical(shapes, seed, density, mode, frame_bytes):
     rng = np.random.default_rng(seed)
     base = random_state(rng, shapes)
     new = mutate(rng, base, density)
-    index, body = encode_patch(base, new, mode=mode, frame_bytes=frame_bytes, format=fmt)
-    assert json_round_trip(index) == index
-    if fmt == FORMAT_V2:
-        assert PatchIndex.from_bytes(index.to_bytes()) == index
-        assert all(len(f.streams) == 4 and sum(f.streams) == f.length for f in index.frames)
-    else:
-        assert all(f.streams == () for f in index.frames)
-    assert index.mode == mode and index.format == fmt and index.body_size == len(body)
+    index, body = encode_patch(base, new, mode=mode, frame_bytes=frame_bytes)
+    assert json_round_trip(index) == index and index.to_json()["format"] == FORMAT
+    assert PatchIndex.from_bytes(index.to_bytes()) == index
+    assert all(len(f.streams) == 4 and sum(f.streams) == f.length for f in index.frames)
+    assert index.mode == mode and index.body_size == len(body)
     delta = diff(base, new)
     assert index.count == sum(i.size for i, _ in delta.values())
     state = copy_state(base)
@@ -316,12 +307,12 @@ def test_rollback_restores_overlapping_writes():
 # Failures leave the state untouched
 
 
-def patched_setup(seed=6, frame_bytes=200, fmt=FORMAT_V2):
+def patched_setup(seed=6, frame_bytes=200):
     rng = np.random.default_rng(seed)
     base = {"a": random_bits(rng, (40, 30)), "b": random_bits(rng, (900,)), "c": random_bits(rng, (3,))}
     new = mutate(rng, base, 0.1)
     new["c"][0] ^= 1
-    index, body = encode_patch(base, new, frame_bytes=frame_bytes, format=fmt)
+    index, body = encode_patch(base, new, frame_bytes=frame_bytes)
     assert len(index.frames) >= 3
     return base, new, index, all_frames(index, body)
 
@@ -356,18 +347,16 @@ def test_wrong_digest_in_index_is_corrupt():
     assert_apply_fails(base, reindexed(index, (wrong, *index.frames[1:])), frames, PatchCorrupt, "frame 0: digest")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_garbage_frame_with_matching_digest_is_corrupt_not_a_crash(fmt):
-    base, _, index, frames = patched_setup(fmt=fmt)
+def test_garbage_frame_with_matching_digest_is_corrupt_not_a_crash():
+    base, _, index, frames = patched_setup()
     garbage = np.random.default_rng(7).integers(0, 256, 300, dtype=np.uint8).tobytes()
     frames[2] = with_section0(index, 2, frames[2], garbage)
     assert_apply_fails(base, forge_frame(index, 2, frames[2]), frames, PatchCorrupt, "frame 2.*: not a zstd")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_frame_declaring_another_size_is_rejected_before_decompressing(fmt):
-    base, _, index, frames = patched_setup(fmt=fmt)
-    expected = index.frames[2].section_totals()[0] if fmt == FORMAT_V2 else index.frames[2].raw_size
+def test_frame_declaring_another_size_is_rejected_before_decompressing():
+    base, _, index, frames = patched_setup()
+    expected = index.frames[2].section_totals()[0]
     original = frames[2]
     for blob in (
         zstandard.ZstdCompressor().compress(b"\0" * (expected + 1)),
@@ -377,10 +366,9 @@ def test_frame_declaring_another_size_is_rejected_before_decompressing(fmt):
         assert_apply_fails(base, forge_frame(index, 2, frames[2]), frames, PatchCorrupt, "zstd header declares")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_truncated_zstd_stream_with_matching_digest_is_corrupt(fmt):
-    base, _, index, frames = patched_setup(fmt=fmt)
-    first = index.frames[1].streams[0] if fmt == FORMAT_V2 else len(frames[1])
+def test_truncated_zstd_stream_with_matching_digest_is_corrupt():
+    base, _, index, frames = patched_setup()
+    first = index.frames[1].streams[0]
     frames[1] = with_section0(index, 1, frames[1], frames[1][: first - 3])
     assert_apply_fails(base, forge_frame(index, 1, frames[1]), frames, PatchCorrupt, "frame 1")
 
@@ -404,29 +392,20 @@ def test_index_out_of_range_is_corrupt_and_rolled_back():
     assert_same(state, before)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_inconsistent_long_code_count_is_corrupt(fmt):
+def test_inconsistent_long_code_count_is_corrupt():
     base = {"w": np.zeros(70000, dtype=np.uint16)}
     new = copy_state(base)
     new["w"][[5, 60000]] = 1
-    index, body = encode_patch(base, new, format=fmt)
+    index, body = encode_patch(base, new)
     entry = index.frames[0].entries[0]
     assert (entry.width, entry.high) == (2, 1)
     # Rewrite the bitmap so it marks both codes as long, keeping every size unchanged.
-    c = zstandard.ZstdCompressor()
-    if fmt == FORMAT_V1:
-        raw = bytearray(zstandard.ZstdDecompressor().decompress(body))
-        raw[2] = 0b11000000
-        blob = c.compress(bytes(raw))
-        forged = forge_frame(index, 0, blob)
-    else:
-        s0, s1, s2, _ = index.frames[0].streams
-        upper = bytearray(zstandard.ZstdDecompressor().decompress(body[s0 : s0 + s1]))
-        upper[0] = 0b11000000
-        blob = body[:s0] + c.compress(bytes(upper)) + body[s0 + s1 :]
-        streams = (s0, len(blob) - len(body) + s1, s2, index.frames[0].streams[3])
-        frame = dataclasses.replace(index.frames[0], streams=streams)
-        forged = forge_frame(dataclasses.replace(index, frames=(frame,)), 0, blob)
+    s0, s1, s2, s3 = index.frames[0].streams
+    upper = bytearray(zstandard.ZstdDecompressor().decompress(body[s0 : s0 + s1]))
+    upper[0] = 0b11000000
+    blob = body[:s0] + zstandard.ZstdCompressor().compress(bytes(upper)) + body[s0 + s1 :]
+    frame = dataclasses.replace(index.frames[0], streams=(s0, len(blob) - len(body) + s1, s2, s3))
+    forged = forge_frame(dataclasses.replace(index, frames=(frame,)), 0, blob)
     assert_apply_fails(base, forged, {0: blob}, PatchCorrupt, "bitmap marks 2")
 
 
@@ -472,34 +451,40 @@ def test_rel_patch_on_the_wrong_base_is_caught_by_the_digests():
 
 
 def test_index_validation():
-    _, _, index, _ = patched_setup(fmt=FORMAT_V1)
-    good = index.to_json()
+    _, _, index, _ = patched_setup()
+    frame, entry = index.frames[0], index.frames[0].entries[0]
 
-    def broken(edit):
-        data = json.loads(json.dumps(good))
-        edit(data)
-        return data
+    def first_frame(**changes):
+        return dataclasses.replace(index, frames=(dataclasses.replace(frame, **changes), *index.frames[1:]))
 
-    bad = [
-        broken(lambda d: d.update(mode="xor")),
-        broken(lambda d: d.update(format="stoa-pulse/0")),
-        broken(lambda d: d.update(digest="sha256")),
-        broken(lambda d: d["frames"][1].update(offset=1)),
-        broken(lambda d: d["frames"][0].update(raw_size=1)),
-        broken(lambda d: d["frames"][0].update(digest="abc")),
-        broken(lambda d: d["frames"][0]["entries"][0].update(width=3)),
-        broken(lambda d: d["frames"][0]["entries"][0].update(count=10**6)),
-        broken(lambda d: d["frames"][0]["entries"][0].update(high=True)),
-        broken(lambda d: d["frames"][0]["entries"][0].update(count=-1)),
-        broken(lambda d: d["frames"][0]["entries"][0].pop("shape")),
-        broken(lambda d: d["frames"][0].update(entries=[])),
-        broken(lambda d: d.update(frames=None)),
+    def first_entry(**changes):
+        return first_frame(entries=(dataclasses.replace(entry, **changes), *frame.entries[1:]))
+
+    shifted = dataclasses.replace(index.frames[1], offset=index.frames[1].offset + 1)
+    not_encodable = [  # the binary form cannot even say these
+        dataclasses.replace(index, mode="xor"),
+        dataclasses.replace(index, frames=(frame, shifted, *index.frames[2:])),
+        first_frame(digest="abc"),
+        first_entry(count=-1),
     ]
-    for data in bad:
+    encodable = [
+        first_frame(raw_size=1),
+        first_frame(entries=()),
+        first_entry(width=3),
+        first_entry(count=10**6),
+        first_entry(count=0),
+        first_entry(high=entry.count + 1),
+    ]
+    for bad in [*not_encodable, *encodable]:
         with pytest.raises(PatchCorrupt):
-            PatchIndex.from_json(data)
-    assert issubclass(PatchCorrupt, PatchError)
-    assert PatchIndex.from_json(good) == index
+            validate_index(bad)
+    for bad in encodable:  # what a hostile publisher could write is refused on reading
+        with pytest.raises(PatchCorrupt):
+            PatchIndex.from_json(bad.to_json())
+    good = index.to_json()
+    for data in ({**good, "format": "stoa-pulse/0"}, {**good, "digest": "sha256"}, {**good, "index": None}, []):
+        with pytest.raises(PatchCorrupt):
+            PatchIndex.from_json(data)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------
@@ -633,11 +618,11 @@ def test_incremental_update_equals_full_recompute():
 
 
 # ------------------------------------------------------------------------------------------
-# Formats: stoa-pulse/1 patches still decode; the binary index of stoa-pulse/2 is checked
+# Format: only stoa-pulse/2 is read (the retired stoa-pulse/1 is refused); its binary index is checked
 
 
 def golden_states() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The states the stoa-pulse/1 vectors below were written from (by the first encoder)."""
+    """Two small states: three tensors, one of them large enough for long index codes."""
     a = (np.arange(600, dtype=np.uint32) * 2654435761 % 65536).astype(np.uint16).reshape(20, 30)
     b = (np.arange(70000, dtype=np.uint32) * 40503 % 65536).astype(np.uint16)
     base = {"a": a, "b": b, "c": np.array(0x3F80, dtype=np.uint16)}
@@ -648,68 +633,40 @@ def golden_states() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     return base, new
 
 
-def _v1_index(mode: str, lengths, raw_sizes, digests) -> dict:
-    entries = [
-        [{"name": "a", "shape": [20, 30], "count": 66, "width": 1, "high": 0}],
-        [{"name": "a", "shape": [20, 30], "count": 20, "width": 2, "high": 1}],
-        [{"name": "b", "shape": [70000], "count": 6, "width": 2, "high": 3},
-         {"name": "c", "shape": [], "count": 1, "width": 1, "high": 0}],
-    ]
-    offsets = np.cumsum([0, *lengths[:-1]]).tolist()
-    frames = [{"offset": o, "length": n, "raw_size": r, "digest": d, "entries": e}
-              for o, n, r, d, e in zip(offsets, lengths, raw_sizes, digests, entries, strict=True)]
-    return {"format": "stoa-pulse/1", "mode": mode, "digest": "xxh3-128", "frames": frames}
-
-
-# Written by the stoa-pulse/1 encoder (frame_bytes=200) before stoa-pulse/2 existed.
-GOLDEN_V1 = {
-    "abs": (
-        _v1_index("abs", [150, 62, 34], [198, 64, 25], [
-            "064e636c066efda6dcf9268cc62195ac", "23647685ef5c01f2bfe3a8b142a2c25d",
-            "4404a4905df64127c90b5286c6aea0f0"]),
-        "28b52ffd20c66d04006408000601d8af865d340be2b990673e15ecc39a71481ff6cda47b522900d7ae855c330ae1"
-        "b88f663d14ebc29970471ef5cca37a5128ffd6ad845b3209e0b78e653c13eac1980053a7fb4fa3f74a9ef2469aee"
-        "4195e93d91e5388ce03488dc3083d72b7fd3277ace2276ca1e71c5196dc11568bc1064b80c5fb3075baf0357aafe"
-        "52a6fa4ea1f549010095001628b52ffd2040ad0100e402ce06800000016f461df4cba2795027fed5ac835a3108df"
-        "b68d649df14598ec4094e83c8fe3378bdf3387da2e82d601001ec00228b52ffd2019c9000003000026330e001c01"
-        "e927a4dd1275a1d8805af897e81ac0bf",
-    ),
-    "rel": (
-        _v1_index("rel", [22, 26, 34], [198, 64, 25], [
-            "9ab08bb9d7861184799054f399858a62", "04863a22c95e5dec7d6f4c312357f8db",
-            "428c60398106854b69234d4cbb11d1b3"]),
-        "28b52ffd20c66d000020000602000314002716df620128b52ffd20408d000040ce068000000102000310008948b4"
-        "870528b52ffd2019c9000003000026330e001c01e927fefdfefdfdfeffffffffffffffff",
-    ),
+# The index of a rel patch of the golden states as the retired stoa-pulse/1 encoder wrote it.
+STOA_PULSE_1_INDEX = {
+    "format": "stoa-pulse/1", "mode": "rel", "digest": "xxh3-128",
+    "frames": [
+        {"offset": 0, "length": 22, "raw_size": 198, "digest": "9ab08bb9d7861184799054f399858a62",
+         "entries": [{"name": "a", "shape": [20, 30], "count": 66, "width": 1, "high": 0}]},
+        {"offset": 22, "length": 26, "raw_size": 64, "digest": "04863a22c95e5dec7d6f4c312357f8db",
+         "entries": [{"name": "a", "shape": [20, 30], "count": 20, "width": 2, "high": 1}]},
+        {"offset": 48, "length": 34, "raw_size": 25, "digest": "428c60398106854b69234d4cbb11d1b3",
+         "entries": [{"name": "b", "shape": [70000], "count": 6, "width": 2, "high": 3},
+                     {"name": "c", "shape": [], "count": 1, "width": 1, "high": 0}]},
+    ],
 }
 
 
-@pytest.mark.parametrize("mode", ["abs", "rel"])
-def test_stoa_pulse_1_patches_written_by_the_first_encoder_still_decode(mode):
+def test_a_stoa_pulse_1_index_is_refused_as_an_unsupported_format():
+    with pytest.raises(PatchCorrupt, match="unsupported patch format 'stoa-pulse/1'"):
+        PatchIndex.from_json(STOA_PULSE_1_INDEX)
+    # ... and so is a version manifest's patch entry carrying one.
     base, new = golden_states()
-    doc, hex_body = GOLDEN_V1[mode]
-    index, body = PatchIndex.from_json(doc), bytes.fromhex(hex_body)
-    assert index.format == FORMAT_V1 and index.to_json() == doc
-    state = copy_state(base)
-    undo = apply_patch(state, index, all_frames(index, body))
-    assert_same(state, new)
-    undo.rollback(state)
-    assert_same(state, base)
-    # The v1 writer is kept (for receivers that read only v1): same layout (the compressed bytes
-    # may differ with the zstd library version).
-    again, again_body = encode_patch(base, new, mode=mode, frame_bytes=200, format=FORMAT_V1)
-    assert [(f.raw_size, f.entries) for f in again.frames] == [(f.raw_size, f.entries) for f in index.frames]
-    assert zstandard.ZstdDecompressor().decompress(again_body[: again.frames[0].length]) == (
-        zstandard.ZstdDecompressor().decompress(body[: index.frames[0].length]))
+    index, body = encode_patch(base, new, mode="rel", frame_bytes=200)
+    ref = PatchRef(kind="step", key="k", bytes=len(body), count=index.count, base_min=0, base_max=0,
+                   base_digest=state_digest(base), index=index)
+    assert PatchRef.from_json(ref.to_json(), "patches[0]") == ref
+    with pytest.raises(ManifestError, match=r"patches\[0\]\.index: unsupported patch format 'stoa-pulse/1'"):
+        PatchRef.from_json({**ref.to_json(), "index": STOA_PULSE_1_INDEX}, "patches[0]")
 
 
 @pytest.mark.parametrize("mode", ["abs", "rel"])
-def test_v2_round_trip_of_the_golden_states_and_its_compact_index(mode):
+def test_round_trip_of_the_golden_states_and_its_compact_index(mode):
     base, new = golden_states()
-    v1_index, _ = encode_patch(base, new, mode=mode, frame_bytes=200, format=FORMAT_V1)
     index, body = encode_patch(base, new, mode=mode, frame_bytes=200)
-    assert index.format == FORMAT_V2 and set(index.to_json()) == {"format", "digest", "index"}
-    assert len(json.dumps(index.to_json())) < len(json.dumps(v1_index.to_json()))
+    assert set(index.to_json()) == {"format", "digest", "index"} and index.to_json()["format"] == FORMAT
+    assert [(f.raw_size, len(f.entries)) for f in index.frames] == [(198, 1), (64, 1), (25, 2)]
     state = copy_state(base)
     apply_patch(state, json_round_trip(index), all_frames(index, body))
     assert_same(state, new)
@@ -771,11 +728,6 @@ def test_section_streams_must_tile_the_frame_and_match_the_sections():
     # Off by one byte between two streams: the index is consistent and the frame digest still
     # matches, but the streams no longer inflate to their sections.
     assert_apply_fails(base, with_streams(s0 + 1, s1 - 1, s2, s3), frames, PatchCorrupt, "frame 1 section")
-    v1 = dataclasses.replace(index, format=FORMAT_V1)
-    with pytest.raises(PatchCorrupt, match="no section streams"):
-        validate_index(v1)
-    with pytest.raises(ValueError, match="binary form"):
-        dataclasses.replace(index, format=FORMAT_V1, frames=()).to_bytes()
     assert base64.b64decode(index.to_json()["index"]) == index.to_bytes()
 
 

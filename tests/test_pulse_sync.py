@@ -25,8 +25,8 @@ from slime_stoa.protocol.pulse.subscriber import Subscriber, SubscriberConfig, S
 from slime_stoa.protocol.store import Store
 
 RUN = "sync-test"
-# A catch-up patch at every version (the default writes them at powers of two from the anchor).
-EVERY = PublisherConfig(catchup_schedule="every", catchup_every=1, catchup_budget=math.inf)
+# Every due catch-up patch written (at 2, 4, 8, ... versions past the anchor), whatever its size.
+CATCHUPS = PublisherConfig(catchup_budget=math.inf)
 
 
 def random_state(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -85,22 +85,22 @@ async def test_follower_steps_through_every_version(store: Store) -> None:
 
 async def test_lagging_subscriber_uses_one_catchup_patch(store: Store) -> None:
     rng = np.random.default_rng(1)
-    pub, sub = Publisher(store, RUN, EVERY), Subscriber(store, RUN, SubscriberConfig(route_by="time"))
+    pub, sub = Publisher(store, RUN, CATCHUPS), Subscriber(store, RUN, SubscriberConfig(route_by="time"))
     states = await publish_versions(pub, rng, 2)
     await sub.sync()
-    states += await publish_versions(pub, rng, 5, step_state(states[-1], rng))
+    states += await publish_versions(pub, rng, 7, step_state(states[-1], rng))
     result = await sub.sync()
-    assert result is not None and result.path == "catchup" and result.version == 6
+    assert result is not None and result.path == "catchup" and result.version == 8
     assert_same(sub.state, states[-1])
 
 
 async def test_cold_subscriber_starts_from_the_anchor(store: Store) -> None:
     rng = np.random.default_rng(2)
-    pub = Publisher(store, RUN, EVERY)
-    states = await publish_versions(pub, rng, 4)
+    pub = Publisher(store, RUN, CATCHUPS)
+    states = await publish_versions(pub, rng, 5)
     sub = Subscriber(store, RUN)
     result = await sub.sync()
-    assert result is not None and result.path == "anchor+catchup" and result.version == 3
+    assert result is not None and result.path == "anchor+catchup" and result.version == 4
     assert_same(sub.state, states[-1])
 
 
@@ -117,7 +117,7 @@ async def test_without_catchup_a_lagger_replays_the_chain(store: Store) -> None:
 
 async def test_base_relative_patches(store: Store) -> None:
     rng = np.random.default_rng(4)
-    pub = Publisher(store, RUN, dataclasses.replace(EVERY, mode="rel"))
+    pub = Publisher(store, RUN, CATCHUPS)
     follower, lagger = Subscriber(store, RUN), Subscriber(store, RUN, SubscriberConfig(route_by="time"))
     states = await publish_versions(pub, rng, 2)
     await follower.sync()
@@ -160,11 +160,11 @@ async def _manifest(store: Store, version: int) -> VersionManifest:
 
 async def test_corrupt_step_patch_falls_back_and_ends_identical(store: Store, caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(6)
-    pub, sub = Publisher(store, RUN, EVERY), Subscriber(store, RUN)
-    states = await publish_versions(pub, rng, 3)
-    await sub.sync()  # at v2
-    await pub.publish(step_state(states[-1], rng))
-    step = (await _manifest(store, 3)).patch("step")
+    pub, sub = Publisher(store, RUN, CATCHUPS), Subscriber(store, RUN)
+    states = await publish_versions(pub, rng, 4)
+    await sub.sync()  # at v3
+    await pub.publish(step_state(states[-1], rng))  # v4, with a catch-up
+    step = (await _manifest(store, 4)).patch("step")
     assert step is not None
     body = bytearray(await store.get_bytes(step.key))
     body[len(body) // 2] ^= 0x40
@@ -180,21 +180,21 @@ async def test_corrupt_step_patch_falls_back_and_ends_identical(store: Store, ca
 
 async def test_missing_patches_fall_back_to_the_anchor(store: Store) -> None:
     rng = np.random.default_rng(7)
-    pub, sub = Publisher(store, RUN, EVERY), Subscriber(store, RUN)
+    pub, sub = Publisher(store, RUN, CATCHUPS), Subscriber(store, RUN)
     states = await publish_versions(pub, rng, 2)
     await sub.sync()
     states += await publish_versions(pub, rng, 3, step_state(states[-1], rng))
     manifest = await _manifest(store, 4)
+    assert [ref.kind for ref in manifest.patches] == ["step", "catchup"]
     for ref in manifest.patches:
         await store.delete(ref.key)
     with pytest.raises(SyncError):  # the anchor path needs the catch-up patch too
         await sub.sync()
     assert sub.version == 1
     assert_same(sub.state, states[1])  # untouched
-    states.append(step_state(states[-1], rng))
-    await pub.publish(states[-1])
-    result = await sub.sync()  # the next version is reachable again
-    assert result is not None and result.version == 5
+    states += await publish_versions(pub, rng, 4, step_state(states[-1], rng))
+    result = await sub.sync()  # the next catch-up (v8, from any version since the anchor) reaches it again
+    assert result is not None and result.version == 8
     assert_same(sub.state, states[-1])
 
 
@@ -272,18 +272,18 @@ async def test_racing_publishers_one_commit_per_version(store: Store) -> None:
 @pytest.mark.both_backends
 async def test_resumed_publisher_continues_the_chain(store: Store) -> None:
     rng = np.random.default_rng(12)
-    states = await publish_versions(Publisher(store, RUN, EVERY), rng, 3)
+    states = await publish_versions(Publisher(store, RUN, CATCHUPS), rng, 4)
     sub = Subscriber(store, RUN)
     await sub.sync()
-    resumed = Publisher(store, RUN, EVERY)
-    assert await resumed.open() == 2
+    resumed = Publisher(store, RUN, CATCHUPS)
+    assert await resumed.open() == 3
     nxt = step_state(states[-1], rng)
     result = await resumed.publish(nxt)
-    assert result.version == 3 and not result.anchored
+    assert result.version == 4 and not result.anchored
     synced = await sub.sync()
     assert synced is not None and synced.path == "step"
     assert_same(sub.state, nxt)
-    assert (await _manifest(store, 3)).patch("catchup") is not None
+    assert (await _manifest(store, 4)).patch("catchup") is not None  # the union rebuilt on resuming
 
 
 async def test_anchor_cadence_and_retention(store: Store) -> None:
@@ -472,10 +472,9 @@ async def test_a_chain_reports_the_changed_indices_of_every_version(store: Store
         assert not result.changed[name].flags.writeable
 
 
-@pytest.mark.parametrize("mode", ["rel", "abs"])
-async def test_a_patch_for_another_base_digest_is_never_applied(store: Store, mode: str, caplog) -> None:
+async def test_a_patch_for_another_base_digest_is_never_applied(store: Store, caplog) -> None:
     rng = np.random.default_rng(19)
-    pub = Publisher(store, RUN, PublisherConfig(mode=mode))
+    pub = Publisher(store, RUN)
     sub = Subscriber(store, RUN)
     states = await publish_versions(pub, rng, 2)
     await sub.sync()
@@ -484,7 +483,7 @@ async def test_a_patch_for_another_base_digest_is_never_applied(store: Store, mo
     sub.digest = StateDigest.of(sub.state)
     await pub.publish(step_state(states[-1], rng))
     step = (await _manifest(store, 2)).patch("step")
-    assert step is not None and step.index.mode == mode and step.base_digest != sub.digest.root()
+    assert step is not None and step.index.mode == "rel" and step.base_digest != sub.digest.root()
     with caplog.at_level(logging.INFO, logger="stoa.pulse"):
         result = await sub.sync()
     assert result is not None and result.path.startswith("anchor")
@@ -497,7 +496,7 @@ async def test_a_base_relative_catchup_serves_only_its_exact_base(store: Store) 
     from slime_stoa.protocol.pulse.manifests import PatchRef
 
     rng = np.random.default_rng(20)
-    pub = Publisher(store, RUN, dataclasses.replace(EVERY, mode="rel"))
+    pub = Publisher(store, RUN, CATCHUPS)
     by_time = SubscriberConfig(route_by="time")
     at1, at2, tampered = (Subscriber(store, RUN, by_time) for _ in range(3))
     states = await publish_versions(pub, rng, 2)

@@ -24,8 +24,8 @@ from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 
-# Small frames (several per patch), a catch-up at every version, and big tensors split in segments.
-CONFIG = PublisherConfig(frame_bytes=1500, catchup_schedule="every", catchup_every=1, catchup_budget=math.inf)
+# Small frames (several per patch), every due catch-up written, and big tensors split in segments.
+CONFIG = PublisherConfig(frame_bytes=1500, catchup_budget=math.inf)
 SHAPES = {"embed": (96, 64), "layer.0.w": (64, 64), "norm": (100,), "scalar": (), "empty": (0,)}
 
 
@@ -112,17 +112,17 @@ def same_bytes(a: VersionManifest, b: VersionManifest) -> None:
 
 
 async def test_a_publish_is_byte_identical_whatever_the_thread_count(store: Store) -> None:
-    states = trajectory(2, 5)
+    states = trajectory(2, 6)
     for run, threads in (("t1", 1), ("t4", 4)):
-        pub = Publisher(store, run, replace(CONFIG, threads=threads, anchor_every=3))
+        pub = Publisher(store, run, replace(CONFIG, threads=threads, anchor_every=4))
         for state in states:
             await pub.publish(state)
     one, four = await published(store, "t1"), await published(store, "t4")
-    assert [m.version for m, _ in one] == [0, 1, 2, 3, 4]
+    assert [m.version for m, _ in one] == [0, 1, 2, 3, 4, 5]
     assert any(len(p.index.frames) > 1 for m, _ in one for p in m.patches)  # frames built on the pool
     kinds = [[p.kind for p in m.patches] for m, _ in one]
-    assert kinds[1:] == [["step"], ["step", "catchup"], ["step", "catchup"], ["step"]]  # v3 is an anchor too
-    assert one[3][0].anchor.version == 3
+    assert kinds[1:] == [["step"], ["step", "catchup"], ["step"], ["step", "catchup"], ["step"]]  # v4 is an anchor too
+    assert one[4][0].anchor.version == 4
     for (a, bodies_a), (b, bodies_b) in zip(one, four, strict=True):
         same_bytes(a, b)
         assert bodies_a == bodies_b

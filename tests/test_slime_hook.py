@@ -134,18 +134,18 @@ def test_config_reads_every_publisher_field(tmp_path: Path) -> None:
     assert publisher_settings(args) == (url, "run-1", PublisherConfig(extras_dir=hf))
     args = Namespace(
         stoa_bucket=url, stoa_run="run-1", hf_checkpoint=str(hf), stoa_anchor_every="10", stoa_anchor_fraction=0.25,
-        stoa_catchup="false", stoa_mode="rel", stoa_frame_bytes=1 << 20, stoa_shard_bytes=1 << 22,
+        stoa_catchup="false", stoa_catchup_budget="2", stoa_frame_bytes=1 << 20, stoa_shard_bytes=1 << 22,
         stoa_retain_anchors=0, stoa_extras_dir="", stoa_concurrency=2, stoa_threads=None,
     )
     _, _, config = publisher_settings(args)
     assert config == PublisherConfig(
-        anchor_every=10, anchor_fraction=0.25, catchup=False, mode="rel", frame_bytes=1 << 20,
+        anchor_every=10, anchor_fraction=0.25, catchup=False, catchup_budget=2.0, frame_bytes=1 << 20,
         shard_bytes=1 << 22, retain_anchors=0, extras_dir=None, concurrency=2, threads=None,
     )
     for key, bad, match in [
         ("stoa_anchor_every", "often", "stoa_anchor_every must be an integer"),
         ("stoa_catchup", "maybe", "stoa_catchup must be true or false"),
-        ("stoa_mode", "xor", "stoa_mode: mode must be one of"),
+        ("stoa_catchup_budget", -1, "stoa_catchup_budget: catchup_budget must be >= 0"),
         ("stoa_anchor_every", 0, "anchor_every must be >= 1"),
     ]:
         with pytest.raises(ValueError, match=match):

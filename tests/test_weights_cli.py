@@ -43,8 +43,8 @@ def seeded_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, l
 
     async def more() -> None:
         async with open_store(f"file://{bucket}") as store:
-            every = PublisherConfig(catchup_schedule="every", catchup_every=1, catchup_budget=math.inf)
-            pub = Publisher(store, "demo", every)  # a catch-up at v2 and v3 for inspect to show
+            catchups = PublisherConfig(catchup_budget=math.inf)
+            pub = Publisher(store, "demo", catchups)  # a catch-up at v2 (two past the anchor) for inspect to show
             for seed in range(3):
                 states.append(nudge(states[-1], seed))
                 await pub.publish(states[-1])

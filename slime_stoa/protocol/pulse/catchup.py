@@ -3,20 +3,16 @@
 A catch-up patch at version c holds the union of every change since the anchor a, with its
 values at c (absolute values, valid on any state in a..c-1). It grows with the distance
 c - a, so writing one at every version makes the trainer's upload grow quadratically between
-anchors (the sum of the unions). Instead catch-ups are written only at scheduled distances:
+anchors (the sum of the unions). Instead catch-ups are written only at distances that are
+powers of two: c - a in 2, 4, 8, 16, ... The newest catch-up at or below any head h is then
+more than halfway from the anchor to h, so a lagger reaches h with that one catch-up plus a
+chain of fewer than (h - a) / 2 step patches, or with the chain from its own version when that
+is shorter; and the catch-ups of an anchor interval of n versions cost the unions at log2(n)
+distances, whose sizes sum to at most ~2n step patches' worth of changes when no element
+changes twice (the overlap of real training makes unions smaller). (A fixed period p would make
+the chain after a catch-up shorter than p, but cost ~n^2 / (2p) steps' worth of catch-ups.)
 
-- ``"powers_of_two"`` (the default): c - a in 2, 4, 8, 16, ... The newest catch-up at or
-  below any head h is then more than halfway from the anchor to h, so a lagger reaches h with
-  that one catch-up plus a chain of fewer than (h - a) / 2 step patches, or with the chain
-  from its own version when that is shorter; and the catch-ups of an anchor interval of n
-  versions cost the unions at log2(n) distances, whose sizes sum to at most ~2n step patches'
-  worth of changes when no element changes twice (the overlap of real training makes unions
-  smaller).
-- ``"every"``: c - a a multiple of `every`: the chain after a catch-up is shorter than
-  `every`, but the catch-ups cost ~n^2 / (2 every) steps' worth, so the bound below is reached
-  sooner on long anchor intervals.
-
-Either way `within_budget` keeps the catch-up bytes written since the anchor at most `budget`
+On top of that `within_budget` keeps the catch-up bytes written since the anchor at most `budget`
 times the step bytes written since it (a due catch-up that would exceed it is not written), so
 the trainer's upload per version stays bounded between anchors whatever the trajectory; and it
 skips a catch-up no lagger would take (one at least as large as the chain from the anchor: with
@@ -27,24 +23,12 @@ changes that do not overlap are not worth their bytes).
 from __future__ import annotations
 
 import math
-from typing import Literal
-
-CatchupSchedule = Literal["powers_of_two", "every"]
-CATCHUP_SCHEDULES: tuple[CatchupSchedule, ...] = ("powers_of_two", "every")
 
 
-def catchup_due(distance: int, schedule: CatchupSchedule, every: int = 1) -> bool:
-    """Whether the version `distance` versions past the anchor gets a catch-up patch (a version
-    one past the anchor never does: its step patch is the same change)."""
-    if distance < 2:
-        return False
-    if schedule == "powers_of_two":
-        return distance & (distance - 1) == 0
-    if schedule == "every":
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
-        return distance % every == 0
-    raise ValueError(f"schedule must be one of {CATCHUP_SCHEDULES}, got {schedule!r}")
+def catchup_due(distance: int) -> bool:
+    """Whether the version `distance` versions past the anchor gets a catch-up patch: a power of
+    two (a version one past the anchor never does: its step patch is the same change)."""
+    return distance >= 2 and distance & (distance - 1) == 0
 
 
 def within_budget(catchup_bytes: int, new_bytes: int, step_bytes: int, budget: float) -> bool:

@@ -6,11 +6,11 @@ with a ranged GET of `[offset, offset + length)`, verify it and apply it on arri
 
 A frame's payload holds its entries' sections (`codec.encode_entry`) section-major: section 0 of
 every entry in order, then section 1 of every entry, and so on. Entry boundaries follow from
-(count, width, high). A `stoa-pulse/2` frame holds one zstd stream per section, so each kind of
-byte gets its own Huffman tables even when the frame fits one 128 KB zstd block (measured on a
-4,000-change patch: 20.4 instead of 22.9 bits per change, abs; on 16 MB frames the same size
-within 0.3%). A `stoa-pulse/1` frame is one zstd frame over the payload. Frames are packed greedily in sorted tensor-name order up to about `frame_bytes`
-of payload. A tensor whose payload alone exceeds `frame_bytes` is split at index boundaries into
+(count, width, high). A frame holds one zstd stream per section, so each kind of byte gets its
+own Huffman tables even when the frame fits one 128 KB zstd block (measured on a 4,000-change
+patch: 20.4 instead of 22.9 bits per change, abs, against one zstd frame over the payload; on
+16 MB frames the same size within 0.3%). Frames are packed greedily in sorted tensor-name order
+up to about `frame_bytes` of payload. A tensor whose payload alone exceeds `frame_bytes` is split at index boundaries into
 several entries, each in a frame of its own; every entry starts with an absolute index, so
 entries and frames decode independently. Frames are built and compressed on a thread pool (numpy
 and python-zstandard release the GIL); the output does not depend on the number of threads.
@@ -50,9 +50,6 @@ from .codec import (
 from .parallel import ordered_map, thread_count
 from .patch_index import (
     FORMAT,
-    FORMAT_V1,
-    FORMAT_V2,
-    FORMATS,
     MODES,
     SECTIONS,
     EntryInfo,
@@ -64,9 +61,6 @@ from .patch_index import (
 
 __all__ = [
     "FORMAT",
-    "FORMATS",
-    "FORMAT_V1",
-    "FORMAT_V2",
     "MODES",
     "DecodedEntry",
     "EntryInfo",
@@ -161,9 +155,7 @@ def _plan_frames(pieces: list[_Piece], frame_bytes: int, threads: int | None = 1
     return frames
 
 
-def _build_frame(
-    pieces: list[_Piece], mode: Mode, level: int, split: bool
-) -> tuple[bytes, list[EntryInfo], tuple[int, ...]]:
+def _build_frame(pieces: list[_Piece], mode: Mode, level: int) -> tuple[bytes, list[EntryInfo], tuple[int, ...]]:
     """Serialise and compress one frame; return its bytes, entries and section stream lengths."""
     entries, sections = [], []
     for piece in pieces:
@@ -176,8 +168,6 @@ def _build_frame(
         sections.append(parts)
     columns = [np.concatenate([parts[k] for parts in sections]) for k in range(SECTIONS)]
     compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    if not split:
-        return compressor.compress(np.concatenate(columns).data), entries, ()
     blobs = [compressor.compress(c.data) if c.size else b"" for c in columns]
     return b"".join(blobs), entries, tuple(len(b) for b in blobs)
 
@@ -191,15 +181,12 @@ def encode_delta(
     frame_bytes: int = 16 << 20,
     level: int = 1,
     threads: int | None = None,
-    format: str = FORMAT,
 ) -> tuple[PatchIndex, bytes]:
     """Encode an already computed delta (e.g. a merged catch-up delta) as (index, body).
 
     `shapes` gives each delta tensor's shape (`shapes_of(new_state)` will do). "rel" mode needs
     the exact `base` state the patch will be applied to. `threads` bounds the worker pool
-    (None: `parallel.thread_count`; 1: all work on the calling thread). `format` is `FORMAT_V2` (binary
-    index, one zstd stream per section) or `FORMAT_V1`, for receivers that only read the first
-    format.
+    (None: `parallel.thread_count`; 1: all work on the calling thread).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -207,17 +194,15 @@ def encode_delta(
         raise ValueError("mode 'rel' needs the base state")
     if frame_bytes < 1:
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     plan = _plan_frames(_pieces(delta, shapes, base), frame_bytes, threads)
-    built = ordered_map(partial(_build_frame, mode=mode, level=level, split=format == FORMAT_V2), plan, threads)
+    built = ordered_map(partial(_build_frame, mode=mode, level=level), plan, threads)
     frames, offset = [], 0
     for blob, entries, streams in built:
         raw_size = sum(e.raw_size for e in entries)
         digest = xxhash.xxh3_128(blob).hexdigest()
         frames.append(FrameInfo(offset, len(blob), raw_size, digest, tuple(entries), streams))
         offset += len(blob)
-    index = PatchIndex(mode=mode, frames=tuple(frames), format=format)
+    index = PatchIndex(mode=mode, frames=tuple(frames))
     validate_index(index)
     return index, b"".join(blob for blob, _, _ in built)
 
@@ -230,7 +215,6 @@ def encode_patch(
     frame_bytes: int = 16 << 20,
     level: int = 1,
     threads: int | None = None,
-    format: str = FORMAT,
 ) -> tuple[PatchIndex, bytes]:
     """Diff two states and encode the patch taking `base` to `new` as (index, body).
 
@@ -238,7 +222,7 @@ def encode_patch(
     """
     return encode_delta(
         diff(base, new, threads=threads), shapes_of(new), base=base, mode=mode,
-        frame_bytes=frame_bytes, level=level, threads=threads, format=format,
+        frame_bytes=frame_bytes, level=level, threads=threads,
     )
 
 
@@ -294,10 +278,6 @@ def _inflate(data: bytes, expected: int, where: str) -> bytes:
 def _sections(frame: FrameInfo, i: int, data: bytes) -> list[np.ndarray]:
     """The four section columns (all entries) of a verified frame."""
     totals = frame.section_totals()
-    if not frame.streams:
-        payload = np.frombuffer(_inflate(data, frame.raw_size, f"frame {i}"), dtype=np.uint8)
-        bounds = np.cumsum((0, *totals))
-        return [payload[bounds[k] : bounds[k + 1]] for k in range(SECTIONS)]
     columns, start = [], 0
     for k, (length, total) in enumerate(zip(frame.streams, totals, strict=True)):
         blob = data[start : start + length]

@@ -35,8 +35,8 @@ MAX_POINTER_BYTES = 64 << 10
 #: per expert matrix, has about 2,600; this leaves 25x headroom.
 MAX_MODEL_TENSORS = 65_536
 #: A version manifest: two patch indexes (step and catch-up), each naming every tensor once per
-#: frame it spans. Of MAX_MODEL_TENSORS tensors in 20,000 frames, an index takes 0.6 MB as
-#: stoa-pulse/2 (what publishers write) and 7 MB as the verbose stoa-pulse/1 JSON.
+#: frame it spans. Of MAX_MODEL_TENSORS tensors in 20,000 frames, an index takes 0.6 MB (the
+#: limit was sized for the retired verbose JSON index, 7 MB: ample headroom).
 MAX_VERSION_MANIFEST_BYTES = 16 << 20
 #: An anchor manifest: about 350 bytes per shard or HF file (an 8B model has 16 shards of 1 GiB).
 MAX_ANCHOR_MANIFEST_BYTES = 4 << 20

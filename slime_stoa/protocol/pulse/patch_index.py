@@ -1,14 +1,11 @@
-"""The index of a PULSE patch: where every frame and entry lies, in two versioned formats.
+"""The index of a PULSE patch (format `stoa-pulse/2`): where every frame and entry lies.
 
-- `stoa-pulse/1`: each frame is one zstd frame over its section-major payload; the index is
-  verbose JSON (one object per frame and entry, ~0.9 bits per changed element on small patches).
-- `stoa-pulse/2` (written by default): a frame holds one zstd stream per section
-  (`FrameInfo.streams`), so each section gets its own Huffman tables even when the whole frame
-  fits one zstd block; the index is a compact binary document (a name table with shapes, then
-  varint fields per frame and entry, zstd-compressed), carried in JSON as base64.
-
-Readers accept both formats; `PatchIndex.from_json` and `from_bytes` validate everything (a
-hostile index is a `PatchCorrupt`, never a crash or an unbounded allocation).
+A frame holds one zstd stream per section (`FrameInfo.streams`), so each section gets its own
+Huffman tables even when the whole frame fits one zstd block; the index is a compact binary
+document (a name table with shapes, then varint fields per frame and entry, zstd-compressed),
+carried in JSON as base64. Any other format (the retired verbose-JSON `stoa-pulse/1` included)
+is refused. `PatchIndex.from_json` and `from_bytes` validate everything (a hostile index is a
+`PatchCorrupt`, never a crash or an unbounded allocation).
 """
 
 from __future__ import annotations
@@ -24,10 +21,7 @@ import zstandard
 
 from .codec import INDEX_WIDTHS, PatchCorrupt, entry_nbytes, section_sizes
 
-FORMAT_V1 = "stoa-pulse/1"
-FORMAT_V2 = "stoa-pulse/2"
-FORMATS = (FORMAT_V1, FORMAT_V2)
-FORMAT = FORMAT_V2  # what encoders write unless told otherwise
+FORMAT = "stoa-pulse/2"  # the one format written and read
 #: How a patch carries values: the new bits ("abs") or codes relative to the exact base ("rel").
 Mode = Literal["abs", "rel"]
 MODES: tuple[Mode, ...] = get_args(Mode)
@@ -65,9 +59,8 @@ class EntryInfo:
 class FrameInfo:
     """One frame: its byte range in the body, payload size, digest and entries.
 
-    `streams` is () for a `stoa-pulse/1` frame (one zstd frame over the section-major payload);
-    a `stoa-pulse/2` frame gives the compressed length of each of its four section streams (0:
-    that section is empty, no stream).
+    `streams` gives the compressed length of each of its four section streams (0: that section
+    is empty, no stream).
     """
 
     offset: int
@@ -75,7 +68,7 @@ class FrameInfo:
     raw_size: int
     digest: str  # xxh3-128 hex of the frame's bytes
     entries: tuple[EntryInfo, ...]
-    streams: tuple[int, ...] = ()
+    streams: tuple[int, ...]
 
     def section_totals(self) -> tuple[int, ...]:
         """Payload bytes of each section over all entries."""
@@ -86,7 +79,7 @@ class FrameInfo:
 @dataclass(frozen=True, slots=True)
 class PatchIndex:
     """Where every frame and entry of a patch body lies. JSON round trip via to_json/from_json,
-    binary via to_bytes/from_bytes (`stoa-pulse/2` only).
+    binary via to_bytes/from_bytes.
 
     A "rel" patch is only valid on the exact base state it was made from: the caller must check
     the base state digest before applying it (and the target digest after).
@@ -94,7 +87,6 @@ class PatchIndex:
 
     mode: Mode
     frames: tuple[FrameInfo, ...]
-    format: str = FORMAT
 
     @property
     def body_size(self) -> int:
@@ -111,40 +103,30 @@ class PatchIndex:
         return tuple(sorted({e.name for f in self.frames for e in f.entries}))
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (verbose for v1, base64 binary for v2); see `from_json`."""
-        if self.format == FORMAT_V2:
-            return {"format": FORMAT_V2, "digest": DIGEST, "index": base64.b64encode(self.to_bytes()).decode()}
-        return _v1_json(self)
+        """A JSON-serialisable dict (the binary form in base64); see `from_json`."""
+        return {"format": FORMAT, "digest": DIGEST, "index": base64.b64encode(self.to_bytes()).decode()}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PatchIndex:
-        """Parse and validate an index of either format; PatchCorrupt if malformed."""
+        """Parse and validate an index; PatchCorrupt if malformed or of another format."""
         try:
             if data.get("digest") != DIGEST:
                 raise PatchCorrupt(f"unsupported digest {data.get('digest')!r}")
-            if data.get("format") == FORMAT_V2:
-                if data.keys() != {"format", "digest", "index"} or not isinstance(data["index"], str):
-                    raise PatchCorrupt("a stoa-pulse/2 index holds exactly format, digest and a base64 index")
-                try:
-                    raw = base64.b64decode(data["index"], validate=True)
-                except (binascii.Error, ValueError) as exc:
-                    raise PatchCorrupt(f"patch index: bad base64 ({exc})") from None
-                return cls.from_bytes(raw)
-            frames = tuple(_frame_from_json(f) for f in data["frames"])
-            index = cls(mode=data["mode"], frames=frames, format=data["format"])
+            if data.get("format") != FORMAT:
+                raise PatchCorrupt(f"unsupported patch format {data.get('format')!r} (expected {FORMAT!r})")
+            if data.keys() != {"format", "digest", "index"} or not isinstance(data["index"], str):
+                raise PatchCorrupt(f"a {FORMAT} index holds exactly format, digest and a base64 index")
+            raw = base64.b64decode(data["index"], validate=True)
         except PatchCorrupt:
             raise
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        except (binascii.Error, ValueError) as exc:
+            raise PatchCorrupt(f"patch index: bad base64 ({exc})") from None
+        except (TypeError, AttributeError) as exc:
             raise PatchCorrupt(f"malformed patch index: {exc!r}") from exc
-        if index.format != FORMAT_V1:
-            raise PatchCorrupt(f"unsupported patch format {index.format!r} (expected one of {FORMATS})")
-        validate_index(index)
-        return index
+        return cls.from_bytes(raw)
 
     def to_bytes(self) -> bytes:
-        """The compact binary form of a `stoa-pulse/2` index (zstd-compressed)."""
-        if self.format != FORMAT_V2:
-            raise ValueError(f"only {FORMAT_V2} indexes have a binary form, not {self.format}")
+        """The compact binary form of the index (zstd-compressed)."""
         raw = _encode_binary(self)
         return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
 
@@ -182,11 +164,7 @@ def _validate_entry(entry: EntryInfo, where: str) -> None:
         raise PatchCorrupt(f"{where}: {entry.high} long index codes of {entry.count}")
 
 
-def _validate_streams(frame: FrameInfo, fmt: str, where: str) -> None:
-    if fmt == FORMAT_V1:
-        if frame.streams:
-            raise PatchCorrupt(f"{where}: {FORMAT_V1} frames have no section streams")
-        return
+def _validate_streams(frame: FrameInfo, where: str) -> None:
     totals = frame.section_totals()
     if len(frame.streams) != SECTIONS or sum(frame.streams) != frame.length:
         raise PatchCorrupt(f"{where}: section streams {frame.streams} do not tile {frame.length} bytes")
@@ -197,8 +175,6 @@ def _validate_streams(frame: FrameInfo, fmt: str, where: str) -> None:
 
 def validate_index(index: PatchIndex) -> None:
     """Raise PatchCorrupt unless frames tile the body and entries tile each frame's payload."""
-    if index.format not in FORMATS:
-        raise PatchCorrupt(f"unsupported patch format {index.format!r} (expected one of {FORMATS})")
     if index.mode not in MODES:
         raise PatchCorrupt(f"unknown patch mode {index.mode!r}")
     offset = 0
@@ -218,62 +194,11 @@ def validate_index(index: PatchIndex) -> None:
             raw += entry.raw_size
         if raw != frame.raw_size or not frame.entries:
             raise PatchCorrupt(f"{where}: entries cover {raw} bytes, frame says {frame.raw_size}")
-        _validate_streams(frame, index.format, where)
+        _validate_streams(frame, where)
 
 
 # ---------------------------------------------------------------------------------------------
-# stoa-pulse/1: verbose JSON
-
-
-def _v1_json(index: PatchIndex) -> dict[str, Any]:
-    return {
-        "format": index.format,
-        "mode": index.mode,
-        "digest": DIGEST,
-        "frames": [
-            {
-                "offset": f.offset,
-                "length": f.length,
-                "raw_size": f.raw_size,
-                "digest": f.digest,
-                "entries": [
-                    {"name": e.name, "shape": list(e.shape), "count": e.count, "width": e.width, "high": e.high}
-                    for e in f.entries
-                ],
-            }
-            for f in index.frames
-        ],
-    }
-
-
-def _int(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0:
-        raise PatchCorrupt(f"patch index: {what} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _frame_from_json(f: Mapping[str, Any]) -> FrameInfo:
-    entries = tuple(
-        EntryInfo(
-            name=e["name"],
-            shape=tuple(_int(d, "shape dimension") for d in e["shape"]),
-            count=_int(e["count"], "count"),
-            width=_int(e["width"], "width"),
-            high=_int(e["high"], "high"),
-        )
-        for e in f["entries"]
-    )
-    return FrameInfo(
-        offset=_int(f["offset"], "frame offset"),
-        length=_int(f["length"], "frame length"),
-        raw_size=_int(f["raw_size"], "frame raw_size"),
-        digest=f["digest"],
-        entries=entries,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# stoa-pulse/2: binary
+# The binary form
 #
 # MAGIC, mode byte (0 abs, 1 rel), then varints: the name table (count; per name its UTF-8
 # length and bytes, rank and dimensions, in first-use order), the frame count, and per frame
@@ -389,4 +314,4 @@ def _decode_binary(data: bytes) -> PatchIndex:
         offset += length
     if r.left():
         raise PatchCorrupt(f"patch index: {r.left()} trailing bytes")
-    return PatchIndex(mode=MODES[mode_byte], frames=tuple(frames), format=FORMAT_V2)
+    return PatchIndex(mode=MODES[mode_byte], frames=tuple(frames))

@@ -15,9 +15,15 @@ from slime_stoa.protocol.run_trust import content_hash
 
 from .catchup import catchup_due, within_budget
 from .codec import Delta, merge_deltas, shapes_of
-from .frames import encode_delta
+from .frames import Mode, encode_delta
 from .manifests import PatchRef
 from .publish_config import PublisherConfig
+
+STEP_MODE: Mode = "rel"
+"""Step patches carry base-relative codes: smaller than new values, and a step patch only ever
+applies to the version before it (receivers check its base digest)."""
+CATCHUP_MODE: Mode = "abs"
+"""Catch-up patches carry new values: they apply to any version since the anchor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +54,7 @@ async def encode_patches(
     `catchup_bytes` and the changes `union`."""
     threads, shapes = config.threads, shapes_of(state)
     index, body = await asyncio.to_thread(
-        encode_delta, delta, shapes, base=base, mode=config.mode, frame_bytes=config.frame_bytes, threads=threads,
+        encode_delta, delta, shapes, base=base, mode=STEP_MODE, frame_bytes=config.frame_bytes, threads=threads,
     )
     step = PatchRef(
         kind="step", key=layout.patch(version, attempt, "step", version - 1), bytes=len(body), count=index.count,
@@ -58,9 +64,9 @@ async def encode_patches(
     patches, bodies = [step], [body]
     union = await asyncio.to_thread(merge_deltas, [union, delta], threads=threads) if config.catchup else {}
     since = since_anchor_bytes + len(body)
-    if config.catchup and catchup_due(version - anchor, config.catchup_schedule, config.catchup_every):
+    if config.catchup and catchup_due(version - anchor):
         cu_index, cu_body = await asyncio.to_thread(
-            encode_delta, union, shapes, mode="abs", frame_bytes=config.frame_bytes, threads=threads
+            encode_delta, union, shapes, mode=CATCHUP_MODE, frame_bytes=config.frame_bytes, threads=threads
         )
         if within_budget(catchup_bytes, len(cu_body), since, config.catchup_budget):
             catchup_bytes += len(cu_body)
