@@ -16,6 +16,16 @@ heartbeat of its own (`check_no_twin`):
   process's: refused (`TwinWorker`: a `fatal.Fatal`, exit 2). One not rewritten was left by a
   process that is gone (a crash elsewhere, a moved data folder): it goes on.
 
+A twin can also start later and pass that check: a Mac set up as a copy of another (the same
+config, worker key and data folder, so its heartbeat looks like its own previous process's), or
+one whose clock makes the heartbeat look stale. So a running worker re-checks before each
+heartbeat it writes (`TwinWatch`): it reads its id's heartbeat, and one written by another
+instance, not "stopped", counts as a sighting. Two different sightings (the other process rewrote
+its heartbeat while this one runs; one alone may be the last heartbeat of a process gone, or a
+replay) prove a twin. Then the one of the two that started later (`started_at`, then `instance`:
+both workers order the pair alike) stops with one line naming the other (`TwinWorker`), keeping
+its spool un-uploaded (its record keys repeat the other's); the earlier one says so once and goes on.
+
 Every `macd run` writes a random `instance` id in its heartbeat (`Reporter.instance`), which the
 refusal names and the data folder keeps. `macd join` warns when the id's heartbeat says a worker
 runs (`join_cmd`), without refusing.
@@ -147,6 +157,48 @@ async def check_no_twin(
         if (again.updated_at, again.instance) != (first.updated_at, first.instance):
             raise TwinWorker(twin_line(worker, run, again, signed=signer is not None))
     log.info("worker %s: that heartbeat was not rewritten: its process is gone; starting", worker)
+
+
+class TwinWatch:
+    """The re-check before each heartbeat this process writes (module doc): `check(own)` reads the
+    id's heartbeat and returns a `TwinWorker` once another live process is proven to write it and
+    this one started later; None otherwise."""
+
+    def __init__(self, store: Store, run: str, worker: str, signer: SigningKey | None) -> None:
+        self.store, self.run, self.worker, self.signer = store, run, worker, signer
+        self.seen: tuple[float, str] | None = None  # (updated_at, instance) of the last other heartbeat seen
+        self.twin: Heartbeat | None = None  # the other live process's heartbeat, once proven
+
+    async def check(self, own: Heartbeat) -> TwinWorker | None:
+        beat = await read_own_heartbeat(self.store, self.run, self.worker, self.signer)
+        if beat is None or beat.instance == own.instance or beat.status == "stopped":
+            return None
+        sighting, before = (beat.updated_at, beat.instance), self.seen
+        self.seen = sighting
+        if before is None or before == sighting:
+            return None  # not rewritten (yet): a process gone may have left it
+        if (beat.started_at, beat.instance) > (own.started_at, own.instance):  # the other one started later: it stops
+            if self.twin is None:
+                log.warning("worker %s: another process writes its heartbeat (instance %s, name %r, started %s); it "
+                            "started after this one, so it stops itself", self.worker, beat.instance or "unknown",
+                            beat.name, ago(time.time() - beat.started_at))
+            self.twin = beat
+            return None
+        self.twin = beat
+        return TwinWorker(later_twin_line(self.worker, self.run, beat, signed=self.signer is not None))
+
+
+def later_twin_line(worker: str, run: str, beat: Heartbeat, *, signed: bool) -> str:
+    """The stop of a running worker that found a twin started before it: who, and what to do."""
+    who = (f"instance {beat.instance or 'unknown'}, name {beat.name!r}, tier {beat.tier or 'unknown'}, "
+           f"started {ago(time.time() - beat.started_at)}")
+    proof = ", signed by this worker's key" if signed else ""
+    return (
+        f"another macd runs as worker {worker!r} of run {run!r} and started before this one ({who}{proof}): "
+        f"two workers with one id repeat each other's record keys, so this one stops and keeps its spool "
+        f"un-uploaded; give this machine an id of its own (`macd join` again with another --worker-id and "
+        f"another data folder; in a signed run a worker key of its own from `stoa worker add`)"
+    )
 
 
 def twin_line(worker: str, run: str, beat: Heartbeat, *, signed: bool) -> str:

@@ -17,7 +17,7 @@ one job each:
 - `reporting.Reporter`: the heartbeat every part updates, and the errors they report.
 
 `Worker` sets them up: makes sure no other live process holds its worker id (`twin.py`: two
-would repeat each other's record keys), reads the run and its task, syncs the first weights and
+would repeat each other's record keys; re-checked before each heartbeat, `twin.TwinWatch`), reads the run and its task, syncs the first weights and
 builds the model from the anchor's config with the synced state installed in memory, prepares a
 tool task's tool, then runs them until stopped.
 
@@ -77,12 +77,12 @@ from .generation import GenerationLoop, Ready, ToolCalls, at_safe_point
 from .mlx_thread import MLXThread, return_freed_memory
 from .options import WorkerOptions
 from .recording import WorkerKeyError, build_group, check_signing, load_worker_key
-from .reporting import Reporter, tier
+from .reporting import Reporter, rss_gb, tier
 from .revocation import RevocationWatch
 from .run_pin import remember_run_key, remembered_run_key
 from .shared_dir import machine_shared_dir
 from .spool import Spool, SpoolLocked
-from .twin import check_no_twin, remember_instance
+from .twin import TwinWatch, TwinWorker, check_no_twin, remember_instance
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -129,6 +129,7 @@ class Worker:
         self._signer: SigningKey | None = None  # the worker key: signs every record (`load_worker_key`)
         self.evals: EvalResponder | None = None  # answers eval requests while generating (macd/evaluate.py)
         self.revocation: RevocationWatch | None = None  # a signed run's: is this worker's key revoked?
+        self.twin: TwinWorker | None = None  # another live process with this worker id, found after start
 
     # -- what the parts hold, for inspection (tests, benchmarks, the CLI) ---------------------
     @property
@@ -374,7 +375,7 @@ class Worker:
         stop_uploads = asyncio.Event()
         upload_task = asyncio.create_task(uploader.run_forever(stop_uploads))  # drains what a last run left
         stop_beats = asyncio.Event()
-        beat_task = asyncio.create_task(self.reporter.beat_forever(stop_beats, spool, uploader, self.options.heartbeat_s))
+        beat_task = asyncio.create_task(self._beat_forever(stop_beats, spool, uploader, stop_uploads))
         stop_watch = asyncio.Event()
         watch_task: asyncio.Task | None = None
         try:
@@ -386,6 +387,8 @@ class Worker:
             upload_error = upload_task.exception() if upload_task.done() else None
             if upload_error is not None:
                 raise upload_error  # a configuration error: the user must act
+            if self.twin is not None:
+                raise self.twin
             if self.revoked:
                 await self._stay_revoked(spool, stop_uploads, stop)
         finally:
@@ -395,8 +398,9 @@ class Worker:
             self.reporter.update(status="revoked" if self.revoked else "stopping")
             stop_uploads.set()
             await asyncio.gather(upload_task, return_exceptions=True)
-            left = spool.depth if self.revoked else await uploader.flush(self.options.flush_timeout_s)
-            if left and not self.revoked:
+            kept = self.revoked or self.twin is not None  # nothing more uploads: its keys would not be its own
+            left = spool.depth if kept else await uploader.flush(self.options.flush_timeout_s)
+            if left and not kept:
                 log.warning("%d group(s) stay in the spool; they upload first on the next start", left)
             stop_beats.set()
             await settle_task(beat_task, self.options.heartbeat_s)
@@ -410,6 +414,23 @@ class Worker:
             spool.close()
             await asyncio.to_thread(self.mlx.close)
         return 0
+
+    async def _beat_forever(self, stop: asyncio.Event, spool: Spool, uploader: Uploader, stop_uploads: asyncio.Event) -> None:
+        """The heartbeat every `heartbeat_s` (`Reporter.beat_forever`'s), each write after the
+        twin re-check (`twin.TwinWatch`). At a twin that started first: `twin` set and the uploads
+        stopped (which ends setup and generation), no heartbeat more but the final one."""
+        watch = TwinWatch(self.store, self.config.run, self.config.worker_id, self._signer)
+        while not stop.is_set():
+            twin = await watch.check(self.reporter.beat)
+            if twin is not None:
+                self.twin = twin
+                self.reporter.update(errors=self.reporter.beat.errors + 1, last_error=str(twin)[:500])
+                stop_uploads.set()
+                return
+            self.reporter.count_spool(spool, uploader)
+            self.reporter.update(memory_gb=rss_gb())
+            await self.reporter.write()
+            await wait(stop, self.options.heartbeat_s)
 
     # -- revocation (signed runs) -------------------------------------------------------------
     @property

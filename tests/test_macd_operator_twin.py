@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from macd import cli
-from macd.twin import TwinWorker, check_no_twin, counts, previous_instance, remember_instance
+from macd.twin import TwinWatch, TwinWorker, check_no_twin, counts, previous_instance, remember_instance
 from macd.worker import Worker, WorkerOptions
 from slime_stoa.protocol.heartbeat import Heartbeat, read_heartbeat
 from slime_stoa.protocol.layout import RunLayout
@@ -176,3 +176,65 @@ def test_join_warns_when_the_worker_id_runs_elsewhere(tmp_path: Path, capsys: py
     asyncio.run(seed(replace(left_behind("a1a1a1a1a1a1a1a1"), status="stopped")))
     assert cli.main(join) == 0
     assert capsys.readouterr().err == ""
+
+
+async def test_a_twin_started_later_is_found_at_its_heartbeats_and_stops(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy of a running Mac (its data folder names the first worker's instance, so the start
+    check takes the first one's heartbeat for its own previous process's) starts after the first
+    has uploaded: the heartbeat re-check finds it; it, the later one, stops naming the first; the
+    first says so once and goes on generating."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    caplog.set_level("INFO", logger="macd")
+    async with open_store(url) as store:
+        await seed_run(store, MANIFEST, model_dir, task_count=40)
+        first = Worker(daemon_config(url, tmp_path / "mac-a"), store, WorkerOptions(seed=1, heartbeat_s=0.05))
+        async with running(first) as task_a:
+            await async_wait_until(lambda: task_a.done() or first.reporter.beat.groups_uploaded > 0, timeout=120,
+                                   message="the first worker's first upload")
+            assert not task_a.done(), task_a
+            remember_instance(tmp_path / "mac-b", RUN, first.reporter.instance)  # the copied data folder
+            second = Worker(daemon_config(url, tmp_path / "mac-b"), store, WorkerOptions(seed=2, heartbeat_s=0.05))
+            with pytest.raises(TwinWorker) as stopped:
+                await asyncio.wait_for(second.run(asyncio.Event()), 120)
+            line = str(stopped.value)
+            assert "\n" not in line and "started before this one" in line and first.reporter.instance in line
+            assert f"name {first.config.name!r}" in line and "--worker-id" in line
+            assert second.beat.last_error == line and second.beat.status == "stopped"
+            recorded = first.groups_recorded + first.groups_filtered
+            await async_wait_until(lambda: task_a.done() or first.groups_recorded + first.groups_filtered > recorded,
+                                   timeout=120, message="the first worker generating on")
+            assert not task_a.done() and first.twin is None
+    told = [r.getMessage() for r in caplog.records if "it started after this one, so it stops itself" in r.getMessage()]
+    assert len(told) <= 1  # the first may see the twin before it stops: then it says so once
+
+
+async def test_the_recheck_needs_a_rewrite_and_stops_only_the_later_one(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`TwinWatch.check` on the folder store: one heartbeat of another instance (a process gone may
+    have left it), a "stopped" one or this process's own prove nothing; a rewritten one does, and
+    only the worker that started later stops."""
+    async with open_store(f"file://{tmp_path}") as store:
+        own = Heartbeat(worker_id=WORKER, name="mac", status="generating", started_at=1000.0, instance="bbbb")
+        watch = TwinWatch(store, RUN, WORKER, None)
+        assert await watch.check(own) is None  # no heartbeat
+        await store.put(KEY, own.to_bytes())
+        assert await watch.check(own) is None  # its own
+        earlier = left_behind("aaaa", started_at=900.0)
+        await store.put(KEY, earlier.to_bytes())
+        assert await watch.check(own) is None and await watch.check(own) is None  # once, not rewritten: not proof
+        await store.put(KEY, replace(earlier, status="stopped", updated_at=earlier.updated_at + 1).to_bytes())
+        assert await watch.check(own) is None  # a process that stopped
+        await store.put(KEY, replace(earlier, updated_at=earlier.updated_at + 2).to_bytes())
+        twin = await watch.check(own)  # rewritten: a live process, started before this one
+        assert isinstance(twin, TwinWorker) and "instance aaaa, name 'other-mac'" in str(twin)
+        caplog.set_level("INFO", logger="macd")
+        later = left_behind("cccc", started_at=1100.0)
+        watch = TwinWatch(store, RUN, WORKER, None)
+        for n in range(4):  # rewritten again and again by one that started after this one: it stops, not this one
+            await store.put(KEY, replace(later, updated_at=later.updated_at + n).to_bytes())
+            assert await watch.check(own) is None
+        assert watch.twin is not None and watch.twin.instance == "cccc"
+        assert len([r for r in caplog.records if "it started after this one, so it stops itself" in r.getMessage()]) == 1
