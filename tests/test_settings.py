@@ -174,3 +174,19 @@ def test_the_plugins_own_fields_carry_their_help_and_the_table_shows_it() -> Non
     rows = {leaf.key: leaf.doc for leaf in settings.leaves()}
     assert rows["stoa_device_budget_bytes"] == " ".join(own["device_budget_bytes"].split())
     assert rows["stoa_bucket"].startswith("Required: the store URL of the run's bucket")
+
+
+def test_every_key_of_the_nested_configs_is_a_setting_with_its_help() -> None:
+    """One form for the nested configs too: each field a `setting` whose help is the meaning
+    column of its key (a field documented otherwise would show an empty meaning)."""
+    from slime_stoa.protocol.cli_fields import help_of
+    from slime_stoa.trainer.consumer.canary import CanaryConfig
+    from slime_stoa.trainer.consumer.quarantine import QuarantineConfig
+
+    for cls in (ConsumerConfig, QuarantineConfig, CanaryConfig, PublisherConfig, DPPOConfig):
+        assert all(help_of(f) for f in dataclasses.fields(cls)), cls
+    rows = {leaf.key: leaf.doc for leaf in settings.leaves()}
+    assert all(rows.values()), [key for key, doc in rows.items() if not doc]
+    assert rows["stoa_quarantine_min_samples"] == " ".join(help_of(
+        next(f for f in dataclasses.fields(QuarantineConfig) if f.name == "min_samples")).split())
+    assert rows["dppo_reduction"] == '"token_mean", "seq_mean" or "drgrpo"; see `reduce_per_token`.'

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from slime_stoa.protocol.cli_fields import setting
+
 Reduction = Literal["token_mean", "seq_mean", "drgrpo"]
 REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
 
@@ -26,30 +28,42 @@ def real_number(name: str, value: object) -> float:
 class DPPOConfig:
     """Settings of the DPPO loss; see `slime_stoa.trainer.loss` for the formula."""
 
-    delta_low: float = 0.2
-    """δ_low ≥ 0, the trust-region half-width below μ for negative advantages: a token with A < 0
-    is dropped once μ − p > δ_low. Any value ≥ 1 turns this side off."""
-    delta_high: float = 0.2
-    """δ_high ≥ 0, the same above μ for positive advantages: a token with A > 0 is dropped once
-    p − μ > δ_high."""
-    ratio_cap: float | None = 2.0
-    """C ≥ 1 or None. The importance weight of a kept token is min(p/μ, C); None means uncapped
-    (the raw ratio, unbounded with stale data). C < 1 would down-weight on-policy tokens and is
-    rejected."""
-    dual_clip: float | None = 3.0
-    """c > 1 or None (off). Tokens with A < 0 and p/μ > c are dropped (dual-clip PPO's lower bound
-    c·A on the objective)."""
-    eps_clip: float | None = None
-    """ε_low in (0, 1) or None (off, the default). If set, PPO's ratio clip also gates: A < 0
-    tokens with p/μ < 1 − ε_low and A > 0 tokens with p/μ > 1 + ε_high are dropped."""
-    eps_clip_high: float | None = None
-    """ε_high > 0 or None (then equal to eps_clip, as in slime). Needs eps_clip. 0.28 gives DAPO's
-    "clip higher"."""
-    reduction: Reduction = "token_mean"
-    """"token_mean", "seq_mean" or "drgrpo"; see `reduce_per_token`."""
-    drgrpo_max_len: int | None = None
-    """The constant L > 0 dividing every sequence's token sum under "drgrpo" (normally the
-    generation max length); required for "drgrpo", unused otherwise."""
+    delta_low: float = setting(
+        "δ_low ≥ 0, the trust-region half-width below μ for negative advantages: a token with A < 0 is "
+        "dropped once μ − p > δ_low. Any value ≥ 1 turns this side off.",
+        0.2,
+    )
+    delta_high: float = setting(
+        "δ_high ≥ 0, the same above μ for positive advantages: a token with A > 0 is dropped once p − μ > "
+        "δ_high.",
+        0.2,
+    )
+    ratio_cap: float | None = setting(
+        "C ≥ 1 or None. The importance weight of a kept token is min(p/μ, C); None means uncapped (the "
+        "raw ratio, unbounded with stale data). C < 1 would down-weight on-policy tokens and is rejected.",
+        2.0,
+    )
+    dual_clip: float | None = setting(
+        "c > 1 or None (off). Tokens with A < 0 and p/μ > c are dropped (dual-clip PPO's lower bound c·A "
+        "on the objective).",
+        3.0,
+    )
+    eps_clip: float | None = setting(
+        "ε_low in (0, 1) or None (off, the default). If set, PPO's ratio clip also gates: A < 0 tokens "
+        "with p/μ < 1 − ε_low and A > 0 tokens with p/μ > 1 + ε_high are dropped.",
+        None,
+    )
+    eps_clip_high: float | None = setting(
+        "ε_high > 0 or None (then equal to eps_clip, as in slime). Needs eps_clip. 0.28 gives DAPO's "
+        "\"clip higher\".",
+        None,
+    )
+    reduction: Reduction = setting('"token_mean", "seq_mean" or "drgrpo"; see `reduce_per_token`.', "token_mean")
+    drgrpo_max_len: int | None = setting(
+        "The constant L > 0 dividing every sequence's token sum under \"drgrpo\" (normally the generation "
+        "max length); required for \"drgrpo\", unused otherwise.",
+        None,
+    )
 
     def __post_init__(self) -> None:
         for name in ("delta_low", "delta_high"):

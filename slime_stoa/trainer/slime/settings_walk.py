@@ -15,14 +15,9 @@ table shows).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import inspect
-import itertools
 import re
-import sys
-import textwrap
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_type_hints
@@ -252,35 +247,6 @@ def _yaml(value: Any) -> str:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: its help, on one line}: the `setting`'s help (metadata `HELP`); for a class that is
-    not ours to annotate (its fields carry no help) the docstring after each field, read from its
-    source until its owner moves them into `setting`s. A help that only names another class's field
-    (`` `QuarantineConfig.min_samples`. ``) is that field's."""
-    fields = dataclasses.fields(cls)
-    out = {f.name: " ".join(help_of(f).split()) for f in fields}
-    if not any(out.values()):
-        out.update(_docstrings(cls))
-    module = sys.modules.get(cls.__module__)
-    for name, doc in out.items():
-        ref = re.fullmatch(r"`(\w+)\.(\w+)`\.?", doc)
-        other = getattr(module, ref.group(1), None) if ref else None
-        if ref and isinstance(other, type) and other is not cls:
-            out[name] = field_docs(other).get(ref.group(2), doc)
-    return out
+    """{field: its help (the `setting`'s metadata `HELP`), on one line}."""
+    return {f.name: " ".join(help_of(f).split()) for f in dataclasses.fields(cls)}
 
-
-def _docstrings(cls: type) -> dict[str, str]:
-    """{field: the string literal after it in the class body, on one line}."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    out: dict[str, str] = {}
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
-        ):
-            out[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    return out
