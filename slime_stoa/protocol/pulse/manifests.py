@@ -45,10 +45,11 @@ from typing import Any
 from slime_stoa.protocol.hf.folders import WEIGHTS_NAME
 from slime_stoa.protocol.layout import QuantPlane, RunLayout, check_attempt, check_name, check_plane, version_str
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted
-from slime_stoa.protocol.signing import SigningKey, sign_document
+from slime_stoa.protocol.signing import PublicKey, SignatureError, SigningKey
 from slime_stoa.protocol.strict_json import check_timestamp, load_json
 
 from .frames import PatchIndex
+from .signed_bytes import Unsigned, signed_bytes, verify_signed_bytes
 
 POINTER_FORMAT = "stoa.pointer/1"
 VERSION_FORMAT = "stoa.version/1"
@@ -129,6 +130,7 @@ class Pointer:
         """Parse a pointer; ManifestError if malformed. With `run`, it must be that run's; it
         must be `plane`'s (None: the bf16 weights'); with `trust`, signed by the run's newest
         key (UntrustedDocument otherwise)."""
+        signer = _signer(trust, data, where)
         doc = _load(data, POINTER_FORMAT, where)
         pointer = cls(
             run=_run(doc, where),
@@ -149,7 +151,7 @@ class Pointer:
         layout = RunLayout(pointer.run, pointer.plane)
         _check_version_key(layout, pointer.manifest, pointer.version, f"{where}.manifest")
         _check_anchor_ref(layout, pointer.anchor, pointer.version, f"{where}.anchor")
-        _verify(trust, doc, where, None, pointer.run)
+        _verify(trust, signer, where, None, pointer.run)
         return pointer
 
 
@@ -268,6 +270,7 @@ class VersionManifest:
         must be the one that belongs at that key (same run, version and attempt). With `trust`,
         it must be signed by the key of its version and carry every patch's content hash
         (UntrustedDocument otherwise)."""
+        signer = _signer(trust, data, where)
         doc = _load(data, VERSION_FORMAT, where)
         patches = doc.get("patches")
         if not isinstance(patches, list) or len(patches) > 8:
@@ -310,7 +313,7 @@ class VersionManifest:
         _check_anchor_ref(layout, manifest.anchor, manifest.version, f"{where}.anchor")
         if manifest.lineage is not None:
             _check_origin(layout, manifest, f"{where}.lineage")
-        _verify(trust, doc, where, manifest.version, manifest.run)
+        _verify(trust, signer, where, manifest.version, manifest.run)
         if trust is not None and any(p.sha256 is None for p in manifest.patches):
             raise UntrustedDocument(f"{where}: a patch has no content hash", where)
         return manifest
@@ -365,6 +368,7 @@ class AnchorManifest:
         name inside this anchor's folder. With `key` (where it was read from), the manifest must
         be the one that belongs at that key (same run, version and attempt). With `trust`, it
         must be signed by the key of its version and carry every file's content hash."""
+        signer = _signer(trust, data, where)
         doc = _load(data, ANCHOR_FORMAT, where)
         manifest = cls(
             run=_run(doc, where),
@@ -399,7 +403,7 @@ class AnchorManifest:
                     raise ManifestError(f"{at}: {f.name!r} is not a safetensors shard name")
                 if group == "extras" and (f.name == WEIGHTS_NAME or _SHARD.fullmatch(f.name)):
                     raise ManifestError(f"{at}: {f.name!r} is a weights file listed as an extra")
-        _verify(trust, doc, where, manifest.version, manifest.run)
+        _verify(trust, signer, where, manifest.version, manifest.run)
         if trust is not None and any(f.sha256 is None for f in manifest.weights + manifest.extras):
             raise UntrustedDocument(f"{where}: a file has no content hash", where)
         return manifest
@@ -474,21 +478,34 @@ def _check_anchor_ref(layout: RunLayout, ref: Ref, version: int, where: str) -> 
 
 
 def _dump(doc: Mapping[str, Any], key: SigningKey | None = None) -> bytes:
+    """The document's bytes: signed in the signature-last layout (`signed_bytes`) when `key` is given."""
     if key is not None:
-        doc = sign_document(doc, key)
+        return signed_bytes(doc, key)
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
 
-def _verify(trust: RunTrust | None, doc: Mapping[str, Any], where: str, version: int | None, run: str) -> None:
-    """With a trust: the document must be the trusted run's and signed by the key of `version`."""
+def _signer(trust: RunTrust | None, data: bytes, where: str) -> PublicKey | None:
+    """With a trust: the run key whose signature the raw bytes carry, checked BEFORE anything is
+    parsed (a forged document costs no parse, however large); UntrustedDocument otherwise."""
+    if trust is None:
+        return None
+    try:
+        return verify_signed_bytes(data, trust.keys, where)
+    except (Unsigned, SignatureError) as exc:
+        raise UntrustedDocument(str(exc), where) from None
+
+
+def _verify(trust: RunTrust | None, signer: PublicKey | None, where: str, version: int | None, run: str) -> None:
+    """With a trust: the parsed document must be the trusted run's, and the key that signed its
+    bytes (`_signer`) must be the key of its `version` (None: the pointer, the newest key)."""
     if trust is None:
         return
     if run != trust.run:
         raise UntrustedDocument(f"{where}: a document of run {run!r}, not {trust.run!r}", where)
-    try:
-        trust.verify(doc, where, version)
-    except Untrusted as exc:
-        raise UntrustedDocument(str(exc), where) from None
+    expected = trust.key_for(version)
+    if signer != expected:
+        signed_by = "unknown" if signer is None else signer.key_id
+        raise UntrustedDocument(f"{where}: signed by key {signed_by}, not {expected.key_id} (the run key of its version)", where)
 
 
 def _plane(doc: Mapping[str, Any], where: str) -> QuantPlane | None:
