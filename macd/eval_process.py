@@ -4,9 +4,11 @@ It runs `macd.evaluate.answer_prompts` (macd's generation path, the one workers 
 folder and a split's task data and writes the completions as JSON (`completion_doc`). A tool
 task's calls are answered by the parent over the pipes (`--tool-stdio`, `ParentTool`): stdout
 then carries only the tool lines, whatever else writes there goes to stderr. With --progress,
-stderr gets `progress_line`s (`ProgressLines`): for a single-turn task as decoding goes, in tokens
-of the budget (prompts x k x max tokens) and prompts; for a tool task as each prompt's group
-finishes, in prompts.
+stderr gets `progress_line`s (`ProgressLines`) as decoding goes, in tokens of the budget (prompts x
+k x max tokens, a finished sample's unused budget counted as done, so a time left estimated from
+the rate is an upper bound) and prompts: a single-turn task's after every decode step
+(`macd.generate.generate_groups`), a tool task's episodes' after every call of decode steps
+(`EpisodeBudget`: model and tool tokens alike spend an episode's budget).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class ProgressLines:
     callbacks). Once tokens are counted, a line carries both counts and is written once `every_s`
     seconds have passed or `share` of the budget more is done since the last one (so some
     1/`share` lines, plus one per `every_s` of a slow sampling), the first and the last always;
-    without them (a tool task), a line of prompts as each group finishes."""
+    without them (none told yet), a line of prompts as each group finishes."""
 
     def __init__(
         self, out: TextIO, prompts: int, *, every_s: float = PROGRESS_EVERY_S, share: float = PROGRESS_EVERY_SHARE,
@@ -74,6 +76,30 @@ class ProgressLines:
 
     def _write(self, line: str) -> None:
         print(line, file=self.out, flush=True)
+
+
+class EpisodeBudget:
+    """The runner of a tool task's MLX work (`macd.episodes.run_episodes`' `mlx`) that tells the
+    budget done, `told(done, total)`, after each call of decode steps: the model and tool tokens of
+    every episode so far, plus the unused budget of the episodes of each finished group (counted
+    only then: never more than is done, so an ETA from it stays an upper bound)."""
+
+    def __init__(self, prompts: int, k: int, max_tokens: int, told: Callable[[int, int], None]) -> None:
+        self.max_tokens, self.total, self.told = max_tokens, prompts * k * max_tokens, told
+        self.gen: Any = None  # the episodes' generator, once `run_episodes` has built it here
+        self.unused = 0  # budget left unspent by the episodes of finished groups
+
+    async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from .episodes import EpisodeGenerator
+
+        result = fn(*args)
+        if isinstance(result, EpisodeGenerator):
+            self.gen = result
+        elif self.gen is not None and fn == self.gen.advance:  # (finished groups, steps)
+            finished, _ = result
+            self.unused += sum(self.max_tokens - len(c.tokens) for group in finished for c in group.completions)
+            self.told(min(self.total, self.gen.tokens + self.gen.tool_tokens + self.unused), self.total)
+        return result
 
 
 class ParentTool:
@@ -152,9 +178,13 @@ async def sample_split(args: argparse.Namespace, protocol: TextIO) -> dict[str, 
     try:
         from .evaluate import answer_prompts  # MLX: loaded after main() chose its BLAS
 
+        mlx: Callable[..., Any] = _inline
+        if lines is not None and task.tool_format is not None:
+            mlx = EpisodeBudget(len(prompts), args.k, args.max_tokens, lines.tokens)
+            lines.tokens(0, mlx.total)
         groups = await answer_prompts(
             model, tokenizer, task, prompts, temperature=args.temperature, max_tokens=args.max_tokens, k=args.k,
-            stop=tuple(args.stop), seed=args.seed, mlx=_inline, tool=tool, max_batch=args.max_batch,
+            stop=tuple(args.stop), seed=args.seed, mlx=mlx, tool=tool, max_batch=args.max_batch,
             on_group=None if lines is None else lines.group, on_progress=None if lines is None else lines.tokens,
         )
     finally:
@@ -223,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ParentTool", "ProgressLines", "build_parser", "completion_doc", "main", "progress_line", "sample_split"]
+__all__ = ["EpisodeBudget", "ParentTool", "ProgressLines", "build_parser", "completion_doc", "main", "progress_line", "sample_split"]
 
 
 if __name__ == "__main__":

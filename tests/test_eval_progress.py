@@ -139,3 +139,64 @@ async def test_the_quickstart_heldout_eval_bar_moves_before_any_prompt_is_done(
     assert lines[-1].startswith("stoa eval v0 (held-out test split, 2 sample(s) per prompt): token 192/192 (100%)")
     assert lines[-1].endswith("prompts 3/3")
     assert 0 in progress.eval_pass1 and notes and notes[-1].startswith("eval pass@1 on the held-out test split at v0")
+
+
+def _moves_before_the_first_group(told: list[tuple[str, Any]], total: int) -> None:
+    """Budget progress that starts before any group finishes, never goes back, ends at `total`."""
+    done = [d for d, t in events_of(told, "tokens") if t == total]
+    assert len(done) == len(events_of(told, "tokens")) and done == sorted(done) and done[-1] == total
+    first_group = next(i for i, (kind, _) in enumerate(told) if kind == "group")
+    assert any(0 < d < total for d, _ in events_of(told[:first_group], "tokens"))
+
+
+async def test_a_tool_tasks_mlx_episodes_tell_the_budget_before_any_prompt_finishes(store: Any, tmp_path: Path) -> None:
+    """Search episodes (the scripted policy, the run's real BM25 index) sampled as `stoa eval --local`'s
+    process samples them (`EpisodeBudget` running their MLX work)."""
+    pytest.importorskip("mlx_lm")
+    pytest.importorskip("bm25s")
+    os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
+    from macd.eval_process import EpisodeBudget
+    from macd.evaluate import answer_prompts
+    from macd.generate import load_model
+    from slime_stoa.evaluation.collect import read_split
+    from slime_stoa.tasks.prompting import prompt_tokens
+    from slime_stoa.tasks.tools import ToolContext, tool_for
+    from tests.test_search_worker import MAX_TOKENS, RUN, scripted_model, seed_search_run
+
+    folder = scripted_model(tmp_path / "model")
+    manifest = await seed_search_run(store, folder)
+    task = await read_split(store, manifest, "train")
+    tool = tool_for(task, ToolContext(run=RUN, store=store, data_dir=tmp_path / "data"))
+    model, tok = load_model(folder)
+    prompts = [prompt_tokens(tok, task, item) for item in task.items[:3]]
+    told: list[tuple[str, Any]] = []
+    budget = EpisodeBudget(3, 4, MAX_TOKENS, lambda done, total: told.append(("tokens", (done, total))))
+    groups = await answer_prompts(model, tok, task, prompts, temperature=1.0, max_tokens=MAX_TOKENS, k=4,
+                                  stop=manifest.stop, seed=0, mlx=budget, tool=tool, max_batch=4,
+                                  on_group=lambda n: told.append(("group", n)))
+    _moves_before_the_first_group(told, 3 * 4 * MAX_TOKENS)
+    assert events_of(told, "group")[-1] == 3 and any(c.tool_calls for g in groups for c in g)
+
+
+async def test_the_transformers_engine_tells_the_budget_before_any_prompt_finishes(store: Any, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("bm25s")
+    from slime_stoa.evaluation.collect import read_split
+    from slime_stoa.evaluation.hf_generate import hf_answer_prompts, load_hf_model
+    from slime_stoa.tasks.prompting import prompt_tokens
+    from slime_stoa.tasks.tools import ToolContext, tool_for
+    from tests.test_search_worker import MAX_TOKENS, RUN, scripted_model, seed_search_run
+
+    folder = scripted_model(tmp_path / "model")
+    manifest = await seed_search_run(store, folder)
+    task = await read_split(store, manifest, "train")
+    tool = tool_for(task, ToolContext(run=RUN, store=store, data_dir=tmp_path / "data"))
+    model, tok = load_hf_model(folder, "cpu")
+    prompts = [prompt_tokens(tok, task, item) for item in task.items[:3]]
+    told: list[tuple[str, Any]] = []
+    groups = await hf_answer_prompts(model, tok, task, prompts, temperature=1.0, max_tokens=MAX_TOKENS, k=4,
+                                     stop=manifest.stop, seed=0, tool=tool, max_batch=4,
+                                     on_group=lambda n: told.append(("group", n)),
+                                     on_progress=lambda done, total: told.append(("tokens", (done, total))))
+    _moves_before_the_first_group(told, 3 * 4 * MAX_TOKENS)
+    assert events_of(told, "group")[-1] == 3 and any(c.tool_calls for g in groups for c in g)

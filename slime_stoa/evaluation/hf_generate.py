@@ -11,6 +11,10 @@ an open answer ends the sample (`slime_stoa.tasks.episode.turn_action`). Each tu
 prompt and history (no KV cache across turns: eval, not the hot path). Sampling is plain
 temperature sampling (top-k and top-p off, as on workers).
 
+Progress: the token budget done (prompts x k x max tokens: every sample's model and tool tokens,
+plus the unused budget of each finished sample, so an ETA from its rate is an upper bound) after
+every `generate` call (a decode chunk: one turn of up to `max_batch` samples) and tool answers.
+
 Logprobs are not kept: eval scores text. Torch and transformers are the trainer extra.
 """
 
@@ -164,9 +168,20 @@ class _Sampler:
 
     async def run(
         self, prompts: Sequence[Sequence[int]], k: int, on_group: Callable[[int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> list[list[HfCompletion]]:
         episodes = [[self.new_episode() for _ in range(k)] for _ in prompts]
         finished = 0
+        total = len(prompts) * k * self.max_tokens
+
+        def tell() -> None:
+            nonlocal finished
+            if on_progress is not None:
+                on_progress(self.budget_done(episodes), total)
+            if on_group is not None and (now := _finished_groups(episodes)) > finished:
+                finished = now
+                on_group(finished)
+
         active = [(p, ep) for p, group in enumerate(episodes) for ep in group]
         while active:
             calls = []
@@ -177,15 +192,15 @@ class _Sampler:
                 for (p, ep), new in zip(chunk, news, strict=True):
                     if self.feed(ep, new) in ("call", "invalid"):
                         calls.append((p, ep))
-                if on_group is not None and (now := _finished_groups(episodes)) > finished:
-                    finished = now
-                    on_group(finished)
+                tell()
             await asyncio.gather(*(self._answer(ep) for _, ep in calls))
             active = [(p, ep) for p, ep in calls if ep.finish is None]
-            if on_group is not None and (now := _finished_groups(episodes)) > finished:
-                finished = now
-                on_group(finished)
+            tell()
         return [[self._completion(ep) for ep in group] for group in episodes]
+
+    def budget_done(self, episodes: Sequence[Sequence[Episode]]) -> int:
+        """Budget tokens done: each sample's tokens, a finished one's whole budget."""
+        return sum(self.max_tokens if ep.finish is not None else len(ep.tokens) for group in episodes for ep in group)
 
     async def _answer(self, ep: Episode) -> None:
         assert self.fmt is not None and self.tool is not None
@@ -210,14 +225,16 @@ async def hf_answer_prompts(
     model: Any, tokenizer: Any, task: Task, prompts: Sequence[Sequence[int]], *, temperature: float,
     max_tokens: int, k: int, stop: tuple[str, ...], seed: int | None = None, tool: Tool | None = None,
     max_batch: int = DEFAULT_MAX_BATCH, on_group: Callable[[int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[list[HfCompletion]]:
     """k samples per prompt (token ids), in prompt order; a tool task needs its `tool`.
-    `on_group(n)` as prompts' groups finish (`n` finished so far)."""
+    `on_group(n)` as prompts' groups finish (`n` finished so far); `on_progress(done, total)` in
+    budget tokens (module doc) after every `generate` call and tool answers, before `on_group`."""
     if task.tool_format is not None and tool is None:
         raise ValueError(f"task {task.name!r} uses a tool: give one to answer its calls")
     sampler = _Sampler(model, tokenizer, task, temperature=temperature, max_tokens=max_tokens, stop=stop,
                        seed=seed, tool=tool, max_batch=max_batch)
-    return await sampler.run(prompts, k, on_group)
+    return await sampler.run(prompts, k, on_group, on_progress)
 
 
 def _finished_groups(episodes: Sequence[Sequence[Episode]]) -> int:

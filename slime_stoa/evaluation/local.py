@@ -10,10 +10,11 @@ scored with the split's task reward. Two engines:
 
 The int8 plane is not emulated: the version's bf16 state is what is sampled.
 
-Progress (`EvalProgress`): the mlx engine on a single-turn task counts it in tokens of the budget
-(prompts x k x max tokens; a finished sample's unused budget counts as done), so it moves with
-every decode step and a time left estimated from its rate is an upper bound; a tool task's
-episodes and the transformers engine count prompts whose samples all finished.
+Progress (`EvalProgress`): both engines count it in tokens of the budget (prompts x k x max tokens;
+a finished sample's unused budget counts as done, so a time left estimated from its rate is an
+upper bound), with the prompts whose samples all finished beside: the mlx engine after every decode
+step (a tool task's episodes: every call of decode steps, `macd.eval_process.EpisodeBudget`), the
+transformers engine after every `generate` call (one turn of a batch of samples) and tool answers.
 """
 
 from __future__ import annotations
@@ -67,11 +68,6 @@ class EvalProgress:
     tokens: int | None = None
 
 
-def counts_tokens(engine: Engine, task: Task) -> bool:
-    """Whether `engine` tells the progress of `task`'s sampling in budget tokens."""
-    return engine == "mlx" and task.tool_format is None
-
-
 @dataclass(frozen=True, slots=True)
 class Sampled:
     """What is scored of one completion."""
@@ -109,8 +105,7 @@ async def local_eval(
     if task.tool_format is not None:
         tool = tool_for(task, ToolContext(run=manifest.run, store=store, data_dir=work_dir))
     if on_progress is not None:
-        budget = len(items) * k * max_tokens if counts_tokens(engine, task) else None
-        on_progress(EvalProgress(0, len(items), None if budget is None else 0, budget))
+        on_progress(EvalProgress(0, len(items), 0, len(items) * k * max_tokens))  # both engines count budget tokens
     groups = await _sample(
         engine, folder, task, items, k=k, temperature=temperature, max_tokens=max_tokens, stop=manifest.stop,
         seed=seed, tool=tool, work_dir=work_dir, device=device, on_progress=on_progress,
@@ -139,16 +134,32 @@ async def _sample(
 
         model, tokenizer = await asyncio.to_thread(load_hf_model, folder, device or default_device())
         prompts = [prompt_tokens(tokenizer, task, item) for item in items]
-        told = on_progress
+        told = None if on_progress is None else _Told(on_progress, len(prompts), len(prompts) * k * max_tokens)
         return await hf_answer_prompts(
             model, tokenizer, task, prompts, temperature=temperature, max_tokens=max_tokens, k=k,
-            stop=stop, seed=seed, tool=tool,
-            on_group=None if told is None else (lambda n: told(EvalProgress(n, len(prompts)))),
+            stop=stop, seed=seed, tool=tool, on_group=None if told is None else told.group,
+            on_progress=None if told is None else told.tokens,
         )
     return await mlx_sample(
         folder, task, n_prompts=len(items), k=k, temperature=temperature, max_tokens=max_tokens,
         stop=stop, seed=seed, tool=tool, work_dir=work_dir, on_progress=on_progress,
     )
+
+
+class _Told:
+    """The transformers engine's callbacks (budget tokens, groups finished) told as one `EvalProgress`."""
+
+    def __init__(self, on_progress: Callable[[EvalProgress], None], prompts: int, tokens: int) -> None:
+        self.on_progress, self.prompts = on_progress, prompts
+        self.prompts_done, self.budget = 0, (0, tokens)  # the last budget told
+
+    def tokens(self, done: int, total: int) -> None:
+        self.budget = (done, total)
+        self.on_progress(EvalProgress(self.prompts_done, self.prompts, done, total))
+
+    def group(self, n: int) -> None:
+        self.prompts_done = n
+        self.tokens(*self.budget)
 
 
 def mlx_command(
