@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from slime_stoa.protocol.store import Store
 from slime_stoa.tasks.search import compact, packing
 from slime_stoa.tasks.search.build import build_index
 from slime_stoa.tasks.search.passages import BLOCKS_FILE, ZST_FILE, BlockPassageStore, BlockPassageWriter
@@ -210,3 +211,29 @@ def test_the_build_scratch_goes_to_the_work_dir(tmp_path: Path) -> None:
     build_index(passages(), tmp_path / "index", compact_format=True, shard_docs=10, work_dir=work)  # type: ignore[arg-type]
     assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].startswith(".stoa-index-build-")
     assert list(work.iterdir()) == [] and not any(p.name.startswith(".stoa") for p in tmp_path.iterdir())
+
+
+async def test_a_compact_folder_travels_through_the_bucket(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the bucket's manifest carries the compact files (`bundle.INDEX_FILES` set to
+    `compact.INDEX_FILES`, the one change bundle needs), upload, verified fetch and open give the
+    same hits as the folder built here, and the second start opens without the scan."""
+    from slime_stoa.tasks.search import bundle
+    from slime_stoa.tasks.search.synthetic import generate
+
+    monkeypatch.setattr(bundle, "INDEX_FILES", frozenset(compact.INDEX_FILES))
+    data = generate(40, seed=9)
+    folder = tmp_path / "built"
+    build_index(data.passages, folder, compact_format=True)
+    digest = await bundle.upload_index(store, "r", folder, passages=len(data.passages), chunk_bytes=4096)
+    dest = tmp_path / "fetched"
+    await bundle.fetch_index(store, "r", dest, expected_sha256=digest)
+    assert bundle.verified_digest(dest) == digest
+    scans: list[int] = []
+    real_scan = compact.CompactIndex.scan
+    monkeypatch.setattr(compact.CompactIndex, "scan", lambda self: (scans.append(1), real_scan(self))[1])
+    built, fetched = Retriever.open(folder), Retriever.open(dest, scanned=True)
+    assert scans == [1]  # the folder built here was scanned, the verified one was not
+    for q in data.qa:
+        assert [(h.index, h.score, h.text) for h in fetched.search(q.question, 3)] == \
+            [(h.index, h.score, h.text) for h in built.search(q.question, 3)]
+    assert sum(fetched.search(q.question, 1)[0].index == q.passage for q in data.qa) >= len(data.qa) * 3 // 4

@@ -34,13 +34,17 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from slime_stoa.protocol.strict_json import load_json
-from slime_stoa.tasks.search import packing
+from slime_stoa.tasks.search import packing, passages
+from slime_stoa.tasks.search.tokenizer import SETTINGS_FILE
 
 FORMAT = "stoa.bm25-compact/1"
 PARAMS_FILE = "compact.index.json"
 TERMS_FILE, TERM_OFFSETS_FILE, TERM_STATS_FILE = "terms.bin", "terms.offsets.npy", "terms.stats.npy"
 BLOCKS_FILE, POSTINGS_FILE, NORMS_FILE = "blocks.npy", "postings.bin", "norms.npy"
 FILES = (PARAMS_FILE, TERMS_FILE, TERM_OFFSETS_FILE, TERM_STATS_FILE, BLOCKS_FILE, POSTINGS_FILE, NORMS_FILE)
+#: Every file of a compact index folder: the index's, the settings (k1, b, tokeniser) and the
+#: zstd passage blocks (what a bucket's index manifest must name; this module needs no bm25s).
+INDEX_FILES = (*FILES, SETTINGS_FILE, passages.ZST_FILE, passages.BLOCKS_FILE)
 STATS_DTYPE = np.dtype([("offset", "<u8"), ("block", "<u8"), ("df", "<u4"), ("idf", "<f4"), ("peak", "<f4")])
 BLOCK_DTYPE = np.dtype([("last", "<u4"), ("doc_bits", "u1"), ("tf_bits", "u1")])
 

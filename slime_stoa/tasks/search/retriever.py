@@ -55,14 +55,7 @@ from slime_stoa.protocol.strict_json import load_json
 from slime_stoa.tasks.search import build, compact
 from slime_stoa.tasks.search.bundle import fetch_index, verified_digest
 from slime_stoa.tasks.search.formats import format_passages
-from slime_stoa.tasks.search.passages import (
-    BLOCKS_FILE,
-    OFFSETS_FILE,
-    TEXT_FILE,
-    ZST_FILE,
-    BlockPassageStore,
-    PassageStore,
-)
+from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE, BlockPassageStore, PassageStore
 from slime_stoa.tasks.search.task import Search
 from slime_stoa.tasks.search.tokenizer import PRESETS, SETTINGS_FILE, Bm25Settings, Tokenizer
 
@@ -72,7 +65,7 @@ PARAMS_FILE, VOCAB_FILE = build.PARAMS_FILE, build.VOCAB_FILE
 ARRAY_FILES = (build.DATA_FILE, build.INDICES_FILE, build.INDPTR_FILE)
 INDEX_FILES = (PARAMS_FILE, VOCAB_FILE, *ARRAY_FILES, SETTINGS_FILE, TEXT_FILE, OFFSETS_FILE)
 #: The files of a compact index folder (`build_index(compact_format=True)`).
-COMPACT_INDEX_FILES = (*compact.FILES, SETTINGS_FILE, ZST_FILE, BLOCKS_FILE)
+COMPACT_INDEX_FILES = compact.INDEX_FILES
 MAX_QUERY_CHARS = 1000  # a generated query longer than this is cut: it costs time, not recall
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 SCANNED_FILE = ".scanned"  # in a fetched folder: the manifest digest whose files passed the full check
