@@ -1,7 +1,7 @@
 """What `stoa rollouts show` and `stoa rollouts stats` print: pure functions of judged records.
 
 `show` marks a sample's parts: ``[model]`` text the model sampled, ``[tool]`` an observation a tool
-returned (schema-v2 tool episodes). `stats` groups samples by weight version: the trainer's mean
+returned (a tool episode: the sample's mask is 0 there). `stats` groups samples by weight version: the trainer's mean
 reward, response lengths and the search rate (samples that called a tool at least once).
 """
 

@@ -6,7 +6,7 @@ A `VersionResult` holds, per prompt, the k kept samples' trainer rewards, trunca
     version, split, k, n_prompts, pass@1, pass@k, reward_mean, search_rate, match
 
 `search_rate` (the share of samples with at least one observation, invalid-action feedback
-included) is None when the records carry no tool calls (single-turn, schema v1). `match` is the
+included) is None for a single-turn task (no tool format: its results count no tool calls). `match` is the
 answer match mode the rewards were scored with (a search task's "em", "cover_em" or "subem",
 `task_match`); the row has it only when the result was given one (CSV: empty otherwise).
 
