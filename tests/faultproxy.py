@@ -34,6 +34,9 @@ reach the client one byte every `every_s` seconds (the rest of that connection's
 as a stuck or overloaded server would send them: no read timeout ever trips, only an overall
 deadline (the store's, or its caller's) ends the request. `Trickle.hits` counts the requests
 trickled, and `faults_injected["trickle"]` too.
+
+`strip_etag(match, times=1)`: the next `times` answers to requests `match` accepts lose their
+`ETag` header (a broken gateway's 200 without one); counted in `faults_injected["strip_etag"]`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,6 +138,7 @@ class _AnswerCut:
     limit: int | None = None
     then_down: bool = False
     trickle_s: float | None = None  # send one byte per this many seconds (None: at full speed)
+    strip_etag: int = 0  # answers still to pass without their ETag header
 
 
 class _Cut(Exception):
@@ -157,6 +162,7 @@ class FaultyProxy:
         self.requests: Counter[str] = Counter()  # requests forwarded, by method
         self._holds: list[Hold] = []
         self._trickles: list[Trickle] = []
+        self._strips: list[Trickle] = []
         self._open: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -214,6 +220,12 @@ class FaultyProxy:
         self._trickles.append(trap)
         return trap
 
+    def strip_etag(self, match: Callable[[str, str], bool], *, times: int = 1) -> Trickle:
+        """Strip the ETag header of the answers to the next `times` requests `match` accepts."""
+        trap = Trickle(match, 0.0, times)
+        self._strips.append(trap)
+        return trap
+
     def _trickled(self, request: _Request) -> Trickle | None:
         """The armed trickle this request sets off (counted), if any."""
         trap = next((t for t in self._trickles if t.hits < t.times and t.match(request.method, request.path)), None)
@@ -268,6 +280,9 @@ class FaultyProxy:
     async def _answers(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, cut: _AnswerCut) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while (data := await src.read(1 << 16)) and not self.down:
+                if cut.strip_etag and data.startswith(b"HTTP/1.1 2"):  # the head is in the first read
+                    cut.strip_etag -= 1
+                    data = re.sub(rb"\r\n[Ee][Tt][Aa][Gg]:[^\r]*", b"", data, count=1)
                 limit = cut.limit
                 if limit is not None and data.startswith(b"HTTP/1.1 1") and (end := data.find(b"\r\n\r\n")) >= 0:
                     dst.write(data[: end + 4])  # an interim answer (100 Continue) always passes: the
@@ -372,6 +387,11 @@ class FaultyProxy:
             cut.limit = self.rng.randrange(1, 200)
         if (trap := self._trickled(request)) is not None:
             cut.trickle_s = trap.every_s
+        strip = next((t for t in self._strips if t.hits < t.times and t.match(request.method, request.path)), None)
+        if strip is not None:
+            strip.hits += 1
+            self.faults_injected["strip_etag"] += 1
+            cut.strip_etag += 1
         self.requests[request.method] += 1
         dst.write(request.head)
         await dst.drain()

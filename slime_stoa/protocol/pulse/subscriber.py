@@ -150,15 +150,20 @@ class Subscriber:
         self.digest: StateDigest | None = None
         self.current: VersionManifest | None = None  # the manifest of `version`
         self.meter = SpeedMeter(config.speeds)  # measured rates, for path choice
-        self._etag: str | None = None
+        self._etag: str | None = None  # of the last pointer that verified: polls ask If-None-Match it
+        self._failed_etag: str | None = None  # of the last pointer answer that did not (reported once)
         self._manifests: OrderedDict[str, VersionManifest] = OrderedDict()
 
     # -- public ------------------------------------------------------------------------------
     async def poll(self) -> Pointer | None:
         """The pointer if it changed since the last poll (one conditional GET), else None.
 
-        SyncError when the pointer is malformed or names another run; that object is then
-        skipped (the next poll is a 304 until the pointer changes)."""
+        SyncError when the pointer is malformed or names another run (WeightsRefused when its
+        signature does not check). Only a pointer that verified sets the ETag polled with: an
+        answer that fails (truncated on its way, say) may still carry the genuine object's ETag,
+        and caching it would skip the genuine pointer (304) until the next publish. A bad
+        pointer is therefore read again at each poll (at most `MAX_POINTER_BYTES`), but
+        reported once: the same ETag failing again gives None."""
         try:
             got = await read_pointer_etag(
                 self.store, self.layout.run, if_none_match=self._etag, trust=self.trust, plane=self.layout.plane
@@ -166,7 +171,9 @@ class Subscriber:
         except NotPublished:
             return None  # nothing published yet
         except MalformedPointer as exc:
-            self._etag = exc.etag  # the same bytes will not parse any better: wait for new ones
+            if exc.etag == self._failed_etag:
+                return None  # reported already: nothing new until these bytes change
+            self._failed_etag = exc.etag
             if exc.untrusted:
                 self._refuse(f"{self.layout.pointer}@{exc.etag}", str(exc))
                 raise WeightsRefused(f"refused the pointer: {exc}; {self._keeping()}") from None
@@ -174,6 +181,7 @@ class Subscriber:
         if got is None:
             return None
         pointer, self._etag = got
+        self._failed_etag = None
         return pointer
 
     async def sync(self, base: Mapping[str, np.ndarray] | None = None) -> SyncResult | None:

@@ -43,7 +43,7 @@ from .base import (
 from .credentials import Credentials
 from .retry import RetryPolicy
 from .s3_connection import quote_etag, unquote_etag
-from .s3_errors import error_status, is_retryable
+from .s3_errors import answer_etag, error_status, is_retryable
 from .s3_write import MAX_PARTS, MIN_PART_SIZE, S3Writer
 
 __all__ = ["MAX_PARTS", "MIN_PART_SIZE", "S3Store", "is_retryable"]
@@ -119,6 +119,8 @@ class S3Store(S3Writer, Store):
         if if_none_match:
             params["IfNoneMatch"] = quote_etag(if_none_match)
 
+        where = f"GET {key}"
+
         async def fetch(client: AioBaseClient) -> GetResult | bool | None:
             try:
                 resp = await client.get_object(**params)
@@ -130,7 +132,7 @@ class S3Store(S3Writer, Store):
                 raise
             async with resp["Body"] as body:
                 data = await body.read()
-            return GetResult(data=data, etag=unquote_etag(resp["ETag"]), size=_total_size(resp, len(data)))
+            return GetResult(data=data, etag=answer_etag(resp, where), size=_total_size(resp, len(data)))
 
         result = await self._call("GET", key, fetch, size=length)  # unknown length: no deadline
         if result is False:
@@ -147,12 +149,18 @@ class S3Store(S3Writer, Store):
 
     async def head(self, key: str) -> ObjectInfo:
         full = self._full(key)
-        resp = await self._call("HEAD", key, lambda c: c.head_object(Bucket=self.bucket, Key=full))
+
+        async def ask(client: AioBaseClient) -> dict[str, Any]:
+            resp = await client.head_object(Bucket=self.bucket, Key=full)
+            answer_etag(resp, f"HEAD {key}")  # inside the try: an answer without one is retried
+            return resp
+
+        resp = await self._call("HEAD", key, ask)
         modified = resp.get("LastModified")
         return ObjectInfo(
             key=key,
             size=int(resp["ContentLength"]),
-            etag=unquote_etag(resp["ETag"]),
+            etag=answer_etag(resp, f"HEAD {key}"),
             last_modified=modified.timestamp() if modified else None,
         )
 

@@ -72,10 +72,24 @@ class ClientClosedInFlight(Exception):
     """
 
 
+class AnswerWithoutETag(Exception):
+    """A 200 answer without an ETag header (a proxy or a broken gateway stripped it): without
+    it a poller cannot tell the object changed, nor a writer compare-and-swap. Retried like a
+    dropped connection: the next answer usually carries it."""
+
+
+def answer_etag(resp: dict, where: str) -> str:
+    """The unquoted ETag of an S3 answer; AnswerWithoutETag when it has none."""
+    etag = resp.get("ETag")
+    if not isinstance(etag, str) or not etag.strip().removeprefix("W/").strip('"'):
+        raise AnswerWithoutETag(f"{where}: the store answered without an ETag (a proxy between here and the store may strip it)")
+    return etag.strip().removeprefix("W/").strip('"')
+
+
 def is_retryable(exc: BaseException) -> bool:
-    """Throttling, 5xx, timeouts, dropped connections and a client closed under the request:
-    worth another try."""
-    if isinstance(exc, ClientClosedInFlight):
+    """Throttling, 5xx, timeouts, dropped connections, an answer without an ETag and a client
+    closed under the request: worth another try."""
+    if isinstance(exc, (ClientClosedInFlight, AnswerWithoutETag)):
         return True
     if isinstance(exc, ClientError):
         code, status = error_code(exc), error_status(exc)
