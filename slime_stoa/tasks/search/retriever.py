@@ -233,8 +233,8 @@ def top_k(
 def _score_all(data: np.ndarray, indices: np.ndarray, n_docs: int, spans: list[tuple[int, int]]) -> np.ndarray:
     """Every document's score: bm25s's adds (`BM25._compute_relevance_from_scores`)."""
     scores = np.zeros(n_docs, dtype=np.float32)
-    for start, end in spans:
-        np.add.at(scores, indices[start:end], data[start:end])
+    for start, end in spans:  # a column names a document once: a plain indexed add, not np.add.at
+        scores[indices[start:end]] += data[start:end]
     return scores
 
 
