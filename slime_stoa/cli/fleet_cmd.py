@@ -13,7 +13,8 @@ rising) and a stuck one (tokens standing still) look different long before a gro
 In a signed run each heartbeat is judged against the run's worker registry (`key` column):
 "signed" by the key registered for its worker, or "unsigned", "unknown" (a key not registered),
 "revoked" or "forged"; a heartbeat that is not "signed" shows that word as its status, and none
-of what it claims (throughput, version, lag) is shown. An unsigned run's heartbeats are shown as
+of what it claims is shown: its version cell says "unverified", its counters (lag, throughput,
+tokens, groups uploaded and spooled, last seen, errors) are "-". An unsigned run's heartbeats are shown as
 they say (`key` "-").
 
 `--run-key KEY` pins the run key (its public text, fingerprint, key id, or a key file; see
@@ -58,6 +59,8 @@ COLUMNS = (
     "errors", "quarantine", "key",
 )
 Judged = tuple[Heartbeat, HeartbeatTrust | None]
+#: What an untrusted heartbeat's row says in place of its claims (version through errors).
+UNVERIFIED = "unverified"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -103,18 +106,21 @@ def fleet_rows(
     judged = [b if isinstance(b, tuple) else (b, None) for b in beats]
     rows: list[tuple[str, ...]] = []
     for b, trust in sorted(judged, key=lambda bt: bt[0].worker_id):
+        if trust in UNTRUSTED:  # anyone with a token may have written it: none of its counters is shown
+            rows.append((b.worker_id, b.name, shown_status(b, now, trust), b.tier, UNVERIFIED,
+                         *("-" for _ in COLUMNS[5:-2]), quarantine_cell(quarantine.get(b.worker_id), now), str(trust)))
+            continue
         lag = shown_lag(b, now, pointer_version, trust)
-        untrusted = trust in UNTRUSTED
         rows.append(
             (
                 b.worker_id,
                 b.name,
                 shown_status(b, now, trust),
                 b.tier,
-                "-" if b.version is None or untrusted else f"v{b.version}",
+                "-" if b.version is None else f"v{b.version}",
                 "-" if lag is None else str(lag),
-                "-" if untrusted else f"{b.tokens_per_s:.0f}",
-                "-" if untrusted else count_text(b.tokens_generated),
+                f"{b.tokens_per_s:.0f}",
+                count_text(b.tokens_generated),
                 str(b.groups_uploaded),
                 str(b.groups_spooled),
                 ago(now - b.updated_at),
