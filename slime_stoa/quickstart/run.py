@@ -66,7 +66,9 @@ from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.search.task import Search
 from slime_stoa.tasks.synthetic import baseline_reward
 from slime_stoa.trainer.consumer import ConsumerConfig, ConsumerTimeout, RolloutConsumer
+from slime_stoa.trainer.consumer.heads import heads_prefix
 from slime_stoa.trainer.consumer.metrics import rejects_by_reason
+from slime_stoa.trainer.consumer.persistence import StateRollback, state_key
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
 from slime_stoa.trainer.tracking import TrackedRun, TrackingUnavailable, fleet_metrics, import_wandb
@@ -911,19 +913,25 @@ def phase_start_workers(s: Session, workers: WorkerProcesses) -> None:
 async def phase_open_consumer(s: Session, seeded: Seeded, restart: Checkpoint | None) -> RolloutConsumer:
     """The learner's consumer of the workers' groups, at its state in the bucket, or at the
     checkpoint's after --restart-from (written back to the bucket)."""
-    consumer = await s.stop.race(
-        RolloutConsumer.open(
-            s.store,
-            ConsumerConfig(
-                store_url=s.cfg.store_url, run=s.cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
-                admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
-                run_key=seeded.run_key_text, keep_dir=str(kept_dir(s.cfg)),
-            ),
-            tokenizer_dir=s.model_dir,
-            restore=restart is None,
-            state_key=seeded.run_key,  # signs the state it saves; reads back only a signed one
+    try:
+        consumer = await s.stop.race(
+            RolloutConsumer.open(
+                s.store,
+                ConsumerConfig(
+                    store_url=s.cfg.store_url, run=s.cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
+                    admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+                    run_key=seeded.run_key_text, keep_dir=str(kept_dir(s.cfg)),
+                ),
+                tokenizer_dir=s.model_dir,
+                restore=restart is None,
+                state_key=seeded.run_key,  # signs the state it saves; reads back only a signed one
+            )
         )
-    )
+    except StateRollback:  # an old genuine state put back: only the operator can choose what to trust
+        raise QuickstartError(
+            f"{state_key(s.cfg.run)} in the bucket is an old consumer state put back (older than its newest signed "
+            f"head): start a fresh run with --run NAME, or delete {heads_prefix(s.cfg.run)} in the bucket to accept it"
+        ) from None
     if restart is not None:  # back to the consumer state of the checkpoint, in the bucket too
         await consumer.bucket_state()  # its ETag, for the compare-and-swap
         if restart.consumer is not None:
