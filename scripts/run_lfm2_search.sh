@@ -11,7 +11,8 @@
 #
 # Parallelism: one GPU of 80-180 GB (TP 1: LFM2's conv layers are not tensor-parallel; EP_SIZE
 # divides the 32 experts when there are more GPUs). The optimizer runs on the CPU by default
-# (OPTIMIZER_OFFLOAD=1: fp32 master weights and Adam moments in host memory, ~100 GB); see
+# (OPTIMIZER_OFFLOAD=1: fp32 master weights, Adam moments and gradients in host memory: ~174 GiB
+# with slime's backup and the publisher's copies, by the accounting in docs/slime.md); see
 # docs/slime.md, "LFM2 / LFM2.5-8B-A1B".
 #
 # Before the first launch: create and seed the run (stoa run create, stoa task prepare search,

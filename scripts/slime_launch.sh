@@ -90,6 +90,9 @@ custom_config() {
   echo "stoa_run: $(yaml_str "$STOA_RUN")"
   if [ -n "$STALENESS_LIMIT" ]; then echo "stoa_staleness_limit: $STALENESS_LIMIT"; fi
   if [ -n "$REUSE_LIMIT" ]; then echo "stoa_reuse_limit: $REUSE_LIMIT"; fi
+  # The trainer's own copies of what it signs (run manifest, registry, pointer, manifests, its
+  # state): a bucket writer's delete or overwrite is put back instead of stopping the run.
+  echo "stoa_keep_dir: $(yaml_str "${KEEP_DIR:-${SAVE_DIR}/stoa-kept}")"
   echo "stoa_prefetch_groups: $ROLLOUT_BATCH_SIZE"
   echo "dppo_delta_low: $DPPO_DELTA_LOW"
   echo "dppo_delta_high: $DPPO_DELTA_HIGH"

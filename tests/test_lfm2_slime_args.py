@@ -232,6 +232,8 @@ def test_a_launch_without_a_megatron_checkpoint_stops_and_says_to_convert(hf_fol
     launched = _run("run_lfm2_search.sh", **env, SKIP_PREFLIGHT="1", PATH=f"{bin_dir}:{os.environ['PATH']}")
     assert launched.returncode == 0, launched.stderr
     assert f"--ref-load {tmp_path / 'ref'}" in (tmp_path / "ray.log").read_text()
+    # the trainer keeps its own copies of what it signs beside its checkpoints
+    assert f'stoa_keep_dir: "{tmp_path / "ckpt" / "stoa-kept"}"' in (tmp_path / "ckpt" / "stoa-config.yaml").read_text()
 
 
 def test_qwen_convert_dry_run_uses_the_same_model_args(tmp_path: Path) -> None:
