@@ -11,15 +11,24 @@ every passage and the decoded candidates); its vocabulary takes no heap (searche
 file) and its zstd passage blocks are read per hit, not counted. The manifest is read capped (`MAX_MANIFEST_BYTES`) and checked like a worker checks it
 (`bundle.parse_manifest`: the files of an index, sizes bounded and adding up); one that is
 missing, too large or malformed gives a plan line saying the size is unknown and why, and 0
-counted. When the machine's shared folder (`shared_dir`) already holds that index, verified
+counted. The manifest is authenticated before it is parsed: the task data's header pins its
+sha256 (`index.manifest_sha256`, recorded by `prepare`), read from the task data's first bytes
+(`pinned_manifest_digest`: one ranged GET, its header line decompressed, never the items); a
+manifest whose bytes do not match, or a task data that pins none, is refused unparsed (the
+unknown plan, one line). When the machine's shared folder (`shared_dir`) already holds that index, verified
 (`bundle.verified_digest`), the line says where.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import zstandard
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest
@@ -48,6 +57,9 @@ COMPACT_COUNTED_FILES = frozenset(COMPACT_FILES)
 #: One query's heap on a compact index, per passage: float32 scores of every passage when it
 #: scores them all, or at most a quarter of the passages decoded as candidates (16 bytes each).
 QUERY_BYTES_PER_PASSAGE = 8
+#: The task data's first bytes read for its header line (the meta: a few KiB, a system prompt at most).
+TASK_HEADER_BYTES = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,15 +125,55 @@ def fetched_folder(shared_dir: Path, manifest: RunManifest, digest: str) -> Path
     return None
 
 
-def plan_of_manifest(manifest: RunManifest, body: bytes, shared_dir: Path | None = None) -> IndexPlan:
-    """The plan of the index manifest `body` read from the bucket (untrusted: a malformed one
-    gives the unknown plan, its problem in words)."""
+def task_header_digest(prefix: bytes) -> str:
+    """The index manifest digest (`index.manifest_sha256`) in the header line of task data whose
+    first bytes are `prefix` (`encode_task_data`: one zstd frame, the header its first line),
+    decompressing at most `TASK_HEADER_BYTES`; ValueError naming what is wrong."""
+    out = b""
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(prefix)) as reader:
+            while b"\n" not in out and len(out) <= TASK_HEADER_BYTES:
+                block = reader.read(TASK_HEADER_BYTES + 1 - len(out))
+                if not block:
+                    break
+                out += block
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"the task data is not a zstd frame ({exc})") from None
+    if b"\n" not in out:
+        raise ValueError(f"the task data has no header line in its first {TASK_HEADER_BYTES:,} bytes")
+    try:
+        header = json.loads(out.split(b"\n", 1)[0])
+    except (ValueError, RecursionError):
+        raise ValueError("the task data's header is not valid JSON") from None
+    index = header.get("index") if isinstance(header, dict) else None
+    digest = index.get("manifest_sha256") if isinstance(index, dict) else None
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise ValueError("the task data pins no index manifest (index.manifest_sha256): "
+                         "refusing to plan from an unauthenticated manifest; prepare the task again")
+    return digest
+
+
+async def pinned_manifest_digest(store: Store, manifest: RunManifest) -> str:
+    """The index manifest digest the run's task data pins (`task_header_digest`), read with one
+    ranged GET of its first bytes. NotFound when the task data is missing."""
+    key = manifest.layout.task_data(manifest.task, manifest.task_split)
+    got = await store.get(key, length=TASK_HEADER_BYTES)
+    assert got is not None
+    return task_header_digest(got.data[:TASK_HEADER_BYTES])
+
+
+def plan_of_manifest(manifest: RunManifest, body: bytes, pinned: str, shared_dir: Path | None = None) -> IndexPlan:
+    """The plan of the index manifest `body` read from the bucket (untrusted): refused unparsed
+    unless its sha256 is `pinned` (the task data's); a malformed one gives the unknown plan, its
+    problem in words."""
     where = index_key(manifest).removesuffix(f"/{MANIFEST}")
+    digest = hashlib.sha256(body).hexdigest()
+    if digest != pinned:
+        return unknown_plan(f"{where}/{MANIFEST}", "not the manifest the task data pins (index.manifest_sha256): refused unread")
     try:
         index = parse_manifest(body)
     except ValueError as exc:
         return unknown_plan(f"{where}/{MANIFEST}", str(exc))
-    digest = hashlib.sha256(body).hexdigest()
     return known_plan(where, index, None if shared_dir is None else fetched_folder(shared_dir, manifest, digest))
 
 
@@ -132,6 +184,15 @@ async def run_index_plan(store: Store, manifest: RunManifest, shared_dir: Path |
     if not has_index(manifest):
         return None
     key = index_key(manifest)
+    task_key = manifest.layout.task_data(manifest.task, manifest.task_split)
+    try:
+        pinned = await pinned_manifest_digest(store, manifest)
+    except StoreConfigError:
+        raise
+    except NotFound:
+        return unknown_plan(task_key, "the task data is missing from the bucket: its index manifest cannot be authenticated")
+    except (StoreError, ValueError) as exc:
+        return unknown_plan(task_key, str(exc))
     try:
         body = await read_capped_bytes(store, key, MAX_MANIFEST_BYTES)
     except StoreConfigError:
@@ -140,4 +201,4 @@ async def run_index_plan(store: Store, manifest: RunManifest, shared_dir: Path |
         return unknown_plan(key, "missing from the bucket: a worker cannot fetch the index either")
     except (StoreError, ValueError) as exc:  # TooLarge is a ValueError
         return unknown_plan(key, str(exc))
-    return plan_of_manifest(manifest, body, shared_dir)
+    return plan_of_manifest(manifest, body, pinned, shared_dir)

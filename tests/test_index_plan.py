@@ -6,6 +6,7 @@ counted; `--plan-index-gb` wins over the manifest."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from slime_stoa.cli.run_cmd import create_run
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import open_store
+from slime_stoa.tasks.base import TaskItem, encode_task_data
 from slime_stoa.tasks.search.bundle import (
     INDEX_FILES,
     MANIFEST,
@@ -67,12 +69,29 @@ def search_run(tmp_path: Path, *, task: str = "search", planes: tuple = ()) -> t
     return url, manifest
 
 
-def put_index_manifest(url: str, body: bytes, task: str = "search") -> None:
+def task_data(task: str, pinned: str | None) -> bytes:
+    """The run's task data: a few items, its meta pinning the index manifest `pinned` (or none)."""
+    items = [TaskItem(index=i, prompt=f"question {i}", label='["a"]') for i in range(3)]
+    return encode_task_data(task, items, meta={} if pinned is None else {"index": {"manifest_sha256": pinned}})
+
+
+def put_task_data(url: str, data: bytes, task: str = "search") -> None:
+    async def put() -> None:
+        async with open_store(url) as store:
+            await store.put(RunLayout(RUN).task_data(task, "train"), data)
+
+    asyncio.run(put())
+
+
+def put_index_manifest(url: str, body: bytes, task: str = "search", *, pin: bool = True) -> None:
+    """The index manifest `body` in the bucket, with task data pinning its digest when `pin`."""
     async def put() -> None:
         async with open_store(url) as store:
             await store.put(RunLayout(RUN).task_index_file(task, MANIFEST), body)
 
     asyncio.run(put())
+    if pin:
+        put_task_data(url, task_data(task, hashlib.sha256(body).hexdigest()), task)
 
 
 def index_plan(url: str, manifest: RunManifest, shared: Path | None = None) -> IndexPlan | None:
@@ -107,6 +126,7 @@ def test_a_real_index_counts_its_postings_and_vocabulary(tmp_path: Path) -> None
             return await upload_index(store, RUN, folder, passages=20, chunk_bytes=4096)
 
     digest = asyncio.run(upload())
+    put_task_data(url, task_data("search", digest))
     shared = tmp_path / "shared"
     plan = index_plan(url, manifest, shared)
     assert plan is not None and plan.counted == sum((folder / name).stat().st_size for name in COUNTED_FILES)
@@ -118,7 +138,7 @@ def test_a_real_index_counts_its_postings_and_vocabulary(tmp_path: Path) -> None
 
     async def fetch() -> None:
         async with open_store(url) as store:
-            await fetch_index(store, RUN, local)
+            await fetch_index(store, RUN, local, expected_sha256=digest)
 
     asyncio.run(fetch())
     fetched = index_plan(url, manifest, shared)
@@ -180,7 +200,9 @@ def test_a_run_without_a_search_task_counts_no_index(tmp_path: Path) -> None:
 def test_a_missing_or_hostile_manifest_counts_nothing_and_says_why(tmp_path: Path, body: bytes | None, why: str) -> None:
     url, manifest = search_run(tmp_path)
     if body is not None:
-        put_index_manifest(url, body)
+        put_index_manifest(url, body)  # pinned: a genuine but malformed manifest is still refused
+    else:
+        put_task_data(url, task_data("search", "ab" * 32))
     plan = index_plan(url, manifest)
     assert plan is not None and plan.counted == 0
     assert plan.line.startswith(f"search index: size unknown (runs/{RUN}/tasks/search/index/manifest.json: ")
@@ -225,3 +247,61 @@ def test_a_compact_index_counts_its_mapped_tables_and_one_query(tmp_path: Path) 
     assert plan.counted == mapped + QUERY_BYTES_PER_PASSAGE * stats.passages
     assert mapped < plan.counted < sum(f.size for f in files) + QUERY_BYTES_PER_PASSAGE * stats.passages  # the passages left out
     assert ", compact: postings, term tables and norms " in plan.line and "passage texts (zstd)" in plan.line
+
+
+def test_a_forged_manifest_is_refused_for_its_digest_and_never_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token holder replaces the index manifest with one claiming 200 GiB: the task data pins
+    the genuine one, so the forged one is refused before it is parsed and counts nothing."""
+    url, manifest = search_run(tmp_path)
+    put_index_manifest(url, described_manifest(BIG_SIZES))
+    genuine = index_plan(url, manifest)
+    assert genuine is not None and genuine.counted == BIG_COUNTED
+    put_index_manifest(url, described_manifest({"data.csc.index.npy": 200 * GIB}, passages=1), pin=False)
+
+    def parse_would_raise(body: bytes) -> IndexManifest:
+        raise AssertionError("an unauthenticated manifest was parsed")
+
+    monkeypatch.setattr("macd.index_plan.parse_manifest", parse_would_raise)
+    forged = index_plan(url, manifest)
+    assert forged is not None and forged.counted == 0 and not forged.known
+    assert "not the manifest the task data pins (index.manifest_sha256): refused unread" in forged.line
+    assert "200" not in forged.line
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (None, "the task data is missing from the bucket"),
+        (task_data("search", None), "pins no index manifest (index.manifest_sha256)"),
+        (task_data("search", "not hex"), "pins no index manifest (index.manifest_sha256)"),
+        (b"not zstd at all", "not a zstd frame"),
+    ],
+    ids=["no-task-data", "no-pin", "malformed-pin", "not-task-data"],
+)
+def test_an_index_manifest_no_task_data_pins_is_not_planned_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes | None, why: str
+) -> None:
+    url, manifest = search_run(tmp_path)
+    put_index_manifest(url, described_manifest(BIG_SIZES), pin=False)
+    if data is not None:
+        put_task_data(url, data)
+
+    def parse_would_raise(body: bytes) -> IndexManifest:
+        raise AssertionError("an unauthenticated manifest was parsed")
+
+    monkeypatch.setattr("macd.index_plan.parse_manifest", parse_would_raise)
+    plan = index_plan(url, manifest)
+    assert plan is not None and plan.counted == 0 and not plan.known
+    assert why in plan.line and "\n" not in plan.line
+
+
+def test_the_header_is_read_from_the_task_datas_first_bytes() -> None:
+    """A large task data's pin is found in its first bytes: the items are never decompressed."""
+    from macd.index_plan import task_header_digest
+
+    items = [TaskItem(index=i, prompt=f"question {i} " * 20, label='["a"]') for i in range(20_000)]
+    data = encode_task_data("search", items, meta={"index": {"manifest_sha256": "cd" * 32}})
+    assert len(data) > 64 * 1024
+    assert task_header_digest(data[:4096]) == "cd" * 32

@@ -4,6 +4,7 @@ quantized plane the run publishes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.seeding import seed_run, tiny_synthetic_model
 from slime_stoa.tasks.search.bundle import MANIFEST
-from tests.test_index_plan import described_manifest
+from tests.test_index_plan import described_manifest, task_data
 from tests.test_worker import RUN, daemon_config
 
 
@@ -35,6 +36,7 @@ async def test_the_worker_picks_its_plane_beside_the_runs_index(
     config = daemon_config(store_url, tmp_path / "data")
     model_config = json.loads((model_dir / "config.json").read_text())
     sequences = decoding_sequences(config, manifest.group_size)
+    monkeypatch.setattr("macd.plane_choice.plan_device", lambda: "gpu")  # a Mac's figures, on any machine
     bf16 = choose_plane(model_config, manifest, memory=1 << 40, sequences=sequences)
     int8 = choose_plane(model_config, replace(manifest, plane="int8"), memory=1 << 40, sequences=sequences)
     assert bf16 is not None and int8 is not None and int8.needed < bf16.needed
@@ -42,8 +44,9 @@ async def test_the_worker_picks_its_plane_beside_the_runs_index(
     memory = int(bf16.needed * 1.5 * 1.01)  # usable: 2/3 of it, bf16 fits with 1 % to spare, not beside the index
     monkeypatch.setattr("macd.following.memory_bytes", lambda: memory)
     monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path / "shared"))
-    await store.put(RunLayout(RUN).task_index_file("search", MANIFEST),
-                    described_manifest({"data.csc.index.npy": index, "passages.txt": 1 << 30}))
+    body = described_manifest({"data.csc.index.npy": index, "passages.txt": 1 << 30})
+    await store.put(RunLayout(RUN).task_index_file("search", MANIFEST), body)
+    await store.put(RunLayout(RUN).task_data("search", "train"), task_data("search", hashlib.sha256(body).hexdigest()))
     weights = Worker(config, store, WorkerOptions(seed=3)).weights
     assert await weights.plane_for(manifest, None) == "bf16"  # no search task: no index
     assert await weights.plane_for(replace(manifest, task="search"), None) == "int8"

@@ -173,18 +173,15 @@ async def test_fetch_verifies_once_and_refetches_only_what_is_damaged(
     digest = await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
     counting = CountingStore(store)
     dest = tmp_path / "cache"
-    await fetch_index(counting, RUN, dest)
+    await fetch_index(counting, RUN, dest, expected_sha256=digest)
     manifest = parse_manifest((dest / MANIFEST).read_bytes())
     chunk_keys = {RunLayout(RUN).task_index_file("search", c.name) for f in manifest.files for c in f.chunks}
     assert set(counting.gets) - chunk_keys == {RunLayout(RUN).task_index_file("search", MANIFEST)}
     assert all(counting.gets[k] == 1 for k in chunk_keys)
 
-    # verified once: later starts hash nothing; with the task's digest they read nothing either
+    # verified once: later starts with the task's digest hash and read nothing
     with monkeypatch.context() as m:
         m.setattr(bundle, "_sha256_file", lambda path: pytest.fail(f"re-hashed {path}"))
-        counting.gets.clear()
-        await fetch_index(counting, RUN, dest)
-        assert list(counting.gets) == [RunLayout(RUN).task_index_file("search", MANIFEST)]
         counting.gets.clear()
         await fetch_index(counting, RUN, dest, expected_sha256=digest)
         assert not counting.gets
@@ -270,13 +267,13 @@ async def test_interrupted_fetch_resumes_in_place(store: Store, synthetic_index:
 
 async def test_tampered_chunk_is_refused(store: Store, synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
     folder, _ = synthetic_index
-    await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
+    digest = await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
     key = RunLayout(RUN).task_index_file("search", "passages.txt.00001")
     original = await store.get_bytes(key)
     await store.put(key, original[:-1] + bytes([original[-1] ^ 1]))  # any token can overwrite a chunk
     dest = tmp_path / "cache"
     with pytest.raises(ValueError, match="digest"):
-        await fetch_index(store, RUN, dest)
+        await fetch_index(store, RUN, dest, expected_sha256=digest)
     assert not (dest / MANIFEST).exists() and not (dest / "passages.txt").exists()
 
 
@@ -336,12 +333,29 @@ async def test_hostile_manifest_in_the_bucket_writes_nothing_outside(store: Stor
         {"name": "../../evil", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest(),
          "chunks": [{"name": "../../evil.00000", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}]}
     ]}
-    await store.put(layout.task_index_file("search", MANIFEST), json.dumps(doc).encode())
+    body = json.dumps(doc).encode()
+    await store.put(layout.task_index_file("search", MANIFEST), body)
     dest = tmp_path / "deep" / "cache"
-    with pytest.raises(ValueError):
-        await fetch_index(store, RUN, dest)
+    with pytest.raises(ValueError):  # even pinned (a task prepared from a bad manifest), it is checked
+        await fetch_index(store, RUN, dest, expected_sha256=hashlib.sha256(body).hexdigest())
     outside = [p for p in tmp_path.rglob("*") if dest not in (p, *p.parents) and p.is_file() and "bucket" not in p.parts]
     assert outside == []
+
+
+async def test_an_unpinned_or_forged_manifest_is_refused_before_it_is_parsed(
+    store: Store, synthetic_index: tuple[Path, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the task's pin nothing authenticates the manifest, so it is not read; a forged one
+    (a token holder's) is refused for its digest without being parsed."""
+    folder, _ = synthetic_index
+    digest = await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
+    await store.put(RunLayout(RUN).task_index_file("search", MANIFEST), b'{"forged": true}')
+    monkeypatch.setattr(bundle, "parse_manifest", lambda *a, **k: pytest.fail("an unauthenticated manifest was parsed"))
+    with pytest.raises(ValueError, match="pins no index manifest"):
+        await fetch_index(store, RUN, tmp_path / "a")
+    with pytest.raises(ValueError, match="not the one the task names"):
+        await fetch_index(store, RUN, tmp_path / "b", expected_sha256=digest)
+    assert not (tmp_path / "b" / MANIFEST).exists()
 
 
 # -- `stoa task prepare search` --------------------------------------------------------------------

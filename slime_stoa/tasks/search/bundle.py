@@ -13,8 +13,9 @@ manifest is the last object written, so a reader that finds it finds every chunk
 `fetch_index` trusts nothing it reads. The manifest must name exactly the files of an index
 folder (`retriever.INDEX_FILES`), chunk `n` of file `f` must be named `f.<nnnnn>` (the layout's
 name grammar: one safe path component), sizes must add up and stay under `max_bytes`, and every
-chunk and every assembled file must match its sha256. With `expected_sha256` (the digest
-`prepare` recorded in the task meta) the manifest itself is pinned. Nothing is written outside
+chunk and every assembled file must match its sha256. The manifest itself is pinned by
+`expected_sha256` (the digest `prepare` recorded in the task meta) and its bytes checked against
+it before they are parsed; without one nothing authenticates it, and the fetch is refused. Nothing is written outside
 `dest`: each file is assembled in place in `dest/<file>.partial` (its final size; each verified
 chunk written at its offset, its index then listed in `dest/.parts/<file>.done`), checked whole
 once and renamed into place; `dest/manifest.json` and the verified stamp (`dest/.verified.json`:
@@ -387,19 +388,22 @@ async def fetch_index(
     parallel: int = 4,
 ) -> Path:
     """Download (or finish downloading) the run's index into `dest`; returns `dest`, ready for
-    `Retriever.open`. ValueError for a manifest or chunk that fails its checks.
+    `Retriever.open`. ValueError for a manifest or chunk that fails its checks, and without
+    `expected_sha256` (the task meta's pin: nothing else authenticates the manifest).
 
     Verified once: a completed fetch writes a stamp (`STAMP`: the manifest's digest, each file's
-    size and mtime). When the stamp still holds, and names `expected_sha256` when that is given,
-    nothing is read from the bucket (with `expected_sha256`) or only the manifest (without) and
-    nothing is hashed. Files are assembled in place (`_InPlace`): the disk holds the index once,
+    size and mtime). When the stamp still holds and names `expected_sha256`, nothing is read from
+    the bucket and nothing is hashed. Files are assembled in place (`_InPlace`): the disk holds the index once,
     not chunks and a copy.
 
     Several processes may fetch into one `dest` at once (the workers of one machine share its
     index): the fetch holds `dest/.fetch.lock` (flock), so one downloads while the others wait, then find
     its stamp and return without reading a chunk."""
     dest = Path(dest)
-    if expected_sha256 is not None and _stamp_holds(dest, expected_sha256):
+    if expected_sha256 is None:  # nothing would authenticate the manifest: refused before it is read
+        raise ValueError("the task pins no index manifest (its meta's index.manifest_sha256): "
+                         "refusing an unauthenticated index; prepare the task again (stoa task prepare search)")
+    if _stamp_holds(dest, expected_sha256):
         return dest  # the usual start: no lock, no bucket, no hashing
     async with _fetch_lock(dest):
         return await _fetch_locked(store, run, dest, task=task, expected_sha256=expected_sha256,
@@ -407,18 +411,17 @@ async def fetch_index(
 
 
 async def _fetch_locked(
-    store: Store, run: str, dest: Path, *, task: str, expected_sha256: str | None, max_bytes: int, parallel: int
+    store: Store, run: str, dest: Path, *, task: str, expected_sha256: str, max_bytes: int, parallel: int
 ) -> Path:
-    """`fetch_index` once `dest`'s fetch lock is held."""
-    if expected_sha256 is not None and _stamp_holds(dest, expected_sha256):
+    """`fetch_index` once `dest`'s fetch lock is held: the manifest read, checked against
+    `expected_sha256` before it is parsed."""
+    if _stamp_holds(dest, expected_sha256):
         return dest  # fetched by the process that held the lock before
     layout = RunLayout(run)
     body = await read_capped_bytes(store, layout.task_index_file(task, MANIFEST), MAX_MANIFEST_BYTES)
     digest = hashlib.sha256(body).hexdigest()
-    if expected_sha256 is not None and digest != expected_sha256:
+    if digest != expected_sha256:
         raise ValueError("the index manifest in the bucket is not the one the task names (refused)")
-    if _stamp_holds(dest, digest):
-        return dest
     manifest = parse_manifest(body, max_bytes=max_bytes)
     (dest / PARTS).mkdir(parents=True, exist_ok=True)
     (dest / STAMP).unlink(missing_ok=True)  # complete again only once every file checks out
