@@ -10,7 +10,6 @@ import getpass
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from . import config as cfg
 from .cmdline import add_config_option, config_path, error, run_create_command
 from .index_plan import IndexPlan
 from .join_settings import JOIN_SETTINGS, Keep, merge_settings
+from .plane_choice import plan_device
 
 if TYPE_CHECKING:
     from slime_stoa.protocol.heartbeat import Heartbeat
@@ -466,7 +466,8 @@ def plan_lines(
 
 
 def served_plane(
-    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None
+    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None, *,
+    device: str | None = None,
 ) -> tuple[Plane, PlaneChoice | None]:
     """The plane this Mac will serve the run on, as the worker picks it (`following.plane_for`):
     the config's `plane`; else, when the run publishes quantized planes and its model config is
@@ -483,16 +484,19 @@ def served_plane(
     if not m.planes or model is None:
         return m.plane, None
     choice = choose_plane(model, m, memory=memory, sequences=cfg.decoding_sequences(config, m.group_size),
-                          index_bytes=0 if index is None else index.counted)
+                          index_bytes=0 if index is None else index.counted, device=device)
     return (m.plane, None) if choice is None else (choice.plane, choice)
 
 
-def plane_line(config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None) -> str | None:
+def plane_line(
+    config: cfg.DaemonConfig, info: cfg.RunInfo, memory: int, index: IndexPlan | None = None, *,
+    device: str | None = None,
+) -> str | None:
     """The plane this Mac serves the run on (`served_plane`), when the config sets it or the run
     publishes quantized planes and its model config is known."""
     if config.plane:
         return f"  plane        {config.plane} (this config's `plane`)"
-    _, choice = served_plane(config, info, memory, index)
+    _, choice = served_plane(config, info, memory, index, device=device)
     return None if choice is None else f"  plane        {choice.describe()}"
 
 
@@ -534,22 +538,11 @@ def memory_plan_lines(
         model, memory=memory, plane=m.plane, group_size=cfg.decoding_sequences(config, m.group_size), groups=1,
         prompt_tokens=m.max_prompt_tokens, response_tokens=m.max_tokens, published=m.planes,
         index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
-        served=served_plane(config, info, memory, index)[0], device=device or plan_device(),
+        served=served_plane(config, info, memory, index, device=device)[0], device=device or plan_device(),
     )
     if not lines:
         return [f"{_NO_PLAN[1]} the sizes a plan needs", *index_lines], None
     return [f"  {'memory plan' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)], warning
-
-
-def plan_device() -> str:
-    """Where MLX computes on this machine, as `memory_plan.DEVICES` names it: "gpu" (a Mac's
-    Metal GPU) or "cpu" (MLX's CPU device: float32 compute, `macd.cpu_compute`). Without MLX
-    importable, by the platform: only an Apple silicon Mac has the GPU."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return "gpu" if sys.platform == "darwin" and platform.machine() == "arm64" else "cpu"
-    return "cpu" if mx.default_device().type == mx.cpu else "gpu"
 
 
 def _gib(n: float) -> str:

@@ -18,6 +18,8 @@ when none fits it serves the run's plane (the memory plan's warning says what to
 
 from __future__ import annotations
 
+import platform
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -42,28 +44,43 @@ class PlaneChoice:
         return f"{self.plane} ({how}): {self.needed / GIB:.1f} of {self.usable / GIB:.1f} GiB usable, {verdict}"
 
 
-def weights_bytes(model_config: Mapping[str, Any], manifest: RunManifest) -> dict[Plane, int]:
-    """Bytes of the weights of each plane this Mac can serve the run on (module docstring)."""
+def weights_bytes(model_config: Mapping[str, Any], manifest: RunManifest, device: str = "gpu") -> dict[Plane, int]:
+    """Bytes of the weights of each plane this Mac can serve the run on, computing on `device`
+    (module docstring)."""
     published = [plane for plane in PLANES if manifest.offers(plane)]
-    return cast(dict[Plane, int], weights_by_plane(param_count(model_config), published))
+    return cast(dict[Plane, int], weights_by_plane(param_count(model_config), published, device))
+
+
+def plan_device() -> str:
+    """Where MLX computes on this machine, as `memory_plan.DEVICES` names it: "gpu" (a Mac's
+    Metal GPU) or "cpu" (MLX's CPU device: float32 compute, `macd.cpu_compute`). Without MLX
+    importable, by the platform: only an Apple silicon Mac has the GPU."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return "gpu" if sys.platform == "darwin" and platform.machine() == "arm64" else "cpu"
+    return "cpu" if mx.default_device().type == mx.cpu else "gpu"
+
 
 
 def choose_plane(
     model_config: Mapping[str, Any], manifest: RunManifest, *, memory: int, sequences: int,
-    usable: int | None = None, index_bytes: int = 0,
+    usable: int | None = None, index_bytes: int = 0, device: str | None = None,
 ) -> PlaneChoice | None:
     """The plane to serve the run on a Mac with `memory` bytes decoding `sequences` at once
-    (module docstring); None when the model config lacks the sizes a plan needs."""
+    (module docstring), computing on `device` (`memory_plan.DEVICES`; None: this machine's,
+    `plan_device`); None when the model config lacks the sizes a plan needs."""
+    device = device or plan_device()
     config = model_config.get("text_config")
     config = config if isinstance(config, Mapping) else model_config
     plan = config_plan(
         config, group_size=max(sequences, 1), prompt_tokens=manifest.max_prompt_tokens,
-        response_tokens=manifest.max_tokens, index_bytes=index_bytes, mac_sizes_gb=(),
+        response_tokens=manifest.max_tokens, index_bytes=index_bytes, mac_sizes_gb=(), device=device,
     )
     if plan is None:
         return None
-    limit = usable if usable is not None else usable_bytes(memory / GIB)
-    weights = weights_bytes(config, manifest)
+    limit = usable if usable is not None else usable_bytes(memory / GIB, device)
+    weights = weights_bytes(config, manifest, device)
     others = plan.cache + plan.activations + plan.index
     order = [p for p in PLANES[PLANES.index(manifest.plane):] if p in weights]
     choices = [PlaneChoice(p, manifest.offers(p), weights[p] + others <= limit, weights[p] + others, limit) for p in order]

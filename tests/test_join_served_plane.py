@@ -31,7 +31,7 @@ def _config(tmp_path: Path, **fields: object) -> cfg.DaemonConfig:
 def test_a_smaller_published_plane_that_fits_is_named_once_and_nothing_warns(tmp_path: Path) -> None:
     config, info = _config(tmp_path), _run()
     lines = plan_lines(config, info, 24 * GIB, device="gpu")
-    assert served_plane(config, info, 24 * GIB)[0] == "int8"
+    assert served_plane(config, info, 24 * GIB, device="gpu")[0] == "int8"
     served = [line.strip() for line in lines if line.strip().startswith(SERVED)]
     assert served == ["this Mac will serve the int8 plane: needs 9.1 of 16.0 GiB usable: fits "
                       "(the run's bf16 plane: does not fit)"]
@@ -40,7 +40,7 @@ def test_a_smaller_published_plane_that_fits_is_named_once_and_nothing_warns(tmp
     rows = [line.strip() for line in lines if line.strip().startswith("this Mac, ")]
     assert rows[:2] == ["this Mac, bf16: needs 16.5 of 16.0 GiB usable: does not fit (the run's plane)",
                         "this Mac, int8: needs 9.1 of 16.0 GiB usable: fits (served here)"]
-    assert plane_line(config, info, 24 * GIB) == (
+    assert plane_line(config, info, 24 * GIB, device="gpu") == (
         "  plane        int8 (the run's published plane, held alone): 9.1 of 16.0 GiB usable, fits")
     # one account of memory: the plan, from the model's config (no coarse estimate beside it)
     assert not any(line.startswith("  memory       ") for line in lines)

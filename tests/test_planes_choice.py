@@ -37,16 +37,16 @@ def test_a_published_plane_is_held_alone_and_a_quantized_copy_keeps_its_master()
     ],
 )
 def test_the_largest_plane_that_fits_no_larger_than_the_runs(gb: int, planes: tuple[str, ...], expected: str) -> None:
-    choice = choose_plane(LFM2_5_8B_A1B, run(planes=planes), memory=gb * GIB, sequences=16)
+    choice = choose_plane(LFM2_5_8B_A1B, run(planes=planes), memory=gb * GIB, sequences=16, device="gpu")
     assert choice is not None and choice.plane == expected
     assert choice.held == (expected in planes) and choice.fits == (expected != "bf16" or gb == 64)
     assert expected in choice.describe()
 
 
 def test_a_run_on_int8_is_never_served_on_bf16() -> None:
-    choice = choose_plane(LFM2_5_8B_A1B, run("int8", ("int8",)), memory=128 * GIB, sequences=16)
+    choice = choose_plane(LFM2_5_8B_A1B, run("int8", ("int8",)), memory=128 * GIB, sequences=16, device="gpu")
     assert choice is not None and choice.plane == "int8" and choice.held and choice.fits
-    tight = choose_plane(LFM2_5_8B_A1B, run("int8", ("int8",)), memory=8 * GIB, sequences=16)
+    tight = choose_plane(LFM2_5_8B_A1B, run("int8", ("int8",)), memory=8 * GIB, sequences=16, device="gpu")
     assert tight is not None and tight.plane == "int8" and not tight.fits
     assert choose_plane({"hidden_size": 8}, run(), memory=GIB, sequences=1) is None
 
@@ -59,3 +59,14 @@ def test_join_says_which_plane_this_mac_serves(tmp_path: Path) -> None:
     assert "  plane        bf16 (the bf16 weights): " in "\n".join(plan_lines(config, info, 64 * GIB, device="gpu"))
     plain = cfg.RunInfo(manifest=run(), version=3, elements=8_470_000_000, model_config=LFM2_5_8B_A1B)
     assert not any(line.startswith("  plane ") for line in plan_lines(config, plain, 24 * GIB))  # no planes: the run's
+
+
+def test_a_cpu_worker_plans_its_float32_copies_and_cache() -> None:
+    """On MLX's CPU device the bf16 plane also holds float32 copies of its matmul weights and a
+    float32 cache (`memory_plan`'s device terms): more bytes than on a Mac's GPU, all of RAM usable."""
+    gpu = choose_plane(LFM2_5_8B_A1B, run(), memory=128 * GIB, sequences=16, device="gpu")
+    cpu = choose_plane(LFM2_5_8B_A1B, run(), memory=128 * GIB, sequences=16, device="cpu")
+    assert gpu is not None and cpu is not None and gpu.plane == cpu.plane == "bf16"
+    assert cpu.needed > 2.5 * gpu.needed  # 6 bytes a matmul weight instead of 2, and a float32 cache
+    assert cpu.usable == 128 * GIB > gpu.usable
+

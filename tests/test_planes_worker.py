@@ -145,6 +145,7 @@ async def test_a_worker_on_the_int8_plane_holds_the_plane_alone(
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=4, planes=("int8",))
     config = daemon_config(store_url, tmp_path / "data")
     # A Mac whose memory fits the tiny model on the int8 plane but not on the run's bf16 plane.
+    monkeypatch.setattr("macd.plane_choice.plan_device", lambda: "gpu")  # a Mac's figures, on any machine
     model_config = json.loads((model_dir / "config.json").read_text())
     sequences = decoding_sequences(config, manifest.group_size)
     needed = {p: choose_plane(model_config, replace(manifest, plane=p), memory=1 << 40, sequences=sequences).needed  # type: ignore[union-attr]
