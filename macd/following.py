@@ -35,6 +35,7 @@ import numpy as np
 from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.layout import QuantPlane, check_plane
 from slime_stoa.protocol.pulse.anchor import download_extras, fetch_verified
+from slime_stoa.protocol.pulse.freshness import FIRST_POINTER_MAX_AGE_S
 from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
 from slime_stoa.protocol.pulse.manifests import VersionManifest
 from slime_stoa.protocol.pulse.subscriber import Subscriber
@@ -45,6 +46,7 @@ from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.protocol.store.retry import describe_error
 
 from .aio import Wakeup, wait
+from .clock import StoreClock
 from .cmdline import run_create_command
 from .config import DaemonConfig, decoding_sequences, plane_override
 from .fatal import Fatal
@@ -126,11 +128,15 @@ class WeightFollower:
     def subscriber(self, trust: RunTrust | None, plane: QuantPlane | None = None) -> Subscriber:
         """The worker's subscriber, of the run's bf16 weights or of its published `plane`
         (`held_plane`); in a signed run it refuses pointers below the highest weights this
-        worker installed before (`run_pin`), across restarts."""
+        worker installed before (`run_pin`), across restarts, and, on a first join, a pointer
+        signed too long ago by the store's clock (`freshness.stale_first_pointer`)."""
         if self.sub is None:
             self.sub = Subscriber(self.store, self.config.run, trust=trust, deferred=True, plane=plane)
             if trust is not None:
                 self.sub.floor = remembered_head(self.config.data_dir, self.config.run)
+                # a first join (no head kept) has no floor: the pointer's signed time bounds it
+                self.sub.first_pointer_max_age_s = FIRST_POINTER_MAX_AGE_S
+                self.sub.now = StoreClock(self.store)
         return self.sub
 
     async def plane_for(self, manifest: RunManifest, trust: RunTrust | None) -> Plane:

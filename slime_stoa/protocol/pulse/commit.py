@@ -19,12 +19,19 @@ trainer's own folder, `PublisherConfig.keep_dir`), the committer keeps each poin
 manifest it commits; `open` puts the pointer back when it is gone or refused, and each commit
 puts back the manifests of the versions a reader still checks records against
 (`put_back_window`).
+
+Freshness in time (`freshness.REFRESH_S`): `refresh` re-signs the pointer the publisher last
+wrote or resumed from with a new `updated_at` (same version), by CAS on its ETag, so a
+first-time reader can tell a live trainer's pointer from an old one put back. A refresh that
+loses its CAS to a newer commit does nothing; one that loses to a bucket writer's object writes
+over it as a commit would (`_writable_over`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -91,6 +98,7 @@ class Committer:
         self.copies = copies  # the trainer's own copies of the pointer and manifests committed (None: none)
         self.trust: RunTrust | None = None  # the run keys `authenticate` resumed under (with a key)
         self.etag: str | None = None  # the pointer's, as this publisher last wrote or read it
+        self.last: Pointer | None = None  # the pointer at `etag` (what `refresh` re-signs)
         self._written: set[str] = set()  # version manifests this publisher wrote (its own lost attempts)
 
     async def authenticate(self) -> None:
@@ -112,6 +120,7 @@ class Committer:
                 raise UntrustedState(f"refusing to resume run {self.layout.run!r}: {exc}") from None
             raise
         assert found is not None  # an unconditional read always returns the object
+        self.last = found[0]
         return found
 
     async def _put_pointer_back(self, etag: str | None, why: str) -> tuple[Pointer, str] | None:
@@ -124,6 +133,7 @@ class Committer:
         log.warning("run %s: the pointer %s; put the trainer's own copy back", self.layout.run, why)
         found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
         assert found is not None
+        self.last = found[0]
         return found
 
     async def landed(self, manifest: VersionManifest) -> str | None:
@@ -137,6 +147,7 @@ class Committer:
             return None  # not ours (ours are signed): it never landed
         if found is None or found[0].manifest != self.layout.version_manifest(manifest.version, manifest.attempt):
             return None
+        self.last = found[0]  # the caller adopts its ETag: `refresh` re-signs this one
         return found[1]
 
     async def commit(self, manifest: VersionManifest, *, create: bool) -> None:
@@ -149,13 +160,15 @@ class Committer:
         self._written.add(key)
         data = manifest.to_bytes(self.key)
         await self.store.put_if_absent(key, data)
-        pointer = self.pointer(manifest).to_bytes(self.key)
+        moved = self.pointer(manifest)
+        pointer = moved.to_bytes(self.key)
         try:
             self.etag = await self.store.cas(self.layout.pointer, pointer, None if create else self.etag)
         except PreconditionFailed:
             if create or not await self._writable_over(manifest.version):
                 raise
             self.etag = await self.store.cas(self.layout.pointer, pointer, self.etag)
+        self.last = moved
         if self.copies is not None:
             self.copies.keep(key, data)
             self.copies.keep(self.layout.pointer, pointer)
@@ -210,10 +223,33 @@ class Committer:
 
     async def point_back(self, head: VersionManifest) -> None:
         """Move the pointer (at `etag`) back to `head`, a signed version above it."""
-        pointer = self.pointer(head).to_bytes(self.key)
+        moved = self.pointer(head)
+        pointer = moved.to_bytes(self.key)
         self.etag = await self.store.cas(self.layout.pointer, pointer, self.etag)
+        self.last = moved
         if self.copies is not None:
             self.copies.keep(self.layout.pointer, pointer)
+
+    async def refresh(self) -> bool:
+        """Re-sign the pointer last written or resumed from with the time now (module doc);
+        False when there is none yet or a newer pointer (another commit) won the CAS."""
+        last = self.last
+        if last is None:
+            return False
+        fresh = replace(last, updated_at=time.time())
+        data = fresh.to_bytes(self.key)
+        try:
+            etag = await self.store.cas(self.layout.pointer, data, self.etag)
+        except PreconditionFailed:
+            if self.last is not last or not await self._writable_over(last.version + 1):
+                return False  # a commit moved it meanwhile, or a pointer at or past this version is there
+            etag = await self.store.cas(self.layout.pointer, data, self.etag)
+        if self.last is not last:
+            return False  # committed meanwhile: that commit's ETag stands
+        self.etag, self.last = etag, fresh
+        if self.copies is not None:
+            self.copies.keep(self.layout.pointer, data)
+        return True
 
     def pointer(self, manifest: VersionManifest) -> Pointer:
         return Pointer(

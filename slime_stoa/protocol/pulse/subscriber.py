@@ -29,7 +29,10 @@ verified version): a pointer that does not parse (or names another run) is skipp
 changes, so a reader reports it once and recovers at the first good pointer; a pointer whose
 manifest is unreadable is retried at the next poll (the manifest may be on its way). A pointer
 that goes back in (epoch, version) from the held version (or from `floor`) is refused as a
-rollback (`freshness.pointer_regression`), counted and logged once like a forgery.
+rollback (`freshness.pointer_regression`), counted and logged once like a forgery. A signed
+subscriber with no head at all (`first_pointer_max_age_s` set: a worker's first join) refuses a
+pointer signed too long before `now` (`freshness.stale_first_pointer`) with a SyncError, and
+polls on: the trainer's next re-signing changes the pointer.
 
 With a `RunTrust` (a signed run), the pointer, every version and anchor manifest must be signed by
 the run key of its version and every patch object and anchor file must match the sha256 its
@@ -76,7 +79,7 @@ from .codec import PatchError
 from .digest import StateDigest, tensor_digest
 from .feed import FrameFeed
 from .frames import PatchIndex
-from .freshness import Head, pointer_regression
+from .freshness import Head, pointer_regression, stale_first_pointer
 from .history import MalformedPointer, NotPublished, read_anchor_manifest, read_manifest, read_pointer_etag
 from .manifests import ManifestError, PatchRef, Pointer, VersionManifest
 from .parallel import check_threads, thread_count
@@ -145,6 +148,8 @@ class Subscriber:
         self._refused_ids: OrderedDict[str, None] = OrderedDict()
         self.deferred = deferred
         self.floor: Head | None = None  # a pointer below this is refused before any version is held
+        self.first_pointer_max_age_s: float | None = None  # with no head: the oldest signed pointer taken
+        self.now: Callable[[], float] = time.time  # the clock that age is judged by (a worker's: the store's)
         self.state: dict[str, np.ndarray] | None = None  # a plain subscriber's own bytes (never deferred)
         self.version: int | None = None
         self.digest: StateDigest | None = None
@@ -197,6 +202,10 @@ class Subscriber:
         if problem is not None:  # refused once: the next poll is a 304 until the pointer changes
             self._refuse(f"{self.layout.pointer}@{self._etag}", problem)
             raise WeightsRefused(f"refused the pointer: {problem}; {self._keeping()}")
+        if self.head is None and self.trust is not None and self.first_pointer_max_age_s is not None:
+            stale = stale_first_pointer(pointer, self.now(), self.first_pointer_max_age_s)
+            if stale is not None:  # said once: the next poll is a 304 until the pointer is re-signed
+                raise SyncError(stale)
         if pointer.version == self.version:
             return None
         try:
