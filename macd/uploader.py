@@ -3,7 +3,11 @@
 Every upload is a put-if-absent of the entry's bytes at the entry's key. The entry leaves the
 spool only after the bucket holds exactly those bytes:
 
-- the put succeeded → uploaded;
+- the put succeeded and a HEAD finds the key at the entry's size → uploaded. The HEAD (one small
+  request per record, a fraction of a PUT's price) catches a put acknowledged but never stored
+  (a faulty gateway or proxy): the entry stays and is retried like a failed one. Waiting for the
+  trainer to list the record instead would keep every entry for minutes and need a listing
+  per worker; the HEAD after the write settles it at once (S3 and R2 read their own writes);
 - the key already exists (a crash after the upload but before the spool file was removed, or an
   answer lost on the network) → GET it: the same bytes → confirmed duplicate, removed; other
   bytes → never overwritten: the entry moves to the spool's quarantine and an error is logged;
@@ -228,8 +232,21 @@ class Uploader:
         except PreconditionFailed:
             await self._resolve_existing(entry, data)
             return
+        await self._confirm_stored(entry, len(data))
         self.spool.remove(entry)
         self.stats.uploaded += 1
+
+    async def _confirm_stored(self, entry: SpoolEntry, size: int) -> None:
+        """The bucket holds `size` bytes at the entry's key after its put was acknowledged, else
+        `_Retry` (the entry stays). Another object of that size there is settled by the retry's
+        put-if-absent, which then compares the bytes."""
+        try:
+            info = await self.store.head(entry.key)
+        except NotFound:
+            raise _Retry(f"the upload of {entry.key} was acknowledged but the bucket does not hold it; "
+                         "the record stays in the spool and is uploaded again") from None
+        if info.size != size:
+            raise _Retry(f"{entry.key} holds {info.size} bytes after our upload of {size}; checking it again")
 
     async def _resolve_existing(self, entry: SpoolEntry, data: bytes) -> None:
         """The key exists: confirm it holds our bytes, or quarantine the entry."""

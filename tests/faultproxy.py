@@ -37,12 +37,17 @@ trickled, and `faults_injected["trickle"]` too.
 
 `strip_etag(match, times=1)`: the next `times` answers to requests `match` accepts lose their
 `ETag` header (a broken gateway's 200 without one); counted in `faults_injected["strip_etag"]`.
+
+`swallow_put(match, times=1)`: the next `times` PUTs `match` accepts are answered `200 OK` (with
+the ETag S3 would give: the body's quoted MD5) by the proxy and never forwarded: a write
+acknowledged but not stored. `Trickle.hits` and `faults_injected["swallow_put"]` count them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import random
 import re
 from collections import Counter
@@ -163,6 +168,7 @@ class FaultyProxy:
         self._holds: list[Hold] = []
         self._trickles: list[Trickle] = []
         self._strips: list[Trickle] = []
+        self._swallows: list[Trickle] = []
         self._open: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -224,6 +230,12 @@ class FaultyProxy:
         """Strip the ETag header of the answers to the next `times` requests `match` accepts."""
         trap = Trickle(match, 0.0, times)
         self._strips.append(trap)
+        return trap
+
+    def swallow_put(self, match: Callable[[str, str], bool], *, times: int = 1) -> Trickle:
+        """Answer the next `times` PUTs `match(method, path)` accepts with 200, never forwarded."""
+        trap = Trickle(match, 0.0, times)
+        self._swallows.append(trap)
         return trap
 
     def _trickled(self, request: _Request) -> Trickle | None:
@@ -368,6 +380,13 @@ class FaultyProxy:
             self.faults_injected["503"] += 1
             await self._answer_503(request, src, client)
             raise _Cut
+        swallow = next((t for t in self._swallows if t.hits < t.times and request.method == "PUT"
+                        and t.match(request.method, request.path)), None)
+        if swallow is not None:
+            swallow.hits += 1
+            self.faults_injected["swallow_put"] += 1
+            await self._answer_swallowed(request, src, client)
+            return
         if self._chance(f.delay):
             self.faults_injected["delay"] += 1
             await asyncio.sleep(self.rng.uniform(*f.delay_s))
@@ -396,6 +415,17 @@ class FaultyProxy:
         dst.write(request.head)
         await dst.drain()
         await _copy_exact(src, dst, request.body_length)
+
+    async def _answer_swallowed(self, request: _Request, src: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
+        """Read the PUT's body and answer 200 as the store would, storing nothing."""
+        assert request.body_length is not None
+        if request.expects_continue:
+            client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await client.drain()
+        body = await src.readexactly(request.body_length)
+        etag = hashlib.md5(body, usedforsecurity=False).hexdigest()
+        client.write(f'HTTP/1.1 200 OK\r\nETag: "{etag}"\r\nContent-Length: 0\r\n\r\n'.encode())
+        await client.drain()
 
     async def _answer_503(self, request: _Request, src: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
         assert request.body_length is not None

@@ -25,6 +25,13 @@ wrote or resumed from with a new `updated_at` (same version), by CAS on its ETag
 first-time reader can tell a live trainer's pointer from an old one put back. A refresh that
 loses its CAS to a newer commit does nothing; one that loses to a bucket writer's object writes
 over it as a commit would (`_writable_over`).
+
+A write acknowledged but not stored (a faulty gateway or proxy) is caught where it is cheap:
+after each version manifest's put a HEAD confirms its size, and after each pointer CAS a HEAD
+confirms the pointer's ETag is the one the CAS answered (`_confirm`: one small request per
+version, beside the manifest and patches written). A write not confirmed raises StoreUnavailable
+with the pointer's ETag left at the last confirmed one, so the publisher's unsure-commit path
+(`chain._settle_unsure`) reads the pointer and publishes again.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from slime_stoa.protocol.layout import RunLayout, version_str
 from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations
 from slime_stoa.protocol.signing import PublicKey, SigningKey
-from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store
+from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
 from slime_stoa.protocol.store.capped import TooLarge, read_capped
 
 from .history import MAX_POINTER_BYTES, MalformedPointer, NotPublished, read_manifest, read_pointer_etag
@@ -160,18 +167,33 @@ class Committer:
         self._written.add(key)
         data = manifest.to_bytes(self.key)
         await self.store.put_if_absent(key, data)
+        await self._confirm(key, size=len(data))
         moved = self.pointer(manifest)
         pointer = moved.to_bytes(self.key)
         try:
-            self.etag = await self.store.cas(self.layout.pointer, pointer, None if create else self.etag)
+            etag = await self.store.cas(self.layout.pointer, pointer, None if create else self.etag)
         except PreconditionFailed:
             if create or not await self._writable_over(manifest.version):
                 raise
-            self.etag = await self.store.cas(self.layout.pointer, pointer, self.etag)
-        self.last = moved
+            etag = await self.store.cas(self.layout.pointer, pointer, self.etag)
+        await self._confirm(self.layout.pointer, etag=etag)  # raises with `self.etag` the last one confirmed
+        self.etag, self.last = etag, moved
         if self.copies is not None:
             self.copies.keep(key, data)
             self.copies.keep(self.layout.pointer, pointer)
+
+    async def _confirm(self, key: str, *, size: int | None = None, etag: str | None = None) -> None:
+        """The bucket holds the object just written at `key` (of `size` bytes, or at `etag`):
+        StoreUnavailable when its write was acknowledged but it is not there (module doc)."""
+        try:
+            info = await self.store.head(key)
+        except NotFound:
+            info = None
+        if info is None or (size is not None and info.size != size) or (etag is not None and info.etag != etag):
+            raise StoreUnavailable(
+                f"the write of {key} was acknowledged but the bucket does not hold it: the store or a proxy "
+                "before it lost the write; it is written again"
+            )
 
     async def _writable_over(self, version: int) -> bool:
         """After the pointer's CAS lost, before committing `version`: True (and the ETag to write
@@ -244,6 +266,7 @@ class Committer:
             if self.last is not last or not await self._writable_over(last.version + 1):
                 return False  # a commit moved it meanwhile, or a pointer at or past this version is there
             etag = await self.store.cas(self.layout.pointer, data, self.etag)
+        await self._confirm(self.layout.pointer, etag=etag)
         if self.last is not last:
             return False  # committed meanwhile: that commit's ETag stands
         self.etag, self.last = etag, fresh
