@@ -35,7 +35,6 @@ import numpy as np
 from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.layout import QuantPlane, check_plane
 from slime_stoa.protocol.pulse.anchor import download_extras, fetch_verified
-from slime_stoa.protocol.pulse.freshness import FIRST_POINTER_MAX_AGE_S
 from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
 from slime_stoa.protocol.pulse.manifests import VersionManifest
 from slime_stoa.protocol.pulse.subscriber import Subscriber
@@ -46,7 +45,6 @@ from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.protocol.store.retry import describe_error
 
 from .aio import Wakeup, wait
-from .clock import StoreClock
 from .cmdline import run_create_command
 from .config import DaemonConfig, decoding_sequences, plane_override
 from .fatal import Fatal
@@ -128,15 +126,16 @@ class WeightFollower:
     def subscriber(self, trust: RunTrust | None, plane: QuantPlane | None = None) -> Subscriber:
         """The worker's subscriber, of the run's bf16 weights or of its published `plane`
         (`held_plane`); in a signed run it refuses pointers below the highest weights this
-        worker installed before (`run_pin`), across restarts, and, on a first join, a pointer
-        signed too long ago by the store's clock (`freshness.stale_first_pointer`)."""
+        worker installed before (`run_pin`), across restarts."""
         if self.sub is None:
             self.sub = Subscriber(self.store, self.config.run, trust=trust, deferred=True, plane=plane)
             if trust is not None:
                 self.sub.floor = remembered_head(self.config.data_dir, self.config.run)
-                # a first join (no head kept) has no floor: the pointer's signed time bounds it
-                self.sub.first_pointer_max_age_s = FIRST_POINTER_MAX_AGE_S
-                self.sub.now = StoreClock(self.store)
+                # A first join (no head kept) has no floor. `Subscriber.first_pointer_max_age_s`
+                # (`freshness.stale_first_pointer`) would bound it by the pointer's signed time, but
+                # only once every trainer process keeps its pointer re-signed while alive
+                # (`pulse.keepalive`): until then a trainer idle past the bound would leave every new
+                # worker waiting on it while it waits for their rollouts, so it stays off.
         return self.sub
 
     async def plane_for(self, manifest: RunManifest, trust: RunTrust | None) -> Plane:
