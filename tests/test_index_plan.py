@@ -169,8 +169,8 @@ def test_join_counts_the_index_its_manifest_gives(
     assert counted[-1].strip() == ("this Mac will serve the int4 plane: needs 11.5 of 16.0 GiB usable: fits "
                                    "(the run's bf16 plane: does not fit)")
     # the plane join says a 32 GB Mac serves: bf16 beside no index, int4 beside this one
-    assert plane_line(config, info, 32 * GIB) == "  plane        bf16 (the bf16 weights): 16.3 of 21.3 GiB usable, fits"
-    assert plane_line(config, info, 32 * GIB, index) == (
+    assert plane_line(config, info, 32 * GIB, device="gpu") == "  plane        bf16 (the bf16 weights): 16.3 of 21.3 GiB usable, fits"
+    assert plane_line(config, info, 32 * GIB, index, device="gpu") == (
         "  plane        int4 (the run's published plane, held alone): 11.5 of 21.3 GiB usable, fits")
 
 
