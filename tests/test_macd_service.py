@@ -261,7 +261,8 @@ def test_join_with_published_weights(bucket: str, tmp_path: Path, monkeypatch, c
     out = capsys.readouterr().out
     assert re.search(r"weights +v0 \([\d,]+ weights\)", out)
     assert "KV 0 KiB/token (attention layers)" in out and "(guess" not in out  # from the anchor's config.json
-    assert "memory plan  model: 0.00B parameters" in out and "\n  memory       " not in out  # the plan alone
+    assert "memory plan  device: " in out and "model: 0.00B parameters" in out  # the plan, for this device ...
+    assert "\n  memory       " not in out  # ... alone
 
 
 def test_join_credentials_go_to_a_private_file(home: Path, tmp_path: Path, capsys) -> None:
