@@ -68,7 +68,8 @@ from .episode_metrics import episode_metrics
 from .groups import Batch, ConsumedGroup
 from .intake import Intake
 from .metrics import batch_metrics, delta, worker_counter
-from .persistence import SavedState
+from .pause import Broken, until_repaired
+from .persistence import SavedState, UntrustedState, UnusableState, state_key
 from .pool import Pool
 from .run_context import open_run_context
 from .shared import Shared, patiently
@@ -159,12 +160,15 @@ class RolloutConsumer:
         tokenizer (see `run_context.open_run_context`; through store outages), and with
         `restore` resumes from the bucket's state. `state_key`: the run key, which signs the
         saved state (and a state read back must be signed by a key of the run)."""
-        ctx = await patiently(
-            config,
-            lambda: open_run_context(
-                store, config, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of
+        ctx = await until_repaired(  # a run manifest deleted or forged by a bucket writer: wait for it
+            lambda: patiently(
+                config,
+                lambda: open_run_context(
+                    store, config, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of
+                ),
+                f"opening run {config.run!r} in {store.url}",
             ),
-            f"opening run {config.run!r} in {store.url}",
+            config,
         )
         consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock, run_key=ctx.run_key, state_key=state_key)
         if restore:
@@ -221,13 +225,30 @@ class RolloutConsumer:
 
     async def load_from_bucket(self, *, apply: bool = True) -> bool:
         """Read the bucket's saved state (remembering its ETag for the next `save_state`) and,
-        with `apply`, resume from it. True if the bucket had one. Waits out store outages."""
-        state = await self.bucket_state()
+        with `apply`, resume from it. True if the bucket had one. Waits out store outages, and a
+        state a bucket writer made unusable (garbage, a forgery, an old copy put back) that the
+        trainer keeps no copy of: paused, counted `paused/consumer_state`, until it is repaired
+        (`pause`)."""
+
+        async def read() -> dict[str, Any] | None:
+            try:
+                return await self.bucket_state()
+            except (UntrustedState, UnusableState) as exc:
+                raise Broken(f"the consumer state {state_key(self.config.run)} is unusable", self._state_repair(), exc) from exc
+
+        state = await until_repaired(read, self.config, on_try=lambda _exc: self._shared.count("paused/consumer_state"))
         if state is None:
             return False
         if apply:
             self.load_state_dict(state)
         return True
+
+    def _state_repair(self) -> str:
+        key = state_key(self.config.run)
+        return (
+            f"put back the trainer's own copy (set keep_dir: it does so itself), or delete {key} to consume afresh "
+            f"(records used since the last good save may be used again), or resume from slime's checkpoint"
+        )
 
     async def save_state(self, snapshot: dict[str, Any] | None = None) -> None:
         """Write `snapshot` (default: `state_dict()` now) to `runs/<run>/trainer/consumer.json` by

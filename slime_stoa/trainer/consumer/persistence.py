@@ -20,7 +20,8 @@ worker registry. A trainer given a folder of its own (`SavedState.copies`, from
 registry it verified (`slime_stoa.trainer.kept`), and never stops on what a writer did:
 
 - a save that meets garbage, a forgery or an older state of its own where its state should be
-  writes over it (a genuine state saved after its own is another trainer: `StateConflict`);
+  writes over it, copies or not: the trainer holds the state it saves (a genuine state saved
+  after its own is another trainer: `StateConflict`; in an unsigned run any consumer state is);
 - a read that finds the state gone, garbage, forged or older than the trainer's copy resumes
   from the copy and puts it back, with its head; the copy's sequence is the floor a state read
   back must reach, whatever heads the bucket lists;
@@ -80,6 +81,11 @@ class StateRollback(UntrustedState):
     """The bucket's state is genuine but older than the newest signed head: an old copy put back."""
 
 
+class UnusableState(ValueError):
+    """The bucket's state object is not a consumer state of this run (garbage, too large, another
+    run's)."""
+
+
 def state_key(run: str) -> str:
     return RunLayout(run).trainer_file(STATE_FILE)
 
@@ -97,12 +103,12 @@ async def read_state(
     except NotFound:
         return None, None
     except TooLarge as exc:
-        raise ValueError(f"{exc} (in {store.url}): not a valid consumer state") from None
+        raise UnusableState(f"{exc} (in {store.url}): not a valid consumer state") from None
     assert result is not None
     try:
         doc = load_json(result.data, max_bytes=MAX_STATE_BYTES)
     except ValueError as exc:
-        raise ValueError(f"{key} in {store.url} is not a valid consumer state: {exc}") from None
+        raise UnusableState(f"{key} in {store.url} is not a valid consumer state: {exc}") from None
     if signed_by is not None:
         try:
             verify_document(doc, list(signed_by), where=key)
@@ -118,9 +124,9 @@ async def read_state(
     try:
         state = ConsumerState.from_json(doc)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{key} in {store.url} is not a valid consumer state: {exc}") from None
+        raise UnusableState(f"{key} in {store.url} is not a valid consumer state: {exc}") from None
     if state.run != run:
-        raise ValueError(f"{key} in {store.url} holds the state of run {state.run!r}, not {run!r}")
+        raise UnusableState(f"{key} in {store.url} holds the state of run {state.run!r}, not {run!r}")
     return state, result.etag
 
 
@@ -282,7 +288,9 @@ class SavedState:
         try:
             self.etag = await self._cas(state)
         except StateConflict:
-            if self.copies is None or not await self._not_another_trainers(state):
+            # The trainer holds the state it writes: a writer's garbage, forgery or old copy is
+            # written over (copies or not); only another trainer's newer state stops it.
+            if not await self._not_another_trainers(state):
                 raise
             self.etag = await self._cas(state)
         if self.key is not None:
@@ -318,12 +326,13 @@ class SavedState:
         data, etag = found if found is not None else (None, None)
         why = "is gone"
         if data is not None:
+            signed = self.key is not None or self.trust is not None
             try:
-                theirs = parse_state(data, self.run, self._keys())
+                theirs = parse_state(data, self.run, self._keys() if signed else None)
             except (ValueError, SignatureError, UnicodeDecodeError) as exc:
                 why = f"was overwritten with an object this run's trainer did not write ({exc})"
             else:
-                if theirs.seq >= state.seq:
+                if not signed or theirs.seq >= state.seq:  # unsigned: no telling a writer from a trainer
                     return False
                 why = f"was overwritten with the older save {theirs.seq}"
         log.warning("stoa: %s in %s %s; writing save %d over it", state_key(self.run), self.store.url, why, state.seq)

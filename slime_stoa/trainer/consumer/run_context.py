@@ -9,7 +9,8 @@ naming another key or none.
 
 With `ConsumerConfig.keep_dir` the trainer keeps its own copy of the manifest it accepted
 (`slime_stoa.trainer.kept`): a manifest a bucket writer deleted or replaced (refused as another
-key's, or not parsing) is put back from it, and the trainer starts all the same.
+key's, or not parsing) is put back from it, and the trainer starts all the same. Without that
+copy it raises `pause.Broken` naming the repair, and `RolloutConsumer.open` waits for it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from slime_stoa.tasks import Task
 from slime_stoa.trainer.kept import TrainerCopies
 
 from .config import ConsumerConfig, ResolvedConfig
+from .pause import Broken
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
         manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
     except (RunNotFound, ValueError) as exc:  # gone, garbage, or another key's (RunKeyMismatch)
         if copies is None or copies.kept(key) is None:
-            raise
+            raise Broken(
+                f"the run manifest {key} in {store.url} is gone or refused", manifest_repair(config), exc
+            ) from exc
         await copies.put_back(store, key, f"was refused ({exc})")
         manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
     if copies is not None:
@@ -94,3 +98,11 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
             if RunManifest.from_bytes(data) == manifest:
                 copies.keep(key, data)
     return manifest
+
+
+def manifest_repair(config: ConsumerConfig) -> str:
+    """How an operator puts a run manifest back that the trainer keeps no copy of."""
+    return (
+        f"re-create it with `stoa run create --store {config.store_url} --run {config.run} --key <run key file> ...` "
+        f"(the options it was created with), and give the trainer a keep_dir so it puts it back itself"
+    )

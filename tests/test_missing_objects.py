@@ -1,0 +1,132 @@
+"""A bucket writer deletes or spoils what the trainer depends on, and the trainer keeps no copy
+of its own (no `keep_dir`): nothing stops it, and no honest record is lost.
+
+- a run manifest gone, or a consumer state spoiled: the consumer pauses, says what is wrong and
+  how to repair it at tries 1, 2, 4, ... (`consumer.pause`), and resumes by itself once repaired;
+- garbage where the consumer's state should be is written over by the next save; a genuine
+  newer state of another trainer still stops it;
+- a record that needs an object that is gone (the registry, a version manifest) is held, not
+  rejected, and admitted once the object is back (`consumer.held`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.signing import SigningKey
+from slime_stoa.protocol.store import Store
+from slime_stoa.trainer.consumer import RolloutConsumer
+from slime_stoa.trainer.consumer.pause import is_report_try
+from slime_stoa.trainer.consumer.persistence import StateConflict, parse_state, state_bytes, state_key
+from tests.test_consumer import RUN, Tiny, now_ms, tiny
+from tests.test_signed_records import open_signed_consumer, setup_signed_run
+from tests.test_trust_writer import GARBAGE, batches, records
+
+__all__ = ["tiny"]  # the session fixture
+
+#: Tries a test watches a paused consumer make before it repairs the object.
+TRIES = 4
+
+
+async def until(done: Callable[[], bool], work: Awaitable[object]) -> None:
+    """Wait until `done()` while `work` runs (work that must not end first)."""
+    task = asyncio.ensure_future(work)
+    while not done():
+        assert not task.done(), "the paused call ended before the repair"
+        await asyncio.sleep(0.005)
+
+
+def paused_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("stoa: paused")]
+
+
+def resumed_tries(caplog: pytest.LogCaptureFixture) -> list[int]:
+    return [int(r.getMessage().split()[3]) for r in caplog.records if r.getMessage().startswith("stoa: resumed after")]
+
+
+def reported_tries(lines: list[str]) -> list[int]:
+    return [int(line.split("(try ")[1].split(",")[0]) for line in lines]
+
+
+async def test_a_deleted_run_manifest_pauses_the_consumer_until_it_is_back(
+    store: Store, store_url: str, tiny: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stoa")
+    caplog.set_level(logging.INFO, logger="slime_stoa")
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    manifest = RunLayout(RUN).run_manifest
+    genuine = await store.get_bytes(manifest)
+    await store.delete(manifest)
+    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
+    opening = asyncio.ensure_future(open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key))
+    await until(lambda: len(paused_lines(caplog)) >= 3, asyncio.shield(opening))  # tries 1, 2 and 4
+    lines = paused_lines(caplog)
+    assert all(RUN in line and "run.json" in line and "stoa run create" in line and "keep_dir" in line for line in lines)
+    await store.put(manifest, genuine)
+    c = await opening
+    try:
+        tries = resumed_tries(caplog)
+        assert len(tries) == 1 and tries[0] >= TRIES
+        reported = reported_tries(paused_lines(caplog))
+        assert all(is_report_try(t) for t in reported) and len(reported) < tries[0]  # not one line per try
+        assert await batches(c, 2) == ["mac-a", "mac-a"]
+    finally:
+        await c.close()
+
+
+async def test_a_spoiled_state_pauses_the_restart_until_it_is_back(
+    store: Store, store_url: str, tiny: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="slime_stoa")
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    await records(store, tiny, run, "mac-a", range(4), now_ms() - 20_000)
+    first = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
+    assert await batches(first, 2) == ["mac-a"] * 2
+    await first.save_state()
+    mine = first.state_dict()
+    await first.close()
+    genuine = await store.get_bytes(state_key(RUN))
+    forged = state_bytes(parse_state(genuine, RUN, None), SigningKey.generate())  # signed, by another key
+    for spoiled in (GARBAGE, forged):
+        await store.put(state_key(RUN), spoiled)
+        again = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
+        try:
+            loading = asyncio.ensure_future(again.load_from_bucket())
+            await until(lambda c=again: c.counters.get("paused/consumer_state", 0) >= TRIES, asyncio.shield(loading))
+            assert "consumer.json" in paused_lines(caplog)[-1] and "keep_dir" in paused_lines(caplog)[-1]
+            await store.put(state_key(RUN), genuine)
+            assert await loading
+            assert again.state_dict()["cursor"] == mine["cursor"]
+            assert await batches(again, 2) == ["mac-a"] * 2  # the other two, none used twice
+        finally:
+            await again.close()
+
+
+async def test_garbage_under_a_save_is_written_over_another_trainers_state_stops_it(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
+    live = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
+    other: RolloutConsumer | None = None
+    try:
+        await batches(live, 2)
+        await live.save_state()
+        await store.put(state_key(RUN), GARBAGE)
+        await live.save_state()  # no copies: written over all the same
+        saved = parse_state(await store.get_bytes(state_key(RUN)), RUN, [run.run_key.public])
+        assert saved.cursor == live.state_dict()["cursor"]
+        other = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
+        assert await other.load_from_bucket()
+        await other.save_state()  # a genuine newer save: another trainer
+        with pytest.raises(StateConflict, match="another trainer"):
+            await live.save_state()
+    finally:
+        await live.close()
+        if other is not None:
+            await other.close()
