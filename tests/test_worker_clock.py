@@ -37,11 +37,17 @@ PER_WORKER = 6
 CONSUMER = dict(late_sweep_interval_s=0.3, wait_timeout_s=60.0)
 
 
-async def skewed_worker(worker_store: Store, spool_dir: Path, tiny: Tiny, offset_s: float, n: int = PER_WORKER) -> None:
+async def skewed_worker(
+    worker_store: Store, spool_dir: Path, tiny: Tiny, offset_s: float, n: int = PER_WORKER, *, after_s: float = 0.0
+) -> None:
     """A worker whose local clock is `offset_s` off makes `n` records the way macd does (the
-    spool's clock stamps the key and the record's times) and uploads them."""
+    spool's clock stamps the key and the record's times) and uploads them. Its first reads go on
+    until the store's date (whole seconds) is past `after_s`: a key stamped from a date read in
+    the same second as the trainer's last listing may sort up to half a second behind it."""
     clock = StoreClock(worker_store, local=lambda: time.time() + offset_s)
     await worker_store.exists(RunLayout(RUN).run_manifest)  # a worker's first reads: the store answers
+    while (date := worker_store.server_date()) is not None and date.server_s <= after_s:  # the folder store: none
+        await worker_store.exists(RunLayout(RUN).run_manifest)
     with Spool(spool_dir, worker_id=SKEWED, run=RUN, max_bytes=1 << 30, max_items=1000, clock=clock) as spool:
         for _ in range(n):
 
@@ -83,7 +89,7 @@ async def scenario(
     )
     await punctual_wave(trainer_store, tiny, 0)
     await consumer.next_batch(3, trainer_version=0)
-    await skewed_worker(worker_store, spool_dir, tiny, offset_s)
+    await skewed_worker(worker_store, spool_dir, tiny, offset_s, after_s=time.time() + trainer_ahead_s)
     await punctual_wave(trainer_store, tiny, 3)
     await consumer.next_batch(3, trainer_version=0)  # the punctual wave: the tail passed the skewed keys too
     # Whatever of the skewed worker's records a deep sweep over the whole late window finds.
