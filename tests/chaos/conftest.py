@@ -1,7 +1,7 @@
-"""The chaos suite's options: the short form runs with the default suite; the long form (about
+"""The chaos suite's options: the short form runs with the slow tests (`--slow`); the long form (about
 30 minutes: more workers, 5-30 s outages, many more kills) with
 
-    python -m pytest tests/chaos --chaos-long        (or STOA_CHAOS_LONG=1)
+    python -m pytest --slow tests/chaos --chaos-long        (or STOA_SLOW=1 STOA_CHAOS_LONG=1)
 
 `STOA_CHAOS_JSON=<path>` writes the run's reconciliation as JSON; `STOA_TEST_SEED` replays a run.
 """

@@ -436,6 +436,7 @@ def assert_reconciled(report: dict[str, Any], left: list[Any], seed: int, log: l
     return where
 
 
+@pytest.mark.slow  # ~1-2 minutes on two cores: the short form runs with --slow (the long form: --slow --chaos-long)
 async def test_a_run_survives_chaos(s3_server: Any, tmp_path: Path, chaos_plan: ChaosPlan) -> None:
     seed = random_seed()
     bucket = s3_server.create_bucket()

@@ -47,6 +47,7 @@ async def outage_at(learner: LearnerProcess, prefix: str, method: str, key: Call
     proxy.set_up()
 
 
+@pytest.mark.slow  # ~1 minute on two cores
 async def test_the_learner_start_up_waits_out_store_outages(s3_server: Any, tmp_path: Path) -> None:
     bucket = s3_server.create_bucket()
     prefix = "startup"
