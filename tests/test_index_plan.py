@@ -15,7 +15,13 @@ import pytest
 from macd import config as cfg
 from macd.cli import main as macd
 from macd.doctor import plan_rows
-from macd.index_plan import COUNTED_FILES, MAX_MANIFEST_BYTES, IndexPlan, run_index_plan
+from macd.index_plan import (
+    COMPACT_COUNTED_FILES,
+    MAX_MANIFEST_BYTES,
+    QUERY_BYTES_PER_PASSAGE,
+    IndexPlan,
+    run_index_plan,
+)
 from macd.join_cmd import plan_lines, plane_line
 from macd.memory_plan import GIB, LFM2_5_8B_A1B
 from macd.shared_dir import SHARED_DIR_ENV
@@ -25,6 +31,7 @@ from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.store import open_store
 from slime_stoa.tasks.base import TaskItem, encode_task_data
 from slime_stoa.tasks.search.bundle import (
+    FORMAT,
     INDEX_FILES,
     MANIFEST,
     MAX_CHUNK_BYTES,
@@ -36,16 +43,20 @@ from slime_stoa.tasks.search.bundle import (
 )
 
 RUN = "r"
-#: A PubMed-like index as its manifest describes it: postings 6 GiB, vocabulary 0.5 GiB,
-#: passage texts 20 GiB (nothing of it exists but the manifest).
+#: A PubMed-like compact index as its manifest describes it: postings 6 GiB, norms 4 bytes a
+#: passage, the term table what brings the counted bytes (with one query's 8 bytes a passage and the
+#: 100 bytes of each other counted file) to 6.5 GiB; zstd passage texts 20 GiB (nothing of it
+#: exists but the manifest).
+BIG_PASSAGES = 16_000_000
 BIG_SIZES = {
-    "data.csc.index.npy": 3 * GIB, "indices.csc.index.npy": 3 * GIB, "indptr.csc.index.npy": 0,
-    "vocab.index.json": GIB // 2, "passages.txt": 19 * GIB, "passages.offsets.npy": GIB,
+    "postings.bin": 6 * GIB, "norms.npy": 4 * BIG_PASSAGES,
+    "terms.bin": GIB // 2 - 4 * BIG_PASSAGES - QUERY_BYTES_PER_PASSAGE * BIG_PASSAGES - 4 * 100,
+    "passages.zst": 19 * GIB, "passages.blocks.npy": GIB,
 }
-BIG_COUNTED = 6 * GIB + GIB // 2 + 2 * 100  # and the parameters and settings: 100 bytes each
+BIG_COUNTED = 6 * GIB + GIB // 2
 
 
-def described_manifest(sizes: dict[str, int], passages: int = 16_000_000) -> bytes:
+def described_manifest(sizes: dict[str, int], passages: int = BIG_PASSAGES) -> bytes:
     """An index manifest listing `sizes` (files not named: 100 bytes), chunked as `upload_index` would."""
     files = []
     for name in sorted(INDEX_FILES):
@@ -112,14 +123,15 @@ def needs(lines: list[str], plane: str = "bf16") -> float:
     return float(row.split(" needs ")[1].split(" of ")[0])
 
 
-def test_a_real_index_counts_its_postings_and_vocabulary(tmp_path: Path) -> None:
-    pytest.importorskip("bm25s")
+def test_a_real_index_counts_its_postings_and_tables(tmp_path: Path) -> None:
+    from slime_stoa.tasks.search.build import build_index
     from slime_stoa.tasks.search.bundle import fetch_index, upload_index
-    from slime_stoa.tasks.search.retriever import build_index
+    from slime_stoa.tasks.search.compact import TERMS_FILE
     from slime_stoa.tasks.search.synthetic import generate
 
     url, manifest = search_run(tmp_path)
-    folder = build_index(generate(5, seed=1).passages, tmp_path / "built")
+    folder = tmp_path / "built"
+    build_index(generate(5, seed=1).passages, folder, compact_format=True)  # as `prepare` builds it
 
     async def upload() -> str:
         async with open_store(url) as store:
@@ -129,9 +141,10 @@ def test_a_real_index_counts_its_postings_and_vocabulary(tmp_path: Path) -> None
     put_task_data(url, task_data("search", digest))
     shared = tmp_path / "shared"
     plan = index_plan(url, manifest, shared)
-    assert plan is not None and plan.counted == sum((folder / name).stat().st_size for name in COUNTED_FILES)
-    assert (folder / "vocab.index.json").stat().st_size < plan.counted < sum(f.stat().st_size for f in folder.iterdir())
-    assert plan.line.startswith(f"search index: runs/{RUN}/tasks/search/index, 20 passages: postings and vocabulary ")
+    mapped = sum((folder / name).stat().st_size for name in COMPACT_COUNTED_FILES)
+    assert plan is not None and plan.counted == mapped + QUERY_BYTES_PER_PASSAGE * 20
+    assert (folder / TERMS_FILE).stat().st_size < plan.counted < sum(f.stat().st_size for f in folder.iterdir())
+    assert plan.line.startswith(f"search index: runs/{RUN}/tasks/search/index, 20 passages, compact: postings, term tables ")
     assert plan.line.endswith("not fetched to this Mac yet")
 
     local = shared / "search-index" / f"sha256-{digest}"  # where a worker of this Mac fetches it
@@ -154,8 +167,9 @@ def test_join_counts_the_index_its_manifest_gives(
     assert macd(["join", url, "--run", RUN, "--data-dir", str(tmp_path / "data"), "--config", str(tmp_path / "m.toml")]) == 0
     out = capsys.readouterr().out
     assert "search index 6.50 GiB" in out  # the plan's terms
-    assert (f"search index: runs/{RUN}/tasks/search/index, 16,000,000 passages: postings and vocabulary 6.50 GiB counted, "
-            "passage texts 20.00 GiB mapped but read per hit, not counted; not fetched to this Mac yet") in out
+    assert (f"search index: runs/{RUN}/tasks/search/index, 16,000,000 passages, compact: postings, term tables and "
+            "norms 6.38 GiB and one query's memory 0.12 GiB counted, passage texts (zstd) 20.00 GiB mapped but read "
+            "per hit, not counted; not fetched to this Mac yet") in out
     assert "\n  memory       " not in out  # one account of memory: the plan
 
     config, info = daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest)
@@ -189,13 +203,15 @@ def test_a_run_without_a_search_task_counts_no_index(tmp_path: Path) -> None:
         (None, "missing from the bucket: a worker cannot fetch the index either"),
         (b"{not json", "not valid JSON"),
         (json.dumps({"format": "stoa.search-index/1", "passages": 1, "files": []}).encode(), "built by an earlier stoa"),
-        (described_manifest({"data.csc.index.npy": 200 * GIB, "passages.txt": 100 * GIB}), "over the limit"),
-        (json.dumps({"format": "stoa.search-index/2", "passages": 1, "files": [{"name": "../x", "size": -1,
+        (json.dumps({"format": "stoa.search-index/2", "passages": 1, "files": []}).encode(),
+         "built as bm25s arrays by an earlier stoa; rebuild it with `stoa task prepare search`"),
+        (described_manifest({"postings.bin": 200 * GIB, "passages.zst": 100 * GIB}), "over the limit"),
+        (json.dumps({"format": FORMAT, "passages": 1, "files": [{"name": "../x", "size": -1,
                      "sha256": "0", "chunks": []}]}).encode(), "index file"),
         (b" " * (MAX_MANIFEST_BYTES + 1), "over the limit"),
         (json.dumps({"format": "x" * 100_000, "passages": 1, "files": []}).encode(), "..."),
     ],
-    ids=["missing", "not-json", "old-format", "too-big-an-index", "forged-file", "too-big-a-manifest", "long-text"],
+    ids=["missing", "not-json", "old-format", "bm25s-arrays-format", "too-big-an-index", "forged-file", "too-big-a-manifest", "long-text"],
 )
 def test_a_missing_or_hostile_manifest_counts_nothing_and_says_why(tmp_path: Path, body: bytes | None, why: str) -> None:
     url, manifest = search_run(tmp_path)
@@ -219,7 +235,7 @@ def test_the_override_wins_over_the_manifest(tmp_path: Path, capsys: pytest.Capt
     put_index_manifest(url, described_manifest(BIG_SIZES))
     config = daemon_config(url, tmp_path)
     looked_up = [finding for _, finding, _ in asyncio.run(plan_rows(config))]
-    assert any("postings and vocabulary 6.50 GiB counted" in f for f in looked_up)
+    assert any("and one query's memory 0.12 GiB counted" in f for f in looked_up)
     given = [finding for _, finding, _ in asyncio.run(plan_rows(config, 2.0))]
     assert "search index: 2.00 GiB counted, as --plan-index-gb says" in given
     assert any("search index 2.00 GiB" in f for f in given) and not any("6.50" in f for f in given)
@@ -235,7 +251,7 @@ def test_the_override_wins_over_the_manifest(tmp_path: Path, capsys: pytest.Capt
 def test_a_compact_index_counts_its_mapped_tables_and_one_query(tmp_path: Path) -> None:
     """The compact format (once the bucket's manifest names its files): postings, term tables
     and norms whole, plus one query's memory per passage; the zstd passages not at all."""
-    from macd.index_plan import COMPACT_COUNTED_FILES, QUERY_BYTES_PER_PASSAGE, known_plan
+    from macd.index_plan import known_plan
     from slime_stoa.tasks.search.build import build_index
     from slime_stoa.tasks.search.synthetic import generate
 
@@ -258,7 +274,7 @@ def test_a_forged_manifest_is_refused_for_its_digest_and_never_parsed(
     put_index_manifest(url, described_manifest(BIG_SIZES))
     genuine = index_plan(url, manifest)
     assert genuine is not None and genuine.counted == BIG_COUNTED
-    put_index_manifest(url, described_manifest({"data.csc.index.npy": 200 * GIB}, passages=1), pin=False)
+    put_index_manifest(url, described_manifest({"postings.bin": 200 * GIB}, passages=1), pin=False)
 
     def parse_would_raise(body: bytes) -> IndexManifest:
         raise AssertionError("an unauthenticated manifest was parsed")

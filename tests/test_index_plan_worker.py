@@ -40,11 +40,11 @@ async def test_the_worker_picks_its_plane_beside_the_runs_index(
     bf16 = choose_plane(model_config, manifest, memory=1 << 40, sequences=sequences)
     int8 = choose_plane(model_config, replace(manifest, plane="int8"), memory=1 << 40, sequences=sequences)
     assert bf16 is not None and int8 is not None and int8.needed < bf16.needed
-    index = bf16.needed - int8.needed  # the postings and vocabulary of the index below
+    index = bf16.needed - int8.needed  # the postings and tables of the index below
     memory = int(bf16.needed * 1.5 * 1.01)  # usable: 2/3 of it, bf16 fits with 1 % to spare, not beside the index
     monkeypatch.setattr("macd.following.memory_bytes", lambda: memory)
     monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path / "shared"))
-    body = described_manifest({"data.csc.index.npy": index, "passages.txt": 1 << 30})
+    body = described_manifest({"postings.bin": index, "passages.zst": 1 << 30}, passages=1)
     await store.put(RunLayout(RUN).task_index_file("search", MANIFEST), body)
     await store.put(RunLayout(RUN).task_data("search", "train"), task_data("search", hashlib.sha256(body).hexdigest()))
     weights = Worker(config, store, WorkerOptions(seed=3)).weights

@@ -20,8 +20,9 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import GetResult, ObjectInfo, Store, open_store
 from slime_stoa.protocol.store.base import Payload
 from slime_stoa.tasks import load_task
-from slime_stoa.tasks.search import Search, bundle, decode_label
+from slime_stoa.tasks.search import Search, build, bundle, compact, decode_label
 from slime_stoa.tasks.search.bundle import (
+    FORMAT,
     MANIFEST,
     PARTIAL,
     PARTS,
@@ -31,6 +32,7 @@ from slime_stoa.tasks.search.bundle import (
     parse_manifest,
     upload_index,
 )
+from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE, ZST_FILE
 from slime_stoa.tasks.search.retriever import Retriever, SearchTool, build_index, open_run_index
 from slime_stoa.tasks.search.synthetic import generate
 
@@ -67,8 +69,18 @@ class CountingStore(Store):
 
 @pytest.fixture(scope="module")
 def synthetic_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """The index `stoa task prepare search` ships: the compact format."""
     data = generate(150, seed=11)
-    return build_index(data.passages, tmp_path_factory.mktemp("ix") / "index"), data
+    folder = tmp_path_factory.mktemp("ix") / "index"
+    build.build_index(data.passages, folder, compact_format=True)
+    return folder, data
+
+
+@pytest.fixture(scope="module")
+def arrays_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """The bm25s-array index an earlier stoa shipped (`Retriever.open` still opens it)."""
+    data = generate(150, seed=11)
+    return build_index(data.passages, tmp_path_factory.mktemp("arrays") / "index"), data
 
 
 def gold_top1(retriever: Retriever, data: object) -> float:
@@ -79,7 +91,9 @@ def gold_top1(retriever: Retriever, data: object) -> float:
 # -- the retriever on a local folder ---------------------------------------------------------------
 
 
-def test_gold_passage_is_top1(synthetic_index: tuple[Path, object]) -> None:
+@pytest.mark.parametrize("fixture", ["synthetic_index", "arrays_index"])
+def test_gold_passage_is_top1(fixture: str, request: pytest.FixtureRequest) -> None:
+    synthetic_index = request.getfixturevalue(fixture)
     folder, data = synthetic_index
     retriever = Retriever.open(folder)
     assert len(retriever) == 600
@@ -119,8 +133,8 @@ def _copy(folder: Path, dest: Path) -> Path:
     return dest
 
 
-def test_open_refuses_damaged_folders(synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
-    folder = synthetic_index[0]
+def test_open_refuses_damaged_folders(arrays_index: tuple[Path, object], tmp_path: Path) -> None:
+    folder = arrays_index[0]
     cases = {
         "backend": lambda d: (d / "params.index.json").write_text(
             json.dumps({**json.loads((d / "params.index.json").read_text()), "backend": "numba"})
@@ -137,8 +151,8 @@ def test_open_refuses_damaged_folders(synthetic_index: tuple[Path, object], tmp_
         "indptr": lambda d: np.save(d / "indptr.csc.index.npy", np.load(d / "indptr.csc.index.npy")[::-1].copy()),
         "pickle": lambda d: np.save(d / "data.csc.index.npy", np.array([object()]), allow_pickle=True),
         "vocab": lambda d: (d / "vocab.index.json").write_text(json.dumps({"a": 0, "b": 0})),
-        "offsets": lambda d: np.save(d / "passages.offsets.npy", np.array([0, 5], dtype=np.int64)),
-        "missing": lambda d: (d / "passages.txt").unlink(),
+        "offsets": lambda d: np.save(d / OFFSETS_FILE, np.array([0, 5], dtype=np.int64)),
+        "missing": lambda d: (d / TEXT_FILE).unlink(),
     }
     for name, damage in cases.items():
         d = _copy(folder, tmp_path / name)
@@ -189,19 +203,18 @@ async def test_fetch_verifies_once_and_refetches_only_what_is_damaged(
         await fetch_index(counting, RUN, dest, expected_sha256="0" * 64)
 
     # a file changed on disk breaks the stamp: that file alone is fetched again
-    text = next(f for f in manifest.files if f.name == "passages.txt")
+    text = next(f for f in manifest.files if f.name == ZST_FILE)
     assert len(text.chunks) >= 3
-    (dest / "passages.txt").write_bytes(b"garbage")
+    (dest / ZST_FILE).write_bytes(b"garbage")
     counting.gets.clear()
     await fetch_index(counting, RUN, dest, expected_sha256=digest)
     fetched = {k.rsplit("/", 1)[1] for k in counting.gets} - {MANIFEST}
     assert fetched == {c.name for c in text.chunks}
-    assert (dest / "passages.txt").read_bytes() == (folder / "passages.txt").read_bytes()
+    assert (dest / ZST_FILE).read_bytes() == (folder / ZST_FILE).read_bytes()
     assert gold_top1(Retriever.open(dest), data) == 1.0
 
 
 async def test_worker_start_scans_the_index_once(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from slime_stoa.tasks.search import retriever as retriever_mod
     from slime_stoa.tasks.search.prepare import prepare_search
     from slime_stoa.tasks.search.synthetic import task_items
 
@@ -210,17 +223,48 @@ async def test_worker_start_scans_the_index_once(store: Store, tmp_path: Path, m
     task = load_task(prepared.objects["train"])
     assert isinstance(task, Search)
     scans = []
-    real_scan = retriever_mod._scan_arrays
-    monkeypatch.setattr(retriever_mod, "_scan_arrays", lambda bm, n: (scans.append(n), real_scan(bm, n)))
+    real_scan = compact.CompactIndex.scan
+    monkeypatch.setattr(compact.CompactIndex, "scan", lambda index: (scans.append(index.passages), real_scan(index)))
     first = await open_run_index(store, RUN, task, tmp_path / "cache")
     again = await open_run_index(store, RUN, task, tmp_path / "cache")
     assert scans == [80]  # the second start trusts the stamp: no full scan, no re-hash
     q = data.qa[0]
     assert first.search(q.question, 1) == again.search(q.question, 1) and again.search(q.question, 1)[0].index == q.passage
     # damage after the stamp: the fetch notices (size/mtime), refetches, and the files are whole again
-    (tmp_path / "cache" / "indices.csc.index.npy").write_bytes(b"x")
+    (tmp_path / "cache" / compact.POSTINGS_FILE).write_bytes(b"x")
     healed = await open_run_index(store, RUN, task, tmp_path / "cache")
     assert healed.search(q.question, 1)[0].index == q.passage
+
+
+async def test_a_worker_meeting_an_old_bm25s_index_is_told_to_rebuild(
+    store: Store, arrays_index: tuple[Path, object], tmp_path: Path
+) -> None:
+    """A bucket prepared by an earlier stoa holds a stoa.search-index/2 manifest (the bm25s arrays):
+    the worker's join refuses it, pinned as it is, with one line naming the rebuild, and writes no
+    index file."""
+    from slime_stoa.tasks.base import encode_task_data
+    from slime_stoa.tasks.search.synthetic import task_items
+
+    folder, data = arrays_index
+    files = []
+    for p in sorted(folder.iterdir()):
+        digest = hashlib.sha256(p.read_bytes()).hexdigest()
+        size = p.stat().st_size
+        files.append({"name": p.name, "size": size, "sha256": digest,
+                      "chunks": [{"name": f"{p.name}.00000", "size": size, "sha256": digest}]})
+        await store.put(RunLayout(RUN).task_index_file("search", f"{p.name}.00000"), p.read_bytes())
+    body = json.dumps({"format": "stoa.search-index/2", "passages": 150, "files": files}).encode()
+    await store.put(RunLayout(RUN).task_index_file("search", MANIFEST), body)
+    meta = {"index": {"manifest_sha256": hashlib.sha256(body).hexdigest(), "passages": 150}}
+    task = load_task(encode_task_data("search", task_items(data), meta=meta))
+    assert isinstance(task, Search)
+    dest = tmp_path / "cache"
+    with pytest.raises(ValueError) as refused:
+        await open_run_index(store, RUN, task, dest)
+    line = str(refused.value)
+    assert "\n" not in line and "'stoa.search-index/2'" in line
+    assert line.endswith("built as bm25s arrays by an earlier stoa; rebuild it with `stoa task prepare search`")
+    assert not any(p.name in {*bundle.INDEX_FILES, TEXT_FILE} for p in dest.iterdir())
 
 
 class CutStore(CountingStore):
@@ -268,13 +312,13 @@ async def test_interrupted_fetch_resumes_in_place(store: Store, synthetic_index:
 async def test_tampered_chunk_is_refused(store: Store, synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
     folder, _ = synthetic_index
     digest = await upload_index(store, RUN, folder, passages=600, chunk_bytes=SMALL_CHUNK)
-    key = RunLayout(RUN).task_index_file("search", "passages.txt.00001")
+    key = RunLayout(RUN).task_index_file("search", f"{ZST_FILE}.00001")
     original = await store.get_bytes(key)
     await store.put(key, original[:-1] + bytes([original[-1] ^ 1]))  # any token can overwrite a chunk
     dest = tmp_path / "cache"
     with pytest.raises(ValueError, match="digest"):
         await fetch_index(store, RUN, dest, expected_sha256=digest)
-    assert not (dest / MANIFEST).exists() and not (dest / "passages.txt").exists()
+    assert not (dest / MANIFEST).exists() and not (dest / ZST_FILE).exists()
 
 
 def _manifest_doc(folder: Path) -> dict:
@@ -285,7 +329,7 @@ def _manifest_doc(folder: Path) -> dict:
 
 @pytest.mark.parametrize(
     "hostile",
-    ["../params.index.json", "/etc/passwd", "params.index.json/x", ".parts", "..", "NUL", "sub\\dir", "a" * 70, ""],
+    ["../compact.index.json", "/etc/passwd", "compact.index.json/x", ".parts", "..", "NUL", "sub\\dir", "a" * 70, ""],
 )
 def test_hostile_names_in_the_manifest(synthetic_index: tuple[Path, object], hostile: str) -> None:
     doc = _manifest_doc(synthetic_index[0])
@@ -329,7 +373,7 @@ def test_malformed_manifests(synthetic_index: tuple[Path, object]) -> None:
 
 async def test_hostile_manifest_in_the_bucket_writes_nothing_outside(store: Store, tmp_path: Path) -> None:
     layout = RunLayout(RUN)
-    doc = {"format": "stoa.search-index/1", "passages": 1, "files": [
+    doc = {"format": FORMAT, "passages": 1, "files": [
         {"name": "../../evil", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest(),
          "chunks": [{"name": "../../evil.00000", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}]}
     ]}

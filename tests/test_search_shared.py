@@ -19,7 +19,7 @@ from macd.shared_dir import SHARED_DIR_ENV, machine_shared_dir
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store
 from slime_stoa.tasks import tools
-from slime_stoa.tasks.search import Search, bundle
+from slime_stoa.tasks.search import Search, build, bundle
 from slime_stoa.tasks.search.build import DATA_FILE, INDICES_FILE, INDPTR_FILE
 from slime_stoa.tasks.search.bundle import LOCK, MANIFEST, fetch_index, parse_manifest, upload_index
 from slime_stoa.tasks.search.retriever import Retriever, SearchTool, build_index, index_folder
@@ -94,7 +94,8 @@ def test_two_processes_share_one_copy_of_the_index(big_index: tuple[Path, int]) 
 
 async def test_concurrent_fetches_download_once(store: Store, tmp_path: Path) -> None:
     data = generate(40, seed=3)
-    folder = build_index(data.passages, tmp_path / "built")
+    folder = tmp_path / "built"
+    build.build_index(data.passages, folder, compact_format=True)  # the format `prepare` ships
     digest = await upload_index(store, RUN, folder, passages=len(data.passages), chunk_bytes=SMALL_CHUNK)
     counting = CountingStore(store)
     dest = tmp_path / "shared" / "search-index" / f"sha256-{digest}"
@@ -111,7 +112,8 @@ async def test_concurrent_fetches_download_once(store: Store, tmp_path: Path) ->
 
 async def test_a_fetch_waits_for_the_lock_and_can_be_cancelled(store: Store, tmp_path: Path) -> None:
     data = generate(10, seed=4)
-    folder = build_index(data.passages, tmp_path / "built")
+    folder = tmp_path / "built"
+    build.build_index(data.passages, folder, compact_format=True)  # the format `prepare` ships
     digest = await upload_index(store, RUN, folder, passages=len(data.passages), chunk_bytes=SMALL_CHUNK)
     dest = tmp_path / "index"
     async with bundle._fetch_lock(dest):  # another process is fetching

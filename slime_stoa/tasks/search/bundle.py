@@ -2,7 +2,7 @@
 resumable, verified download onto a worker.
 
     runs/<run>/tasks/<task>/index/<file>.<nnnnn>     chunk n of one index file
-    runs/<run>/tasks/<task>/index/manifest.json      {"format": "stoa.search-index/2",
+    runs/<run>/tasks/<task>/index/manifest.json      {"format": "stoa.search-index/3",
         "passages": n, "files": [{"name", "size", "sha256",
                                   "chunks": [{"name", "size", "sha256"}, ...]}, ...]}
 
@@ -10,10 +10,11 @@ The operator uploads with put-if-absent (`upload_index`): a re-run writes nothin
 chunk that already holds other bytes is an error (an index is immutable within a run). The
 manifest is the last object written, so a reader that finds it finds every chunk.
 
-`fetch_index` trusts nothing it reads. The manifest must name exactly the files of an index
-folder (`retriever.INDEX_FILES`), chunk `n` of file `f` must be named `f.<nnnnn>` (the layout's
-name grammar: one safe path component), sizes must add up and stay under `max_bytes`, and every
-chunk and every assembled file must match its sha256. The manifest itself is pinned by
+`fetch_index` trusts nothing it reads. The manifest must name exactly the files of a compact
+index folder (`compact.INDEX_FILES`: the index, its settings and the zstd passage blocks; an index
+of an earlier format is refused with the command that rebuilds it), chunk `n` of file `f` must be
+named `f.<nnnnn>` (the layout's name grammar: one safe path component), sizes must add up and
+stay under `max_bytes`, and every chunk and every assembled file must match its sha256. The manifest itself is pinned by
 `expected_sha256` (the digest `prepare` recorded in the task meta) and its bytes checked against
 it before they are parsed; without one nothing authenticates it, and the fetch is refused. Nothing is written outside
 `dest`: each file is assembled in place in `dest/<file>.partial` (its final size; each verified
@@ -46,12 +47,16 @@ from slime_stoa.protocol.layout import RunLayout, check_name
 from slime_stoa.protocol.store import PreconditionFailed, Store
 from slime_stoa.protocol.store.capped import read_capped_bytes
 from slime_stoa.protocol.strict_json import load_json
-from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE
-from slime_stoa.tasks.search.tokenizer import SETTINGS_FILE
+from slime_stoa.tasks.search import compact
 
-FORMAT = "stoa.search-index/2"
-#: Indexes of this format were built by a tokeniser that dropped numbers and one-letter words.
-OLD_FORMATS = ("stoa.search-index/1",)
+FORMAT = "stoa.search-index/3"
+#: What `stoa task prepare search` builds again, named in the refusal of an old index.
+REBUILD = "rebuild it with `stoa task prepare search`"
+#: The formats of earlier stoas, and why such an index is refused (each a rebuild away).
+OLD_FORMATS = {
+    "stoa.search-index/1": f"built by an earlier stoa, whose tokeniser dropped numbers and one-letter words; {REBUILD}",
+    "stoa.search-index/2": f"built as bm25s arrays by an earlier stoa; {REBUILD}",
+}
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 8 << 20  # an index manifest is read no larger (a file list of a few KiB)
 PARTS = ".parts"
@@ -62,20 +67,9 @@ LOCK_POLL_S = 0.2
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 512 << 20  # one chunk is held in memory while it is checked
 DEFAULT_MAX_BYTES = 256 << 30  # a PubMed-sized index (16M passages) is tens of GB
-#: The files of an index folder: bm25s's (retriever.INDEX_FILES, kept here so this module stays
-#: free of bm25s) and the passage texts.
-INDEX_FILES = frozenset(
-    {
-        "params.index.json",
-        "vocab.index.json",
-        "data.csc.index.npy",
-        "indices.csc.index.npy",
-        "indptr.csc.index.npy",
-        SETTINGS_FILE,
-        TEXT_FILE,
-        OFFSETS_FILE,
-    }
-)
+#: The files of an index folder (`build_index(compact_format=True)`): the compact index, its
+#: settings and the zstd passage blocks.
+INDEX_FILES = frozenset(compact.INDEX_FILES)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _READ = 1 << 20
 
@@ -181,10 +175,7 @@ def parse_manifest(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> IndexM
     """Check an index manifest read from the bucket; ValueError naming the first problem."""
     doc = _object(load_json(data), {"format", "passages", "files"}, "the document")
     if doc["format"] in OLD_FORMATS:
-        raise ValueError(
-            f"index manifest format is {doc['format']!r}: an index built by an earlier stoa, whose tokeniser "
-            "dropped numbers and one-letter words; rebuild it with `stoa task prepare search`"
-        )
+        raise ValueError(f"index manifest format is {doc['format']!r}: an index {OLD_FORMATS[doc['format']]}")
     if doc["format"] != FORMAT:
         raise ValueError(f"index manifest format is {doc['format']!r}, expected {FORMAT!r}")
     passages = _int(doc["passages"], "passages", 1, 1 << 40)

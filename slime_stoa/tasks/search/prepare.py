@@ -5,7 +5,9 @@ manifest's sha256 in its meta (`index.manifest_sha256`): a worker that can read 
 the index and pin the manifest it fetches to that digest. The meta also records the index's
 BM25 settings (`index.bm25`: k1, b, the tokeniser), which the worker checks against the folder.
 
-The passages are streamed into the build (`build.build_index`), never held as a list.
+The passages are streamed into the build (`build.build_index`), never held as a list. The index
+is the compact format (`compact`: packed postings, zstd passage blocks), the one a bucket's
+index manifest names (`bundle.INDEX_FILES`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ async def prepare_search(
         raise ValueError(f"the work folder {work_dir} does not exist: make it, or leave --work-dir out for $TMPDIR")
     with tempfile.TemporaryDirectory(prefix="stoa-index-", dir=work_dir) as tmp:
         folder = Path(tmp) / "index"
-        stats = await asyncio.to_thread(build_index, passages, folder, settings=settings, on_passages=on_passages)
+        stats = await asyncio.to_thread(
+            build_index, passages, folder, settings=settings, on_passages=on_passages, compact_format=True
+        )
         digest = await upload_index(store, run, folder, task=TASK, passages=stats.passages, chunk_bytes=chunk_bytes)
     meta["index"] = {"manifest_sha256": digest, "passages": stats.passages, "bm25": settings.as_meta()}
     objects = {split: encode_task_data(TASK, items, meta=meta) for split, items in splits.items()}
