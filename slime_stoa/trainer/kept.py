@@ -1,74 +1,7 @@
-"""The trainer's own copies of what it signed, on the trainer's disk: what a bucket writer cannot
-take away.
+"""The trainer's own copies of what it signed: `slime_stoa.protocol.kept` (the publisher in
+`protocol.pulse` keeps its pointers and manifests there too, and the protocol package imports
+nothing of the trainer's), named here for the consumer's modules."""
 
-In single-bucket mode every worker's token can overwrite or delete any object of the run, so the
-trainer keeps, in a folder of its own (`ConsumerConfig.keep_dir`, `PublisherConfig.keep_dir`),
-the signed bytes of the objects it depends on: the run manifest, the worker registry, its
-consumer state and that state's newest head, and each pointer and version manifest it committed.
-They are filed under their bucket key (`<folder>/<key>`), so the folder holds a small mirror of
-those objects. When the bucket's object is gone, garbage, or older than the trainer's copy, the
-trainer uses its copy and puts it back (`put_back`): a worker can make the trainer restore an
-object, never stop it.
+from slime_stoa.protocol.kept import TrainerCopies
 
-Nothing here judges bytes: callers keep only what they verified (or signed themselves), and read
-back only from their own disk.
-"""
-
-from __future__ import annotations
-
-import logging
-from pathlib import Path
-
-from slime_stoa.protocol.fsutil import atomic_write
-from slime_stoa.protocol.store import Store
-
-log = logging.getLogger("stoa.kept")
-
-
-class TrainerCopies:
-    """The copies under one folder, by bucket key."""
-
-    def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
-
-    @classmethod
-    def at(cls, folder: str | Path | None) -> TrainerCopies | None:
-        """The copies in `folder`; None when no folder is configured (nothing is kept)."""
-        return None if folder is None or str(folder) == "" else cls(folder)
-
-    def path(self, key: str) -> Path:
-        """Where the copy of bucket object `key` lives. Keys are the trainer's own (from
-        `RunLayout`), never a listed name; still, one that would leave the folder is refused."""
-        parts = key.split("/")
-        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"not a bucket key the trainer keeps a copy of: {key!r}")
-        return self.folder.joinpath(*parts)
-
-    def keep(self, key: str, data: bytes) -> None:
-        """Keep `data` (signed bytes the caller checked or wrote) as the copy of `key`."""
-        path = self.path(key)
-        if self.kept(key) == data:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, data)
-
-    def kept(self, key: str) -> bytes | None:
-        """The copy of `key`, or None when the trainer keeps none."""
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def forget(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
-
-    async def put_back(self, store: Store, key: str, why: str) -> bytes | None:
-        """Write the copy of `key` over the bucket's object (gone, garbage or older: `why`);
-        the bytes put back, or None when the trainer keeps no copy of it."""
-        data = self.kept(key)
-        if data is None:
-            return None
-        await store.put(key, data)
-        log.warning("stoa: %s %s; put the trainer's own copy back", key, why)
-        return data
-
+__all__ = ["TrainerCopies"]

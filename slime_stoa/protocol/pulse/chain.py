@@ -336,7 +336,7 @@ def _copies(folder: Path | None) -> Copies | None:
     """The trainer's own copies in `folder` (`PublisherConfig.keep_dir`); None: none kept."""
     if folder is None:
         return None
-    from slime_stoa.trainer.kept import TrainerCopies  # the trainer's side: not loaded by readers of weights
+    from slime_stoa.protocol.kept import TrainerCopies  # the trainer's side: not loaded by readers of weights
 
     return TrainerCopies(folder)
 

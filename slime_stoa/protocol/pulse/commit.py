@@ -61,7 +61,7 @@ MAX_HEAD_CANDIDATES = 64
 
 
 class Copies(Protocol):
-    """The trainer's own copies of what it signed, by bucket key (`slime_stoa.trainer.kept`)."""
+    """The trainer's own copies of what it signed, by bucket key (`slime_stoa.protocol.kept`)."""
 
     def keep(self, key: str, data: bytes) -> None: ...
     def kept(self, key: str) -> bytes | None: ...

@@ -50,7 +50,7 @@ class PublisherConfig:
     )
     keep_dir: Path | None = setting(
         "The trainer's own folder for its copies of each pointer and version manifest it commits "
-        "(`slime_stoa.trainer.kept`), put back when a bucket writer deletes or overwrites them. None: no "
+        "(`slime_stoa.protocol.kept`), put back when a bucket writer deletes or overwrites them. None: no "
         "copies.",
         None,
     )
