@@ -119,6 +119,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-device", choices=("gpu", "cpu"), default="gpu",
                         help="where MLX computes: gpu (a Mac's Metal GPU, default) or cpu (MLX's CPU device, e.g. "
                              "Linux: float32 compute, float32 copies of the bf16 weights)")
+    parser.add_argument("--plan-planes", metavar="PLANE[,PLANE...]", default="",
+                        help="quantized planes the run publishes (int8, int4), each planned as a Mac holds it: "
+                             "alone, without the bf16 master (default: none)")
     parser.add_argument("--plan-group-size", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--plan-batch", type=int, default=2, help="prompts decoding at once (default 2)")
     parser.add_argument("--plan-prompt-tokens", type=int, default=512, help="longest prompt (default 512)")
@@ -130,6 +133,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
 
 def print_plan(args: argparse.Namespace) -> int:
     """`macd doctor --plan-for`: the plan's lines on stdout; 1 with an error line on bad input."""
+    from slime_stoa.protocol.layout import QUANT_PLANES
+
     from .index_plan import override_plan
     from .memory_plan import LFM2_5_8B_A1B, config_plan, describe
 
@@ -156,12 +161,17 @@ def print_plan(args: argparse.Namespace) -> int:
     if bad := check_index_gb(args.plan_index_gb):
         print(bad, file=sys.stderr)
         return 1
+    planes = tuple(x.strip() for x in str(args.plan_planes).split(",") if x.strip())
+    if unknown := [plane for plane in planes if plane not in QUANT_PLANES]:
+        print(f"error: --plan-planes {args.plan_planes!r}: {', '.join(unknown)} is not a quantized plane "
+              f"({', '.join(QUANT_PLANES)})", file=sys.stderr)
+        return 1
     index = None if args.plan_index_gb is None else override_plan(args.plan_index_gb, INDEX_FLAG)
     plan = config_plan(
         model, group_size=args.plan_group_size, groups=args.plan_batch, prompt_tokens=args.plan_prompt_tokens,
         response_tokens=args.plan_response_tokens, mac_sizes_gb=sizes,
         index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
-        device=args.plan_device,
+        device=args.plan_device, published=planes,
     ) if isinstance(model, dict) else None
     if plan is None:
         print(f"error: --plan-config {name}: not a model config with the sizes a plan needs", file=sys.stderr)

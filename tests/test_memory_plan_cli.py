@@ -43,6 +43,22 @@ def test_doctor_plan_for_macs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--plan-for '16,x': expected memory sizes in GB" in err and "--plan-batch must be 1 or more" in err
 
 
+def test_the_reference_run_fits_16_and_24_gb_macs_on_its_published_planes_beside_a_16m_index(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The reference run's shape: LFM2.5-8B-A1B on the int8/int4 planes it publishes, held alone,
+    beside the compact index of 16M PubMed abstracts (~2.9 GiB counted: postings, term and block
+    tables, norms and one query's working memory, projected by scripts/bench_retriever.py)."""
+    assert macd(["doctor", "--plan-for", "16,24", "--plan-planes", "int8,int4", "--plan-index-gb", "2.9"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    verdicts = {line.split(":")[0].strip(): line.split(": ", 1)[1] for line in out if "GB Mac" in line}
+    assert verdicts["16 GB Mac, int4"] == "needs 7.9 of 10.7 GiB usable: fits"
+    assert verdicts["24 GB Mac, int8"] == "needs 11.8 of 16.0 GiB usable: fits"
+    assert verdicts["16 GB Mac, int8"].endswith("does not fit")
+    assert macd(["doctor", "--plan-for", "16", "--plan-planes", "int3"]) == 1
+    assert "int3 is not a quantized plane (int8, int4)" in capsys.readouterr().err
+
+
 def test_join_reports_the_plan_of_the_runs_model(tmp_path: Path) -> None:
     config = cfg.DaemonConfig(store=f"file://{tmp_path}", run="r", name="mac", worker_id="mac-1", data_dir=tmp_path, batch=2)
     manifest = RunManifest(run="r", model="LiquidAI/LFM2.5-8B-A1B", task="synthetic", group_size=8, max_tokens=1536,
