@@ -15,16 +15,17 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import pytest
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
-from slime_stoa.trainer.consumer import RolloutConsumer
+from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.pause import is_report_try
 from slime_stoa.trainer.consumer.persistence import StateConflict, parse_state, state_bytes, state_key
-from tests.test_consumer import RUN, Tiny, now_ms, tiny
-from tests.test_signed_records import open_signed_consumer, setup_signed_run
+from tests.test_consumer import RUN, Tiny, make_group, now_ms, publish_versions, tiny
+from tests.test_signed_records import open_signed_consumer, put, setup_signed_run, signed
 from tests.test_trust_writer import GARBAGE, batches, records
 
 __all__ = ["tiny"]  # the session fixture
@@ -96,7 +97,7 @@ async def test_a_spoiled_state_pauses_the_restart_until_it_is_back(
         await store.put(state_key(RUN), spoiled)
         again = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
         try:
-            loading = asyncio.ensure_future(again.load_from_bucket())
+            loading = asyncio.ensure_future(again.resume_from_bucket())
             await until(lambda c=again: c.counters.get("paused/consumer_state", 0) >= TRIES, asyncio.shield(loading))
             assert "consumer.json" in paused_lines(caplog)[-1] and "keep_dir" in paused_lines(caplog)[-1]
             await store.put(state_key(RUN), genuine)
@@ -130,3 +131,85 @@ async def test_garbage_under_a_save_is_written_over_another_trainers_state_stops
         await live.close()
         if other is not None:
             await other.close()
+
+
+def rejected(c: RolloutConsumer) -> dict[str, int]:
+    return {k: n for k, n in c.counters.items() if k.startswith("rejected/")}
+
+
+async def test_records_wait_for_a_deleted_registry_and_are_admitted_once_it_is_back(
+    store: Store, store_url: str, tiny: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="slime_stoa")
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    registry = RunLayout(RUN).registry
+    genuine = await store.get_bytes(registry)
+    await store.delete(registry)
+    await records(store, tiny, run, "mac-a", range(4), now_ms() - 20_000)
+    c = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
+    try:
+        batch = asyncio.ensure_future(c.next_batch(4, trainer_version=0, timeout_s=None))
+        await until(lambda: c.counters.get("held", 0) == 4 and c.counters.get("held_looks", 0) >= TRIES, asyncio.shield(batch))
+        assert rejected(c) == {}
+        assert any("registry.json" in line and "keep_dir" in line for line in
+                   (r.getMessage() for r in caplog.records if "held" in r.getMessage()))
+        await store.put(registry, genuine)  # its owner restores it
+        got = await batch
+        assert [g.group.worker_id for g in got.groups] == ["mac-a"] * 4  # every honest record, none lost
+        assert rejected(c) == {} and c.counters["held_released"] == 4
+    finally:
+        await c.close()
+
+
+async def test_records_wait_for_a_deleted_version_manifest_and_are_admitted_once_it_is_republished(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    await publish_versions(store, 1, key=run.run_key)
+    layout = RunLayout(RUN)
+    [v1] = [i.key async for i in store.list(layout.version_manifests_prefix(1))]
+    genuine = await store.get_bytes(v1)
+    await store.delete(v1)
+    base = now_ms() - 20_000
+    for seq in range(2):
+        group = make_group(tiny, worker="mac-a", seq=seq, prompt_index=seq, weight_version=1)
+        await put(store, signed(group, run.workers["mac-a"]), "mac-a", seq, base + seq)
+    c = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key)
+    try:
+        batch = asyncio.ensure_future(c.next_batch(2, trainer_version=1, timeout_s=None))
+        await until(lambda: c.counters.get("held", 0) == 2 and c.counters.get("held_looks", 0) >= TRIES, asyncio.shield(batch))
+        assert rejected(c) == {}
+        await store.put(v1, genuine)  # republished
+        got = await batch
+        assert [g.group.weight_version for g in got.groups] == [1, 1] and rejected(c) == {}
+    finally:
+        await c.close()
+
+
+async def test_a_record_of_a_version_never_published_is_still_rejected(store: Store, store_url: str, tiny: Tiny) -> None:
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    group = make_group(tiny, worker="mac-a", seq=0, prompt_index=0, weight_version=0)
+    forged = msgspec.structs.replace(group, state_digest="f" * len(group.state_digest))
+    await put(store, signed(forged, run.workers["mac-a"]), "mac-a", 0, now_ms() - 20_000)
+    c = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key, wait_timeout_s=0.5)
+    try:
+        with pytest.raises(ConsumerTimeout):
+            await c.next_batch(1, trainer_version=0)
+        assert rejected(c) == {"rejected/digest": 1} and c.counters.get("held", 0) == 0
+    finally:
+        await c.close()
+
+
+async def test_held_records_are_bounded_the_oldest_dropped(store: Store, store_url: str, tiny: Tiny) -> None:
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    await store.delete(RunLayout(RUN).registry)
+    await records(store, tiny, run, "mac-a", range(5), now_ms() - 20_000)
+    c = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key, wait_timeout_s=0.5)
+    c._held.max_records = 3
+    try:
+        with pytest.raises(ConsumerTimeout):
+            await c.next_batch(5, trainer_version=0)
+        assert c.counters["held"] == 5 and c.counters["held_dropped"] == 2 and len(c._held) == 3
+        assert len(c.state_dict()["pending"]) == 3  # the dropped ones left the queue; the held stay in it
+    finally:
+        await c.close()

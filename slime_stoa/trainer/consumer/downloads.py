@@ -24,7 +24,7 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import NoReturn
 
 from slime_stoa.protocol.store import NotFound, StoreConfigError, StoreError, StoreUnavailable
@@ -52,10 +52,20 @@ class _StoreWasDown(Exception):
 
 
 class Downloads:
-    def __init__(self, shared: Shared, *, judge: Judge, refuse: Callable[[str], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        judge: Judge,
+        refuse: Callable[[str], Awaitable[bool]],
+        hold: Callable[[str], Awaitable[bool]] | None = None,
+        held: Collection[str] = frozenset(),
+    ) -> None:
         self.shared = shared
         self.judge = judge
         self.refuse = refuse  # True (counted) for a record not even to download (a quarantined or unregistered worker's)
+        self.hold = hold  # True when a record is held before its download (`held`: an object it needs is gone)
+        self.held = held  # records held: queued, not downloaded until what they need is back
         self.restore: dict[str, int] = {}  # ledger entries to download again: name -> uses
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.deferred: set[str] = set()  # cut at the deadline once: tried again after the others
@@ -65,8 +75,8 @@ class Downloads:
         self._probe: asyncio.Task[bool] | None = None  # the shared "is the store down?" question
 
     def queued(self) -> int:
-        """Keys waiting for a download (not in flight)."""
-        return len(self.restore) + len(self.shared.state.pending) - len(self.inflight)
+        """Keys waiting for a download (not in flight, not held)."""
+        return len(self.restore) + len(self.shared.state.pending) - len(self.inflight) - len(self.held)
 
     def waiting(self) -> int:
         """Keys discovered or restored, not yet judged (in flight or not)."""
@@ -76,7 +86,7 @@ class Downloads:
         """Cut the downloads past their deadline, then start downloads, oldest key first (ledger
         entries before new ones, records cut once after both)."""
         self.cut_slow()
-        pending, busy = self.shared.state.pending, set(self.inflight) | self.deferred
+        pending, busy = self.shared.state.pending, set(self.inflight) | self.deferred | set(self.held)
         slots = min(self.shared.config.download_concurrency, want) - len(self.inflight)
         if slots <= 0:
             return
@@ -86,7 +96,7 @@ class Downloads:
         fresh = [n for n in fresh if n not in busy][:slots]
         slots -= len(fresh)
         self.deferred = {n for n in self.deferred if n in pending or n in self.restore}  # not dropped meanwhile
-        again = [n for n in sorted(self.deferred) if n not in self.inflight][: max(slots, 0)]
+        again = [n for n in sorted(self.deferred) if n not in self.inflight and n not in self.held][: max(slots, 0)]
         for name in restore:
             self._start(name, None, self.restore[name])
         for name in fresh + again:
@@ -130,6 +140,8 @@ class Downloads:
     async def _download(self, name: str, size: int | None, uses: int | None) -> None:
         shared = self.shared
         try:
+            if self.hold is not None and await self.hold(name):  # stays queued, held
+                return
             if await self.refuse(name):  # not even downloaded
                 self.forget(name)
                 return

@@ -6,12 +6,15 @@ The record is decoded once (`admission.open_record`). When its weights are not a
 published versions as last read but a fresh read may have them (`PublishedVersions.worth_refresh`),
 the versions are read again and the same decoded group goes through `admission.admit` a second
 and last time; a version still unknown then is judged by the staleness rules where they refuse
-it anyway, else rejected as "version" (or "digest").
+it anyway, else rejected as "version" (or "digest"). A record that fails because an object it
+needs is gone (the registry, the claimed version's manifest: `missing`) is held, not rejected
+(`held`): it stays queued and is judged again once the object is back.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from slime_stoa.judging.scoring import Rescorer
 from slime_stoa.protocol.records import RolloutGroup
@@ -20,6 +23,7 @@ from slime_stoa.protocol.validate import RecordRejected
 from . import policy
 from .admission import UnpublishedVersion, admit, open_record
 from .groups import Admitted
+from .held import Held
 from .metrics import worker_counter
 from .pool import Pool
 from .shared import Shared
@@ -31,9 +35,19 @@ log = logging.getLogger(__name__)
 
 class Intake:
     def __init__(
-        self, shared: Shared, *, rescorer: Rescorer, versions: PublishedVersions, trust: WorkerTrust, pool: Pool
+        self,
+        shared: Shared,
+        *,
+        rescorer: Rescorer,
+        versions: PublishedVersions,
+        trust: WorkerTrust,
+        pool: Pool,
+        missing: Callable[[RecordRejected], Awaitable[str | None]] | None = None,
+        held: Held | None = None,
     ) -> None:
         self.shared = shared
+        self.missing = missing  # the object gone that explains a rejection ("registry", "v<n>"), or None
+        self.held = held
         self.rescorer = rescorer
         self.versions = versions
         self.trust = trust
@@ -42,7 +56,7 @@ class Intake:
 
     async def take(self, name: str, data: bytes, uses: int | None) -> bool:
         """Judge the downloaded record `name` (`uses`: None for a new record, else the times it
-        was used before a restart) and route it. False when it stays queued: a fatal error."""
+        was used before a restart) and route it. False when it stays queued: a fatal error, or held."""
         shared, versions = self.shared, self.versions
         if versions.done == 0:  # never read yet
             await versions.refresh(0)
@@ -68,20 +82,29 @@ class Intake:
                 admitted = self._admit(name, group, signer)
         except UnpublishedVersion as exc:
             verdict = versions.verdict(exc.version, published=False) if exc.reason == "version" else None
-            if verdict is None:
-                shared.reject(name, exc.reason, exc.detail)
-            else:
+            if verdict is not None:
                 self._drop(name, exc.version, verdict)
-            return True
+                return True
+            return await self._reject_or_hold(name, exc)
         except RecordRejected as exc:
-            shared.reject(name, exc.reason, exc.detail)
-            return True
+            return await self._reject_or_hold(name, exc)
         except Exception as exc:  # a bug: keep consuming, but say so loudly
             log.exception("stoa: unexpected error judging %s", shared.prefix + name)
             shared.reject(name, "internal", f"{type(exc).__name__}: {exc}")
             return True
         self._route(admitted, uses)
         return True
+
+    async def _reject_or_hold(self, name: str, exc: RecordRejected) -> bool:
+        """Reject the record (True: off the queue), or hold it (False: it stays queued) when an
+        object it needs is gone (`held`)."""
+        need = None if self.missing is None or self.held is None else await self.missing(exc)
+        if need is None:
+            self.shared.reject(name, exc.reason, exc.detail)
+            return True
+        assert self.held is not None
+        self.held.hold(name, need, exc.detail)
+        return False
 
     def _admit(self, name: str, group: RolloutGroup, signer: str | None) -> Admitted:
         return admit(

@@ -10,7 +10,8 @@ naming another key or none.
 With `ConsumerConfig.keep_dir` the trainer keeps its own copy of the manifest it accepted
 (`slime_stoa.trainer.kept`): a manifest a bucket writer deleted or replaced (refused as another
 key's, or not parsing) is put back from it, and the trainer starts all the same. Without that
-copy it raises `pause.Broken` naming the repair, and `RolloutConsumer.open` waits for it.
+copy, a manifest gone or garbage raises `pause.Broken` naming the repair, and
+`RolloutConsumer.open` waits for it; one naming another run key than `run_key` is refused at once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from slime_stoa.judging.run_data import load_decoding, read_task
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.tasks import Task
@@ -87,6 +88,8 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
         manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
     except (RunNotFound, ValueError) as exc:  # gone, garbage, or another key's (RunKeyMismatch)
         if copies is None or copies.kept(key) is None:
+            if isinstance(exc, RunKeyMismatch):  # as likely the trainer's own config: said at once
+                raise
             raise Broken(
                 f"the run manifest {key} in {store.url} is gone or refused", manifest_repair(config), exc
             ) from exc

@@ -24,6 +24,7 @@ import time
 
 from .discovery import Discovery, PollResult
 from .downloads import Downloads
+from .held import Held
 from .metrics import reject_counter, rejects_by_reason, worker_counter
 from .pool import Pool
 from .shared import CLOCK_REFUSED, Shared
@@ -54,8 +55,10 @@ class Filler:
         pool: Pool,
         versions: PublishedVersions,
         trust: WorkerTrust,
+        held: Held | None = None,
     ) -> None:
         self.shared = shared
+        self.held = held  # records waiting for an object a writer deleted: looked at again with a backoff
         self.discovery = discovery
         self.downloads = downloads
         self.pool = pool
@@ -172,6 +175,11 @@ class Filler:
                 finally:
                     self._next_sweep = time.monotonic() + cfg.sweep_interval_s
                 continue
+            held_look = math.inf if self.held is None else self.held.next_look()
+            if now >= held_look:
+                assert self.held is not None
+                await self.held.look()
+                continue
             wake = min(
                 self._next_tail if listing_helps else math.inf,
                 self._next_sweep,
@@ -179,6 +187,7 @@ class Filler:
                 math.inf if deadline is None else deadline,
                 next_log,
                 downloads.next_cut(),  # a GET past its deadline frees its slot for another record
+                held_look,
             )
             timeout = max(wake - now, 0.0)
             if downloads.inflight:
@@ -203,7 +212,7 @@ class Filler:
         return (
             f"waited {waited:.0f} s for {target} groups of run {shared.config.run!r} (trainer v{self.versions.trainer_version}): "
             f"have {len(self.pool)} of {target} ready, {len(self.downloads.inflight)} downloading, "
-            f"{self.downloads.queued()} queued; rejected so far: {reject_text}; {seen}"
+            f"{self.downloads.queued()} queued, {0 if self.held is None else len(self.held)} held; rejected so far: {reject_text}; {seen}"
         )
 
     async def timeout_error(self, needed: int, waited: float) -> ConsumerTimeout:

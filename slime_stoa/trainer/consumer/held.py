@@ -1,0 +1,130 @@
+"""Records held while an object they need is gone: never rejected for what a bucket writer did.
+
+A record can be judged only against the run's worker registry (its signing key) and the version
+manifest of the weights it claims. Any worker token can delete those objects; a record that fails
+because one is gone is not itself invalid, so it is held, not rejected: it stays in the download
+queue (and so in the saved state: a restart tries it again) but is not downloaded while it waits.
+What it waits for ("registry", or "v<version>") is looked at again with a backoff doubling from
+`poll_interval_s` to `store_retry_max_delay_s`, reported in one line at tries 1, 2, 4, ... with
+the repair; once the object is back (restored by its owner or put back from the trainer's
+`keep_dir`), its records are downloaded and judged again. Only then is a record still failing
+rejected for good.
+
+Held records are bounded by count and by listed bytes: past either bound the oldest is dropped
+from the queue (counted `held_dropped`), so junk made to look like it waits costs memory once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+
+from .pause import is_report_try
+from .shared import Shared
+
+log = logging.getLogger(__name__)
+
+MAX_HELD_RECORDS = 10_000
+MAX_HELD_BYTES = 1 << 30  # listed sizes of the held records
+
+#: Is the object a held record waits for back? (`need`: "registry" or "v<version>")
+IsBack = Callable[[str], Awaitable[bool]]
+
+
+def needs_version(version: int) -> str:
+    return f"v{version}"
+
+
+class Held:
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        is_back: IsBack,
+        forget: Callable[[str], None],
+        repair: Callable[[str], str],
+        max_records: int = MAX_HELD_RECORDS,
+        max_bytes: int = MAX_HELD_BYTES,
+    ) -> None:
+        self.shared = shared
+        self.is_back = is_back
+        self.forget = forget  # drops a record from the download queue
+        self.repair = repair  # need -> how an operator puts it back
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.waiting: dict[str, str] = {}  # record name -> need, oldest held first
+        self._bytes = 0
+        self._per_need: Counter[str] = Counter()
+        self._looks: dict[str, tuple[int, float, float]] = {}  # need -> (tries, delay, next look: monotonic)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.waiting
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.waiting)
+
+    def hold(self, name: str, need: str, detail: str) -> None:
+        """Hold record `name` until `need` is back (`detail`: what failed); counted `held`."""
+        if name in self.waiting:
+            return
+        self.waiting[name] = need
+        self._per_need[need] += 1
+        self._bytes += self._size(name)
+        self.shared.count("held")
+        if need not in self._looks:
+            delay = self.shared.config.poll_interval_s
+            self._looks[need] = (0, delay, time.monotonic() + delay)
+            log.warning("stoa: holding records that need %s, which is gone (%s): %s", need, detail, self.repair(need))
+        while self.waiting and (len(self.waiting) > self.max_records or self._bytes > self.max_bytes):
+            oldest = next(iter(self.waiting))
+            self._release(oldest)
+            self.forget(oldest)
+            self.shared.count("held_dropped")
+            log.warning("stoa: dropped held record %s: more held than %d records or %d bytes",
+                        self.shared.prefix + oldest, self.max_records, self.max_bytes)
+
+    def next_look(self) -> float:
+        """When (monotonic) an object held records wait for is looked at next (inf: none)."""
+        return min((at for _, _, at in self._looks.values()), default=float("inf"))
+
+    async def look(self) -> int:
+        """Look at every object whose look is due; release the records of those back. How many
+        records were released."""
+        now, released = time.monotonic(), 0
+        config = self.shared.config
+        for need, (tries, delay, at) in list(self._looks.items()):
+            if now < at:
+                continue
+            if await self.is_back(need):
+                names = [n for n, waits in self.waiting.items() if waits == need]
+                for name in names:
+                    self._release(name)
+                released += len(names)
+                self.shared.count("held_released", len(names))
+                self._looks.pop(need, None)
+                log.warning("stoa: %s is back: %d held record(s) judged again", need, len(names))
+                continue
+            tries += 1
+            self.shared.count("held_looks")
+            if is_report_try(tries):
+                log.error("stoa: %d record(s) held: %s is still gone (look %d). Repair: %s",
+                          self._per_need[need], need, tries, self.repair(need))
+            delay = min(delay * 2, max(config.store_retry_max_delay_s, config.poll_interval_s))
+            self._looks[need] = (tries, delay, time.monotonic() + delay)
+        return released
+
+    def _release(self, name: str) -> None:
+        need = self.waiting.pop(name)
+        self._bytes -= self._size(name)
+        self._per_need[need] -= 1
+        if not self._per_need[need]:
+            del self._per_need[need]
+            self._looks.pop(need, None)
+
+    def _size(self, name: str) -> int:
+        return self.shared.state.pending.get(name) or 0
