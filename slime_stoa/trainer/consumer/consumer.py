@@ -365,7 +365,11 @@ class RolloutConsumer:
         `plane`: its limits add the plane's allowance, `QuarantineConfig.allowance`). With `prompt_index`
         (one group's measurement), a gap above `canary.max_logprob_gap` (plus that allowance) on a
         canary prompt is a strike. Returns the workers this quarantined (their groups not yet used
-        are dropped)."""
+        are dropped). A plane the run does not offer (`record_limits.allowed_planes`: what the run
+        publishes, never what a record says alone) gets no allowance: judged as bf16."""
+        if plane not in self.config.record_limits.allowed_planes:
+            self._shared.count("gap_plane_not_offered")
+            plane = "bf16"
         return self._trust.observe_logprob_gap(worker, mean_abs_gap, tokens, prompt_index=prompt_index, plane=plane)
 
     def apply_releases(self, releases: Mapping[str, int]) -> list[str]:
