@@ -77,8 +77,15 @@ from slime_stoa.protocol.signing import SigningKey, sign_document
 from slime_stoa.protocol.store import Store, open_store
 from slime_stoa.protocol.validate import REJECT_REASONS, RecordLimits, load_record
 from slime_stoa.tasks import generate_items, make_task
-from slime_stoa.tasks.search.bundle import Chunk, IndexFile, IndexManifest, chunk_name, encode_manifest, parse_manifest
-from slime_stoa.tasks.search.retriever import INDEX_FILES
+from slime_stoa.tasks.search.bundle import (
+    INDEX_FILES,
+    Chunk,
+    IndexFile,
+    IndexManifest,
+    chunk_name,
+    encode_manifest,
+    parse_manifest,
+)
 from slime_stoa.trainer.consumer.admission import ALL_REASONS, judge_record
 from slime_stoa.trainer.consumer.state import ReplayLedger
 from tests.s3server import LocalS3Server
