@@ -31,6 +31,7 @@ from slime_stoa.protocol.store.capped import TooLarge, read_capped_bytes
 from slime_stoa.protocol.validate import RecordLimits, RecordRejected
 from slime_stoa.trainer.consumer.admission import check_published, open_record
 from slime_stoa.trainer.consumer.config import ConsumerConfig
+from slime_stoa.trainer.consumer.pause import Broken
 from slime_stoa.trainer.consumer.persistence import read_state
 from slime_stoa.trainer.consumer.run_context import open_run_context
 from slime_stoa.trainer.consumer.state import ConsumerState
@@ -159,7 +160,10 @@ class RunRecords:
     async def open(cls, store: Store, run: str, *, tokenizer_dir: Path | None = None) -> RunRecords:
         """Read the run's manifest, task, tokenizer (`tokenizer_dir`, else the latest anchor's),
         registry (signed runs) and the consumer's state."""
-        ctx = await open_run_context(store, ConsumerConfig(store_url=store.url, run=run), tokenizer_dir=tokenizer_dir)
+        try:
+            ctx = await open_run_context(store, ConsumerConfig(store_url=store.url, run=run), tokenizer_dir=tokenizer_dir)
+        except Broken as exc:  # a reader does not wait for a repair as the trainer does: the error itself
+            raise exc.cause from None
         trust = None if ctx.run_key is None else RunTrust(run, ctx.run_key)
         signers = None
         if trust is not None:

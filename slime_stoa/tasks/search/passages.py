@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import mmap
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -154,10 +155,18 @@ class BlockPassageStore:
         self._first, self._at = np.ascontiguousarray(rows[:, 0]), np.ascontiguousarray(rows[:, 1])
         with open(folder / ZST_FILE, "rb") as f:
             self._data: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        self._zstd = zstandard.ZstdDecompressor()
+        # zstandard's decompressor objects are not thread-safe, and queries run on several threads
+        # (`Retriever.asearch`): one per thread.
+        self._local = threading.local()
 
     def __len__(self) -> int:
         return int(self._first[-1])
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        zstd = getattr(self._local, "zstd", None)
+        if zstd is None:
+            zstd = self._local.zstd = zstandard.ZstdDecompressor()
+        return zstd
 
     def __getitem__(self, i: int) -> str:
         if not 0 <= i < len(self):
@@ -167,7 +176,7 @@ class BlockPassageStore:
         try:
             if not 0 <= zstandard.frame_content_size(frame) <= MAX_BLOCK_BYTES:  # -1: not recorded
                 raise ValueError(f"{ZST_FILE}: block {j} does not record a size up to {MAX_BLOCK_BYTES}")
-            block = self._zstd.decompress(frame)
+            block = self._decompressor().decompress(frame)
         except zstandard.ZstdError as exc:
             raise ValueError(f"{ZST_FILE}: block {j} does not decompress: {exc}") from None
         count = int(self._first[j + 1] - self._first[j])
