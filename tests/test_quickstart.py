@@ -71,8 +71,13 @@ def test_the_quickstart_learns(tmp_path: Path) -> None:
     s = json.loads(summary_path.read_text())
     # The warm start teaches the format only (a random shown digit scores 0.25), and the RL part
     # takes the reward of every generated group from there to >= 0.6 within 40 versions
-    # (measured: 0.6 near v15-20, ~0.9 after 40 versions).
-    assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.6, s
+    # (measured: 0.6 near v15-20, ~0.9 after 40 versions). The target is measured on the last
+    # batches the learner used; the summary's `reward_last` (the bucket's groups by the version
+    # that drew them) trails it by the groups in flight (measured 0.599 at a 0.6 stop), so it is
+    # held to a margin, and the held-out eval must move too.
+    assert s["target_reached"] and s["reward_recent_batches"] >= 0.6, s
+    assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.5, s
+    assert s["eval_pass1_last"] >= s["eval_pass1_first"] + 0.15, s
     assert 5 <= s["versions"] <= 40 and s["groups_lost"] == 0 and s["digest_mismatches"] == 0
 
 

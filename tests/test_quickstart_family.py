@@ -171,7 +171,10 @@ def test_lfm2_moe_quickstart_mechanics(tmp_path: Path) -> None:
 @pytest.mark.slow  # several minutes on two cores: python -m pytest --slow tests/test_quickstart_family.py
 def test_lfm2_moe_quickstart_learns(tmp_path: Path) -> None:
     s = run_family_quickstart(tmp_path, "--max-versions", "40", "--target", "0.6")
-    assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.6, s
+    # the target is measured on the learner's last batches; `reward_last` (by drawing version)
+    # trails it by the groups in flight, so it is held to a margin (see test_the_quickstart_learns)
+    assert s["target_reached"] and s["reward_recent_batches"] >= 0.6, s
+    assert s["reward_first"] < 0.4 and s["reward_last"] >= 0.5, s
     assert s["groups_lost"] == 0 and s["digest_mismatches"] == 0
     # past the staleness limit the workers must have installed new versions, each timed
     assert s["worker_syncs_seen"] >= 1 and s["worker_sync_seconds_mean"] > 0

@@ -37,6 +37,7 @@ class Progress:
     tool_calls: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # version -> per sample
     eval_pass1: dict[int, float] = field(default_factory=dict)  # version -> held-out pass@1
     scored_rewards: list[float] = field(default_factory=list)  # session, per learner step: every group that arrived
+    target_reached: bool = False  # session: the train phase stopped at the target
     patch_bytes: dict[int, int] = field(default_factory=dict)  # version -> step patch bytes
     full_bytes: int = 0
     tensors: int = 0  # tensors in the published state
@@ -67,6 +68,13 @@ class Progress:
     def reward_last(self, window: int) -> float:
         versions = sorted(self.rewards)[-window:]
         return float(np.mean([np.mean(self.rewards[v]) for v in versions])) if versions else float("nan")
+
+    def reward_recent_batches(self, window: int) -> float:
+        """The target's measure: the mean scored reward of the last `window` learner batches (every
+        group that arrived for a step, whatever version drew it). It leads `reward_last`, which
+        groups the bucket's rewards by the version that drew them, by the groups still in flight."""
+        recent = self.scored_rewards[-window:]
+        return float(np.mean(recent)) if len(recent) >= window else float("nan")
 
     def version_search_rate(self, v: int) -> float | None:
         """Share of the samples drawn from `v` that called the tool at least once."""

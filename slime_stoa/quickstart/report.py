@@ -86,6 +86,9 @@ class ConsoleReport:
         rows = [
             (f"reward, first RL version (v{summary['first_version']})", f"{summary['reward_first']:.3f}"),
             (f"reward, last {summary['window']} versions", f"{summary['reward_last']:.3f}"),
+            (f"reward, last {summary['window']} learner batches (the target's measure)",
+             f"{summary.get('reward_recent_batches', float('nan')):.3f}"
+             + (" (target reached)" if summary.get("target_reached") else "")),
             *([(f"search rate, first RL version / last {summary['window']} versions",
                 f"{summary['search_rate_first']:.2f} / {summary['search_rate_last']:.2f}")]
               if summary.get("task", "search") == "search" else []),

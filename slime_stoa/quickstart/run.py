@@ -671,9 +671,9 @@ async def train(s: Session, fleet: Fleet, version: int) -> None:
             workers.start(0)
             restart_at = None
             report.note("restarted worker 0")
-        recent = progress.scored_rewards[-cfg.window:]
-        if len(recent) >= cfg.window and np.mean(recent) >= cfg.target:
-            report.note(f"target reward {cfg.target} reached")
+        if progress.reward_recent_batches(cfg.window) >= cfg.target:
+            progress.target_reached = True
+            report.note(f"target reward {cfg.target} reached (the last {cfg.window} batches' mean)")
             break
         stop.check()
 
@@ -1016,6 +1016,8 @@ def summarize(
         "first_version": progress.run_first_version,
         "reward_first": progress.reward_first(),
         "reward_last": progress.reward_last(cfg.window),
+        "reward_recent_batches": progress.reward_recent_batches(cfg.window),
+        "target_reached": progress.target_reached,
         "search_rate_first": progress.search_rate_first(),
         "search_rate_last": progress.search_rate_last(cfg.window),
         "eval_pass1_first": progress.eval_pass1.get(progress.run_first_version, float("nan")),
