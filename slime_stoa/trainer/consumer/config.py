@@ -171,7 +171,7 @@ class ConsumerConfig:
         None,
     )
     keep_dir: str | None = setting(
-        "The trainer's own folder for its copies of what it signed (`slime_stoa.trainer.kept`: run "
+        "The trainer's own folder for its copies of what it signed (`slime_stoa.protocol.kept`: run "
         "manifest, registry, consumer state and head), which it puts back when a bucket writer deletes or "
         "overwrites them. None: no copies (the trainer then cannot repair such a write).",
         None,

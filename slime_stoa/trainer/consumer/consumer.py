@@ -55,12 +55,12 @@ from typing import Any, TypeVar
 
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
 from slime_stoa.judging.signers import Signers
+from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.registry import Registry
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.validate import RecordRejected
-from slime_stoa.trainer.kept import TrainerCopies
 
 from .admission import UnpublishedVersion
 from .config import ConsumerConfig, ResolvedConfig

@@ -17,7 +17,7 @@ read back below the newest head is an old genuine state put back (`StateRollback
 With one bucket a worker's token can also overwrite or delete the state, its heads and the
 worker registry. A trainer given a folder of its own (`SavedState.copies`, from
 `ConsumerConfig.keep_dir`) keeps the signed bytes of each state it saved and of the newest
-registry it verified (`slime_stoa.trainer.kept`), and never stops on what a writer did:
+registry it verified (`slime_stoa.protocol.kept`), and never stops on what a writer did:
 
 - a save that meets garbage, a forgery or an older state of its own where its state should be
   writes over it, copies or not: the trainer holds the state it saves (a genuine state saved
@@ -37,6 +37,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.registry import Registry, RegistryError, load_registry
 from slime_stoa.protocol.run_trust import RunTrust, load_rotations
@@ -51,7 +52,6 @@ from slime_stoa.protocol.signing import (
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
 from slime_stoa.protocol.store.capped import TooLarge, read_capped
 from slime_stoa.protocol.strict_json import load_json
-from slime_stoa.trainer.kept import TrainerCopies
 
 from .heads import ConsumerHead, heads_prefix, read_head, write_head
 from .state import ConsumerState

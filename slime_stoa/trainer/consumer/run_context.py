@@ -8,7 +8,7 @@ can write, so a trainer given the key it expects (`ConsumerConfig.run_key`) refu
 naming another key or none.
 
 With `ConsumerConfig.keep_dir` the trainer keeps its own copy of the manifest it accepted
-(`slime_stoa.trainer.kept`): a manifest a bucket writer deleted or replaced (refused as another
+(`slime_stoa.protocol.kept`): a manifest a bucket writer deleted or replaced (refused as another
 key's, or not parsing) is put back from it, and the trainer starts all the same. Without that
 copy, a manifest gone or garbage raises `pause.Broken` naming the repair, and
 `RolloutConsumer.open` waits for it; one naming another run key than `run_key` is refused at once.
@@ -22,12 +22,12 @@ from pathlib import Path
 
 from slime_stoa.judging.run_data import load_decoding, read_task
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
+from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.tasks import Task
-from slime_stoa.trainer.kept import TrainerCopies
 
 from .config import ConsumerConfig, ResolvedConfig
 from .pause import Broken
