@@ -247,18 +247,28 @@ class RolloutConsumer:
             self.load_state_dict(state)
         return True
 
-    async def resume_from_bucket(self) -> bool:
-        """`load_from_bucket`, waiting for a state a bucket writer made unusable (garbage, a
-        forgery, an old copy put back) that the trainer keeps no copy of: paused, counted
-        `paused/consumer_state`, until it is repaired (`pause`). How `open` resumes."""
+    async def repaired_bucket_state(self) -> dict[str, Any] | None:
+        """`bucket_state`, waiting for a state a bucket writer made unusable (garbage, a forgery,
+        an old copy put back) that the trainer keeps no copy of (with `keep_dir` the copy is put
+        back and no wait is needed): paused, counted `paused/consumer_state`, and reported in one
+        line naming the repair, until it is repaired (`pause`). Never raises for what a writer did."""
 
-        async def load() -> bool:
+        async def read() -> dict[str, Any] | None:
             try:
-                return await self.load_from_bucket()
+                return await self.bucket_state()
             except (UntrustedState, UnusableState) as exc:
                 raise Broken(f"the consumer state {state_key(self.config.run)} is unusable", self._state_repair(), exc) from exc
 
-        return await until_repaired(load, self.config, on_try=lambda _exc: self._shared.count("paused/consumer_state"))
+        return await until_repaired(read, self.config, on_try=lambda _exc: self._shared.count("paused/consumer_state"))
+
+    async def resume_from_bucket(self) -> bool:
+        """Resume from `repaired_bucket_state` (waiting for a state a writer spoiled to be
+        repaired). True if the bucket had one. How `open` resumes."""
+        state = await self.repaired_bucket_state()
+        if state is None:
+            return False
+        self.load_state_dict(state)
+        return True
 
     def _state_repair(self) -> str:
         key = state_key(self.config.run)

@@ -97,7 +97,7 @@ from slime_stoa.trainer.consumer import (
     RolloutConsumer,
     sample_fields,
 )
-from slime_stoa.trainer.consumer.persistence import UntrustedState
+from slime_stoa.trainer.consumer.persistence import UntrustedState, UnusableState
 
 from .. import tracking
 from ..loop_thread import LoopThread
@@ -206,13 +206,19 @@ class _Session:
 
     async def _resume(self, checkpoint_state: Any, newest: bool) -> str:
         local = checkpoint_state if isinstance(checkpoint_state, dict) and checkpoint_state.get("run") == self.config.run else None
-        try:
-            bucket = await self.consumer.bucket_state()  # also remembers the ETag for the next save
-        except UntrustedState as exc:  # a forged bucket state: never resumed from; the checkpoint's is ours
-            if local is None:
-                raise
-            log.error("stoa: %s; resuming from the checkpoint's consumer state", exc)
-            bucket = None
+        # Reading the bucket's state also remembers its ETag for the next save. A state a bucket
+        # writer spoiled (garbage, a forgery, an old genuine copy put back) never stops the
+        # trainer: with the checkpoint's own state it is passed over (the next save writes over
+        # it); without one the trainer's copy is put back (keep_dir), or the consumer pauses
+        # until it is repaired.
+        if local is None:
+            bucket = await self.consumer.repaired_bucket_state()
+        else:
+            try:
+                bucket = await self.consumer.bucket_state()
+            except (UntrustedState, UnusableState) as exc:
+                log.error("stoa: %s; resuming from the checkpoint's consumer state", exc)
+                bucket = None
         if local is not None and (not newest or _progress(local) >= _progress(bucket)):
             self.consumer.load_state_dict(local)
             return "checkpoint"
