@@ -12,16 +12,44 @@ import sys
 import threading
 from collections.abc import Callable
 
-from slime_stoa.protocol.cli_fields import add_field_options, field_values
+from slime_stoa.protocol.cli_fields import Flag, add_field_options, field_values, setting
 from slime_stoa.protocol.store import StoreConfigError, StoreError
 
 from . import config as cfg
 from .cmdline import add_config_option, config_path
 
 
+def _pid(text: str) -> int:
+    pid = int(text)
+    if pid < 1:
+        raise argparse.ArgumentTypeError(f"not a process id: {text}")
+    return pid
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunInputs:
+    """The options of `macd run` that are not config fields: how this one run of the daemon
+    starts and stops (the config file holds what every run shares)."""
+
+    max_cohorts: int | None = setting("stop after this many cohorts", None, run=True)
+    seed: int | None = setting("prompt choice and sampling seed", None, run=True)
+    parent_pid: int | None = setting(
+        "stop cleanly (flush uploads, final heartbeat) as soon as process PID is gone, e.g. the "
+        "program that started this worker (checked every second)",
+        None,
+        run=Flag(type=_pid, metavar="PID"),
+    )
+    lock_wait: float = setting(
+        "if another macd still holds this worker's spool, wait up to this long for it to stop; "
+        "0 fails at once, naming its pid",
+        0.0,
+        run=Flag(metavar="SECONDS"),
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """`macd run`: its own options, then the `DaemonConfig` fields with `run=` help (default None:
-    the config file's value)."""
+    """`macd run`: `--config`, the `RunInputs` (with their defaults), then the `DaemonConfig`
+    fields with `run=` help (default None: the config file's value)."""
     run = sub.add_parser(
         "run",
         help="run the worker in the foreground (SIGTERM or Ctrl-C: stop, flush uploads, exit 0)",
@@ -31,33 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     add_config_option(run)
-    run.add_argument("--max-cohorts", type=int, default=None, help="stop after this many cohorts")
-    run.add_argument("--seed", type=int, default=None, help="prompt choice and sampling seed")
-    run.add_argument(
-        "--parent-pid",
-        type=_pid,
-        default=None,
-        metavar="PID",
-        help="stop cleanly (flush uploads, final heartbeat) as soon as process PID is gone, "
-        "e.g. the program that started this worker (checked every second)",
-    )
-    run.add_argument(
-        "--lock-wait",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="if another macd still holds this worker's spool, wait up to this long for it to stop "
-        "(default 0: fail at once, naming its pid)",
-    )
+    add_field_options(run, RunInputs, "run")
     add_field_options(run, cfg.DaemonConfig, "run", with_defaults=False)
     run.set_defaults(handler=handle)
-
-
-def _pid(text: str) -> int:
-    pid = int(text)
-    if pid < 1:
-        raise argparse.ArgumentTypeError(f"not a process id: {text}")
-    return pid
 
 
 STOP_GRACE_S = 50.0  # after a stop signal, exit within this long whatever is still running
@@ -102,7 +106,7 @@ async def watch_parent(
             pass
 
 
-async def run_daemon(args: argparse.Namespace, config) -> int:
+async def run_daemon(inputs: RunInputs, config) -> int:
     from .worker import Worker, WorkerOptions
 
     stop = asyncio.Event()
@@ -119,10 +123,10 @@ async def run_daemon(args: argparse.Namespace, config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     watcher = None
-    if args.parent_pid is not None:
-        watcher = asyncio.create_task(watch_parent(args.parent_pid, stop, on_signal))
+    if inputs.parent_pid is not None:
+        watcher = asyncio.create_task(watch_parent(inputs.parent_pid, stop, on_signal))
     options = WorkerOptions(
-        max_cohorts=args.max_cohorts, seed=args.seed, flush_timeout_s=30.0, lock_wait_s=max(args.lock_wait, 0.0)
+        max_cohorts=inputs.max_cohorts, seed=inputs.seed, flush_timeout_s=30.0, lock_wait_s=max(inputs.lock_wait, 0.0)
     )
     tracker = None
     try:
@@ -166,7 +170,7 @@ def handle(args: argparse.Namespace) -> int:
     from .fatal import Fatal
 
     try:
-        return asyncio.run(run_daemon(args, config))
+        return asyncio.run(run_daemon(RunInputs(**field_values(args, RunInputs, "run")), config))
     except (StoreConfigError, TrackingUnavailable, Fatal) as exc:
         logging.getLogger("macd").error("%s", exc)
         return 2  # launchd restarts a failed daemon; a config error or a permanent one needs a person: say so

@@ -13,6 +13,7 @@ import pytest
 from macd.cli import build_parser
 from macd.config import DaemonConfig
 from macd.join_cmd import KEPT_ON_REJOIN, JoinInputs
+from macd.run_cmd import RunInputs
 from slime_stoa.protocol.cli_fields import Flag, add_field_options, field_values, flag_of, help_of, option_name, setting
 from slime_stoa.quickstart.config import TASKS, QuickstartConfig
 
@@ -36,7 +37,15 @@ JOIN_OPTIONS = {
     "no_check": ["--no-check"],
     "config": ["--config"],
 }
-RUN_OWN_OPTIONS = {"max_cohorts", "seed", "parent_pid", "lock_wait", "config"}
+#: Every option of `macd run` as users type it (the launchd agent and the quickstart pass them).
+RUN_OPTIONS = {
+    "config": ["--config"],
+    "max_cohorts": ["--max-cohorts"],
+    "seed": ["--seed"],
+    "parent_pid": ["--parent-pid"],
+    "lock_wait": ["--lock-wait"],
+    "wandb_project": ["--wandb-project"],
+}
 
 
 def command(name: str) -> argparse.ArgumentParser:
@@ -85,11 +94,36 @@ def test_join_flags_take_the_fields_types_and_default_to_not_given() -> None:
         join.parse_args(["file:///b", "--run", "r", "--batch", "many"])
 
 
-def test_run_overrides_the_config_fields_it_names() -> None:
+def test_every_run_flag_is_a_field_and_every_run_field_a_flag() -> None:
+    """No option of `macd run` is declared by hand: each is a `RunInputs` field or a `DaemonConfig`
+    field with `run=`, and every `RunInputs` field is one (`--config` is every command's)."""
     run = options(command("run"))
-    assert set(run) - RUN_OWN_OPTIONS == names(DaemonConfig, "run") == {"wandb_project"}
-    assert run["wandb_project"].option_strings == ["--wandb-project"]
-    assert run["wandb_project"].default is None and run["wandb_project"].metavar == "NAME"
+    own = {f.name for f in dataclasses.fields(RunInputs)}
+    assert names(RunInputs, "run") == own
+    assert set(run) == own | names(DaemonConfig, "run") | {"config"}
+    assert names(DaemonConfig, "run") == {"wandb_project"}
+    assert {name: run[name].option_strings for name in run} == RUN_OPTIONS
+    for cls in (RunInputs, DaemonConfig):
+        for name in names(cls, "run"):
+            flag = flag_of(cls.__dataclass_fields__[name], "run")
+            assert flag is not None and run[name].help.startswith(flag.help)
+
+
+def test_run_flags_take_the_fields_types_and_defaults() -> None:
+    run = command("run")
+    got = run.parse_args([])
+    assert field_values(got, RunInputs, "run") == dataclasses.asdict(RunInputs())
+    assert (got.max_cohorts, got.seed, got.parent_pid, got.lock_wait, got.wandb_project) == (None, None, None, 0.0, None)
+    got = run.parse_args(["--max-cohorts", "2", "--seed", "3", "--parent-pid", "17", "--lock-wait", "1.5",
+                          "--wandb-project", "p"])
+    assert RunInputs(**field_values(got, RunInputs, "run")) == RunInputs(max_cohorts=2, seed=3, parent_pid=17, lock_wait=1.5)
+    assert got.wandb_project == "p"
+    assert options(run)["parent_pid"].metavar == "PID" and options(run)["lock_wait"].metavar == "SECONDS"
+    assert options(run)["wandb_project"].default is None and options(run)["wandb_project"].metavar == "NAME"
+    assert options(run)["lock_wait"].help.endswith("naming its pid (default: 0.0)")
+    for bad in (["--parent-pid", "0"], ["--seed", "x"], ["--lock-wait", "soon"]):
+        with pytest.raises(SystemExit):
+            run.parse_args(bad)
 
 
 # -- the helper ---------------------------------------------------------------------------------
@@ -173,6 +207,26 @@ def test_a_setting_is_documented_once_and_an_option_where_its_metadata_says() ->
 
     with pytest.raises(TypeError, match="help text or a Flag"):
         add_field_options(argparse.ArgumentParser(), Undocumented, "cmd")
+
+    @dataclasses.dataclass
+    class BareFlag:
+        x: int = dataclasses.field(default=0, metadata={"cmd": Flag(metavar="N")})  # nor does a Flag without help
+
+    with pytest.raises(TypeError, match="help text or a Flag"):
+        add_field_options(argparse.ArgumentParser(), BareFlag, "cmd")
+
+
+def test_a_flag_without_help_takes_the_fields_own() -> None:
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Conf:
+        wait: float = setting("how long to wait", 0.0, cmd=Flag(metavar="SECONDS"))
+        pid: int | None = setting("whose end to watch", None, cmd=Flag(metavar="PID", help="the option's words"))
+
+    parser = argparse.ArgumentParser()
+    add_field_options(parser, Conf, "cmd")
+    helps = {a.dest: (a.help, a.metavar) for a in parser._actions}
+    assert helps["wait"] == ("how long to wait (default: 0.0)", "SECONDS")
+    assert helps["pid"] == ("the option's words", "PID")
 
 
 def test_quickstart_options_come_from_the_same_helper() -> None:

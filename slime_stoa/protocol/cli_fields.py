@@ -5,8 +5,8 @@ beside what other readers of the field need (a command's `Flag`, a settings read
 
 A field is an option of a command when its metadata holds, under the command's key, the
 option's help text, True (the field's own help) or a `Flag` (the help plus what the field alone
-does not say); under the key `HELP` (the default) every documented field is an option, with its
-help. From the field come:
+does not say; a `Flag` without help takes the field's own); under the key `HELP` (the default)
+every documented field is an option, with its help. From the field come:
 
 - the option: `--max-versions` for `max_versions` (`Flag.option` overrides the name,
   `Flag.aliases` adds short forms such as `-n`), or a positional argument (`Flag.positional`);
@@ -35,7 +35,7 @@ HELP = "help"
 class Flag:
     """How a field shows on one command's line, beyond its name, type and default."""
 
-    help: str
+    help: str = ""  # the option's help; empty: the field's own (`setting`'s help)
     option: str | None = None  # the option string when it is not `--<field-name>`
     aliases: tuple[str, ...] = ()  # further option strings, e.g. ("-n",)
     metavar: str | None = None
@@ -62,17 +62,20 @@ def option_name(name: str) -> str:
 
 
 def flag_of(f: dataclasses.Field[Any], key: str) -> Flag | None:
-    """The `Flag` of field `f` for the command `key` (plain help text becomes one, True one with
-    the field's own help), or None."""
+    """The `Flag` of field `f` for the command `key` (plain help text becomes one, True or a
+    `Flag` without help one with the field's own help), or None."""
     spec = f.metadata.get(key)
-    if spec is None or isinstance(spec, Flag):
+    if spec is None or (isinstance(spec, Flag) and spec.help):
         return spec
     if spec is True and help_of(f):
         return Flag(help=help_of(f))
+    if isinstance(spec, Flag) and help_of(f):
+        return dataclasses.replace(spec, help=help_of(f))
     if isinstance(spec, str):
         return Flag(help=spec)
     raise TypeError(
-        f"field {f.name}: metadata[{key!r}] must be help text or a Flag (or True: the field's own help), got {spec!r}"
+        f"field {f.name}: metadata[{key!r}] must be help text or a Flag (or True, or a Flag without help: "
+        f"the field's own help, which it lacks), got {spec!r}"
     )
 
 
