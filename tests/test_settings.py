@@ -12,12 +12,10 @@ import pytest
 from slime_stoa.protocol.pulse.publisher import PublisherConfig
 from slime_stoa.trainer.consumer.config import ConsumerConfig
 from slime_stoa.trainer.loss_config import DPPOConfig
-from slime_stoa.trainer.slime import loss, settings, settings_table
+from slime_stoa.trainer.slime import loss, settings
 from slime_stoa.trainer.slime.settings import StoaSettings, settings_from_args
 from slime_stoa.trainer.slime.settings_parsers import parser_for
 from slime_stoa.trainer.slime.settings_walk import Section, read
-
-REPO = Path(__file__).resolve().parent.parent
 
 # Every key users set: renaming one would silently ignore it in existing YAML files.
 KEYS = {
@@ -153,13 +151,6 @@ def test_parsed_once_while_the_settings_stay_the_same() -> None:
     assert loss.config_from_args(args) is dppo  # not parsed again for every micro-batch
     args.dppo_delta_low = 0.1
     assert loss.config_from_args(args).delta_low == 0.1
-
-
-def test_the_docs_table_is_the_rendered_one() -> None:
-    doc = (REPO / "docs" / "slime.md").read_text(encoding="utf-8")
-    assert settings_table.doc_with_table(doc) == doc, (
-        "docs/slime.md's settings table is out of date: python -m slime_stoa.trainer.slime.settings_table docs/slime.md"
-    )
 
 
 def test_the_plugins_own_fields_carry_their_help_and_the_table_shows_it() -> None:
