@@ -51,6 +51,7 @@ from slime_stoa.protocol.pulse.quant import (
     plane_names,
 )
 from slime_stoa.protocol.pulse.quant import quantize as numpy_quantize
+from slime_stoa.protocol.pulse.step_diff import SparseStep
 
 __all__ = [
     "DEFAULT_DEVICE_BUDGET_BYTES", "DeviceDeltaConfig", "PreviousState", "Transfer", "apply_delta", "bf16_view",
@@ -357,6 +358,34 @@ class PreviousState:
             kept = self._kept[name].reshape(-1)
             kept[found.to(kept.device).long()] = values.to(kept.device)
         self._pending = None
+
+    def sparse_step(self, delta: Delta) -> SparseStep:
+        """The version `diff` (or `begin` ... `end`) last gave as a `step_diff.SparseStep` for a
+        publisher that keeps no copy of the state (`ChainPublisher.publish_delta`): `delta` (what
+        the diff returned), the previous bits at its indices (read here, beside the previous
+        version), and each tensor of the new version on request, one at a time: the previous
+        version's tensor with its changes applied on its device, then copied to the host. Valid
+        until the next `diff`/`begin` (after `commit` too: the kept copy then is that version)."""
+        if self._pending is None:
+            raise RuntimeError("sparse_step() without a diff() since the last reset or commit")
+        pending = dict(self._pending)
+        if delta.keys() != pending.keys():
+            raise ValueError("the delta is not the pending diff's")
+        old: dict[str, np.ndarray] = {}
+        for name, (found, _) in pending.items():
+            kept = self._kept[name].reshape(-1)
+            old[name] = _to_host(kept[found.to(kept.device).long()], self.transfer).view(np.uint16)
+        return SparseStep(delta, old, lambda name: self._new_bits(name, pending))
+
+    def _new_bits(self, name: str, pending: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
+        """Tensor `name` of the previous version with `pending`'s changes, on the host."""
+        if name not in self._kept:
+            raise KeyError(name)
+        bits = self._kept[name].clone()
+        if name in pending:
+            found, values = pending[name]
+            bits.reshape(-1)[found.to(bits.device).long()] = values.to(bits.device)
+        return _to_host(bits, self.transfer).view(np.uint16)
 
     def plane_delta(
         self, state: Mapping[str, torch.Tensor], changed: Iterable[str], plane: QuantPlane, model_type: str | None = None

@@ -50,7 +50,7 @@ from .publish_config import PublisherConfig
 from .publish_types import PublishConflict, PublishError, PublishResult, UntrustedState
 from .restore import log_restore, next_origin, version_ref
 from .retention import retain
-from .step_diff import DiffStep, diff_step
+from .step_diff import DiffStep, SparseStep, StaleBase, TensorsOnDemand, diff_step, sparse_digest
 from .subscriber import Subscriber, WeightsRefused
 from .unsure import UnsureCommit, settled_result
 from .version_patches import VersionPatches, encode_patches
@@ -86,6 +86,7 @@ class ChainPublisher:
         self._opened = False
         self._resumed = False  # the next publish is the first since `open` found a pointer
         self._unsure: UnsureCommit | None = None
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # set once the baseline is released
 
     @property
     def version(self) -> int | None:
@@ -160,7 +161,7 @@ class ChainPublisher:
             at = head.version if head is not None else pointer.version
             raise UntrustedState(f"refusing to resume run {self.layout.run!r} from v{at}: {exc}") from None
         assert sub.state is not None
-        self._baseline, self._digest = sub.state, sub.digest
+        self._baseline, self._digest, self._shapes = sub.state, sub.digest, None
         return manifest
 
     # -- publish ------------------------------------------------------------------------------
@@ -198,6 +199,85 @@ class ChainPublisher:
         except StoreError as exc:
             raise PublishError(f"publishing v{self.version + 1} failed, the pointer did not move: {exc}") from exc
 
+    # -- publish by delta, holding no state ------------------------------------------------------
+    def release_baseline(self) -> dict[str, np.ndarray]:
+        """Hand over the published state (for the weights' holder to keep its own copy, e.g.
+        `device_delta.PreviousState.reset_from_host`) and stop keeping it: from now on the
+        next versions come by `publish_delta`, and the publisher keeps only the digest, the
+        tensors' shapes and the catch-up union. `open` or a full `publish` of a new chain holds a
+        state again. RuntimeError before the first version is committed or opened."""
+        if self.head is None or self._digest is None:
+            raise RuntimeError("release_baseline() needs a committed version (publish or open first)")
+        if self._shapes is not None:
+            raise RuntimeError("the baseline is released already")
+        released, self._baseline = self._baseline, {}
+        self._shapes = {name: tuple(bits.shape) for name, bits in released.items()}
+        return released
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether the published state is kept here (False after `release_baseline`)."""
+        return self._shapes is None
+
+    async def publish_delta(self, step: SparseStep, *, base: str, source: Ref | None = None) -> PublishResult:
+        """Publish the version `step` takes the published state (whose digest root is `base`) to,
+        as the next version (a plane's as `source.version`), holding no copy of the state
+        (`release_baseline` first): the step patch from `step.delta` and `step.old`, the digest
+        from the changed tensors read one at a time, and when an anchor is due every tensor read
+        one at a time (`step_diff.SparseStep`). The bytes published are `publish`'s for the
+        same new state. StaleBase when `base` is not the committed state (a pointer write without
+        an answer turned out to have landed, or the caller's copy is behind): diff against
+        `state_digest` and publish again."""
+        if self._shapes is None:
+            raise RuntimeError("publish_delta() needs release_baseline() first")
+        if (source is None) != (self.layout.plane is None):
+            raise ValueError("a plane's version (and only one) is published with its bf16 source version")
+        unknown = sorted(set(step.delta) - set(self._shapes))
+        if unknown or step.delta.keys() != step.old.keys():
+            raise ValueError(f"the step's tensors are not the state's (unknown {unknown[:3]}) or lack their old bits")
+        assert self.version is not None and self._digest is not None
+        try:
+            if self._unsure is not None and (landed := await self._settle_unsure_sparse(step, base)) is not None:
+                return landed
+            if base != self._digest.root():
+                raise StaleBase(
+                    f"the step goes from state {base[:12]}, the committed v{self.version} is {self._digest.root()[:12]}"
+                )
+            if source is not None and source.version != self.version + 1:
+                raise ValueError(
+                    f"plane {self.layout.plane} is at v{self.version}: by delta it publishes v{self.version + 1} only"
+                )
+            await self.committer.put_back_window(self.version, self.config.retain_versions)
+            start = time.perf_counter()
+            digest = await asyncio.to_thread(sparse_digest, self._digest, step, threads=self.config.threads)
+            full = TensorsOnDemand(self._shapes, step.tensor)
+            return await self._publish_step(step.delta, digest, source, start=start, full=full, base=None, old=step.old)
+        except PreconditionFailed as exc:
+            raise PublishConflict(
+                f"another publisher wrote v{self.version + 1} of run {self.layout.run!r} first ({exc}); "
+                f"only one trainer may publish a run — stop the other one, or restart this one to resume from the bucket"
+            ) from None
+        except StoreError as exc:
+            raise PublishError(f"publishing v{self.version + 1} failed, the pointer did not move: {exc}") from exc
+
+    async def _settle_unsure_sparse(self, step: SparseStep, base: str) -> PublishResult | None:
+        """`_settle_unsure` by digest: a landed version is adopted; a step from the state before
+        it is that version retried (its result) when it reaches the same digest, else stale."""
+        assert self._unsure is not None and self._digest is not None
+        unsure, before = self._unsure, self._digest
+        etag = await self.committer.landed(unsure.manifest)
+        self._unsure = None
+        if etag is None:
+            return None
+        log.warning("the pointer write of v%d landed although its answer was lost", unsure.manifest.version)
+        self.committer.etag, self.head = etag, unsure.manifest
+        unsure.advance()
+        if base == before.root():
+            reached = await asyncio.to_thread(sparse_digest, before, step, threads=self.config.threads)
+            if reached.root() == unsure.manifest.state_digest:
+                return settled_result(unsure)
+        return None  # a step from the landed state publishes as usual; any other is stale
+
     async def _publish_first(self, state: dict[str, np.ndarray], source: Ref | None = None) -> PublishResult:
         """The run's first version (a plane's: at its `source` version, or a new chain past a
         gap, keeping its epoch), an anchor."""
@@ -218,7 +298,7 @@ class ChainPublisher:
         except PreconditionFailed as exc:
             raise PublishConflict(f"run {self.layout.run!r} already has published weights ({exc})") from None
         self.head = manifest
-        self._baseline = {name: bits.copy() for name, bits in state.items()}
+        self._baseline, self._shapes = {name: bits.copy() for name, bits in state.items()}, None
         self._digest, self._union, self._catchup_bytes, self._force_anchor = digest, {}, 0, False
         self._resumed = False
         return PublishResult(v, True, 0, manifest.elements, 0, 0, anchor_bytes, time.perf_counter() - start)
@@ -226,18 +306,32 @@ class ChainPublisher:
     async def _publish_next(self, state: dict[str, np.ndarray], source: Ref | None = None) -> PublishResult:
         """The version after the head: its patches, an anchor when due, the commit."""
         start = time.perf_counter()
+        assert self._digest is not None
+        step = await asyncio.to_thread(
+            self.diff_step, self._baseline, self._digest, state, threads=self.config.threads
+        )
+        return await self._publish_step(
+            step.delta, step.digest, source, start=start, full=state, base=self._baseline, old=None
+        )
+
+    async def _publish_step(
+        self, delta: Delta, new_digest: StateDigest, source: Ref | None, *, start: float,
+        full: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None, old: Mapping[str, np.ndarray] | None,
+    ) -> PublishResult:
+        """The version after the head given its `delta` and digest: its patches (coded against
+        `base`, or `old`: the base's bits at the delta's indices), an anchor of `full` when due,
+        the commit."""
         assert self.head is not None and self._digest is not None
         cfg, prev = self.config, self.head
         v, attempt = prev.version + 1, new_attempt()
-        step = await asyncio.to_thread(self.diff_step, self._baseline, self._digest, state, threads=cfg.threads)
-        digest = step.digest.root()
+        digest = new_digest.root()
         origin = await next_origin(
             self.store, self.layout, prev, digest, first_since_open=self._resumed, trust=self.trust
         )
         written = await encode_patches(
             self.layout, cfg, version=v, attempt=attempt, anchor=prev.anchor.version,
-            since_anchor_bytes=prev.since_anchor_bytes, delta=step.delta, state=state, base=self._baseline,
-            base_digest=self._digest.root(), union=self._union, catchup_bytes=self._catchup_bytes,
+            since_anchor_bytes=prev.since_anchor_bytes, delta=delta, state=full, base=base, old=old,
+            shapes=self._shapes, base_digest=self._digest.root(), union=self._union, catchup_bytes=self._catchup_bytes,
         )
         since = written.since_anchor_bytes
         anchored = anchor_due(
@@ -247,7 +341,7 @@ class ChainPublisher:
         await self._upload(written.uploads)
         anchor_ref, anchor_bytes, new_anchor_bytes = prev.anchor, prev.anchor_bytes, 0
         if anchored:
-            key, new_anchor_bytes = await self._write_anchor(v, attempt, state, digest)
+            key, new_anchor_bytes = await self._write_anchor(v, attempt, full, digest)
             anchor_ref, anchor_bytes = Ref(version=v, manifest=key, state_digest=digest), new_anchor_bytes
         manifest = VersionManifest(
             run=self.layout.run, version=v, attempt=attempt, state_digest=digest, parent=version_ref(self.layout, prev),
@@ -255,7 +349,7 @@ class ChainPublisher:
             patches=written.patches, elements=prev.elements, created_at=time.time(), lineage=origin,
             plane=self.layout.plane, source=source,
         )
-        await self._commit_next(manifest, step.delta, step.digest, written, anchored=anchored, start=start)
+        await self._commit_next(manifest, delta, new_digest, written, anchored=anchored, start=start)
         log_restore(v, origin)
         if anchored and cfg.retain_anchors != 0:
             await retain(
@@ -275,9 +369,11 @@ class ChainPublisher:
         answer is kept to settle (`_settle_unsure`) and raised."""
 
         def advance() -> None:  # what a commit changes: run now, or once a lost answer is settled
-            # Committed: only now does the baseline advance (in place, proportional to the patch).
-            for name, (indices, values) in delta.items():
-                self._baseline[name].reshape(-1)[indices] = values
+            # Committed: only now does the baseline advance (in place, proportional to the patch);
+            # a publisher that released it (`release_baseline`) keeps only the digest.
+            if self._shapes is None:
+                for name, (indices, values) in delta.items():
+                    self._baseline[name].reshape(-1)[indices] = values
             self._digest = digest
             self._union = {} if anchored else written.union
             self._catchup_bytes = 0 if anchored else written.catchup_bytes

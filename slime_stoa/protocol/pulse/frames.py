@@ -97,13 +97,13 @@ class _Piece:
     shape: tuple[int, ...]
     indices: np.ndarray
     values: np.ndarray  # new bits
-    base: np.ndarray | None  # flat base bits, for "rel" mode
+    old: np.ndarray | None  # the base's bits at `indices`, for "rel" mode
 
 
 def _pieces(
-    delta: Delta, shapes: Mapping[str, tuple[int, ...]], base: State | None
+    delta: Delta, shapes: Mapping[str, tuple[int, ...]], base: State | None, old: State | None = None
 ) -> list[_Piece]:
-    """Validate the delta against the shapes (and base) and list its non-empty entries."""
+    """Validate the delta against the shapes (and base, or old bits) and list its non-empty entries."""
     pieces = []
     for name in sorted(delta):
         indices, values = delta[name]
@@ -111,16 +111,22 @@ def _pieces(
             raise ValueError(f"tensor {name!r}: no shape given")
         shape = tuple(int(d) for d in shapes[name])
         check_entry(name, indices, values, math.prod(shape))
-        flat_base = None
+        before = None
         if base is not None:
             if name not in base:
                 raise ValueError(f"tensor {name!r}: missing from the base state")
             base_bits = check_bits(name, base[name])
             if base_bits.shape != shape:
                 raise ValueError(f"tensor {name!r}: base shape {base_bits.shape} != {shape}")
-            flat_base = base_bits.reshape(-1)
+            before = base_bits.reshape(-1)[indices]
+        elif old is not None:
+            if name not in old:
+                raise ValueError(f"tensor {name!r}: no old bits given")
+            before = check_bits(name, old[name])
+            if before.shape != values.shape:
+                raise ValueError(f"tensor {name!r}: {before.size} old bits for {values.size} changed elements")
         if indices.size:
-            pieces.append(_Piece(name, shape, indices, values, flat_base))
+            pieces.append(_Piece(name, shape, indices, values, before))
     return pieces
 
 
@@ -142,8 +148,8 @@ def _plan_frames(pieces: list[_Piece], frame_bytes: int, threads: int | None = 1
             step = max(1, count * frame_bytes // size)
             for start in range(0, count, step):
                 part = slice(start, start + step)
-                frames.append([_Piece(piece.name, piece.shape, piece.indices[part],
-                                      piece.values[part], piece.base)])
+                old = piece.old[part] if piece.old is not None else None
+                frames.append([_Piece(piece.name, piece.shape, piece.indices[part], piece.values[part], old)])
             continue
         if current and used + size > frame_bytes:
             frames.append(current)
@@ -161,8 +167,8 @@ def _build_frame(pieces: list[_Piece], mode: Mode, level: int) -> tuple[bytes, l
     for piece in pieces:
         values = piece.values
         if mode == "rel":
-            assert piece.base is not None  # rel pieces are built with their base
-            values = rel_codes(piece.base[piece.indices], values)
+            assert piece.old is not None  # rel pieces are built with their base's bits
+            values = rel_codes(piece.old, values)
         width, high, parts = encode_entry(piece.indices, values)
         entries.append(EntryInfo(piece.name, piece.shape, piece.indices.size, width, high))
         sections.append(parts)
@@ -177,6 +183,7 @@ def encode_delta(
     shapes: Mapping[str, tuple[int, ...]],
     *,
     base: State | None = None,
+    old: State | None = None,
     mode: Mode = "abs",
     frame_bytes: int = 16 << 20,
     level: int = 1,
@@ -185,16 +192,18 @@ def encode_delta(
     """Encode an already computed delta (e.g. a merged catch-up delta) as (index, body).
 
     `shapes` gives each delta tensor's shape (`shapes_of(new_state)` will do). "rel" mode needs
-    the exact `base` state the patch will be applied to. `threads` bounds the worker pool
-    (None: `parallel.thread_count`; 1: all work on the calling thread).
+    the exact `base` state the patch will be applied to, or `old`: each delta tensor's base bits
+    at its changed indices alone (what a publisher holding no full base has); the bytes are the
+    same. `threads` bounds the worker pool (None: `parallel.thread_count`; 1: all work on the
+    calling thread).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "rel" and base is None:
-        raise ValueError("mode 'rel' needs the base state")
+    if mode == "rel" and base is None and old is None:
+        raise ValueError("mode 'rel' needs the base state or the old bits")
     if frame_bytes < 1:
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
-    plan = _plan_frames(_pieces(delta, shapes, base), frame_bytes, threads)
+    plan = _plan_frames(_pieces(delta, shapes, base, old), frame_bytes, threads)
     built = ordered_map(partial(_build_frame, mode=mode, level=level), plan, threads)
     frames, offset = [], 0
     for blob, entries, streams in built:

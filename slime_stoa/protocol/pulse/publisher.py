@@ -41,10 +41,11 @@ from .publish_config import PublisherConfig
 from .publish_types import PublishConflict, PublishError, PublishResult, UntrustedState
 from .restore import version_ref
 from .retention import retention_floor
-from .step_diff import DiffStep, diff_step
+from .step_diff import DiffStep, SparseStep, StaleBase, diff_step
 
 __all__ = [
-    "PublishConflict", "PublishError", "PublishResult", "Publisher", "PublisherConfig", "UntrustedState",
+    "PublishConflict", "PublishError", "PublishResult", "Publisher", "PublisherConfig", "SparseStep", "StaleBase",
+    "UntrustedState",
     "patch_delta", "publisher_trust", "retention_floor",
 ]
 
@@ -112,6 +113,24 @@ class Publisher:
             await self._complete_planes(self.weights.baseline)  # planes left behind the published version
         result = await self.weights.publish_checked(checked, source)
         return replace(result, planes=await self._complete_planes(checked)) if self.planes else result
+
+    def release_baseline(self) -> dict[str, np.ndarray]:
+        """Hand over the published bf16 state and keep none (`ChainPublisher.release_baseline`):
+        the next versions come by `publish_delta`. ValueError with quantized planes: a plane
+        brought to a version it missed is quantized from the full bf16 state, which this
+        publisher would no longer hold."""
+        if self.planes:
+            raise ValueError(
+                f"publishing by delta keeps no bf16 state to quantize planes {sorted(self.planes)} from; "
+                "publish full states (publish) for a run with quantized planes"
+            )
+        return self.weights.release_baseline()
+
+    async def publish_delta(self, step: SparseStep, *, base: str) -> PublishResult:
+        """Publish the next bf16 version by its change from the committed state (digest root
+        `base`), holding no copy of the state (`ChainPublisher.publish_delta`); the bytes are
+        `publish`'s for the same state."""
+        return await self.weights.publish_delta(step, base=base)
 
     async def _complete_planes(self, state: Mapping[str, np.ndarray]) -> tuple[QuantPlane, ...]:
         """Bring the planes to the committed bf16 version, whose state is `state`."""

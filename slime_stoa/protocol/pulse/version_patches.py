@@ -45,16 +45,20 @@ class VersionPatches:
 
 async def encode_patches(
     layout: RunLayout, config: PublisherConfig, *, version: int, attempt: str, anchor: int, since_anchor_bytes: int,
-    delta: Delta, state: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray], base_digest: str,
-    union: Delta, catchup_bytes: int,
+    delta: Delta, state: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None, base_digest: str,
+    union: Delta, catchup_bytes: int, old: Mapping[str, np.ndarray] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> VersionPatches:
     """The patches of `version` (attempt `attempt`) whose `state` is `base` (digest
     `base_digest`, the version before) changed by `delta`. `anchor` is the last anchor, after
     which the step patches took `since_anchor_bytes` (this one not included), the catch-ups
-    `catchup_bytes` and the changes `union`."""
-    threads, shapes = config.threads, shapes_of(state)
+    `catchup_bytes` and the changes `union`. A publisher holding no full state passes `old` (the
+    base's bits at the delta's indices) for `base` and the tensors' `shapes` for `state`'s."""
+    threads = config.threads
+    shapes = shapes if shapes is not None else shapes_of(state)
     index, body = await asyncio.to_thread(
-        encode_delta, delta, shapes, base=base, mode=STEP_MODE, frame_bytes=config.frame_bytes, threads=threads,
+        encode_delta, delta, shapes, base=base, old=old, mode=STEP_MODE, frame_bytes=config.frame_bytes,
+        threads=threads,
     )
     step = PatchRef(
         kind="step", key=layout.patch(version, attempt, "step", version - 1), bytes=len(body), count=index.count,
