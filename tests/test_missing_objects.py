@@ -218,8 +218,8 @@ async def test_held_records_are_bounded_the_oldest_dropped(store: Store, store_u
 @pytest.mark.parametrize("planes", [(), ("int8", "int4")])
 async def test_a_records_plane_is_one_the_run_publishes(planes: tuple[str, ...], store: Store, store_url: str, tiny: Tiny) -> None:
     """The plane widens the logprob-gap limits, so the trainer takes it from the run manifest,
-    not from the record: a bf16-only run refuses an "int4" claim; an int8+int4 run admits
-    honest int8 records; a gap fed for a plane the run does not offer gets no allowance."""
+    not from the record: a bf16-only run refuses "int4" and "int8" claims; an int8+int4 run admits
+    them; a gap fed for a plane the run does not offer gets no allowance."""
     run = await setup_signed_run(store, tiny, workers=("mac-a",), planes=planes)
     base = now_ms() - 20_000
     for seq, plane in enumerate(("int4", "int8", "int8")):
@@ -227,9 +227,13 @@ async def test_a_records_plane_is_one_the_run_publishes(planes: tuple[str, ...],
         await put(store, signed(group, run.workers["mac-a"]), "mac-a", seq, base + seq)
     c = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key, wait_timeout_s=1.0)
     try:
-        got = await c.next_batch(3 if planes else 2, trainer_version=0)
-        assert sorted(g.group.plane for g in got.groups) == (["int4", "int8", "int8"] if planes else ["int8", "int8"])
-        assert rejected(c) == ({} if planes else {"rejected/plane": 1})
+        if planes:
+            got = await c.next_batch(3, trainer_version=0)
+            assert sorted(g.group.plane for g in got.groups) == ["int4", "int8", "int8"]
+        else:
+            with pytest.raises(ConsumerTimeout):
+                await c.next_batch(1, trainer_version=0)
+        assert rejected(c) == ({} if planes else {"rejected/plane": 3})
         allowed = c.config.quarantine.allowance("int4") if planes else 0.0
         gap = 0.05 + allowed  # over the bf16 limit unless int4's allowance counts
         assert c.observe_logprob_gap("mac-a", gap, 10_000, plane="int4") == [] or not planes

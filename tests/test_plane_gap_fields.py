@@ -41,7 +41,7 @@ def test_a_record_with_a_bad_or_missing_plane_is_refused() -> None:
 
 def test_a_record_on_a_plane_the_run_does_not_offer_is_refused() -> None:
     """The gap limits allow more for a quantized plane, so the plane a record claims is checked
-    against the run's: bf16 and the worker-side int8 always, int4 only when the run publishes it."""
+    against the run's: bf16 always, int8 and int4 only when the run serves (`plane`) or publishes them."""
     from slime_stoa.protocol.run_manifest import RunManifest
     from slime_stoa.protocol.validate import RecordRejected, validate_group
     from slime_stoa.trainer.consumer.config import limits_for_run
@@ -49,14 +49,13 @@ def test_a_record_on_a_plane_the_run_does_not_offer_is_refused() -> None:
     group = make_group(plane="int4")
     plain = RunManifest(run=group.run, model="m", task="gsm8k", group_size=len(group.samples))
     offered = RunManifest(run=group.run, model="m", task="gsm8k", group_size=len(group.samples), planes=("int4",))
-    assert limits_for_run(plain, vocab_size=1000).allowed_planes == {"bf16", "int8"}
-    assert limits_for_run(offered, vocab_size=1000).allowed_planes == {"bf16", "int8", "int4"}
+    assert limits_for_run(plain, vocab_size=1000).allowed_planes == {"bf16"}
+    assert limits_for_run(offered, vocab_size=1000).allowed_planes == {"bf16", "int4"}
     limits = limits_for_run(plain, vocab_size=1000)
     with pytest.raises(RecordRejected) as refused:
         validate_group(group, dataclasses.replace(limits, expected_sampling=None))
     assert refused.value.reason == "plane"
-    for plane in ("bf16", "int8"):
-        validate_group(make_group(plane=plane), dataclasses.replace(limits, expected_sampling=None))
+    validate_group(make_group(plane="bf16"), dataclasses.replace(limits, expected_sampling=None))
     validate_group(group, dataclasses.replace(limits_for_run(offered, vocab_size=1000), expected_sampling=None))
 
 

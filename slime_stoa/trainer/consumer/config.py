@@ -268,7 +268,12 @@ class ResolvedConfig(ConsumerConfig):
 def limits_for_run(manifest: RunManifest, *, vocab_size: int) -> RecordLimits:
     """The record limits a run's manifest implies: train records of exactly G samples, from this
     run, drawn with the manifest's sampling parameters, within its prompt and response lengths, on
-    bf16, the worker-side int8 plane, or a quantized plane the run publishes."""
+    a plane the run serves: bf16, the run's `plane`, or a quantized plane it publishes (`planes`).
+
+    A quantized plane widens every logprob-gap limit of the quarantine (`QuarantineConfig.allowance`),
+    so the plane a record may claim is bound to what the trainer's own run manifest says, never to
+    the record alone: int8 on a run that neither serves nor publishes it would let made-up logprobs
+    (0.9 nats per token) pass as quantization noise, so such a record is refused (`plane`)."""
     if not _is_int(vocab_size) or vocab_size < 1:
         raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
     return RecordLimits(
@@ -278,7 +283,7 @@ def limits_for_run(manifest: RunManifest, *, vocab_size: int) -> RecordLimits:
         max_prompt_tokens=manifest.max_prompt_tokens,
         max_response_tokens=manifest.max_tokens,
         allowed_kinds=frozenset({"train"}),
-        allowed_planes=frozenset({"bf16", "int8", *manifest.planes}),
+        allowed_planes=frozenset({"bf16", manifest.plane, *manifest.planes}),
         expected_run=manifest.run,
         expected_sampling=SamplingParams(
             temperature=manifest.temperature,
