@@ -2,21 +2,30 @@
 (`slime_stoa.tasks.search.bundle`: every file's size), never by downloading the index.
 
 A run whose task is a search task (`Search`) has its index at
-``runs/<run>/tasks/<task>/index/manifest.json``. What the plan counts of it is
-`memory_plan`'s rule (`COUNTED_FILES`: the BM25 postings and the vocabulary, not the passage
-texts). A compact index (`slime_stoa.tasks.search.compact`, its files named in the manifest) is
-counted as it is resident: its postings, block and term tables and per-passage norms whole (mapped,
-read by every query), plus one query's working memory (`QUERY_BYTES_PER_PASSAGE`: the scores of
-every passage and the decoded candidates); its vocabulary takes no heap (searched in the mapped
-file) and its zstd passage blocks are read per hit, not counted. The manifest is read capped (`MAX_MANIFEST_BYTES`) and checked like a worker checks it
+``runs/<run>/tasks/<task>/index/manifest.json``; the bucket only serves the compact format
+(`bundle.parse_manifest` refuses any other manifest). What the plan counts of it
+(`COUNTED_FILES`) is what stays resident: its postings, block and term tables and per-passage
+norms whole (mapped, read by every query); its vocabulary takes no heap (searched in the mapped
+term table) and its zstd passage blocks (`PASSAGE_FILES`) are read per hit, not counted. Plus the
+queries' working memory (`QUERY_BYTES_PER_PASSAGE`: the scores of every passage and the decoded
+candidates) once per query a worker process runs at once (`compact.QUERY_THREADS`, the bound
+of its query threads, `retriever.query_executor`), however many episodes wait on the tool.
+
+The plan is one worker's (`memory_plan`: each macd process plans its own memory against the
+Mac's). The mapped files are shared by every macd of the Mac (one verified copy in the shared
+folder, one copy in the page cache) yet each worker's plan counts them whole, since they must fit
+beside that worker's own memory; the query memory is each process's own, so each plan counts it
+for its own query threads.
+
+The manifest is read capped (`MAX_MANIFEST_BYTES`) and checked like a worker checks it
 (`bundle.parse_manifest`: the files of an index, sizes bounded and adding up); one that is
 missing, too large or malformed gives a plan line saying the size is unknown and why, and 0
 counted. The manifest is authenticated before it is parsed: the task data's header pins its
 sha256 (`index.manifest_sha256`, recorded by `prepare`), read from the task data's first bytes
 (`pinned_manifest_digest`: one ranged GET, its header line decompressed, never the items); a
 manifest whose bytes do not match, or a task data that pins none, is refused unparsed (the
-unknown plan, one line). When the machine's shared folder (`shared_dir`) already holds that index, verified
-(`bundle.verified_digest`), the line says where.
+unknown plan, one line). When the machine's shared folder (`shared_dir`) already holds that
+index, verified (`bundle.verified_digest`), the line says where.
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ from slime_stoa.protocol.store.capped import read_capped_bytes
 from slime_stoa.tasks import TASKS
 from slime_stoa.tasks.search import Search
 from slime_stoa.tasks.search.bundle import (
-    INDEX_FILES,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     IndexManifest,
@@ -45,17 +53,16 @@ from slime_stoa.tasks.search.bundle import (
     verified_digest,
 )
 from slime_stoa.tasks.search.compact import FILES as COMPACT_FILES
-from slime_stoa.tasks.search.passages import BLOCKS_FILE, OFFSETS_FILE, TEXT_FILE, ZST_FILE
+from slime_stoa.tasks.search.compact import QUERY_THREADS
+from slime_stoa.tasks.search.passages import BLOCKS_FILE, ZST_FILE
 
 GIB = 1 << 30
-#: The passage texts and their offsets (raw, or zstd blocks): mapped, but a query reads only its top hits.
-PASSAGE_FILES = frozenset({TEXT_FILE, OFFSETS_FILE, ZST_FILE, BLOCKS_FILE})
-#: The files the plan counts whole (`memory_plan`'s rule): the postings and the vocabulary.
-COUNTED_FILES = INDEX_FILES - PASSAGE_FILES
-#: A compact index's files counted whole: postings, block and term tables, norms, parameters.
-COMPACT_COUNTED_FILES = frozenset(COMPACT_FILES)
-#: One query's heap on a compact index, per passage: float32 scores of every passage when it
-#: scores them all, or at most a quarter of the passages decoded as candidates (16 bytes each).
+#: The zstd passage blocks and their table: mapped, but a query reads only its top hits.
+PASSAGE_FILES = frozenset({ZST_FILE, BLOCKS_FILE})
+#: The files counted whole: postings, block and term tables, norms, parameters.
+COUNTED_FILES = frozenset(COMPACT_FILES)
+#: One query's heap, per passage: float32 scores of every passage when it scores them all, or
+#: at most a quarter of the passages decoded as candidates (16 bytes each).
 QUERY_BYTES_PER_PASSAGE = 8
 #: The task data's first bytes read for its header line (the meta: a few KiB, a system prompt at most).
 TASK_HEADER_BYTES = 1 << 20
@@ -82,24 +89,18 @@ def index_key(manifest: RunManifest) -> str:
 
 
 def known_plan(where: str, index: IndexManifest, fetched: Path | None) -> IndexPlan:
-    """The plan of a checked index manifest: the counted files' bytes, the passages' named."""
+    """The plan of a checked index manifest (module doc): the counted files' bytes and the
+    queries' working memory; the passages' named."""
     sizes = {f.name: f.size for f in index.files}
+    mapped = sum(size for name, size in sizes.items() if name in COUNTED_FILES)
     passages = sum(size for name, size in sizes.items() if name in PASSAGE_FILES)
+    queries = QUERY_THREADS * QUERY_BYTES_PER_PASSAGE * index.passages
     local = f"on this Mac in {fetched}" if fetched is not None else "not fetched to this Mac yet"
-    if set(sizes) >= COMPACT_COUNTED_FILES:
-        mapped = sum(size for name, size in sizes.items() if name in COMPACT_COUNTED_FILES)
-        query = QUERY_BYTES_PER_PASSAGE * index.passages
-        return IndexPlan(
-            mapped + query,
-            f"search index: {where}, {index.passages:,} passages, compact: postings, term tables and norms "
-            f"{mapped / GIB:.2f} GiB and one query's memory {query / GIB:.2f} GiB counted, passage texts (zstd) "
-            f"{passages / GIB:.2f} GiB mapped but read per hit, not counted; {local}",
-        )
-    counted = sum(size for name, size in sizes.items() if name in COUNTED_FILES)
     return IndexPlan(
-        counted,
-        f"search index: {where}, {index.passages:,} passages: postings and vocabulary {counted / GIB:.2f} GiB "
-        f"counted, passage texts {passages / GIB:.2f} GiB mapped but read per hit, not counted; {local}",
+        mapped + queries,
+        f"search index: {where}, {index.passages:,} passages: postings, term tables and norms {mapped / GIB:.2f} GiB "
+        f"and the memory of {QUERY_THREADS} queries at once {queries / GIB:.2f} GiB counted, passage texts (zstd) "
+        f"{passages / GIB:.2f} GiB mapped but read per hit, not counted; {local}",
     )
 
 

@@ -32,11 +32,11 @@ Terms (bytes), as on the GPU:
   every position's) and of one decode step (float32, tempered), plus one chunk's widest
   intermediate.
 - the search index (`index_bytes`, `macd.index_plan` reads it from the index manifest in the
-  bucket): the BM25 postings (the ``data``, ``indices`` and ``indptr`` arrays, memory-mapped: a
-  query reads every posting of its terms, and a run's queries reach most of them) and the
-  vocabulary (read into memory when the index opens), each file counted whole, the upper bound
-  of what stays resident. The passage texts (``passages.txt`` and its offsets) are mapped too, but
-  a query reads only its top hits, pages macOS drops first: named, not counted.
+  bucket): the compact index's packed postings, block and term tables and norms (memory-mapped:
+  a query reads every posting of its terms, and a run's queries reach most of them), each file
+  counted whole, the upper bound of what stays resident, plus the working memory of the queries
+  this worker runs at once (a score per passage each). The zstd passage blocks are mapped too,
+  but a query reads only its top hits, pages macOS drops first: named, not counted.
 
 Usable memory: what MLX may wire on the GPU, macOS's recommended working set (about 2/3 of RAM
 below 64 GB, 3/4 from 64 GB); on the CPU the RAM itself; unless the caller passes the device's own

@@ -16,7 +16,7 @@ from macd import config as cfg
 from macd.cli import main as macd
 from macd.doctor import plan_rows
 from macd.index_plan import (
-    COMPACT_COUNTED_FILES,
+    COUNTED_FILES,
     MAX_MANIFEST_BYTES,
     QUERY_BYTES_PER_PASSAGE,
     IndexPlan,
@@ -41,16 +41,18 @@ from slime_stoa.tasks.search.bundle import (
     chunk_name,
     encode_manifest,
 )
+from slime_stoa.tasks.search.compact import QUERY_THREADS
 
 RUN = "r"
 #: A PubMed-like compact index as its manifest describes it: postings 6 GiB, norms 4 bytes a
-#: passage, the term table what brings the counted bytes (with one query's 8 bytes a passage and the
-#: 100 bytes of each other counted file) to 6.5 GiB; zstd passage texts 20 GiB (nothing of it
-#: exists but the manifest).
+#: passage, the term table what brings the counted bytes (with the 8 bytes a passage of each of
+#: the `QUERY_THREADS` queries a worker runs at once and the 100 bytes of each other counted file)
+#: to 6.5 GiB; zstd passage texts 20 GiB (nothing of it exists but the manifest).
 BIG_PASSAGES = 16_000_000
+BIG_QUERIES = QUERY_THREADS * QUERY_BYTES_PER_PASSAGE * BIG_PASSAGES
 BIG_SIZES = {
     "postings.bin": 6 * GIB, "norms.npy": 4 * BIG_PASSAGES,
-    "terms.bin": GIB // 2 - 4 * BIG_PASSAGES - QUERY_BYTES_PER_PASSAGE * BIG_PASSAGES - 4 * 100,
+    "terms.bin": GIB // 2 - 4 * BIG_PASSAGES - BIG_QUERIES - 4 * 100,
     "passages.zst": 19 * GIB, "passages.blocks.npy": GIB,
 }
 BIG_COUNTED = 6 * GIB + GIB // 2
@@ -141,10 +143,10 @@ def test_a_real_index_counts_its_postings_and_tables(tmp_path: Path) -> None:
     put_task_data(url, task_data("search", digest))
     shared = tmp_path / "shared"
     plan = index_plan(url, manifest, shared)
-    mapped = sum((folder / name).stat().st_size for name in COMPACT_COUNTED_FILES)
-    assert plan is not None and plan.counted == mapped + QUERY_BYTES_PER_PASSAGE * 20
+    mapped = sum((folder / name).stat().st_size for name in COUNTED_FILES)
+    assert plan is not None and plan.counted == mapped + QUERY_THREADS * QUERY_BYTES_PER_PASSAGE * 20
     assert (folder / TERMS_FILE).stat().st_size < plan.counted < sum(f.stat().st_size for f in folder.iterdir())
-    assert plan.line.startswith(f"search index: runs/{RUN}/tasks/search/index, 20 passages, compact: postings, term tables ")
+    assert plan.line.startswith(f"search index: runs/{RUN}/tasks/search/index, 20 passages: postings, term tables ")
     assert plan.line.endswith("not fetched to this Mac yet")
 
     local = shared / "search-index" / f"sha256-{digest}"  # where a worker of this Mac fetches it
@@ -167,9 +169,9 @@ def test_join_counts_the_index_its_manifest_gives(
     assert macd(["join", url, "--run", RUN, "--data-dir", str(tmp_path / "data"), "--config", str(tmp_path / "m.toml")]) == 0
     out = capsys.readouterr().out
     assert "search index 6.50 GiB" in out  # the plan's terms
-    assert (f"search index: runs/{RUN}/tasks/search/index, 16,000,000 passages, compact: postings, term tables and "
-            "norms 6.38 GiB and one query's memory 0.12 GiB counted, passage texts (zstd) 20.00 GiB mapped but read "
-            "per hit, not counted; not fetched to this Mac yet") in out
+    assert (f"search index: runs/{RUN}/tasks/search/index, 16,000,000 passages: postings, term tables and "
+            "norms 6.26 GiB and the memory of 2 queries at once 0.24 GiB counted, passage texts (zstd) 20.00 GiB "
+            "mapped but read per hit, not counted; not fetched to this Mac yet") in out
     assert "\n  memory       " not in out  # one account of memory: the plan
 
     config, info = daemon_config(url, tmp_path), cfg.RunInfo(manifest=manifest)
@@ -235,7 +237,7 @@ def test_the_override_wins_over_the_manifest(tmp_path: Path, capsys: pytest.Capt
     put_index_manifest(url, described_manifest(BIG_SIZES))
     config = daemon_config(url, tmp_path)
     looked_up = [finding for _, finding, _ in asyncio.run(plan_rows(config))]
-    assert any("and one query's memory 0.12 GiB counted" in f for f in looked_up)
+    assert any("and the memory of 2 queries at once 0.24 GiB counted" in f for f in looked_up)
     given = [finding for _, finding, _ in asyncio.run(plan_rows(config, 2.0))]
     assert "search index: 2.00 GiB counted, as --plan-index-gb says" in given
     assert any("search index 2.00 GiB" in f for f in given) and not any("6.50" in f for f in given)
@@ -248,21 +250,25 @@ def test_the_override_wins_over_the_manifest(tmp_path: Path, capsys: pytest.Capt
     assert capsys.readouterr().err.count("error: --plan-index-gb must be between 0 and") == 2
 
 
-def test_a_compact_index_counts_its_mapped_tables_and_one_query(tmp_path: Path) -> None:
-    """The compact format (once the bucket's manifest names its files): postings, term tables
-    and norms whole, plus one query's memory per passage; the zstd passages not at all."""
-    from macd.index_plan import known_plan
+def test_the_plan_counts_the_mapped_tables_and_each_query_a_worker_runs_at_once(tmp_path: Path) -> None:
+    """Postings, term tables and norms whole, plus the memory of each query one worker process
+    runs at once (`QUERY_THREADS`, the retriever's bound: `test_retriever`); the zstd passages
+    not at all."""
+    from macd.index_plan import PASSAGE_FILES, known_plan
     from slime_stoa.tasks.search.build import build_index
     from slime_stoa.tasks.search.synthetic import generate
 
     folder = tmp_path / "compact"
-    stats = build_index(generate(5, seed=1).passages, folder, compact_format=True)
+    stats = build_index(generate(5, seed=1).passages, folder)
     files = tuple(IndexFile(p.name, p.stat().st_size, "0" * 64, ()) for p in sorted(folder.iterdir()))
+    assert {f.name for f in files} == COUNTED_FILES | PASSAGE_FILES | {"stoa.index.json"}
     plan = known_plan("runs/r/tasks/search/index", IndexManifest(passages=stats.passages, files=files), None)
-    mapped = sum((folder / name).stat().st_size for name in COMPACT_COUNTED_FILES)
-    assert plan.counted == mapped + QUERY_BYTES_PER_PASSAGE * stats.passages
-    assert mapped < plan.counted < sum(f.size for f in files) + QUERY_BYTES_PER_PASSAGE * stats.passages  # the passages left out
-    assert ", compact: postings, term tables and norms " in plan.line and "passage texts (zstd)" in plan.line
+    mapped = sum((folder / name).stat().st_size for name in COUNTED_FILES)
+    queries = QUERY_THREADS * QUERY_BYTES_PER_PASSAGE * stats.passages
+    assert QUERY_THREADS >= 1 and plan.counted == mapped + queries
+    assert mapped < plan.counted < sum(f.size for f in files) + queries  # the passages left out
+    assert (f"postings, term tables and norms {mapped / GIB:.2f} GiB and the memory of {QUERY_THREADS} queries at once "
+            in plan.line and "passage texts (zstd)" in plan.line)
 
 
 def test_a_forged_manifest_is_refused_for_its_digest_and_never_parsed(

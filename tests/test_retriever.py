@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 from collections import Counter
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -33,7 +34,7 @@ from slime_stoa.tasks.search.bundle import (
     upload_index,
 )
 from slime_stoa.tasks.search.passages import OFFSETS_FILE, TEXT_FILE, ZST_FILE
-from slime_stoa.tasks.search.retriever import Retriever, SearchTool, build_index, open_run_index
+from slime_stoa.tasks.search.retriever import QUERY_THREADS, Retriever, SearchTool, build_index, open_run_index
 from slime_stoa.tasks.search.synthetic import generate
 
 RUN = "r"
@@ -80,7 +81,9 @@ def synthetic_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, obj
 def arrays_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     """The bm25s-array index an earlier stoa shipped (`Retriever.open` still opens it)."""
     data = generate(150, seed=11)
-    return build_index(data.passages, tmp_path_factory.mktemp("arrays") / "index"), data
+    folder = tmp_path_factory.mktemp("arrays") / "index"
+    build.build_index(data.passages, folder, compact_format=False)
+    return folder, data
 
 
 def gold_top1(retriever: Retriever, data: object) -> float:
@@ -124,6 +127,52 @@ async def test_async_search_runs_off_the_loop(synthetic_index: tuple[Path, objec
     hits = await asyncio.gather(*(retriever.asearch(q, 2) for q in questions))
     assert hits == [retriever.search(q, 2) for q in questions]
     assert await retriever.aobserve(questions[0], k=2, max_chars=500) == retriever.observe(questions[0], k=2, max_chars=500)
+
+
+def test_a_local_example_builds_the_shipped_index(synthetic_index: tuple[Path, object], tmp_path: Path) -> None:
+    """`build_index` (a local example's index) writes the very files `prepare` ships: the bundle's
+    file set, byte for byte the folder the bundle's build makes of the same passages."""
+    shipped, data = synthetic_index
+    local = build_index(data.passages, tmp_path / "local")  # type: ignore[attr-defined]
+    assert sorted(p.name for p in local.iterdir()) == sorted(bundle.INDEX_FILES)
+    for name in bundle.INDEX_FILES:
+        assert (local / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+async def test_queries_in_flight_never_exceed_the_query_threads(
+    synthetic_index: tuple[Path, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many episodes query at once, a process runs at most `QUERY_THREADS` queries (the
+    working memory `macd.index_plan` counts): the first ones wait for each other, so the pool
+    is seen to run that many together, and never more."""
+    folder, data = synthetic_index
+    retriever = Retriever.open(folder)
+    questions = [q.question for q in data.qa[:8 * QUERY_THREADS]]  # type: ignore[attr-defined]
+    expected = [retriever.observe(q, k=2, max_chars=500) for q in questions]
+    lock, together = threading.Lock(), threading.Barrier(QUERY_THREADS, timeout=60)
+    active, peak, started, threads = [0], [0], [0], set()
+    search = Retriever.search
+
+    def watched(self: Retriever, query: str, k: int = 3) -> list:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            started[0] += 1
+            first = started[0] <= QUERY_THREADS
+            threads.add(threading.current_thread().name)
+        try:
+            if first:
+                together.wait()
+            return search(self, query, k)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(Retriever, "search", watched)
+    bodies = await asyncio.gather(*(retriever.aobserve(q, k=2, max_chars=500) for q in questions))
+    assert bodies == expected and started[0] == len(questions)
+    assert peak[0] == QUERY_THREADS and len(threads) == QUERY_THREADS
+    assert all(name.startswith("stoa-search") for name in threads)
 
 
 def _copy(folder: Path, dest: Path) -> Path:

@@ -58,9 +58,9 @@ def test_packing_round_trips_blocks_of_every_width(encode_blocks: int, monkeypat
 def test_compact_hits_equal_the_bm25s_index(tmp_path: Path, preset: str, shard_docs: int, block_entries: int) -> None:
     docs, words, weights = zipf_corpus(1500, 4000, seed=len(preset))
     settings = PRESETS[preset]  # type: ignore[index]
-    build_index(docs, tmp_path / "arrays", settings=settings, shard_docs=shard_docs, block_entries=block_entries)
-    stats = build_index(docs, tmp_path / "compact", settings=settings, shard_docs=shard_docs, block_entries=block_entries,
-                        compact_format=True)
+    build_index(docs, tmp_path / "arrays", settings=settings, shard_docs=shard_docs, block_entries=block_entries,
+                compact_format=False)
+    stats = build_index(docs, tmp_path / "compact", settings=settings, shard_docs=shard_docs, block_entries=block_entries)
     assert sorted(p.name for p in (tmp_path / "compact").iterdir()) == sorted(COMPACT_INDEX_FILES)
     arrays, small = Retriever.open(tmp_path / "arrays"), Retriever.open(tmp_path / "compact")
     assert small._index is not None and len(small._index) == stats.terms and small._vocab == {}

@@ -22,7 +22,7 @@ from slime_stoa.tasks import tools
 from slime_stoa.tasks.search import Search, build, bundle
 from slime_stoa.tasks.search.build import DATA_FILE, INDICES_FILE, INDPTR_FILE
 from slime_stoa.tasks.search.bundle import LOCK, MANIFEST, fetch_index, parse_manifest, upload_index
-from slime_stoa.tasks.search.retriever import Retriever, SearchTool, build_index, index_folder
+from slime_stoa.tasks.search.retriever import Retriever, SearchTool, index_folder
 from slime_stoa.tasks.search.synthetic import generate
 from tests.test_retriever import CountingStore
 
@@ -58,9 +58,12 @@ print(json.dumps({"delta": {k: after[k] - before.get(k, 0) for k in after}, "tou
 def big_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """A real index folder whose arrays are enlarged (every term's column holds
     `POSTINGS_PER_TERM` postings) so the pages a process maps dwarf its other memory; returns
-    the folder and the arrays' size in bytes."""
+    the folder and the arrays' size in bytes. bm25s's arrays (`compact_format=False`), not the
+    compact format the bundle ships, because only plain arrays can be enlarged in place; both
+    formats map their files read-only the same way."""
     data = generate(20, seed=5)
-    folder = build_index(data.passages, tmp_path_factory.mktemp("shared") / "index")
+    folder = tmp_path_factory.mktemp("shared") / "index"
+    build.build_index(data.passages, folder, compact_format=False)
     terms = len(np.load(folder / INDPTR_FILE)) - 1
     rng = np.random.default_rng(0)
     n = len(data.passages)

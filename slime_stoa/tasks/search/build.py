@@ -16,9 +16,14 @@ What stays in memory: one shard's words (a dict) and token ids, one int32 length
 per term its document frequency (and a few numbers of the compact index's term table), per
 (shard, word) pair its term id (4 bytes), and one block of postings; never a dict of every term.
 
-The folder holds bm25s's files (`BM25.load` reads them; lucene scoring, float32 scores, int32
-document ids, columns = terms), the passage files, and `tokenizer.SETTINGS_FILE` (k1, b and the
-tokeniser, which queries must use).
+The folder holds the compact index (`compact`: packed postings, the sorted term table, norms),
+the zstd passage blocks (`passages.BlockPassageWriter`) and `tokenizer.SETTINGS_FILE` (k1, b and
+the tokeniser, which queries must use): the files `bundle` ships (`compact.INDEX_FILES`), whoever
+builds it (`prepare` for the bucket, `retriever.build_index` for a local example). Only on request
+(`compact_format=False`) does it write bm25s's arrays and the raw passage files instead (lucene
+scoring, float32 scores, int32 document ids, columns = terms; `BM25.load` reads them): the format
+an earlier stoa shipped, kept as the reference the compact index's hits and scores are checked
+against and for the benchmarks that compare the two.
 """
 
 from __future__ import annotations
@@ -242,14 +247,14 @@ def build_index(
     shard_docs: int = SHARD_DOCS,
     block_entries: int = BLOCK_ENTRIES,
     on_passages: Callable[[int], None] | None = None,
-    compact_format: bool = False,
+    compact_format: bool = True,
     work_dir: Path | None = None,
 ) -> BuildStats:
     """Index `passages` (any iterable, read once) into the empty (or new) `folder`.
 
     `on_passages(count)` is called as passages are read (with how many since the last call).
-    `compact_format`: write the compact index (`compact`, zstd passage blocks) instead of
-    bm25s's arrays. `work_dir`: where the shards go (a scratch folder made and removed there;
+    `compact_format`: the compact index (`compact`, zstd passage blocks), the format `bundle`
+    ships; False: bm25s's arrays and raw passages instead (the reference, module doc). `work_dir`: where the shards go (a scratch folder made and removed there;
     default: beside `folder`); it holds about 12 bytes per posting at the peak."""
     if shard_docs < 1 or block_entries < 1:
         raise ValueError("shard_docs and block_entries must be at least 1")

@@ -56,6 +56,10 @@ DECODE_BLOCKS = 512  # blocks decoded at once (64k postings: a few MB of tempora
 PASSAGE_COST = 4
 CANDIDATE_COST = 2
 MAX_ROUNDS = 2  # candidate rounds before scoring every passage: each round rescores the candidates
+#: The most queries one process runs at once (`retriever.query_executor`): few, since each in
+#: flight holds a score per passage (`macd.index_plan` counts them) and takes a core beside the
+#: generation. Here, not in `retriever`, so the memory plan reads it without importing bm25s.
+QUERY_THREADS = 2
 
 
 def encode_term(term: str) -> bytes:

@@ -1,36 +1,44 @@
-"""BM25 retrieval over a passage corpus with bm25s: build an index folder once, memory-map it at join.
+"""BM25 retrieval over a passage corpus: build an index folder once, memory-map it at join.
 
-An index folder (what `build_index` writes, `bundle` ships and `fetch_index` rebuilds on a worker):
+An index folder is the compact format (`compact`), whoever made it: `build_index` here (a local
+example's index), `prepare` (the task bundle `bundle` ships and `fetch_index` rebuilds on a
+worker), both through the one builder `build.build_index`. Its files (`COMPACT_INDEX_FILES`):
 
-    params.index.json  vocab.index.json  data.csc.index.npy  indices.csc.index.npy
-    indptr.csc.index.npy                 bm25s's files (`BM25.load` reads them, lucene scoring)
+    compact.index.json  terms.bin  terms.offsets.npy  terms.stats.npy  blocks.npy
+    postings.bin  norms.npy              `compact`'s packed postings, sorted term table, norms
     stoa.index.json                      k1, b and the tokeniser (`tokenizer.Bm25Settings`)
-    passages.txt  passages.offsets.npy   the passage texts (`passages.PassageStore`)
+    passages.zst  passages.blocks.npy    the passage texts in zstd blocks (`passages.BlockPassageStore`)
 
-A compact index folder (`build_index(..., compact_format=True)`: `compact`'s packed postings and
-sorted term table, `stoa.index.json`, the zstd passage blocks `passages.zst` and
-`passages.blocks.npy`, named in `COMPACT_INDEX_FILES`) opens the same way, its vocabulary
-searched in the mapped term table (no dict per process) and its postings scored at query time,
-with the same hits and scores as the arrays of the same passages.
+Its vocabulary is searched in the mapped term table (no dict in any process) and its postings
+are scored at query time, with exactly bm25s's lucene scores and a full sort's top k.
 
-`build_index` is the streaming build of `build.py`. Queries are tokenised with the tokeniser the
-folder records (`tokenizer.Tokenizer`), so build and query always agree; a folder without that
-record (built by an earlier stoa, whose tokeniser dropped numbers and one-letter words) is
-refused with a line saying to rebuild it. `Retriever.open` maps the arrays read-only
-(`mmap=True`), so a worker pays page-cache, not heap, for a large corpus. Because the folder came from the bucket, `open`
-checks it before use: only the parameters bm25s is known to write, arrays of the right types whose
-shapes and index ranges agree with each other and with the passage count; a damaged or forged
-folder fails there with ValueError, never later inside a query.
+`open` still reads a folder of bm25s's arrays (`INDEX_FILES`: ``params.index.json``,
+``vocab.index.json``, the ``*.csc.index.npy`` arrays and the raw ``passages.txt`` with its
+offsets): what an earlier stoa built, which a local example may still hold on disk, and the
+reference the compact format's hits are checked against (`build.build_index(...,
+compact_format=False)`). A bucket never serves it: `bundle` refuses such a manifest.
 
-A query's top k (`top_k`) is exactly bm25s's scoring and a full sort, computed MaxScore-style:
-the documents named by the query's highest-weighing terms are scored first, and the rest of the
+Queries are tokenised with the tokeniser the folder records (`tokenizer.Tokenizer`), so build and
+query always agree; a folder without that record (built by an earlier stoa, whose tokeniser
+dropped numbers and one-letter words) is refused with a line saying to rebuild it.
+`Retriever.open` maps the files read-only, so a worker pays page-cache, not heap, for a large
+corpus. Because the folder came from the bucket, `open` checks it before use (`compact`'s checks;
+for arrays: only the parameters bm25s is known to write, arrays of the right types whose shapes
+and index ranges agree with each other and with the passage count); a damaged or forged folder
+fails there with ValueError, never later inside a query.
+
+A query's top k is exactly BM25's scoring and a full sort, computed MaxScore-style: the
+documents named by the query's highest-weighing terms are scored first, and the rest of the
 corpus is skipped once no other document can reach the k-th score. The processes of one machine
 open the same folder (`index_folder`: named by the index's digest, under a folder they share), so
 its pages are in memory once, whatever the number of workers.
 
-Queries run on the calling thread (`search`) or, from asyncio code, on an executor thread
-(`asearch`, `aobserve`) so the event loop and the generation thread keep running. bm25s is only
-imported here.
+Queries run on the calling thread (`search`) or, from asyncio code, on this process's query
+threads (`asearch`, `aobserve`: `query_executor`, `QUERY_THREADS` of them) so the event loop and
+the generation thread keep running. The bound is what a worker's memory plan counts
+(`macd.index_plan`): each query in flight holds its own working memory (up to a score per
+passage), so a process never holds more than `QUERY_THREADS` of them, however many episodes
+call the tool at once. bm25s is only imported here.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ ARRAY_FILES = (build.DATA_FILE, build.INDICES_FILE, build.INDPTR_FILE)
 INDEX_FILES = (PARAMS_FILE, VOCAB_FILE, *ARRAY_FILES, SETTINGS_FILE, TEXT_FILE, OFFSETS_FILE)
 #: The files of a compact index folder (`build_index(compact_format=True)`).
 COMPACT_INDEX_FILES = compact.INDEX_FILES
+QUERY_THREADS = compact.QUERY_THREADS
 MAX_QUERY_CHARS = 1000  # a generated query longer than this is cut: it costs time, not recall
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 SCANNED_FILE = ".scanned"  # in a fetched folder: the manifest digest whose files passed the full check
@@ -91,9 +100,18 @@ _REQUIRED_PARAMS = frozenset({"k1", "b", "method", "idf_method", "dtype", "int_d
 
 
 def build_index(passages: Iterable[str], folder: Path, *, settings: Bm25Settings = PRESETS["default"]) -> Path:
-    """Index `passages` into the empty (or new) `folder` (`build.build_index`); returns `folder`."""
-    build.build_index(passages, folder, settings=settings)
+    """Index `passages` into the empty (or new) `folder` in the compact format, as `prepare`
+    builds the bundle's (`build.build_index`, one builder); returns `folder`."""
+    build.build_index(passages, folder, settings=settings, compact_format=True)
     return folder
+
+
+@functools.cache
+def query_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's query threads (`QUERY_THREADS`, made at the first async query): every
+    `asearch` and `aobserve` without an executor of its own runs here (module doc: the bound the
+    memory plan counts)."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=QUERY_THREADS, thread_name_prefix="stoa-search")
 
 
 def read_settings(folder: Path) -> Bm25Settings:
@@ -337,16 +355,18 @@ class Retriever:
         return format_passages([h.text for h in self.search(query, k)], max_chars=max_chars)
 
     async def asearch(self, query: str, k: int = 3, *, executor: concurrent.futures.Executor | None = None) -> list[Hit]:
-        """`search` on an executor thread (the loop's default one unless `executor` is given)."""
+        """`search` on a query thread (`query_executor` unless `executor` is given)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, functools.partial(self.search, query, k))
+        return await loop.run_in_executor(executor or query_executor(), functools.partial(self.search, query, k))
 
     async def aobserve(
         self, query: str, *, k: int = 3, max_chars: int = 1500, executor: concurrent.futures.Executor | None = None
     ) -> str:
-        """`observe` on an executor thread."""
+        """`observe` on a query thread (`query_executor` unless `executor` is given)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, functools.partial(self.observe, query, k=k, max_chars=max_chars))
+        return await loop.run_in_executor(
+            executor or query_executor(), functools.partial(self.observe, query, k=k, max_chars=max_chars)
+        )
 
 
 async def open_run_index(store: Store, run: str, task: Search, dest: str | Path) -> Retriever:
