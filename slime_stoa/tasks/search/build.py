@@ -254,8 +254,9 @@ def build_index(
 
     `on_passages(count)` is called as passages are read (with how many since the last call).
     `compact_format`: the compact index (`compact`, zstd passage blocks), the format `bundle`
-    ships; False: bm25s's arrays and raw passages instead (the reference, module doc). `work_dir`: where the shards go (a scratch folder made and removed there;
-    default: beside `folder`); it holds about 12 bytes per posting at the peak."""
+    ships; False: bm25s's arrays and raw passages instead (the reference, module doc).
+    `work_dir`: where the shards go (a scratch folder made and removed there; default: beside
+    `folder`); it holds about 12 bytes per posting at the peak."""
     if shard_docs < 1 or block_entries < 1:
         raise ValueError("shard_docs and block_entries must be at least 1")
     folder.mkdir(parents=True, exist_ok=True)
