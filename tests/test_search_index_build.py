@@ -35,6 +35,7 @@ def corpus(n: int, seed: int = 0) -> list[str]:
         ("The patient's cells in the 1990s", ["patient", "cell", "1990s"], ["patient", "cell", "1990"]),
         ("TNF-α at 5 µg", ["tnf", "α", "5", "μg"], ["tnf", "α", "5", "μg"]),
         ("the of and", [], []),
+        ("resp = s.post(f)", ["resp", "s", "post", "f"], ["resp", "s", "post", "f"]),  # Porter empties "s"
     ],
 )
 def test_tokenizer_keeps_biomedical_meaning(text: str, default: list[str], search_r1: list[str]) -> None:
@@ -126,6 +127,15 @@ def test_an_older_index_is_refused_with_a_clear_line(tmp_path: Path) -> None:
     old = {"format": "stoa.search-index/1", "passages": 1, "files": []}
     with pytest.raises(ValueError, match=r"earlier stoa.*rebuild"):
         parse_manifest(json.dumps(old).encode())
+
+
+@pytest.mark.parametrize("name", ["default", "search-r1"])
+def test_a_word_the_stemmer_empties_is_kept_and_the_index_opens(tmp_path: Path, name: str) -> None:
+    """Porter stems "s" to nothing; the word is kept as it is, so the compact term table has no
+    empty term (its check refuses one) and a query for it finds its passage."""
+    texts = ["The client calls s.post(f) with the file.", "Vitamin D and bone density.", "resp = s"]
+    retriever = Retriever.open(build_index_folder(texts, tmp_path / "ix", settings=PRESETS[name]))  # type: ignore[index]
+    assert [h.index for h in retriever.search("s", 3)] == [2, 0]
 
 
 def test_empty_corpus_and_used_folder_are_refused(tmp_path: Path) -> None:

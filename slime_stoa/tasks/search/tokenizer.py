@@ -7,7 +7,9 @@ short or numeric, so "IL-6 receptor" gives il, 6, receptor; "vitamin D" gives vi
 "type 2 diabetes" gives type, 2, diabet; "α-synuclein" gives α, synuclein. Stop words are
 Lucene's English list (what pyserini's default analyser removes), then each token is stemmed
 with PyStemmer: "porter" (Porter's 1980 stemmer, as pyserini/Lucene's English analyser), "english"
-(Snowball's English, Porter2) or "none".
+(Snowball's English, Porter2) or "none". A word its stemmer would leave empty (Porter stems
+"s", as in "s.post", to nothing) stays as it is: an index term is never empty (the compact
+index's term table refuses an empty term, so one such word would make the whole index unusable).
 
 Presets (`PRESETS`): "default" (Snowball English stemming, k1 1.5, b 0.75) and "search-r1"
 (Porter stemming, k1 0.9, b 0.4: Search-R1's pyserini BM25). `Bm25Settings.as_meta` is what the
@@ -126,7 +128,7 @@ class Tokenizer:
         missing = [w for w, s in zip(words, found, strict=True) if s is None]
         if not missing:
             return found  # type: ignore[return-value]
-        fresh = dict(zip(missing, self._stem_words(missing), strict=True))
+        fresh = {w: stem or w for w, stem in zip(missing, self._stem_words(missing), strict=True)}
         if len(stems) > STEM_CACHE_WORDS:
             stems.clear()
         stems.update(fresh)
