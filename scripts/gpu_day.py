@@ -76,9 +76,10 @@ for _path in (REPO, REPO / "scripts"):  # stoa itself, and bench_stream8b beside
 
 from slime_stoa.protocol.fsutil import atomic_write  # the standard library only
 
-CHECKS = ("wheels", "cuda", "device_delta", "dppo_step", "megatron_local")
+CHECKS = ("wheels", "cuda", "device_delta", "dppo_step", "published_bits", "megatron_local")
 #: Each check's own cap, seconds (the run's budget cuts it shorter).
-CAPS = {"wheels": 120.0, "cuda": 30.0, "device_delta": 300.0, "dppo_step": 90.0, "megatron_local": 150.0}
+CAPS = {"wheels": 120.0, "cuda": 30.0, "device_delta": 300.0, "dppo_step": 90.0, "published_bits": 60.0,
+        "megatron_local": 150.0}
 DEFAULT_BUDGET = 480.0
 #: What the checks import besides the standard library (module -> the package to put in --wheels).
 PACKAGES = {
@@ -94,6 +95,10 @@ NO_CUDA = "no CUDA device"
 #: relative to each tensor's largest gradient.
 DPPO_TOLERANCE = {"loss": 1e-5, "logprob": 1e-4, "grad": 1e-3, "metric": 1e-6}
 MEGATRON_TOLERANCE = {"logit": 1e-3, "grad": 1e-3}
+#: The learner (bf16-rounded weights, float32 compute on the device, TF32 off) against a reader of
+#: the published bits (float32 compute on the CPU): the same weights, so only the kernels differ,
+#: as in dppo_step; the CPU rehearsal gives 0.
+PUBLISHED_LOGPROB_BOUND = DPPO_TOLERANCE["logprob"]
 
 
 class Skip(Exception):
@@ -450,6 +455,97 @@ def check_dppo(args: argparse.Namespace, device: str, why_not_cuda: str | None, 
     return verdict(ok, detail, figures, why_not_cuda)
 
 
+# -- published_bits ------------------------------------------------------------------------------
+def _device_logprobs(learner: Any, seqs: Sequence[Any], device: str) -> list[Any]:
+    """The learner's tempered logprobs of each response with its model on `device` (`Learner.logprobs`
+    reads them as numpy, which a CUDA tensor is not)."""
+    import torch
+
+    with torch.no_grad(), torch.device(device):
+        params = {k: v.detach() for k, v in learner._acting_params().items()}
+        return [t.detach().cpu().numpy() for t in learner._response_logprobs(list(seqs), params)]
+
+
+def check_published_bits(args: argparse.Namespace, device: str, why_not_cuda: str | None, deadline: Deadline,
+                         workdir: Path) -> Result:
+    """The weight path end to end on the device: the tiny Qwen2 learner steps on `device`; each
+    version is diffed there against the device's copy of the published one (`PreviousState`) and
+    published by delta (`Publisher.publish_delta`, no host copy of the state) to a local bucket; a
+    real Subscriber installs it, and its state must equal the learner's bf16 weights bit for bit; a
+    reader model on the CPU loaded with the installed bits must give the learner's logprobs within
+    `PUBLISHED_LOGPROB_BOUND`."""
+    import asyncio
+
+    import numpy as np
+    import torch
+
+    from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+    from slime_stoa.protocol.pulse.subscriber import Subscriber
+    from slime_stoa.protocol.store import open_store
+    from slime_stoa.quickstart.tiny_model import build_tiny_model
+    from slime_stoa.trainer.device_delta import DeviceDeltaConfig, PreviousState, bf16_view
+    from slime_stoa.trainer.learner import Learner, LearnerConfig
+
+    folder = build_tiny_model(workdir / "qwen2-published")
+    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    learner = Learner(folder, LearnerConfig())
+    groups = dppo_groups(learner, vocab, args.seed)
+    seqs = [s for g in groups for s in g]
+    model: Any = learner.model
+    model.to(device)
+    reader = Learner(folder, LearnerConfig())  # a worker's model, on the CPU
+    (workdir / "bucket").mkdir()
+    figures: dict[str, Any] = {"device": device, "versions": args.delta_versions, "bound_nats": PUBLISHED_LOGPROB_BOUND,
+                               "bits_mismatched": [], "max_logprob_gap": [], "changed": [], "anchored": []}
+
+    def weights() -> dict[str, Any]:
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    def trainer_bits() -> dict[str, Any]:
+        return {n: bf16_view(n, t).cpu().numpy().view(np.uint16) for n, t in weights().items()}
+
+    async def run() -> None:
+        async with open_store(f"file://{workdir / 'bucket'}") as store:
+            publisher = Publisher(store, "gpu-day", PublisherConfig(anchor_every=2, planes=()))
+            await publisher.publish(trainer_bits())  # the first version: an anchor from a host copy
+            size = sum(t.numel() * 2 for t in weights().values())
+            previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=size))  # all of it beside the weights
+            previous.reset_from_host(publisher.release_baseline(), device)
+            subscriber = Subscriber(store, "gpu-day")
+            for v in range(1, args.delta_versions + 1):
+                deadline.check(f"after {v - 1} versions")
+                step_terms(learner, groups, device)  # the DPPO gradients, on the device
+                learner.optimizer.step()
+                step = previous.sparse_step(previous.diff(weights()))
+                assert publisher.state_digest is not None
+                result = await publisher.publish_delta(step, base=publisher.state_digest)
+                previous.commit()
+                if await subscriber.sync() is None or subscriber.state is None or subscriber.version != v:
+                    raise AssertionError(f"the subscriber did not install v{v}")
+                expected = trainer_bits()
+                off = sorted(n for n, b in expected.items() if not np.array_equal(subscriber.state.get(n), b))
+                off += sorted(set(subscriber.state) - set(expected))
+                figures["bits_mismatched"].append(off[:5])
+                figures["changed"].append(result.changed)
+                figures["anchored"].append(result.anchored)
+                for name, p in reader.model.named_parameters():
+                    installed = torch.from_numpy(subscriber.state[name].view(np.int16)).view(torch.bfloat16)
+                    p.data.copy_(installed.to(torch.float32).reshape(p.shape))
+                ours, theirs = _device_logprobs(learner, seqs, device), reader.logprobs(seqs)
+                figures["max_logprob_gap"].append(
+                    max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs, strict=True)))
+            figures["bytes_device_to_host"] = previous.transfer.device_to_host
+
+    asyncio.run(run())
+    gap = max(figures["max_logprob_gap"])
+    bits_ok = not any(figures["bits_mismatched"])
+    ok = bits_ok and gap <= PUBLISHED_LOGPROB_BOUND and all(figures["changed"]) and any(figures["anchored"])
+    detail = (f"{device}: {args.delta_versions} versions published by delta, installed state "
+              f"{'==' if bits_ok else '!='} the learner's bf16 weights bit for bit; logprob gap learner vs "
+              f"CPU reader {gap:.1e} nats (bound {PUBLISHED_LOGPROB_BOUND:g})")
+    return verdict(ok, detail, figures, why_not_cuda)
+
+
 # -- megatron_local -------------------------------------------------------------------------------
 @contextlib.contextmanager
 def megatron_on(device: str) -> Iterator[None]:
@@ -653,6 +749,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cuda": lambda d: check_cuda(device, why),
             "device_delta": lambda d: check_device_delta(args, device, d),
             "dppo_step": lambda d: check_dppo(args, device, why, d, workdir),
+            "published_bits": lambda d: check_published_bits(args, device, why, d, workdir),
             "megatron_local": lambda d: check_megatron(device, why, d, workdir),
         }
         for name in CHECKS[1:]:

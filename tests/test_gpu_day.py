@@ -75,6 +75,40 @@ def test_a_device_delta_mismatch_fails_the_run(tmp_path: Path, monkeypatch: pyte
     assert check["deltas_mismatched"] > 0 and check["mismatched"][0].startswith("v1 bf16: ")
 
 
+def test_published_bits_are_the_learners_rehearsed_on_the_cpu(tmp_path: Path) -> None:
+    """The learner steps, each version goes out by delta, a real Subscriber installs it: its state
+    is the learner's bf16 weights bit for bit and a CPU reader of it gives the learner's logprobs
+    (exactly, CPU against CPU)."""
+    rc, doc = run(tmp_path, "--only", "published_bits")
+    assert rc == 0, doc
+    got = doc["checks"]["published_bits"]
+    assert got["status"] == "SKIP" and got["detail"].startswith("no CUDA device (CPU rehearsal: cpu: 2 versions")
+    assert got["bits_mismatched"] == [[], []] and got["max_logprob_gap"] == [0.0, 0.0]
+    assert all(c > 0 for c in got["changed"]) and got["anchored"] == [False, True]
+
+
+def test_a_published_bit_off_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device diff gets one element's new bits wrong (consistently: the patch, the digest and
+    the device's copy agree): readers install a state that is not the learner's, and the check
+    fails even as a rehearsal."""
+    from slime_stoa.trainer.device_delta import PreviousState
+
+    real = PreviousState.diff
+
+    def flipped(self: Any, state: Any) -> Any:
+        delta = real(self, state)
+        name = sorted(delta)[0]
+        found, values = self._pending[name]
+        self._pending[name] = (found, values ^ 1)
+        indices, bits = delta[name]
+        return {**delta, name: (indices, bits ^ np.uint16(1))}
+
+    monkeypatch.setattr(PreviousState, "diff", flipped)
+    rc, doc = run(tmp_path, "--only", "published_bits")
+    got = doc["checks"]["published_bits"]
+    assert rc == 1 and got["status"] == "FAIL" and all(got["bits_mismatched"]), got
+
+
 def test_a_dppo_mismatch_fails_even_as_a_rehearsal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second learner's (the "device" side's) gradients are off by 1%."""
     real = gpu_day.step_terms
@@ -191,7 +225,8 @@ def test_every_check_megatron_rehearsed_against_transformers(tmp_path: Path) -> 
     rc, doc = run(tmp_path)
     assert rc == 0, doc
     assert {n: c["status"] for n, c in doc["checks"].items()} == {
-        "wheels": "SKIP", "cuda": "SKIP", "device_delta": "PASS", "dppo_step": "SKIP", "megatron_local": "SKIP"}
+        "wheels": "SKIP", "cuda": "SKIP", "device_delta": "PASS", "dppo_step": "SKIP", "published_bits": "SKIP",
+        "megatron_local": "SKIP"}
     megatron = doc["checks"]["megatron_local"]
     assert megatron["detail"].startswith("no CUDA device (CPU rehearsal: cpu vs transformers, local spec")
     for family in ("lfm2", "lfm2_moe"):
