@@ -16,6 +16,13 @@ be brought back (it then holds no verified version), the subscriber forgets its 
 next sync restores the model from an anchor. On a published quantized plane the groups carry
 the state digest of the bf16 version the plane quantizes (the plane's manifest names it,
 signed), the one the trainer checks records against (`served_digest`).
+
+Trust on first use, bounded in time: in a signed run a worker that never installed the run's
+weights (no head kept, `run_pin`) takes only a pointer signed within `FIRST_POINTER_MAX_AGE_S`
+of the store's clock (`clock.StoreClock`, not this Mac's), as a live trainer re-signs its
+pointers every `REFRESH_S` (`pulse.keepalive`): an old genuine pointer put back is refused, and
+while the pointer is too old the worker waits, repeating one line that says why
+(`freshness.stale_first_pointer`). A worker with a head kept is bound by that head, not by time.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import numpy as np
 from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.layout import QuantPlane, check_plane
 from slime_stoa.protocol.pulse.anchor import download_extras, fetch_verified
+from slime_stoa.protocol.pulse.freshness import FIRST_POINTER_MAX_AGE_S
 from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
 from slime_stoa.protocol.pulse.manifests import VersionManifest
 from slime_stoa.protocol.pulse.subscriber import Subscriber
@@ -45,6 +53,7 @@ from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 from slime_stoa.protocol.store.retry import describe_error
 
 from .aio import Wakeup, wait
+from .clock import StoreClock
 from .cmdline import run_create_command
 from .config import DaemonConfig, decoding_sequences, plane_override
 from .fatal import Fatal
@@ -126,16 +135,15 @@ class WeightFollower:
     def subscriber(self, trust: RunTrust | None, plane: QuantPlane | None = None) -> Subscriber:
         """The worker's subscriber, of the run's bf16 weights or of its published `plane`
         (`held_plane`); in a signed run it refuses pointers below the highest weights this
-        worker installed before (`run_pin`), across restarts."""
+        worker installed before (`run_pin`), across restarts, and on a first join (no head
+        kept) a pointer signed too long ago by the store's clock (module doc)."""
         if self.sub is None:
             self.sub = Subscriber(self.store, self.config.run, trust=trust, deferred=True, plane=plane)
+            self.sub.now = StoreClock(self.store)
             if trust is not None:
                 self.sub.floor = remembered_head(self.config.data_dir, self.config.run)
-                # A first join (no head kept) has no floor. `Subscriber.first_pointer_max_age_s`
-                # (`freshness.stale_first_pointer`) would bound it by the pointer's signed time, but
-                # only once every trainer process keeps its pointer re-signed while alive
-                # (`pulse.keepalive`): until then a trainer idle past the bound would leave every new
-                # worker waiting on it while it waits for their rollouts, so it stays off.
+                if self.sub.floor is None:
+                    self.sub.first_pointer_max_age_s = FIRST_POINTER_MAX_AGE_S
         return self.sub
 
     async def plane_for(self, manifest: RunManifest, trust: RunTrust | None) -> Plane:
@@ -191,7 +199,9 @@ class WeightFollower:
         `load_model` to build the model holding it; None if stopped first.
 
         A malformed or unreadable pointer or manifest, or a store outage, is reported and the
-        pointer polled again."""
+        pointer polled again. A pointer too old for a first join is waited on with one line that
+        says why, repeated once per `repeat_log_s` while it stays so (`_wait_line`)."""
+        said_at: float | None = None  # when the too-old pointer's line was last logged (monotonic)
         while not stop.is_set():
             staged = None
             try:
@@ -200,17 +210,34 @@ class WeightFollower:
             except StoreConfigError:
                 raise
             except (SyncError, StoreError) as exc:
-                hint = ""
-                if isinstance(exc, WeightsRefused) and sub.floor is not None and sub.version is None:
-                    hint = (f" (this worker installed {sub.floor} before; if the run was re-created on purpose, "
-                            f"delete {head_path(self.config.data_dir, self.config.run)})")
-                self.reporter.error(f"weights: {exc}{hint}")
+                if sub.first_pointer_wait() is None:  # a too-old pointer is said by the wait line below
+                    hint = ""
+                    if isinstance(exc, WeightsRefused) and sub.floor is not None and sub.version is None:
+                        hint = (f" (this worker installed {sub.floor} before; if the run was re-created on purpose, "
+                                f"delete {head_path(self.config.data_dir, self.config.run)})")
+                    self.reporter.error(f"weights: {exc}{hint}")
             self.count_refused(sub)
             if staged is not None:
                 return staged
-            log.info("waiting for the trainer to publish weights for run %s", self.config.run)
+            said_at = self._wait_line(sub, said_at)
             await wait(stop, self.options.idle_poll_s)
         return None
+
+    def _wait_line(self, sub: Subscriber, said_at: float | None) -> float | None:
+        """Say why the worker still has no weights: the run has none yet, or its pointer is too
+        old for a first join (that reason, with the pointer's age, in the heartbeat's
+        `last_error` at every poll and logged once per `repeat_log_s`); when it was last logged."""
+        why = sub.first_pointer_wait()
+        if why is None:
+            log.info("waiting for the trainer to publish weights for run %s", self.config.run)
+            return None
+        line = f"weights: {why}"
+        self.reporter.update(last_error=line[:500])
+        now = time.monotonic()
+        if said_at is not None and now - said_at < self.options.repeat_log_s:
+            return said_at
+        log.warning("%s", line)
+        return now
 
     async def load_model(self, sub: Subscriber, staged: StagedSync, plane: Plane) -> tuple[Model, Tokenizer]:
         """The model, built from the anchor's config and tokenizer files and holding the state

@@ -27,6 +27,12 @@ its manifest, weights and worker registry, and every worker a worker key
 (`<out>/workers/worker-<i>/worker.key`, 0600, installed with `macd join --worker-key`) that signs
 its records; the learner's consumer expects that run key and admits only records signed by the
 registered workers. A rerun reuses the keys; a run first made unsigned stays unsigned.
+
+From seeding (its publisher opened: resumed from the bucket's pointer, or the first version
+published) to the end, the quickstart re-signs its pointers every `freshness.REFRESH_S` on its
+event loop (`Seeded.keeper`, `pulse.keepalive`), through the train phase, its waits for batches
+and the final report, so a worker joining for the first time takes its pointer (`pulse.freshness`).
+Each publish holds the keeper's lock: no refresh interleaves with a commit.
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ import numpy as np
 from slime_stoa.protocol.heartbeat import Heartbeat, HeartbeatTrust, read_judged_heartbeat
 from slime_stoa.protocol.hf.folders import save_hf_folder
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.history import HistoryError
+from slime_stoa.protocol.pulse.keepalive import PointerKeeper, publisher_committers
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.pulse.retry import is_publish_outage as is_startup_outage
@@ -571,10 +579,12 @@ class Session:
 
 @dataclass(frozen=True)
 class Seeded:
-    """What seeding the run gives the later phases: its publisher, and in a signed run its run
-    key and worker registry (None in an unsigned one)."""
+    """What seeding the run gives the later phases: its publisher, the keeper of its pointers'
+    freshness (started by `_run_locked`; each publish holds its lock), and in a signed run its
+    run key and worker registry (None in an unsigned one)."""
 
     pub: Publisher
+    keeper: PointerKeeper
     run_key: SigningKey | None
     registry: Registry | None
 
@@ -585,12 +595,13 @@ class Seeded:
 
 @dataclass(frozen=True)
 class Fleet:
-    """What the train phase drives: the learner, its publisher, the consumer of the workers'
-    groups, the worker processes, the W&B run (None without --wandb) and the worker registry
-    (None in an unsigned run)."""
+    """What the train phase drives: the learner, its publisher and the keeper of its pointers
+    (whose lock each publish holds), the consumer of the workers' groups, the worker processes,
+    the W&B run (None without --wandb) and the worker registry (None in an unsigned run)."""
 
     learner: Learner
     pub: Publisher
+    keeper: PointerKeeper
     consumer: RolloutConsumer
     workers: WorkerProcesses
     tracker: TrackedRun | None
@@ -636,10 +647,11 @@ async def train(s: Session, fleet: Fleet, version: int) -> None:
         gaps = [float(np.mean(model_token_gaps(seq, lp))) for seq, lp in zip(flat, learner_lps, strict=True)]
         observe_gaps(consumer, same, learner_lps)
         metrics = learner.step(groups)
-        result = await publish_with_retries(  # a store outage pauses the learner, never ends the run
-            partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
-            what=f"publishing v{version + 1} of run {cfg.run!r}",
-        )
+        async with fleet.keeper.lock:  # no pointer refresh while the version commits
+            result = await publish_with_retries(  # a store outage pauses the learner, never ends the run
+                partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
+                what=f"publishing v{version + 1} of run {cfg.run!r}",
+            )
         version = result.version
         save_learner(learner, s.learner_file, run=cfg.run, version=version, state_digest=pub.state_digest or "")
         save_checkpoint(
@@ -705,18 +717,23 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         learner = await phase_prepare_model(s)
         extras_dir = phase_warm_start(s, learner)
         seeded = await phase_seed(s, extras_dir)
-        version, restart = await phase_resume(s, learner, seeded)
-        await phase_first_eval(s)
-        tracker = start_tracking(cfg)
-        workers = WorkerProcesses(cfg, cfg.store_url, run_key=seeded.run_key_text)
-        consumer: RolloutConsumer | None = None
+        seeded.keeper.start()  # the pointers stay fresh from here to the end
         try:
-            phase_start_workers(s, workers)
-            consumer = await phase_open_consumer(s, seeded, restart)
-            await train(s, Fleet(learner, seeded.pub, consumer, workers, tracker, seeded.registry), version)
+            version, restart = await phase_resume(s, learner, seeded)
+            await phase_first_eval(s)
+            tracker = start_tracking(cfg)
+            workers = WorkerProcesses(cfg, cfg.store_url, run_key=seeded.run_key_text)
+            consumer: RolloutConsumer | None = None
+            try:
+                phase_start_workers(s, workers)
+                consumer = await phase_open_consumer(s, seeded, restart)
+                fleet = Fleet(learner, seeded.pub, seeded.keeper, consumer, workers, tracker, seeded.registry)
+                await train(s, fleet, version)
+            finally:
+                await stop_fleet(consumer, workers, tracker)
+            return await phase_report(s, seeded.registry, consumer)
         finally:
-            await stop_fleet(consumer, workers, tracker)
-        return await phase_report(s, seeded.registry, consumer)
+            await seeded.keeper.stop()
 
 
 async def phase_check_bucket(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> bool:
@@ -820,7 +837,12 @@ async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
     if run_key is not None:
         registry = await s.at_startup(partial(register_workers, s.store, cfg, run_key), "registering the worker keys")
         s.report.note(f"signed run: run key {run_key.public.fingerprint}; {len(registry.workers)} worker key(s) registered")
-    return Seeded(pub=pub, run_key=run_key, registry=registry)
+    return Seeded(pub=pub, keeper=pointer_keeper(pub), run_key=run_key, registry=registry)
+
+
+def pointer_keeper(pub: Publisher, every_s: float = REFRESH_S) -> PointerKeeper:
+    """The keeper of `pub`'s pointers (its bf16 weights' and each plane's), re-signing them every `every_s`."""
+    return PointerKeeper(partial(publisher_committers, pub), every_s=every_s)
 
 
 async def phase_resume(s: Session, learner: Learner, seeded: Seeded) -> tuple[int, Checkpoint | None]:
@@ -847,7 +869,7 @@ async def phase_resume(s: Session, learner: Learner, seeded: Seeded) -> tuple[in
     elif mode is ResumeMode.RESTART:
         assert cfg.restart_from is not None  # the mode says so
         restart = load_checkpoint(cfg.out / CHECKPOINTS_DIR, cfg.restart_from, run=cfg.run)
-        version = await restart_from_checkpoint(s, learner, pub, restart, head=version)
+        version = await restart_from_checkpoint(s, learner, seeded, restart, head=version)
     elif mode is ResumeMode.LEARNER_FILE:
         restore_learner(learner, s.learner_file, lr=cfg.lr)
         report.note(f"resumed run {cfg.run!r} at weights v{version} from {cfg.store_url} (with the learner's optimizer state)")
@@ -866,19 +888,20 @@ async def phase_resume(s: Session, learner: Learner, seeded: Seeded) -> tuple[in
     return version, restart
 
 
-async def restart_from_checkpoint(s: Session, learner: Learner, pub: Publisher, restart: Checkpoint, *, head: int) -> int:
+async def restart_from_checkpoint(s: Session, learner: Learner, seeded: Seeded, restart: Checkpoint, *, head: int) -> int:
     """--restart-from: the checkpoint's learner, its weights published again (a restore: a new
     lineage epoch) and saved as the newest checkpoint; returns the version published."""
-    cfg = s.cfg
+    cfg, pub = s.cfg, seeded.pub
     await s.at_startup(
         partial(check_restorable, s.store, cfg.run, restart, head=head, trust=pub.trust),
         f"reading the weight lineage of run {cfg.run!r}",
     )
     apply_checkpoint(learner, restart, lr=cfg.lr)
-    result = await s.stop.race(publish_with_retries(  # first the checkpoint's weights: a restore
-        partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
-        what=f"publishing the weights of checkpoint v{restart.version} of run {cfg.run!r}",
-    ))
+    async with seeded.keeper.lock:  # no pointer refresh while the restore commits
+        result = await s.stop.race(publish_with_retries(  # first the checkpoint's weights: a restore
+            partial(pub.publish, learner.bf16_state()), retries=3, backoff_s=2.0,
+            what=f"publishing the weights of checkpoint v{restart.version} of run {cfg.run!r}",
+        ))
     if result.restored_from != restart.version:
         log.warning("v%d was not published as a restore of v%d", result.version, restart.version)
     version, digest = result.version, pub.state_digest or ""

@@ -32,7 +32,8 @@ that goes back in (epoch, version) from the held version (or from `floor`) is re
 rollback (`freshness.pointer_regression`), counted and logged once like a forgery. A signed
 subscriber with no head at all (`first_pointer_max_age_s` set: a worker's first join) refuses a
 pointer signed too long before `now` (`freshness.stale_first_pointer`) with a SyncError, and
-polls on: the trainer's next re-signing changes the pointer.
+polls on: the trainer's next re-signing changes the pointer. While it waits on that pointer,
+`first_pointer_wait` says why (its age at each call), so a caller repeats one line naming it.
 
 With a `RunTrust` (a signed run), the pointer, every version and anchor manifest must be signed by
 the run key of its version and every patch object and anchor file must match the sha256 its
@@ -157,6 +158,7 @@ class Subscriber:
         self.meter = SpeedMeter(config.speeds)  # measured rates, for path choice
         self._etag: str | None = None  # of the last pointer that verified: polls ask If-None-Match it
         self._failed_etag: str | None = None  # of the last pointer answer that did not (reported once)
+        self._stale: Pointer | None = None  # the pointer polled last, refused as too old for a first join
         self._manifests: OrderedDict[str, VersionManifest] = OrderedDict()
 
     # -- public ------------------------------------------------------------------------------
@@ -174,8 +176,10 @@ class Subscriber:
                 self.store, self.layout.run, if_none_match=self._etag, trust=self.trust, plane=self.layout.plane
             )
         except NotPublished:
+            self._stale = None
             return None  # nothing published yet
         except MalformedPointer as exc:
+            self._stale = None
             if exc.etag == self._failed_etag:
                 return None  # reported already: nothing new until these bytes change
             self._failed_etag = exc.etag
@@ -186,7 +190,7 @@ class Subscriber:
         if got is None:
             return None
         pointer, self._etag = got
-        self._failed_etag = None
+        self._failed_etag, self._stale = None, None
         return pointer
 
     async def sync(self, base: Mapping[str, np.ndarray] | None = None) -> SyncResult | None:
@@ -204,7 +208,8 @@ class Subscriber:
             raise WeightsRefused(f"refused the pointer: {problem}; {self._keeping()}")
         if self.head is None and self.trust is not None and self.first_pointer_max_age_s is not None:
             stale = stale_first_pointer(pointer, self.now(), self.first_pointer_max_age_s)
-            if stale is not None:  # said once: the next poll is a 304 until the pointer is re-signed
+            if stale is not None:  # raised once: the next poll is a 304 until the pointer is re-signed
+                self._stale = pointer
                 raise SyncError(stale)
         if pointer.version == self.version:
             return None
@@ -290,6 +295,13 @@ class Subscriber:
     @property
     def head_epoch(self) -> int:
         return self.current.origin.epoch if self.current is not None else 0
+
+    def first_pointer_wait(self) -> str | None:
+        """While the pointer last polled is one refused as too old for a first join: why
+        (`freshness.stale_first_pointer`, its age now); None otherwise."""
+        if self._stale is None or self.head is not None or self.first_pointer_max_age_s is None:
+            return None
+        return stale_first_pointer(self._stale, self.now(), self.first_pointer_max_age_s)
 
     @property
     def head(self) -> Head | None:

@@ -25,6 +25,11 @@ baseline). The rollout function waits for the pointer to move after each train s
 (`stoa_publish_grace_s`), which includes the upload: give it more than the longest publish
 (an anchor). `stoa_background_publish: false` publishes inside `update_weights`.
 
+Pointer freshness. From the moment it opens (the first `update_weights`, which resumes from the
+bucket's pointer) until it closes, the publisher re-signs its pointers every `refresh_s`
+(`pulse.keepalive.PointerKeeper`, on its loop thread, between publishes), so workers joining for
+the first time take its pointer while slime trains or evaluates (`pulse.freshness`).
+
 The published names are exactly the `--hf-checkpoint` folder's (`hf_names.head_plan`): a tied
 model at pipeline parallelism > 1 gathers the last stage's `output_layer.weight`, which slime's
 converter names `lm_head.weight`; for a folder that ties its head and stores none it is left out
@@ -61,6 +66,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from slime_stoa.protocol.pulse.codec import check_bits
+from slime_stoa.protocol.pulse.commit import Committer
+from slime_stoa.protocol.pulse.freshness import REFRESH_S
+from slime_stoa.protocol.pulse.keepalive import PointerKeeper, publisher_committers
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult
 from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
 from slime_stoa.protocol.pulse.step_diff import DiffStep, diff_step
@@ -139,9 +147,11 @@ class SyncPublisher:
         create: bool = False,
         key: SigningKey | None = None,
         device: DeviceHook | None = None,
+        refresh_s: float = REFRESH_S,
     ) -> None:
         if retries < 0 or backoff_s < 0:
             raise ValueError("retries and backoff_s must be >= 0")
+        self._keeper = PointerKeeper(self._committers, every_s=refresh_s)  # runs on the loop once opened
         self.url, self.run, self.config = url, run, config
         self.device = device  # the device path's state (None: the numpy path)
         self._diff_step: DiffStep = device.diff_step if device is not None else diff_step
@@ -170,6 +180,7 @@ class SyncPublisher:
         if task is not None and not task.done():  # at exit: finish the version in flight first
             log.info("stoa: finishing the background publish before closing")
             await asyncio.wait([task])
+        await self._keeper.stop()
         if self._store is not None:
             await self._store.close()
 
@@ -197,7 +208,12 @@ class SyncPublisher:
             self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
             where = f"resuming after v{version}" if version is not None else "new run"
             log.info("stoa: publishing weights to run %s at %s (%s)", self.run, self.url, where)
+            self._keeper.start()  # the resumed pointer is kept fresh from now on, published to or not
         return self._publisher.version
+
+    def _committers(self) -> list[Committer]:
+        """The committers the keeper re-signs (none before the publisher opened)."""
+        return [] if self._publisher is None else publisher_committers(self._publisher)
 
     def committed(self) -> Committed | None:
         """The last committed bf16 version of an opened publisher (None: not opened, or a new
@@ -223,10 +239,11 @@ class SyncPublisher:
             assert self._publisher is not None
             return await self._publisher.publish(state)
 
-        return await publish_with_retries(
-            attempt, retries=self.retries, backoff_s=self.backoff_s,
-            what=f"publishing weights to run {self.run!r} at {self.url}",
-        )
+        async with self._keeper.lock:  # no refresh while a version commits (they share the pointer's ETag)
+            return await publish_with_retries(
+                attempt, retries=self.retries, backoff_s=self.backoff_s,
+                what=f"publishing weights to run {self.run!r} at {self.url}",
+            )
 
     def submit(self, state: Mapping[str, np.ndarray], *, copy: bool = True, gather_s: float = 0.0) -> Handoff:
         """Publish `state` as the next version in the background; returns once it is handed over.
