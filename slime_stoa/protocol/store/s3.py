@@ -23,6 +23,7 @@ writes, conditional or not). This module holds the store operations.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -130,11 +131,16 @@ class S3Store(S3Writer, Store):
                 if error_status(exc) == 416:
                     return False  # the range starts past the end
                 raise
-            async with resp["Body"] as body:
+            # A read of unknown length gets its deadline once the answer names its length: the
+            # headers within `request_deadline_s` (the call's own limit), the body at the slow
+            # uplink's rate from there, so a trickled whole-object GET ends like a ranged one.
+            body_limit = None if length is not None else self.deadline(_content_length(resp))
+            async with resp["Body"] as body, asyncio.timeout(body_limit):
                 data = await body.read()
             return GetResult(data=data, etag=answer_etag(resp, where), size=_total_size(resp, len(data)))
 
-        result = await self._call("GET", key, fetch, size=length)  # unknown length: no deadline
+        # a ranged read's deadline covers its bytes; an unknown length's covers the headers here
+        result = await self._call("GET", key, fetch, size=length if length is not None else 0)
         if result is False:
             return await self._empty_read(key, offset, if_none_match)
         assert result is None or isinstance(result, GetResult)
@@ -212,6 +218,13 @@ class S3Store(S3Writer, Store):
 
     async def put_if_absent(self, key: str, data: Payload) -> str:
         return await self._write(key, self._full(key), data, {"IfNoneMatch": "*"})
+
+
+def _content_length(resp: dict[str, Any]) -> int:
+    """The bytes an answer says its body holds (S3 always sends Content-Length on a GET; an
+    answer without one gets the deadline of an empty body)."""
+    value = resp.get("ContentLength")
+    return int(value) if isinstance(value, int) and value >= 0 else 0
 
 
 def _total_size(resp: dict[str, Any], read: int) -> int:
