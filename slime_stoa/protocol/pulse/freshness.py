@@ -12,7 +12,8 @@ an earlier run (a restarted worker, `macd/run_pin.py`).
 A reader with no head at all (a worker joining for the first time) has nothing to compare
 against, so the pointer's signed time bounds it instead: every pointer carries `updated_at`,
 signed with it, and a live trainer re-signs its pointer at least every `REFRESH_S`
-(`commit.Committer.refresh`) even when no version is published. A first-time reader refuses a
+(`commit.Committer.refresh`, run by each publishing process's `keepalive.PointerKeeper`) even
+when no version is published. A first-time reader refuses a
 pointer signed more than `FIRST_POINTER_MAX_AGE_S` before the store's clock
 (`stale_first_pointer`): an old genuine pointer put back is then at most that old. When the
 trainer is down its pointer goes stale: workers that hold weights keep them (their head, not the
