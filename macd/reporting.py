@@ -1,5 +1,7 @@
 """The worker's heartbeat: the fields every part of the worker sets, its errors, its writes (signed
-by the worker key in a signed run: `Reporter.signer`)."""
+by the worker key in a signed run: `Reporter.signer`). Each write's `updated_at` is by the
+store's clock (`clock.StoreClock`), as the worker's records are: the trainer and `stoa
+fleet` judge a heartbeat's age against their own clock, and a Mac's clock may be minutes off."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, StoreConfigError, StoreError
 
 from .aio import wait
+from .clock import StoreClock
 from .spool import Spool
 from .uploader import Uploader
 
@@ -38,9 +41,14 @@ class Reporter:
     far (`count_tokens`: the generator's own count, kept per decode step on the MLX thread) and
     their rate over the last `RATE_WINDOW_S`."""
 
-    def __init__(self, store: Store, layout: RunLayout, worker_id: str, name: str, *, repeat_log_s: float) -> None:
+    def __init__(
+        self, store: Store, layout: RunLayout, worker_id: str, name: str, *, repeat_log_s: float,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.store, self.layout, self.worker_id, self.repeat_log_s = store, layout, worker_id, repeat_log_s
+        self.clock = clock if clock is not None else StoreClock(store)  # the heartbeat's times
         self.instance = secrets.token_hex(8)  # this process, among others that may hold the same worker id
+        # Made before the store's first answer, when the store's clock is the local one anyway.
         self.beat = Heartbeat(worker_id=worker_id, name=name, status="starting", started_at=time.time(),
                               instance=self.instance)
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # sees every heartbeat (macd.tracking)
@@ -104,7 +112,7 @@ class Reporter:
 
     async def write(self) -> None:
         tokens, rate = self.progress()
-        self.update(updated_at=time.time(), tokens_generated=tokens, tokens_per_s=rate)
+        self.update(updated_at=self.clock(), tokens_generated=tokens, tokens_per_s=rate)
         if self.on_heartbeat is not None:
             self.on_heartbeat(self.beat)
         try:
