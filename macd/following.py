@@ -124,6 +124,7 @@ class WeightFollower:
             store, config, options, mlx, reporter, wake
         )
         self.sub: Subscriber | None = None
+        self.now: Callable[[], float] = StoreClock(store)  # what a first join judges the pointer's age by
         self.live: LiveWeights | None = None
         self.installed: tuple[int, str] = (-1, "")  # (version, state digest) the model computes with
         self.plane: Plane = "bf16"  # the plane the model serves (`load_model`); records name it
@@ -139,7 +140,7 @@ class WeightFollower:
         kept) a pointer signed too long ago by the store's clock (module doc)."""
         if self.sub is None:
             self.sub = Subscriber(self.store, self.config.run, trust=trust, deferred=True, plane=plane)
-            self.sub.now = StoreClock(self.store)
+            self.sub.now = self.now
             if trust is not None:
                 self.sub.floor = remembered_head(self.config.data_dir, self.config.run)
                 if self.sub.floor is None:

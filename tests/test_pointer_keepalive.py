@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from macd.clock import StoreClock
 from macd.config import DaemonConfig
 from macd.run_pin import remember_head
 from macd.worker import Worker, WorkerOptions
@@ -212,3 +214,42 @@ async def test_a_worker_with_a_kept_head_is_not_bound_by_the_pointers_age(
     finally:
         stop.set()
         assert await asyncio.wait_for(run, 120) == 0
+
+
+@pytest.fixture
+def backend_param() -> None:
+    """Opts this module's S3-only tests out of the default backend parametrization (conftest)."""
+
+
+@pytest.mark.parametrize("store_url", ["s3"], indirect=True)
+@pytest.mark.parametrize(("local_off_s", "signed_ago_s", "taken"), [
+    (-2 * HOUR, 2 * HOUR, False),  # a Mac two hours behind: the old pointer looks fresh to it, refused still
+    (+2 * HOUR, 0.0, True),  # a Mac two hours ahead: a fresh pointer looks old to it, taken still
+])
+async def test_a_first_join_judges_the_pointers_age_by_the_stores_clock(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, backend_param: None,
+    local_off_s: float, signed_ago_s: float, taken: bool,
+) -> None:
+    key, _ = await signed_run(store, model_dir)
+    pointer = await pointer_in(store)
+    await store.put(RunLayout(RUN).pointer, replace(pointer, updated_at=time.time() - signed_ago_s).to_bytes(key))
+    worker = new_worker(store, store_url, key, tmp_path)
+    follower = worker.weights
+    assert isinstance(follower.now, StoreClock) and follower.now.store is store
+    follower.now.local = lambda: time.time() + local_off_s  # this Mac's clock is off
+    sub = follower.subscriber(RunTrust(RUN, key.public))
+    assert sub.now is follower.now
+    stop = asyncio.Event()
+    first = asyncio.create_task(follower.first_sync(sub, stop))
+    try:
+        await async_wait_until(lambda: first.done() or sub.first_pointer_wait() is not None, timeout=60,
+                               message="the pointer taken or waited on")
+        assert first.done() is taken
+        if taken:
+            staged = first.result()
+            assert staged is not None and staged.version == 0
+        else:
+            assert "signed 120 min ago" in worker.beat.last_error and sub.version is None
+    finally:
+        stop.set()
+        await asyncio.wait_for(first, 60)
