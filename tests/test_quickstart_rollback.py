@@ -1,0 +1,91 @@
+"""`stoa quickstart` resuming on an old genuine consumer state put back (`StateRollback`).
+
+A worker token can put back an older save of the trainer's own consumer state (signed by the run
+key, so it verifies, but below the newest signed head). The rerun quickstart
+
+- with its copy of the state (`<out>/kept`, the default) puts the copy back and resumes: exit 0;
+- without it (the copy deleted) pauses, reporting one line at tries 1, 2, 4, ... that names
+  `consumer.json` and the repair, and resumes by itself once the newest state is back: exit 0.
+
+Never a traceback. Real `macd run` workers, real learner, a local bucket; bounded by versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytest.importorskip("torch")
+
+from slime_stoa.protocol.signing import read_key_file
+from slime_stoa.trainer.consumer.persistence import parse_state, state_bytes
+from tests.test_quickstart import Quickstart
+
+RUN = "quickstart"
+#: The shortest run that saves the consumer state more than once: one worker, one version.
+SHORT = ("--workers", "1", "--max-versions", "1", "--no-eval", "--no-warm-start", "--minutes", "5")
+
+
+def bucket_state(out: Path) -> Path:
+    return out / "bucket" / "runs" / RUN / "trainer" / "consumer.json"
+
+
+def kept_state(out: Path) -> Path:
+    return out / "kept" / "runs" / RUN / "trainer" / "consumer.json"
+
+
+def put_back_an_old_save(out: Path) -> tuple[bytes, int]:
+    """Replace the bucket's state with an older save of it, signed by the run key (a genuine
+    state below the newest head); returns (the newest state's bytes, its save number)."""
+    newest = bucket_state(out).read_bytes()
+    key = read_key_file(out / "run.key")
+    state = parse_state(newest, RUN, [key.public])
+    assert state.seq >= 2, state.seq  # a head above save 1 exists
+    bucket_state(out).write_bytes(state_bytes(dataclasses.replace(state, seq=1), key))
+    return newest, state.seq
+
+
+def finished(qs: Quickstart) -> str:
+    """The output of a quickstart that ends by itself, asserted to exit 0 without a traceback."""
+    code = qs.proc.wait(timeout=600)
+    text = qs.finish()
+    assert code == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    return text
+
+
+def test_a_rerun_on_an_old_state_put_back_resumes_with_or_without_its_copy(tmp_path: Path) -> None:
+    out = tmp_path / "qs"
+    finished(Quickstart(out, *SHORT))
+
+    # Without the trainer's copy: paused, one line per report, until the newest state is back.
+    newest, seq = put_back_an_old_save(out)
+    kept_state(out).unlink()
+    qs = Quickstart(out, *SHORT)
+    try:
+        qs.wait_for_line(r"stoa: paused \(try 2,")
+    except BaseException:
+        qs.finish()
+        raise
+    bucket_state(out).write_bytes(newest)  # the operator's repair
+    text = finished(qs)
+    paused = [line for line in text.splitlines() if "stoa: paused" in line]
+    assert paused and all("consumer.json" in line and "older than its newest signed head" in line for line in paused)
+    assert all("Repair:" in line for line in paused)
+    tries = [int(m.group(1)) for line in paused if (m := re.search(r"\(try (\d+),", line))]
+    assert tries == [2**i for i in range(len(tries))]  # at tries 1, 2, 4, ...: not a line per try
+    assert "resumed after" in text
+    after_repair = parse_state(bucket_state(out).read_bytes(), RUN, [read_key_file(out / "run.key").public])
+    assert after_repair.seq > seq  # it resumed from the repaired state and saved on
+
+    # With the copy (kept again by that run): put back by the trainer itself, no pause at all.
+    _newest, seq = put_back_an_old_save(out)
+    text = finished(Quickstart(out, *SHORT))
+    assert "stoa: paused" not in text
+    assert f"put the trainer's own copy (save {seq}) back" in text
+    resumed = parse_state(bucket_state(out).read_bytes(), RUN, [read_key_file(out / "run.key").public])
+    assert resumed.seq > seq
