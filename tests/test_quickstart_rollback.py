@@ -58,6 +58,7 @@ def finished(qs: Quickstart) -> str:
     return text
 
 
+@pytest.mark.slow  # three quickstart runs, ~3 minutes on two cores: python -m pytest --slow tests/test_quickstart_rollback.py
 def test_a_rerun_on_an_old_state_put_back_resumes_with_or_without_its_copy(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     finished(Quickstart(out, *SHORT))
