@@ -91,7 +91,9 @@ async def test_the_slime_publisher_keeps_its_resumed_pointer_fresh_between_publi
         await asyncio.to_thread(pub.close)
 
 
-async def test_the_quickstart_keeper_re_signs_every_chain_of_a_resumed_publisher(store: Store) -> None:
+async def test_the_quickstart_keeper_re_signs_every_chain_of_a_resumed_publisher_at_once(store: Store) -> None:
+    """A quickstart rerun after a long stop: its first round is at once (the interval is an hour
+    here), so workers started after seeding find a fresh pointer."""
     key = SigningKey.generate()
     trust = RunTrust(RUN, key.public)
     planes = PublisherConfig(planes=("int8",))
@@ -103,7 +105,7 @@ async def test_the_quickstart_keeper_re_signs_every_chain_of_a_resumed_publisher
     bf16, int8 = await pointer_in(store, trust=trust), await pointer_in(store, "int8", trust)
     resumed = Publisher(store, RUN, planes, key=key)  # the quickstart rerun: resumed, not publishing
     assert await resumed.open() == 1
-    keeper = pointer_keeper(resumed, every_s=0.01)
+    keeper = pointer_keeper(resumed, every_s=HOUR)
     keeper.start()
     try:
         await async_wait_until(lambda: re_signed(store, bf16), timeout=60, message="the bf16 pointer re-signed")

@@ -6,7 +6,8 @@ a worker joining for the first time can tell it from an old pointer put back
 Every trainer process that publishes runs one `PointerKeeper`, on the event loop that owns its
 committers, from the moment its publisher has opened (resumed from the bucket's pointer, so a
 trainer that publishes nothing in this session keeps the existing pointer fresh too) until it
-stops. The refresh and the commits share each committer's ETag: the owner holds the keeper's
+stops. Its first round is at once: a trainer restarted after a long stop resumes from a pointer
+that may be too old for new workers already, and they should not wait one interval for it. The refresh and the commits share each committer's ETag: the owner holds the keeper's
 `lock` around each publish, and each round holds it too, so a refresh never interleaves with a
 commit (it would make the commit's compare-and-swap lose and write over its own refreshed
 pointer). A store that fails a refresh is logged and tried again at the next round; nothing a
@@ -46,14 +47,18 @@ async def refresh_all(committers: Iterable[Committer]) -> int:
 
 async def keep_pointers_fresh(
     committers: Callable[[], Iterable[Committer]], stop: asyncio.Event, every_s: float = REFRESH_S,
-    lock: asyncio.Lock | None = None,
+    lock: asyncio.Lock | None = None, *, at_once: bool = False,
 ) -> None:
-    """Until `stop` is set: every `every_s`, `refresh_all(committers())` (read each round: the
-    planes a publisher serves may change when it opens), holding `lock` (the one the owner's
-    publishes hold) if given. A round that fails is logged; the next one tries again."""
+    """Until `stop` is set: every `every_s` (and first at once with `at_once`),
+    `refresh_all(committers())` (read each round: the planes a publisher serves may change when
+    it opens), holding `lock` (the one the owner's publishes hold) if given. A round that fails
+    is logged; the next one tries again."""
+    wait_s = 0.0 if at_once else every_s
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), every_s)
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait_s)
+        wait_s = every_s
         if stop.is_set():
             break
         try:
@@ -72,7 +77,7 @@ def publisher_committers(publisher: Publisher) -> list[Committer]:
 
 class PointerKeeper:
     """One process's keepalive (module doc): `keep_pointers_fresh` as a task on the running loop
-    from `start` to `stop`; the owner holds `lock` around each publish."""
+    from `start` (a first round at once) to `stop`; the owner holds `lock` around each publish."""
 
     def __init__(self, committers: Callable[[], Iterable[Committer]], *, every_s: float = REFRESH_S) -> None:
         if every_s <= 0:
@@ -91,7 +96,8 @@ class PointerKeeper:
         """Start re-signing on the running loop (the one that owns the committers); again: nothing."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(
-                keep_pointers_fresh(self.committers, self._stop, self.every_s, self.lock), name="stoa-pointer-keeper"
+                keep_pointers_fresh(self.committers, self._stop, self.every_s, self.lock, at_once=True),
+                name="stoa-pointer-keeper",
             )
 
     async def stop(self) -> None:
