@@ -12,6 +12,7 @@ of its own (no `keep_dir`): nothing stops it, and no honest record is lost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -19,6 +20,7 @@ import msgspec
 import pytest
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
@@ -78,6 +80,36 @@ async def test_a_deleted_run_manifest_pauses_the_consumer_until_it_is_back(
         assert await batches(c, 2) == ["mac-a", "mac-a"]
     finally:
         await c.close()
+
+
+async def test_a_run_manifest_of_another_key_pauses_the_consumer_until_it_is_back(
+    store: Store, store_url: str, tiny: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's token writes a run manifest naming its own key, signed by it. The run's pointer
+    is signed by the configured key, so the manifest is a forgery: the trainer waits for the
+    repair instead of stopping. A trainer configured with a key nothing in the bucket is signed
+    by is refused at once (its own config is wrong; no wait repairs that)."""
+    caplog.set_level(logging.INFO, logger="stoa")
+    caplog.set_level(logging.INFO, logger="slime_stoa")
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    manifest = RunLayout(RUN).run_manifest
+    genuine = await store.get_bytes(manifest)
+    forger = run.workers["mac-a"]
+    forged = dataclasses.replace(RunManifest.from_bytes(genuine), run_key=forger.public.to_text())
+    await store.put(manifest, forged.to_bytes(forger))
+    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
+    opening = asyncio.ensure_future(open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key))
+    await until(lambda: len(paused_lines(caplog)) >= 2, asyncio.shield(opening))  # tries 1 and 2
+    assert all("run.json" in line and "stoa run create" in line for line in paused_lines(caplog))
+    await store.put(manifest, genuine)
+    c = await opening
+    try:
+        assert len(resumed_tries(caplog)) == 1
+        assert await batches(c, 2) == ["mac-a", "mac-a"]
+    finally:
+        await c.close()
+    with pytest.raises(RunKeyMismatch):
+        await open_signed_consumer(store, tiny, store_url, run, run_key=SigningKey.generate().public.to_text())
 
 
 async def test_a_spoiled_state_pauses_the_restart_until_it_is_back(

@@ -11,7 +11,10 @@ With `ConsumerConfig.keep_dir` the trainer keeps its own copy of the manifest it
 (`slime_stoa.protocol.kept`): a manifest a bucket writer deleted or replaced (refused as another
 key's, or not parsing) is put back from it, and the trainer starts all the same. Without that
 copy, a manifest gone or garbage raises `pause.Broken` naming the repair, and
-`RolloutConsumer.open` waits for it; one naming another run key than `run_key` is refused at once.
+`RolloutConsumer.open` waits for it; so does one naming another run key than `run_key` when the
+run's weight pointer is signed by `run_key` (the key is the run's: the manifest is a forgery).
+When nothing in the bucket is that key's, the mismatch is refused at once: most likely the
+trainer's own `run_key` is wrong, which no waiting repairs.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from slime_stoa.judging.run_data import load_decoding, read_task
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
 from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
+from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.tasks import Task
@@ -88,8 +94,8 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
         manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
     except (RunNotFound, ValueError) as exc:  # gone, garbage, or another key's (RunKeyMismatch)
         if copies is None or copies.kept(key) is None:
-            if isinstance(exc, RunKeyMismatch):  # as likely the trainer's own config: said at once
-                raise
+            if isinstance(exc, RunKeyMismatch) and not await run_key_vouched(store, config):
+                raise  # nothing in the bucket is signed by the configured key: likely its own config, said at once
             raise Broken(
                 f"the run manifest {key} in {store.url} is gone or refused", manifest_repair(config), exc
             ) from exc
@@ -101,6 +107,22 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
             if RunManifest.from_bytes(data) == manifest:
                 copies.keep(key, data)
     return manifest
+
+
+async def run_key_vouched(store: Store, config: ConsumerConfig) -> bool:
+    """Whether the run's weight pointer verifies under the configured `run_key` (or a rotation
+    of it): then that key is the run's and a manifest naming another one is a bucket writer's
+    forgery, which the trainer waits out like a deleted one instead of stopping on. False when
+    there is no key, no pointer yet, or the pointer is not that key's (a wrong `run_key` in
+    the trainer's config: reported at once)."""
+    if config.run_key is None:
+        return False
+    try:
+        trust = RunTrust.from_text(config.run, config.run_key)
+        await read_pointer(store, config.run, trust=trust)
+    except (NotPublished, ManifestError, ValueError):
+        return False
+    return True
 
 
 def manifest_repair(config: ConsumerConfig) -> str:
