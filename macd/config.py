@@ -128,15 +128,16 @@ def check_label(name: str) -> str:
 
 def plane_override(manifest: RunManifest, plane: str) -> Plane:
     """`plane` (a config's override) checked against the run of `manifest`: ValueError when the
-    run cannot be served on it (a larger plane than the run's, or int4 the run does not publish;
-    int8 a Mac can always make from the bf16 weights)."""
+    run cannot be served on it: a larger plane than the run's, or a quantized plane the run
+    neither serves nor publishes (the trainer refuses records of such a plane: a claimed plane
+    widens its logprob-gap bound, so only the run manifest's planes are taken)."""
     if plane not in PLANES:
         raise ValueError(f"plane must be one of {', '.join(PLANES)}, got {plane!r}")
     if PLANES.index(plane) < PLANES.index(manifest.plane):
         raise ValueError(f"plane {plane}: run {manifest.run!r} serves {manifest.plane}; serve it on that plane or a smaller one")
-    if plane == "int4" and not manifest.offers("int4"):
-        offered = ", ".join(p for p in PLANES if PLANES.index(p) >= PLANES.index(manifest.plane) and p != "int4")
-        raise ValueError(f"plane int4: run {manifest.run!r} does not publish the int4 plane (serve {offered})")
+    if plane != manifest.plane and not manifest.offers(plane):
+        offered = ", ".join(p for p in PLANES if p == manifest.plane or manifest.offers(p))
+        raise ValueError(f"plane {plane}: run {manifest.run!r} does not publish the {plane} plane (serve {offered})")
     return plane
 
 
@@ -244,8 +245,8 @@ class DaemonConfig:
         default="",
     )
     plane: str = setting(
-        "The weight plane this Mac serves the run on: bf16, int8 or int4 (int4 only when the run "
-        "publishes it), never a larger one than the run's. Empty: the largest that fits this Mac's "
+        "The weight plane this Mac serves the run on: bf16, int8 or int4 (a quantized one only when "
+        "the run serves or publishes it), never a larger one than the run's. Empty: the largest that fits this Mac's "
         "memory (the run's plane, or a smaller one the run publishes; `macd join` shows it).",
         join=Flag(
             metavar="PLANE",

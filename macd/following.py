@@ -421,12 +421,13 @@ class WeightFollower:
 
 def held_plane(manifest: RunManifest, plane: Plane) -> QuantPlane | None:
     """The quantized plane a worker serving `plane` follows and holds alone: `plane` when the
-    run publishes it (`RunManifest.planes`), else None (the bf16 weights: served as they are, or
-    quantized to int8 here from them). ValueError for a 4-bit plane the run does not publish."""
+    run publishes it (`RunManifest.planes`), else None (the bf16 weights: served as they are, or,
+    int8 being the run's own plane unpublished, quantized here from them). ValueError for a
+    quantized plane the run neither serves nor publishes (the trainer refuses records of it)."""
     if plane != "bf16" and manifest.offers(plane):
         return check_plane(plane)
-    if plane == "int4":
-        raise ValueError(f"run {manifest.run!r} does not publish the int4 plane; serve bf16 or int8")
+    if plane not in ("bf16", manifest.plane):
+        raise ValueError(f"run {manifest.run!r} does not publish the {plane} plane; serve bf16")
     return None
 
 

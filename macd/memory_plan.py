@@ -16,12 +16,12 @@ Device (`DEVICES`): what a worker holds depends on where MLX computes.
 Terms (bytes), as on the GPU:
 
 - weights, per plane (`macd.weights`): ``bf16`` 2 per parameter (the master is the model);
-  ``int8`` the bf16 master (2 per parameter) plus the served copy: 1 + 4/64 per quantizable
-  parameter (Linear/Embedding/expert weights whose input size is a multiple of 64: 8-bit codes,
-  a bf16 scale and bias per group of 64) and 2 per other parameter (norms, conv kernels, biases).
-  A plane the run publishes (`published`, `RunManifest.planes`) is held alone, no master:
-  ``int8`` 1 + 4/64 per quantizable parameter, ``int4`` 0.5 + 4/64, 2 per other parameter
-  (int4 only that way).
+  a quantized plane only where the run manifest names it (the trainer takes records of no
+  other): where the run publishes it (`published`, `RunManifest.planes`) held alone, no master:
+  ``int8`` 1 + 4/64 per quantizable parameter (Linear/Embedding/expert weights whose input size
+  is a multiple of 64: 8-bit codes, a bf16 scale and bias per group of 64), ``int4`` 0.5 + 4/64,
+  2 per other parameter (norms, conv kernels, biases); int8 as the run's own plane unpublished
+  (`run_plane`), quantized here: the bf16 master (2 per parameter) plus that copy.
 - KV cache, attention layers only: K and V, ``num_key_value_heads * head_dim`` bf16 values each,
   per token of every live sequence, allocated in steps of 256 tokens (mlx-lm's `KVCache.step`);
   a batch's cache is as long as its longest sequence (left padding), so every sequence is
@@ -57,6 +57,9 @@ INT8_BYTES = 1 + 4 / QUANT_GROUP  # 8-bit code, bf16 scale and bias per 64
 INT4_BYTES = 0.5 + 4 / QUANT_GROUP  # 4-bit code, bf16 scale and bias per 64
 #: Bytes per quantizable parameter of a quantized plane held alone.
 HELD_BYTES = {"int8": INT8_BYTES, "int4": INT4_BYTES}
+#: More parameters than any model a Mac could serve (10^14: 200 TB of bf16): a config claiming more
+#: is absurd, planned as no plan rather than as arithmetic on sizes no model has.
+MAX_PARAMS = 10**14
 PREFILL_STEP = 2048  # macd.generate.PREFILL_STEP
 #: Where MLX computes (module doc): a GPU (Metal on a Mac) or MLX's CPU device (float32 compute).
 DEVICES = ("gpu", "cpu")
@@ -196,17 +199,21 @@ def param_count(config: Mapping[str, Any]) -> ParamCount:
     return ParamCount(q, o, wide)
 
 
-def weights_by_plane(counts: ParamCount, published: Sequence[str] = (), device: str = "gpu") -> dict[str, int]:
+def weights_by_plane(
+    counts: ParamCount, published: Sequence[str] = (), device: str = "gpu", run_plane: str = "bf16"
+) -> dict[str, int]:
     """Bytes of the weights of each plane a worker can serve on `device` (module doc): bf16 (on
-    the CPU with the float32 copies of its matmul weights); int8 quantized here beside the bf16
-    master, or held alone when `published`; int4 only when published."""
+    the CPU with the float32 copies of its matmul weights); a quantized plane only where the run
+    manifest names it (the trainer takes records of no other plane: a claimed plane widens its
+    logprob-gap bound): held alone when `published`, or, int8 as the run's own `run_plane`
+    without publishing it, quantized here beside the bf16 master."""
     _check_device(device)
     out = {"bf16": 2 * counts.total + (WIDE_BYTES * counts.widened if device == "cpu" else 0)}
     for plane, per in HELD_BYTES.items():
         alone = int(per * counts.quantizable + 2 * counts.other)
         if plane in published:
             out[plane] = alone
-        elif plane == "int8":
+        elif plane == run_plane:
             out[plane] = 2 * counts.total + alone
     return out
 
@@ -250,11 +257,13 @@ def plan(
     published: Sequence[str] = (),
     index_line: str = "",
     device: str = "gpu",
+    run_plane: str = "bf16",
 ) -> MemoryPlan:
     """The memory plan of `config` for `groups` concurrent groups of `group_size` sequences of at
     most `prompt_tokens + response_tokens` tokens, on each Mac of `mac_sizes_gb` (usable bytes
     from `usable` where given, else `usable_bytes`), with the quantized planes the run
-    `published` held alone and a search index of `index_bytes` (`index_line` says which). Per
+    `published` held alone (int8 quantized here when it is the run's `run_plane` unpublished)
+    and a search index of `index_bytes` (`index_line` says which). Per
     (RAM, plane) row: ``fits``, the headroom, and ``max_sequences``: how many full-length
     sequences would fit beside the weights and the index. `device`: where MLX computes (`DEVICES`,
     module doc), which decides the float32 terms and the usable memory."""
@@ -264,6 +273,8 @@ def plan(
     if min(group_size, groups, prompt_tokens + response_tokens) < 1:
         raise ValueError("need group_size, groups >= 1 and a positive length")
     counts = param_count(config)
+    if counts.total > MAX_PARAMS:  # a config.json from the bucket with sizes no model has
+        raise ValueError(f"{counts.total:.3g} parameters: no model this plan is for has that many")
     types = _layer_types(config)
     h, v = int(config["hidden_size"]), int(config["vocab_size"])
     heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
@@ -279,7 +290,7 @@ def plan(
                  2 * int(config.get("num_experts_per_tok") or 0) * int(config.get("moe_intermediate_size") or 0))
     activations = chunk * v * act + seqs * v * 4 + chunk * widest * 4
     offered = tuple(p for p in ("int8", "int4") if p in published)
-    weights = weights_by_plane(counts, offered, device)
+    weights = weights_by_plane(counts, offered, device, run_plane)
     result = MemoryPlan(
         counts.total, weights, offered, kv_token, conv_seq, seqs, seqs * per_seq, activations, index_bytes,
         index_line=index_line, device=device,
@@ -366,6 +377,7 @@ def this_mac(
     p = config_plan(
         config, group_size=group_size, groups=groups, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
         index_bytes=index_bytes, index_line=index_line, mac_sizes_gb=(ram_gb,), published=published, device=device,
+        run_plane=plane,
     )
     if p is None:
         return [], None

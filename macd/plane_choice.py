@@ -1,14 +1,15 @@
 """Which plane a Mac serves a run on: the run's plane when it fits the Mac's memory, else the
 first smaller plane that does, among those this Mac can serve for the run.
 
-Planes from the largest: ``bf16``, ``int8``, ``int4``. A Mac can always serve bf16 and int8 (the
-worker quantizes the bf16 weights itself, keeping them as its master); on a quantized plane the
-run publishes (`RunManifest.planes`) it holds that plane alone, and int4 only that way. Weights
-per plane (bytes, `memory_plan.param_count`: q quantizable parameters, o others):
+Planes from the largest: ``bf16``, ``int8``, ``int4``. A Mac can always serve bf16; a quantized
+plane only where the run manifest names it (the trainer takes records of no other plane): held
+alone where the run publishes it (`RunManifest.planes`), or int8 as the run's own `plane`
+unpublished, quantized here from the bf16 weights (kept as its master). Weights per plane
+(bytes, `memory_plan.param_count`: q quantizable parameters, o others):
 
 - bf16: ``2 (q + o)``;
 - int8, published: ``(1 + 4/64) q + 2 o`` (8-bit codes, a bf16 scale and bias per 64);
-- int8, quantized here: the bf16 master ``2 (q + o)`` plus that;
+- int8, the run's plane, quantized here: the bf16 master ``2 (q + o)`` plus that;
 - int4, published: ``(0.5 + 4/64) q + 2 o``.
 
 The cache, activations and index are `memory_plan.plan`'s (the index at the size its manifest in
@@ -48,7 +49,7 @@ def weights_bytes(model_config: Mapping[str, Any], manifest: RunManifest, device
     """Bytes of the weights of each plane this Mac can serve the run on, computing on `device`
     (module docstring)."""
     published = [plane for plane in PLANES if manifest.offers(plane)]
-    return cast(dict[Plane, int], weights_by_plane(param_count(model_config), published, device))
+    return cast(dict[Plane, int], weights_by_plane(param_count(model_config), published, device, manifest.plane))
 
 
 def plan_device() -> str:

@@ -17,8 +17,7 @@ SHAPE = dict(group_size=16, prompt_tokens=512, response_tokens=1024, mac_sizes_g
 def test_published_planes_are_planned_without_the_master() -> None:
     counts = param_count(LFM2_5_8B_A1B)
     before = plan(LFM2_5_8B_A1B, **SHAPE)
-    assert set(before.weights) == {"bf16", "int8"}  # int4 only when published
-    assert before.weights["int8"] == int(2 * counts.total + (1 + 4 / 64) * counts.quantizable + 2 * counts.other)
+    assert set(before.weights) == {"bf16"}  # a quantized plane only when published
     both = plan(LFM2_5_8B_A1B, **SHAPE, published=("int8", "int4"))
     assert both.weights["bf16"] == 2 * counts.total
     assert both.weights["int8"] == int((1 + 4 / 64) * counts.quantizable + 2 * counts.other)
@@ -29,7 +28,7 @@ def test_published_planes_are_planned_without_the_master() -> None:
     assert not any(r["fits"] for r in before.macs if r["ram_gb"] == 16)
     lines = describe(both)
     assert "int8 8.4 GiB (published, held alone)" in lines[1] and "int4 4.4 GiB (published, held alone)" in lines[1]
-    assert "(bf16 master + int8 copy)" in describe(before)[1]
+    assert "int8" not in describe(before)[1]
     assert [line for line in lines if line.startswith("16 GB Mac, int4")]
     only8 = plan(LFM2_5_8B_A1B, **SHAPE, published=("int8",))
     assert set(only8.weights) == {"bf16", "int8"} and only8.weights["int8"] == both.weights["int8"]
@@ -44,7 +43,10 @@ def _run(plane: str = "bf16", planes: tuple[str, ...] = ()) -> RunManifest:
 
 def test_a_plane_override_respects_the_runs_planes() -> None:
     assert cfg.plane_override(_run(), "bf16") == "bf16"
-    assert cfg.plane_override(_run(), "int8") == "int8"  # quantized here from the bf16 weights
+    with pytest.raises(ValueError, match="does not publish the int8 plane"):  # its records would be refused
+        cfg.plane_override(_run(), "int8")
+    assert cfg.plane_override(_run(planes=("int8",)), "int8") == "int8"
+    assert cfg.plane_override(_run("int8"), "int8") == "int8"  # the run's own plane: quantized here
     assert cfg.plane_override(_run(planes=("int4",)), "int4") == "int4"
     with pytest.raises(ValueError, match="does not publish the int4 plane"):
         cfg.plane_override(_run(planes=("int8",)), "int4")

@@ -17,11 +17,14 @@ def run(plane: str = "bf16", planes: tuple[str, ...] = ()) -> RunManifest:
     return RunManifest(run="r", model="m", task="t", plane=plane, planes=planes, max_prompt_tokens=1024, max_tokens=1024)  # type: ignore[arg-type]
 
 
-def test_a_published_plane_is_held_alone_and_a_quantized_copy_keeps_its_master() -> None:
+def test_a_quantized_plane_is_planned_only_where_published_and_held_alone() -> None:
     here, published = weights_bytes(LFM2_5_8B_A1B, run()), weights_bytes(LFM2_5_8B_A1B, run(planes=("int8", "int4")))
-    assert here.keys() == {"bf16", "int8"} and published.keys() == {"bf16", "int8", "int4"}
-    assert here["int8"] == here["bf16"] + published["int8"]  # the bf16 master plus the served copy
-    assert 23 * GIB < here["int8"] < 25 * GIB  # ~3.06 bytes a weight: fits neither 16 nor 24 GB Macs
+    assert here.keys() == {"bf16"} and published.keys() == {"bf16", "int8", "int4"}  # no other plane's records are taken
+    assert here["bf16"] == published["bf16"]
+    own = weights_bytes(LFM2_5_8B_A1B, run("int8"))  # int8 the run's own plane, unpublished: quantized here
+    assert own.keys() == {"bf16", "int8"} and own["int8"] == own["bf16"] + published["int8"]  # beside the master
+    assert 23 * GIB < own["int8"] < 25 * GIB  # ~3.06 bytes a weight: fits neither 16 nor 24 GB Macs
+    assert choose_plane(LFM2_5_8B_A1B, run("int8"), memory=64 * GIB, sequences=16, device="gpu").plane == "int8"  # type: ignore[union-attr]
     assert published["int4"] < published["int8"] < 0.6 * published["bf16"]
     assert HELD_BYTES["int8"] == 1 + 4 / 64
 
@@ -32,7 +35,7 @@ def test_a_published_plane_is_held_alone_and_a_quantized_copy_keeps_its_master()
         (64, ("int8", "int4"), "bf16"),  # the run's plane fits: never a smaller one
         (24, ("int8", "int4"), "int8"),
         (16, ("int8", "int4"), "int8"),
-        (16, ("int4",), "int4"),  # int8 only as a copy beside the master: does not fit
+        (16, ("int4",), "int4"),  # int8 not published: not a choice
         (24, (), "bf16"),  # nothing smaller that fits: the run's plane (the plan warns)
     ],
 )

@@ -59,6 +59,8 @@ def test_the_plane_a_worker_holds() -> None:
     assert held_plane(plain, "int8") is None  # no int8 plane published: quantized here from the bf16 weights
     with pytest.raises(ValueError, match="does not publish the int4 plane"):
         held_plane(plain, "int4")
+    with pytest.raises(ValueError, match="does not publish the int8 plane"):  # neither served nor published
+        held_plane(RunManifest(run=RUN, model="m", task="t"), "int8")
     assert served_digest(None, "ab") == "ab"
 
 

@@ -30,8 +30,9 @@ log = logging.getLogger("stoa.run")
 
 FORMAT = "stoa.run/1"
 #: What workers serve: bf16 weights, or MLX affine int8 / 4-bit (group size 64) made from them.
-#: A quantized plane the run publishes (`planes`) is downloaded and held alone; a worker on int8
-#: of a run that publishes no int8 plane quantizes the bf16 weights itself (keeping them too).
+#: A quantized plane the run publishes (`planes`) is downloaded and held alone; on a run whose own
+#: `plane` is int8 unpublished a worker quantizes the bf16 weights itself (keeping them too); no
+#: worker serves a quantized plane the run neither serves nor publishes (its records are refused).
 Plane = Literal["bf16", "int8", "int4"]
 PLANES: tuple[Plane, ...] = get_args(Plane)
 MAX_MODEL_CHARS = 512
