@@ -2,7 +2,7 @@
 one a worker's token can make when the trainer and the workers share one bucket (overwrite or
 delete any key of the run); the trainer, given a folder of its own (`keep_dir`), keeps going
 (publishes the next version, admits the honest records), puts back the object from its own
-copy (`slime_stoa.trainer.kept`), loses nothing honest, and keeps a revoked worker revoked.
+copy (`slime_stoa.protocol.kept`), loses nothing honest, and keeps a revoked worker revoked.
 
 Each attack is a coroutine returning an `Outcome`; the security report (`STOA_SECURITY_JSON`)
 runs them too and counts `writer_stops_trainer` and `honest_rejected_for_missing_object`.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 from typing import Any
 
 from slime_stoa.protocol.cli_fields import add_field_options, field_values
@@ -26,7 +25,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     add_config_options(qs)
-    qs.add_argument("--json", type=Path, default=None, help="write the machine-readable summary here")
     qs.set_defaults(handler=_quickstart)
 
 
@@ -70,8 +68,8 @@ def _quickstart(args: argparse.Namespace) -> int:
         report.summary(summary)
         png = plot_curve(summary, cfg.out / "learning_curve.png")
         write_json(summary, cfg.out / "summary.json")
-        if args.json:
-            write_json(summary, args.json)
+        if cfg.json is not None:
+            write_json(summary, cfg.json)
     except KeyboardInterrupt:
         return INTERRUPTED
     report.note(f"learning curve: {png}; summary: {cfg.out / 'summary.json'}")

@@ -119,6 +119,9 @@ class QuickstartConfig:
         "restart the run from the checkpoint of this earlier version (<out>/checkpoints/v<N>.pt; the last few are kept)",
         None,
     )
+    json: Path | None = setting(
+        "write the machine-readable summary here too (the run folder's summary.json is always written)", None
+    )
 
     def __post_init__(self) -> None:
         """ValueError naming the option and the fix (the CLI prints it as one `error:` line); a

@@ -813,7 +813,7 @@ async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
     cfg = s.cfg
     if s.new_run:  # copies kept for an earlier run of this folder (its bucket deleted) are not this run's
         shutil.rmtree(kept_dir(cfg), ignore_errors=True)
-    # The trainer's own copies of what it signs (`trainer/kept.py`): a bucket writer that deletes
+    # The trainer's own copies of what it signs (`protocol/kept.py`): a bucket writer that deletes
     # or overwrites them gets them put back instead of stopping the run.
     publisher_cfg = PublisherConfig(extras_dir=extras_dir, anchor_every=100, keep_dir=kept_dir(cfg))
     run_key = await s.at_startup(partial(run_key_for, s.store, cfg, new_run=s.new_run), f"reading run {cfg.run!r}")
