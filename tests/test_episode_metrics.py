@@ -1,4 +1,4 @@
-"""The consumer's per-batch metrics of tool episodes (trainer/consumer/episode_metrics.py)."""
+"""The consumer's per-batch metrics of tool episodes (trainer/consumer/metrics.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from slime_stoa.tasks.tool_format import ToolFormat
-from slime_stoa.trainer.consumer.episode_metrics import episode_metrics
+from slime_stoa.trainer.consumer.metrics import episode_metrics
 
 
 def sample(mask: list[int], calls: int, turns: int) -> SimpleNamespace:

@@ -26,7 +26,7 @@ them):
    (`pulse.lineage`: a trainer restarted from an earlier checkpoint starts a new branch): too
    far ahead -> rejected; drawn from an abandoned branch -> dropped (`off_lineage`); too stale
    -> dropped; all-equal rewards -> filtered (if configured); else the group joins the pool.
-4. When the pool (`pool.Pool`) holds enough groups, the batch takes them in admission order; a
+4. When the pool (`groups.Pool`) holds enough groups, the batch takes them in admission order; a
    group is used at most `reuse_limit` times, each time only while fresh enough.
 
 `next_batch` waits as long as it takes by default, logging what it has and what it needs every
@@ -66,14 +66,12 @@ from .admission import UnpublishedVersion
 from .config import ConsumerConfig, ResolvedConfig
 from .discovery import Discovery
 from .downloads import Downloads
-from .episode_metrics import episode_metrics
-from .groups import Batch, ConsumedGroup
+from .groups import Batch, ConsumedGroup, Pool
 from .held import Held, needs_version
 from .intake import Intake
-from .metrics import batch_metrics, delta, worker_counter
+from .metrics import batch_metrics, delta, episode_metrics, worker_counter
 from .pause import Broken, until_repaired
 from .persistence import SavedState, UntrustedState, UnusableState, state_key
-from .pool import Pool
 from .run_context import open_run_context
 from .shared import Shared, patiently
 from .state import ConsumerState

@@ -22,10 +22,9 @@ from slime_stoa.protocol.validate import RecordRejected
 
 from . import policy
 from .admission import UnpublishedVersion, admit, open_record
-from .groups import Admitted
+from .groups import Admitted, Pool
 from .held import Held
 from .metrics import worker_counter
-from .pool import Pool
 from .shared import Shared
 from .trust import WorkerTrust
 from .versions import PublishedVersions, Verdict

@@ -17,9 +17,8 @@ from slime_stoa.judging.signers import Signers
 from slime_stoa.protocol.registry import Registry
 
 from . import canary
-from .groups import Admitted
+from .groups import Admitted, Pool
 from .metrics import worker_counter
-from .pool import Pool
 from .quarantine import Quarantine
 from .shared import Shared
 from .state import name_worker
