@@ -57,10 +57,12 @@ def _quickstart(args: argparse.Namespace) -> int:
     except (QuickstartError, StoreError) as exc:  # the message says what to fix
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
-    except (Interrupted, KeyboardInterrupt):
+    except (Interrupted, KeyboardInterrupt) as exc:
+        from slime_stoa.quickstart.interrupt import RERUN
         from slime_stoa.quickstart.report import ConsoleReport
 
-        ConsoleReport().note("interrupted: workers stopped; rerun the same command to resume")
+        next_step = exc.next_step if isinstance(exc, Interrupted) else RERUN
+        ConsoleReport().note(f"interrupted: workers stopped; {next_step}")
         return INTERRUPTED
     from slime_stoa.quickstart.report import plot_curve, write_json
 

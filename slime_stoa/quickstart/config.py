@@ -7,6 +7,7 @@ given here: `slime_stoa/cli/quickstart_cmd.py` builds its parser from these fiel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from slime_stoa.protocol.cli_fields import setting
+from slime_stoa.protocol.cli_fields import HELP, option_fields, option_name, setting
 from slime_stoa.protocol.hf.architectures import unsupported_model
+from slime_stoa.protocol.shell import shell_command
 
 TaskName = Literal["synthetic", "search", "gsm8k", "math"]
 TASKS: tuple[TaskName, ...] = ("synthetic", "search", "gsm8k", "math")
@@ -190,6 +192,33 @@ class QuickstartConfig:
     @property
     def store_url(self) -> str:
         return self.store or f"file://{(self.out / 'bucket').resolve()}"
+
+
+def default_of(cfg: QuickstartConfig, name: str) -> Any:
+    """The value field `name` takes when its option is not given, for `cfg`'s --task and --model."""
+    by_model = MODEL_DEFAULTS["tiny" if cfg.model is None else "real"]
+    if name in TASK_DEFAULTS[cfg.task]:
+        return TASK_DEFAULTS[cfg.task][name]
+    if name in by_model:
+        return by_model[name]
+    return next(f.default for f in dataclasses.fields(QuickstartConfig) if f.name == name)
+
+
+def quickstart_command(cfg: QuickstartConfig, **changes: Any) -> str:
+    """The `stoa quickstart` line that makes `cfg` with `changes` (fields by name, e.g.
+    `restart_from=3`), to paste as printed: `--out` always, every other option whose value is
+    not the one it takes when not given."""
+    cfg = dataclasses.replace(cfg, **changes)
+    argv = ["stoa", "quickstart"]
+    for f, _flag in option_fields(QuickstartConfig, HELP):
+        value = getattr(cfg, f.name)
+        if f.name != "out" and value == default_of(cfg, f.name):
+            continue
+        if isinstance(value, bool):  # a flag: on when given (no field defaults to on)
+            argv += [option_name(f.name)] if value else []
+        elif value is not None:  # None is every optional field's default: nothing to say
+            argv += [option_name(f.name), str(value)]
+    return shell_command(*argv)
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")

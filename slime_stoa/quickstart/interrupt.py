@@ -21,8 +21,16 @@ T = TypeVar("T")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+RERUN = "rerun the same command to resume"
+
+
 class Interrupted(Exception):
-    """A stop signal arrived: the run stops at this safe point."""
+    """A stop signal arrived: the run stops at this safe point. `next_step`: what the person who
+    stopped it does next (the command prints it)."""
+
+    def __init__(self, message: str, *, next_step: str = RERUN) -> None:
+        super().__init__(message)
+        self.next_step = next_step
 
 
 class Interrupt:

@@ -55,6 +55,7 @@ import numpy as np
 
 from slime_stoa.protocol.heartbeat import Heartbeat, HeartbeatTrust, read_judged_heartbeat
 from slime_stoa.protocol.hf.folders import save_hf_folder
+from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.history import HistoryError
@@ -74,9 +75,8 @@ from slime_stoa.tasks.prompting import prompt_tokens
 from slime_stoa.tasks.search.task import Search
 from slime_stoa.tasks.synthetic import baseline_reward
 from slime_stoa.trainer.consumer import ConsumerConfig, ConsumerTimeout, RolloutConsumer
-from slime_stoa.trainer.consumer.heads import heads_prefix
 from slime_stoa.trainer.consumer.metrics import rejects_by_reason
-from slime_stoa.trainer.consumer.persistence import StateRollback, state_key
+from slime_stoa.trainer.consumer.persistence import state_key
 from slime_stoa.trainer.learner import Learner, LearnerConfig, TrainSequence
 from slime_stoa.trainer.loss import DPPOConfig
 from slime_stoa.trainer.tracking import TrackedRun, TrackingUnavailable, fleet_metrics, import_wandb
@@ -88,6 +88,7 @@ from .checkpoints import (
     Checkpoint,
     apply_checkpoint,
     check_restorable,
+    checkpoint_versions,
     load_checkpoint,
     save_checkpoint,
 )
@@ -100,6 +101,7 @@ from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
 from .report import split_refusals
 from .resume import ResumeMode, WeightsAt, resume_mode
 from .seeding import seed_run, tiny_synthetic_model
+from .spoiled import SPOILED, fresh_run, repair_line, resumed_state, spoiled_cause
 from .warmstate import WARM_FILE, WarmState, run_warm_steps
 
 log = logging.getLogger("stoa.quickstart")
@@ -608,9 +610,9 @@ class Fleet:
     registry: Registry | None
 
 
-async def train(s: Session, fleet: Fleet, version: int) -> None:
-    """The train phase: learner steps from `version` until the target reward, the time limit or
-    the version limit.
+async def train(s: Session, fleet: Fleet, version: int, *, deadline: float) -> None:
+    """The train phase: learner steps from `version` until the target reward, the time limit
+    (`deadline`: the RL part's, started with its workers) or the version limit.
 
     Each step: take a batch (a stop signal cuts the wait short), save the consumer's state
     (the batch counts as used from here on: a crash after this point loses it rather than
@@ -622,7 +624,6 @@ async def train(s: Session, fleet: Fleet, version: int) -> None:
     "-"), as the learner no longer has the weights those groups were drawn with."""
     cfg, progress, report, stop = s.cfg, s.progress, s.report, s.stop
     learner, pub, consumer, workers = fleet.learner, fleet.pub, fleet.consumer, fleet.workers
-    deadline = time.time() + cfg.minutes * 60
     restart_at: float | None = None
     while time.time() < deadline and version - progress.first_version < cfg.max_versions:
         try:
@@ -724,11 +725,12 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
             tracker = start_tracking(cfg)
             workers = WorkerProcesses(cfg, cfg.store_url, run_key=seeded.run_key_text)
             consumer: RolloutConsumer | None = None
+            deadline = time.time() + cfg.minutes * 60  # the RL part's: its workers, its consumer, its steps
             try:
                 phase_start_workers(s, workers)
-                consumer = await phase_open_consumer(s, seeded, restart)
+                consumer = await phase_open_consumer(s, seeded, restart, deadline=deadline)
                 fleet = Fleet(learner, seeded.pub, seeded.keeper, consumer, workers, tracker, seeded.registry)
-                await train(s, fleet, version)
+                await train(s, fleet, version, deadline=deadline)
             finally:
                 await stop_fleet(consumer, workers, tracker)
             return await phase_report(s, seeded.registry, consumer)
@@ -933,34 +935,52 @@ def phase_start_workers(s: Session, workers: WorkerProcesses) -> None:
     s.report.note(f"started {s.cfg.workers} `macd run` workers (logs in {s.cfg.out / 'workers'})")
 
 
-async def phase_open_consumer(s: Session, seeded: Seeded, restart: Checkpoint | None) -> RolloutConsumer:
-    """The learner's consumer of the workers' groups, at its state in the bucket, or at the
-    checkpoint's after --restart-from (written back to the bucket)."""
-    try:
-        consumer = await s.stop.race(
-            RolloutConsumer.open(
-                s.store,
-                ConsumerConfig(
-                    store_url=s.cfg.store_url, run=s.cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
-                    admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
-                    run_key=seeded.run_key_text, keep_dir=str(kept_dir(s.cfg)),
-                ),
-                tokenizer_dir=s.model_dir,
-                restore=restart is None,
-                state_key=seeded.run_key,  # signs the state it saves; reads back only a signed one
-            )
+async def phase_open_consumer(s: Session, seeded: Seeded, restart: Checkpoint | None, *, deadline: float) -> RolloutConsumer:
+    """The learner's consumer of the workers' groups, at its state in the bucket (waiting, until
+    `deadline` at most, while a bucket writer has spoiled it: `spoiled`), or at the checkpoint's
+    after --restart-from, written over whatever the bucket holds (restarting is the repair)."""
+    cfg = s.cfg
+    consumer = await s.stop.race(
+        RolloutConsumer.open(
+            s.store,
+            ConsumerConfig(
+                store_url=cfg.store_url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
+                admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+                run_key=seeded.run_key_text, keep_dir=str(kept_dir(cfg)),
+            ),
+            tokenizer_dir=s.model_dir,
+            restore=False,  # resumed below, with the quickstart's own repair and time limit
+            state_key=seeded.run_key,  # signs the state it saves; reads back only a signed one
         )
-    except StateRollback:  # an old genuine state put back: only the operator can choose what to trust
-        raise QuickstartError(
-            f"{state_key(s.cfg.run)} in the bucket is an old consumer state put back (older than its newest signed "
-            f"head): start a fresh run with --run NAME, or delete {heads_prefix(s.cfg.run)} in the bucket to accept it"
-        ) from None
-    if restart is not None:  # back to the consumer state of the checkpoint, in the bucket too
+    )
+    if restart is None:
+        try:
+            state = await resumed_state(
+                consumer.bucket_state, minutes=cfg.minutes, repair=spoiled_repair(cfg, signed=seeded.run_key is not None),
+                deadline=deadline, stop=s.stop, report=s.report, config=consumer.config,
+            )
+        except BaseException:  # the time limit or a stop while paused: closed, and nothing saved over the state
+            await consumer.close()
+            raise
+        if state is not None:
+            consumer.load_state_dict(state)
+        return consumer
+    try:
         await consumer.bucket_state()  # its ETag, for the compare-and-swap
-        if restart.consumer is not None:
-            consumer.load_state_dict(restart.consumer)
-        await consumer.save_state()
+    except SPOILED as exc:
+        s.report.note(f"{state_key(cfg.run)} in the bucket is {spoiled_cause(exc)}: the checkpoint's state is saved over it")
+    if restart.consumer is not None:
+        consumer.load_state_dict(restart.consumer)
+    await consumer.save_state()
     return consumer
+
+
+def spoiled_repair(cfg: QuickstartConfig, *, signed: bool) -> str:
+    """`spoiled.repair_line` for this run folder (a signed run keeps its copy in `kept_dir`)."""
+    kept = TrainerCopies(kept_dir(cfg)).path(state_key(cfg.run)) if signed else None
+    return repair_line(
+        cfg, kept=kept, checkpoints=checkpoint_versions(cfg.out / CHECKPOINTS_DIR), fresh=fresh_run(cfg)
+    )
 
 
 async def stop_fleet(consumer: RolloutConsumer | None, workers: WorkerProcesses, tracker: TrackedRun | None) -> None:
