@@ -60,14 +60,12 @@ from slime_stoa.protocol.registry import Registry
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import Store
-from slime_stoa.protocol.validate import RecordRejected
 
-from .admission import UnpublishedVersion
 from .config import ConsumerConfig, ResolvedConfig
 from .discovery import Discovery
 from .downloads import Downloads
 from .groups import Batch, ConsumedGroup, Pool
-from .held import Held, needs_version
+from .held import Held
 from .intake import Intake
 from .metrics import batch_metrics, delta, episode_metrics, worker_counter
 from .pause import Broken, until_repaired
@@ -116,21 +114,17 @@ class RolloutConsumer:
         self._pool = Pool()
         self._versions = PublishedVersions(shared, trust)
         self._trust = WorkerTrust(shared, self._pool, task=rescorer.task.name, signers=signers)
+        self._held = Held(shared, trust=self._trust, versions=self._versions, forget=lambda name: self._downloads.forget(name))
         self._discovery = Discovery(
             store, shared.layout, shared.state, window_ms=config.skew_window_ms,
             late_window_ms=config.late_window_ms, future_ms=int(config.record_limits.max_clock_skew_s * 1000),
-            admits=None if signers is None else self._admits, clock=clock,
-        )
-        self._held = Held(
-            shared, is_back=self._is_back, forget=lambda name: self._downloads.forget(name), repair=self._repair
+            admits=None if signers is None else self._held.admits, clock=clock,
         )
         self._intake = Intake(
-            shared, rescorer=rescorer, versions=self._versions, trust=self._trust, pool=self._pool,
-            missing=self._missing, held=self._held,
+            shared, rescorer=rescorer, versions=self._versions, trust=self._trust, pool=self._pool, held=self._held
         )
         self._downloads = Downloads(
-            shared, judge=self._intake.take, refuse=self._trust.refuse_before_download,
-            hold=self._hold_before_download, held=self._held,
+            shared, judge=self._intake.take, refuse=self._trust.refuse_before_download, held=self._held
         )
         self._filler = Filler(
             shared, discovery=self._discovery, downloads=self._downloads, pool=self._pool,
@@ -281,73 +275,6 @@ class RolloutConsumer:
         it). Waits out store outages."""
         seq = await self._saved.write(ConsumerState.from_json(self.state_dict() if snapshot is None else snapshot))
         self._shared.state.seq = max(self._shared.state.seq, seq)
-
-    # -- objects a bucket writer deleted: records held, not rejected (`held`) -------------------------
-    async def _registry_gone(self) -> bool:
-        """A signed run that has no worker registry to judge by: none read yet (serial 0) and none
-        in the bucket. (One there but refused, a forgery or an old copy, is not gone: records
-        that need it are refused, so a revoked key stays out.)"""
-        signers = self._trust.signers
-        if signers is None or signers.registry.serial != 0:
-            return False
-        key = self.layout.registry
-        return not await self.patiently(lambda: self.store.exists(key), f"looking for {key}")
-
-    async def _admits(self, worker: str) -> bool:
-        """Discovery takes keys of the registry's workers, and every key while the registry is
-        gone: they are held (bounded), not skipped, until it is back."""
-        return await self._trust.admits(worker) or await self._registry_gone()
-
-    async def _hold_before_download(self, name: str) -> bool:
-        if not await self._registry_gone():
-            return False
-        self._held.hold(name, "registry", "the worker registry holds no worker")
-        return True
-
-    async def _missing(self, exc: RecordRejected) -> str | None:
-        """The object gone that made a record fail `exc`, or None when the record itself is at
-        fault: the registry (a key it does not hold while it is gone), or the manifest of a
-        version the trainer published (the record claims it, the bucket lacks it)."""
-        if exc.reason == "unknown_key" and await self._registry_gone():
-            return "registry"
-        if not isinstance(exc, UnpublishedVersion) or exc.reason != "version":
-            return None
-        versions, version = self._versions, exc.version
-        if version > max(versions.trainer_version, versions.pointer_version) or versions.lineage.is_abandoned(version):
-            return None
-        return None if await self._manifest_present(version) else needs_version(version)
-
-    async def _manifest_present(self, version: int) -> bool:
-        prefix = self.layout.version_manifests_prefix(version)
-
-        async def any_listed() -> bool:
-            async for _ in self.store.list(prefix):
-                return True
-            return False
-
-        return await self.patiently(any_listed, f"listing {prefix}")
-
-    async def _is_back(self, need: str) -> bool:
-        if need == "registry":
-            await self._trust.refresh_signers()
-            return not await self._registry_gone()
-        version = int(need[1:])
-        if not await self._manifest_present(version):
-            return False
-        self._versions.pointer_seen = None  # read the lineage again, through the manifest put back
-        await self._versions.refresh(self._versions.started)
-        return True
-
-    def _repair(self, need: str) -> str:
-        if need == "registry":
-            return (
-                f"put the worker registry {self.layout.registry} back (the trainer does so itself with a keep_dir; "
-                f"else `stoa worker add` re-creates it, one worker at a time, and every worker needs its key again)"
-            )
-        return (
-            f"put the manifest of version {need} back under {self.layout.version_manifests_prefix(int(need[1:]))} "
-            f"(the publisher does so itself with a keep_dir, at its next version)"
-        )
 
     # -- honest workers: quarantine and canaries ------------------------------------------------------
     @property

@@ -24,12 +24,13 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
 from slime_stoa.protocol.store import NotFound, StoreConfigError, StoreError, StoreUnavailable
 from slime_stoa.protocol.validate import RecordRejected
 
+from .held import Held
 from .shared import Shared
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,11 @@ class Downloads:
         *,
         judge: Judge,
         refuse: Callable[[str], Awaitable[bool]],
-        hold: Callable[[str], Awaitable[bool]] | None = None,
-        held: Collection[str] = frozenset(),
+        held: Held,
     ) -> None:
         self.shared = shared
         self.judge = judge
         self.refuse = refuse  # True (counted) for a record not even to download (a quarantined or unregistered worker's)
-        self.hold = hold  # True when a record is held before its download (`held`: an object it needs is gone)
         self.held = held  # records held: queued, not downloaded until what they need is back
         self.restore: dict[str, int] = {}  # ledger entries to download again: name -> uses
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -140,7 +139,7 @@ class Downloads:
     async def _download(self, name: str, size: int | None, uses: int | None) -> None:
         shared = self.shared
         try:
-            if self.hold is not None and await self.hold(name):  # stays queued, held
+            if await self.held.hold_before_download(name):  # stays queued, held
                 return
             if await self.refuse(name):  # not even downloaded
                 self.forget(name)

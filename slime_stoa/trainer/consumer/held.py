@@ -10,6 +10,11 @@ the repair; once the object is back (restored by its owner or put back from the 
 `keep_dir`), its records are downloaded and judged again. Only then is a record still failing
 rejected for good.
 
+The questions behind a hold are asked here too: is the registry gone (`registry_gone`: a signed
+run with none read and none in the bucket; discovery then takes every worker's keys, `admits`, and
+downloads hold them, `hold_before_download`), and which gone object explains a rejection
+(`missing`: the registry, or the manifest of a version the trainer published).
+
 Held records are bounded by count and by listed bytes: past either bound the oldest is dropped
 from the queue (counted `held_dropped`), so junk made to look like it waits costs memory once.
 """
@@ -19,19 +24,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 
+from slime_stoa.protocol.validate import RecordRejected
+
+from .admission import UnpublishedVersion
 from .pause import is_report_try
 from .shared import Shared
+from .trust import WorkerTrust
+from .versions import PublishedVersions
 
 log = logging.getLogger(__name__)
 
 MAX_HELD_RECORDS = 10_000
 MAX_HELD_BYTES = 1 << 30  # listed sizes of the held records
-
-#: Is the object a held record waits for back? (`need`: "registry" or "v<version>")
-IsBack = Callable[[str], Awaitable[bool]]
-
 
 def needs_version(version: int) -> str:
     return f"v{version}"
@@ -42,16 +48,16 @@ class Held:
         self,
         shared: Shared,
         *,
-        is_back: IsBack,
+        trust: WorkerTrust,
+        versions: PublishedVersions,
         forget: Callable[[str], None],
-        repair: Callable[[str], str],
         max_records: int = MAX_HELD_RECORDS,
         max_bytes: int = MAX_HELD_BYTES,
     ) -> None:
         self.shared = shared
-        self.is_back = is_back
+        self.trust = trust
+        self.versions = versions
         self.forget = forget  # drops a record from the download queue
-        self.repair = repair  # need -> how an operator puts it back
         self.max_records = max_records
         self.max_bytes = max_bytes
         self.waiting: dict[str, str] = {}  # record name -> need, oldest held first
@@ -128,3 +134,75 @@ class Held:
 
     def _size(self, name: str) -> int:
         return self.shared.state.pending.get(name) or 0
+
+    # -- what a record needs, and whether it is gone ----------------------------------------------
+    async def registry_gone(self) -> bool:
+        """A signed run that has no worker registry to judge by: none read yet (serial 0) and none
+        in the bucket. (One there but refused, a forgery or an old copy, is not gone: records
+        that need it are refused, so a revoked key stays out.)"""
+        signers = self.trust.signers
+        if signers is None or signers.registry.serial != 0:
+            return False
+        key = self.shared.layout.registry
+        return not await self.shared.patiently(lambda: self.shared.store.exists(key), f"looking for {key}")
+
+    async def admits(self, worker: str) -> bool:
+        """Discovery takes keys of the registry's workers, and every key while the registry is
+        gone: they are held (bounded), not skipped, until it is back."""
+        return await self.trust.admits(worker) or await self.registry_gone()
+
+    async def hold_before_download(self, name: str) -> bool:
+        """Hold record `name` (True: not downloaded) while the registry it needs is gone."""
+        if not await self.registry_gone():
+            return False
+        self.hold(name, "registry", "the worker registry holds no worker")
+        return True
+
+    async def missing(self, exc: RecordRejected) -> str | None:
+        """The object gone that made a record fail `exc`, or None when the record itself is at
+        fault: the registry (a key it does not hold while it is gone), or the manifest of a
+        version the trainer published (the record claims it, the bucket lacks it)."""
+        if exc.reason == "unknown_key" and await self.registry_gone():
+            return "registry"
+        if not isinstance(exc, UnpublishedVersion) or exc.reason != "version":
+            return None
+        versions, version = self.versions, exc.version
+        if version > max(versions.trainer_version, versions.pointer_version) or versions.lineage.is_abandoned(version):
+            return None
+        return None if await self._manifest_present(version) else needs_version(version)
+
+    async def _manifest_present(self, version: int) -> bool:
+        prefix = self.shared.layout.version_manifests_prefix(version)
+
+        async def any_listed() -> bool:
+            async for _ in self.shared.store.list(prefix):
+                return True
+            return False
+
+        return await self.shared.patiently(any_listed, f"listing {prefix}")
+
+    async def is_back(self, need: str) -> bool:
+        """Is the object `need` ("registry" or "v<version>") back? A manifest put back has the
+        published versions read again, through it."""
+        if need == "registry":
+            await self.trust.refresh_signers()
+            return not await self.registry_gone()
+        version = int(need[1:])
+        if not await self._manifest_present(version):
+            return False
+        self.versions.pointer_seen = None  # read the lineage again, through the manifest put back
+        await self.versions.refresh(self.versions.started)
+        return True
+
+    def repair(self, need: str) -> str:
+        """How an operator puts `need` back."""
+        layout = self.shared.layout
+        if need == "registry":
+            return (
+                f"put the worker registry {layout.registry} back (the trainer does so itself with a keep_dir; "
+                f"else `stoa worker add` re-creates it, one worker at a time, and every worker needs its key again)"
+            )
+        return (
+            f"put the manifest of version {need} back under {layout.version_manifests_prefix(int(need[1:]))} "
+            f"(the publisher does so itself with a keep_dir, at its next version)"
+        )

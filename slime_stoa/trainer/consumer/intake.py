@@ -14,7 +14,6 @@ needs is gone (the registry, the claimed version's manifest: `missing`) is held,
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 from slime_stoa.judging.scoring import Rescorer
 from slime_stoa.protocol.records import RolloutGroup
@@ -41,12 +40,10 @@ class Intake:
         versions: PublishedVersions,
         trust: WorkerTrust,
         pool: Pool,
-        missing: Callable[[RecordRejected], Awaitable[str | None]] | None = None,
-        held: Held | None = None,
+        held: Held,
     ) -> None:
         self.shared = shared
-        self.missing = missing  # the object gone that explains a rejection ("registry", "v<n>"), or None
-        self.held = held
+        self.held = held  # records waiting for an object a bucket writer deleted
         self.rescorer = rescorer
         self.versions = versions
         self.trust = trust
@@ -97,11 +94,10 @@ class Intake:
     async def _reject_or_hold(self, name: str, exc: RecordRejected) -> bool:
         """Reject the record (True: off the queue), or hold it (False: it stays queued) when an
         object it needs is gone (`held`)."""
-        need = None if self.missing is None or self.held is None else await self.missing(exc)
+        need = await self.held.missing(exc)
         if need is None:
             self.shared.reject(name, exc.reason, exc.detail)
             return True
-        assert self.held is not None
         self.held.hold(name, need, exc.detail)
         return False
 

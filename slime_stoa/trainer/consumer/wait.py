@@ -69,7 +69,7 @@ class Filler:
         pool: Pool,
         versions: PublishedVersions,
         trust: WorkerTrust,
-        held: Held | None = None,
+        held: Held,
     ) -> None:
         self.shared = shared
         self.held = held  # records waiting for an object a writer deleted: looked at again with a backoff
@@ -189,9 +189,8 @@ class Filler:
                 finally:
                     self._next_sweep = time.monotonic() + cfg.sweep_interval_s
                 continue
-            held_look = math.inf if self.held is None else self.held.next_look()
+            held_look = self.held.next_look()
             if now >= held_look:
-                assert self.held is not None
                 await self.held.look()
                 continue
             wake = min(
@@ -226,7 +225,7 @@ class Filler:
         return (
             f"waited {waited:.0f} s for {target} groups of run {shared.config.run!r} (trainer v{self.versions.trainer_version}): "
             f"have {len(self.pool)} of {target} ready, {len(self.downloads.inflight)} downloading, "
-            f"{self.downloads.queued()} queued, {0 if self.held is None else len(self.held)} held; rejected so far: {reject_text}; {seen}"
+            f"{self.downloads.queued()} queued, {len(self.held)} held; rejected so far: {reject_text}; {seen}"
         )
 
     async def timeout_error(self, needed: int, waited: float) -> ConsumerTimeout:
