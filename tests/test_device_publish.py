@@ -11,9 +11,12 @@ the background (the default), through a store that injects the faults."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import re
 from argparse import Namespace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +28,12 @@ torch = pytest.importorskip("torch")
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.codec import diff
 from slime_stoa.protocol.pulse.publisher import PublisherConfig, PublishError, PublishResult
+from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.store import Store, StoreError, open_store
 from slime_stoa.protocol.store.base import Payload
 from slime_stoa.trainer.consumer.counting import CountingStore
 from slime_stoa.trainer.slime import publish as slime_hook
-from slime_stoa.trainer.slime.device_publish import DevicePath
+from slime_stoa.trainer.slime.device_publish import DeviceDelta, DevicePath
 from slime_stoa.trainer.slime.hf_names import EMBEDDING, TIED_HEAD, HeadPlan
 from slime_stoa.trainer.slime.publish import Handoff, HostCollector, SyncPublisher
 from tests.test_slime_hook import FakeBackuper, fake_slime  # noqa: F401 - the fixture (pytest finds it by name)
@@ -82,10 +86,15 @@ class FaultStore(CountingStore):
 
 class FaultPublisher(SyncPublisher):
     faults: FaultStore
+    handed: list[str]  # what each version was handed over as: "dict" (a host state) or "DeviceDelta"
 
     async def _open_store(self, environ: Any, create: bool) -> Store:
         self.faults = FaultStore(open_store(self.url))
         return self.faults
+
+    def submit(self, state: Any, **kw: Any) -> Handoff:
+        self.handed.append(type(state).__name__)
+        return super().submit(state, **kw)
 
 
 def int16(tensor: Any) -> Any:
@@ -107,8 +116,10 @@ def step(weights: dict[str, Any], rng: np.random.Generator, names: list[str]) ->
 class Trainer:
     """One run of the scenario: the hook, its publisher (device path or not) and its bucket."""
 
-    def __init__(self, url: str, budget: int | None) -> None:
-        self.url, self.budget = url, budget
+    def __init__(self, url: str, budget: int | None, config: PublisherConfig = CONFIG) -> None:
+        self.url, self.budget, self.config = url, budget, config
+        self.handed: list[str] = []
+        self.holds: list[bool] = []  # per committed version: the publisher kept a host state
         rng = np.random.default_rng(11)
         self.weights = {  # finite weights: the planes quantize them
             n: torch.from_numpy(rng.standard_normal(s, dtype=np.float32) * 0.02).to(torch.bfloat16)
@@ -124,7 +135,8 @@ class Trainer:
 
     def start(self) -> FaultPublisher:
         device = DevicePath(self.budget) if self.budget is not None else None
-        publisher = FaultPublisher(self.url, RUN, CONFIG, retries=1, backoff_s=0, device=device)
+        publisher = FaultPublisher(self.url, RUN, self.config, retries=1, backoff_s=0, device=device)
+        publisher.handed = self.handed
         slime_hook._PUBLISHER = publisher  # what get_publisher returns (closed by the fixture)
         return publisher
 
@@ -143,7 +155,8 @@ class Trainer:
 
     def committed(self) -> PublishResult:
         self.publisher.wait()
-        assert self.publisher.last is not None
+        assert self.publisher.last is not None and self.publisher._publisher is not None
+        self.holds.append(self.publisher._publisher.weights.holds_state)
         return self.publisher.last
 
 
@@ -180,6 +193,9 @@ def scenario(trainer: Trainer) -> tuple[list[tuple[int, bool, int, int | None]],
     trainer.publish()  # v5: its pointer write lands, but no answer says so (twice): it fails
     gathers.append((committed[-1], bits_of(w)))
     device = trainer.publisher.device
+    inflight = trainer.publisher._inflight
+    assert inflight is not None
+    concurrent.futures.wait([inflight])  # v5's publish reads from the device by delta: let it end first
     moved = device.transfer.device_to_host if device is not None else 0
     with pytest.raises(PublishError):  # raised by the next call, which gathers (collectively) and keeps nothing
         slime_hook.publish_weights(trainer.actor, trainer.args)
@@ -270,6 +286,138 @@ def test_the_device_path_publishes_the_numpy_paths_bytes_moving_only_the_patch(
         assert 0 < device.moved[i] < elements * 2, i  # less than copying the state
 
 
+BY_DELTA = replace(CONFIG, planes=())  # no quantized planes: the device path publishes by delta
+
+
+async def installed(url: str) -> tuple[int | None, dict[str, np.ndarray]]:
+    """What a real Subscriber installs from the bucket at `url` (its version and state)."""
+    async with open_store(url) as store:
+        sub = Subscriber(store, RUN)
+        await sub.sync()
+        return sub.version, dict(sub.state or {})
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30])  # the previous version in host memory / beside the weights
+def test_by_delta_the_device_path_publishes_the_numpy_paths_bytes_keeping_no_host_state(
+    fake_slime, buckets: tuple[str, str], budget: int, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """Without planes the publisher hands its state to the device path once a version is
+    committed (or resumed) and each version goes by `publish_delta`: the same bucket objects
+    over anchors, a retried failure, a lost pointer answer (the next version's base is stale:
+    rebuilt from the bucket, diffed again) and a restart that restores v2."""
+    numpy_url, device_url = buckets
+    numpy_trainer = Trainer(numpy_url, None, BY_DELTA)
+    want, _ = scenario(numpy_trainer)
+    device = Trainer(device_url, budget, BY_DELTA)
+    with caplog.at_level(logging.INFO):
+        got, _ = scenario(device)
+    assert got == want
+    numpy_objects = asyncio.run(committed_objects(numpy_url, ()))
+    assert asyncio.run(committed_objects(device_url, ())) == numpy_objects
+
+    # v0 is a host state (a new run's anchor); every later version is handed as the device's
+    # delta, and from v0's commit on the publisher keeps no state (the numpy path keeps one).
+    assert device.handed == ["dict"] + ["DeviceDelta"] * 8  # v1..v6 (v5 did not commit), v7, v8
+    assert numpy_trainer.handed == ["dict"] * 9
+    assert device.holds == [False] * 8 and numpy_trainer.holds == [True] * 8
+    path = device.publisher.device
+    assert path is not None and path.released is None  # the released state was dropped at the gather
+    committed = device.publisher.committed()
+    assert committed is not None and committed.version == 8 and not committed.baseline
+    assert "publishes quantized planes" not in caplog.text
+    # v6's base was v4 (v5's answer was lost, then v5 turned out committed): StaleBase, the copy
+    # brought to v5 by v5's step, where it lives, and v6 diffed again
+    assert caplog.text.count("bringing the device's copy to v5 by its step") == 1
+    assert "rebuilding the device's copy from the bucket" not in caplog.text
+
+    # a real Subscriber installs the trainer's bits
+    version, state = asyncio.run(installed(device_url))
+    assert version == 8
+    assert state.keys() == set(PUBLISHED)
+    for name, bits in bits_of(device.weights).items():
+        assert np.array_equal(state[name], bits), name
+
+
+def test_a_device_copy_behind_the_committed_state_is_rebuilt_from_the_bucket(
+    fake_slime, tmp_path: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """The device's copy is not the committed state and no known step leads there (here: put back
+    to v0 while v2 is committed): the stale step writes nothing, the copy is rebuilt from the
+    committed state read back from the bucket, and the version published is the trainer's."""
+    url = f"file://{tmp_path}"
+    trainer = Trainer(url, 1 << 30, BY_DELTA)
+    rng = np.random.default_rng(6)
+    trainer.publish()
+    trainer.committed()
+    assert trainer.publisher._publisher is not None
+    v0 = bits_of(trainer.weights), trainer.publisher._publisher.state_digest
+    for _ in range(2):
+        step(trainer.weights, rng, list(SHAPES))
+        trainer.publish()
+        trainer.committed()
+    path = trainer.publisher.device
+    assert path is not None and v0[1] is not None
+    path.previous.reset_from_host(v0[0], "cpu")
+    path.held = v0[1]
+    step(trainer.weights, rng, list(SHAPES)[1:])
+    with caplog.at_level(logging.WARNING):
+        trainer.publish()
+        result = trainer.committed()
+    assert result.version == 3 and result.restored_from is None
+    assert caplog.text.count("rebuilding the device's copy from the bucket's v2") == 1
+    version, state = asyncio.run(installed(url))
+    assert version == 3
+    for name, bits in bits_of(trainer.weights).items():
+        assert np.array_equal(state[name], bits), name
+    step(trainer.weights, rng, list(SHAPES))  # and the copy goes on from there
+    trainer.publish()
+    assert trainer.committed().version == 4
+    version, state = asyncio.run(installed(url))
+    assert version == 4 and all(np.array_equal(state[n], b) for n, b in bits_of(trainer.weights).items())
+
+
+def test_with_planes_the_device_path_keeps_the_host_state_and_says_so(
+    fake_slime, tmp_path: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """Quantized planes are quantized from the bf16 state the publisher keeps: the device path
+    hands it full host states, and one line at open says so."""
+    trainer = Trainer(f"file://{tmp_path}", 0, CONFIG)
+    rng = np.random.default_rng(2)
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            trainer.publish()
+            trainer.committed()
+            step(trainer.weights, rng, list(SHAPES))
+    assert trainer.handed == ["dict"] * 3 and trainer.holds == [True] * 3
+    assert caplog.text.count("publishes quantized planes int4, int8") == 1
+
+
+def test_a_restarted_publisher_by_delta_rebuilds_the_copy_from_what_it_resumed(
+    fake_slime, tmp_path: Path  # noqa: F811
+) -> None:
+    """A resumed publisher releases the state it synced from the bucket at open; the device's
+    copy is rebuilt from it at the first gather, and the copy advances with each commit."""
+    trainer = Trainer(f"file://{tmp_path}", 1 << 30, BY_DELTA)
+    rng = np.random.default_rng(4)
+    trainer.publish()
+    trainer.committed()
+    trainer.restart()
+    trainer.publisher.open()
+    path = trainer.publisher.device
+    assert path is not None and path.released is not None and path.held is None
+    assert trainer.publisher._publisher is not None and not trainer.publisher._publisher.weights.holds_state
+    for _ in range(2):
+        step(trainer.weights, rng, list(SHAPES)[:2])
+        trainer.publish()
+        result = trainer.committed()
+        assert path.released is None and path.held == trainer.publisher._publisher.state_digest
+        copy = {name: path.previous.previous_bits(name) for name in path.previous.names}
+        assert copy.keys() == set(PUBLISHED)
+        for name, bits in bits_of(trainer.weights).items():  # the copy is the committed version
+            assert np.array_equal(copy[name], bits), name
+    assert result.version == 2 and trainer.handed == ["dict", "DeviceDelta", "DeviceDelta"]
+
+
 def test_previous_state_streams_a_gather() -> None:
     """`begin`, `diff_tensor` and `end` give `codec.diff`'s delta a tensor at a time; a version
     that did not commit is discarded; the copy rebuilt from host bits diffs as one from tensors."""
@@ -324,15 +472,17 @@ def chunk_versions() -> list[list[tuple[str, Any]]]:
     return out
 
 
+@pytest.mark.parametrize("planes", [(), ("int8",)])  # by delta / the publisher keeps its baseline
 @pytest.mark.parametrize("plan", [HeadPlan(drop=True), HeadPlan(copy=True)])
 def test_the_head_plans_publish_the_numpy_paths_bytes(
-    buckets: tuple[str, str], plan: HeadPlan, caplog: pytest.LogCaptureFixture
+    buckets: tuple[str, str], plan: HeadPlan, planes: tuple[str, ...], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A dropped head (compared with the embedding by its delta from it) and a stored one (the
     chunk's own when it brings one, else the embedding's copy) as the host collector makes them."""
     results = {}
+    config = PublisherConfig(retain_anchors=0, planes=planes)  # type: ignore[arg-type]
     for url, device in zip(buckets, (None, DevicePath(0)), strict=True):
-        with SyncPublisher(url, RUN, PublisherConfig(retain_anchors=0), device=device) as publisher:
+        with SyncPublisher(url, RUN, config, device=device) as publisher:
             out = []
             for i, chunks in enumerate(chunk_versions()):
                 collect = device.collector(publisher) if device is not None else HostCollector
@@ -340,12 +490,17 @@ def test_the_head_plans_publish_the_numpy_paths_bytes(
                 # The second version brings no head: the copy plan copies the embedding.
                 collector.add([pair for pair in chunks if i != 1 or pair[0] != TIED_HEAD])
                 state = collector.finish()
-                assert (TIED_HEAD in state) == plan.copy
+                if isinstance(state, DeviceDelta):  # by delta from v1 on (no planes)
+                    assert device is not None and not planes and i > 0
+                    assert (TIED_HEAD in device.previous.names) == plan.copy
+                else:
+                    assert (TIED_HEAD in state) == plan.copy
+                    assert device is None or planes or i == 0
                 out.append(publisher.publish(state).changed)
             results[url] = out
     assert results[buckets[0]] == results[buckets[1]]
-    numpy_objects = asyncio.run(committed_objects(buckets[0], ()))
-    assert asyncio.run(committed_objects(buckets[1], ())) == numpy_objects
+    numpy_objects = asyncio.run(committed_objects(buckets[0], planes))
+    assert asyncio.run(committed_objects(buckets[1], planes)) == numpy_objects
     if plan.drop:  # the last version's head differs from its embedding: both paths say so
         assert caplog.text.count("differs from model.embed_tokens.weight in 1 of 4096 elements") == 2
 

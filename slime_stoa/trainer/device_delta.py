@@ -222,6 +222,14 @@ class PreviousState:
     def names(self) -> frozenset[str]:
         return frozenset(self._kept)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the previous version's tensor `name` (KeyError: not one of its tensors)."""
+        return tuple(self._kept[name].shape)
+
+    def previous_bits(self, name: str) -> np.ndarray:
+        """The previous version's tensor `name` as a new host array of uint16 bf16 bits (counted)."""
+        return np.array(_to_host(self._kept[name], self.transfer), copy=True).view(np.uint16)
+
     def device_bytes(self) -> int:
         """Bytes of the previous version kept on an accelerator."""
         return sum(t.numel() * 2 for t in self._kept.values() if t.device.type != "cpu")
@@ -357,6 +365,16 @@ class PreviousState:
         for name, (found, values) in self._pending.items():
             kept = self._kept[name].reshape(-1)
             kept[found.to(kept.device).long()] = values.to(kept.device)
+        self._pending = None
+
+    def advance(self, delta: Delta) -> None:
+        """Apply `delta` (a committed step from the kept version, not diffed here) to the kept
+        version, forgetting any pending diff: the copy follows a version another call published."""
+        for name, (indices, values) in delta.items():
+            kept = self._kept[name].reshape(-1)
+            kept[torch.from_numpy(np.asarray(indices, np.int64)).to(kept.device)] = (
+                torch.from_numpy(np.ascontiguousarray(values, np.uint16).view(np.int16)).to(kept.device)
+            )
         self._pending = None
 
     def sparse_step(self, delta: Delta) -> SparseStep:

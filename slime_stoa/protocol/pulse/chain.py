@@ -214,6 +214,22 @@ class ChainPublisher:
         self._shapes = {name: tuple(bits.shape) for name, bits in released.items()}
         return released
 
+    async def committed_state(self) -> dict[str, np.ndarray]:
+        """The committed version's state read back from the bucket, checked like any reader's
+        (UntrustedState when a check fails), and not kept here: how a holder of the weights whose
+        copy is not the committed state (`StaleBase`) rebuilds it after `release_baseline`."""
+        if self.head is None or self._digest is None:
+            raise RuntimeError("committed_state() needs a committed version (publish or open first)")
+        sub = Subscriber(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
+        try:
+            await sub.sync_to(self.head)
+        except (Untrusted, WeightsRefused) as exc:
+            raise UntrustedState(f"run {self.layout.run!r}: the committed v{self.head.version} reads back refused: {exc}") from None
+        assert sub.state is not None and sub.digest is not None
+        if sub.digest.root() != self._digest.root():
+            raise UntrustedState(f"run {self.layout.run!r}: the committed v{self.head.version} reads back as another state")
+        return sub.state
+
     @property
     def holds_state(self) -> bool:
         """Whether the published state is kept here (False after `release_baseline`)."""

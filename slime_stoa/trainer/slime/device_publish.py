@@ -2,9 +2,25 @@
 chunk where it lives against the device's copy of the committed version (`device_delta`), and
 only the delta crosses to the host.
 
-`DevicePath` owns that copy (a `PreviousState`) and keeps it equal to the publisher's committed
-bf16 state, which it tells by the state digest (`SyncPublisher.committed`, read while no publish
-is in flight, before each gather):
+`DevicePath` owns that copy (a `PreviousState`). It publishes one of two ways, which the publisher
+tells it once open (`SyncPublisher`):
+
+By delta (a run without quantized planes). Once a version is committed or resumed, the publisher
+hands over its host baseline and keeps none (`Publisher.release_baseline`, `adopt` here); the copy
+is rebuilt from it, where the weights live, at the next gather's first tensor, and the host
+baseline is dropped then. Each gather's `DeviceCollector.finish` gives a `DeviceDelta`: the
+version's change from the copy (`PreviousState.sparse_step`: changed indices, new and old bits, and
+one tensor at a time on request, for the digest of each changed tensor and, at an anchor, for
+every tensor), which the publisher publishes by `publish_delta`. The copy advances when the
+publisher commits (`published`); a version that did not commit is forgotten at the next gather.
+When the publisher's committed state is not the copy's (`StaleBase`: a pointer write whose answer
+was lost turned out to have landed), the copy is rebuilt from the committed state read back from
+the bucket and the same version diffed again (`rebase`); nothing wrong is published.
+
+With the host baseline (a run with quantized planes: a plane brought to a version it missed is
+quantized from the full bf16 state, so the publisher keeps it). The copy is kept equal to the
+publisher's committed bf16 state, which it tells by the state digest (`SyncPublisher.committed`,
+read while no publish is in flight, before each gather):
 
 - the copy already holds the committed state: the delta of a version that did not commit (a
   failed publish, an unanswered pointer write) is discarded;
@@ -14,15 +30,16 @@ is in flight, before each gather):
   publisher settled later, a restore's first publish): the copy is rebuilt from the publisher's
   host baseline, host to device, at the gather's first tensor (`reset_from_host`).
 
-A run's first version (no committed one) is the numpy path's: a full anchor from host copies.
-
-The state handed to the publisher is its baseline with the delta applied (the changed tensors
-new arrays, the others views of the baseline's). The publisher's `diff_step` returns that delta
-and updates the digest over the host state (xxh3 runs on the host); when the publisher's
+The state handed to the publisher is then its baseline with the delta applied (the changed
+tensors new arrays, the others views of the baseline's). The publisher's `diff_step` returns that
+delta and updates the digest over the host state (xxh3 runs on the host); when the publisher's
 baseline is not the one the delta was taken from (it settled an unanswered commit first), it
 diffs on the host instead. Views are safe only while the publisher cannot write its baseline
 under them: after a version that did not commit (which may leave an unanswered commit to
 settle, in place), the unchanged tensors are copied until a version commits again.
+
+Either way a run's first version (no committed one) is the numpy path's: a full anchor from host
+copies. The published bytes are the numpy path's.
 """
 
 from __future__ import annotations
@@ -33,13 +50,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from slime_stoa.protocol.pulse.codec import Delta
 from slime_stoa.protocol.pulse.digest import StateDigest
-from slime_stoa.protocol.pulse.step_diff import StepDiff, diff_step
+from slime_stoa.protocol.pulse.step_diff import SparseStep, StepDiff, diff_step
 
 from ..device_delta import DeviceDeltaConfig, PreviousState, Transfer, apply_delta
-from .gathered import Collector, Committed, HostCollector, NamedTensors, check_tied_head
+from .gathered import Committed, HostCollector, NamedTensors, check_tied_head
 from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan
 
 log = logging.getLogger(__name__)
@@ -51,6 +69,25 @@ class CommittedSource(Protocol):
     def open(self) -> object: ...
 
     def committed(self) -> Committed | None: ...
+
+
+class Gatherer(Protocol):
+    """What a gather collects slime's chunks with: `gathered.Collector`, whose `finish` gives a
+    host state, or the device path's, whose `finish` gives a `DeviceDelta` when publishing by delta."""
+
+    def add(self, chunk: NamedTensors) -> None: ...
+
+    def finish(self) -> dict[str, np.ndarray] | DeviceDelta: ...
+
+
+@dataclass(slots=True)
+class DeviceDelta:
+    """A version as the device path hands it when publishing by delta: its change from the
+    committed state whose digest root is `base` (`PreviousState.sparse_step`). Valid until the
+    next gather; `DevicePath.rebase` replaces both after a `StaleBase`."""
+
+    base: str
+    step: SparseStep
 
 
 @dataclass(slots=True)
@@ -69,17 +106,70 @@ class DevicePath:
     def __init__(self, device_budget_bytes: int) -> None:
         self.previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=device_budget_bytes))
         self.held: str | None = None  # the digest root of the state `previous` holds (None: none yet)
-        self.handed: Handed | None = None  # the last state handed to the publisher
+        self.handed: Handed | None = None  # the last state handed to the publisher (with its baseline)
         self.unsettled = False  # a handed version did not commit, and none has since
+        self.by_delta = False  # the publisher released its baseline: versions go by delta from now on
+        self.released: tuple[str, Mapping[str, np.ndarray]] | None = None  # (digest root, state) to rebuild from
+        self.device: torch.device | None = None  # where the weights live (the last gather's)
 
     @property
     def transfer(self) -> Transfer:
         """The bytes moved each way, the host copies of a run's first version included."""
         return self.previous.transfer
 
-    def collector(self, publisher: CommittedSource) -> Callable[[HeadPlan], Collector]:
+    def adopt(self, baseline: Mapping[str, np.ndarray], digest: str) -> None:
+        """The publisher released its committed state `baseline` (digest root `digest`) and keeps
+        none (`Publisher.release_baseline`): versions go by delta from now on. The copy is rebuilt
+        from it at the next gather's first tensor, where the weights live; it is not kept after."""
+        self.by_delta, self.released, self.held, self.handed = True, (digest, baseline), None, None
+
+    def published(self, handed: DeviceDelta, digest: str) -> None:
+        """`handed` is committed, its state's digest root `digest`: the copy becomes that version."""
+        if handed.base != self.held:
+            raise RuntimeError("the published delta is not from the device's copy")
+        self.previous.commit()
+        self.held = digest
+
+    def rebase(self, handed: DeviceDelta, committed: Mapping[str, np.ndarray], digest: str) -> None:
+        """After a `StaleBase`: rebuild the copy from `committed` (the publisher's committed state,
+        digest root `digest`, read back from the bucket) and diff `handed`'s version against it
+        again, replacing its base and step. Two host copies of the state, for this call only: the
+        bucket's and the version's (`_rediff`)."""
+        new = self._read_version(handed)
+        self.previous.reset_from_host(committed, self.device if self.device is not None else torch.device("cpu"))
+        self._rediff(handed, new, digest)
+
+    def rebase_by_step(self, handed: DeviceDelta, step: Delta, digest: str) -> None:
+        """After a `StaleBase` whose committed version is the one after the copy's (a pointer write
+        whose answer was lost landed): apply that version's `step` where the copy lives (its state's
+        digest root `digest`) and diff `handed`'s version again, replacing its base and step."""
+        new = self._read_version(handed)
+        self.previous.advance(step)
+        self._rediff(handed, new, digest)
+
+    def _read_version(self, handed: DeviceDelta) -> dict[str, np.ndarray]:
+        """`handed`'s version on the host, read before the copy it is read from changes: one host
+        copy of the state, for a rebase only."""
+        return {name: handed.step.tensor(name) for name in sorted(self.previous.names)}
+
+    def _rediff(self, handed: DeviceDelta, new: dict[str, np.ndarray], digest: str) -> None:
+        """Diff the version `new` against the copy (now the state whose digest root is `digest`),
+        one tensor at a time on the weights' device, and make `handed` that step."""
+        device = self.device if self.device is not None else torch.device("cpu")
+        self.held = digest
+        self.previous.begin()
+        delta = {}
+        for name in sorted(new):
+            bits = new.pop(name)
+            if (entry := self.previous.diff_tensor(name, torch.from_numpy(bits.view(np.int16)).to(device))) is not None:
+                delta[name] = entry
+        self.previous.end()
+        handed.base, handed.step = digest, self.previous.sparse_step(delta)
+
+    def collector(self, publisher: CommittedSource) -> Callable[[HeadPlan], Gatherer]:
         """How the next gather collects the state; call while no publish is in flight. Opens the
-        publisher to learn its committed version (an error there: the numpy path this time)."""
+        publisher to learn its committed version (an error there: the numpy path this time, unless
+        the device already holds a copy to publish by delta from)."""
         handed, self.handed = self.handed, None
         try:
             publisher.open()
@@ -88,6 +178,8 @@ class DevicePath:
             log.warning("stoa: the publisher did not open (%s: %s); copying the weights to the host this time",
                         type(exc).__name__, exc)
             committed = None
+        if self.by_delta and (self.held is not None or self.released is not None):
+            return lambda plan: DeviceCollector(self, None, plan)
         landed = committed is not None and handed is not None and handed.target == committed.digest
         if handed is not None:
             self.unsettled = not landed
@@ -103,7 +195,7 @@ class DevicePath:
             self.held = None  # rebuilt from the publisher's baseline at the first tensor
         return lambda plan: DeviceCollector(self, committed, plan)
 
-    def _host(self, plan: HeadPlan) -> Collector:
+    def _host(self, plan: HeadPlan) -> Gatherer:
         self.handed = Handed(base=None, delta=None)
         return HostCollector(plan, counted=self._count_host_copy)
 
@@ -130,10 +222,13 @@ class DevicePath:
 
 
 class DeviceCollector:
-    """One gather's chunks diffed against `path`'s copy of `committed`; `finish` gives the host
-    state (the baseline with the delta applied) and hands it to `path`."""
+    """One gather's chunks diffed against `path`'s copy of the committed version. `finish` gives,
+    when publishing by delta (`committed` None), the `DeviceDelta`; else the host state (the
+    publisher's baseline `committed.baseline` with the delta applied), handed to `path`."""
 
-    def __init__(self, path: DevicePath, committed: Committed, plan: HeadPlan) -> None:
+    def __init__(self, path: DevicePath, committed: Committed | None, plan: HeadPlan) -> None:
+        if committed is None and not path.by_delta:
+            raise ValueError("a device collector without the committed state publishes by delta")
         self.path, self.committed, self.plan = path, committed, plan
         self.order: list[str] = []  # the published names, in the chunks' order
         self.seen: set[str] = set()
@@ -144,17 +239,16 @@ class DeviceCollector:
             path.previous.begin()
 
     def add(self, chunk: NamedTensors) -> None:
-        previous = self.path.previous
         for name, tensor in chunk:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"invalid tensor name {name!r}")
             if name in self.seen:
                 raise ValueError(f"duplicate HF tensor {name!r} in slime's weight chunks")
             self.seen.add(name)
+            if len(self.seen) == 1:
+                self.path.device = tensor.device
             if self.path.held is None:  # the copy is rebuilt where the weights are
-                previous.reset_from_host(self.committed.baseline, tensor.device)
-                self.path.held = self.committed.digest
-                previous.begin()
+                self._rebuild(tensor.device)
             if self.plan.drop and name == TIED_HEAD:
                 self._dropped_head(tensor)
                 continue
@@ -162,6 +256,19 @@ class DeviceCollector:
             if self.plan.copy and name == EMBEDDING and TIED_HEAD not in self.seen:
                 self._diff(TIED_HEAD, tensor)  # the head a tied folder stores, unless a chunk brings its own
             self.order.append(name)
+
+    def _rebuild(self, device: torch.device) -> None:
+        """The copy from the publisher's host state: the one it released (by delta, then dropped
+        here), or its baseline."""
+        path = self.path
+        if self.committed is None:
+            assert path.released is not None
+            (digest, baseline), path.released = path.released, None
+        else:
+            digest, baseline = self.committed.digest, self.committed.baseline
+        path.previous.reset_from_host(baseline, device)
+        path.held = digest
+        path.previous.begin()
 
     def _diff(self, name: str, tensor: Any) -> None:
         entry = self.path.previous.diff_tensor(name, tensor)
@@ -173,35 +280,59 @@ class DeviceCollector:
         """Only to check the dropped head against the embedding: its delta from the committed
         embedding (what it differs in), not its bits."""
         self.head_shape = tuple(tensor.shape)
-        if EMBEDDING in self.path.previous.names and self.head_shape == self.committed.baseline[EMBEDDING].shape:
-            self.head = self.path.previous.diff_against(EMBEDDING, tensor)
+        previous = self.path.previous
+        if EMBEDDING in previous.names and self.head_shape == previous.shape(EMBEDDING):
+            self.head = previous.diff_against(EMBEDDING, tensor)
 
-    def finish(self) -> dict[str, np.ndarray]:
+    def finish(self) -> dict[str, np.ndarray] | DeviceDelta:
         if not self.order:
             raise ValueError("slime produced no weight tensors")
+        self.path.previous.end()
+        if (mismatch := self._head_mismatch()) is not None:
+            log.warning("stoa: %s", mismatch)
+        if self.committed is None:
+            assert self.path.held is not None
+            return DeviceDelta(base=self.path.held, step=self.path.previous.sparse_step(self.delta))
         names = list(self.order)
         if self.plan.copy and TIED_HEAD not in self.seen and EMBEDDING in self.seen:
             names.append(TIED_HEAD)
-        self.path.previous.end()
         applied = apply_delta(self.committed.baseline, self.delta)
         alias = not self.path.unsettled
         state = {
             name: applied[name] if name in self.delta else applied[name].view() if alias else applied[name].copy()
             for name in names
         }
-        if (mismatch := check_tied_head(state, self._head_bits(state))) is not None:
-            log.warning("stoa: %s", mismatch)
         self.path.handed = Handed(base=self.committed.digest, delta=self.delta)
         return state
 
-    def _head_bits(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The dropped head as host bits for `check_tied_head` (a stand-in of its shape when it
-        is not the embedding's: the check then reports the shapes)."""
-        if self.head_shape is None:
-            return {}
-        if self.head is None:
-            return {TIED_HEAD: np.zeros(self.head_shape, np.uint16)}
-        head = self.committed.baseline[EMBEDDING].copy()
-        indices, values = self.head
-        head.reshape(-1)[indices] = values
-        return {TIED_HEAD: head}
+    def _head_mismatch(self) -> str | None:
+        """`check_tied_head`'s warning for a dropped head. Both the head and the new embedding are
+        known by their deltas from the committed embedding: equal deltas, equal tensors, and
+        nothing more is read; else both are built on the host to say how they differ (a stand-in
+        of the head's shape when it is not the embedding's: the check then reports the shapes)."""
+        if self.head_shape is None or EMBEDDING not in self.seen:
+            return None
+        if self.head is None:  # another shape than the embedding's: stand-ins of both shapes say so
+            return check_tied_head({EMBEDDING: _stand_in(self.path.previous.shape(EMBEDDING))},
+                                   {TIED_HEAD: _stand_in(self.head_shape)})
+        empty = (np.empty(0, np.int64), np.empty(0, np.uint16))
+        embedding = self.delta.get(EMBEDDING, empty)
+        if all(np.array_equal(a, b) for a, b in zip(self.head, embedding, strict=True)):
+            return None
+        base = self._base_bits(EMBEDDING)
+        head, new = base.copy(), base.copy()
+        head.reshape(-1)[self.head[0]] = self.head[1]
+        new.reshape(-1)[embedding[0]] = embedding[1]
+        return check_tied_head({EMBEDDING: new}, {TIED_HEAD: head})
+
+    def _base_bits(self, name: str) -> np.ndarray:
+        """The committed version's tensor `name` on the host: the publisher's baseline, or read
+        from the device's copy when publishing by delta."""
+        if self.committed is not None:
+            return np.asarray(self.committed.baseline[name])
+        return self.path.previous.previous_bits(name)
+
+
+def _stand_in(shape: tuple[int, ...]) -> np.ndarray:
+    """An array of `shape` that takes no memory (zeros, read-only)."""
+    return np.broadcast_to(np.uint16(0), shape)

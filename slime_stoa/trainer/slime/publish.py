@@ -38,9 +38,16 @@ embedding's copy.
 
 The device path (`stoa_device_budget_bytes` set; `device_publish`): instead of copying every
 gathered tensor to the host (`tensor_bits`, the default numpy path), rank 0 diffs each chunk
-where it lives against the device's copy of the committed version, and only that delta crosses;
-the state handed to the publisher is the publisher's own baseline with the delta applied, and
-the publisher's `diff_step` takes the delta as it is. The published bytes are the numpy path's.
+where it lives against the device's copy of the committed version, and only that delta crosses.
+Without quantized planes it publishes by delta: once a version is committed or resumed the
+publisher hands its host baseline to the device path and keeps none (`release_baseline`); each
+version is handed over as its change from the device's copy (`device_publish.DeviceDelta`) and
+published by `Publisher.publish_delta`, so no host copy of the state is kept per version. A
+`StaleBase` (the committed state is not the device's copy: a lost pointer answer that landed)
+rebuilds the copy from the committed state read back from the bucket and diffs the same version
+again. With quantized planes the publisher keeps its baseline (a plane is quantized from the full
+bf16 state) and is handed that baseline with the device's delta applied; one log line at open says
+so. The published bytes are the numpy path's either way.
 
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
@@ -61,15 +68,15 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from slime_stoa.protocol.pulse.codec import check_bits
+from slime_stoa.protocol.pulse.codec import Delta, check_bits
 from slime_stoa.protocol.pulse.commit import Committer
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper, publisher_committers
-from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult, StaleBase
 from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
 from slime_stoa.protocol.pulse.step_diff import DiffStep, diff_step
 from slime_stoa.protocol.signing import SigningKey
@@ -89,6 +96,9 @@ from .gathered import (
 from .hf_names import TIED_HEAD, HeadPlan, family_converter, head_plan
 from .settings import StoaSettings, settings_from_args
 
+if TYPE_CHECKING:  # the device path imports torch: only loaded when it is configured
+    from .device_publish import DeviceDelta, Gatherer
+
 __all__ = [  # the gathered state's pieces, kept importable from here
     "Collector", "Committed", "HostCollector", "NamedTensors", "add_chunk", "check_tied_head", "chunks_to_state",
     "tensor_bits",
@@ -102,8 +112,24 @@ class DeviceHook(Protocol):
     def diff_step(self) -> DiffStep:
         """The publisher's diff/digest step: the delta the device computed."""
 
-    def collector(self, publisher: SyncPublisher) -> Callable[[HeadPlan], Collector]:
+    @property
+    def by_delta(self) -> bool:
+        """The publisher handed its baseline over (`adopt`): versions come as `DeviceDelta`s."""
+
+    def collector(self, publisher: SyncPublisher) -> Callable[[HeadPlan], Gatherer]:
         """How the next gather collects the state (called while no publish is in flight)."""
+
+    def adopt(self, baseline: Mapping[str, np.ndarray], digest: str) -> None:
+        """Take the committed state (digest root `digest`) the publisher released."""
+
+    def published(self, handed: DeviceDelta, digest: str) -> None:
+        """`handed` committed, its state's digest root `digest`."""
+
+    def rebase(self, handed: DeviceDelta, committed: Mapping[str, np.ndarray], digest: str) -> None:
+        """Rebuild the copy from the committed state and diff `handed`'s version again."""
+
+    def rebase_by_step(self, handed: DeviceDelta, step: Delta, digest: str) -> None:
+        """Bring the copy to the committed version by its step and diff `handed`'s version again."""
 
 log = logging.getLogger(__name__)
 
@@ -193,11 +219,16 @@ class SyncPublisher:
         """Resume from the run's pointer (once); the published version, None for a new run."""
         with self._lock:
             self._check_open()
-            return self._loop.call(self._open())
+            return self._loop.call(self._open_and_release())
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("SyncPublisher is closed")
+
+    async def _open_and_release(self) -> int | None:
+        version = await self._open()
+        self._release()
+        return version
 
     async def _open(self) -> int | None:
         # Runs on the loop while the caller holds `_lock`.
@@ -208,8 +239,25 @@ class SyncPublisher:
             self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
             where = f"resuming after v{version}" if version is not None else "new run"
             log.info("stoa: publishing weights to run %s at %s (%s)", self.run, self.url, where)
+            if self.device is not None and publisher.planes:
+                log.info(
+                    "stoa: run %s publishes quantized planes %s: the device path diffs on the device but hands the "
+                    "publisher a full host state per version (it quantizes the planes from the bf16 state it keeps); "
+                    "without planes it would publish by delta", self.run, ", ".join(sorted(publisher.planes)),
+                )
             self._keeper.start()  # the resumed pointer is kept fresh from now on, published to or not
         return self._publisher.version
+
+    def _release(self) -> None:
+        """The device path without quantized planes: once a version is committed (or resumed), the
+        publisher's state goes to the device path and the publisher keeps none (by delta from now on)."""
+        publisher, device = self._publisher, self.device
+        if device is None or publisher is None or publisher.planes or not publisher.weights.holds_state:
+            return
+        digest = publisher.state_digest
+        if publisher.version is None or digest is None:
+            return
+        device.adopt(publisher.release_baseline(), digest)
 
     def _committers(self) -> list[Committer]:
         """The committers the keeper re-signs (none before the publisher opened)."""
@@ -218,26 +266,39 @@ class SyncPublisher:
     def committed(self) -> Committed | None:
         """The last committed bf16 version of an opened publisher (None: not opened, or a new
         run). Read it while no publish is in flight (after `wait`): the baseline changes in place
-        when a version commits."""
+        when a version commits. Its baseline is empty once the publisher released it (publishing
+        by delta: the device path holds the state then)."""
         publisher = self._publisher
         if publisher is None or publisher.version is None or publisher.state_digest is None:
             return None
-        return Committed(publisher.version, publisher.state_digest, publisher.weights.baseline)
+        baseline = publisher.weights.baseline if publisher.weights.holds_state else {}
+        return Committed(publisher.version, publisher.state_digest, baseline)
 
-    def publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
-        """Publish `state` (uint16 bf16 bits) as the next version, retrying store failures, and
-        return once it is committed (after the one in flight, if any)."""
+    def publish(self, state: Mapping[str, np.ndarray] | DeviceDelta) -> PublishResult:
+        """Publish `state` (uint16 bf16 bits, or the device path's `DeviceDelta`) as the next
+        version, retrying store failures, and return once it is committed (after the one in
+        flight, if any)."""
         with self._lock:
             self._check_open()
             self.wait()
             self.last = self._loop.call(self._publish(state))
             return self.last
 
-    async def _publish(self, state: Mapping[str, np.ndarray]) -> PublishResult:
+    async def _publish(self, state: Mapping[str, np.ndarray] | DeviceDelta) -> PublishResult:
         async def attempt() -> PublishResult:
             await self._open()
-            assert self._publisher is not None
-            return await self._publisher.publish(state)
+            publisher = self._publisher
+            assert publisher is not None
+            if not isinstance(state, Mapping):
+                return await self._publish_delta(publisher, state)
+            if not publisher.weights.holds_state:
+                raise ValueError(
+                    f"run {self.run!r} publishes by delta (the device path holds the committed state): "
+                    "hand the device path's DeviceDelta, not a full state"
+                )
+            result = await publisher.publish(state)
+            self._release()  # a run's first version: by delta from the next one
+            return result
 
         async with self._keeper.lock:  # no refresh while a version commits (they share the pointer's ETag)
             return await publish_with_retries(
@@ -245,23 +306,61 @@ class SyncPublisher:
                 what=f"publishing weights to run {self.run!r} at {self.url}",
             )
 
-    def submit(self, state: Mapping[str, np.ndarray], *, copy: bool = True, gather_s: float = 0.0) -> Handoff:
+    async def _publish_delta(self, publisher: Publisher, handed: DeviceDelta) -> PublishResult:
+        """Publish the device path's `handed` by delta; after a `StaleBase`, rebuild the device's
+        copy from the committed state read back from the bucket and diff the version again (the
+        stale step writes nothing). The device's copy advances once the version is committed."""
+        device = self.device
+        assert device is not None
+        try:
+            result = await publisher.publish_delta(handed.step, base=handed.base)
+        except StaleBase as exc:
+            weights, digest = publisher.weights, publisher.state_digest
+            assert weights.head is not None and digest is not None
+            parent, last = weights.head.parent, weights.last_delta
+            if parent is not None and parent.state_digest == handed.base and last and last[0] == weights.version:
+                # the version after the copy's committed (a lost answer that landed): its step is known
+                log.warning("stoa: %s; bringing the device's copy to v%d by its step and diffing this version again",
+                            exc, weights.version)
+                await asyncio.to_thread(device.rebase_by_step, handed, last[1], digest)
+            else:
+                log.warning("stoa: %s; rebuilding the device's copy from the bucket's v%s and diffing this version "
+                            "again", exc, weights.version)
+                committed = await weights.committed_state()
+                await asyncio.to_thread(device.rebase, handed, committed, digest)
+                del committed
+            result = await publisher.publish_delta(handed.step, base=handed.base)
+        digest = publisher.state_digest
+        assert digest is not None
+        device.published(handed, digest)
+        return result
+
+    def submit(
+        self, state: Mapping[str, np.ndarray] | DeviceDelta, *, copy: bool = True, gather_s: float = 0.0
+    ) -> Handoff:
         """Publish `state` as the next version in the background; returns once it is handed over.
 
         First waits for the version in flight, if any (its error is raised here: nothing was
         handed over). With `copy` the arrays are copied before the call returns, so the caller
         may reuse them at once; without it the caller hands them over (they are made read-only)
-        and must not write them again. ValueError for a state that is not uint16 arrays.
+        and must not write them again. A `DeviceDelta` is handed over as it is (its arrays are
+        the delta's own, its tensors read from the device's copy, which the caller's next gather
+        does not touch before this publish is waited for). ValueError for a state that is not
+        uint16 arrays.
         `gather_s` (how long the caller took to gather the state) only goes into the log line.
         """
         start = time.perf_counter()
         with self._lock:
             self._check_open()
-            checked = {name: check_bits(name, bits) for name, bits in state.items()}
+            checked = {name: check_bits(name, bits) for name, bits in state.items()} if isinstance(state, Mapping) else None
             waited = self.wait()
             previous = self.last
             snap_start = time.perf_counter()
-            if copy:
+            snapshot: dict[str, np.ndarray] | DeviceDelta
+            if checked is None:
+                assert not isinstance(state, Mapping)
+                snapshot = state
+            elif copy:
                 snapshot = {name: bits.copy() for name, bits in checked.items()}
             else:
                 snapshot = checked
@@ -275,7 +374,7 @@ class SyncPublisher:
             return Handoff(wait_s=waited, snapshot_s=snapshot_s, blocked_s=blocked, previous=previous)
 
     async def _background(
-        self, state: dict[str, np.ndarray], *, gather_s: float, wait_s: float, blocked_s: float
+        self, state: dict[str, np.ndarray] | DeviceDelta, *, gather_s: float, wait_s: float, blocked_s: float
     ) -> PublishResult:
         self._task = asyncio.current_task()
         try:
@@ -388,7 +487,7 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
     rank = dist.get_rank()
     error: Exception | None = None
     waited = 0.0
-    collect: Callable[[HeadPlan], Collector] | None = None
+    collect: Callable[[HeadPlan], Gatherer] | None = None
     if rank == 0:
         try:
             publisher = get_publisher(settings)
@@ -431,10 +530,11 @@ def publish_weights(actor: Any, args: Any) -> PublishResult | Handoff | None:
 
 
 def gather_state(
-    actor: Any, args: Any, *, keep: bool, collect: Callable[[HeadPlan], Collector] | None = None
-) -> tuple[dict[str, np.ndarray], Exception | None]:
+    actor: Any, args: Any, *, keep: bool, collect: Callable[[HeadPlan], Gatherer] | None = None
+) -> tuple[dict[str, np.ndarray] | DeviceDelta, Exception | None]:
     """Iterate slime's HF weight chunks (collective); where `keep`, collect them as bf16 bits
-    (by `collect(plan)`'s collector; `HostCollector`, copying them, by default).
+    (by `collect(plan)`'s collector; `HostCollector`, copying them, by default), or, by delta,
+    as the device path's `DeviceDelta`.
 
     A conversion error is returned, not raised, after the iteration finished, so that no rank
     leaves the collective early. Mirrors slime's engine path for `--offload-train`: the process
@@ -454,7 +554,7 @@ def gather_state(
 
         reload_process_groups()
         guard = torch_memory_saver.disable()
-    state: dict[str, np.ndarray] = {}
+    state: dict[str, np.ndarray] | DeviceDelta = {}
     error: Exception | None = None
     plan = tied_head(actor, args) if keep else HeadPlan()
     collector = (collect or HostCollector)(plan)
