@@ -5,14 +5,21 @@ when there are several, config and tokenizer files), and its manifest — writte
 every file with its size, xxh3-128 digest and sha256 content hash and the state digest of the
 weights. A signed manifest (a publisher with a run key) signs those hashes: a file whose bytes do
 not hash to them is refused (`run_trust.ContentMismatch`) before it is used.
+
+The writer holds one file's bytes at a time (`write_anchor`): shards are planned from the
+tensors' shapes alone and each is built, hashed, uploaded and dropped before the next, so an
+anchor version costs one shard of memory beyond the state, not a serialized copy of it; a state
+read on demand (`step_diff.TensorsOnDemand`) is read once per tensor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +27,7 @@ import xxhash
 
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.hf.folders import INDEX_NAME, WEIGHTS_NAME, plan_shards, safe_child
-from slime_stoa.protocol.hf.safetensors_io import FILE_MODE, read_safetensors, safetensors_bytes
+from slime_stoa.protocol.hf.safetensors_io import FILE_MODE, _le_bytes, _plan, parse_header, read_safetensors
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_trust import ContentMismatch, check_content, content_hash
 from slime_stoa.protocol.signing import SigningKey
@@ -30,6 +37,7 @@ from .codec import PatchCorrupt
 from .digest import StateDigest
 from .manifests import AnchorFile, AnchorManifest, ManifestError
 from .route import SpeedMeter
+from .step_diff import TensorsOnDemand
 
 
 def shard_names(count: int) -> list[str]:
@@ -38,26 +46,71 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+SHARD_METADATA = {"format": "pt"}  # what transformers wants in a checkpoint's header
+
+
+@dataclass(frozen=True, slots=True)
+class AnchorPart:
+    """One file of an anchor, not built yet: `build()` returns its bytes (a weights shard reads
+    its tensors then), so a writer holds one file's bytes at a time."""
+
+    name: str
+    is_weights: bool
+    build: Callable[[], bytes | bytearray]
+
+
+def stand_ins(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each tensor's shape and dtype as an array of no bytes (a broadcast scalar): what plans the
+    shards, their headers and the index without reading a tensor (a `TensorsOnDemand` state
+    fetches from the weights' holder on every read)."""
+    if isinstance(state, TensorsOnDemand):
+        return {name: np.broadcast_to(np.zeros((), np.uint16), shape) for name, shape in state.shapes.items()}
+    return {name: np.broadcast_to(np.zeros((), bits.dtype), bits.shape) for name, bits in state.items()}
+
+
+def shard_bytes_of(state: Mapping[str, np.ndarray], names: Sequence[str], specs: Mapping[str, np.ndarray]) -> bytearray:
+    """The safetensors bytes of `state`'s tensors `names` (`safetensors_bytes`' own, byte for
+    byte) in one buffer of their size: the header planned from the stand-ins `specs`, then each
+    tensor read once and copied to its place, one at a time."""
+    header, _ = _plan({name: specs[name] for name in names}, None, SHARD_METADATA)
+    layout = parse_header(header, len(header) + sum(specs[name].nbytes for name in names))
+    out = bytearray(layout.data_start + (layout.tensors[-1].end if layout.tensors else 0))
+    with memoryview(out) as view:  # a slice of a memoryview never resizes: a size mismatch raises
+        view[: len(header)] = header
+        for entry in layout.tensors:
+            bits = state[entry.name]
+            if tuple(bits.shape) != entry.shape or bits.dtype != specs[entry.name].dtype:
+                raise ValueError(f"tensor {entry.name!r}: read as {bits.dtype}{tuple(bits.shape)}, planned otherwise")
+            view[layout.data_start + entry.begin : layout.data_start + entry.end] = _le_bytes(bits).data
+            del bits  # before the next read: one tensor read at a time
+    return out
+
+
 def anchor_files(
     state: Mapping[str, np.ndarray], *, shard_bytes: int, extras: Sequence[Path] = ()
-) -> list[tuple[str, bytes, bool]]:
-    """(file name, bytes, is_weights) of an anchor: shards, an index if sharded, extra files."""
-    shards = plan_shards(state, shard_bytes)
+) -> list[AnchorPart]:
+    """The files of an anchor, in manifest order: shards, an index if sharded, extra files."""
+    specs = stand_ins(state)
+    shards = plan_shards(specs, shard_bytes)
     names = shard_names(len(shards))
     files = [
-        (name, safetensors_bytes({k: state[k] for k in keys}, metadata={"format": "pt"}), True)
+        AnchorPart(name, True, functools.partial(shard_bytes_of, state, keys, specs))
         for name, keys in zip(names, shards, strict=True)
     ]
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": int(sum(a.nbytes for a in state.values()))},
+            "metadata": {"total_size": int(sum(a.nbytes for a in specs.values()))},
             "weight_map": {k: name for name, keys in zip(names, shards, strict=True) for k in keys},
         }
-        files.append((INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode(), False))
+        files.append(AnchorPart(INDEX_NAME, False, functools.partial(_json_bytes, index)))
     for path in extras:
         if path.name not in (WEIGHTS_NAME, INDEX_NAME):
-            files.append((path.name, path.read_bytes(), False))
+            files.append(AnchorPart(path.name, False, path.read_bytes))
     return files
+
+
+def _json_bytes(doc: object) -> bytes:
+    return json.dumps(doc, indent=2, sort_keys=True).encode()
 
 
 async def write_anchor(
@@ -74,34 +127,36 @@ async def write_anchor(
     key: SigningKey | None = None,
 ) -> tuple[str, AnchorManifest]:
     """Upload an anchor (files first, manifest last, signed by `key` when given); returns the
-    manifest key and manifest."""
-    files = await asyncio.to_thread(anchor_files, state, shard_bytes=shard_bytes, extras=extras)
-    limit = asyncio.Semaphore(concurrency)
+    manifest key and manifest.
 
-    async def upload(name: str, data: bytes) -> AnchorFile:
-        file_key = layout.anchor_file(version, attempt, name)
-        async with limit:
-            await store.put_if_absent(file_key, data)
-        return AnchorFile(
-            name=name, key=file_key, bytes=len(data), xxh3=xxhash.xxh3_128_hexdigest(data), sha256=content_hash(data)
-        )
-
-    uploaded = await asyncio.gather(*(upload(name, data) for name, data, _ in files))
-    weights = tuple(f for f, (_, _, is_w) in zip(uploaded, files, strict=True) if is_w)
-    extras_out = tuple(f for f, (_, _, is_w) in zip(uploaded, files, strict=True) if not is_w)
+    One file at a time: each is built, hashed, uploaded and dropped before the next is built, so
+    the anchor holds one shard's bytes at most (plus the tensor being copied into it), never a
+    serialized copy of the whole state. `concurrency` is not used (callers still pass it)."""
+    del concurrency
+    uploaded: list[tuple[AnchorFile, bool]] = []
+    for part in anchor_files(state, shard_bytes=shard_bytes, extras=extras):
+        uploaded.append((await _upload(store, layout.anchor_file(version, attempt, part.name), part), part.is_weights))
     manifest = AnchorManifest(
         run=layout.run,
         version=version,
         attempt=attempt,
         state_digest=state_digest,
-        weights=weights,
-        extras=extras_out,
+        weights=tuple(f for f, is_w in uploaded if is_w),
+        extras=tuple(f for f, is_w in uploaded if not is_w),
         created_at=time.time(),
         plane=layout.plane,
     )
     at = layout.anchor_manifest(version, attempt)
     await store.put_if_absent(at, manifest.to_bytes(key))
     return at, manifest
+
+
+async def _upload(store: Store, file_key: str, part: AnchorPart) -> AnchorFile:
+    """Build one anchor file, upload it and return its manifest entry; its bytes are dropped on return."""
+    data = await asyncio.to_thread(part.build)
+    xxh3, sha256 = await asyncio.to_thread(lambda: (xxhash.xxh3_128_hexdigest(data), content_hash(data)))
+    await store.put_if_absent(file_key, data)
+    return AnchorFile(name=part.name, key=file_key, bytes=len(data), xxh3=xxh3, sha256=sha256)
 
 
 async def fetch_verified(store: Store, file: AnchorFile) -> bytes:

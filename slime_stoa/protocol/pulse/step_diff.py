@@ -87,6 +87,11 @@ class TensorsOnDemand(Mapping[str, np.ndarray]):
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], fetch: Callable[[str], np.ndarray]) -> None:
         self._shapes, self._fetch = dict(shapes), fetch
 
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Each tensor's shape, known without a fetch (the tensors are uint16 bf16 bits)."""
+        return self._shapes
+
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._shapes:
             raise KeyError(name)
