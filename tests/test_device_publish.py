@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.codec import diff
+from slime_stoa.protocol.pulse.manifests import Pointer
 from slime_stoa.protocol.pulse.publisher import PublisherConfig, PublishError, PublishResult
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.store import Store, StoreError, open_store
@@ -36,6 +37,7 @@ from slime_stoa.trainer.slime import publish as slime_hook
 from slime_stoa.trainer.slime.device_publish import DeviceDelta, DevicePath
 from slime_stoa.trainer.slime.hf_names import EMBEDDING, TIED_HEAD, HeadPlan
 from slime_stoa.trainer.slime.publish import Handoff, HostCollector, SyncPublisher
+from tests.conftest import wait_until
 from tests.test_slime_hook import FakeBackuper, fake_slime  # noqa: F401 - the fixture (pytest finds it by name)
 
 RUN = "dev"
@@ -374,6 +376,37 @@ def test_a_device_copy_behind_the_committed_state_is_rebuilt_from_the_bucket(
     assert trainer.committed().version == 4
     version, state = asyncio.run(installed(url))
     assert version == 4 and all(np.array_equal(state[n], b) for n, b in bits_of(trainer.weights).items())
+
+
+def test_by_delta_the_pointer_keeper_re_signs_between_publishes(tmp_path: Path) -> None:
+    """Publishes by delta hold the keeper's lock: with the keeper re-signing every 10 ms each
+    version commits (no refresh takes its ETag), and the keeper keeps the last one fresh."""
+    url = f"file://{tmp_path}"
+    pointer_key = RunLayout(RUN).pointer
+
+    def pointer() -> Pointer:
+        async def read() -> Pointer:
+            async with open_store(url) as store:
+                return Pointer.from_bytes(await store.get_bytes(pointer_key), pointer_key, run=RUN)
+        return asyncio.run(read())
+
+    rng = np.random.default_rng(9)
+    tensors = {"model." + n: torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to(torch.bfloat16)
+               for n, s in SHAPES.items()}
+    device = DevicePath(0)
+    with SyncPublisher(url, RUN, BY_DELTA, device=device, refresh_s=0.01) as publisher:
+        for v in range(4):
+            collector = device.collector(publisher)(HeadPlan())
+            collector.add(list(tensors.items()))
+            state = collector.finish()
+            assert isinstance(state, DeviceDelta) == (v > 0)
+            assert publisher.publish(state).version == v
+            for t in tensors.values():
+                int16(t).reshape(-1)[v :: 97] ^= 1
+        published = pointer()
+        assert published.version == 3
+        wait_until(lambda: pointer().updated_at > published.updated_at, message="v3 re-signed")
+        assert pointer().manifest == published.manifest
 
 
 def test_with_planes_the_device_path_keeps_the_host_state_and_says_so(
