@@ -7,16 +7,34 @@
             fields = sample_fields(group)      # one dict per sample, slime's Sample field names
         await consumer.save_state()
 
-Modules, one concept each: `config` (ConsumerConfig, ResolvedConfig), `state` (the JSON state),
-`groups` (the shapes a record takes: Admitted, ConsumedGroup, Batch, sample field dicts),
-`admission` (judging one record), `policy` (staleness, reuse, admission order, dynamic
-sampling), `quarantine` and `canary` (honest workers), `metrics`, `persistence` (state in the
-bucket), `workers` (who was last seen), `run_context` (manifest, task, tokenizer). The parts of
-a `RolloutConsumer` (`consumer`): `discovery` (listing from a cursor), `downloads`, `intake`
-(a downloaded record's fate), `versions` (the published weight versions), `trust` (worker keys,
-quarantine, canaries), `pool`, `wait` (the loop that fills the pool), `shared` (what they
-share). The judging primitives shared with the evaluation are `slime_stoa.judging`. Free of
-slime and torch.
+Modules, one concept each. Rules and codecs, no store calls: `config` (ConsumerConfig, ResolvedConfig),
+`state` (the JSON state), `groups` (the shapes a record takes: Admitted, the Pool it waits in,
+ConsumedGroup, Batch, sample field dicts), `admission` (judging one record), `policy`
+(staleness, reuse, admission order, dynamic sampling), `quarantine` and `canary` (honest
+workers), `metrics` (counters, batch and episode metrics). With IO: `persistence` and `heads`
+(state in the bucket), `run_context` (manifest, task, tokenizer), `pause` (waiting for a repair),
+`counting` (a request-counting store, for benchmarks and tests). The parts of a
+`RolloutConsumer` (`consumer`), each owning its state: `shared` (store, config, the state and its
+counters, store calls through outages), `discovery` (listing from a cursor), `downloads` (the
+queue and the GETs), `intake` (a downloaded record's fate), `versions` (the published weight
+versions), `trust` (worker keys, quarantine, canaries), `held` (records waiting for an object a
+bucket writer deleted), `wait` (the loop that fills the pool, and the timeout message). The
+judging primitives shared with the evaluation are `slime_stoa.judging`. Free of slime and torch.
+
+How a record flows (one record, signed run: listed, downloaded, admitted, used, state saved;
+each step enters another module):
+
+    consumer.next_batch -> wait.Filler.ready/fill -> versions.refresh (the pointer)
+    -> shared.patiently -> discovery.Discovery.tail -> held.admits -> trust.admits
+    -> downloads.Downloads.launch -> held.hold_before_download -> trust.refuse_before_download
+    -> intake.Intake.take -> trust.know_signer -> admission.open_record, admission.admit
+    -> trust.refuses -> versions.verdict -> groups.Pool.add
+    consumer._take -> groups.Pool.take -> versions.lag -> groups.ConsumedGroup.of -> metrics
+    consumer.save_state -> groups.Pool.ledger -> state.snapshot -> persistence.SavedState.write -> heads
+
+25 steps across 15 modules, 10 entries into a module already visited, none back into `consumer`
+before the batch. (Before the parts were merged: 26 steps across 16 modules, 10 re-entries, two
+of them back into `consumer`, whose callbacks judged held records; 25 modules, now 22.)
 """
 
 from slime_stoa.judging.scoring import Decode, Rescorer, load_tokenizer, tokenizer_decode

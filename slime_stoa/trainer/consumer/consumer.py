@@ -25,7 +25,9 @@ them):
    policies (`policy`), with the lag measured in training steps along the weight lineage
    (`pulse.lineage`: a trainer restarted from an earlier checkpoint starts a new branch): too
    far ahead -> rejected; drawn from an abandoned branch -> dropped (`off_lineage`); too stale
-   -> dropped; all-equal rewards -> filtered (if configured); else the group joins the pool.
+   -> dropped; all-equal rewards -> filtered (if configured); else the group joins the pool. A
+   record that fails because an object it needs is gone (the registry, a version manifest: a
+   bucket writer deleted it) is held, not rejected, until it is back (`held.Held`).
 4. When the pool (`groups.Pool`) holds enough groups, the batch takes them in admission order; a
    group is used at most `reuse_limit` times, each time only while fresh enough.
 
