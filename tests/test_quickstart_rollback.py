@@ -5,7 +5,11 @@ key, so it verifies, but below the newest signed head). The rerun quickstart
 
 - with its copy of the state (`<out>/kept`, the default) puts the copy back and resumes: exit 0;
 - without it (the copy deleted) pauses, reporting one line at tries 1, 2, 4, ... that names
-  `consumer.json` and the repair, and resumes by itself once the newest state is back: exit 0.
+  `consumer.json` and the quickstart's own repair, and resumes by itself once the newest state is
+  back: exit 0;
+- without it, paused past its time limit (`--minutes`), stops with one `error:` line naming the
+  repairs: exit 1; and the `--restart-from` command in that line, run as printed, writes its
+  checkpoint's state over the spoiled one and runs: exit 0.
 
 Never a traceback. Real `macd run` workers, real learner, a local bucket; bounded by versions.
 """
@@ -14,6 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +56,22 @@ def put_back_an_old_save(out: Path) -> tuple[bytes, int]:
     return newest, state.seq
 
 
+def restart_as_printed(error: str) -> str:
+    """Run the `stoa quickstart ... --restart-from N` command of a repair line as printed; its
+    output, asserted to exit 0 without a traceback."""
+    found = re.search(r"restart from its newest checkpoint: (stoa quickstart .*?); or ", error)
+    assert found, error
+    argv = shlex.split(found.group(1))
+    done = subprocess.run(
+        [sys.executable, "-m", "slime_stoa.cli", *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True,
+        text=True, timeout=600,
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    return text
+
+
 def finished(qs: Quickstart) -> str:
     """The output of a quickstart that ends by itself, asserted to exit 0 without a traceback."""
     code = qs.proc.wait(timeout=600)
@@ -58,10 +81,28 @@ def finished(qs: Quickstart) -> str:
     return text
 
 
-@pytest.mark.slow  # three quickstart runs, ~3 minutes on two cores: python -m pytest --slow tests/test_quickstart_rollback.py
-def test_a_rerun_on_an_old_state_put_back_resumes_with_or_without_its_copy(tmp_path: Path) -> None:
+@pytest.mark.slow  # five quickstart runs, ~5 minutes on two cores: python -m pytest --slow tests/test_quickstart_rollback.py
+def test_a_rerun_on_an_old_state_put_back_resumes_restarts_or_stops_with_the_repair(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     finished(Quickstart(out, *SHORT))
+
+    # Without the copy, past the time limit: one line with the repairs; its restart runs as printed.
+    _newest, seq = put_back_an_old_save(out)
+    kept_state(out).unlink()
+    qs = Quickstart(out, *SHORT[:-1], "0.05")  # --minutes 0.05: three seconds for the RL part
+    code = qs.proc.wait(timeout=600)
+    text = qs.finish()
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    (error,) = [line for line in text.splitlines() if line.startswith("error:")]
+    assert error.startswith("error: the time limit (--minutes 0.05) ran out while paused"), error
+    assert "consumer.json" in error and str(kept_state(out)) in error, error
+    assert not any(word in error for word in ("keep_dir", "slime", "heads under")), error
+    assert "stoa paused:" in text  # the note when the pause started
+    assert parse_state(bucket_state(out).read_bytes(), RUN, [read_key_file(out / "run.key").public]).seq == 1
+    text = restart_as_printed(error)
+    assert "is an older save put back (older than its newest signed head): the checkpoint's state is saved over it" in text
+    restarted = parse_state(bucket_state(out).read_bytes(), RUN, [read_key_file(out / "run.key").public])
+    assert restarted.seq > seq  # above the head: no pause on the next run
 
     # Without the trainer's copy: paused, one line per report, until the newest state is back.
     newest, seq = put_back_an_old_save(out)

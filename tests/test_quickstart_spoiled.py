@@ -84,6 +84,11 @@ def test_the_repair_line_offers_the_quickstarts_repairs_each_runnable(tmp_path: 
     assert new == dataclasses.replace(shared, out=tmp_path / "qs-3", run=f"{cfg.run}-3")
 
 
+def test_a_run_folder_without_a_name_gets_a_fresh_one_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert fresh_run(QuickstartConfig(out=Path("."))) == {"out": tmp_path.with_name(f"{tmp_path.name}-2")}
+
+
 class Spoiled:
     """A signed run whose bucket holds save 1 of the consumer state while its head is at save 2."""
 

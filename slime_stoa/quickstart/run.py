@@ -15,7 +15,9 @@ A checkpoint of each of the last few versions (`checkpoints`: learner and consum
 lets `--restart-from N` restart the run from an earlier version, as slime does. Store outages at
 start-up (seeding, the publisher, the keys, the rebuild) pause it, as they pause training. A
 stopped warm start resumes from its last saved step (`warmstate`). One quickstart at a time per
-run folder (`lock`): a second one on the same --out is refused at start.
+run folder (`lock`): a second one on the same --out is refused at start. A consumer state a
+bucket writer spoiled, with no copy in `<out>/kept` to put back, pauses the rerun until it is
+repaired, within the RL part's time limit, naming the quickstart's own repairs (`spoiled`).
 
 The phases, in order (`_run_locked`; each a `phase_*` function but `train`, sharing a `Session`):
 check the bucket, prepare the model, warm start (a new run), seed the run, resume (the learner

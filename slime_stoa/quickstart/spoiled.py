@@ -13,6 +13,7 @@ command as it runs. The wait ends by itself once the state is repaired; the RL p
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -51,10 +52,11 @@ def fresh_run(cfg: QuickstartConfig) -> dict[str, Any]:
     """The options of a new run beside this one: the first run folder `<out>-2`, `<out>-3`, ...
     that does not exist yet (this folder's worker keys belong to this run), and with --store,
     whose bucket the runs share, a run name of the same number."""
+    out = Path(os.path.abspath(cfg.out))  # `--out .` has no name to number
     n = 2
-    while cfg.out.with_name(f"{cfg.out.name}-{n}").exists():
+    while out.with_name(f"{out.name}-{n}").exists():
         n += 1
-    fresh: dict[str, Any] = {"out": cfg.out.with_name(f"{cfg.out.name}-{n}")}
+    fresh: dict[str, Any] = {"out": out.with_name(f"{out.name}-{n}")}
     if cfg.store is not None:
         fresh["run"] = f"{cfg.run}-{n}"
     return fresh
