@@ -68,7 +68,10 @@ def repair_line(cfg: QuickstartConfig, *, kept: Path | None, checkpoints: Sequen
     `checkpoints`: the versions it can restart from; `fresh`: the options of a new run
     (`fresh_run`). The commands run once this quickstart has stopped (one per run folder)."""
     copy = f" (or its own copy to {kept}: it puts that back itself)" if kept is not None else ""
-    ways = [f"put the newest consumer state back at {state_key(cfg.run)} in the bucket{copy} and it resumes"]
+    ways = [
+        f"put the newest consumer state back at {state_key(cfg.run)} in the bucket{copy}: a waiting quickstart "
+        "resumes, a stopped one when the same command is run again"
+    ]
     if checkpoints:
         restart = quickstart_command(cfg, restart_from=max(checkpoints))
         ways.append(f"once stopped, restart from its newest checkpoint: {restart}")
