@@ -7,12 +7,18 @@ and the two paths alternate in rounds (full, delta, full, delta, ...). A child b
 weights as torch bf16 tensors (the stand-in for the trainer's weights: on a GPU box they are on
 the device), publishes version 0 (an anchor, from a host copy, on both paths) to a local folder
 bucket, then `--versions` versions, each an Adam-like step of `--density` of the elements (1-3
-units in the last place), with no anchor among them. A thread samples the process's resident
+units in the last place, drawn in slices so the step's own temporaries stay small), with no anchor
+among them. A thread samples the process's resident
 set every 5 ms. Reported per path, min / median / max over rounds:
 
   weights_mib     the resident set once the weights are built (the baseline of the figures below)
   first_mib       the peak above it while version 0 is published
-  steady_mib      the peak above it while versions 1.. are published: the per-version cost
+  start_mib       the resident set above it when version 1 begins: what version 0 left (the delta
+                  path's copy of the previous version, and heap that glibc keeps resident after
+                  version 0's copies are freed: it does not return freed chunks below its mmap
+                  threshold, which rises to 32 MiB, larger than any tensor here)
+  steady_mib      the peak above it while versions 1.. are published: the per-version cost (at
+                  least start_mib; the freed heap counted there is reused by the versions)
   previous_mib    the bytes of the device's copy of the published version (delta path only; on the
                   CPU it is host memory and inside steady_mib; on a GPU box with
                   `stoa_device_budget_bytes` >= the model's bf16 bytes it is device memory)
@@ -51,6 +57,7 @@ from benchlib import Incomplete, Session, exit_code, print_spreads, require, spr
 
 PATHS = ("full", "delta")
 MIB = 1 << 20
+STEP_SLICE = 1 << 18  # elements of a weight the stand-in step changes at a time
 
 
 def rss_bytes() -> int:
@@ -111,10 +118,16 @@ def child(path: str, smoke: bool, layers: list[int], versions: int, density: flo
         return {n: bf16_view(n, w).numpy().view(np.uint16).copy() for n, w in weights.items()}
 
     def step() -> None:
+        # In slices of STEP_SLICE elements: the stand-in optimizer's temporaries (float32 draws of a
+        # whole tensor are 2x its bytes) are not the publisher's, and freed whole-tensor temporaries
+        # would stay resident (glibc keeps freed chunks below its mmap threshold) inside the figures.
         for w in weights.values():
-            moved = (torch.rand(w.shape, generator=gen) < density).view(torch.uint8).to(torch.int16)
-            units = torch.randint(1, 4, w.shape, generator=gen, dtype=torch.int16)
-            w.view(torch.int16).add_(moved * units)  # 1-3 units in the last place, where moved
+            flat = w.view(torch.int16).reshape(-1)
+            for at in range(0, flat.numel(), STEP_SLICE):
+                part = flat[at : at + STEP_SLICE]
+                moved = (torch.rand(part.shape, generator=gen) < density).view(torch.uint8).to(torch.int16)
+                units = torch.randint(1, 4, part.shape, generator=gen, dtype=torch.int16)
+                part.add_(moved * units)  # 1-3 units in the last place, where moved
 
     async def run() -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="stoa-bench-delta-") as bucket:
@@ -125,6 +138,7 @@ def child(path: str, smoke: bool, layers: list[int], versions: int, density: flo
                 if path == "delta":
                     previous.reset_from_host(publisher.release_baseline(), "cpu")
                 first = sampler.take() - base
+                start = rss_bytes() - base
                 changed = 0
                 for _ in range(versions):
                     step()
@@ -138,7 +152,8 @@ def child(path: str, smoke: bool, layers: list[int], versions: int, density: flo
                     require(not result.anchored, "a version anchored: raise anchor_every")
                     changed += result.changed
                 steady = sampler.take() - base
-                return {"weights_mib": base / MIB, "first_mib": first / MIB, "steady_mib": steady / MIB,
+                return {"weights_mib": base / MIB, "first_mib": first / MIB, "start_mib": start / MIB,
+                        "steady_mib": steady / MIB,
                         "previous_mib": (model_bytes if path == "delta" else 0) / MIB, "model_mib": model_bytes / MIB,
                         "changed_fraction": changed / (versions * model_bytes / 2), "digest": publisher.state_digest}
 
@@ -183,10 +198,10 @@ def main() -> int:
             print(f"round {r + 1} {path}: steady {runs[path][-1]['steady_mib']:.0f} MiB above the weights", flush=True)
     digests = {run["digest"] for p in PATHS for run in runs[p]}
     require(len(digests) == 1, f"the paths published different states: {sorted(digests)}")
-    figures = {p: {k: spread([run[k] for run in runs[p]]) for k in ("weights_mib", "first_mib", "steady_mib",
-                                                                  "previous_mib", "changed_fraction")} for p in PATHS}
+    figures = {p: {k: spread([run[k] for run in runs[p]]) for k in ("weights_mib", "first_mib", "start_mib",
+                                                                  "steady_mib", "previous_mib", "changed_fraction")} for p in PATHS}
     model_mib = runs["full"][0]["model_mib"]
-    for key in ("first_mib", "steady_mib"):
+    for key in ("first_mib", "start_mib", "steady_mib"):
         print_spreads(f"{key} (MiB above the weights; layers {args.layers}, {model_mib:.0f} MiB bf16)",
                       {p: figures[p][key] for p in PATHS}, unit="MiB", digits=0)
     meter.print_load()

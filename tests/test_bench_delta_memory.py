@@ -26,7 +26,7 @@ def test_the_smoke_run_measures_both_paths(tmp_path: Path) -> None:
     assert doc["rounds"] == 2 and doc["model_mib"] > 0 and "load_average_start" in doc
     for path in ("full", "delta"):
         figures = doc["paths"][path]
-        for key in ("weights_mib", "first_mib", "steady_mib", "changed_fraction"):
+        for key in ("weights_mib", "first_mib", "start_mib", "steady_mib", "changed_fraction"):
             s = figures[key]
             assert s["n"] == 2 and 0 <= s["min"] <= s["median"] <= s["max"]
         assert 0.01 < figures["changed_fraction"]["median"] < 0.03
