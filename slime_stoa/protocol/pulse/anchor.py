@@ -71,17 +71,18 @@ def stand_ins(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def shard_bytes_of(state: Mapping[str, np.ndarray], names: Sequence[str], specs: Mapping[str, np.ndarray]) -> bytearray:
     """The safetensors bytes of `state`'s tensors `names` (`safetensors_bytes`' own, byte for
     byte) in one buffer of their size: the header planned from the stand-ins `specs`, then each
-    tensor read once and copied to its place, one at a time."""
+    tensor read once and copied to its place, one at a time (`_plan` and `_le_bytes` are
+    `safetensors_bytes`' own header plan and byte view, so the bytes are its)."""
     header, _ = _plan({name: specs[name] for name in names}, None, SHARD_METADATA)
-    layout = parse_header(header, len(header) + sum(specs[name].nbytes for name in names))
-    out = bytearray(layout.data_start + (layout.tensors[-1].end if layout.tensors else 0))
+    planned = parse_header(header, len(header) + sum(specs[name].nbytes for name in names))
+    out = bytearray(planned.data_start + (planned.tensors[-1].end if planned.tensors else 0))
     with memoryview(out) as view:  # a slice of a memoryview never resizes: a size mismatch raises
         view[: len(header)] = header
-        for entry in layout.tensors:
+        for entry in planned.tensors:
             bits = state[entry.name]
             if tuple(bits.shape) != entry.shape or bits.dtype != specs[entry.name].dtype:
                 raise ValueError(f"tensor {entry.name!r}: read as {bits.dtype}{tuple(bits.shape)}, planned otherwise")
-            view[layout.data_start + entry.begin : layout.data_start + entry.end] = _le_bytes(bits).data
+            view[planned.data_start + entry.begin : planned.data_start + entry.end] = _le_bytes(bits).data
             del bits  # before the next read: one tensor read at a time
     return out
 
