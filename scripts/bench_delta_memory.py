@@ -14,9 +14,11 @@ set every 5 ms. Reported per path, min / median / max over rounds:
   weights_mib     the resident set once the weights are built (the baseline of the figures below)
   first_mib       the peak above it while version 0 is published
   start_mib       the resident set above it when version 1 begins: what version 0 left (the delta
-                  path's copy of the previous version, and heap that glibc keeps resident after
-                  version 0's copies are freed: it does not return freed chunks below its mmap
-                  threshold, which rises to 32 MiB, larger than any tensor here)
+                  path's copy of the previous version; on the full path, heap that glibc keeps
+                  resident after version 0's copies are freed: it does not return freed chunks
+                  below its mmap threshold, which rises to 32 MiB, larger than any tensor here.
+                  The delta path gives it back where the wired device path does, once the
+                  released baseline is dropped: `heap.return_freed_heap`)
   steady_mib      the peak above it while versions 1.. are published: the per-version cost (at
                   least start_mib; the freed heap counted there is reused by the versions)
   previous_mib    the bytes of the device's copy of the published version (delta path only; on the
@@ -105,6 +107,7 @@ def child(path: str, smoke: bool, layers: list[int], versions: int, density: flo
     from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
     from slime_stoa.protocol.store import open_store
     from slime_stoa.trainer.device_delta import PreviousState, bf16_view
+    from slime_stoa.trainer.heap import return_freed_heap
 
     torch.set_num_threads(1)
     shapes = layer_shapes(smoke, layers)
@@ -137,6 +140,9 @@ def child(path: str, smoke: bool, layers: list[int], versions: int, density: flo
                 previous = PreviousState()
                 if path == "delta":
                     previous.reset_from_host(publisher.release_baseline(), "cpu")
+                    # where the wired device path drops the released host copy (device_publish's
+                    # `_rebuild`): the same call gives the freed heap back to the OS
+                    return_freed_heap()
                 first = sampler.take() - base
                 start = rss_bytes() - base
                 changed = 0

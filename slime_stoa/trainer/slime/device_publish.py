@@ -8,10 +8,11 @@ tells it once open (`SyncPublisher`):
 By delta (a run without quantized planes). Once a version is committed or resumed, the publisher
 hands over its host baseline and keeps none (`Publisher.release_baseline`, `adopt` here); the copy
 is rebuilt from it, where the weights live, at the next gather's first tensor, and the host
-baseline is dropped then. Each gather's `DeviceCollector.finish` gives a `DeviceDelta`: the
-version's change from the copy (`PreviousState.sparse_step`: changed indices, new and old bits, and
-one tensor at a time on request, for the digest of each changed tensor and, at an anchor, for
-every tensor), which the publisher publishes by `publish_delta`. The copy advances when the
+baseline is dropped then, the heap it freed given back to the OS (`heap.return_freed_heap`). Each
+gather's `DeviceCollector.finish` gives a `DeviceDelta`: the version's change from the copy
+(`PreviousState.sparse_step`: changed indices, new and old bits, and one tensor at a time on
+request, for the digest of each changed tensor and, at an anchor, for every tensor), which the
+publisher publishes by `publish_delta`. The copy advances when the
 publisher commits (`published`); a version that did not commit is forgotten at the next gather.
 When the publisher's committed state is not the copy's (`StaleBase`: a pointer write whose answer
 was lost turned out to have landed), the copy is rebuilt from the committed state read back from
@@ -57,6 +58,7 @@ from slime_stoa.protocol.pulse.digest import StateDigest
 from slime_stoa.protocol.pulse.step_diff import SparseStep, StepDiff, diff_step
 
 from ..device_delta import DeviceDeltaConfig, PreviousState, Transfer, apply_delta
+from ..heap import return_freed_heap
 from .gathered import Committed, HostCollector, NamedTensors, check_tied_head
 from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan
 
@@ -259,14 +261,17 @@ class DeviceCollector:
 
     def _rebuild(self, device: torch.device) -> None:
         """The copy from the publisher's host state: the one it released (by delta, then dropped
-        here), or its baseline."""
+        here), or its baseline (the publisher keeps it)."""
         path = self.path
         if self.committed is None:
             assert path.released is not None
             (digest, baseline), path.released = path.released, None
+            path.previous.reset_from_host(baseline, device)
+            del baseline  # the released state's last reference: one bf16 copy of the model freed
+            return_freed_heap()  # else glibc keeps it resident (`heap`)
         else:
-            digest, baseline = self.committed.digest, self.committed.baseline
-        path.previous.reset_from_host(baseline, device)
+            digest = self.committed.digest
+            path.previous.reset_from_host(self.committed.baseline, device)
         path.held = digest
         path.previous.begin()
 
