@@ -11,16 +11,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from pathlib import Path
 
-from . import config as cfg
+from slime_stoa.protocol.cli_fields import field_values
+
+from . import doctor as doctor_cmd
 from . import join_cmd, run_cmd, service_cmd
 from .cmdline import add_config_option, config_path
-from .doctor import add_plan_options
-
-
-def default_data_dir() -> Path:
-    return cfg.default_data_dir()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor", help="check Python, MLX, memory and disk, and recommend a model size and batch"
     )
-    doctor.add_argument("--data-dir", type=Path, default=default_data_dir(), help="anchor cache and spool folder")
     add_config_option(doctor)
-    add_plan_options(doctor)
+    doctor_cmd.add_options(doctor)
     doctor.set_defaults(handler=_doctor)
     join_cmd.add_parser(sub)
     run_cmd.add_parser(sub)
@@ -50,11 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from . import doctor
-
-    if args.plan_for is not None:
-        return doctor.print_plan(args)
-    return doctor.main(args.data_dir, config_path(args), index_gb=args.plan_index_gb)
+    inputs = doctor_cmd.DoctorInputs(**field_values(args, doctor_cmd.DoctorInputs, "doctor"))
+    if inputs.plan_for is not None:
+        return doctor_cmd.print_plan(inputs)
+    return doctor_cmd.main(inputs.data_dir, config_path(args), index_gb=inputs.plan_index_gb)
 
 
 #: The exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.

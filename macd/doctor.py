@@ -7,14 +7,18 @@ sizes (`macd.memory_plan`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import platform
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from slime_stoa.protocol.cli_fields import Flag, add_field_options, option_name, setting
+
+from .config import default_data_dir
 from .machine import memory_bytes, tier_for
 
 
@@ -101,7 +105,49 @@ async def plan_rows(config: Any, index_gb: float | None = None) -> list[tuple[st
     return rows + ([("plan", warning.removeprefix("warning: "), False)] if warning else [])
 
 
-INDEX_FLAG = "--plan-index-gb"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorInputs:
+    """The options of `macd doctor`: the data folder whose disk it checks, and with `--plan-for`
+    the model shape and Mac sizes it plans for (checked by `print_plan`, which names a bad one)."""
+
+    data_dir: Path = setting(
+        "anchor cache and spool folder (default: ~/Library/Application Support/stoa on macOS, "
+        "$XDG_DATA_HOME/stoa or ~/.local/share/stoa elsewhere)",
+        default_factory=default_data_dir,  # read when macd starts: the environment of this call
+        doctor=True,
+    )
+    plan_for: str | None = setting(
+        "print the memory plan of LFM2.5-8B-A1B (or --plan-config) on Macs of these sizes, e.g. 16,24,32,64",
+        None,
+        doctor=Flag(metavar="GB[,GB...]"),
+    )
+    plan_config: Path | None = setting("a model's config.json to plan for instead", None, doctor=True)
+    plan_device: Literal["gpu", "cpu"] = setting(
+        "where MLX computes: gpu (a Mac's Metal GPU) or cpu (MLX's CPU device, e.g. Linux: float32 "
+        "compute, float32 copies of the bf16 weights)",
+        "gpu",
+        doctor=True,
+    )
+    plan_planes: str = setting(
+        "quantized planes the run publishes (int8, int4), each planned as a Mac holds it: alone, "
+        "without the bf16 master (default: none)",
+        # a factory, not "": the help says "none" rather than showing an empty default
+        default_factory=str,
+        doctor=Flag(metavar="PLANE[,PLANE...]"),
+    )
+    plan_group_size: int = setting("samples per prompt", 8, doctor=True)
+    plan_batch: int = setting("prompts decoding at once", 2, doctor=True)
+    plan_prompt_tokens: int = setting("longest prompt", 512, doctor=True)
+    plan_response_tokens: int = setting("longest response", 1536, doctor=True)
+    plan_index_gb: float | None = setting(
+        "the search index's size in GiB, counted instead of what the joined run's index manifest in "
+        "the bucket says (default: that size; 0 with --plan-for)",
+        None,
+        doctor=True,
+    )
+
+
+INDEX_FLAG = option_name("plan_index_gb")
 
 
 def check_index_gb(value: float | None) -> str | None:
@@ -111,27 +157,15 @@ def check_index_gb(value: float | None) -> str | None:
     return None
 
 
-def add_plan_options(parser: argparse.ArgumentParser) -> None:
-    """`macd doctor --plan-for 16,24,32,64` and the run shape it plans for."""
-    parser.add_argument("--plan-for", metavar="GB[,GB...]", default=None,
-                        help="print the memory plan of LFM2.5-8B-A1B (or --plan-config) on Macs of these sizes, e.g. 16,24,32,64")
-    parser.add_argument("--plan-config", type=Path, default=None, help="a model's config.json to plan for instead")
-    parser.add_argument("--plan-device", choices=("gpu", "cpu"), default="gpu",
-                        help="where MLX computes: gpu (a Mac's Metal GPU, default) or cpu (MLX's CPU device, e.g. "
-                             "Linux: float32 compute, float32 copies of the bf16 weights)")
-    parser.add_argument("--plan-planes", metavar="PLANE[,PLANE...]", default="",
-                        help="quantized planes the run publishes (int8, int4), each planned as a Mac holds it: "
-                             "alone, without the bf16 master (default: none)")
-    parser.add_argument("--plan-group-size", type=int, default=8, help="samples per prompt (default 8)")
-    parser.add_argument("--plan-batch", type=int, default=2, help="prompts decoding at once (default 2)")
-    parser.add_argument("--plan-prompt-tokens", type=int, default=512, help="longest prompt (default 512)")
-    parser.add_argument("--plan-response-tokens", type=int, default=1536, help="longest response (default 1536)")
-    parser.add_argument(INDEX_FLAG, type=float, default=None,
-                        help="the search index's size in GiB, counted instead of what the joined run's index "
-                             "manifest in the bucket says (default: that size; 0 with --plan-for)")
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """`macd doctor`'s options, one per `DoctorInputs` field. The parser's defaults are
+    `DoctorInputs()`'s, so that a computed one (the data folder, read when macd starts) is a value
+    in `args` too, not None."""
+    add_field_options(parser, DoctorInputs, "doctor")
+    parser.set_defaults(**dataclasses.asdict(DoctorInputs()))
 
 
-def print_plan(args: argparse.Namespace) -> int:
+def print_plan(inputs: DoctorInputs) -> int:
     """`macd doctor --plan-for`: the plan's lines on stdout; 1 with an error line on bad input."""
     from slime_stoa.protocol.layout import QUANT_PLANES
 
@@ -139,45 +173,44 @@ def print_plan(args: argparse.Namespace) -> int:
     from .memory_plan import LFM2_5_8B_A1B, config_plan, describe
 
     try:
-        sizes = tuple(float(x) for x in str(args.plan_for).split(",") if x.strip())
+        sizes = tuple(float(x) for x in str(inputs.plan_for).split(",") if x.strip())
         if not sizes or min(sizes) <= 0:
             raise ValueError
     except ValueError:
-        print(f"error: --plan-for {args.plan_for!r}: expected memory sizes in GB, e.g. 16,24,32,64", file=sys.stderr)
+        print(f"error: --plan-for {inputs.plan_for!r}: expected memory sizes in GB, e.g. 16,24,32,64", file=sys.stderr)
         return 1
     name, model = "LFM2.5-8B-A1B", LFM2_5_8B_A1B
-    if args.plan_config is not None:
+    if inputs.plan_config is not None:
         try:
-            model = json.loads(args.plan_config.read_bytes())
+            model = json.loads(inputs.plan_config.read_bytes())
         except (OSError, ValueError) as exc:
-            print(f"error: --plan-config {args.plan_config}: {exc}", file=sys.stderr)
+            print(f"error: --plan-config {inputs.plan_config}: {exc}", file=sys.stderr)
             return 1
-        name = str(args.plan_config)
+        name = str(inputs.plan_config)
     for option in ("plan_group_size", "plan_batch", "plan_prompt_tokens", "plan_response_tokens"):
-        if getattr(args, option) < 1:
-            flag = "--" + option.replace("_", "-")
-            print(f"error: {flag} must be 1 or more (got {getattr(args, option)})", file=sys.stderr)
+        if getattr(inputs, option) < 1:
+            print(f"error: {option_name(option)} must be 1 or more (got {getattr(inputs, option)})", file=sys.stderr)
             return 1
-    if bad := check_index_gb(args.plan_index_gb):
+    if bad := check_index_gb(inputs.plan_index_gb):
         print(bad, file=sys.stderr)
         return 1
-    planes = tuple(x.strip() for x in str(args.plan_planes).split(",") if x.strip())
+    planes = tuple(x.strip() for x in str(inputs.plan_planes).split(",") if x.strip())
     if unknown := [plane for plane in planes if plane not in QUANT_PLANES]:
-        print(f"error: --plan-planes {args.plan_planes!r}: {', '.join(unknown)} is not a quantized plane "
+        print(f"error: --plan-planes {inputs.plan_planes!r}: {', '.join(unknown)} is not a quantized plane "
               f"({', '.join(QUANT_PLANES)})", file=sys.stderr)
         return 1
-    index = None if args.plan_index_gb is None else override_plan(args.plan_index_gb, INDEX_FLAG)
+    index = None if inputs.plan_index_gb is None else override_plan(inputs.plan_index_gb, INDEX_FLAG)
     plan = config_plan(
-        model, group_size=args.plan_group_size, groups=args.plan_batch, prompt_tokens=args.plan_prompt_tokens,
-        response_tokens=args.plan_response_tokens, mac_sizes_gb=sizes,
+        model, group_size=inputs.plan_group_size, groups=inputs.plan_batch, prompt_tokens=inputs.plan_prompt_tokens,
+        response_tokens=inputs.plan_response_tokens, mac_sizes_gb=sizes,
         index_bytes=0 if index is None else index.counted, index_line="" if index is None else index.line,
-        device=args.plan_device, published=planes,
+        device=inputs.plan_device, published=planes,
     ) if isinstance(model, dict) else None
     if plan is None:
         print(f"error: --plan-config {name}: not a model config with the sizes a plan needs", file=sys.stderr)
         return 1
-    print(f"memory plan of {name}: {args.plan_batch} prompts x {args.plan_group_size} samples, "
-          f"{args.plan_prompt_tokens} + {args.plan_response_tokens} tokens")
+    print(f"memory plan of {name}: {inputs.plan_batch} prompts x {inputs.plan_group_size} samples, "
+          f"{inputs.plan_prompt_tokens} + {inputs.plan_response_tokens} tokens")
     for line in describe(plan):
         print(f"  {line}")
     return 0

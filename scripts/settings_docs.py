@@ -5,8 +5,8 @@ Each doc holds its table between a start marker naming the dataclass and the com
 - docs/slime.md: the plugin's YAML keys (`StoaSettings`, rendered by
   `slime_stoa.trainer.slime.settings_table`);
 - docs/quickstart.md: the options of `stoa quickstart` (`QuickstartConfig`);
-- docs/macd.md: the keys of macd's config file (`DaemonConfig`) and the options of `macd run`
-  (`RunInputs`, and the config fields it overrides).
+- docs/macd.md: the keys of macd's config file (`DaemonConfig`), the options of `macd run`
+  (`RunInputs`, and the config fields it overrides) and those of `macd doctor` (`DoctorInputs`).
 
 `python scripts/settings_docs.py` rewrites every table; name docs to rewrite only those;
 `--check` rewrites nothing and exits 1 naming the docs whose table is out of date.
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from macd.config import DaemonConfig
+from macd.doctor import DoctorInputs
 from macd.join_settings import JOIN_SETTINGS
 from macd.run_cmd import RunInputs
 from slime_stoa.protocol.cli_fields import HELP, Flag, help_of, option_fields, option_name
@@ -117,12 +118,17 @@ def macd_run_table() -> str:
     return "\n".join(markdown(("option", "default", "meaning"), rows))
 
 
+def macd_doctor_table() -> str:
+    return "\n".join(markdown(("option", "default", "meaning"), option_rows(DoctorInputs, "doctor")))
+
+
 TABLES = (
     Table("docs/slime.md", settings_table.TABLE_START, lambda: settings_table.reference_table()
           .removeprefix(settings_table.TABLE_START).removesuffix(TABLE_END).strip("\n")),
     Table("docs/quickstart.md", start_marker(QuickstartConfig, "slime_stoa/quickstart/config.py"), quickstart_table),
     Table("docs/macd.md", start_marker(DaemonConfig, "macd/config.py"), macd_config_table),
     Table("docs/macd.md", start_marker(RunInputs, "macd/run_cmd.py"), macd_run_table),
+    Table("docs/macd.md", start_marker(DoctorInputs, "macd/doctor.py"), macd_doctor_table),
 )
 
 

@@ -1,5 +1,5 @@
-"""The options of `macd join` and `macd run` come from `DaemonConfig`'s fields
-(`slime_stoa.protocol.cli_fields`), and that helper itself."""
+"""The options of `macd join` and `macd run` come from `DaemonConfig`'s fields, theirs and
+`macd doctor`'s from their own dataclasses (`slime_stoa.protocol.cli_fields`), and that helper itself."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from typing import Literal
 import pytest
 
 from macd.cli import build_parser
+from macd.cli import main as macd
 from macd.config import DaemonConfig
+from macd.doctor import DoctorInputs
 from macd.join_cmd import KEPT_ON_REJOIN, JoinInputs
 from macd.run_cmd import RunInputs
 from slime_stoa.protocol.cli_fields import Flag, add_field_options, field_values, flag_of, help_of, option_name, setting
 from slime_stoa.quickstart.config import TASKS, QuickstartConfig
+from tests.scripts_loader import load_script
 
 #: Every option of `macd join` as users type it (`store` is the positional BUCKET_URL).
 JOIN_OPTIONS = {
@@ -45,6 +48,20 @@ RUN_OPTIONS = {
     "parent_pid": ["--parent-pid"],
     "lock_wait": ["--lock-wait"],
     "wandb_project": ["--wandb-project"],
+}
+#: Every option of `macd doctor` as users type it (README, docs and the quickstart's messages name them).
+DOCTOR_OPTIONS = {
+    "config": ["--config"],
+    "data_dir": ["--data-dir"],
+    "plan_for": ["--plan-for"],
+    "plan_config": ["--plan-config"],
+    "plan_device": ["--plan-device"],
+    "plan_planes": ["--plan-planes"],
+    "plan_group_size": ["--plan-group-size"],
+    "plan_batch": ["--plan-batch"],
+    "plan_prompt_tokens": ["--plan-prompt-tokens"],
+    "plan_response_tokens": ["--plan-response-tokens"],
+    "plan_index_gb": ["--plan-index-gb"],
 }
 
 
@@ -124,6 +141,61 @@ def test_run_flags_take_the_fields_types_and_defaults() -> None:
     for bad in (["--parent-pid", "0"], ["--seed", "x"], ["--lock-wait", "soon"]):
         with pytest.raises(SystemExit):
             run.parse_args(bad)
+
+
+def test_every_doctor_flag_is_a_field_and_every_doctor_field_a_flag() -> None:
+    """No option of `macd doctor` is declared by hand: each is a `DoctorInputs` field, and every
+    field is one (`--config` is every command's)."""
+    doctor = options(command("doctor"))
+    own = {f.name for f in dataclasses.fields(DoctorInputs)}
+    assert names(DoctorInputs, "doctor") == own
+    assert set(doctor) == own | {"config"}
+    assert {name: doctor[name].option_strings for name in doctor} == DOCTOR_OPTIONS
+    for name in own:
+        flag = flag_of(DoctorInputs.__dataclass_fields__[name], "doctor")
+        assert flag is not None and doctor[name].help.startswith(flag.help)
+
+
+def test_doctor_flags_take_the_fields_types_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    doctor = command("doctor")  # the data folder is read when the parser is built, not at import
+    got = doctor.parse_args([])
+    assert field_values(got, DoctorInputs, "doctor") == dataclasses.asdict(DoctorInputs())
+    assert got.data_dir == tmp_path / "stoa" and got.config is None
+    assert (got.plan_for, got.plan_config, got.plan_device, got.plan_planes, got.plan_index_gb) == (None, None, "gpu", "", None)
+    assert (got.plan_group_size, got.plan_batch, got.plan_prompt_tokens, got.plan_response_tokens) == (8, 2, 512, 1536)
+    got = doctor.parse_args([
+        "--data-dir", "d", "--plan-for", "16,24", "--plan-config", "c.json", "--plan-device", "cpu",
+        "--plan-planes", "int8", "--plan-group-size", "4", "--plan-batch", "3", "--plan-prompt-tokens", "64",
+        "--plan-response-tokens", "128", "--plan-index-gb", "2.5",
+    ])
+    assert DoctorInputs(**field_values(got, DoctorInputs, "doctor")) == DoctorInputs(
+        data_dir=Path("d"), plan_for="16,24", plan_config=Path("c.json"), plan_device="cpu", plan_planes="int8",
+        plan_group_size=4, plan_batch=3, plan_prompt_tokens=64, plan_response_tokens=128, plan_index_gb=2.5,
+    )
+    shown = options(doctor)
+    assert shown["plan_for"].metavar == "GB[,GB...]" and shown["plan_planes"].metavar == "PLANE[,PLANE...]"
+    assert shown["plan_device"].choices == ("gpu", "cpu")
+    assert shown["plan_batch"].help == "prompts decoding at once (default: 2)"
+    assert shown["plan_planes"].help.endswith("(default: none)")  # not an empty "(default: )"
+    assert "(default: ~/Library/Application Support/stoa on macOS" in shown["data_dir"].help
+    for bad in (["--plan-device", "tpu"], ["--plan-batch", "x"], ["--plan-index-gb", "big"]):
+        with pytest.raises(SystemExit):
+            doctor.parse_args(bad)
+
+
+def test_every_doctor_option_has_its_row_in_the_docs() -> None:
+    table = load_script("settings_docs").macd_doctor_table()  # tests/test_settings_docs.py: docs/macd.md holds it
+    for f in dataclasses.fields(DoctorInputs):
+        assert f"| `{option_name(f.name)}` |" in table
+    assert "| `--plan-batch` | `2` | prompts decoding at once |" in table and "| `--data-dir` | — |" in table
+
+
+@pytest.mark.parametrize("flag", ["--plan-group-size", "--plan-batch", "--plan-prompt-tokens", "--plan-response-tokens"])
+def test_a_doctor_count_below_one_is_named_as_typed(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert macd(["doctor", "--plan-for", "16", flag, "0"]) == 1
+    assert capsys.readouterr().err == f"error: {flag} must be 1 or more (got 0)\n"
 
 
 # -- the helper ---------------------------------------------------------------------------------
