@@ -51,6 +51,22 @@ def test_logprobs_match_a_plain_forward(model_dir: Path) -> None:
     assert np.allclose(got, ref, atol=1e-5)
 
 
+def test_logprobs_of_a_ragged_batch_match_each_sequence_alone(model_dir: Path) -> None:
+    """Prompts and responses of different lengths in one micro-batch (right padding, the head
+    run on the last positions only): each sequence's logprobs are its own plain forward's."""
+    learner = Learner(model_dir, LearnerConfig(temperature=0.7, micro_batch=8))
+    shapes = [(2, 5), (6, 1), (4, 3), (9, 2)]  # (prompt, response) lengths
+    rng = np.random.default_rng(0)
+    seqs = [TrainSequence(rng.integers(3, 40, p), rng.integers(3, 40, r), np.zeros(r, np.float32), 0.0) for p, r in shapes]
+    got = learner.logprobs(seqs)
+    for seq, (p, r), out in zip(seqs, shapes, got, strict=True):
+        ids = torch.from_numpy(np.concatenate([seq.prompt, seq.response]).astype(np.int64))[None]
+        with torch.no_grad():
+            logits = learner.model(ids).logits[0] / 0.7
+        ref = torch.log_softmax(logits, -1)[p - 1 : p + r - 1].gather(1, ids[0, p:, None]).squeeze(1).numpy()
+        assert out.shape == (r,) and np.allclose(out, ref, atol=1e-5), (p, r)
+
+
 def test_rl_step_raises_the_rewarded_response(model_dir: Path) -> None:
     learner = Learner(model_dir, LearnerConfig(lr=3e-3, scale_rewards=False))
     prompt = np.array([3, 5, 7])

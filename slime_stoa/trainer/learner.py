@@ -136,14 +136,19 @@ class Learner:
             tokens = np.concatenate([s.prompt, s.response]).astype(np.int64)
             ids[i, : len(tokens)] = torch.from_numpy(tokens)
             mask[i, : len(tokens)] = 1
-        logits = functional_call(self.model, params, (ids,), {"attention_mask": mask}).logits
-        logp = torch.log_softmax(logits.float() / self.config.temperature, dim=-1)
+        # Only the rows that predict response tokens are needed: the head runs on the last `keep`
+        # positions (from the shortest prompt's last token on), and the softmax on each
+        # sequence's response rows alone. On a real vocabulary (49k-128k) the prompt rows' logits
+        # and their softmax were most of the step's memory.
+        first = min(len(s.prompt) for s in seqs) - 1
+        keep = width - first
+        logits = functional_call(self.model, params, (ids,), {"attention_mask": mask, "logits_to_keep": keep}).logits
         out = []
         for i, s in enumerate(seqs):
             p, r = len(s.prompt), len(s.response)
-            # logits at position t predict token t + 1
-            rows = logp[i, p - 1 : p + r - 1]
-            out.append(rows.gather(1, ids[i, p : p + r].unsqueeze(1)).squeeze(1))
+            # logits at position t predict token t + 1; row t sits at t - first of the kept ones
+            rows = logits[i, p - 1 - first : p + r - 1 - first].float() / self.config.temperature
+            out.append(rows.log_softmax(dim=-1).gather(1, ids[i, p : p + r].unsqueeze(1)).squeeze(1))
         return out
 
     @torch.no_grad()
