@@ -1,13 +1,16 @@
-"""The quickstart on a consumer state a bucket writer spoiled (`quickstart.spoiled`): the wait
-resumes once repaired, ends at the time limit or on a stop with one line naming the quickstart's
-own repairs, and every command in that line parses back to the run it names.
+"""The quickstart on a consumer state or run manifest a bucket writer spoiled
+(`quickstart.spoiled`): the wait resumes once repaired, ends at the time limit or on a stop with
+one line naming the quickstart's own repairs, and every command in that line parses back to the
+run it names.
 
-A real signed consumer on the real store backends; an old genuine save put back as the attack.
+A real signed consumer on the real store backends; the attacks: an old genuine save of the state
+put back, the run manifest deleted or replaced by one of another key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import re
 import shlex
@@ -20,14 +23,25 @@ from rich.console import Console
 
 from slime_stoa.cli import build_parser
 from slime_stoa.protocol.cli_fields import field_values
+from slime_stoa.protocol.kept import TrainerCopies
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.config import QuickstartConfig, quickstart_command
 from slime_stoa.quickstart.interrupt import Interrupt, Interrupted
 from slime_stoa.quickstart.report import ConsoleReport
-from slime_stoa.quickstart.spoiled import PausedTooLong, fresh_run, repair_line, resumed_state
+from slime_stoa.quickstart.spoiled import (
+    PausedTooLong,
+    fresh_run,
+    manifest_repair_line,
+    opened_consumer,
+    repair_line,
+    resumed_state,
+)
 from slime_stoa.trainer.consumer import RolloutConsumer
 from slime_stoa.trainer.consumer.persistence import state_key
-from tests.test_consumer import Tiny, tiny
+from tests.test_consumer import Tiny, config, tiny
 from tests.test_signed_records import RUN, SignedRun, open_signed_consumer, setup_signed_run
 
 __all__ = ["tiny"]  # the session fixture
@@ -82,6 +96,17 @@ def test_the_repair_line_offers_the_quickstarts_repairs_each_runnable(tmp_path: 
     assert "kept" not in line and "--restart-from" not in line
     (new,) = (parsed(c) for c in commands_in(line))
     assert new == dataclasses.replace(shared, out=tmp_path / "qs-3", run=f"{cfg.run}-3")
+
+
+def test_the_manifest_repair_line_offers_its_copy_and_a_new_run(tmp_path: Path) -> None:
+    cfg = QuickstartConfig(out=tmp_path / "qs", minutes=2.0, no_eval=True)
+    kept = TrainerCopies(tmp_path / "qs" / "kept").path(RunLayout(cfg.run).run_manifest)
+    line = manifest_repair_line(cfg, kept=kept, fresh=fresh_run(cfg))
+    assert str(kept) in line and f"{RunLayout(cfg.run).run_manifest} in the bucket" in line
+    assert "--restart-from" not in line  # a restart reads the same manifest: no repair
+    assert not any(word in line for word in (*SLIME_REPAIRS, "stoa run create")), line
+    (new,) = (parsed(c) for c in commands_in(line))
+    assert new == dataclasses.replace(cfg, out=tmp_path / "qs-2")
 
 
 def test_a_run_folder_without_a_name_gets_a_fresh_one_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,3 +244,85 @@ async def test_a_sound_state_is_read_at_once(store: Store, store_url: str, tiny:
         await s.consumer.close()
     assert state is not None and state["seq"] == 2
     assert report.lines() == []  # no pause, and a past deadline does not matter to a state that reads
+
+
+# -- the run manifest, while the consumer opens --------------------------------------------------
+MANIFEST = RunLayout(RUN).run_manifest
+MANIFEST_REPAIR = "put the run manifest back; or once stopped, start a new run: stoa quickstart --out qs-2"
+
+
+async def forge_manifest(store: Store, genuine: bytes) -> None:
+    """A bucket writer's manifest: the run's own, naming and signed by a key of its own."""
+    forger = SigningKey.generate()
+    forged = dataclasses.replace(RunManifest.from_bytes(genuine), run_key=forger.public.to_text())
+    await store.put(MANIFEST, forged.to_bytes(forger))
+
+
+def opening(store: Store, store_url: str, tiny: Tiny, run: SignedRun, keep_dir: Path) -> Any:
+    """`RolloutConsumer.open` of the signed run with all but the wait's hooks bound, as the
+    quickstart binds it: restored later, its own copies kept in `keep_dir` (empty: no copy)."""
+    cfg = config(store_url, run_key=run.run_key.public.to_text(), keep_dir=str(keep_dir), poll_interval_s=0.01)
+    return functools.partial(
+        RolloutConsumer.open, store, cfg, decode=tiny.decode, eos_ids=frozenset({tiny.eos}), prompt_of=tiny.prompt,
+        restore=False, state_key=run.run_key,
+    )
+
+
+async def test_the_open_resumes_once_the_manifest_copy_is_back(
+    store: Store, store_url: str, tiny: Tiny, tmp_path: Path
+) -> None:
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    genuine = await store.get_bytes(MANIFEST)
+    await forge_manifest(store, genuine)
+    copies = TrainerCopies(tmp_path / "kept")
+    report = Notes(on_note=lambda: copies.keep(MANIFEST, genuine))  # the operator's repair, once paused
+    open_consumer = opening(store, store_url, tiny, run, copies.folder)
+    consumer = await opened_consumer(
+        open_consumer, minutes=10, repair=MANIFEST_REPAIR, deadline=float("inf"), stop=Interrupt(), report=report,
+        config=open_consumer.args[1],
+    )
+    await consumer.close()
+    assert await store.get_bytes(MANIFEST) == genuine  # the consumer put its copy back itself
+    (note,) = report.lines()
+    assert note.startswith(f"stoa paused: the run manifest {MANIFEST} in {store_url} is signed by another key"), note
+    assert note.endswith(f"Repair: {MANIFEST_REPAIR}"), note
+    assert not any(word in note for word in (*SLIME_REPAIRS, "stoa run create")), note
+
+
+async def test_the_time_limit_ends_the_manifest_wait_with_one_line(
+    store: Store, store_url: str, tiny: Tiny, tmp_path: Path
+) -> None:
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    await store.delete(MANIFEST)
+    clock = TickingClock()
+    report = Notes()
+    open_consumer = opening(store, store_url, tiny, run, tmp_path / "kept")
+    with pytest.raises(PausedTooLong) as raised:
+        await opened_consumer(
+            open_consumer, minutes=0.5, repair=MANIFEST_REPAIR, deadline=clock.now + 5, stop=Interrupt(),
+            report=report, config=open_consumer.args[1], clock=clock,
+        )
+    message = str(raised.value)
+    assert message == (
+        f"the time limit (--minutes 0.5) ran out while paused: the run manifest {MANIFEST} in {store_url} is gone "
+        f"(deleted). Repair: {MANIFEST_REPAIR}"
+    )
+    assert len(report.lines()) == 1
+    assert not await store.exists(MANIFEST)
+
+
+async def test_a_stop_while_the_manifest_wait_says_the_repair(
+    store: Store, store_url: str, tiny: Tiny, tmp_path: Path
+) -> None:
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    await forge_manifest(store, await store.get_bytes(MANIFEST))
+    stop = Interrupt()
+    open_consumer = opening(store, store_url, tiny, run, tmp_path / "kept")
+    with pytest.raises(Interrupted) as raised:
+        await opened_consumer(
+            open_consumer, minutes=10, repair=MANIFEST_REPAIR, deadline=float("inf"), stop=stop,
+            report=Notes(on_note=stop.request), config=open_consumer.args[1],  # Ctrl-C once paused
+        )
+    assert raised.value.next_step == (
+        f"the run manifest {MANIFEST} in {store_url} is still gone or refused. Repair: {MANIFEST_REPAIR}"
+    )

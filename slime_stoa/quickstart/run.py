@@ -103,7 +103,15 @@ from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
 from .report import split_refusals
 from .resume import ResumeMode, WeightsAt, resume_mode
 from .seeding import seed_run, tiny_synthetic_model
-from .spoiled import SPOILED, fresh_run, repair_line, resumed_state, spoiled_cause
+from .spoiled import (
+    SPOILED,
+    fresh_run,
+    manifest_repair_line,
+    opened_consumer,
+    repair_line,
+    resumed_state,
+    spoiled_cause,
+)
 from .warmstate import WARM_FILE, WarmState, run_warm_steps
 
 log = logging.getLogger("stoa.quickstart")
@@ -939,21 +947,25 @@ def phase_start_workers(s: Session, workers: WorkerProcesses) -> None:
 
 async def phase_open_consumer(s: Session, seeded: Seeded, restart: Checkpoint | None, *, deadline: float) -> RolloutConsumer:
     """The learner's consumer of the workers' groups, at its state in the bucket (waiting, until
-    `deadline` at most, while a bucket writer has spoiled it: `spoiled`), or at the checkpoint's
-    after --restart-from, written over whatever the bucket holds (restarting is the repair)."""
+    `deadline` at most, while a bucket writer has spoiled it or the run manifest: `spoiled`), or at
+    the checkpoint's after --restart-from, written over whatever the bucket holds (restarting is
+    the repair)."""
     cfg = s.cfg
-    consumer = await s.stop.race(
-        RolloutConsumer.open(
-            s.store,
-            ConsumerConfig(
-                store_url=cfg.store_url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
-                admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
-                run_key=seeded.run_key_text, keep_dir=str(kept_dir(cfg)),
-            ),
+    config = ConsumerConfig(
+        store_url=cfg.store_url, run=cfg.run, wait_timeout_s=300.0, poll_interval_s=0.2,
+        admission_order="newest_version",  # this learner outpaces its workers: stay on-policy
+        run_key=seeded.run_key_text, keep_dir=str(kept_dir(cfg)),
+    )
+    kept_manifest = TrainerCopies(kept_dir(cfg)).path(RunLayout(cfg.run).run_manifest)
+    consumer = await opened_consumer(  # a run manifest a bucket writer spoiled: waited for as the state is below
+        partial(
+            RolloutConsumer.open, s.store, config,
             tokenizer_dir=s.model_dir,
             restore=False,  # resumed below, with the quickstart's own repair and time limit
             state_key=seeded.run_key,  # signs the state it saves; reads back only a signed one
-        )
+        ),
+        minutes=cfg.minutes, repair=manifest_repair_line(cfg, kept=kept_manifest, fresh=fresh_run(cfg)),
+        deadline=deadline, stop=s.stop, report=s.report, config=config,
     )
     if restart is None:
         try:

@@ -8,6 +8,10 @@ quickstart's repairs, not a slime trainer's: put the newest state back (its copy
 and restart from a checkpoint (`--restart-from`), or start a new run in a fresh folder; each
 command as it runs. The wait ends by itself once the state is repaired; the RL part's time limit
 (`--minutes`) and Ctrl-C end it too, each with one line saying what to do.
+
+The run manifest, which any worker token can delete or forge as well, gets the same wait, time
+limit and Ctrl-C while the consumer opens (`opened_consumer`): the consumer puts its own copy
+(`<out>/kept`) back by itself, so it pauses only when that copy is gone too.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunNotFound
 from slime_stoa.trainer.consumer import ConsumerConfig
 from slime_stoa.trainer.consumer.pause import Broken, until_repaired
 from slime_stoa.trainer.consumer.persistence import StateRollback, UntrustedState, UnusableState, state_key
@@ -26,12 +32,14 @@ from slime_stoa.trainer.consumer.persistence import StateRollback, UntrustedStat
 from .config import QuickstartConfig, QuickstartError, quickstart_command
 from .interrupt import Interrupt, Interrupted
 
+T = TypeVar("T")
+
 #: What `RolloutConsumer.bucket_state` raises for a state a bucket writer spoiled.
 SPOILED = (UntrustedState, UnusableState)
 
 
 class PausedTooLong(QuickstartError):
-    """The RL part's time ran out while the quickstart waited for a spoiled state's repair."""
+    """The RL part's time ran out while the quickstart waited for the repair of a spoiled state (or run manifest)."""
 
 
 class SpoiledState(Exception):
@@ -46,6 +54,16 @@ def spoiled_cause(exc: Exception) -> str:
     if isinstance(exc, UntrustedState):
         return "not signed by the run key (a forgery, or written unsigned)"
     return "not a consumer state of this run (garbage, or another run's)"
+
+
+def manifest_cause(exc: BaseException) -> str:
+    """What the error a `Broken` run manifest carries says the bucket holds. The reader's own
+    message names a slime trainer's repairs (`stoa run create`), which do not apply here."""
+    if isinstance(exc, RunNotFound):
+        return "gone (deleted)"
+    if isinstance(exc, RunKeyMismatch):
+        return "signed by another key than the run key (a forgery)"
+    return "not a run manifest of this run (garbage)"
 
 
 def fresh_run(cfg: QuickstartConfig) -> dict[str, Any]:
@@ -79,6 +97,64 @@ def repair_line(cfg: QuickstartConfig, *, kept: Path | None, checkpoints: Sequen
     return "; or ".join(ways)
 
 
+def manifest_repair_line(cfg: QuickstartConfig, *, kept: Path, fresh: Mapping[str, Any]) -> str:
+    """The quickstart's repairs of its run manifest, gone or forged in the bucket while its own
+    copy is gone too: that copy back at `kept` (the consumer puts it back in the bucket itself),
+    or the signed original back in the bucket; else a new run (`fresh`: `fresh_run`). No
+    checkpoint helps: a restart reads the same manifest."""
+    return (
+        f"put the run manifest back: its copy to {kept} (it puts that back itself), or the signed original at "
+        f"{RunLayout(cfg.run).run_manifest} in the bucket: a waiting quickstart resumes, a stopped one when the "
+        f"same command is run again; or once stopped, start a new run: {quickstart_command(cfg, **fresh)}"
+    )
+
+
+class Paused:
+    """The quickstart's hooks on one `until_repaired` wait: a note when the pause starts (with
+    `repair`), `PausedTooLong` at the first try once `clock()` passes `deadline` (the end of the
+    RL part's `minutes`), and no sleep past it. `describe`: a `Broken` in the quickstart's words."""
+
+    def __init__(
+        self,
+        *,
+        minutes: float,
+        repair: str,
+        deadline: float,
+        report: Any,
+        describe: Callable[[Broken], str] = str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.minutes, self.repair, self.deadline = minutes, repair, deadline
+        self.report, self.describe, self.clock = report, describe, clock
+        self.tries = 0
+
+    def on_try(self, broken: Broken) -> None:
+        self.tries += 1
+        if self.tries == 1:
+            self.report.note(
+                f"paused: {self.describe(broken)}; it waits for the repair until the time limit or Ctrl-C. "
+                f"Repair: {self.repair}"
+            )
+        if self.clock() >= self.deadline:
+            raise PausedTooLong(
+                f"the time limit (--minutes {self.minutes:g}) ran out while paused: {self.describe(broken)}. "
+                f"Repair: {self.repair}"
+            )
+
+    async def sleep(self, delay: float) -> None:  # never past the deadline: the next try then ends the wait
+        await asyncio.sleep(min(delay, max(self.deadline - self.clock(), 0.0)))
+
+    async def race(self, stop: Interrupt, wait: Awaitable[T], *, still: str) -> T:
+        """`await wait` unless `stop` comes first: then `Interrupted`, whose next step, once
+        paused, is `still` (what is still broken) and the repair."""
+        try:
+            return await stop.race(wait)
+        except Interrupted as exc:
+            if not self.tries:
+                raise
+            raise Interrupted(str(exc), next_step=f"{still}. Repair: {self.repair}") from None
+
+
 async def resumed_state(
     read: Callable[[], Any],
     *,
@@ -91,11 +167,9 @@ async def resumed_state(
     clock: Callable[[], float] = time.time,
 ) -> dict[str, Any] | None:
     """`await read()` (the consumer's `bucket_state`), waiting while it raises one of `SPOILED`:
-    paused (`until_repaired`, backing off from `config.poll_interval_s`), a note when the pause
-    starts, and `repair` in every line. `PausedTooLong` once `clock()` passes `deadline` (the
-    end of the RL part's `minutes`); `Interrupted` with `repair` as its next step on a stop
-    signal while paused."""
-    paused = 0
+    paused (`until_repaired`, backing off from `config.poll_interval_s`) with the hooks of
+    `Paused`, and `repair` in every line. `PausedTooLong` at the time limit; `Interrupted` with
+    `repair` as its next step on a stop signal while paused."""
     where = f"{state_key(config.run)} in {config.store_url}"
 
     async def attempt() -> dict[str, Any] | None:
@@ -104,20 +178,29 @@ async def resumed_state(
         except SPOILED as exc:
             raise Broken(f"the consumer state {where} is unusable", repair, SpoiledState(spoiled_cause(exc))) from exc
 
-    def on_try(broken: Broken) -> None:
-        nonlocal paused
-        paused += 1
-        if paused == 1:
-            report.note(f"paused: {broken}; it waits for the repair until the time limit or Ctrl-C. Repair: {repair}")
-        if clock() >= deadline:
-            raise PausedTooLong(f"the time limit (--minutes {minutes:g}) ran out while paused: {broken}. Repair: {repair}")
+    pause = Paused(minutes=minutes, repair=repair, deadline=deadline, report=report, clock=clock)
+    waited = until_repaired(attempt, config, on_try=pause.on_try, sleep=pause.sleep)
+    return await pause.race(stop, waited, still=f"the consumer state {where} is still unusable")
 
-    async def sleep(delay: float) -> None:  # never past the deadline: the next try then ends the wait
-        await asyncio.sleep(min(delay, max(deadline - clock(), 0.0)))
 
-    try:
-        return await stop.race(until_repaired(attempt, config, on_try=on_try, sleep=sleep))
-    except Interrupted as exc:
-        if not paused:
-            raise
-        raise Interrupted(str(exc), next_step=f"the consumer state {where} is still unusable. Repair: {repair}") from None
+async def opened_consumer(
+    open_consumer: Callable[..., Awaitable[T]],
+    *,
+    minutes: float,
+    repair: str,
+    deadline: float,
+    stop: Interrupt,
+    report: Any,
+    config: ConsumerConfig,
+    clock: Callable[[], float] = time.time,
+) -> T:
+    """`await open_consumer(on_try=..., sleep=...)`: `RolloutConsumer.open` with its other
+    arguments bound (`config` among them), its wait for a run manifest a bucket writer deleted
+    or forged bounded as `resumed_state`'s is, with `repair` (`manifest_repair_line`)."""
+    where = f"{RunLayout(config.run).run_manifest} in {config.store_url}"
+    pause = Paused(
+        minutes=minutes, repair=repair, deadline=deadline, report=report, clock=clock,
+        describe=lambda broken: f"the run manifest {where} is {manifest_cause(broken.cause)}",
+    )
+    opening = open_consumer(on_try=pause.on_try, sleep=pause.sleep)
+    return await pause.race(stop, opening, still=f"the run manifest {where} is still gone or refused")

@@ -161,11 +161,15 @@ class RolloutConsumer:
         restore: bool = True,
         clock: Callable[[], float] = time.time,
         state_key: SigningKey | None = None,
+        on_try: Callable[[Broken], object] | None = None,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> RolloutConsumer:
         """A consumer for `config.run` (a `ConsumerConfig`): reads the run manifest, task and
         tokenizer (see `run_context.open_run_context`; through store outages), and with
         `restore` resumes from the bucket's state. `state_key`: the run key, which signs the
-        saved state (and a state read back must be signed by a key of the run)."""
+        saved state (and a state read back must be signed by a key of the run). `on_try`,
+        `sleep`: the caller's hooks on the wait for a run manifest a bucket writer deleted or
+        forged (`pause.until_repaired`'s), e.g. to end it at a time limit of its own."""
         ctx = await until_repaired(  # a run manifest deleted or forged by a bucket writer: wait for it
             lambda: patiently(
                 config,
@@ -175,6 +179,8 @@ class RolloutConsumer:
                 f"opening run {config.run!r} in {store.url}",
             ),
             config,
+            on_try=on_try,
+            sleep=sleep,
         )
         consumer = cls(store, ctx.config, rescorer=ctx.rescorer, clock=clock, run_key=ctx.run_key, state_key=state_key)
         if restore:
