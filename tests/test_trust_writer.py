@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ import pytest
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.registry import revoke_worker, update_registry
+from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.heads import heads_prefix
@@ -211,6 +213,31 @@ async def pointer_overwritten(store: Store, url: str, tiny: Tiny, keep: Path) ->
     )
 
 
+async def run_manifest_forged(store: Store, url: str, tiny: Tiny, keep: Path) -> Outcome:
+    """run.json replaced by one naming another run key (signed by it) before a restart: the
+    publisher puts back the copy it kept, publishes, and the honest records are admitted."""
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    manifest = RunLayout(RUN).run_manifest
+    genuine = await store.get_bytes(manifest)
+    assert await publisher(store, run, keep).open() == 0  # the first read keeps run.json
+    forger = SigningKey.generate()
+    await store.put(manifest, replace(RunManifest.from_bytes(genuine), run_key=forger.public.to_text()).to_bytes(forger))
+    restarted = publisher(store, run, keep)
+    try:
+        at = await restarted.open()  # was UntrustedState: not the current key
+        result = await restarted.publish(weights(1))
+    except Exception:
+        return Outcome(stopped=True, honest_rejected=0, restored=False)
+    restored = await present(store, manifest, genuine)  # before the consumer could put it back itself
+    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
+    c = await consumer(store, url, tiny, run, keep)
+    try:
+        halted = at != 0 or result.version != 1 or await stopped(c.next_batch(2, trainer_version=1))
+        return Outcome(stopped=halted, honest_rejected=honest_rejects(c), restored=restored)
+    finally:
+        await c.close()
+
+
 async def version_manifest_deleted(store: Store, url: str, tiny: Tiny, keep: Path) -> Outcome:
     """A committed version manifest deleted: the publisher puts it back with its next version, and
     the honest records drawn from that version are admitted."""
@@ -249,6 +276,7 @@ ATTACKS: dict[str, Attack] = {
     "registry_deleted": registry_deleted,
     "version_manifest_deleted": version_manifest_deleted,
     "run_manifest_deleted": run_manifest_deleted,
+    "run_manifest_forged": run_manifest_forged,
     "heads_deleted_old_registry": heads_deleted_old_registry,
 }
 

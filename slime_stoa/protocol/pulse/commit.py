@@ -36,6 +36,7 @@ with the pointer's ETag left at the last confirmed one, so the publisher's unsur
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -43,13 +44,20 @@ from pathlib import Path
 from typing import Protocol
 
 from slime_stoa.protocol.layout import RunLayout, version_str
-from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
 from slime_stoa.protocol.store.capped import TooLarge, read_capped
 
-from .history import MAX_POINTER_BYTES, MalformedPointer, NotPublished, read_manifest, read_pointer_etag
+from .history import (
+    MAX_POINTER_BYTES,
+    MalformedPointer,
+    NotPublished,
+    read_manifest,
+    read_pointer,
+    read_pointer_etag,
+)
 from .manifests import ManifestError, Pointer, UntrustedDocument, VersionManifest
 from .publish_types import UntrustedState
 
@@ -70,17 +78,60 @@ class Copies(Protocol):
     async def put_back(self, store: Store, key: str, why: str) -> bytes | None: ...
 
 
-async def publisher_trust(store: Store, run: str, key: SigningKey) -> RunTrust:
+async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copies | None = None) -> RunTrust:
     """The keys a publisher holding `key` resumes under: pinned to the run manifest's `run_key`
     (the publisher's own key for a run without one, or without a manifest), plus the run's
-    rotations; UntrustedState unless `key` is the newest of them."""
+    rotations; UntrustedState unless `key` is the newest of them.
+
+    A bucket writer cannot stop the publisher by replacing or deleting run.json: with `copies`
+    the trainer's own copy of the manifest it accepted is put back and the check made again (a
+    manifest accepted is kept there). Without a copy, a refused manifest is a forgery when the
+    run's pointer verifies under `key` (the publisher signed it): publishing goes on pinned to
+    `key`, with a warning naming the repair (workers and the consumer refuse the forged manifest
+    themselves). When nothing there is `key`'s, the refusal stands: the key is the operator's
+    mistake, which no waiting repairs."""
+    manifest_key = RunLayout(run).run_manifest
+    kept = None if copies is None else copies.kept(manifest_key)
     try:
-        manifest = await read_run_manifest(store, run)
-        pinned = PublicKey.from_text(manifest.run_key) if manifest.run_key else key.public
+        trust, accepted = await _manifest_trust(store, run, key)
+    except UntrustedState as exc:
+        refused: UntrustedState | None = exc
+        why = f"was refused ({exc})"
+    else:
+        if accepted is not None or kept is None:
+            if accepted is not None and copies is not None:
+                await _keep_run_manifest(store, copies, manifest_key, accepted)
+            return trust
+        refused, why = None, "is gone"
+    if copies is not None and kept is not None:
+        await copies.put_back(store, manifest_key, why)
+        try:
+            return (await _manifest_trust(store, run, key))[0]
+        except UntrustedState as exc:  # the copy is no better (a rotation refused, say): judged as without one
+            refused = exc
+    assert refused is not None  # a manifest gone with a copy kept returned above
+    if not await _signs_pointer(store, run, key):
+        raise refused  # nothing here is `key`'s: the operator's config, said at once
+    log.warning(
+        "run %s: %s; the run's pointer is signed by this publisher's key %s, so the manifest is a forgery: "
+        "publishing goes on under that key. Repair: put %s back from `stoa run create`'s output or a kept copy",
+        run, refused, key.key_id, manifest_key,
+    )
+    trust = RunTrust(run, key.public)
+    trust.loaded = True  # the rotations chain from the manifest's key, which is refused: `key` is the newest trusted
+    return trust
+
+
+async def _manifest_trust(store: Store, run: str, key: SigningKey) -> tuple[RunTrust, RunManifest | None]:
+    """The run's keys as its manifest and rotations name them, and the manifest read (None: the
+    run has none); UntrustedState unless `key` is the newest of them."""
+    try:
+        manifest: RunManifest | None = await read_run_manifest(store, run)
     except RunNotFound:
-        pinned = key.public
+        manifest = None
     except ValueError as exc:
         raise UntrustedState(f"cannot read the run manifest to check the run key: {exc}") from None
+    pinned = PublicKey.from_text(manifest.run_key) if manifest is not None and manifest.run_key else key.public
     trust = RunTrust(run, pinned)
     try:
         await load_rotations(store, trust)
@@ -91,7 +142,28 @@ async def publisher_trust(store: Store, run: str, key: SigningKey) -> RunTrust:
             f"key {key.key_id} is not the current key of run {run!r} (that is {trust.newest.key_id}, "
             f"fingerprint {trust.newest.fingerprint}): publish with that key"
         )
-    return trust
+    return trust, manifest
+
+
+async def _keep_run_manifest(store: Store, copies: Copies, key: str, manifest: RunManifest) -> None:
+    """Keep the bucket's bytes of the run manifest the publisher accepted (as the consumer's
+    `kept_run_manifest` does): what it puts back when a bucket writer deletes or replaces it."""
+    with contextlib.suppress(NotFound, ValueError):  # swapped since it was read: kept next time
+        data = await store.get_bytes(key)
+        if copies.kept(key) != data and RunManifest.from_bytes(data) == manifest:
+            copies.keep(key, data)
+            log.info("run %s: kept a copy of %s in %s", manifest.run, key, copies.path(key))
+
+
+async def _signs_pointer(store: Store, run: str, key: SigningKey) -> bool:
+    """Whether the run's weight pointer verifies under `key` alone (the publisher signed it)."""
+    trust = RunTrust(run, key.public)
+    trust.loaded = True  # `key` alone: no rotation read from the bucket can vouch for it
+    try:
+        await read_pointer(store, run, trust=trust)
+    except (NotPublished, ManifestError):
+        return False
+    return trust.rotations == 0  # signed by a key `key` rotated to: `key` is no longer the run's
 
 
 class Committer:
@@ -109,9 +181,10 @@ class Committer:
         self._written: set[str] = set()  # version manifests this publisher wrote (its own lost attempts)
 
     async def authenticate(self) -> None:
-        """With a run key: the run's keys, refusing a key that is not its current one."""
+        """With a run key: the run's keys, refusing a key that is not its current one (a run
+        manifest a bucket writer replaced is put back or outlived: `publisher_trust`)."""
         if self.key is not None:
-            self.trust = await publisher_trust(self.store, self.layout.run, self.key)
+            self.trust = await publisher_trust(self.store, self.layout.run, self.key, self.copies)
 
     async def read_pointer(self) -> tuple[Pointer, str] | None:
         """The chain's pointer and ETag to resume from; None when the chain has none, and
