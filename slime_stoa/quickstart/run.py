@@ -62,7 +62,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.history import HistoryError
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper, publisher_committers
-from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.pulse.retry import is_publish_outage as is_startup_outage
 from slime_stoa.protocol.pulse.retry import publish_with_retries
@@ -840,10 +840,16 @@ async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
     )
     seed = partial(seed_run, objects=real_task_objects(cfg)) if s.search_data is None else partial(
         qsearch.seed_search_run, data=s.search_data)
-    pub = await s.at_startup(
-        partial(seed, s.store, manifest, extras_dir, publisher=publisher_cfg, key=run_key),
-        f"seeding run {cfg.run!r} and opening its publisher",
-    )
+    try:
+        pub = await s.at_startup(
+            partial(seed, s.store, manifest, extras_dir, publisher=publisher_cfg, key=run_key),
+            f"seeding run {cfg.run!r} and opening its publisher",
+        )
+    except UntrustedState as exc:  # the bucket's run is not this run key's, and nothing kept repairs it
+        raise QuickstartError(
+            f"run {cfg.run!r}: {exc}. Repair: put {RunLayout(cfg.run).run_manifest} back from its copy in "
+            f"{kept_dir(cfg)} or from `stoa run create`'s output, or start a new run (--run NAME)"
+        ) from None
     (cfg.out / WARM_FILE).unlink(missing_ok=True)  # the run is seeded: a rerun resumes it, not its warm start
     registry: Registry | None = None
     if run_key is not None:

@@ -4,11 +4,12 @@ Given the run key, the publisher signs every pointer, version manifest and ancho
 writes, and every manifest carries the sha256 of each object it names. On `open` it refuses
 (`UntrustedState`) to resume from a pointer or manifests the run's keys did not sign, or with a
 key that is not the run's current one (the run manifest's `run_key`, or the newest key its
-rotations announce: `publisher_trust`). Freshness (signed runs): a version number
-gets one signed manifest: a commit is refused (`PreconditionFailed`) when another signed manifest
-of its version exists (this publisher's own unanswered attempts aside: they are never
-referenced), and `highest_signed` finds the head an old genuine pointer put back (a rollback)
-would hide. The one exception is the repair of an unsigned v0 (`stoa weights publish-anchor`):
+rotations announce: `publisher_trust`; a run manifest a bucket writer replaced is put back from
+the trainer's copy, or outlived when the run's pointer is the publisher's own). Freshness
+(signed runs): a version number gets one signed manifest: a commit is refused
+(`PreconditionFailed`) when another signed manifest of its version exists (this publisher's own
+unanswered attempts aside: they are never referenced), and `highest_signed` finds the head an
+old genuine pointer put back (a rollback) would hide. The one exception is the repair of an unsigned v0 (`stoa weights publish-anchor`):
 the unsigned v0 was never trusted by a signed reader, so the run still has one signed v0.
 
 A bucket writer cannot stop the publisher (single-bucket mode: every worker's token can write
