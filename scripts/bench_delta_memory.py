@@ -11,7 +11,8 @@ units in the last place, drawn in slices so the step's own temporaries stay smal
 among them. A thread samples the process's resident
 set every 5 ms. Reported per path, min / median / max over rounds:
 
-  weights_mib     the resident set once the weights are built (the baseline of the figures below)
+  weights_mib     the resident set once the weights are built and the heap their construction
+                  freed is given back (`heap.return_freed_heap`): the baseline of the figures below
   first_mib       the peak above it while version 0 is published
   start_mib       the resident set above it when version 1 begins: what version 0 left (the delta
                   path's copy of the previous version; on the full path, heap that glibc keeps
@@ -20,7 +21,7 @@ set every 5 ms. Reported per path, min / median / max over rounds:
                   The delta path gives it back where the wired device path does, once the
                   released baseline is dropped: `heap.return_freed_heap`)
   steady_mib      the peak above it while versions 1.. are published: the per-version cost (at
-                  least start_mib; the freed heap counted there is reused by the versions)
+                  least start_mib; the full path's freed heap counted there is reused by the versions)
   previous_mib    the bytes of the device's copy of the published version (delta path only; on the
                   CPU it is host memory and inside steady_mib; on a GPU box with
                   `stoa_device_budget_bytes` >= the model's bf16 bytes it is device memory)
@@ -114,6 +115,10 @@ def child(path: str, smoke: bool, layers: list[int], versions: int, density: flo
     gen = torch.Generator().manual_seed(seed)
     weights = {n: (torch.randn(s, generator=gen) / math.sqrt(s[-1])).to(torch.bfloat16) for n, s in shapes.items()}
     model_bytes = sum(w.numel() * 2 for w in weights.values())
+    # The float32 draws the weights were built from are the stand-in's, not the trainer's: freed,
+    # glibc may keep them resident (some runs 670 MiB, some none), inside the baseline below, where
+    # the delta path's trim would give them back and take them off its figures.
+    return_freed_heap()
     sampler = PeakSampler()
     base = sampler.take()
 
