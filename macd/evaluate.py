@@ -36,6 +36,7 @@ from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signed_record import sign_record
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import NotFound, Store, StoreConfigError
+from slime_stoa.protocol.task_manifest import read_task_object
 from slime_stoa.tasks import Task, TaskItem, load_task
 from slime_stoa.tasks.prompting import prompt_tokens
 
@@ -159,7 +160,9 @@ class EvalResponder:
             self.requests[key] = request
 
     async def _load_split(self, split: str) -> Task:
-        task = load_task(await self.store.get_bytes(self.layout.task_data(self.manifest.task, split)))
+        # a signed run's split is checked against its signed task manifest before it is parsed
+        data = await read_task_object(self.store, self.manifest.run, self.manifest.task, split, self.trust)
+        task = load_task(data)
         if task.name != self.manifest.task:
             raise ValueError(f"the {split!r} split holds task {task.name!r}, the run's is {self.manifest.task!r}")
         return task

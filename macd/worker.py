@@ -36,7 +36,9 @@ the cause and the fix: a configuration error (`StoreConfigError`: credentials, b
 problems `fatal.py` lists (a model family macd cannot run or a model it cannot build, an error of
 the code itself). A run whose task data is missing (never prepared, or deleted) is waited for:
 one line naming the `stoa task prepare` command, said again with backoff, and the worker goes on
-once the task is there (`TaskNotPrepared`).
+once the task is there (`TaskNotPrepared`). In a signed run a split whose bytes are not the ones
+the run key's task manifest signs, or a manifest gone or forged, is waited for the same way, the
+line naming `stoa task prepare ... --key` (`protocol.task_manifest`).
 
 In a signed run the worker signs its heartbeat with its worker key, and reads the run's registry
 at start and every `registry_poll_s` (`revocation.py`). Once its key is revoked it stops
@@ -63,6 +65,7 @@ from slime_stoa.protocol.run_trust import RunKeyRefused, RunTrust, run_key_refus
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import NotFound, Store, StoreConfigError
 from slime_stoa.protocol.store.retry import describe_error
+from slime_stoa.protocol.task_manifest import TaskDataRefused, read_task_object
 from slime_stoa.tasks import Task, load_task
 from slime_stoa.tasks.tools import Tool, ToolContext, prepare_tool, tool_for
 
@@ -103,8 +106,9 @@ def task_key(manifest: RunManifest) -> str:
 
 
 class TaskNotPrepared(Exception):
-    """The run's task data is not in the bucket. Healable (the operator prepares it, or prepares it
-    again after a token holder deleted it), so the worker waits for it instead of stopping."""
+    """The run's task data is not in the bucket, or (a signed run) not the data its run key
+    signed. Healable (the operator prepares it, or prepares it again after a token holder deleted
+    or replaced it), so the worker waits for it instead of stopping."""
 
 
 def says_again(tries: int) -> bool:
@@ -198,13 +202,15 @@ class Worker:
         if key_text and (self.trust is None or self.trust.pinned.to_text() != key_text):
             self.trust = RunTrust.from_text(self.config.run, key_text)
         try:
-            data = await self.store.get_bytes(task_key(manifest))
+            data = await read_task_object(self.store, manifest.run, manifest.task, manifest.task_split, self.trust)
         except NotFound:  # never prepared, or deleted: the operator prepares it, this worker waits
             prepare = task_prepare_command(manifest.task, manifest.task_split, self.config.store, manifest.run)
             raise TaskNotPrepared(
                 f"run {manifest.run!r} has no task data ({task_key(manifest)} is not in the bucket): "
                 f"the operator prepares it with `{prepare}`; this worker waits for it"
             ) from None
+        except TaskDataRefused as exc:  # a signed run's split replaced, or its manifest gone: the same wait
+            raise TaskNotPrepared(f"{exc}; this worker waits for it") from None
         task = await asyncio.to_thread(load_task, data)
         if task.name != manifest.task:
             raise ValueError(f"task file {task_key(manifest)} holds task {task.name!r}, the run says {manifest.task!r}")

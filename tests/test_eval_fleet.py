@@ -115,7 +115,8 @@ async def test_a_signed_run_evaluates_signed_records_of_workers_registered_later
     run_key, worker_key = SigningKey.generate(), SigningKey.generate()
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, temperature=1.0)
     await seed_run(store, manifest, model_dir, task_count=40, key=run_key)
-    await put_task_objects(store, RUN, "synthetic", task_objects("synthetic", [], split="test", count=12, seed=7, limit=None))
+    test_split = task_objects("synthetic", [], split="test", count=12, seed=7, limit=None)
+    await put_task_objects(store, RUN, "synthetic", test_split, key=run_key)  # a signed run: its task manifest too
     posted = await post_request(store, request(range(3)), signing_key=run_key)
     registry = RunLayout(RUN).registry
     await store.put(registry, b'{"format": "stoa.registry/1", "forged": true}')  # a worker's token can

@@ -19,6 +19,10 @@ def test_keys_are_under_the_run() -> None:
     )
     assert lay.heartbeat("mac-01") == "runs/demo/workers/mac-01.json"
     assert lay.task_file("gsm8k", "train.jsonl.zst") == "runs/demo/tasks/gsm8k/train.jsonl.zst"
+    assert lay.task_manifest("gsm8k") == "runs/demo/tasks/gsm8k/task.json"
+    assert lay.task_manifest("search") != lay.task_index_file("search", "manifest.json")
+    with pytest.raises(ValueError, match="task name"):
+        lay.task_manifest("../x")
 
 
 def test_version_keys_sort_numerically_and_parse_back() -> None:

@@ -37,6 +37,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.validate import RecordRejected
 from slime_stoa.tasks import make_task
+from slime_stoa.tasks.objects import put_task_objects
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.admission import CONSUMER_REASONS, SIGNATURE_REASONS, check_signature
 from slime_stoa.trainer.consumer.persistence import UntrustedState, state_key
@@ -149,7 +150,7 @@ async def setup_signed_run(store: Store, tiny: Tiny, workers: tuple[str, ...] = 
         max_prompt_tokens=64, vocab_size=tiny.vocab, run_key=run_key.public.to_text(), **kw,
     )
     await store.put_if_absent(layout.run_manifest, manifest.to_bytes(run_key))
-    await store.put_if_absent(layout.task_file("synthetic", "train.jsonl.zst"), make_task("synthetic", ITEMS).encode())
+    await put_task_objects(store, RUN, "synthetic", {"train": make_task("synthetic", ITEMS).encode()}, key=run_key)
     await publish_versions(store, 0, key=run_key)
     keys = {w: SigningKey.generate() for w in workers}
     for worker, key in keys.items():

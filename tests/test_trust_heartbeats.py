@@ -33,6 +33,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.protocol.worker_keys import WorkerKeyFile, write_worker_key_file
 from slime_stoa.tasks import generate_items, make_task
+from slime_stoa.tasks.objects import put_task_objects
 from slime_stoa.trainer.tracking import UNTRUSTED_TOTAL, fleet_metrics, read_fleet_metrics
 from tests.conftest import async_wait_until
 
@@ -159,7 +160,7 @@ async def test_a_revoked_worker_stops_at_start_and_says_so(
     layout = RunLayout(RUN)
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, run_key=run_key.public.to_text())
     await store.put(layout.run_manifest, manifest.to_bytes(run_key))
-    await store.put(layout.task_file("synthetic", "train.jsonl.zst"), make_task("synthetic", generate_items(8, seed=1)).encode())
+    await put_task_objects(store, RUN, "synthetic", {"train": make_task("synthetic", generate_items(8, seed=1)).encode()}, key=run_key)
     config = DaemonConfig(store=store_url, run=RUN, name="mac", worker_id="mac-c", data_dir=tmp_path / "data", batch=2,
                           run_key=run_key.public.to_text())
     path = write_worker_key_file(tmp_path / "key.json", WorkerKeyFile(run=RUN, worker="mac-c", key=KEYS["mac-c"]))
@@ -196,7 +197,7 @@ async def test_a_registered_worker_signs_its_heartbeat(store: Store, store_url: 
     layout = RunLayout(RUN)
     manifest = RunManifest(run=RUN, model="tiny", task="synthetic", group_size=4, max_tokens=6, run_key=run_key.public.to_text())
     await store.put(layout.run_manifest, manifest.to_bytes(run_key))
-    await store.put(layout.task_file("synthetic", "train.jsonl.zst"), make_task("synthetic", generate_items(8, seed=1)).encode())
+    await put_task_objects(store, RUN, "synthetic", {"train": make_task("synthetic", generate_items(8, seed=1)).encode()}, key=run_key)
     path = write_worker_key_file(tmp_path / "key.json", WorkerKeyFile(run=RUN, worker="mac-a", key=KEYS["mac-a"]))
     config = DaemonConfig(store=store_url, run=RUN, name="mac", worker_id="mac-a", data_dir=tmp_path / "data", batch=2,
                           run_key=run_key.public.to_text(), worker_key=str(path))

@@ -23,6 +23,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.protocol.worker_keys import WorkerKeyFile, write_worker_key_file
 from slime_stoa.tasks import generate_items, make_task
+from slime_stoa.tasks.objects import put_task_objects
 from tests.test_consumer import RUN, Tiny, make_group, now_ms, tiny
 from tests.test_signed_records import open_signed_consumer, setup_signed_run, signed
 
@@ -79,7 +80,7 @@ async def test_a_worker_of_a_signed_run_without_a_key_stops_at_start(store: Stor
     manifest = dataclasses.replace(MANIFEST, run_key=run_key.public.to_text())
     layout = RunLayout(RUN)
     await store.put_if_absent(layout.run_manifest, manifest.to_bytes(run_key))
-    await store.put_if_absent(layout.task_file("synthetic", "train.jsonl.zst"), make_task("synthetic", generate_items(4)).encode())
+    await put_task_objects(store, RUN, "synthetic", {"train": make_task("synthetic", generate_items(4)).encode()}, key=run_key)
     worker = Worker(_config(store_url, tmp_path), store)
     with pytest.raises(WorkerKeyError) as exc:
         await asyncio.wait_for(worker.run(asyncio.Event()), 60)

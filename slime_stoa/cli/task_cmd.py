@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import StoreError, open_store
+from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust, load_rotations
+from slime_stoa.protocol.signing import SigningKey, read_key_file
+from slime_stoa.protocol.store import Store, StoreError, open_store
 from slime_stoa.quickstart.meter import StepMeter, cli_console
 from slime_stoa.tasks import TASKS, TaskItem
 from slime_stoa.tasks.objects import put_task_objects, task_objects
@@ -48,6 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("task", choices=sorted(TASKS), help="task name")
     prep.add_argument("files", nargs="*", type=Path, help="source files (gsm8k: train.jsonl, test.jsonl; math: MATH/train MATH/test, or jsonl files)")
     add_run_options(prep)
+    prep.add_argument(
+        "--key", type=Path, metavar="PATH",
+        help="the run key file of a signed run (`stoa run create --key`): signs the task manifest "
+        "(each task object's size and sha256) that the trainer and workers check the task data against",
+    )
     prep.add_argument("--split", default=None, help="split name (synthetic: default train)")
     prep.add_argument("--count", type=int, default=2000, help="synthetic: number of items")
     prep.add_argument("--seed", type=int, default=0, help="synthetic: generation seed")
@@ -78,9 +86,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prep.set_defaults(handler=_prepare)
 
 
-async def _put(url: str, run: str, task: str, objects: dict[str, bytes]) -> list[str]:
+async def run_signing(store: Store, run: str, key: SigningKey | None) -> RunTrust | None:
+    """The trust `prepare` signs the task manifest under: None for an unsigned run (without
+    `key`); ValueError (one line) for a signed run without `key`, a `key` that is not one of the
+    run's keys, or `key` given for an unsigned run. A run not created yet is signed by `key` alone."""
+    try:
+        manifest = await read_run_manifest(store, run)
+    except RunNotFound:
+        return None if key is None else RunTrust(run, key.public)
+    if manifest.run_key is None:
+        if key is not None:
+            raise ValueError(f"run {run!r} is unsigned (its run.json names no run key): drop --key")
+        return None
+    trust = RunTrust.from_text(run, manifest.run_key)
+    if key is None:
+        raise ValueError(
+            f"run {run!r} is signed (run key {trust.pinned.key_id}): give its run key file with --key PATH, "
+            f"so the trainer and workers accept the task data"
+        )
+    await load_rotations(store, trust)
+    if not trust.knows(key.key_id):
+        raise ValueError(
+            f"--key {key.key_id} is not a key of run {run!r} (its run key is {trust.pinned.key_id}): give the run's key file"
+        )
+    return trust
+
+
+async def _put(url: str, run: str, task: str, objects: dict[str, bytes], key: SigningKey | None) -> list[str]:
     async with open_store(url) as store:
-        return await put_task_objects(store, run, task, objects)
+        trust = await run_signing(store, run, key)
+        return await put_task_objects(store, run, task, objects, key=key if trust else None, trust=trust)
 
 
 def search_inputs(args: argparse.Namespace) -> tuple[dict[str, tuple[TaskItem, ...]], Iterable[str], dict[str, Any]]:
@@ -130,7 +165,9 @@ def bm25_settings(args: argparse.Namespace) -> Bm25Settings:
     return dataclasses.replace(base, k1=base.k1 if args.k1 is None else args.k1, b=base.b if args.b is None else args.b)
 
 
-async def _put_search(url: str, run: str, args: argparse.Namespace) -> tuple[dict[str, bytes], list[str]]:
+async def _put_search(
+    url: str, run: str, args: argparse.Namespace, key: SigningKey | None
+) -> tuple[dict[str, bytes], list[str]]:
     from slime_stoa.tasks.search.prepare import prepare_search  # PyStemmer: only for this command
     from slime_stoa.tasks.search.progress import passage_meter
 
@@ -140,10 +177,12 @@ async def _put_search(url: str, run: str, args: argparse.Namespace) -> tuple[dic
         raise ValueError("--chunk-mb must be 1..512")
     total = len(passages) if isinstance(passages, Sized) else None
     async with open_store(url) as store:
+        trust = await run_signing(store, run, key)  # refused before the index is built
         with passage_meter(total=total) as advance:
             prepared = await prepare_search(store, run, splits, passages, meta=meta, chunk_bytes=args.chunk_mb << 20,
                                             settings=settings, on_passages=advance, work_dir=args.work_dir)
-        keys = await put_task_objects(store, run, "search", dict(prepared.objects))
+        keys = await put_task_objects(store, run, "search", dict(prepared.objects), key=key if trust else None,
+                                      trust=trust)
     print(f"index: {prepared.passages:,} passages, manifest {RunLayout(run).task_index_file('search', 'manifest.json')} (sha256 {prepared.manifest_sha256[:16]}...)")
     return dict(prepared.objects), keys
 
@@ -159,17 +198,20 @@ def read_task_files(args: argparse.Namespace) -> dict[str, bytes]:
 def _prepare(args: argparse.Namespace) -> int:
     url, run = require_run_options(args)
     try:
+        key = read_key_file(args.key) if args.key is not None else None
         if args.task == "search":
-            objects, keys = asyncio.run(_put_search(url, run, args))
+            objects, keys = asyncio.run(_put_search(url, run, args, key))
         else:
             objects = read_task_files(args)
-            keys = asyncio.run(_put(url, run, args.task, objects))
+            keys = asyncio.run(_put(url, run, args.task, objects, key))
     except OSError as exc:
         print(f"error: {os_error_text(exc)}", file=sys.stderr)
         return 1
     except (StoreError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for key, data in zip(keys, objects.values(), strict=True):
-        print(f"wrote {key} ({len(data):,} bytes)")
+    for written, data in zip(keys, objects.values(), strict=True):
+        print(f"wrote {written} ({len(data):,} bytes)")
+    if key is not None:
+        print(f"signed {RunLayout(run).task_manifest(args.task)} with run key {key.key_id}")
     return 0

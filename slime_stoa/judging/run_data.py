@@ -15,7 +15,9 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.anchor import download_extras
 from slime_stoa.protocol.pulse.history import read_anchor_manifest, read_pointer
 from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import NotFound, Store
+from slime_stoa.protocol.task_manifest import read_task_object
 from slime_stoa.tasks import Task, load_task
 
 from .scoring import Decode, PromptOf, load_prompt_builder, load_tokenizer, vocab_size_of
@@ -26,12 +28,18 @@ def task_data_key(manifest: RunManifest, split: str | None = None) -> str:
     return RunLayout(manifest.run).task_data(manifest.task, manifest.task_split if split is None else split)
 
 
-async def read_task(store: Store, manifest: RunManifest, split: str | None = None) -> Task:
+async def read_task(
+    store: Store, manifest: RunManifest, split: str | None = None, *, trust: RunTrust | None = None
+) -> Task:
     """The run's task, `split` of it (default: the manifest's training split), checked to be the
-    task the manifest names."""
+    task the manifest names. In a signed run the split's bytes are checked against the signed
+    task manifest before they are parsed (`protocol.task_manifest`; TaskDataRefused, a
+    ValueError, otherwise), under `trust` (default: the manifest's run key and its rotations)."""
     key = task_data_key(manifest, split)
+    if trust is None and manifest.public_key is not None:
+        trust = RunTrust(manifest.run, manifest.public_key)
     try:
-        data = await store.get_bytes(key)
+        data = await read_task_object(store, manifest.run, manifest.task, split or manifest.task_split, trust)
     except NotFound:
         which = "task data" if split is None else f"{split!r} split of task {manifest.task!r}"
         raise ValueError(f"run {manifest.run!r} has no {which} at {key} in {store.url}") from None

@@ -317,6 +317,11 @@ class RunLayout:
         """The task data of one split (`stoa task prepare` writes it, workers draw prompts from it)."""
         return self.task_file(task, f"{check_name('task split', split)}.jsonl.zst")
 
+    def task_manifest(self, task: str) -> str:
+        """The signed task manifest (`protocol.task_manifest`): each task object's size and sha256,
+        signed by the run key; written by `stoa task prepare --key`, read before any task object."""
+        return self.task_file(task, "task.json")
+
     def task_index_file(self, task: str, name: str) -> str:
         """An object of the task's search index: `index/manifest.json` (written last) or a chunk."""
         return f"{self.task_prefix(task)}index/{check_name('file', name)}"

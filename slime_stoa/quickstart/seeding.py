@@ -41,7 +41,8 @@ async def seed_run(
     returns the publisher.
 
     With the run key `key`, the run is signed: the manifest carries its public half (set here
-    when `manifest.run_key` is None) and everything the publisher writes is signed. A run that
+    when `manifest.run_key` is None), the task's signed manifest is written beside its objects,
+    and everything the publisher writes is signed. A run that
     already exists is resumed: the publisher continues from the bucket."""
     if key is not None and manifest.run_key is None:
         manifest = replace(manifest, run_key=key.public.to_text())
@@ -49,7 +50,7 @@ async def seed_run(
         await store.put_if_absent(RunLayout(manifest.run).run_manifest, manifest.to_bytes(key))
     if objects is None:
         objects = task_objects(manifest.task, [], split=manifest.task_split, count=task_count, seed=0, limit=None)
-    await put_task_objects(store, manifest.run, manifest.task, objects)
+    await put_task_objects(store, manifest.run, manifest.task, objects, key=key)  # signed: with its task manifest
     pub = Publisher(store, manifest.run, publisher or PublisherConfig(extras_dir=model_dir), key=key)
     if await pub.open() is None:
         await pub.publish(load_hf_state(model_dir))

@@ -7,7 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import PreconditionFailed, Store
+from slime_stoa.protocol.task_manifest import write_task_manifest
 from slime_stoa.tasks.base import encode_task_data
 from slime_stoa.tasks.gsm8k import load_gsm8k_jsonl
 from slime_stoa.tasks.math_data import load_math, split_name
@@ -41,19 +44,26 @@ def task_objects(
     return out
 
 
-async def put_task_objects(store: Store, run: str, task: str, objects: dict[str, bytes]) -> list[str]:
+async def put_task_objects(
+    store: Store, run: str, task: str, objects: dict[str, bytes], *, key: SigningKey | None = None,
+    trust: RunTrust | None = None,
+) -> list[str]:
     """Write each split with put-if-absent; an identical existing object is fine. The keys written,
-    in the order of `objects`."""
+    in the order of `objects`. With the run key `key` (a signed run), the task manifest signing
+    them is written after them (`protocol.task_manifest`); `trust`: the run keys an existing
+    manifest may be signed by (default: `key`)."""
     layout = RunLayout(run)
     written = []
     for split, data in objects.items():
-        key = layout.task_data(task, split)
+        where = layout.task_data(task, split)
         try:
-            await store.put_if_absent(key, data)
+            await store.put_if_absent(where, data)
         except PreconditionFailed:
-            if await store.get_bytes(key) != data:
-                raise ValueError(f"{key} already holds different data; tasks are immutable within a run") from None
-        written.append(key)
+            if await store.get_bytes(where) != data:
+                raise ValueError(f"{where} already holds different data; tasks are immutable within a run") from None
+        written.append(where)
+    if key is not None:
+        await write_task_manifest(store, run, task, objects, key, trust or RunTrust(run, key.public))
     return written
 
 

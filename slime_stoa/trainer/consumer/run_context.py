@@ -15,6 +15,11 @@ copy, a manifest gone or garbage raises `pause.Broken` naming the repair, and
 run's weight pointer is signed by `run_key` (the key is the run's: the manifest is a forgery).
 When nothing in the bucket is that key's, the mismatch is refused at once: most likely the
 trainer's own `run_key` is wrong, which no waiting repairs.
+
+In a signed run the task data is checked against its signed task manifest
+(`slime_stoa.protocol.task_manifest`): a split replaced or a manifest gone or forged raises
+`pause.Broken` too, so the trainer waits for `stoa task prepare ... --key` instead of rescoring
+records against labels a bucket writer chose.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.shell import task_prepare_command
 from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
+from slime_stoa.protocol.task_manifest import TaskDataRefused
 from slime_stoa.tasks import Task
 
 from .config import ConsumerConfig, ResolvedConfig
@@ -67,7 +74,7 @@ async def open_run_context(
     """
     manifest = await kept_run_manifest(store, config)
     run_key = manifest.public_key
-    task = await read_task(store, manifest)
+    task = await signed_task(store, config, manifest)
     decode, eos_ids, prompt_of, vocab = await load_decoding(
         store, manifest, task, decode=decode, eos_ids=eos_ids, tokenizer_dir=tokenizer_dir, prompt_of=prompt_of,
         verify_prompts=config.verify_prompts,
@@ -83,6 +90,23 @@ async def open_run_context(
     return RunContext(
         manifest=manifest, task=task, config=resolved, rescorer=Rescorer(task, decode, eos_ids, prompt_of), run_key=run_key
     )
+
+
+async def signed_task(store: Store, config: ConsumerConfig, manifest: RunManifest) -> Task:
+    """The run's training split; one a bucket writer deleted from a signed run's task manifest
+    or replaced (its bytes not the ones the run key signed) raises `pause.Broken`, so the trainer
+    waits for the operator to prepare it again instead of rescoring against forged labels."""
+    try:
+        return await read_task(store, manifest)
+    except TaskDataRefused as exc:
+        raise Broken(f"the task data of run {config.run!r} in {store.url} is refused", task_repair(config, manifest),
+                     exc) from exc
+
+
+def task_repair(config: ConsumerConfig, manifest: RunManifest) -> str:
+    """How an operator puts a signed run's task data back."""
+    command = task_prepare_command(manifest.task, manifest.task_split, config.store_url, config.run)
+    return f"write it again with `{command} --key <run key file>` (the files it was prepared from)"
 
 
 async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest:
