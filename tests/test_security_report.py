@@ -37,6 +37,8 @@ and `crashes`, is 0.
   saved state's growth (`test_discovery_junk`), records of Macs whose clocks are 10 minutes
   ahead, 10 and 40 minutes behind refused by the trainer (`test_worker_clock`: 0 within the
   tolerance), the share of 12 honest records admitted when one GET trickles (`test_slow_download`).
+- task data (`task_forged_tried`/`task_forged_accepted`): a signed run's split replaced or grown,
+  its signed task manifest deleted, re-signed by another key or another task's: read by the trainer.
 - heartbeats (`heartbeat_forged_tried`/`heartbeat_forged_shown_healthy`): unsigned, unknown-key,
   revoked, other-worker, other-run and tampered heartbeats beside an honest one, read the way
   `stoa fleet` and the trainer's metrics read them (`test_trust_heartbeats`).
@@ -615,6 +617,44 @@ async def forged_heartbeats(store: Store) -> dict[str, int]:
     return {"heartbeat_forged_tried": 2 + len(forgeries) + 2, "heartbeat_forged_shown_healthy": shown}
 
 
+async def forged_task_objects(store: Store) -> dict[str, int]:
+    """A signed run's task data rewritten by a worker's token (a split replaced at its size or
+    grown, the manifest deleted, re-signed by another key, or another task's): how many of them
+    the trainer's `read_task` accepts instead of refusing (`protocol.task_manifest`)."""
+    from slime_stoa.judging.run_data import read_task
+    from slime_stoa.protocol.run_manifest import RunManifest
+    from slime_stoa.protocol.task_manifest import TaskDataRefused, empty_manifest, task_manifest_bytes
+    from slime_stoa.tasks import generate_items, make_task
+    from slime_stoa.tasks.objects import put_task_objects
+
+    key, run = SigningKey.generate(), "tasks"
+    layout, data = RunLayout(run), make_task("synthetic", generate_items(6, seed=1)).encode()
+    manifest = RunManifest(run=run, model="m", task="synthetic", run_key=key.public.to_text())
+    await put_task_objects(store, run, "synthetic", {"train": data}, key=key)
+    split, signed = layout.task_data("synthetic", "train"), layout.task_manifest("synthetic")
+    genuine = {split: data, signed: await store.get_bytes(signed)}
+    forged_by = SigningKey.generate()
+    attacks = [
+        {split: data[:-1] + bytes([data[-1] ^ 1])},
+        {split: data + b"more labels"},
+        {signed: None},
+        {signed: task_manifest_bytes(empty_manifest(run, "synthetic").with_objects({"train.jsonl.zst": data}), forged_by)},
+        {signed: task_manifest_bytes(empty_manifest(run, "gsm8k").with_objects({"train.jsonl.zst": data}), key)},
+    ]
+    accepted = 0
+    for attack in attacks:
+        for k, v in attack.items():
+            await (store.delete(k) if v is None else store.put(k, v))
+        try:
+            await read_task(store, manifest)
+            accepted += 1
+        except TaskDataRefused:
+            pass
+        for k in attack:
+            await store.put(k, genuine[k])
+    return {"task_forged_tried": len(attacks), "task_forged_accepted": accepted}
+
+
 # -- the report ---------------------------------------------------------------------------------------
 
 
@@ -663,6 +703,7 @@ async def build_report(
         if tiny is not None:
             fresh = await freshness(stack, tmp / "freshness", factories, tiny, caplog)
             fresh.update(await forged_heartbeats(await factories["file"]("heartbeats")))
+            fresh.update(await forged_task_objects(await factories["file"]("tasks")))
             fresh.update(await delivery(tmp / "delivery", server, bucket, tiny))
         for backend, factory in factories.items():
             name_counts[f"download_extras.{backend}"] = await probe_extras(await factory("extras"), tmp / f"extras-{backend}", names)
@@ -713,10 +754,11 @@ async def test_security_report(
     assert report["weights_forged_applied"] == 0, (where, report["weights_by_kind"])
     assert report["max_bytes_read_over_limit"] == 0, (where, report["oversize_by_backend"])
     for name in ("rollback_accepted", "downgrade_accepted", "registry_rollback_accepted", "state_rollback_accepted",
-                 "heartbeat_forged_shown_healthy", "writer_stops_trainer", "honest_rejected_for_missing_object"):
+                 "heartbeat_forged_shown_healthy", "task_forged_accepted", "writer_stops_trainer", "honest_rejected_for_missing_object"):
         assert report[name] == 0, (name, where)
     assert report["rollback_tried"] == 2 * len(ROLLBACK_ATTACKS) + 2 and report["downgrade_tried"] == len(DOWNGRADE_ATTACKS)
     assert report["heartbeat_forged_tried"] == 7 and report["writer_tried"] == len(tw.ATTACKS), where
+    assert report["task_forged_tried"] == 5, where
     assert report["junk_list_ratio"] <= junk.bench.TARGET_RATIO, where
     assert report["junk_state_bytes"] < junk.bench.TARGET_STATE_GROWTH, where
     assert report["skew_tried"] == 3 * clock.PER_WORKER and report["skew_rejected"] == 0, where
