@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.tasks.objects import put_task_objects, task_objects
 
@@ -30,10 +31,11 @@ EVAL_K = 4  # samples per prompt (pass@1 is their mean pass rate: less noise tha
 SYNTHETIC_TEST_SEED = 1  # the train split is seed 0
 
 
-async def put_synthetic_test_split(store: Store, run: str) -> None:
-    """The synthetic task's held-out split (put-if-absent: a rerun writes nothing new)."""
+async def put_synthetic_test_split(store: Store, run: str, *, key: SigningKey | None = None) -> None:
+    """The synthetic task's held-out split (put-if-absent: a rerun writes nothing new); in a
+    signed run (the run key `key`) added to the signed task manifest, which readers check it by."""
     objects = task_objects("synthetic", [], split=SPLIT, count=EVAL_PROMPTS, seed=SYNTHETIC_TEST_SEED, limit=None)
-    await put_task_objects(store, run, "synthetic", objects)
+    await put_task_objects(store, run, "synthetic", objects, key=key)
 
 
 async def pass1_at(

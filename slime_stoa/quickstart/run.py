@@ -731,7 +731,7 @@ async def _run_locked(cfg: QuickstartConfig, report: Any, stop: Interrupt) -> di
         seeded.keeper.start()  # the pointers stay fresh from here to the end
         try:
             version, restart = await phase_resume(s, learner, seeded)
-            await phase_first_eval(s)
+            await phase_first_eval(s, seeded.run_key)
             tracker = start_tracking(cfg)
             workers = WorkerProcesses(cfg, cfg.store_url, run_key=seeded.run_key_text)
             consumer: RolloutConsumer | None = None
@@ -936,10 +936,10 @@ async def restart_from_checkpoint(s: Session, learner: Learner, seeded: Seeded, 
     return version
 
 
-async def phase_first_eval(s: Session) -> None:
+async def phase_first_eval(s: Session, run_key: SigningKey | None) -> None:
     """A new run's first version evaluated now (unless --no-eval): by the end the bucket may have pruned it."""
     if s.new_run and not s.cfg.no_eval:
-        await s.stop.race(first_eval(s.store, s.cfg, s.progress, s.report, synthetic=s.cfg.task == "synthetic"))
+        await s.stop.race(first_eval(s.store, s.cfg, s.progress, s.report, synthetic=s.cfg.task == "synthetic", key=run_key))
 
 
 def phase_start_workers(s: Session, workers: WorkerProcesses) -> None:
@@ -1036,10 +1036,14 @@ async def phase_report(s: Session, registry: Registry | None, consumer: RolloutC
     return summarize(progress, cfg, lost=lost, spooled=spooled, refused=refused, groups_used_run=groups_used_run)
 
 
-async def first_eval(store: Store, cfg: QuickstartConfig, progress: Progress, report: Any, *, synthetic: bool) -> None:
-    """Eval pass@1 of the run's first RL version on the held-out test split (kept in progress)."""
+async def first_eval(
+    store: Store, cfg: QuickstartConfig, progress: Progress, report: Any, *, synthetic: bool, key: SigningKey | None
+) -> None:
+    """Eval pass@1 of the run's first RL version on the held-out test split (kept in progress);
+    the synthetic task's split is written first (signed into the task manifest with the run key
+    `key` in a signed run)."""
     if synthetic:
-        await heldout.put_synthetic_test_split(store, cfg.run)
+        await heldout.put_synthetic_test_split(store, cfg.run, key=key)
     await heldout_eval(store, cfg, progress, report, progress.run_first_version)
     save_progress(progress, cfg.out / PROGRESS_FILE, run=cfg.run)
 

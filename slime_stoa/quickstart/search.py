@@ -135,7 +135,7 @@ async def seed_search_run(
     prepared = await prepare_search(
         store, manifest.run, {"train": data.train, "test": data.test}, data.passages, meta=dict(SEARCH_META)
     )
-    await put_task_objects(store, manifest.run, "search", dict(prepared.objects))
+    await put_task_objects(store, manifest.run, "search", dict(prepared.objects), key=key)  # signed: its task manifest
     pub = Publisher(store, manifest.run, publisher or PublisherConfig(extras_dir=model_dir), key=key)
     if await pub.open() is None:
         await pub.publish(load_hf_state(model_dir))
