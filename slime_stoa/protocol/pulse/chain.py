@@ -25,10 +25,11 @@ the plane chains beside the bf16 one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +183,7 @@ class ChainPublisher:
         """`publish` of a `checked` state on an opened publisher."""
         if self.version is None:
             return await self._publish_first(state, source)
-        try:
+        with self._next_version_errors():
             if self._unsure is not None and (landed := await self._settle_unsure(state)) is not None:
                 return landed
             if source is not None and source.version != self.version + 1:
@@ -191,6 +192,14 @@ class ChainPublisher:
                 return await self._publish_first(state, source)  # behind by more than one: a new chain
             await self.committer.put_back_window(self.version, self.config.retain_versions)
             return await self._publish_next(state, source)
+
+    @contextlib.contextmanager
+    def _next_version_errors(self) -> Iterator[None]:
+        """How a failed publish of the next version (by state or by delta) is raised: a lost race
+        for the pointer as PublishConflict, any other store failure as PublishError."""
+        assert self.version is not None
+        try:
+            yield
         except PreconditionFailed as exc:
             raise PublishConflict(
                 f"another publisher wrote v{self.version + 1} of run {self.layout.run!r} first ({exc}); "
@@ -252,7 +261,7 @@ class ChainPublisher:
         if unknown or step.delta.keys() != step.old.keys():
             raise ValueError(f"the step's tensors are not the state's (unknown {unknown[:3]}) or lack their old bits")
         assert self.version is not None and self._digest is not None
-        try:
+        with self._next_version_errors():
             if self._unsure is not None and (landed := await self._settle_unsure_sparse(step, base)) is not None:
                 return landed
             if base != self._digest.root():
@@ -268,13 +277,6 @@ class ChainPublisher:
             digest = await asyncio.to_thread(sparse_digest, self._digest, step, threads=self.config.threads)
             full = TensorsOnDemand(self._shapes, step.tensor)
             return await self._publish_step(step.delta, digest, source, start=start, full=full, base=None, old=step.old)
-        except PreconditionFailed as exc:
-            raise PublishConflict(
-                f"another publisher wrote v{self.version + 1} of run {self.layout.run!r} first ({exc}); "
-                f"only one trainer may publish a run — stop the other one, or restart this one to resume from the bucket"
-            ) from None
-        except StoreError as exc:
-            raise PublishError(f"publishing v{self.version + 1} failed, the pointer did not move: {exc}") from exc
 
     async def _settle_unsure_sparse(self, step: SparseStep, base: str) -> PublishResult | None:
         """`_settle_unsure` by digest: a landed version is adopted; a step from the state before
