@@ -152,7 +152,8 @@ class WeightFollower:
         publishes quantized planes, a smaller one if the run's does not fit this Mac's memory.
         The model's config is read from the run's bf16 anchor (the run's plane when it cannot be),
         the size of the run's search index from its manifest (`index_plan`).
-        The daemon config's `plane` overrides the pick (`Fatal` when the run cannot be served on it)."""
+        The daemon config's `plane` overrides the pick (`Fatal` when the run cannot be served on it);
+        TaskDataRefused when a signed run's task data the index plan reads is refused."""
         if self.config.plane:
             try:
                 plane = plane_override(manifest, self.config.plane)
@@ -174,7 +175,9 @@ class WeightFollower:
             log.info("serving the run's %s plane: its model config is not readable (%s)", manifest.plane, describe_error(exc))
             return manifest.plane
         sequences = decoding_sequences(self.config, manifest.group_size)
-        index = await run_index_plan(self.store, manifest, machine_shared_dir())
+        index = await run_index_plan(self.store, manifest, machine_shared_dir(), trust)
+        if index is not None and index.refused is not None:
+            raise index.refused  # a signed run's split replaced since it was loaded: waited for as the task load is
         choice = None if not isinstance(model_config, dict) else choose_plane(
             model_config, manifest, memory=memory_bytes(), sequences=sequences,
             index_bytes=0 if index is None else index.counted,

@@ -24,8 +24,12 @@ counted. The manifest is authenticated before it is parsed: the task data's head
 sha256 (`index.manifest_sha256`, recorded by `prepare`), read from the task data's first bytes
 (`pinned_manifest_digest`: one ranged GET, its header line decompressed, never the items); a
 manifest whose bytes do not match, or a task data that pins none, is refused unparsed (the
-unknown plan, one line). When the machine's shared folder (`shared_dir`) already holds that
-index, verified (`bundle.verified_digest`), the line says where.
+unknown plan, one line). In a signed run (its manifest names a run key) the task data is read
+as the worker's task load reads it (`task_manifest.read_task_object`: whole, checked against the
+run key's signed task manifest): a split a bucket writer replaced to pin a forged manifest is
+refused, and the unknown plan carries that refusal (`IndexPlan.refused`, the task load's line)
+for the worker to wait on as it waits for its task. When the machine's shared folder
+(`shared_dir`) already holds that index, verified (`bundle.verified_digest`), the line says where.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ import zstandard
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest
+from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.store import NotFound, Store, StoreConfigError, StoreError
 from slime_stoa.protocol.store.capped import read_capped_bytes
+from slime_stoa.protocol.task_manifest import TaskDataRefused, read_task_object
 from slime_stoa.tasks import TASKS
 from slime_stoa.tasks.search import Search
 from slime_stoa.tasks.search.bundle import (
@@ -76,6 +82,7 @@ class IndexPlan:
     counted: int
     line: str
     known: bool = True  # False: the manifest could not be read or checked (0 counted)
+    refused: TaskDataRefused | None = None  # a signed run's task data refused: what the task load says
 
 
 def has_index(manifest: RunManifest) -> bool:
@@ -108,6 +115,12 @@ def unknown_plan(where: str, why: str) -> IndexPlan:
     """No size known: 0 counted, `why` (which may quote the bucket's text) cut to a line."""
     why = why if len(why) <= 200 else why[:200] + "..."
     return IndexPlan(0, f"search index: size unknown ({where}: {why}); 0 GiB counted", known=False)
+
+
+def refused_plan(refused: TaskDataRefused) -> IndexPlan:
+    """No size known, the task data refused: 0 counted, the refusal said whole (its words are
+    bounded and name the object and end with the repair command, as the task load says them)."""
+    return IndexPlan(0, f"search index: size unknown ({refused}); 0 GiB counted", known=False, refused=refused)
 
 
 def override_plan(gb: float, flag: str) -> IndexPlan:
@@ -154,9 +167,19 @@ def task_header_digest(prefix: bytes) -> str:
     return digest
 
 
-async def pinned_manifest_digest(store: Store, manifest: RunManifest) -> str:
-    """The index manifest digest the run's task data pins (`task_header_digest`), read with one
-    ranged GET of its first bytes. NotFound when the task data is missing."""
+def run_trust(manifest: RunManifest) -> RunTrust | None:
+    """The trust a signed run's task data is checked under (its run key), None for an unsigned run."""
+    return RunTrust.from_text(manifest.run, manifest.run_key) if manifest.run_key else None
+
+
+async def pinned_manifest_digest(store: Store, manifest: RunManifest, trust: RunTrust | None = None) -> str:
+    """The index manifest digest the run's task data pins (`task_header_digest`). An unsigned
+    run's (`trust` None) is read with one ranged GET of its first bytes; a signed run's whole,
+    checked as the task load checks it (TaskDataRefused when refused). NotFound when the task
+    data is missing."""
+    if trust is not None:
+        data = await read_task_object(store, manifest.run, manifest.task, manifest.task_split, trust)
+        return task_header_digest(data[:TASK_HEADER_BYTES])
     key = manifest.layout.task_data(manifest.task, manifest.task_split)
     got = await store.get(key, length=TASK_HEADER_BYTES)
     assert got is not None
@@ -178,18 +201,23 @@ def plan_of_manifest(manifest: RunManifest, body: bytes, pinned: str, shared_dir
     return known_plan(where, index, None if shared_dir is None else fetched_folder(shared_dir, manifest, digest))
 
 
-async def run_index_plan(store: Store, manifest: RunManifest, shared_dir: Path | None = None) -> IndexPlan | None:
+async def run_index_plan(
+    store: Store, manifest: RunManifest, shared_dir: Path | None = None, trust: RunTrust | None = None
+) -> IndexPlan | None:
     """The plan of the run's search index (module docstring); None when its task has no index.
+    A signed run's task data is checked under `trust` (default: the manifest's run key).
     StoreConfigError (a wrong store configuration) is raised; any other failure to read the
-    manifest gives the unknown plan."""
+    manifest gives the unknown plan (with `refused` when a signed run's task data is refused)."""
     if not has_index(manifest):
         return None
     key = index_key(manifest)
     task_key = manifest.layout.task_data(manifest.task, manifest.task_split)
     try:
-        pinned = await pinned_manifest_digest(store, manifest)
+        pinned = await pinned_manifest_digest(store, manifest, trust if trust is not None else run_trust(manifest))
     except StoreConfigError:
         raise
+    except TaskDataRefused as exc:  # a replaced split may pin a forged manifest: nothing planned from it
+        return refused_plan(exc)
     except NotFound:
         return unknown_plan(task_key, "the task data is missing from the bucket: its index manifest cannot be authenticated")
     except (StoreError, ValueError) as exc:

@@ -111,6 +111,11 @@ class TaskNotPrepared(Exception):
     or replaced it), so the worker waits for it instead of stopping."""
 
 
+def waits_for(refused: TaskDataRefused) -> TaskNotPrepared:
+    """The wait on a signed run's refused task data, in the words of its refusal."""
+    return TaskNotPrepared(f"{refused}; this worker waits for it")
+
+
 def says_again(tries: int) -> bool:
     """Whether the `tries`-th try of a wait says its line again: at tries 1, 2, 4, 8, ... (a
     backoff on top of the polls' own)."""
@@ -210,7 +215,7 @@ class Worker:
                 f"the operator prepares it with `{prepare}`; this worker waits for it"
             ) from None
         except TaskDataRefused as exc:  # a signed run's split replaced, or its manifest gone: the same wait
-            raise TaskNotPrepared(f"{exc}; this worker waits for it") from None
+            raise waits_for(exc) from None
         task = await asyncio.to_thread(load_task, data)
         if task.name != manifest.task:
             raise ValueError(f"task file {task_key(manifest)} holds task {task.name!r}, the run says {manifest.task!r}")
@@ -288,7 +293,11 @@ class Worker:
                 check_signing(manifest, self._signer, self.config.store)
                 if self.trust is not None and self.revocation is not None and await self.revocation.check(self.trust):
                     return None
-                plane = await self.weights.plane_for(manifest, self.trust)
+                try:
+                    plane = await self.weights.plane_for(manifest, self.trust)
+                except TaskDataRefused as exc:  # its index plan read a split replaced since: read the task again
+                    loaded = None
+                    raise waits_for(exc) from None
                 sub = self.weights.subscriber(self.trust, held_plane(manifest, plane))
                 staged = await self.weights.first_sync(sub, stop)
                 if staged is None:

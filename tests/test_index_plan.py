@@ -327,3 +327,43 @@ def test_the_header_is_read_from_the_task_datas_first_bytes() -> None:
     data = encode_task_data("search", items, meta={"index": {"manifest_sha256": "cd" * 32}})
     assert len(data) > 64 * 1024
     assert task_header_digest(data[:4096]) == "cd" * 32
+
+
+def test_a_signed_runs_forged_split_is_refused_by_its_task_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signed run: a token holder replaces the split to pin a forged manifest claiming 200 GiB;
+    the plan reads the split as the worker's task load does (checked against the run key's task
+    manifest), so the forged manifest is never parsed and the line is the load's refusal."""
+    from dataclasses import replace
+
+    from slime_stoa.protocol.signing import SigningKey
+    from slime_stoa.tasks.objects import put_task_objects
+
+    key = SigningKey.generate()
+    url, unsigned = search_run(tmp_path)
+    manifest = replace(unsigned, run_key=key.public.to_text())
+    genuine = described_manifest(BIG_SIZES)
+    put_index_manifest(url, genuine, pin=False)
+
+    async def sign() -> None:
+        async with open_store(url) as store:
+            await put_task_objects(store, RUN, "search", {"train": task_data("search", hashlib.sha256(genuine).hexdigest())},
+                                   key=key)
+
+    asyncio.run(sign())
+    plan = index_plan(url, manifest)
+    assert plan is not None and plan.counted == BIG_COUNTED and plan.refused is None
+    put_index_manifest(url, described_manifest({"postings.bin": 200 * GIB}, passages=1))  # and a split pinning it
+
+    def parse_would_raise(body: bytes) -> IndexManifest:
+        raise AssertionError("a manifest pinned by a refused split was parsed")
+
+    monkeypatch.setattr("macd.index_plan.parse_manifest", parse_would_raise)
+    forged = index_plan(url, manifest)
+    assert forged is not None and forged.counted == 0 and not forged.known and forged.refused is not None
+    assert str(forged.refused) in forged.line and "\n" not in forged.line
+    assert forged.line.startswith(f"search index: size unknown ({RunLayout(RUN).task_data('search', 'train')}: larger than "
+                                  "the task data the run key signed") and "stoa task prepare search" in forged.line
+    assert forged.line.endswith("--key RUN_KEY_FILE`); 0 GiB counted")
+    monkeypatch.undo()
+    unchecked = index_plan(url, unsigned)  # an unsigned run has no run key to check its split: read as before
+    assert unchecked is not None and unchecked.counted >= 200 * GIB
