@@ -20,6 +20,7 @@ from slime_stoa.quickstart.config import QuickstartConfig, QuickstartError
 from slime_stoa.quickstart.interrupt import Interrupt
 from slime_stoa.quickstart.progress import Progress
 from slime_stoa.quickstart.run import RUN_KEY_FILE, Session, kept_dir, phase_seed
+from slime_stoa.quickstart.seeding import tiny_synthetic_model
 
 from .forged_weights import random_state
 
@@ -72,3 +73,24 @@ async def test_a_forged_manifest_is_put_back_and_the_rerun_seeds(tmp_path: Path)
         pub = await rerun_seed(store, out)
         assert pub.version == 0
         assert (await read_run_manifest(store, RUN)).run_key == key.public.to_text()
+
+
+async def test_a_new_run_forgets_only_the_copies_of_the_run_it_replaces(tmp_path: Path) -> None:
+    """A new run in an existing folder (its bucket deleted) drops the copies kept for the earlier
+    run of its name, which are not its own; another run's copies and other files stay."""
+    out = tmp_path / "qs"
+    keep = kept_dir(QuickstartConfig(out=out, run=RUN))
+    stale = keep / RunLayout(RUN).trainer_file("state.json")
+    other = keep / RunLayout("other").run_manifest
+    note = keep / "notes.txt"
+    for path in (stale, other, note):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"kept")
+    cfg = QuickstartConfig(out=out, run=RUN, workers=1)
+    model = tiny_synthetic_model(tmp_path / "model")
+    async with open_store(f"file://{tmp_path / 'bucket'}", create=True) as store:
+        s = Session(cfg=cfg, report=Notes(), stop=Interrupt(), store=store, new_run=True, model_dir=model,
+                    search_data=None, progress=Progress())
+        assert (await phase_seed(s, model)).pub.version == 0
+    assert not stale.exists() and other.read_bytes() == b"kept" and note.read_bytes() == b"kept"
+    assert (keep / RunLayout(RUN).run_manifest).exists()  # the new run's own copies, kept beside

@@ -819,12 +819,18 @@ def kept_dir(cfg: QuickstartConfig) -> Path:
     return cfg.out / "kept"
 
 
+def run_copies(cfg: QuickstartConfig) -> Path:
+    """The folder of `kept_dir` holding this run's copies (filed by bucket key: every key of the
+    run is under its root): what a new run of this name replaces, other runs' copies kept."""
+    return TrainerCopies(kept_dir(cfg)).path(RunLayout(cfg.run).root.rstrip("/"))
+
+
 async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
     """The run in the bucket: its run key, manifest and first weights (put-if-absent: an
     existing run's are kept), its publisher, and in a signed run the workers' keys registered."""
     cfg = s.cfg
-    if s.new_run:  # copies kept for an earlier run of this folder (its bucket deleted) are not this run's
-        shutil.rmtree(kept_dir(cfg), ignore_errors=True)
+    if s.new_run:  # copies kept for an earlier run of this name (its bucket deleted) are not this run's
+        shutil.rmtree(run_copies(cfg), ignore_errors=True)
     # The trainer's own copies of what it signs (`protocol/kept.py`): a bucket writer that deletes
     # or overwrites them gets them put back instead of stopping the run.
     publisher_cfg = PublisherConfig(extras_dir=extras_dir, anchor_every=100, keep_dir=kept_dir(cfg))
