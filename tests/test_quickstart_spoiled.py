@@ -214,6 +214,26 @@ async def test_the_time_limit_ends_the_wait_with_one_line(store: Store, store_ur
     assert await store.get_bytes(state_key(RUN)) != s.newest  # nothing was saved over the spoiled state
 
 
+async def test_the_pause_says_the_delay_it_sleeps_when_the_time_limit_cuts_the_backoff(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    """A backoff of 30 s with 0.5 s left of --minutes: the note says the 0.5 s it sleeps, after
+    which the next try ends the wait."""
+    s = await spoiled(store, store_url, tiny)
+    clock = TickingClock()  # the try reads 1001, the sleep 1002: 0.5 s before the deadline
+    report = Notes()
+    try:
+        with pytest.raises(PausedTooLong):
+            await resumed_state(
+                s.consumer.bucket_state, minutes=0.5, repair=REPAIR, deadline=clock.now + 2.5, stop=Interrupt(),
+                report=report, config=dataclasses.replace(s.consumer.config, poll_interval_s=30.0), clock=clock,
+            )
+    finally:
+        await s.consumer.close()
+    (note,) = report.lines()
+    assert "; next try in 0.5 s, and it waits for the repair" in note and "30" not in note, note
+
+
 async def test_a_stop_while_paused_says_the_repair(store: Store, store_url: str, tiny: Tiny) -> None:
     s = await spoiled(store, store_url, tiny)
     stop = Interrupt()
@@ -326,3 +346,18 @@ async def test_a_stop_while_the_manifest_wait_says_the_repair(
     assert raised.value.next_step == (
         f"the run manifest {MANIFEST} in {store_url} is still gone or refused. Repair: {MANIFEST_REPAIR}"
     )
+
+
+async def test_a_pause_met_past_the_time_limit_says_so_once_then_stops(store: Store, store_url: str, tiny: Tiny) -> None:
+    s = await spoiled(store, store_url, tiny)
+    report = Notes()
+    try:
+        with pytest.raises(PausedTooLong):
+            await resumed_state(
+                s.consumer.bucket_state, minutes=0.5, repair=REPAIR, deadline=0.0, stop=Interrupt(),
+                report=report, config=s.consumer.config,
+            )
+    finally:
+        await s.consumer.close()
+    (note,) = report.lines()
+    assert "paused:" in note and "the time limit leaves no time to wait for the repair" in note and "next try" not in note

@@ -111,8 +111,9 @@ def manifest_repair_line(cfg: QuickstartConfig, *, kept: Path, fresh: Mapping[st
 
 class Paused:
     """The quickstart's hooks on one `until_repaired` wait: a note when the pause starts (with
-    `repair`), `PausedTooLong` at the first try once `clock()` passes `deadline` (the end of the
-    RL part's `minutes`), and no sleep past it. `describe`: a `Broken` in the quickstart's words."""
+    `repair` and the real delay to the next try), `PausedTooLong` at the first try once `clock()`
+    passes `deadline` (the end of the RL part's `minutes`), and no sleep past it. `describe`: a
+    `Broken` in the quickstart's words."""
 
     def __init__(
         self,
@@ -127,22 +128,32 @@ class Paused:
         self.minutes, self.repair, self.deadline = minutes, repair, deadline
         self.report, self.describe, self.clock = report, describe, clock
         self.tries = 0
+        self.broken: Broken | None = None  # what the last try met
+        self.said = False
+
+    def note(self, broken: Broken, then: str) -> None:
+        """The pause's one note (said once), `then` what happens next."""
+        if not self.said:
+            self.said = True
+            self.report.note(f"paused: {self.describe(broken)}; {then}. Repair: {self.repair}")
 
     def on_try(self, broken: Broken) -> None:
         self.tries += 1
-        if self.tries == 1:
-            self.report.note(
-                f"paused: {self.describe(broken)}; it waits for the repair until the time limit or Ctrl-C. "
-                f"Repair: {self.repair}"
-            )
+        self.broken = broken
         if self.clock() >= self.deadline:
+            self.note(broken, "the time limit leaves no time to wait for the repair")
             raise PausedTooLong(
                 f"the time limit (--minutes {self.minutes:g}) ran out while paused: {self.describe(broken)}. "
                 f"Repair: {self.repair}"
             )
 
-    async def sleep(self, delay: float) -> None:  # never past the deadline: the next try then ends the wait
-        await asyncio.sleep(min(delay, max(self.deadline - self.clock(), 0.0)))
+    async def sleep(self, delay: float) -> None:
+        """The backoff's `delay`, cut at the deadline (the next try then ends the wait); the
+        pause's note, at its first sleep, says the delay slept, not the backoff's."""
+        wait = min(delay, max(self.deadline - self.clock(), 0.0))
+        if self.broken is not None:
+            self.note(self.broken, f"next try in {wait:.1f} s, and it waits for the repair until the time limit or Ctrl-C")
+        await asyncio.sleep(wait)
 
     async def race(self, stop: Interrupt, wait: Awaitable[T], *, still: str) -> T:
         """`await wait` unless `stop` comes first: then `Interrupted`, whose next step, once
