@@ -12,6 +12,11 @@ that may be too old for new workers already, and they should not wait one interv
 commit (it would make the commit's compare-and-swap lose and write over its own refreshed
 pointer). A store that fails a refresh is logged and tried again at the next round; nothing a
 round raises stops the keeper or the trainer.
+
+Given the publisher's chains (`PointerKeeper.of_publisher`), each round also keeps their live
+chains whole after re-signing: the patches, version manifests and anchor a worker needs to reach
+the head are put back when a bucket writer deletes or spoils them, or replaced by a fresh anchor
+(`chain_keeper`; it needs the store wrapped by `kept_chain.kept_chain_store`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections.abc import Callable, Iterable
 
 from slime_stoa.protocol.store import StoreConfigError, StoreError
 
+from .chain import ChainPublisher
+from .chain_keeper import keep_chains, publisher_chains
 from .commit import Committer
 from .freshness import REFRESH_S
 from .publisher import Publisher
@@ -48,11 +55,13 @@ async def refresh_all(committers: Iterable[Committer]) -> int:
 async def keep_pointers_fresh(
     committers: Callable[[], Iterable[Committer]], stop: asyncio.Event, every_s: float = REFRESH_S,
     lock: asyncio.Lock | None = None, *, at_once: bool = False,
+    chains: Callable[[], Iterable[ChainPublisher]] | None = None, on_round: Callable[[], None] | None = None,
 ) -> None:
     """Until `stop` is set: every `every_s` (and first at once with `at_once`),
-    `refresh_all(committers())` (read each round: the planes a publisher serves may change when
-    it opens), holding `lock` (the one the owner's publishes hold) if given. A round that fails
-    is logged; the next one tries again."""
+    `refresh_all(committers())` then `keep_chains(chains())` when given (read each round: the
+    planes a publisher serves may change when it opens), holding `lock` (the one the owner's
+    publishes hold) if given, then `on_round()`. A round that fails is logged; the next one tries
+    again."""
     wait_s = 0.0 if at_once else every_s
     while not stop.is_set():
         if wait_s > 0:
@@ -64,9 +73,13 @@ async def keep_pointers_fresh(
         try:
             async with lock or contextlib.nullcontext():
                 await refresh_all(committers())
+                if chains is not None:
+                    await keep_chains(chains())
         except Exception as exc:  # a wrong store configuration, or a fault: logged, never the trainer's end
-            log.error("could not re-sign the weight pointers (%s: %s); trying again in %.0f s",
+            log.error("could not re-sign the weight pointers or check their chains (%s: %s); trying again in %.0f s",
                       type(exc).__name__, exc, every_s)
+        if on_round is not None:
+            on_round()
 
 
 def publisher_committers(publisher: Publisher) -> list[Committer]:
@@ -77,16 +90,40 @@ def publisher_committers(publisher: Publisher) -> list[Committer]:
 
 class PointerKeeper:
     """One process's keepalive (module doc): `keep_pointers_fresh` as a task on the running loop
-    from `start` (a first round at once) to `stop`; the owner holds `lock` around each publish."""
+    from `start` (a first round at once) to `stop`; the owner holds `lock` around each publish.
+    With `chains`, each round also keeps those chains whole (`chain_keeper`)."""
 
-    def __init__(self, committers: Callable[[], Iterable[Committer]], *, every_s: float = REFRESH_S) -> None:
+    def __init__(
+        self, committers: Callable[[], Iterable[Committer]], *, every_s: float = REFRESH_S,
+        chains: Callable[[], Iterable[ChainPublisher]] | None = None,
+    ) -> None:
         if every_s <= 0:
             raise ValueError(f"the pointer refresh interval must be > 0 s, not {every_s}")
         self.committers = committers
+        self.chains = chains
         self.every_s = every_s
         self.lock = asyncio.Lock()
+        self.rounds = 0  # rounds ended (ok or logged)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of_publisher(cls, publisher: Callable[[], Publisher | None], *, every_s: float = REFRESH_S) -> PointerKeeper:
+        """The keeper of the pointers and chains of `publisher()` (read each round; None: nothing
+        yet, e.g. before the owner opened it)."""
+
+        def committers() -> list[Committer]:
+            pub = publisher()
+            return [] if pub is None else publisher_committers(pub)
+
+        def chains() -> list[ChainPublisher]:
+            pub = publisher()
+            return [] if pub is None else publisher_chains(pub)
+
+        return cls(committers, every_s=every_s, chains=chains)
+
+    def _ended_round(self) -> None:
+        self.rounds += 1
 
     @property
     def running(self) -> bool:
@@ -96,7 +133,8 @@ class PointerKeeper:
         """Start re-signing on the running loop (the one that owns the committers); again: nothing."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(
-                keep_pointers_fresh(self.committers, self._stop, self.every_s, self.lock, at_once=True),
+                keep_pointers_fresh(self.committers, self._stop, self.every_s, self.lock, at_once=True,
+                                    chains=self.chains, on_round=self._ended_round),
                 name="stoa-pointer-keeper",
             )
 
