@@ -250,6 +250,44 @@ async def test_the_pointer_keeper_runs_the_check(store: Store, tmp_path: Path) -
     assert not await gone(store, patch.key) and await joins(store, live, chain[2], 2)
 
 
+async def test_the_quickstart_publisher_keeps_its_chain(tmp_path: Path) -> None:
+    """The quickstart wires it: its seeded publisher's store keeps the chain, its keeper checks it."""
+    from slime_stoa.protocol.signing import write_key_file
+    from slime_stoa.protocol.store import open_store
+    from slime_stoa.quickstart.run import RUN_KEY_FILE, pointer_keeper
+    from tests.forged_weights import random_state, step_state
+    from tests.test_quickstart_seed_trust import RUN as QS_RUN
+    from tests.test_quickstart_seed_trust import existing_run, rerun_seed
+
+    out = tmp_path / "qs"
+    out.mkdir()
+    key = SigningKey.generate()
+    write_key_file(out / RUN_KEY_FILE, key)
+    rng = np.random.default_rng(5)
+    v0 = random_state(np.random.default_rng(3))  # what `existing_run` publishes
+    async with open_store(f"file://{tmp_path / 'bucket'}", create=True) as store:
+        await existing_run(store, out, key)
+        pub = await rerun_seed(store, out)
+        assert isinstance(pub.store, KeptChainStore)
+        v1 = step_state(v0, rng)
+        await pub.publish(v1)
+        assert pub.weights.head is not None
+        [patch] = pub.weights.head.patches
+        await store.delete(patch.key)
+        keeper = pointer_keeper(pub, every_s=3600)
+        keeper.start()
+        try:
+            while keeper.rounds < 1:
+                await asyncio.sleep(0.01)
+        finally:
+            await keeper.stop()
+        assert not await gone(store, patch.key)
+        sub = Subscriber(store, QS_RUN, trust=RunTrust(QS_RUN, key.public))
+        got = await sub.sync()
+        assert got is not None and got.version == 1 and sub.state is not None
+        assert all(np.array_equal(sub.state[n], v1[n]) for n in v1) and sub.state.keys() == v1.keys()
+
+
 async def test_without_a_folder_the_store_is_not_wrapped(store: Store) -> None:
     assert kept_chain_store(store, RUN, None) is store
 

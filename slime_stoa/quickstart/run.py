@@ -61,7 +61,8 @@ from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.history import HistoryError
-from slime_stoa.protocol.pulse.keepalive import PointerKeeper, publisher_committers
+from slime_stoa.protocol.pulse.keepalive import PointerKeeper
+from slime_stoa.protocol.pulse.kept_chain import kept_chain_store
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.pulse.retry import is_publish_outage as is_startup_outage
@@ -848,7 +849,10 @@ async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
         qsearch.seed_search_run, data=s.search_data)
     try:
         pub = await s.at_startup(
-            partial(seed, s.store, manifest, extras_dir, publisher=publisher_cfg, key=run_key),
+            # The publisher's store keeps its live chain's small objects and notes what it wrote
+            # (`pulse.kept_chain`): the keeper puts them back, or forces an anchor (`pulse.chain_keeper`).
+            partial(seed, kept_chain_store(s.store, cfg.run, kept_dir(cfg)), manifest, extras_dir,
+                    publisher=publisher_cfg, key=run_key),
             f"seeding run {cfg.run!r} and opening its publisher",
         )
     except UntrustedState as exc:  # the bucket's run is not this run key's, and nothing kept repairs it
@@ -865,8 +869,9 @@ async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
 
 
 def pointer_keeper(pub: Publisher, every_s: float = REFRESH_S) -> PointerKeeper:
-    """The keeper of `pub`'s pointers (its bf16 weights' and each plane's), re-signing them every `every_s`."""
-    return PointerKeeper(partial(publisher_committers, pub), every_s=every_s)
+    """The keeper of `pub`'s pointers (its bf16 weights' and each plane's), re-signing them every
+    `every_s` and keeping their live chains whole (`pulse.chain_keeper`)."""
+    return PointerKeeper.of_publisher(lambda: pub, every_s=every_s)
 
 
 async def phase_resume(s: Session, learner: Learner, seeded: Seeded) -> tuple[int, Checkpoint | None]:
