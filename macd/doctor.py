@@ -131,8 +131,7 @@ class DoctorInputs:
     plan_planes: str = setting(
         "quantized planes the run publishes (int8, int4), each planned as a Mac holds it: alone, "
         "without the bf16 master (default: none)",
-        # a factory, not "": the help says "none" rather than showing an empty default
-        default_factory=str,
+        "",
         doctor=Flag(metavar="PLANE[,PLANE...]"),
     )
     plan_group_size: int = setting("samples per prompt", 8, doctor=True)

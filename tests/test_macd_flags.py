@@ -288,6 +288,21 @@ def test_a_setting_is_documented_once_and_an_option_where_its_metadata_says() ->
         add_field_options(argparse.ArgumentParser(), BareFlag, "cmd")
 
 
+def test_an_empty_text_default_is_not_shown_in_the_help() -> None:
+    """An empty default says nothing: no " (default: )"; the parsed value is still the field's."""
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Conf:
+        planes: str = setting("planes to plan (default: none)", "", cmd=True)
+        name: str = setting("what it is called", "x", cmd=True)
+
+    parser = argparse.ArgumentParser()
+    add_field_options(parser, Conf, "cmd")
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["planes"] == "planes to plan (default: none)" and helps["name"] == "what it is called (default: x)"
+    assert field_values(parser.parse_args([]), Conf, "cmd") == {"planes": "", "name": "x"}
+
+
 def test_a_flag_without_help_takes_the_fields_own() -> None:
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Conf:

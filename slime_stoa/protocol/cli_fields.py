@@ -13,7 +13,8 @@ every documented field is an option, with its help. From the field come:
   the parsed value is `args.<field name>` either way;
 - the type: the annotation, `X | None` read as `X` (`Flag.type` overrides it); `bool` is an
   on/off flag (`store_true`), a `Literal` gives the choices;
-- the default: the field's, shown in the help as "(default: ...)" (`with_defaults=True`), or
+- the default: the field's, shown in the help as "(default: ...)" unless it is None or empty
+  text (`with_defaults=True`), or
   None (off for a `bool`) for every option (`with_defaults=False`), for a command whose options
   change only what they name, so that "not given" stays apart from every value.
 """
@@ -119,7 +120,7 @@ def add_field_options(
                 kwargs["type"] = flag.type or kind
             if not flag.positional:
                 kwargs["default"] = default
-            if default is not None:
+            if default is not None and default != "":  # an empty text says nothing: the help says what it means
                 kwargs["help"] += f" (default: {default})"
         if flag.positional:
             parser.add_argument(f.name, **kwargs)
