@@ -22,6 +22,11 @@ Reported per case (junk, control) and as ratios (junk / control):
                         target: the sweeps behind the cursor list the junk stamped inside their
                         windows again, the residual cost the discovery module's docstring states;
                         reported as `sweep_ratio`)
+  wave_s                wall seconds from a wave's first PUT to its batch, min/median/max (no
+                        target: a sweep through the junk runs in the same loop as the tail, so
+                        a wave can wait for it; reported as `wave_s_ratio`, of the medians)
+
+Progress lines go to stderr: every 100,000 junk keys written, and after each phase.
 
 Bounded by work, not time: every batch must come within `--wait-s` (default 60 s), else the
 script says which and exits 1; it also exits 1 when a target is missed.
@@ -46,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import Session, exit_on_signals, ratio
+from benchlib import Session, exit_on_signals, ratio, spread, write_json
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store, open_store
@@ -64,8 +69,17 @@ FAST = dict(poll_interval_s=0.05, sweep_interval_s=0.5, late_sweep_interval_s=2.
 Writer = Callable[[str, bytes], Awaitable[None]]
 
 
+PROGRESS_EVERY = 100_000  # junk keys written between two progress lines
+_STARTED = time.monotonic()
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def say(what: str) -> None:
+    """A progress line on stderr (writing 3M junk files or one wave behind a sweep takes minutes)."""
+    print(f"bench_junk [{time.monotonic() - _STARTED:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def junk_keys(n: int, t_ms: int) -> dict[str, list[str]]:
@@ -103,8 +117,13 @@ def store_writer(store: Store, concurrency: int = 32) -> Writer:
 
 async def lay_junk(write: Writer, n: int, t_ms: int) -> None:
     keys = [k for ks in junk_keys(n, t_ms).values() for k in ks]
+    reported = 0
     for at in range(0, len(keys), 4096):
         await asyncio.gather(*(write(k, b"junk") for k in keys[at : at + 4096]))
+        done = min(at + 4096, len(keys))
+        if done - reported >= PROGRESS_EVERY or done == len(keys):
+            say(f"junk keys written: {done:,} of {len(keys):,}")
+            reported = done
 
 
 async def honest_wave(store: Store, run: SignedRun, tiny: Tiny, wave: int, per_wave: int) -> None:
@@ -124,11 +143,12 @@ async def batch(consumer: RolloutConsumer, n: int, wait_s: float, what: str) -> 
 
 
 async def run_case(
-    store: Store, store_url: str, tiny: Tiny, *, junk: int, write: Writer | None, waves: int, per_wave: int, wait_s: float
+    store: Store, store_url: str, tiny: Tiny, *, name: str, junk: int, write: Writer | None, waves: int, per_wave: int, wait_s: float
 ) -> dict[str, Any]:
     """One bucket: the signed run, `junk` keys of each kind (written by `write`), the honest waves,
     then a restart from the saved state. Returns the measurements."""
     run = await setup_signed_run(store, tiny, workers=("mac-a", "mac-b"))
+    say(f"{name}: signed run set up")
     if junk:
         assert write is not None
         await lay_junk(write, junk, now_ms())
@@ -136,10 +156,15 @@ async def run_case(
     consumer = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key, **kw)
     await honest_wave(store, run, tiny, 0, per_wave)
     await batch(consumer, per_wave, wait_s, "warm-up wave")
+    say(f"{name}: warm-up wave admitted")
     before = consumer.counters
+    wave_s = []
     for wave in range(1, waves + 1):
+        landed = time.monotonic()
         await honest_wave(store, run, tiny, wave, per_wave)
         await batch(consumer, per_wave, wait_s, f"wave {wave}")
+        wave_s.append(time.monotonic() - landed)
+        say(f"{name}: wave {wave} of {waves} admitted in {wave_s[-1]:.1f} s")
     after = consumer.counters
     await consumer.save_state()
     await consumer.close()
@@ -156,6 +181,7 @@ async def run_case(
     )
     await honest_wave(store, run, tiny, waves + 1, per_wave)
     await batch(resumed, per_wave, wait_s, "wave after the restart")
+    say(f"{name}: wave after the restart admitted")
     restart_admitted = resumed.counters.get("admitted", 0) - after.get("admitted", 0)
     await resumed.close()
     return {
@@ -163,6 +189,7 @@ async def run_case(
         "admitted": admitted,
         "tail_lists_per_poll": ratio(gained("tail_list_requests"), gained("tail_listings")),
         "polls_per_wave": ratio(gained("tail_listings"), waves),
+        "wave_s": spread(wave_s),  # wall time from a wave's first PUT to its batch (no target: sweeps share the loop)
         "requests_per_record": ratio(gained("list_requests") + gained("get_requests"), admitted),
         "list_requests": gained("list_requests"),
         "get_requests": gained("get_requests"),
@@ -181,6 +208,7 @@ def open_signed_config(store_url: str, run: SignedRun, kw: dict[str, Any]):
 def summarize(junk: dict[str, Any], control: dict[str, Any], per_wave: int) -> tuple[dict[str, Any], list[str]]:
     """The headline ratios and the targets missed (empty: all met)."""
     summary = {
+        "wave_s_ratio": ratio(junk["wave_s"]["median"], control["wave_s"]["median"]),
         "junk_list_ratio": ratio(junk["tail_lists_per_poll"], control["tail_lists_per_poll"]),
         "pace_ratio": ratio(junk["polls_per_wave"], control["polls_per_wave"]),
         "sweep_ratio": ratio(junk["requests_per_record"], control["requests_per_record"]),
@@ -215,7 +243,7 @@ async def bench_pair(
         store = open_store(url)
         try:
             write = folder_writer(folder) if s3_url is None else store_writer(store)
-            rows.append(await run_case(store, url, tiny, junk=n, write=write, waves=waves, per_wave=per_wave, wait_s=wait_s))
+            rows.append(await run_case(store, url, tiny, name=name, junk=n, write=write, waves=waves, per_wave=per_wave, wait_s=wait_s))
         finally:
             await store.close()
     return rows[0], rows[1]
@@ -268,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     summary, missed = summarize(junk_row, control, args.per_wave)
     print(json.dumps({"junk": junk_row, "control": control, "summary": summary}, indent=2))
     if args.json:
-        args.json.write_text(json.dumps({"meta": session.meta(), "junk": junk_row, "control": control, "summary": summary}))
+        write_json(args.json, {"meta": session.meta(), "args": vars(args) | {"json": str(args.json), "junk": junk},
+                               "junk": junk_row, "control": control, "summary": summary})
     for line in missed:
         print(f"bench_junk: target missed: {line}", file=sys.stderr)
     return 1 if missed else 0

@@ -7,6 +7,9 @@
   across threads and processes exactly one CAS wins.
 - The ETag is an xxh3-128 of the content, kept in an extended attribute of the file when the file
   system supports it (recomputed from the content otherwise).
+- A listing starts at `start_after` by bisection in the folder's sorted names, kept while the
+  folder is unchanged (`local_listing.py`), and stats a page of keys per thread hop: a page costs
+  the same in a folder of millions of keys (junk in a rollouts prefix) as in a small one.
 
 Limitation: a key cannot also be the folder of other keys (`a` and `a/b`), unlike in S3.
 """
@@ -14,12 +17,14 @@ Limitation: a key cannot also be the folder of other keys (`a` and `a/b`), unlik
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import errno
 import fcntl
 import os
+import stat
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
@@ -39,6 +44,7 @@ from .base import (
     check_prefix,
     check_range,
 )
+from .local_listing import SortedFolders
 
 _TMP = ".stoa-tmp"
 _LOCKS = ".stoa-locks"
@@ -69,6 +75,7 @@ class LocalStore(Store):
         self.root = Path(root)
         self.url = url or f"file://{self.root}"
         self.durable = durable  # fsync files before they become visible
+        self._folders = SortedFolders()  # listings start in a big folder at O(log n)
 
     # -- paths -------------------------------------------------------------------------------
     def _path(self, key: str) -> Path:
@@ -196,7 +203,7 @@ class LocalStore(Store):
         try:
             with open(path, "rb") as f:
                 # The open file keeps this version alive even if it is replaced meanwhile.
-                etag = _etag_of_open(f)
+                etag = _etag_of_fd(f.fileno())
                 if if_none_match is not None and if_none_match == etag:
                     return None
                 size = os.fstat(f.fileno()).st_size
@@ -212,26 +219,44 @@ class LocalStore(Store):
 
     def _stat(self, path: Path, key: str) -> ObjectInfo:
         self._check_root()
+        return self._info(path, key)
+
+    def _info(self, path: Path, key: str) -> ObjectInfo:
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                return ObjectInfo(key=key, size=st.st_size, etag=_etag_of_open(f), last_modified=st.st_mtime)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            # O_NONBLOCK: a FIFO planted among the keys must not block the listing (regular files ignore it).
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"{key!r} not found in {self.url}") from None
+        try:
+            # The open file keeps this version alive: its size and ETag belong together.
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a folder of other keys, or no object at all
+                raise NotFound(f"{key!r} not found in {self.url}")
+            return ObjectInfo(key=key, size=st.st_size, etag=_etag_of_fd(fd), last_modified=st.st_mtime)
+        finally:
+            os.close(fd)
 
     async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
         check_prefix(prefix)
         await asyncio.to_thread(self._check_root)
-        keys = _walk(self.root, "", prefix, start_after or "")
+        keys = self._folders.walk(self.root, "", prefix, start_after or "")
         while True:
-            page = await asyncio.to_thread(_take, keys, _LIST_PAGE)
-            for key in page:
-                try:
-                    yield await asyncio.to_thread(self._stat, self._path(key), key)
-                except NotFound:
-                    continue  # deleted while listing
-            if len(page) < _LIST_PAGE:
+            # One thread hop per page, not per key: a page of junk costs its stats, no more.
+            page, ended = await asyncio.to_thread(self._stat_page, keys, _LIST_PAGE)
+            for info in page:
+                yield info
+            if ended:
                 return
+
+    def _stat_page(self, keys: Iterator[str], n: int) -> tuple[Sequence[ObjectInfo], bool]:
+        """The next `n` keys' infos (keys deleted meanwhile skipped) and whether `keys` ran out."""
+        page: builtins.list[ObjectInfo] = []  # `list` here is the method
+        for taken, key in enumerate(keys, 1):
+            with contextlib.suppress(NotFound):  # deleted while listing
+                page.append(self._info(self._path(key), key))
+            if taken == n:
+                return page, False
+        return page, True
 
     async def delete(self, key: str) -> None:
         path = self._path(key)
@@ -256,48 +281,13 @@ class LocalStore(Store):
             parent = parent.parent
 
 
-def _etag_of_open(f) -> str:
+def _etag_of_fd(fd: int) -> str:
     if _HAS_XATTR:
         with contextlib.suppress(OSError):
-            return os.getxattr(f.fileno(), _XATTR).decode()
+            return os.getxattr(fd, _XATTR).decode()
     digest = xxhash.xxh3_128()
-    pos = f.tell()
-    f.seek(0)
-    while chunk := f.read(8 << 20):
+    at = 0
+    while chunk := os.pread(fd, 8 << 20, at):  # pread: the caller's file position stays where it is
         digest.update(chunk)
-    f.seek(pos)
+        at += len(chunk)
     return digest.hexdigest()
-
-
-def _take(it: Iterator[str], n: int) -> list[str]:
-    out: list[str] = []
-    for item in it:
-        out.append(item)
-        if len(out) == n:
-            break
-    return out
-
-
-def _walk(folder: Path, key_prefix: str, prefix: str, start_after: str) -> Iterator[str]:
-    """Keys under `folder` in lexicographic order, pruning subtrees outside the query."""
-    try:
-        entries = list(os.scandir(folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    named = []
-    for entry in entries:
-        if entry.name.startswith(".stoa"):
-            continue
-        is_dir = entry.is_dir(follow_symlinks=False)
-        named.append((key_prefix + entry.name + ("/" if is_dir else ""), is_dir, entry))
-    named.sort(key=lambda item: item[0])
-    for key, is_dir, entry in named:
-        if is_dir:
-            # Every key below starts with `key`: skip the subtree when it cannot match.
-            if not (key.startswith(prefix) or prefix.startswith(key)):
-                continue
-            if start_after > key and not start_after.startswith(key):
-                continue
-            yield from _walk(Path(entry.path), key, prefix, start_after)
-        elif key.startswith(prefix) and key > start_after:
-            yield key
