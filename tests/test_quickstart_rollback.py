@@ -4,9 +4,9 @@ A worker token can put back an older save of the trainer's own consumer state (s
 key, so it verifies, but below the newest signed head). The rerun quickstart
 
 - with its copy of the state (`<out>/kept`, the default) puts the copy back and resumes: exit 0;
-- without it (the copy deleted) pauses, reporting one line at tries 1, 2, 4, ... that names
-  `consumer.json` and the quickstart's own repair, and resumes by itself once the newest state is
-  back: exit 0;
+- without it (the copy deleted) pauses, its console saying so in one line that names
+  `consumer.json` and the quickstart's own repair (the consumer's own lines, at tries 1, 2, 4,
+  ..., in `<out>/quickstart.log`), and resumes by itself once the newest state is back: exit 0;
 - without it, paused past its time limit (`--minutes`), stops with one `error:` line naming the
   repairs: exit 1; and the `--restart-from` command in that line, run as printed, writes its
   checkpoint's state over the spoiled one and runs: exit 0.
@@ -29,7 +29,9 @@ pytest.importorskip("mlx_lm")
 pytest.importorskip("torch")
 
 from slime_stoa.protocol.signing import read_key_file
+from slime_stoa.quickstart.logfile import LOG_FILE
 from slime_stoa.trainer.consumer.persistence import parse_state, state_bytes
+from tests.conftest import wait_until
 from tests.test_quickstart import Quickstart
 
 RUN = "quickstart"
@@ -104,30 +106,36 @@ def test_a_rerun_on_an_old_state_put_back_resumes_restarts_or_stops_with_the_rep
     restarted = parse_state(bucket_state(out).read_bytes(), RUN, [read_key_file(out / "run.key").public])
     assert restarted.seq > seq  # above the head: no pause on the next run
 
-    # Without the trainer's copy: paused, one line per report, until the newest state is back.
+    # Without the trainer's copy: paused (one note; the consumer's lines in the log file) until the state is back.
     newest, seq = put_back_an_old_save(out)
     kept_state(out).unlink()
+    log_file = out / LOG_FILE
+    log_file.unlink(missing_ok=True)
     qs = Quickstart(out, *SHORT)
     try:
-        qs.wait_for_line(r"stoa: paused \(try 2,")
+        wait_until(lambda: log_file.exists() and "stoa: paused (try 2," in log_file.read_text(), timeout=300,
+                   interval=0.05, message=lambda: f"the second paused try in {log_file}\n{qs.text()}")
     except BaseException:
         qs.finish()
         raise
     bucket_state(out).write_bytes(newest)  # the operator's repair
     text = finished(qs)
-    paused = [line for line in text.splitlines() if "stoa: paused" in line]
+    (note,) = [line for line in text.splitlines() if "paused" in line]  # the console: the quickstart's one note
+    assert note.startswith("stoa paused:") and "consumer.json" in note and "Repair:" in note, note
+    logged = log_file.read_text()
+    paused = [line for line in logged.splitlines() if "stoa: paused" in line]
     assert paused and all("consumer.json" in line and "older than its newest signed head" in line for line in paused)
     assert all("Repair:" in line for line in paused)
     tries = [int(m.group(1)) for line in paused if (m := re.search(r"\(try (\d+),", line))]
     assert tries == [2**i for i in range(len(tries))]  # at tries 1, 2, 4, ...: not a line per try
-    assert "resumed after" in text
+    assert "resumed after" in logged
     after_repair = parse_state(bucket_state(out).read_bytes(), RUN, [read_key_file(out / "run.key").public])
     assert after_repair.seq > seq  # it resumed from the repaired state and saved on
 
     # With the copy (kept again by that run): put back by the trainer itself, no pause at all.
     _newest, seq = put_back_an_old_save(out)
     text = finished(Quickstart(out, *SHORT))
-    assert "stoa: paused" not in text
+    assert "paused" not in text  # no note of the quickstart's (the consumer's lines would be in the log file)
     assert f"put the trainer's own copy (save {seq}) back" in text
     resumed = parse_state(bucket_state(out).read_bytes(), RUN, [read_key_file(out / "run.key").public])
     assert resumed.seq > seq

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import logging
 import re
 import shlex
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store
 from slime_stoa.quickstart.config import QuickstartConfig, quickstart_command
 from slime_stoa.quickstart.interrupt import Interrupt, Interrupted
+from slime_stoa.quickstart.logfile import pause_lines_to_file
 from slime_stoa.quickstart.report import ConsoleReport
 from slime_stoa.quickstart.spoiled import (
     PausedTooLong,
@@ -39,7 +41,7 @@ from slime_stoa.quickstart.spoiled import (
     repair_line,
     resumed_state,
 )
-from slime_stoa.trainer.consumer import RolloutConsumer
+from slime_stoa.trainer.consumer import RolloutConsumer, pause
 from slime_stoa.trainer.consumer.persistence import state_key
 from tests.test_consumer import Tiny, config, tiny
 from tests.test_signed_records import RUN, SignedRun, open_signed_consumer, setup_signed_run
@@ -191,6 +193,45 @@ async def test_the_wait_resumes_once_the_state_is_repaired(store: Store, store_u
     assert "paused:" in note and "an older save put back" in note and f"Repair: {REPAIR}" in note
     assert not any(word in note for word in SLIME_REPAIRS), note
     assert reads == 2
+
+
+async def test_the_console_shows_one_line_per_pause_the_consumers_lines_go_to_the_log_file(
+    store: Store, store_url: str, tiny: Tiny, tmp_path: Path
+) -> None:
+    """Two tries paused, then repaired: the console (the report and the CLI's root log handler)
+    shows the quickstart's one note; the consumer's own lines, in a slime trainer's words, are in
+    the run folder's log file only."""
+    s = await spoiled(store, store_url, tiny)
+    console = io.StringIO()
+    handler = logging.StreamHandler(console)  # as `logging.basicConfig` puts one on stderr
+    root = logging.getLogger()
+    root.addHandler(handler)
+    report = Notes()
+    reads = 0
+
+    async def read() -> dict[str, Any] | None:
+        nonlocal reads
+        reads += 1
+        if reads == 3:  # the operator's repair, after two paused tries
+            await s.repair()
+        return await s.consumer.bucket_state()
+
+    try:
+        with pause_lines_to_file(tmp_path) as log_file:
+            state = await resumed_state(
+                read, minutes=10, repair=REPAIR, deadline=float("inf"), stop=Interrupt(), report=report,
+                config=s.consumer.config,
+            )
+    finally:
+        root.removeHandler(handler)
+        await s.consumer.close()
+    assert state is not None and state["seq"] == 2
+    (note,) = report.lines()
+    assert note.startswith("stoa paused:") and "paused" not in console.getvalue(), console.getvalue()
+    logged = log_file.read_text().splitlines()
+    assert [m[1] for line in logged if (m := re.search(r"stoa: paused \(try (\d+),", line))] == ["1", "2"], logged
+    assert len(logged) == 3 and "stoa: resumed after 2 tries" in logged[2], logged
+    assert pause.log.propagate and not pause.log.handlers  # as it was, once the quickstart is done
 
 
 async def test_the_time_limit_ends_the_wait_with_one_line(store: Store, store_url: str, tiny: Tiny) -> None:

@@ -99,6 +99,7 @@ from .config import QuickstartConfig, QuickstartError
 from .interrupt import Interrupt
 from .learner_file import LEARNER_FILE, log_stale, restore_learner, save_learner, saved_weights
 from .lock import run_lock
+from .logfile import pause_lines_to_file
 from .meter import StepMeter, report_console
 from .progress import PROGRESS_FILE, Progress, load_progress, save_progress
 from .report import split_refusals
@@ -707,10 +708,11 @@ async def run_quickstart(cfg: QuickstartConfig, report: Any, interrupt: Interrup
 
     `interrupt` (a stop flag the caller routes Ctrl-C/SIGTERM to) is checked between steps of
     every phase; when it is raised the run stops cleanly and `Interrupted` propagates. The run
-    holds the run folder's lock (`lock`) throughout: a second one on the same --out is refused."""
+    holds the run folder's lock (`lock`) throughout: a second one on the same --out is refused.
+    The consumer's own pause lines go to the run folder's log file (`logfile`), not the console."""
     cfg.check_model()
     check_tracking(cfg)
-    with run_lock(cfg.out):  # one quickstart per run folder, for its whole life
+    with run_lock(cfg.out), pause_lines_to_file(cfg.out):  # one quickstart per run folder, for its whole life
         return await _run_locked(cfg, report, interrupt or Interrupt())
 
 
