@@ -279,12 +279,12 @@ def main(argv: list[str] | None = None) -> int:
             from tests.s3server import LocalS3Server
 
             with LocalS3Server() as server:
-                env = server.env()
-                os.environ.update(env)
+                creds = server.credentials()  # the consumer opens its store from the URL and the environment
+                os.environ.update({"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key})
 
                 def s3_url(name: str) -> str:
-                    server.create_bucket(f"junk-{name}")
-                    return f"s3://junk-{name}/?endpoint={server.endpoint}"
+                    bucket = server.create_bucket(f"junk-{name}")
+                    return f"s3://{bucket}/bench?endpoint={server.endpoint_url}"
 
                 junk_row, control = asyncio.run(bench_pair(
                     tiny, junk=junk, waves=args.waves, per_wave=args.per_wave, wait_s=args.wait_s, s3_url=s3_url, root=root
