@@ -1,6 +1,7 @@
 """The folder store's listings of big folders: pages in key order from anywhere in the folder, served
 from the cached sorted names while the folder is unchanged, and never from stale names (a change
-is seen by the next listing, even one made within the same timestamp tick)."""
+is seen by the next listing, even one made within the same timestamp tick); a FIFO planted at a
+key neither blocks a listing nor a read."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_stoa.protocol.store import local_listing
+from slime_stoa.protocol.store import NotFound, local_listing
 from slime_stoa.protocol.store.local import _LIST_PAGE, LocalStore
 from slime_stoa.protocol.store.local_listing import SortedFolders
 
@@ -158,3 +159,12 @@ def test_every_prefix_and_start_after_lists_what_a_sorted_filter_gives(tmp_path:
         for start_after in probes:
             want = [k for k in sorted(keys) if k.startswith(prefix) and k > start_after]
             assert list(folders.walk(tmp_path, "", prefix, start_after)) == want, (prefix, start_after)
+
+
+async def test_a_fifo_at_a_key_is_not_found_without_blocking_its_reader(tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    os.mkfifo(tmp_path / "p" / "current.json")
+    store = LocalStore(tmp_path)
+    for read in (store.get("p/current.json"), store.head("p/current.json")):
+        with pytest.raises(NotFound):
+            await asyncio.wait_for(read, timeout=60)

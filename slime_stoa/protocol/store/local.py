@@ -200,18 +200,33 @@ class LocalStore(Store):
         self, path: Path, key: str, offset: int, length: int | None, if_none_match: str | None
     ) -> GetResult | None:
         self._check_root()
+        fd, st = self._open_object(path, key)
+        with os.fdopen(fd, "rb") as f:
+            # The open file keeps this version alive even if it is replaced meanwhile.
+            etag = _etag_of_fd(fd)
+            if if_none_match is not None and if_none_match == etag:
+                return None
+            f.seek(offset)
+            data = f.read() if length is None else f.read(length)
+        return GetResult(data=data, etag=etag, size=st.st_size)
+
+    def _open_object(self, path: Path, key: str) -> tuple[int, os.stat_result]:
+        """An open descriptor of the object at `path` and its stat; `NotFound` unless it is a
+        regular file. O_NONBLOCK: a FIFO planted at a key must not block its reader (a regular
+        file's reads ignore the flag)."""
         try:
-            with open(path, "rb") as f:
-                # The open file keeps this version alive even if it is replaced meanwhile.
-                etag = _etag_of_fd(f.fileno())
-                if if_none_match is not None and if_none_match == etag:
-                    return None
-                size = os.fstat(f.fileno()).st_size
-                f.seek(offset)
-                data = f.read() if length is None else f.read(length)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"{key!r} not found in {self.url}") from None
-        return GetResult(data=data, etag=etag, size=size)
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(st.st_mode):  # a folder of other keys, or no object at all
+            os.close(fd)
+            raise NotFound(f"{key!r} not found in {self.url}")
+        return fd, st
 
     async def head(self, key: str) -> ObjectInfo:
         path = self._path(key)
@@ -222,16 +237,9 @@ class LocalStore(Store):
         return self._info(path, key)
 
     def _info(self, path: Path, key: str) -> ObjectInfo:
-        try:
-            # O_NONBLOCK: a FIFO planted among the keys must not block the listing (regular files ignore it).
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
-            raise NotFound(f"{key!r} not found in {self.url}") from None
+        fd, st = self._open_object(path, key)
         try:
             # The open file keeps this version alive: its size and ETag belong together.
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):  # a folder of other keys, or no object at all
-                raise NotFound(f"{key!r} not found in {self.url}")
             return ObjectInfo(key=key, size=st.st_size, etag=_etag_of_fd(fd), last_modified=st.st_mtime)
         finally:
             os.close(fd)
