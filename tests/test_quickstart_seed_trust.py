@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.kept_chain import LIVE_CHAIN_FOLDER
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.run_manifest import RunManifest, read_run_manifest
 from slime_stoa.protocol.signing import SigningKey, write_key_file
@@ -81,9 +82,11 @@ async def test_a_new_run_forgets_only_the_copies_of_the_run_it_replaces(tmp_path
     out = tmp_path / "qs"
     keep = kept_dir(QuickstartConfig(out=out, run=RUN))
     stale = keep / RunLayout(RUN).trainer_file("state.json")
+    stale_chain = keep / LIVE_CHAIN_FOLDER / RunLayout(RUN).version_manifest(1, "0badc0de")
     other = keep / RunLayout("other").run_manifest
+    other_chain = keep / LIVE_CHAIN_FOLDER / RunLayout("other").version_manifest(1, "0badc0de")
     note = keep / "notes.txt"
-    for path in (stale, other, note):
+    for path in (stale, stale_chain, other, other_chain, note):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"kept")
     cfg = QuickstartConfig(out=out, run=RUN, workers=1)
@@ -92,5 +95,6 @@ async def test_a_new_run_forgets_only_the_copies_of_the_run_it_replaces(tmp_path
         s = Session(cfg=cfg, report=Notes(), stop=Interrupt(), store=store, new_run=True, model_dir=model,
                     search_data=None, progress=Progress())
         assert (await phase_seed(s, model)).pub.version == 0
-    assert not stale.exists() and other.read_bytes() == b"kept" and note.read_bytes() == b"kept"
+    assert not stale.exists() and not stale_chain.exists()
+    assert other.read_bytes() == other_chain.read_bytes() == note.read_bytes() == b"kept"
     assert (keep / RunLayout(RUN).run_manifest).exists()  # the new run's own copies, kept beside

@@ -62,7 +62,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.history import HistoryError
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper
-from slime_stoa.protocol.pulse.kept_chain import kept_chain_store
+from slime_stoa.protocol.pulse.kept_chain import LIVE_CHAIN_FOLDER, kept_chain_store
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.pulse.retry import is_publish_outage as is_startup_outage
@@ -822,10 +822,12 @@ def kept_dir(cfg: QuickstartConfig) -> Path:
     return cfg.out / "kept"
 
 
-def run_copies(cfg: QuickstartConfig) -> Path:
-    """The folder of `kept_dir` holding this run's copies (filed by bucket key: every key of the
-    run is under its root): what a new run of this name replaces, other runs' copies kept."""
-    return TrainerCopies(kept_dir(cfg)).path(RunLayout(cfg.run).root.rstrip("/"))
+def run_copies(cfg: QuickstartConfig) -> list[Path]:
+    """The folders of `kept_dir` holding this run's copies, the trainer's (`protocol.kept`) and
+    its live chain's (`pulse.kept_chain`), each filed by bucket key (every key of the run is under
+    its root): what a new run of this name replaces, other runs' copies kept."""
+    root = RunLayout(cfg.run).root.rstrip("/")
+    return [TrainerCopies(folder).path(root) for folder in (kept_dir(cfg), kept_dir(cfg) / LIVE_CHAIN_FOLDER)]
 
 
 async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
@@ -833,7 +835,8 @@ async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
     existing run's are kept), its publisher, and in a signed run the workers' keys registered."""
     cfg = s.cfg
     if s.new_run:  # copies kept for an earlier run of this name (its bucket deleted) are not this run's
-        shutil.rmtree(run_copies(cfg), ignore_errors=True)
+        for folder in run_copies(cfg):
+            shutil.rmtree(folder, ignore_errors=True)
     # The trainer's own copies of what it signs (`protocol/kept.py`): a bucket writer that deletes
     # or overwrites them gets them put back instead of stopping the run.
     publisher_cfg = PublisherConfig(extras_dir=extras_dir, anchor_every=100, keep_dir=kept_dir(cfg))
