@@ -19,16 +19,19 @@ import numpy as np
 import pytest
 
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.chain import ChainPublisher
 from slime_stoa.protocol.pulse.chain_keeper import keep_chains, live_keys, publisher_chains
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper
 from slime_stoa.protocol.pulse.kept_chain import KeptChainStore, kept_chain_store
 from slime_stoa.protocol.pulse.manifests import VersionManifest
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.pulse.restore import version_ref
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.pulse.sync_result import SyncError
 from slime_stoa.protocol.run_trust import RunTrust
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import NotFound, Store
+from tests.test_trust_writer import Attack, Outcome
 
 RUN = "kept-chain"
 LAYOUT = RunLayout(RUN)
@@ -220,6 +223,27 @@ async def test_an_object_the_trainer_holds_no_copy_of_forces_an_anchor(store: St
     assert result.anchored and await joins(store, live, chain[3], 3)
 
 
+async def test_a_planes_deleted_patch_is_put_back(store: Store, tmp_path: Path) -> None:
+    """A quantized plane's chain is kept as the bf16 one is (its keys under `planes/<plane>/`)."""
+    chain = states(3)
+    live = Live(store, tmp_path / "kept")
+    plane = ChainPublisher(live.store, RUN, live.pub.config, key=live.key, plane="int8")
+    await plane.open()
+    for v, state in enumerate(chain):  # the plane's bits: any uint16 state will do here
+        await live.publish(chain[: v + 1])
+        assert (await plane.publish(state, source=version_ref(LAYOUT, live.head))).version == v
+    assert plane.head is not None
+    [patch] = plane.head.patches
+    assert patch.key.startswith(LAYOUT.on_plane("int8").patches_prefix) and live.store.copies.kept(patch.key)
+    await store.delete(patch.key)
+    [check] = await keep_chains([plane])
+    assert check.put_back == [patch.key]
+    sub = Subscriber(store, RUN, trust=live.trust(), plane="int8")
+    got = await sub.sync()
+    assert got is not None and got.version == 2 and sub.state is not None
+    assert all(np.array_equal(sub.state[n], chain[2][n]) for n in chain[2])
+
+
 async def test_copies_before_the_newest_anchor_are_forgotten(store: Store, tmp_path: Path) -> None:
     chain = states(8)
     live = Live(store, tmp_path / "kept", anchor_every=3)
@@ -323,19 +347,17 @@ async def _delete_shard(store: Store, live: Live) -> None:
     await store.delete(next(k for k in live.store.written if k.startswith(anchor.rsplit("/", 1)[0]) and k != anchor))
 
 
-def attack(spoil: Callable[[Store, Live], Awaitable[Any]]) -> Callable[[Store, str, Any, Path], Awaitable[Any]]:
+def attack(spoil: Callable[[Store, Live], Awaitable[Any]]) -> Attack:
     """`spoil` as a `test_trust_writer` attack: its Outcome (no records are involved)."""
 
-    async def run(store: Store, url: str, tiny: Any, keep: Path) -> Any:
-        from tests.test_trust_writer import Outcome
-
+    async def run(store: Store, url: str, tiny: Any, keep: Path) -> Outcome:
         stopped, restored = await _attack(store, keep, spoil)
         return Outcome(stopped=stopped, honest_rejected=0, restored=restored)
 
     return run
 
 
-ATTACKS = {
+ATTACKS: dict[str, Attack] = {
     "live_patch_deleted": attack(_delete_patch),
     "live_version_manifest_overwritten": attack(_overwrite_manifest),
     "live_anchor_shard_deleted": attack(_delete_shard),
@@ -344,8 +366,7 @@ ATTACKS = {
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 async def test_no_writer_breaks_the_live_chain(name: str, store: Store, store_url: str, tmp_path: Path) -> None:
-    from tests.test_trust_writer import Outcome
-
-    assert await ATTACKS[name](store, store_url, None, tmp_path / "trainer") == Outcome(
+    no_records: Any = None  # the `tiny` model the record attacks need: none here
+    assert await ATTACKS[name](store, store_url, no_records, tmp_path / "trainer") == Outcome(
         stopped=False, honest_rejected=0, restored=True
     )

@@ -30,8 +30,11 @@ and `crashes`, is 0.
 - a worker token's writes in single-bucket mode (`writer_tried`, `writer_stops_trainer`,
   `honest_rejected_for_missing_object`): the run manifest, pointer, a version manifest, the
   registry, the consumer state and its heads deleted or overwritten under a trainer with its own
-  copies (`test_trust_writer`); one stops the trainer when it raises, does not put the object
-  back or admits a revoked worker's record.
+  copies (`test_trust_writer`), and a patch, a version manifest or an anchor shard of the live
+  weight chain spoiled under a live publisher (`test_chain_keeper`: a worker joining after one
+  keeper round and the next version must reach the head); one stops the trainer when it raises,
+  does not put the object back (or, for an anchor shard, publish a fresh anchor) or admits a
+  revoked worker's record.
 - delivery (`junk_list_ratio`, `junk_state_bytes`, `skew_rejected`, `slow_answer_admitted_ratio`):
   LIST requests per poll with 20,000 junk keys of each kind against a clean control and the
   saved state's growth (`test_discovery_junk`), records of Macs whose clocks are 10 minutes
@@ -106,6 +109,7 @@ from . import test_trust_writer as tw
 from . import test_worker_clock as clock
 from .conftest import s3_url
 from .forged_weights import CASES, honest_run, run_case, tally
+from .test_chain_keeper import ATTACKS as CHAIN_ATTACKS
 from .test_consumer import Tiny, tiny
 
 __all__ = ["tiny"]  # the session fixture
@@ -541,6 +545,9 @@ DOWNGRADE_ATTACKS = (
     tdg.test_a_worker_refuses_a_run_re_keyed_after_it_first_trusted_it,
     tdg.test_a_pinned_worker_refuses_an_unsigned_run,
 )
+#: A worker token's writes in single-bucket mode: to the trainer's own objects, and to the live
+#: weight chain under a live publisher.
+WRITER_ATTACKS = {**tw.ATTACKS, **CHAIN_ATTACKS}
 
 
 async def accepted(attack: Awaitable[object]) -> int:
@@ -575,7 +582,7 @@ async def freshness(
     store, url = await file_store(stack, tmp / "registry-rollback")
     registry = int(await tcs.registry_rollback(store, url, tiny))
     writer = []  # single-bucket mode: a worker token's writes against a trainer with its own copies
-    for name, writer_attack in tw.ATTACKS.items():
+    for name, writer_attack in WRITER_ATTACKS.items():
         store, url = await file_store(stack, tmp / f"writer-{name}" / "bucket")
         writer.append(await writer_attack(store, url, tiny, tmp / f"writer-{name}" / "trainer"))
     return {
@@ -757,7 +764,7 @@ async def test_security_report(
                  "heartbeat_forged_shown_healthy", "task_forged_accepted", "writer_stops_trainer", "honest_rejected_for_missing_object"):
         assert report[name] == 0, (name, where)
     assert report["rollback_tried"] == 2 * len(ROLLBACK_ATTACKS) + 2 and report["downgrade_tried"] == len(DOWNGRADE_ATTACKS)
-    assert report["heartbeat_forged_tried"] == 7 and report["writer_tried"] == len(tw.ATTACKS), where
+    assert report["heartbeat_forged_tried"] == 7 and report["writer_tried"] == len(WRITER_ATTACKS), where
     assert report["task_forged_tried"] == 5, where
     assert report["junk_list_ratio"] <= junk.bench.TARGET_RATIO, where
     assert report["junk_state_bytes"] < junk.bench.TARGET_STATE_GROWTH, where
