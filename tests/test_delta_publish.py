@@ -1,12 +1,15 @@
 """Publishing by delta (`ChainPublisher.publish_delta`, `device_delta.PreviousState.sparse_step`),
 torch on the CPU: a publisher that keeps no copy of the state writes, for the same sequence of
 bf16 states, the same bytes as the full-state path (patches, anchors, manifests, pointers but for
-attempt ids and clocks), over anchors, catch-ups and a restart; a real Subscriber installs both to
-the trainer's bits; a step from a stale base writes nothing; a lost pointer answer settles."""
+attempt ids and clocks), over anchors, catch-ups and a restart, its quantized planes too (each
+plane's step computed on the device, `PreviousState.plane_step`); a real Subscriber installs both
+to the trainer's bits; a step from a stale base writes nothing; a lost pointer answer settles."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +18,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.layout import QuantPlane, RunLayout
 from slime_stoa.protocol.pulse.digest import StateDigest
 from slime_stoa.protocol.pulse.frames import encode_delta
+from slime_stoa.protocol.pulse.plane import plane_bits, plane_shapes
+from slime_stoa.protocol.pulse.plane_siblings import PlaneSteps
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError, StaleBase
 from slime_stoa.protocol.pulse.step_diff import sparse_digest
 from slime_stoa.protocol.pulse.subscriber import Subscriber
@@ -63,9 +68,12 @@ def host_bits(weights: dict[str, Any]) -> dict[str, np.ndarray]:
 class Trainer:
     """The weights and one publisher of them: full host states, or deltas from a device copy."""
 
-    def __init__(self, store: Store, by_delta: bool) -> None:
-        self.store, self.by_delta = store, by_delta
-        self.publisher = Publisher(store, RUN, CONFIG)
+    def __init__(self, store: Store, by_delta: bool, planes: tuple[QuantPlane, ...] = ()) -> None:
+        self.store, self.by_delta, self.planes = store, by_delta, planes
+        # With planes every due catch-up is written: a plane's (scales and biases change nearly
+        # everywhere) would not fit the default budget, and the test wants the planes' too.
+        config = replace(CONFIG, planes=planes, catchup_budget=math.inf) if planes else CONFIG
+        self.publisher = Publisher(store, RUN, config)
         self.previous = PreviousState()
 
     async def start(self, weights: dict[str, Any]) -> None:
@@ -81,34 +89,50 @@ class Trainer:
             return await self.publisher.publish(host_bits(weights))
         step = self.previous.sparse_step(self.previous.diff(weights))
         assert self.publisher.state_digest is not None
-        result = await self.publisher.publish_delta(step, base=self.publisher.state_digest)
+        planes = PlaneSteps(
+            steps={p: self.previous.plane_step(p, None, "cpu") for p in self.planes},
+            shapes={p: plane_shapes(SHAPES, p) for p in self.planes},
+        )
+        result = await self.publisher.publish_delta(step, base=self.publisher.state_digest, planes=planes)
         self.previous.commit()
         return result
 
 
-async def run_both(urls: tuple[str, str], versions: int, restart_at: int) -> list[Any]:
+async def run_both(
+    urls: tuple[str, str], versions: int, restart_at: int, planes: tuple[QuantPlane, ...] = ()
+) -> list[Any]:
     weights, gen = initial_weights(), torch.Generator().manual_seed(1)
     results: list[Any] = []
     async with open_store(urls[0]) as full_store, open_store(urls[1]) as delta_store:
-        trainers = [Trainer(full_store, by_delta=False), Trainer(delta_store, by_delta=True)]
+        trainers = [Trainer(full_store, False, planes), Trainer(delta_store, True, planes)]
         readers = [Subscriber(full_store, RUN), Subscriber(delta_store, RUN)]
+        plane_readers = [(p, Subscriber(store, RUN, plane=p)) for p in planes for store in (full_store, delta_store)]
         for t in trainers:
             await t.start(weights)
         for k in range(1, versions + 1):
             if k == restart_at:  # a restarted trainer resumes from the bucket
-                trainers = [Trainer(full_store, by_delta=False), Trainer(delta_store, by_delta=True)]
+                trainers = [Trainer(full_store, False, planes), Trainer(delta_store, True, planes)]
                 for t in trainers:
                     await t.start(weights)
             train_step(weights, gen, k)
             pair = [await t.publish(weights) for t in trainers]
             results.append(pair)
             assert not trainers[1].publisher.weights.holds_state and trainers[1].publisher.weights.baseline == {}
+            assert pair[0].planes == pair[1].planes == planes
+            for chain in trainers[1].publisher.planes.values():  # no plane kept on the host either
+                assert not chain.holds_state and chain.baseline == {} and chain.version == k
             expected = host_bits(weights)
             for reader in readers:
                 assert await reader.sync() is not None
                 assert reader.state is not None and reader.version == k
                 for name, bits in expected.items():  # the installed state is the trainer's, bit for bit
                     assert np.array_equal(reader.state[name], bits), (k, name)
+            for plane, reader in plane_readers:  # and each plane's is the trainer's state quantized
+                assert await reader.sync() is not None and reader.version == k and reader.state is not None
+                want = plane_bits(expected, plane)
+                assert reader.state.keys() == want.keys()
+                for name, bits in want.items():
+                    assert np.array_equal(reader.state[name], bits), (k, plane, name)
             assert readers[0].digest == readers[1].digest
             assert trainers[0].publisher.state_digest == trainers[1].publisher.state_digest
             assert trainers[0].publisher.state_digest == StateDigest.of(expected).root()
@@ -122,8 +146,9 @@ def buckets(tmp_path: Path) -> tuple[str, str]:
     return f"file://{tmp_path / 'full'}", f"file://{tmp_path / 'delta'}"
 
 
-def test_publishing_by_delta_writes_the_full_paths_bytes(buckets: tuple[str, str]) -> None:
-    results = asyncio.run(run_both(buckets, versions=11, restart_at=6))
+@pytest.mark.parametrize("planes", [(), ("int8", "int4")])
+def test_publishing_by_delta_writes_the_full_paths_bytes(buckets: tuple[str, str], planes: tuple[QuantPlane, ...]) -> None:
+    results = asyncio.run(run_both(buckets, versions=11, restart_at=6, planes=planes))
     anchored = [full.anchored for full, _ in results]
     assert any(anchored) and not all(anchored)  # anchors and patches both went through the delta path
     assert any(full.catchup_bytes for full, _ in results)  # and catch-ups
@@ -131,10 +156,15 @@ def test_publishing_by_delta_writes_the_full_paths_bytes(buckets: tuple[str, str
         assert (full.version, full.anchored, full.changed, full.patch_bytes, full.catchup_bytes, full.anchor_bytes) == (
             delta.version, delta.anchored, delta.changed, delta.patch_bytes, delta.catchup_bytes, delta.anchor_bytes
         )
-    full_objects = asyncio.run(committed_objects(buckets[0], planes=()))
-    delta_objects = asyncio.run(committed_objects(buckets[1], planes=()))
+    full_objects = asyncio.run(committed_objects(buckets[0], planes=planes))
+    delta_objects = asyncio.run(committed_objects(buckets[1], planes=planes))
     assert len(full_objects) > 20
-    assert full_objects == delta_objects
+    for plane in planes:  # the planes' patches, catch-ups and anchors went through the delta path
+        for kind in ("/step-", "/catchup-", "/anchors/"):
+            assert any(k.startswith(f"runs/{RUN}/planes/{plane}/") and kind in k for k in full_objects), (plane, kind)
+    assert full_objects.keys() == delta_objects.keys()
+    for key, value in full_objects.items():
+        assert delta_objects[key] == value, key
 
 
 def test_the_step_patch_from_old_bits_is_the_one_from_the_base() -> None:
@@ -237,5 +267,51 @@ def test_a_lost_pointer_answer_settles_by_digest(tmp_path: Path) -> None:
             await reader.sync()
             assert reader.state is not None
             assert all(np.array_equal(reader.state[n], b) for n, b in host_bits(weights).items())
+
+    asyncio.run(main())
+
+
+class FailPlanePatch(CountingStore):
+    """Fails the next upload of a patch of plane `plane` once armed."""
+
+    def __init__(self, inner: Store, plane: str) -> None:
+        super().__init__(inner)
+        self.prefix, self.armed = f"runs/{RUN}/planes/{plane}/patches/", False
+
+    async def put_if_absent(self, key: str, data: Payload) -> str:
+        if self.armed and key.startswith(self.prefix):
+            self.armed = False
+            raise StoreError("the upload failed (injected)")
+        return await super().put_if_absent(key, data)
+
+
+def test_a_plane_left_behind_by_delta_starts_a_new_chain_from_the_device(tmp_path: Path) -> None:
+    """A plane whose step failed is left at the version before (the bf16 version and the other
+    plane commit); the next version's plane, one version past its step's base, starts a new chain
+    from an anchor read from the device copy one tensor at a time, and keeps no state."""
+
+    async def main() -> None:
+        async with open_store(f"file://{tmp_path}") as inner:
+            store = FailPlanePatch(inner, "int4")
+            weights, gen = initial_weights(), torch.Generator().manual_seed(6)
+            trainer = Trainer(store, True, ("int8", "int4"))
+            await trainer.start(weights)
+            train_step(weights, gen, 1)
+            store.armed = True
+            first = await trainer.publish(weights)
+            assert first.version == 1 and first.planes == ("int8",)
+            int4 = trainer.publisher.planes["int4"]
+            assert int4.version == 0 and not int4.holds_state
+            train_step(weights, gen, 2)
+            second = await trainer.publish(weights)
+            assert second.version == 2 and second.planes == ("int8", "int4")
+            assert int4.version == 2 and not int4.holds_state and int4.head is not None
+            assert int4.head.anchor.version == 2 and int4.head.parent is None  # a new chain
+            assert trainer.publisher.planes["int8"].head.anchor.version == 0  # type: ignore[union-attr]
+            for plane in ("int8", "int4"):
+                reader = Subscriber(inner, RUN, plane=plane)  # type: ignore[arg-type]
+                assert (await reader.sync()) is not None and reader.version == 2 and reader.state is not None
+                for name, bits in plane_bits(host_bits(weights), plane).items():  # type: ignore[arg-type]
+                    assert np.array_equal(reader.state[name], bits), (plane, name)
 
     asyncio.run(main())

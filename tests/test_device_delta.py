@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from slime_stoa.protocol.pulse.codec import diff, float32_to_bf16_bits
 from slime_stoa.protocol.pulse.digest import StateDigest
-from slime_stoa.protocol.pulse.plane import plane_bits
+from slime_stoa.protocol.pulse.plane import plane_bits, plane_shapes
 from slime_stoa.protocol.pulse.quant import quantize as numpy_quantize
 from slime_stoa.trainer import device_delta
 from slime_stoa.trainer.device_delta import DeviceDeltaConfig, PreviousState, apply_delta, quantize
@@ -261,6 +261,44 @@ def test_plane_delta_equals_the_diff_of_numpy_planes(plane: str, density: float)
         assert any(k.endswith(".scales") for k in ours)
         conv = "model.layers.0.conv.conv.weight"  # kept bf16 by the plane: its bf16 entry as it is
         assert (conv in ours) == (conv in bf16_delta)
+
+
+@pytest.mark.parametrize("plane", ["int8", "int4"])
+@pytest.mark.parametrize("density", [0.0, 0.002, 1.0])
+def test_plane_step_is_the_numpy_planes_change_and_reads_the_new_plane(plane: str, density: float) -> None:
+    """`plane_step` of a gathered version: the diff of both numpy planes, the old plane's bits at
+    its indices, and every tensor of the new plane on request (after `commit` too), each bf16
+    tensor quantized once for its three arrays; `plane_shapes` gives the plane's shapes."""
+    rng = np.random.default_rng(int(density * 1000) + 7 * len(plane))
+    before = {k: v & np.uint16(0xBFFF) for k, v in model_state(rng).items()}  # finite values
+    after = {k: changed_copy(rng, v, density) & np.uint16(0xBFFF) for k, v in before.items()}
+    old_plane, new_plane = plane_bits(before, plane, "lfm2_moe"), plane_bits(after, plane, "lfm2_moe")
+    assert plane_shapes({k: v.shape for k, v in after.items()}, plane, "lfm2_moe") == {
+        k: v.shape for k, v in new_plane.items()
+    }
+    previous = PreviousState()
+    previous.reset(torch_state(before))
+    previous.begin()
+    for name, tensor in torch_state(after).items():  # as a gather streams it
+        previous.diff_tensor(name, tensor)
+    previous.end()
+    step = previous.plane_step(plane, "lfm2_moe", "cpu")  # type: ignore[arg-type]
+    theirs = diff(old_plane, new_plane)
+    assert_same_delta(step.delta, theirs)
+    assert step.old.keys() == theirs.keys()
+    for key, (indices, _) in theirs.items():
+        assert step.old[key].dtype == np.uint16 and np.array_equal(step.old[key], old_plane[key].reshape(-1)[indices])
+    moved = previous.transfer.device_to_host
+    for key, bits in new_plane.items():  # in the plane's order: a quantized weight's arrays together
+        got = step.tensor(key)
+        assert got.dtype == np.uint16 and got.shape == bits.shape and np.array_equal(got, bits), key
+    assert previous.transfer.device_to_host - moved == sum(b.nbytes for b in new_plane.values())
+    previous.commit()
+    assert all(np.array_equal(step.tensor(key), bits) for key, bits in new_plane.items())
+    with pytest.raises(KeyError):
+        step.tensor("model.layers.0.odd.scales")  # not a tensor of the plane
+    with pytest.raises(RuntimeError, match="plane_step"):
+        previous.plane_step(plane, "lfm2_moe", "cpu")  # type: ignore[arg-type]
 
 
 def test_device_budget_places_tensors_in_order_and_config_is_checked() -> None:

@@ -28,7 +28,9 @@ torch = pytest.importorskip("torch")
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.codec import diff
 from slime_stoa.protocol.pulse.manifests import Pointer
+from slime_stoa.protocol.pulse.plane import plane_bits
 from slime_stoa.protocol.pulse.publisher import PublisherConfig, PublishError, PublishResult
+from slime_stoa.protocol.pulse.quant import plane_names
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.store import Store, StoreError, open_store
 from slime_stoa.protocol.store.base import Payload
@@ -258,13 +260,19 @@ def buckets(tmp_path: Path) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 30])  # the previous version in host memory / beside the weights
-def test_the_device_path_publishes_the_numpy_paths_bytes_moving_only_the_patch(
+def test_with_planes_the_device_path_publishes_the_numpy_paths_bytes_by_delta(
     fake_slime, buckets: tuple[str, str], budget: int  # noqa: F811
 ) -> None:
+    """With quantized planes too, the publisher hands its state to the device path once a version
+    is committed (or resumed) and keeps none, nor any plane's: each plane of a version goes by its
+    change computed on the device (a step), or, where the plane is not one step behind (v6: its
+    v5 never published), as a new chain from an anchor read from the device one tensor at a time.
+    The bucket holds the numpy path's objects over plane anchors, the failures and the restart."""
     numpy_url, device_url = buckets
-    want, _ = scenario(Trainer(numpy_url, None))
+    numpy_trainer = Trainer(numpy_url, None)
+    want, _ = scenario(numpy_trainer)
     device = Trainer(device_url, budget)
-    got, gathers = scenario(device)
+    got, _ = scenario(device)
     assert got == want
     assert [r[1] for r in want] == [True, False, False, True, False, True, False, False]  # v0, v3, v6
     assert want[6][3] == 2 and want[5][3] is None  # v7 restores v2
@@ -272,29 +280,36 @@ def test_the_device_path_publishes_the_numpy_paths_bytes_moving_only_the_patch(
     numpy_objects = asyncio.run(committed_objects(numpy_url))
     device_objects = asyncio.run(committed_objects(device_url))
     assert device_objects.keys() == numpy_objects.keys()
-    assert any("/planes/int4/patches/" in k for k in numpy_objects) and any("/patches/" in k for k in numpy_objects)
+    for plane in CONFIG.planes or ():
+        for kind in ("patches", "anchors"):  # (catch-ups: tests/test_delta_publish.py)
+            assert any(f"/planes/{plane}/{kind}/" in k for k in numpy_objects), (plane, kind)
+        assert any(k.startswith(f"runs/{RUN}/planes/{plane}/anchors/000000000006/") for k in numpy_objects)
     for key, value in numpy_objects.items():
         assert device_objects[key] == value, key
 
-    # What crossed from the device: the whole state for v0 (an anchor, from host copies), then
-    # for each version the delta from the committed state the device held: int32 indices and
-    # bf16 values, 6 bytes an element.
-    elements = sum(int(np.prod(s)) for s in SHAPES.values())
-    assert device.moved[0] == elements * 2 and gathers[0][0] is None
-    for i, (base, new) in enumerate(gathers[1:], start=1):
-        assert base is not None
-        changed = sum(int(indices.size) for indices, _ in diff(base, new).values())
-        assert device.moved[i] == 6 * changed, i
-        assert 0 < device.moved[i] < elements * 2, i  # less than copying the state
+    assert device.handed == ["dict"] + ["DeviceDelta"] * 8 and numpy_trainer.handed == ["dict"] * 9
+    assert device.holds == [False] * 8 and numpy_trainer.holds == [True] * 8
+    publisher = device.publisher._publisher
+    assert publisher is not None and set(publisher.planes) == set(CONFIG.planes or ())
+    for chain in publisher.planes.values():
+        assert chain.version == 8 and not chain.holds_state and not chain.baseline
+    for plane in CONFIG.planes or ():  # a real Subscriber on each plane installs the trainer's plane
+        version, state = asyncio.run(installed(device_url, plane))
+        assert version == 8
+        want_plane = plane_bits(bits_of(device.weights), plane)
+        assert state.keys() == want_plane.keys()
+        for name, bits in want_plane.items():
+            assert np.array_equal(state[name], bits), (plane, name)
 
 
 BY_DELTA = replace(CONFIG, planes=())  # no quantized planes: the device path publishes by delta
 
 
-async def installed(url: str) -> tuple[int | None, dict[str, np.ndarray]]:
-    """What a real Subscriber installs from the bucket at `url` (its version and state)."""
+async def installed(url: str, plane: str | None = None) -> tuple[int | None, dict[str, np.ndarray]]:
+    """What a real Subscriber installs from the bucket at `url` (its version and state; a plane's
+    held bits with `plane`)."""
     async with open_store(url) as store:
-        sub = Subscriber(store, RUN)
+        sub = Subscriber(store, RUN, plane=plane)  # type: ignore[arg-type]
         await sub.sync()
         return sub.version, dict(sub.state or {})
 
@@ -326,7 +341,6 @@ def test_by_delta_the_device_path_publishes_the_numpy_paths_bytes_keeping_no_hos
     assert path is not None and path.released is None  # the released state was dropped at the gather
     committed = device.publisher.committed()
     assert committed is not None and committed.version == 8 and not committed.baseline
-    assert "publishes quantized planes" not in caplog.text
     # v6's base was v4 (v5's answer was lost, then v5 turned out committed): StaleBase, the copy
     # brought to v5 by v5's step, where it lives, and v6 diffed again
     assert caplog.text.count("bringing the device's copy to v5 by its step") == 1
@@ -409,20 +423,57 @@ def test_by_delta_the_pointer_keeper_re_signs_between_publishes(tmp_path: Path) 
         assert pointer().manifest == published.manifest
 
 
-def test_with_planes_the_device_path_keeps_the_host_state_and_says_so(
-    fake_slime, tmp_path: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+def test_with_planes_only_the_patches_cross_at_the_gather_and_the_changed_tensors_at_the_publish(
+    tmp_path: Path,
 ) -> None:
-    """Quantized planes are quantized from the bf16 state the publisher keeps: the device path
-    hands it full host states, and one line at open says so."""
-    trainer = Trainer(f"file://{tmp_path}", 0, CONFIG)
-    rng = np.random.default_rng(2)
-    with caplog.at_level(logging.INFO):
-        for _ in range(3):
-            trainer.publish()
-            trainer.committed()
-            step(trainer.weights, rng, list(SHAPES))
-    assert trainer.handed == ["dict"] * 3 and trainer.holds == [True] * 3
-    assert caplog.text.count("publishes quantized planes int4, int8") == 1
+    """By delta with planes, a gather moves to the host only each patch: the bf16 delta (int32
+    indices and bf16 values), its old bits, and each plane's delta and old bits; the publish then
+    reads, one at a time, each changed bf16 tensor and the plane arrays of each bf16 tensor whose
+    plane changed (their digests), one quantization each. Neither the publisher nor a plane's
+    chain keeps a state."""
+    rng = np.random.default_rng(12)
+    tensors = {"model." + n: torch.from_numpy(rng.standard_normal(s, dtype=np.float32) * 0.02).to(torch.bfloat16)
+               for n, s in SHAPES.items()}
+    config = replace(CONFIG, anchor_every=50, threads=1)  # one reader: each plane tensor quantized once
+    device = DevicePath(0)
+    planes = config.planes or ()
+    with SyncPublisher(f"file://{tmp_path}", RUN, config, device=device) as publisher:
+        base: dict[str, np.ndarray] | None = None
+        for v in range(4):
+            bits = {n: int16(t).numpy().view(np.uint16).copy() for n, t in tensors.items()}
+            before = device.transfer.device_to_host
+            collector = device.collector(publisher)(HeadPlan())
+            collector.add(list(tensors.items()))
+            state = collector.finish()
+            at_gather = device.transfer.device_to_host - before
+            before = device.transfer.device_to_host
+            assert publisher.publish(state).version == v
+            at_publish = device.transfer.device_to_host - before
+            if v == 0:
+                assert not isinstance(state, DeviceDelta) and at_gather == sum(b.nbytes for b in bits.values())
+            else:
+                assert isinstance(state, DeviceDelta) and base is not None
+                bf16 = diff(base, bits)
+                patch = 8 * sum(indices.size for indices, _ in bf16.values())
+                read = sum(bits[name].nbytes for name in bf16)
+                for plane in planes:
+                    before_plane, after_plane = plane_bits(base, plane), plane_bits(bits, plane)
+                    changed = diff(before_plane, after_plane)
+                    patch += 8 * sum(indices.size for indices, _ in changed.values())
+                    owners = {n for n in bits if {n, *plane_names(n)[1:]} & changed.keys()}
+                    read += sum(after_plane[k].nbytes for n in owners for k in {n, *plane_names(n)[1:]} & after_plane.keys())
+                assert at_gather == patch, v
+                assert at_publish == read, v
+                whole = sum(b.nbytes for b in bits.values()) + sum(
+                    b.nbytes for plane in planes for b in plane_bits(bits, plane).values()
+                )
+                assert at_gather < whole / 10 and at_publish < whole, v  # 1% of two of four tensors changed
+            inner = publisher._publisher
+            assert inner is not None and not inner.weights.holds_state
+            assert all(not chain.holds_state and chain.version == v for chain in inner.planes.values())
+            base = bits
+            for name in list(tensors)[v % 2 :: 2]:  # two of the four tensors change
+                int16(tensors[name]).reshape(-1)[v :: 97] ^= 1
 
 
 def test_a_restarted_publisher_by_delta_rebuilds_the_copy_from_what_it_resumed(
@@ -505,7 +556,7 @@ def chunk_versions() -> list[list[tuple[str, Any]]]:
     return out
 
 
-@pytest.mark.parametrize("planes", [(), ("int8",)])  # by delta / the publisher keeps its baseline
+@pytest.mark.parametrize("planes", [(), ("int8",)])
 @pytest.mark.parametrize("plan", [HeadPlan(drop=True), HeadPlan(copy=True)])
 def test_the_head_plans_publish_the_numpy_paths_bytes(
     buckets: tuple[str, str], plan: HeadPlan, planes: tuple[str, ...], caplog: pytest.LogCaptureFixture
@@ -523,12 +574,12 @@ def test_the_head_plans_publish_the_numpy_paths_bytes(
                 # The second version brings no head: the copy plan copies the embedding.
                 collector.add([pair for pair in chunks if i != 1 or pair[0] != TIED_HEAD])
                 state = collector.finish()
-                if isinstance(state, DeviceDelta):  # by delta from v1 on (no planes)
-                    assert device is not None and not planes and i > 0
+                if isinstance(state, DeviceDelta):  # by delta from v1 on
+                    assert device is not None and i > 0 and (state.planes is not None) == bool(planes)
                     assert (TIED_HEAD in device.previous.names) == plan.copy
                 else:
                     assert (TIED_HEAD in state) == plan.copy
-                    assert device is None or planes or i == 0
+                    assert device is None or i == 0
                 out.append(publisher.publish(state).changed)
             results[url] = out
     assert results[buckets[0]] == results[buckets[1]]

@@ -14,7 +14,9 @@ quantizes and hashes it there. Here the previous published version is kept besid
   plane's bytes (codes, scales, biases), not the bf16 weights.
 - `PreviousState.plane_delta`: the delta of a quantized plane (`plane.plane_bits` of the
   previous state to that of the new one), from both states' planes quantized on the device:
-  only the plane's patch crosses.
+  only the plane's patch crosses. `PreviousState.plane_step` is the same for the version a
+  gather diffed, as a `SparseStep` whose tensors are the new plane's, quantized on the device
+  one bf16 tensor at a time (a plane published by delta).
 - The state digest (`digest.StateDigest`) is xxh3-128 over each tensor's bytes. xxh3 scrambles
   its accumulators after every 1 KiB block, in order, so it has no parallel form a device could
   run; the digest stays on the host, over the host's copy of the state with the delta applied
@@ -33,6 +35,7 @@ the last bit): constants are device tensors. ``torch.round`` rounds half to even
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -196,6 +199,33 @@ def _plane_arrays(view: torch.Tensor, group_size: int, bits: int, name: str) -> 
     delta compares: the codes' uint16 halves (little-endian: byte pairs), scales, biases."""
     packed, scales_biases = _quantize_device(view, group_size, bits, name)
     return packed.view(torch.int16), scales_biases[0], scales_biases[1]  # byte pairs in the device's (and host's) order
+
+
+def _keys(name: str, params: tuple[int, int] | None) -> tuple[str, ...]:
+    """The plane's names for bf16 tensor `name`: a quantized weight's codes, scales and biases
+    (`params`: its group size and bits), else the tensor's own."""
+    return (name,) if params is None else plane_names(name)
+
+
+def _plane_of(name: str, view: torch.Tensor, params: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
+    """The plane's arrays of bf16 tensor `name` (an int16 view on its device), in `_keys` order."""
+    return (view,) if params is None else _plane_arrays(view, *params, name)
+
+
+def _plane_shapes(shape: tuple[int, ...], params: tuple[int, int] | None) -> tuple[tuple[int, ...], ...]:
+    """The shapes `plane.plane_bits` gives the arrays of `_plane_of` (codes as uint16 halves)."""
+    if params is None:
+        return (shape,)
+    group_size, bits = params
+    lead, k = shape[:-1], shape[-1]
+    return (*lead, k * bits // 16), (*lead, k // group_size), (*lead, k // group_size)
+
+
+def _plane_pairs(
+    name: str, old: torch.Tensor, new: torch.Tensor, params: tuple[int, int] | None
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(plane name, its array from `old`, from `new`) for bf16 tensor `name` of both versions."""
+    return list(zip(_keys(name, params), _plane_of(name, old, params), _plane_of(name, new, params), strict=True))
 
 
 # -- the previous version ---------------------------------------------------------------------------
@@ -405,6 +435,66 @@ class PreviousState:
             bits.reshape(-1)[found.to(bits.device).long()] = values.to(bits.device)
         return _to_host(bits, self.transfer).view(np.uint16)
 
+    def plane_step(self, plane: QuantPlane, model_type: str | None, device: torch.device | str) -> SparseStep:
+        """The plane of the version `diff` (or `begin` ... `end`) last gave, as its change from
+        the plane of the previous version (`plane.plane_bits` of each, compared): each changed
+        quantized weight's plane arrays are computed from both versions on `device` (the
+        weights'), and only the changed elements and their old bits cross. `tensor(name)` gives
+        one tensor of the new version's plane on the host, quantized on `device` (the three arrays
+        of a quantized weight from one quantization). Call before `commit`; valid as
+        `sparse_step`'s (until the next `diff`/`begin`)."""
+        if self._pending is None:
+            raise RuntimeError("plane_step() without a diff() since the last reset or commit")
+        pending = dict(self._pending)
+        device = torch.device(device)
+        group_size, bits = PLANE_PARAMS[check_plane(plane)]
+        layout = plane_layout(
+            {name: tuple(t.shape) for name, t in self._kept.items()}, group_size, bits, mlx_lm_predicate(model_type)
+        )
+        delta: Delta = {}
+        old: dict[str, np.ndarray] = {}
+        for name in sorted(pending):
+            before = self._previous_on(name, device)
+            after = self._with_changes(name, pending, device)
+            for key, a, b in _plane_pairs(name, before, after, layout.get(name)):
+                found = changed_indices(a, b)
+                if found.numel():
+                    delta[key] = _entry(found, b.reshape(-1)[found], self.transfer)
+                    old[key] = _to_host(a.reshape(-1)[found], self.transfer).view(np.uint16)
+        owners = {key: (name, i) for name in self._kept for i, key in enumerate(_keys(name, layout.get(name)))}
+        last: list[tuple[str, tuple[np.ndarray, ...]]] = []  # the bf16 tensor quantized last, its plane arrays
+        lock = threading.Lock()  # readers on several threads (the digest's) quantize one tensor at a time
+
+        def tensor(key: str) -> np.ndarray:
+            if key not in owners:
+                raise KeyError(key)
+            name, i = owners[key]
+            with lock:
+                if not last or last[0][0] != name:  # a quantized weight's codes, scales and biases: one quantization
+                    new = self._with_changes(name, pending, device)
+                    params = layout.get(name)
+                    shapes = _plane_shapes(tuple(new.shape), params)
+                    last[:] = [(name, tuple(
+                        _to_host(a, self.transfer).view(np.uint16).reshape(shape)
+                        for a, shape in zip(_plane_of(name, new, params), shapes, strict=True)
+                    ))]
+                return last[0][1][i]
+
+        return SparseStep(delta, old, tensor)
+
+    def _with_changes(
+        self, name: str, pending: Mapping[str, tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    ) -> torch.Tensor:
+        """A new tensor on `device`: the previous version's `name` with `pending`'s changes."""
+        kept = self._kept[name]
+        bits = kept.to(device, copy=True, non_blocking=kept.is_pinned())
+        if kept.device != device:
+            self.transfer.host_to_device += kept.numel() * 2
+        if name in pending:
+            found, values = pending[name]
+            bits.reshape(-1)[found.to(device).long()] = values.to(device)
+        return bits
+
     def plane_delta(
         self, state: Mapping[str, torch.Tensor], changed: Iterable[str], plane: QuantPlane, model_type: str | None = None
     ) -> Delta:
@@ -423,14 +513,7 @@ class PreviousState:
                 raise ValueError(f"{name}: changed, but not a tensor of the state")
             new = bf16_view(name, state[name])
             old = self._previous_on(name, new.device)
-            params = layout.get(name)
-            if params is None:
-                pairs = [(name, old, new)]
-            else:
-                before = _plane_arrays(old, *params, name)
-                after = _plane_arrays(new, *params, name)
-                pairs = list(zip(plane_names(name), before, after, strict=True))
-            for key, a, b in pairs:
+            for key, a, b in _plane_pairs(name, old, new, layout.get(name)):
                 found = changed_indices(a, b)
                 if found.numel():
                     delta[key] = _entry(found, b.reshape(-1)[found], self.transfer)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Iterator, Mapping
@@ -281,8 +282,22 @@ class ChainPublisher:
     async def _settle_unsure_sparse(self, step: SparseStep, base: str) -> PublishResult | None:
         """`_settle_unsure` by digest: a landed version is adopted; a step from the state before
         it is that version retried (its result) when it reaches the same digest, else stale."""
-        assert self._unsure is not None and self._digest is not None
-        unsure, before = self._unsure, self._digest
+        assert self._digest is not None
+        before = self._digest
+        unsure = await self._adopt_landed()
+        if unsure is None:
+            return None
+        if base == before.root():
+            reached = await asyncio.to_thread(sparse_digest, before, step, threads=self.config.threads)
+            if reached.root() == unsure.manifest.state_digest:
+                return settled_result(unsure)
+        return None  # a step from the landed state publishes as usual; any other is stale
+
+    async def _adopt_landed(self) -> UnsureCommit | None:
+        """Read the pointer after a write that got no answer (`_unsure`): the commit, adopted
+        here, when it landed; None when it did not. StoreError while the store stays down."""
+        assert self._unsure is not None
+        unsure = self._unsure
         etag = await self.committer.landed(unsure.manifest)
         self._unsure = None
         if etag is None:
@@ -290,25 +305,42 @@ class ChainPublisher:
         log.warning("the pointer write of v%d landed although its answer was lost", unsure.manifest.version)
         self.committer.etag, self.head = etag, unsure.manifest
         unsure.advance()
-        if base == before.root():
-            reached = await asyncio.to_thread(sparse_digest, before, step, threads=self.config.threads)
-            if reached.root() == unsure.manifest.state_digest:
-                return settled_result(unsure)
-        return None  # a step from the landed state publishes as usual; any other is stale
+        return unsure
 
-    async def _publish_first(self, state: dict[str, np.ndarray], source: Ref | None = None) -> PublishResult:
+    async def publish_streamed(self, state: TensorsOnDemand, *, source: Ref) -> PublishResult:
+        """A plane's version `source.version` as a new chain from a full anchor of `state`, read one
+        tensor at a time and not kept (`step_diff.TensorsOnDemand`): how a plane publishing by
+        delta that is not one step behind its bf16 source (it missed a version, or has none) is
+        brought to it. The publisher holds no state after, as after `release_baseline`. The bytes
+        are `publish`'s of the same plane state."""
+        if self.layout.plane is None:
+            raise ValueError("only a plane's chain starts over at its bf16 source version")
+        if not self._opened:
+            await self.open()
+        if self.version is not None and self._unsure is not None:
+            with self._next_version_errors():
+                landed = await self._adopt_landed()
+            if landed is not None and landed.manifest.source == source:
+                return settled_result(landed)
+        if self.version is not None and source.version <= self.version:
+            raise ValueError(f"plane {self.layout.plane} is at v{self.version} already, not below v{source.version}")
+        return await self._publish_first(state, source)
+
+    async def _publish_first(self, state: Mapping[str, np.ndarray], source: Ref | None = None) -> PublishResult:
         """The run's first version (a plane's: at its `source` version, or a new chain past a
-        gap, keeping its epoch), an anchor."""
+        gap, keeping its epoch), an anchor. A `TensorsOnDemand` state is read one tensor at a
+        time and not kept (`publish_streamed`)."""
         start = time.perf_counter()
         attempt = new_attempt()
         v = source.version if source is not None else 0
         epoch = self.head.origin.epoch if self.head is not None else 0
+        shapes = state.shapes if isinstance(state, TensorsOnDemand) else {n: tuple(b.shape) for n, b in state.items()}
         digest = await asyncio.to_thread(StateDigest.of, state, threads=self.config.threads)
         anchor_key, anchor_bytes = await self._write_anchor(v, attempt, state, digest.root())
         manifest = VersionManifest(
             run=self.layout.run, version=v, attempt=attempt, state_digest=digest.root(), parent=None,
             anchor=Ref(version=v, manifest=anchor_key, state_digest=digest.root()), anchor_bytes=anchor_bytes,
-            since_anchor_bytes=0, patches=(), elements=_elements(state), created_at=time.time(),
+            since_anchor_bytes=0, patches=(), elements=_elements(shapes), created_at=time.time(),
             lineage=Origin(epoch=epoch, step=0, parent=None), plane=self.layout.plane, source=source,
         )
         try:
@@ -316,7 +348,10 @@ class ChainPublisher:
         except PreconditionFailed as exc:
             raise PublishConflict(f"run {self.layout.run!r} already has published weights ({exc})") from None
         self.head = manifest
-        self._baseline, self._shapes = {name: bits.copy() for name, bits in state.items()}, None
+        if isinstance(state, TensorsOnDemand):
+            self._baseline, self._shapes = {}, dict(shapes)
+        else:
+            self._baseline, self._shapes = {name: bits.copy() for name, bits in state.items()}, None
         self._digest, self._union, self._catchup_bytes, self._force_anchor = digest, {}, 0, False
         self._resumed = False
         return PublishResult(v, True, 0, manifest.elements, 0, 0, anchor_bytes, time.perf_counter() - start)
@@ -413,15 +448,9 @@ class ChainPublisher:
         """After a pointer write that got no answer, read the pointer: if the write landed, that
         version is committed (adopted here); for the same state again (the caller retrying that
         publish) its result. StoreError while the store stays down (the caller retries)."""
-        assert self._unsure is not None
-        unsure = self._unsure
-        etag = await self.committer.landed(unsure.manifest)
-        self._unsure = None
-        if etag is None:
+        unsure = await self._adopt_landed()
+        if unsure is None:
             return None  # it never landed: publish as usual
-        log.warning("the pointer write of v%d landed although its answer was lost", unsure.manifest.version)
-        self.committer.etag, self.head = etag, unsure.manifest
-        unsure.advance()
         if await asyncio.to_thread(diff, self._baseline, state, threads=self.config.threads):
             return None  # a newer state: publish it as the next version
         return settled_result(unsure)
@@ -455,5 +484,5 @@ def _copies(folder: Path | None) -> Copies | None:
     return TrainerCopies(folder)
 
 
-def _elements(state: Mapping[str, np.ndarray]) -> int:
-    return int(sum(bits.size for bits in state.values()))
+def _elements(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    return int(sum(math.prod(shape) for shape in shapes.values()))

@@ -37,7 +37,8 @@ from .quant import (
 )
 
 __all__ = [
-    "PLANE_PARAMS", "QUANT_PLANES", "QuantPlane", "check_plane", "code_names", "plane_bits", "served", "updated_plane_bits",
+    "PLANE_PARAMS", "QUANT_PLANES", "QuantPlane", "check_plane", "code_names", "plane_bits", "plane_shapes", "served",
+    "updated_plane_bits",
 ]
 PLANE_PARAMS: dict[QuantPlane, tuple[int, int]] = {"int8": (DEFAULT_GROUP_SIZE, 8), "int4": (DEFAULT_GROUP_SIZE, 4)}
 #: From this share of a tensor's groups touched on, `updated_plane_bits` quantizes the whole tensor
@@ -120,6 +121,27 @@ def code_names(
     """The plane tensors that are uint32 codes (the quantized weights' names)."""
     group_size, bits = PLANE_PARAMS[check_plane(plane)]
     return frozenset(plane_layout(bf16_shapes, group_size, bits, mlx_lm_predicate(model_type)))
+
+
+def plane_shapes(
+    bf16_shapes: Mapping[str, tuple[int, ...]], plane: QuantPlane, model_type: str | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of `plane_bits`' arrays for a bf16 state of these shapes, without quantizing:
+    a quantized ``(..., k)`` weight's codes ``(..., k * bits / 16)`` (uint16 halves), its scales
+    and biases ``(..., k / group_size)``; every other tensor its own shape."""
+    group_size, bits = PLANE_PARAMS[check_plane(plane)]
+    layout = plane_layout(bf16_shapes, group_size, bits, mlx_lm_predicate(model_type))
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in bf16_shapes.items():
+        params = layout.get(name)
+        if params is None:
+            out[name] = tuple(shape)
+            continue
+        size, width = params
+        lead, k = tuple(shape[:-1]), shape[-1]
+        codes, scales, biases = plane_names(name)
+        out[codes], out[scales], out[biases] = (*lead, k * width // 16), (*lead, k // size), (*lead, k // size)
+    return out
 
 
 def served(held: Mapping[str, np.ndarray], codes: frozenset[str]) -> dict[str, np.ndarray]:

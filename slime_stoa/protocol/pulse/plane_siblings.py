@@ -9,6 +9,15 @@ it quantizes (`source`). A plane that is not at the bf16 version (a crash betwee
 commits, a plane publish that failed, a plane added to a running run) is brought to it before the
 next bf16 version and when the publisher opens: as a step from the version before, or as a new
 chain from an anchor when it is further behind.
+
+Publishing by delta (`Publisher.release_baseline`), no host copy of the bf16 state or of a plane
+is kept: the holder of the weights gives each plane of a new version as its change from the plane
+of the committed bf16 state (`PlaneSteps`, computed where the weights live), published by the
+plane's `ChainPublisher.publish_delta`; a plane that is not one step behind is brought to the
+version as a new chain from an anchor read one tensor at a time (`publish_streamed`), as the host
+path brings a plane further behind. Unlike the host path, a plane left one version behind by a
+failed publish is not stepped before the next bf16 version (its bf16 state is gone): the next
+version's plane starts a new chain.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +42,7 @@ from .manifests import Ref
 from .plane import plane_bits, updated_plane_bits
 from .publish_config import PublisherConfig
 from .publish_types import PublishError
+from .step_diff import SparseStep, TensorsOnDemand
 
 log = logging.getLogger("stoa.pulse")
 
@@ -77,6 +87,58 @@ async def bring_planes_to(
                 pub.layout.run, plane, source.version, exc,
             )
     return tuple(done)
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneSteps:
+    """Each quantized plane of a bf16 version published by delta, as the holder of the weights
+    gives it: `steps[plane]` is the plane's change from the plane of the bf16 state the version's
+    step goes from (`SparseStep`: its `tensor` reads one tensor of the new version's plane), and
+    `shapes[plane]` the plane's tensor shapes (`plane.plane_shapes`)."""
+
+    steps: Mapping[QuantPlane, SparseStep]
+    shapes: Mapping[QuantPlane, Mapping[str, tuple[int, ...]]]
+
+
+async def bring_planes_by_delta(
+    planes: Mapping[QuantPlane, ChainPublisher], source: Ref, base: str, given: PlaneSteps
+) -> tuple[QuantPlane, ...]:
+    """Publish every plane not at the committed bf16 version `source` (reached from the bf16 state
+    whose digest root is `base`) by delta: `given.steps[plane]` when the plane is at the version
+    before and quantizes `base` (its head's source), else a new chain from the new plane read one
+    tensor at a time. The planes published; a plane that fails is logged and left behind."""
+    done = []
+    for plane, pub in planes.items():
+        try:
+            if not pub.opened:
+                await pub.open()
+            if pub.version is not None and pub.version >= source.version:
+                continue
+            step = given.steps[plane]
+            head = pub.head
+            if head is not None and head.version == source.version - 1 and head.source is not None \
+                    and head.source.state_digest == base:
+                if pub.holds_state:  # opened since the release (a plane that failed to open before)
+                    pub.release_baseline()
+                assert pub.state_digest is not None
+                await pub.publish_delta(step, base=pub.state_digest, source=source)
+            else:
+                await pub.publish_streamed(TensorsOnDemand(given.shapes[plane], step.tensor), source=source)
+            done.append(plane)
+        except (PublishError, StoreError) as exc:
+            log.warning(
+                "run %s: plane %s of v%d not published (%s); its next version starts a new chain",
+                pub.layout.run, plane, source.version, exc,
+            )
+    return tuple(done)
+
+
+def release_planes(planes: Mapping[QuantPlane, ChainPublisher]) -> None:
+    """Drop every plane's committed state (publishing by delta: the holder of the weights
+    computes the planes); a plane without a committed version holds none to drop."""
+    for pub in planes.values():
+        if pub.head is not None and pub.holds_state:
+            pub.release_baseline()
 
 
 def model_type_of(config: PublisherConfig) -> str | None:

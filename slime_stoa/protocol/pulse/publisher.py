@@ -36,7 +36,14 @@ from .catchup_union import patch_delta
 from .chain import ChainPublisher
 from .commit import publisher_trust
 from .manifests import Ref
-from .plane_siblings import bring_planes_to, offered_planes, plane_publishers
+from .plane_siblings import (
+    PlaneSteps,
+    bring_planes_by_delta,
+    bring_planes_to,
+    offered_planes,
+    plane_publishers,
+    release_planes,
+)
 from .publish_config import PublisherConfig
 from .publish_types import PublishConflict, PublishError, PublishResult, UntrustedState
 from .restore import version_ref
@@ -44,7 +51,8 @@ from .retention import retention_floor
 from .step_diff import DiffStep, SparseStep, StaleBase, diff_step
 
 __all__ = [
-    "PublishConflict", "PublishError", "PublishResult", "Publisher", "PublisherConfig", "SparseStep", "StaleBase",
+    "PlaneSteps", "PublishConflict", "PublishError", "PublishResult", "Publisher", "PublisherConfig", "SparseStep",
+    "StaleBase",
     "UntrustedState",
     "patch_delta", "publisher_trust", "retention_floor",
 ]
@@ -115,22 +123,27 @@ class Publisher:
         return replace(result, planes=await self._complete_planes(checked)) if self.planes else result
 
     def release_baseline(self) -> dict[str, np.ndarray]:
-        """Hand over the published bf16 state and keep none (`ChainPublisher.release_baseline`):
-        the next versions come by `publish_delta`. ValueError with quantized planes: a plane
-        brought to a version it missed is quantized from the full bf16 state, which this
-        publisher would no longer hold."""
-        if self.planes:
-            raise ValueError(
-                f"publishing by delta keeps no bf16 state to quantize planes {sorted(self.planes)} from; "
-                "publish full states (publish) for a run with quantized planes"
-            )
-        return self.weights.release_baseline()
+        """Hand over the published bf16 state and keep none (`ChainPublisher.release_baseline`),
+        nor any plane's (the holder of the weights computes them): the next versions come by
+        `publish_delta`."""
+        released = self.weights.release_baseline()
+        release_planes(self.planes)
+        return released
 
-    async def publish_delta(self, step: SparseStep, *, base: str) -> PublishResult:
+    async def publish_delta(self, step: SparseStep, *, base: str, planes: PlaneSteps | None = None) -> PublishResult:
         """Publish the next bf16 version by its change from the committed state (digest root
-        `base`), holding no copy of the state (`ChainPublisher.publish_delta`); the bytes are
-        `publish`'s for the same state."""
-        return await self.weights.publish_delta(step, base=base)
+        `base`), holding no copy of the state (`ChainPublisher.publish_delta`), then its quantized
+        planes from `planes`, each plane's change from the plane of `base`
+        (`plane_siblings.bring_planes_by_delta`); the bytes are `publish`'s for the same state.
+        ValueError when a plane's step is missing."""
+        if self.planes and (planes is None or not set(self.planes) <= set(planes.steps)):
+            raise ValueError(f"publishing planes {sorted(self.planes)} by delta needs each plane's step")
+        result = await self.weights.publish_delta(step, base=base)
+        if not self.planes:
+            return result
+        assert planes is not None and self.weights.head is not None
+        source = version_ref(self.layout, self.weights.head)
+        return replace(result, planes=await bring_planes_by_delta(self.planes, source, base, planes))
 
     async def _complete_planes(self, state: Mapping[str, np.ndarray]) -> tuple[QuantPlane, ...]:
         """Bring the planes to the committed bf16 version, whose state is `state`."""

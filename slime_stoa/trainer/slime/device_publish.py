@@ -2,45 +2,25 @@
 chunk where it lives against the device's copy of the committed version (`device_delta`), and
 only the delta crosses to the host.
 
-`DevicePath` owns that copy (a `PreviousState`). It publishes one of two ways, which the publisher
-tells it once open (`SyncPublisher`):
-
-By delta (a run without quantized planes). Once a version is committed or resumed, the publisher
-hands over its host baseline and keeps none (`Publisher.release_baseline`, `adopt` here); the copy
-is rebuilt from it, where the weights live, at the next gather's first tensor, and the host
-baseline is dropped then, the heap it freed given back to the OS (`heap.return_freed_heap`). Each
-gather's `DeviceCollector.finish` gives a `DeviceDelta`: the version's change from the copy
+`DevicePath` owns that copy (a `PreviousState`). A run's first version (no committed one) is the
+numpy path's: a full anchor from host copies (`HostCollector`). Once a version is committed or
+resumed, the publisher hands over its host baseline and keeps none, nor any quantized plane's
+(`Publisher.release_baseline`, `adopt` here); the copy is rebuilt from it, where the weights
+live, at the next gather's first tensor, and the host baseline is dropped then, the heap it freed
+given back to the OS (`heap.return_freed_heap`). From then on every version goes by delta: each
+gather's `DeviceCollector.finish` gives a `DeviceDelta`, the version's change from the copy
 (`PreviousState.sparse_step`: changed indices, new and old bits, and one tensor at a time on
-request, for the digest of each changed tensor and, at an anchor, for every tensor), which the
-publisher publishes by `publish_delta`. The copy advances when the
-publisher commits (`published`); a version that did not commit is forgotten at the next gather.
-When the publisher's committed state is not the copy's (`StaleBase`: a pointer write whose answer
-was lost turned out to have landed), the copy is rebuilt from the committed state read back from
-the bucket and the same version diffed again (`rebase`); nothing wrong is published.
-
-With the host baseline (a run with quantized planes: a plane brought to a version it missed is
-quantized from the full bf16 state, so the publisher keeps it). The copy is kept equal to the
-publisher's committed bf16 state, which it tells by the state digest (`SyncPublisher.committed`,
-read while no publish is in flight, before each gather):
-
-- the copy already holds the committed state: the delta of a version that did not commit (a
-  failed publish, an unanswered pointer write) is discarded;
-- the version handed last committed (its digest is the committed one): its delta is applied to
-  the copy (`PreviousState.commit`);
-- anything else (the first version after the publisher opened, a resume, a version the
-  publisher settled later, a restore's first publish): the copy is rebuilt from the publisher's
-  host baseline, host to device, at the gather's first tensor (`reset_from_host`).
-
-The state handed to the publisher is then its baseline with the delta applied (the changed
-tensors new arrays, the others views of the baseline's). The publisher's `diff_step` returns that
-delta and updates the digest over the host state (xxh3 runs on the host); when the publisher's
-baseline is not the one the delta was taken from (it settled an unanswered commit first), it
-diffs on the host instead. Views are safe only while the publisher cannot write its baseline
-under them: after a version that did not commit (which may leave an unanswered commit to
-settle, in place), the unchanged tensors are copied until a version commits again.
-
-Either way a run's first version (no committed one) is the numpy path's: a full anchor from host
-copies. The published bytes are the numpy path's.
+request, for the digest of each changed tensor and, at an anchor, for every tensor), and with
+quantized planes each plane's change from the plane of the copy (`PreviousState.plane_step`:
+both versions' planes of each changed tensor quantized on the device, only the plane's patch
+crossing; the new plane's tensors quantized on the device one at a time on request, for their
+digests and a plane's anchor), which the publisher publishes by `publish_delta`. The copy advances
+when the publisher commits (`published`); a version that did not commit is forgotten at the next
+gather. When the publisher's committed state is not the copy's (`StaleBase`: a pointer write whose
+answer was lost turned out to have landed), the copy is brought to the committed state (by its
+step, or rebuilt from it read back from the bucket) and the same version diffed again, planes
+included (`rebase_by_step`, `rebase`); nothing wrong is published. The published bytes are the
+numpy path's.
 """
 
 from __future__ import annotations
@@ -53,29 +33,30 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from slime_stoa.protocol.layout import QuantPlane
 from slime_stoa.protocol.pulse.codec import Delta
-from slime_stoa.protocol.pulse.digest import StateDigest
-from slime_stoa.protocol.pulse.step_diff import SparseStep, StepDiff, diff_step
+from slime_stoa.protocol.pulse.plane import plane_shapes
+from slime_stoa.protocol.pulse.plane_siblings import PlaneSteps
+from slime_stoa.protocol.pulse.step_diff import SparseStep
 
-from ..device_delta import DeviceDeltaConfig, PreviousState, Transfer, apply_delta
+from ..device_delta import DeviceDeltaConfig, PreviousState, Transfer
 from ..heap import return_freed_heap
-from .gathered import Committed, HostCollector, NamedTensors, check_tied_head
+from .gathered import HostCollector, NamedTensors, check_tied_head
 from .hf_names import EMBEDDING, TIED_HEAD, HeadPlan
 
 log = logging.getLogger(__name__)
 
 
-class CommittedSource(Protocol):
-    """What the device path reads of the publisher (`publish.SyncPublisher`)."""
+class Opener(Protocol):
+    """What the device path asks of the publisher (`publish.SyncPublisher`): to open (a resumed
+    publisher then releases its state here, `adopt`)."""
 
     def open(self) -> object: ...
 
-    def committed(self) -> Committed | None: ...
-
 
 class Gatherer(Protocol):
-    """What a gather collects slime's chunks with: `gathered.Collector`, whose `finish` gives a
-    host state, or the device path's, whose `finish` gives a `DeviceDelta` when publishing by delta."""
+    """What a gather collects slime's chunks with: `gathered.HostCollector`, whose `finish` gives a
+    host state, or the device path's, whose `finish` gives a `DeviceDelta`."""
 
     def add(self, chunk: NamedTensors) -> None: ...
 
@@ -84,21 +65,14 @@ class Gatherer(Protocol):
 
 @dataclass(slots=True)
 class DeviceDelta:
-    """A version as the device path hands it when publishing by delta: its change from the
-    committed state whose digest root is `base` (`PreviousState.sparse_step`). Valid until the
-    next gather; `DevicePath.rebase` replaces both after a `StaleBase`."""
+    """A version as the device path hands it: its change from the committed state whose digest
+    root is `base` (`PreviousState.sparse_step`), and each quantized plane's from the plane of
+    that state (None: the run publishes no planes). Valid until the next gather;
+    `DevicePath.rebase` replaces all three after a `StaleBase`."""
 
     base: str
     step: SparseStep
-
-
-@dataclass(slots=True)
-class Handed:
-    """A state handed to the publisher, as the device path knows it."""
-
-    base: str | None  # the digest root of the committed state its delta goes from (None: a host copy)
-    delta: Delta | None  # the delta the device computed (None: a host copy)
-    target: str | None = None  # its own digest root, once the publisher computed it
+    planes: PlaneSteps | None = None
 
 
 class DevicePath:
@@ -108,22 +82,28 @@ class DevicePath:
     def __init__(self, device_budget_bytes: int) -> None:
         self.previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=device_budget_bytes))
         self.held: str | None = None  # the digest root of the state `previous` holds (None: none yet)
-        self.handed: Handed | None = None  # the last state handed to the publisher (with its baseline)
-        self.unsettled = False  # a handed version did not commit, and none has since
         self.by_delta = False  # the publisher released its baseline: versions go by delta from now on
         self.released: tuple[str, Mapping[str, np.ndarray]] | None = None  # (digest root, state) to rebuild from
         self.device: torch.device | None = None  # where the weights live (the last gather's)
+        self.planes: tuple[QuantPlane, ...] = ()  # the quantized planes the publisher publishes
+        self.model_type: str | None = None  # the model type the planes' quantization predicate is for
+        self.order: list[str] = []  # the last gather's published names, in its order (a plane anchor's)
 
     @property
     def transfer(self) -> Transfer:
         """The bytes moved each way, the host copies of a run's first version included."""
         return self.previous.transfer
 
-    def adopt(self, baseline: Mapping[str, np.ndarray], digest: str) -> None:
+    def adopt(
+        self, baseline: Mapping[str, np.ndarray], digest: str, *, planes: tuple[QuantPlane, ...] = (),
+        model_type: str | None = None,
+    ) -> None:
         """The publisher released its committed state `baseline` (digest root `digest`) and keeps
-        none (`Publisher.release_baseline`): versions go by delta from now on. The copy is rebuilt
-        from it at the next gather's first tensor, where the weights live; it is not kept after."""
-        self.by_delta, self.released, self.held, self.handed = True, (digest, baseline), None, None
+        none, nor any of `planes` (quantized for `model_type`) (`Publisher.release_baseline`):
+        versions go by delta from now on. The copy is rebuilt from it at the next gather's first
+        tensor, where the weights live; it is not kept after."""
+        self.by_delta, self.released, self.held = True, (digest, baseline), None
+        self.planes, self.model_type = planes, model_type
 
     def published(self, handed: DeviceDelta, digest: str) -> None:
         """`handed` is committed, its state's digest root `digest`: the copy becomes that version."""
@@ -135,19 +115,22 @@ class DevicePath:
     def rebase(self, handed: DeviceDelta, committed: Mapping[str, np.ndarray], digest: str) -> None:
         """After a `StaleBase`: rebuild the copy from `committed` (the publisher's committed state,
         digest root `digest`, read back from the bucket) and diff `handed`'s version against it
-        again, replacing its base and step. Two host copies of the state, for this call only: the
+        again, replacing its base and steps. Two host copies of the state, for this call only: the
         bucket's and the version's (`_rediff`)."""
         new = self._read_version(handed)
-        self.previous.reset_from_host(committed, self.device if self.device is not None else torch.device("cpu"))
+        self.previous.reset_from_host(committed, self._device())
         self._rediff(handed, new, digest)
 
     def rebase_by_step(self, handed: DeviceDelta, step: Delta, digest: str) -> None:
         """After a `StaleBase` whose committed version is the one after the copy's (a pointer write
         whose answer was lost landed): apply that version's `step` where the copy lives (its state's
-        digest root `digest`) and diff `handed`'s version again, replacing its base and step."""
+        digest root `digest`) and diff `handed`'s version again, replacing its base and steps."""
         new = self._read_version(handed)
         self.previous.advance(step)
         self._rediff(handed, new, digest)
+
+    def _device(self) -> torch.device:
+        return self.device if self.device is not None else torch.device("cpu")
 
     def _read_version(self, handed: DeviceDelta) -> dict[str, np.ndarray]:
         """`handed`'s version on the host, read before the copy it is read from changes: one host
@@ -157,7 +140,7 @@ class DevicePath:
     def _rediff(self, handed: DeviceDelta, new: dict[str, np.ndarray], digest: str) -> None:
         """Diff the version `new` against the copy (now the state whose digest root is `digest`),
         one tensor at a time on the weights' device, and make `handed` that step."""
-        device = self.device if self.device is not None else torch.device("cpu")
+        device = self._device()
         self.held = digest
         self.previous.begin()
         delta = {}
@@ -166,72 +149,52 @@ class DevicePath:
             if (entry := self.previous.diff_tensor(name, torch.from_numpy(bits.view(np.int16)).to(device))) is not None:
                 delta[name] = entry
         self.previous.end()
-        handed.base, handed.step = digest, self.previous.sparse_step(delta)
+        handed.base, handed.step, handed.planes = digest, self.previous.sparse_step(delta), self.plane_steps()
 
-    def collector(self, publisher: CommittedSource) -> Callable[[HeadPlan], Gatherer]:
+    def plane_steps(self) -> PlaneSteps | None:
+        """Each plane's change from the plane of the copy to that of the version last diffed
+        (`PreviousState.plane_step`, on the weights' device), its tensors in the last gather's
+        order (as `plane.plane_bits` orders the gathered state's: an anchor's shards follow it);
+        None without planes."""
+        if not self.planes:
+            return None
+        device = self._device()
+        order = self.order if set(self.order) == self.previous.names else sorted(self.previous.names)
+        shapes = {name: self.previous.shape(name) for name in order}
+        return PlaneSteps(
+            steps={plane: self.previous.plane_step(plane, self.model_type, device) for plane in self.planes},
+            shapes={plane: plane_shapes(shapes, plane, self.model_type) for plane in self.planes},
+        )
+
+    def collector(self, publisher: Opener) -> Callable[[HeadPlan], Gatherer]:
         """How the next gather collects the state; call while no publish is in flight. Opens the
-        publisher to learn its committed version (an error there: the numpy path this time, unless
-        the device already holds a copy to publish by delta from)."""
-        handed, self.handed = self.handed, None
+        publisher (a resumed one releases its state here): by delta once a version is committed
+        or resumed, else host copies (a run's first version, or a publisher that did not open
+        before any version was committed)."""
         try:
             publisher.open()
-            committed = publisher.committed()
         except Exception as exc:  # the publish itself retries and reports it
-            log.warning("stoa: the publisher did not open (%s: %s); copying the weights to the host this time",
-                        type(exc).__name__, exc)
-            committed = None
+            log.warning("stoa: the publisher did not open (%s: %s)", type(exc).__name__, exc)
         if self.by_delta and (self.held is not None or self.released is not None):
             return lambda plan: DeviceCollector(self, None, plan)
-        landed = committed is not None and handed is not None and handed.target == committed.digest
-        if handed is not None:
-            self.unsettled = not landed
-        if committed is None:
-            self.held = None
-            return self._host
-        if self.held == committed.digest:
-            self.previous.discard()
-        elif landed and handed is not None and handed.delta is not None and handed.base == self.held:
-            self.previous.commit()
-            self.held = committed.digest
-        else:
-            self.held = None  # rebuilt from the publisher's baseline at the first tensor
-        return lambda plan: DeviceCollector(self, committed, plan)
+        return self._host
 
     def _host(self, plan: HeadPlan) -> Gatherer:
-        self.handed = Handed(base=None, delta=None)
         return HostCollector(plan, counted=self._count_host_copy)
 
     def _count_host_copy(self, nbytes: int) -> None:
         self.previous.transfer.device_to_host += nbytes
 
-    def diff_step(
-        self, previous: Mapping[str, np.ndarray], previous_digest: StateDigest, new: Mapping[str, np.ndarray], *,
-        threads: int | None = 1,
-    ) -> StepDiff:
-        """The publisher's `step_diff.DiffStep`: the handed delta when the publisher's baseline is
-        the state it was taken from, else `step_diff.diff_step` on the host."""
-        handed = self.handed
-        if handed is not None and handed.delta is not None and previous_digest.root() == handed.base:
-            delta = handed.delta
-            step = StepDiff(delta, previous_digest.update(new, delta.keys(), threads=threads))
-        else:
-            if handed is not None and handed.delta is not None:
-                log.info("stoa: the publisher's baseline moved since the gather; diffing this version on the host")
-            step = diff_step(previous, previous_digest, new, threads=threads)
-        if handed is not None:
-            handed.target = step.digest.root()
-        return step
-
 
 class DeviceCollector:
-    """One gather's chunks diffed against `path`'s copy of the committed version. `finish` gives,
-    when publishing by delta (`committed` None), the `DeviceDelta`; else the host state (the
-    publisher's baseline `committed.baseline` with the delta applied), handed to `path`."""
+    """One gather's chunks diffed against `path`'s copy of the committed version; `finish` gives
+    the `DeviceDelta`. `committed` must be None: the copy is the only committed state (the
+    parameter remains for callers written when a publisher with planes kept its own)."""
 
-    def __init__(self, path: DevicePath, committed: Committed | None, plan: HeadPlan) -> None:
-        if committed is None and not path.by_delta:
-            raise ValueError("a device collector without the committed state publishes by delta")
-        self.path, self.committed, self.plan = path, committed, plan
+    def __init__(self, path: DevicePath, committed: None, plan: HeadPlan) -> None:
+        if committed is not None or not path.by_delta:
+            raise ValueError("the device collector diffs against a committed state the publisher released")
+        self.path, self.plan = path, plan
         self.order: list[str] = []  # the published names, in the chunks' order
         self.seen: set[str] = set()
         self.delta: Delta = {}
@@ -260,18 +223,13 @@ class DeviceCollector:
             self.order.append(name)
 
     def _rebuild(self, device: torch.device) -> None:
-        """The copy from the publisher's host state: the one it released (by delta, then dropped
-        here), or its baseline (the publisher keeps it)."""
+        """The copy from the host state the publisher released, dropped here."""
         path = self.path
-        if self.committed is None:
-            assert path.released is not None
-            (digest, baseline), path.released = path.released, None
-            path.previous.reset_from_host(baseline, device)
-            del baseline  # the released state's last reference: one bf16 copy of the model freed
-            return_freed_heap()  # else glibc keeps it resident (`heap`)
-        else:
-            digest = self.committed.digest
-            path.previous.reset_from_host(self.committed.baseline, device)
+        assert path.released is not None
+        (digest, baseline), path.released = path.released, None
+        path.previous.reset_from_host(baseline, device)
+        del baseline  # the released state's last reference: one bf16 copy of the model freed
+        return_freed_heap()  # else glibc keeps it resident (`heap`)
         path.held = digest
         path.previous.begin()
 
@@ -289,53 +247,40 @@ class DeviceCollector:
         if EMBEDDING in previous.names and self.head_shape == previous.shape(EMBEDDING):
             self.head = previous.diff_against(EMBEDDING, tensor)
 
-    def finish(self) -> dict[str, np.ndarray] | DeviceDelta:
+    def finish(self) -> DeviceDelta:
         if not self.order:
             raise ValueError("slime produced no weight tensors")
-        self.path.previous.end()
+        path = self.path
+        path.previous.end()
         if (mismatch := self._head_mismatch()) is not None:
             log.warning("stoa: %s", mismatch)
-        if self.committed is None:
-            assert self.path.held is not None
-            return DeviceDelta(base=self.path.held, step=self.path.previous.sparse_step(self.delta))
-        names = list(self.order)
+        assert path.held is not None
+        path.order = list(self.order)
         if self.plan.copy and TIED_HEAD not in self.seen and EMBEDDING in self.seen:
-            names.append(TIED_HEAD)
-        applied = apply_delta(self.committed.baseline, self.delta)
-        alias = not self.path.unsettled
-        state = {
-            name: applied[name] if name in self.delta else applied[name].view() if alias else applied[name].copy()
-            for name in names
-        }
-        self.path.handed = Handed(base=self.committed.digest, delta=self.delta)
-        return state
+            path.order.append(TIED_HEAD)  # where the host collector adds the embedding's copy
+        return DeviceDelta(base=path.held, step=path.previous.sparse_step(self.delta), planes=path.plane_steps())
 
     def _head_mismatch(self) -> str | None:
         """`check_tied_head`'s warning for a dropped head. Both the head and the new embedding are
         known by their deltas from the committed embedding: equal deltas, equal tensors, and
-        nothing more is read; else both are built on the host to say how they differ (a stand-in
-        of the head's shape when it is not the embedding's: the check then reports the shapes)."""
+        nothing more is read; else both are built on the host from the device's copy of the
+        committed embedding to say how they differ (a stand-in of the head's shape when it is not
+        the embedding's: the check then reports the shapes)."""
         if self.head_shape is None or EMBEDDING not in self.seen:
             return None
+        previous = self.path.previous
         if self.head is None:  # another shape than the embedding's: stand-ins of both shapes say so
-            return check_tied_head({EMBEDDING: _stand_in(self.path.previous.shape(EMBEDDING))},
+            return check_tied_head({EMBEDDING: _stand_in(previous.shape(EMBEDDING))},
                                    {TIED_HEAD: _stand_in(self.head_shape)})
         empty = (np.empty(0, np.int64), np.empty(0, np.uint16))
         embedding = self.delta.get(EMBEDDING, empty)
         if all(np.array_equal(a, b) for a, b in zip(self.head, embedding, strict=True)):
             return None
-        base = self._base_bits(EMBEDDING)
+        base = previous.previous_bits(EMBEDDING)
         head, new = base.copy(), base.copy()
         head.reshape(-1)[self.head[0]] = self.head[1]
         new.reshape(-1)[embedding[0]] = embedding[1]
         return check_tied_head({EMBEDDING: new}, {TIED_HEAD: head})
-
-    def _base_bits(self, name: str) -> np.ndarray:
-        """The committed version's tensor `name` on the host: the publisher's baseline, or read
-        from the device's copy when publishing by delta."""
-        if self.committed is not None:
-            return np.asarray(self.committed.baseline[name])
-        return self.path.previous.previous_bits(name)
 
 
 def _stand_in(shape: tuple[int, ...]) -> np.ndarray:

@@ -38,16 +38,14 @@ embedding's copy.
 
 The device path (`stoa_device_budget_bytes` set; `device_publish`): instead of copying every
 gathered tensor to the host (`tensor_bits`, the default numpy path), rank 0 diffs each chunk
-where it lives against the device's copy of the committed version, and only that delta crosses.
-Without quantized planes it publishes by delta: once a version is committed or resumed the
-publisher hands its host baseline to the device path and keeps none (`release_baseline`); each
-version is handed over as its change from the device's copy (`device_publish.DeviceDelta`) and
-published by `Publisher.publish_delta`, so no host copy of the state is kept per version. A
-`StaleBase` (the committed state is not the device's copy: a lost pointer answer that landed)
-rebuilds the copy from the committed state read back from the bucket and diffs the same version
-again. With quantized planes the publisher keeps its baseline (a plane is quantized from the full
-bf16 state) and is handed that baseline with the device's delta applied; one log line at open says
-so. The published bytes are the numpy path's either way.
+where it lives against the device's copy of the committed version, and only that delta crosses:
+once a version is committed or resumed the publisher hands its host baseline to the device path
+and keeps none, nor any quantized plane's (`release_baseline`); each version is handed over as its
+change from the device's copy, and each plane's change from the plane of that copy, quantized on
+the device (`device_publish.DeviceDelta`), and published by `Publisher.publish_delta`, so no host
+copy of the state or of a plane is kept per version. A `StaleBase` (the committed state is not the
+device's copy: a lost pointer answer that landed) brings the copy to the committed state and diffs
+the same version again. The published bytes are the numpy path's.
 
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
@@ -72,13 +70,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from slime_stoa.protocol.layout import QuantPlane
 from slime_stoa.protocol.pulse.codec import Delta, check_bits
 from slime_stoa.protocol.pulse.commit import Committer
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper, publisher_committers
+from slime_stoa.protocol.pulse.plane_siblings import model_type_of
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult, StaleBase
 from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
-from slime_stoa.protocol.pulse.step_diff import DiffStep, diff_step
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, open_store
 
@@ -109,18 +108,18 @@ class DeviceHook(Protocol):
     """What the publisher asks of the device path (`device_publish.DevicePath`)."""
 
     @property
-    def diff_step(self) -> DiffStep:
-        """The publisher's diff/digest step: the delta the device computed."""
-
-    @property
     def by_delta(self) -> bool:
         """The publisher handed its baseline over (`adopt`): versions come as `DeviceDelta`s."""
 
     def collector(self, publisher: SyncPublisher) -> Callable[[HeadPlan], Gatherer]:
         """How the next gather collects the state (called while no publish is in flight)."""
 
-    def adopt(self, baseline: Mapping[str, np.ndarray], digest: str) -> None:
-        """Take the committed state (digest root `digest`) the publisher released."""
+    def adopt(
+        self, baseline: Mapping[str, np.ndarray], digest: str, *, planes: tuple[QuantPlane, ...] = (),
+        model_type: str | None = None,
+    ) -> None:
+        """Take the committed state (digest root `digest`) the publisher released, and compute
+        `planes` (quantized for `model_type`) of each version from now on."""
 
     def published(self, handed: DeviceDelta, digest: str) -> None:
         """`handed` committed, its state's digest root `digest`."""
@@ -180,7 +179,6 @@ class SyncPublisher:
         self._keeper = PointerKeeper(self._committers, every_s=refresh_s)  # runs on the loop once opened
         self.url, self.run, self.config = url, run, config
         self.device = device  # the device path's state (None: the numpy path)
-        self._diff_step: DiffStep = device.diff_step if device is not None else diff_step
         self.key = key  # the run key: signs every version (None: an unsigned run)
         self.retries, self.backoff_s = retries, backoff_s
         self._publisher: Publisher | None = None
@@ -234,30 +232,25 @@ class SyncPublisher:
         # Runs on the loop while the caller holds `_lock`.
         if self._publisher is None:
             assert self._store is not None
-            publisher = Publisher(self._store, self.run, self.config, key=self.key, diff_step=self._diff_step)
+            publisher = Publisher(self._store, self.run, self.config, key=self.key)
             version = await publisher.open()
             self._publisher = publisher  # only once open succeeded; a failed open is retried afresh
             where = f"resuming after v{version}" if version is not None else "new run"
             log.info("stoa: publishing weights to run %s at %s (%s)", self.run, self.url, where)
-            if self.device is not None and publisher.planes:
-                log.info(
-                    "stoa: run %s publishes quantized planes %s: the device path diffs on the device but hands the "
-                    "publisher a full host state per version (it quantizes the planes from the bf16 state it keeps); "
-                    "without planes it would publish by delta", self.run, ", ".join(sorted(publisher.planes)),
-                )
             self._keeper.start()  # the resumed pointer is kept fresh from now on, published to or not
         return self._publisher.version
 
     def _release(self) -> None:
-        """The device path without quantized planes: once a version is committed (or resumed), the
-        publisher's state goes to the device path and the publisher keeps none (by delta from now on)."""
+        """The device path: once a version is committed (or resumed), the publisher's state goes to
+        the device path and the publisher keeps none, nor any plane's (by delta from now on)."""
         publisher, device = self._publisher, self.device
-        if device is None or publisher is None or publisher.planes or not publisher.weights.holds_state:
+        if device is None or publisher is None or not publisher.weights.holds_state:
             return
         digest = publisher.state_digest
         if publisher.version is None or digest is None:
             return
-        device.adopt(publisher.release_baseline(), digest)
+        planes = tuple(sorted(publisher.planes))
+        device.adopt(publisher.release_baseline(), digest, planes=planes, model_type=model_type_of(self.config))
 
     def _committers(self) -> list[Committer]:
         """The committers the keeper re-signs (none before the publisher opened)."""
@@ -313,7 +306,7 @@ class SyncPublisher:
         device = self.device
         assert device is not None
         try:
-            result = await publisher.publish_delta(handed.step, base=handed.base)
+            result = await publisher.publish_delta(handed.step, base=handed.base, planes=handed.planes)
         except StaleBase as exc:
             weights, digest = publisher.weights, publisher.state_digest
             assert weights.head is not None and digest is not None
@@ -329,7 +322,7 @@ class SyncPublisher:
                 committed = await weights.committed_state()
                 await asyncio.to_thread(device.rebase, handed, committed, digest)
                 del committed
-            result = await publisher.publish_delta(handed.step, base=handed.base)
+            result = await publisher.publish_delta(handed.step, base=handed.base, planes=handed.planes)
         digest = publisher.state_digest
         assert digest is not None
         device.published(handed, digest)
