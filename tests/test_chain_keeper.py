@@ -20,11 +20,11 @@ import pytest
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.chain import ChainPublisher
-from slime_stoa.protocol.pulse.chain_keeper import keep_chains, live_keys, publisher_chains
+from slime_stoa.protocol.pulse.chain_keeper import keep_chains, kept_publisher_store, live_keys, publisher_chains
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper
 from slime_stoa.protocol.pulse.kept_chain import KeptChainStore, kept_chain_store
 from slime_stoa.protocol.pulse.manifests import VersionManifest
-from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.restore import version_ref
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.pulse.sync_result import SyncError
@@ -192,20 +192,61 @@ async def test_a_deleted_anchor_manifest_is_put_back(store: Store, tmp_path: Pat
     assert await joins(store, live, chain[2], 2)
 
 
-async def test_after_a_restart_spoiled_objects_are_found_by_content(store: Store, tmp_path: Path) -> None:
-    """A restarted publisher has no notes of what it wrote: a small object is checked once by its
+@pytest.mark.both_backends
+async def test_objects_spoiled_while_the_trainer_is_down_are_put_back_before_it_opens(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A patch deleted and a manifest overwritten while no publisher runs: a publisher opening on
+    the bare store cannot resume (it reads the chain back); one opening on `kept_publisher_store`
+    finds both by HEAD against its saved notes (no download), puts them back and resumes."""
+    chain = states(5)
+    first = Live(store, tmp_path / "kept")
+    await first.publish(chain[:4])
+    await first.round()  # saves the notes
+    [patch] = manifest_of(first.store, 2).patches
+    manifest = LAYOUT.version_manifest(3, manifest_of(first.store, 3).attempt)
+    genuine = {key: await store.get_bytes(key) for key in (patch.key, manifest)}
+    await store.delete(patch.key)
+    await store.put(manifest, bytes(len(genuine[manifest])))
+    with pytest.raises((SyncError, UntrustedState)):  # what stopped a restarted trainer
+        await Publisher(store, RUN, PublisherConfig(catchup=False), key=first.key).open()
+    gets = []
+    real_get = store.get
+
+    async def counted(key: str, **kw: Any) -> Any:
+        gets.append(key)
+        return await real_get(key, **kw)
+
+    monkeypatch.setattr(store, "get", counted)
+    wrapped = await kept_publisher_store(store, RUN, tmp_path / "kept")
+    assert isinstance(wrapped, KeptChainStore) and gets == []
+    monkeypatch.undo()
+    assert {key: await store.get_bytes(key) for key in genuine} == genuine
+    again = Live(store, tmp_path / "kept", key=first.key)  # a fresh process on the same folder
+    await again.publish(chain)
+    assert await joins(store, again, chain[4], 4)
+
+
+async def test_without_readable_notes_spoiled_objects_are_found_by_content(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted publisher whose notes are unreadable checks each small object once by its
     content against the kept copy (a same-size overwrite included), then by HEAD."""
     chain = states(4)
     first = Live(store, tmp_path / "kept")
     await first.publish(chain[:3])
+    await first.round()
+    first.store.notes_path.write_text("[not notes")
     [patch] = manifest_of(first.store, 2).patches
     genuine = await store.get_bytes(patch.key)
     again = Live(store, tmp_path / "kept", key=first.key)  # same folder, fresh process
+    assert again.store.written == {} and any("unreadable notes" in r.getMessage() for r in caplog.records)
     await again.publish(chain[:3])  # resumes at v2
     await store.put(patch.key, bytes(len(genuine)))
     check = await again.round()
     assert check.put_back == [patch.key] and check.lost == []
     assert await store.get_bytes(patch.key) == genuine
+    assert (await again.round()).put_back == []  # noted now: by HEAD
     await again.publish(chain)
     assert await joins(store, again, chain[3], 3)
 
@@ -306,6 +347,9 @@ async def test_the_quickstart_publisher_keeps_its_chain(tmp_path: Path) -> None:
         finally:
             await keeper.stop()
         assert not await gone(store, patch.key)
+        await store.delete(patch.key)  # again, and the quickstart stops before a round: its rerun puts it back
+        rerun = await rerun_seed(store, out)
+        assert rerun.version == 1 and not await gone(store, patch.key)
         sub = Subscriber(store, QS_RUN, trust=RunTrust(QS_RUN, key.public))
         got = await sub.sync()
         assert got is not None and got.version == 1 and sub.state is not None

@@ -59,10 +59,11 @@ from slime_stoa.protocol.heartbeat import Heartbeat, HeartbeatTrust, read_judged
 from slime_stoa.protocol.hf.folders import save_hf_folder
 from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.chain_keeper import kept_publisher_store
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.history import HistoryError
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper
-from slime_stoa.protocol.pulse.kept_chain import LIVE_CHAIN_FOLDER, kept_chain_store
+from slime_stoa.protocol.pulse.kept_chain import LIVE_CHAIN_FOLDER
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.rebuild import rebuild
 from slime_stoa.protocol.pulse.retry import is_publish_outage as is_startup_outage
@@ -852,12 +853,13 @@ async def phase_seed(s: Session, extras_dir: Path) -> Seeded:
     )
     seed = partial(seed_run, objects=real_task_objects(cfg)) if s.search_data is None else partial(
         qsearch.seed_search_run, data=s.search_data)
+    # The publisher's store keeps its live chain's small objects and notes what it wrote, and puts
+    # back what a bucket writer spoiled while no trainer ran (its resume reads the chain back); the
+    # keeper puts them back from then on, or forces an anchor (`pulse.kept_chain`, `pulse.chain_keeper`).
+    publisher_store = await kept_publisher_store(s.store, cfg.run, kept_dir(cfg))
     try:
         pub = await s.at_startup(
-            # The publisher's store keeps its live chain's small objects and notes what it wrote
-            # (`pulse.kept_chain`): the keeper puts them back, or forces an anchor (`pulse.chain_keeper`).
-            partial(seed, kept_chain_store(s.store, cfg.run, kept_dir(cfg)), manifest, extras_dir,
-                    publisher=publisher_cfg, key=run_key),
+            partial(seed, publisher_store, manifest, extras_dir, publisher=publisher_cfg, key=run_key),
             f"seeding run {cfg.run!r} and opening its publisher",
         )
     except UntrustedState as exc:  # the bucket's run is not this run key's, and nothing kept repairs it

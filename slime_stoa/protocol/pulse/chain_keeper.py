@@ -16,7 +16,10 @@ one HEAD, compared with the size and ETag its write was answered with; nothing i
   anchor (the chain's anchor policy `forced`), and that is reported in one line.
 - The copies older than the head's anchor are forgotten (`KeptChainStore.forget_below`).
 
-After a restart the notes are empty: a small object is then checked once by its content (its
+Before a restarted publisher opens (`kept_publisher_store`), every small object it keeps a copy of
+is checked the same way and put back (`put_back_kept`): its resume reads the chain back from the
+bucket, and a patch deleted while it was down would otherwise refuse that resume. An object
+the saved notes do not cover (written after the last save) is checked once by its content (its
 size first, so a writer's large object is never read), an anchor file by the size its kept
 manifest names; what matches is noted. The walk down the manifests goes through the trainer's
 copies; it stops at a manifest it holds none of (one kept folder started mid-chain), whose own
@@ -34,13 +37,15 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Literal
 
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.store import NotFound, ObjectInfo, StoreConfigError, StoreError
+from slime_stoa.protocol.store import NotFound, ObjectInfo, Store, StoreConfigError, StoreError
 
 from .chain import ChainPublisher
-from .kept_chain import KeptChainStore
+from .kept_chain import KeptChainStore, kept_chain_store
 from .manifests import AnchorManifest, ManifestError, VersionManifest
 from .publisher import Publisher
 
@@ -50,6 +55,7 @@ log = logging.getLogger("stoa.pulse")
 CHECKS_IN_FLIGHT = 8
 
 Verdict = Literal["ok", "put_back", "lost"]
+Job = tuple[str, Callable[[], Awaitable[Verdict]]]  # a key and the check that gives its verdict
 
 
 @dataclass
@@ -156,17 +162,11 @@ async def keep_chain(chain: ChainPublisher) -> ChainCheck:
     if not isinstance(store, KeptChainStore) or head is None:
         return check
     layout = chain.layout
-    limit = asyncio.Semaphore(CHECKS_IN_FLIGHT)
-
-    async def bounded(key: str, job: Awaitable[Verdict]) -> tuple[str, Verdict]:
-        async with limit:  # the coroutine starts here: at most CHECKS_IN_FLIGHT requests at once
-            return key, await job
-
     small = await asyncio.to_thread(live_keys, layout, head, store.copies.kept)
     files = await asyncio.to_thread(anchor_files, store, head.anchor.manifest)
-    jobs = [bounded(key, check_small(store, key)) for key in small]
-    jobs += [bounded(key, check_anchor_file(store, key, size)) for key, size in files]
-    for key, verdict in await asyncio.gather(*jobs):
+    jobs: list[Job] = [(key, partial(check_small, store, key)) for key in small]
+    jobs += [(key, partial(check_anchor_file, store, key, size)) for key, size in files]
+    for key, verdict in await _verdicts(jobs):
         check.checked += 1
         if verdict == "put_back":
             check.put_back.append(key)
@@ -182,7 +182,44 @@ async def keep_chain(chain: ChainPublisher) -> ChainCheck:
             layout.run, on, len(check.lost), head.version, check.lost[0], ", ..." if len(check.lost) > 1 else "",
         )
     await asyncio.to_thread(store.forget_below, layout, head.anchor.version)
+    await asyncio.to_thread(store.save_notes)
     return check
+
+
+async def _verdicts(jobs: Iterable[Job]) -> list[tuple[str, Verdict]]:
+    """Each job's verdict, at most CHECKS_IN_FLIGHT of them running at once."""
+    limit = asyncio.Semaphore(CHECKS_IN_FLIGHT)
+
+    async def bounded(key: str, job: Callable[[], Awaitable[Verdict]]) -> tuple[str, Verdict]:
+        async with limit:
+            return key, await job()
+
+    return list(await asyncio.gather(*(bounded(key, job) for key, job in jobs)))
+
+
+async def put_back_kept(store: KeptChainStore) -> list[str]:
+    """Before the publisher opens: every small object of the run kept on the trainer's disk that
+    the bucket lacks or holds changed is put back (module doc); the keys put back. A store that
+    fails is logged: the keeper's rounds check again once the publisher is open."""
+    keys = [key for layout in store.layouts for key in await asyncio.to_thread(list, store.kept_keys(layout))]
+    try:
+        verdicts = await _verdicts((key, partial(check_small, store, key)) for key in keys if store.small(key))
+    except StoreConfigError:
+        raise
+    except StoreError as exc:
+        log.warning("stoa: could not check the kept weight objects before opening (%s); the keeper checks them", exc)
+        return []
+    await asyncio.to_thread(store.save_notes)
+    return [key for key, verdict in verdicts if verdict == "put_back"]
+
+
+async def kept_publisher_store(store: Store, run: str, keep_dir: str | Path | None) -> Store:
+    """`store` as a publishing process of run `run` opens it: wrapped (`kept_chain.kept_chain_store`)
+    when it keeps copies in `keep_dir`, and what it kept put back (`put_back_kept`)."""
+    wrapped = kept_chain_store(store, run, keep_dir)
+    if isinstance(wrapped, KeptChainStore):
+        await put_back_kept(wrapped)
+    return wrapped
 
 
 async def keep_chains(chains: Iterable[ChainPublisher]) -> list[ChainCheck]:

@@ -15,16 +15,22 @@ The copies live in their own folder beside the committer's (`commit.Committer.pu
 forgets version manifests past the records' window; a joining worker walks every manifest back to
 the anchor). What the publisher deletes itself (retention) is forgotten here too, and
 `forget_below` drops what precedes a chain's newest anchor, so the folder holds one anchor
-interval of patches and manifests per chain.
+interval of patches and manifests per chain. The notes are saved beside the copies
+(`save_notes`, after each check) and read back when the store is wrapped again, so a restarted
+publisher still checks by HEAD what it wrote before; a notes file it cannot read is ignored (the
+objects are then checked once by their content).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import QUANT_PLANES, RunLayout
 from slime_stoa.protocol.store import GetResult, ObjectInfo, ServerDate, Store
@@ -33,6 +39,10 @@ from slime_stoa.protocol.store.base import Payload
 #: The folder under `keep_dir` holding the live chains' small objects (never a bucket key's first
 #: segment, which is always "runs").
 LIVE_CHAIN_FOLDER = "live-chain"
+#: The notes' file of a run, in the run's folder there (`runs/<run>/notes.json`: no weight key).
+NOTES_FILE = "notes.json"
+
+log = logging.getLogger("stoa.pulse")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +65,36 @@ class KeptChainStore(Store):
         self.url = inner.url
         self.copies = copies
         self.layouts = tuple(RunLayout(run, plane) for plane in (None, *QUANT_PLANES))
-        self.written: dict[str, Noted] = {}
+        self.written: dict[str, Noted] = self._load_notes()
+
+    # -- the notes on the trainer's disk ------------------------------------------------------
+    @property
+    def notes_path(self) -> Path:
+        return self.copies.path(self.layouts[0].root + NOTES_FILE)
+
+    def _load_notes(self) -> dict[str, Noted]:
+        """The notes saved by an earlier process (this run's weight objects only); none when
+        there are none or they cannot be read."""
+        try:
+            doc = json.loads(self.notes_path.read_bytes())
+            notes = {
+                key: Noted(size, etag) for key, (size, etag) in doc.items()
+                if self.layout_of(key) is not None and isinstance(etag, str)
+                and (size is None or (isinstance(size, int) and not isinstance(size, bool)))
+            }
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            log.warning("stoa: ignoring unreadable notes %s (%s): the chain's objects are checked by content once",
+                        self.notes_path, exc)
+            return {}
+        return notes
+
+    def save_notes(self) -> None:
+        """Save the notes beside the copies (read back by the next process that wraps the store)."""
+        doc = {key: [noted.size, noted.etag] for key, noted in sorted(self.written.items())}
+        self.notes_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.notes_path, json.dumps(doc).encode())
 
     # -- what is noted ------------------------------------------------------------------------
     def layout_of(self, key: str) -> RunLayout | None:
