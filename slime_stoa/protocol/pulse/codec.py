@@ -149,9 +149,16 @@ def merge_deltas(deltas: Sequence[Delta], *, threads: int | None = 1) -> Delta:
 
     Applying the result equals applying the deltas in order (used for catch-up patches
     anchor -> latest). Positions changed and later changed back are kept, with their final bits.
-    Tensors, and ranges of positions of a tensor with over MERGE_SEGMENT changes, are merged on
-    `threads` threads (None: `parallel.thread_count`); the result does not depend on the thread
-    count.
+    Tensors are merged on `threads` threads (None: `parallel.thread_count`), and so are ranges of
+    positions of a tensor with over MERGE_SEGMENT changes that more than two deltas change; the
+    result does not depend on the thread count.
+
+    What it costs per version (the publisher merges its catch-up union with each step, and keeps
+    the union it had until the version commits): a tensor only one delta changes keeps that
+    delta's arrays (read-only views, no copy), and a tensor two deltas change is merged in one
+    pass over both sorted entries straight into its new arrays (`_merge_two`: beside them, the
+    kept older entries and step-sized bookkeeping for that tensor only); more deltas (a resume's)
+    are sorted together.
     """
     names = sorted({name for delta in deltas for name in delta})
     work: list[tuple[str, list[tuple[np.ndarray, np.ndarray]]]] = []
@@ -159,7 +166,7 @@ def merge_deltas(deltas: Sequence[Delta], *, threads: int | None = 1) -> Delta:
         parts = [delta[name] for delta in deltas if name in delta]
         for indices, values in parts:
             check_entry(name, indices, values)
-        if len(parts) == 1:
+        if len(parts) <= 2:  # shared, or merged in one pass into one new array (no pieces to join)
             work.append((name, parts))
             continue
         largest = max((p[0] for p in parts), key=len)
@@ -175,7 +182,9 @@ def merge_deltas(deltas: Sequence[Delta], *, threads: int | None = 1) -> Delta:
     def merged(item: tuple[str, list[tuple[np.ndarray, np.ndarray]]]) -> tuple[np.ndarray, np.ndarray]:
         parts = item[1]
         if len(parts) == 1:
-            return parts[0][0].copy(), parts[0][1].copy()
+            return _read_only(parts[0][0]), _read_only(parts[0][1])
+        if len(parts) == 2:
+            return _merge_two(parts[0], parts[1])
         indices = np.concatenate([p[0] for p in parts])
         values = np.concatenate([p[1] for p in parts])
         # A stable sort keeps equal positions in delta order: the last of each run is newest.
@@ -192,6 +201,43 @@ def merge_deltas(deltas: Sequence[Delta], *, threads: int | None = 1) -> Delta:
         name: found[0] if len(found) == 1 else (np.concatenate([i for i, _ in found]), np.concatenate([v for _, v in found]))
         for name, found in pieces.items()
     }
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view of `array`: a merged delta shares it, so nobody may write it through there."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _merge_two(older: tuple[np.ndarray, np.ndarray], newer: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Two entries of one tensor (strictly increasing indices) merged in one pass, `newer`
+    winning at a shared position: each of newer's positions lands after the older positions
+    below it that it does not replace, and the older ones fill the other slots in order."""
+    (a, a_values), (b, b_values) = older, newer
+    if not b.size:
+        return _read_only(a), _read_only(a_values)
+    if not a.size:
+        return _read_only(b), _read_only(b_values)
+    below = np.searchsorted(a, b)  # older positions below each newer one
+    shared = np.zeros(b.size, dtype=bool)
+    inside = below < a.size
+    shared[inside] = a[below[inside]] == b[inside]
+    replaced_before = np.cumsum(shared) - shared  # shared positions among the newer ones before each
+    slots = below - replaced_before + np.arange(b.size)
+    size = a.size + b.size - int(np.count_nonzero(shared))
+    indices = np.empty(size, dtype=np.int64)
+    values = np.empty(size, dtype=np.uint16)
+    indices[slots], values[slots] = b, b_values
+    free = np.ones(size, dtype=bool)
+    free[slots] = False
+    if shared.any():
+        kept = np.ones(a.size, dtype=bool)
+        kept[below[shared]] = False
+        indices[free], values[free] = a[kept], a_values[kept]
+    else:
+        indices[free], values[free] = a, a_values
+    return indices, values
 
 
 def rel_codes(old: np.ndarray, new: np.ndarray) -> np.ndarray:
