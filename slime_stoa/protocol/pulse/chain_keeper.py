@@ -163,7 +163,7 @@ async def keep_chain(chain: ChainPublisher) -> ChainCheck:
         return check
     layout = chain.layout
     small = await asyncio.to_thread(live_keys, layout, head, store.copies.kept)
-    files = await asyncio.to_thread(anchor_files, store, head.anchor.manifest)
+    files = anchor_files(store, head.anchor.manifest)  # on the loop, as every use of the notes
     jobs: list[Job] = [(key, partial(check_small, store, key)) for key in small]
     jobs += [(key, partial(check_anchor_file, store, key, size)) for key, size in files]
     for key, verdict in await _verdicts(jobs):
@@ -181,8 +181,8 @@ async def keep_chain(chain: ChainPublisher) -> ChainCheck:
             "(%s%s); the next version is published as a fresh anchor",
             layout.run, on, len(check.lost), head.version, check.lost[0], ", ..." if len(check.lost) > 1 else "",
         )
-    await asyncio.to_thread(store.forget_below, layout, head.anchor.version)
-    await asyncio.to_thread(store.save_notes)
+    store.forget_below(layout, head.anchor.version)  # a few files: one anchor interval
+    store.save_notes()
     return check
 
 
@@ -209,7 +209,7 @@ async def put_back_kept(store: KeptChainStore) -> list[str]:
     except StoreError as exc:
         log.warning("stoa: could not check the kept weight objects before opening (%s); the keeper checks them", exc)
         return []
-    await asyncio.to_thread(store.save_notes)
+    store.save_notes()
     return [key for key, verdict in verdicts if verdict == "put_back"]
 
 

@@ -58,7 +58,7 @@ class Noted:
 
 class KeptChainStore(Store):
     """`inner`, noting (and keeping the small ones of) the weight objects of run `run` written
-    through it (module doc)."""
+    through it (module doc). The notes are read and changed on the event loop only."""
 
     def __init__(self, inner: Store, run: str, copies: TrainerCopies) -> None:
         self.inner = inner
