@@ -315,3 +315,45 @@ def test_a_plane_left_behind_by_delta_starts_a_new_chain_from_the_device(tmp_pat
                     assert np.array_equal(reader.state[name], bits), (plane, name)
 
     asyncio.run(main())
+
+
+class LosePlaneAnswer(CountingStore):
+    """Lets the next pointer write of plane `plane` land but loses its answer, once armed."""
+
+    def __init__(self, inner: Store, plane: QuantPlane) -> None:
+        super().__init__(inner)
+        self.pointer, self.armed = RunLayout(RUN, plane).pointer, False
+
+    async def put(self, key: str, data: Payload, *, if_match: str | None = None) -> str:
+        etag = await super().put(key, data, if_match=if_match)
+        if self.armed and key == self.pointer:
+            self.armed = False
+            raise StoreError("the answer was lost (injected)")
+        return etag
+
+
+def test_a_plane_commit_whose_answer_was_lost_is_settled_and_stepped_on(buckets: tuple[str, str]) -> None:
+    """A plane version whose pointer write landed without an answer is adopted before the next
+    version's plane, which then goes as a step from it: the same bytes as the full-state path."""
+
+    async def main() -> None:
+        weights, gen = initial_weights(), torch.Generator().manual_seed(8)
+        async with open_store(buckets[0]) as full_inner, open_store(buckets[1]) as delta_inner:
+            stores = [LosePlaneAnswer(full_inner, "int8"), LosePlaneAnswer(delta_inner, "int8")]
+            trainers = [Trainer(stores[0], False, ("int8",)), Trainer(stores[1], True, ("int8",))]
+            for t in trainers:
+                await t.start(weights)
+            for k in range(1, 5):
+                train_step(weights, gen, k)
+                for store in stores:
+                    store.armed = k == 2
+                results = [await t.publish(weights) for t in trainers]
+                assert [r.planes for r in results] == [() if k == 2 else ("int8",)] * 2, k
+            for t in trainers:
+                chain = t.publisher.planes["int8"]
+                assert chain.version == 4 and chain.head is not None and chain.head.parent is not None  # one chain
+
+    asyncio.run(main())
+    full_objects = asyncio.run(committed_objects(buckets[0], ("int8",)))
+    assert any("/planes/int8/patches/000000000003/step-" in key for key in full_objects)  # v3's plane: a step
+    assert asyncio.run(committed_objects(buckets[1], ("int8",))) == full_objects

@@ -293,6 +293,14 @@ class ChainPublisher:
                 return settled_result(unsure)
         return None  # a step from the landed state publishes as usual; any other is stale
 
+    async def settle(self) -> None:
+        """Settle a pointer write that got no answer, adopting its version when it landed, before
+        the caller decides what to publish next (a plane by delta: a step from the version it is
+        at, or a new chain). PublishError while the store stays down."""
+        if self._unsure is not None and self.version is not None:
+            with self._next_version_errors():
+                await self._adopt_landed()
+
     async def _adopt_landed(self) -> UnsureCommit | None:
         """Read the pointer after a write that got no answer (`_unsure`): the commit, adopted
         here, when it landed; None when it did not. StoreError while the store stays down."""
@@ -317,11 +325,7 @@ class ChainPublisher:
             raise ValueError("only a plane's chain starts over at its bf16 source version")
         if not self._opened:
             await self.open()
-        if self.version is not None and self._unsure is not None:
-            with self._next_version_errors():
-                landed = await self._adopt_landed()
-            if landed is not None and landed.manifest.source == source:
-                return settled_result(landed)
+        await self.settle()
         if self.version is not None and source.version <= self.version:
             raise ValueError(f"plane {self.layout.plane} is at v{self.version} already, not below v{source.version}")
         return await self._publish_first(state, source)

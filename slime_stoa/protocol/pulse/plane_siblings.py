@@ -17,7 +17,8 @@ plane's `ChainPublisher.publish_delta`; a plane that is not one step behind is b
 version as a new chain from an anchor read one tensor at a time (`publish_streamed`), as the host
 path brings a plane further behind. Unlike the host path, a plane left one version behind by a
 failed publish is not stepped before the next bf16 version (its bf16 state is gone): the next
-version's plane starts a new chain.
+version's plane starts a new chain. A plane commit whose answer was lost is settled first, and
+when it landed the next version steps on from it, as on the host path.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ async def bring_planes_by_delta(
         try:
             if not pub.opened:
                 await pub.open()
+            await pub.settle()  # a plane version whose commit got no answer may have landed: step on from it
             if pub.version is not None and pub.version >= source.version:
                 continue
             step = given.steps[plane]
@@ -127,7 +129,8 @@ async def bring_planes_by_delta(
             done.append(plane)
         except (PublishError, StoreError) as exc:
             log.warning(
-                "run %s: plane %s of v%d not published (%s); its next version starts a new chain",
+                "run %s: plane %s of v%d not published (%s); published with the next version (a step from where "
+                "it is, else a new chain)",
                 pub.layout.run, plane, source.version, exc,
             )
     return tuple(done)
