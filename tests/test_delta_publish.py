@@ -92,6 +92,7 @@ class Trainer:
         planes = PlaneSteps(
             steps={p: self.previous.plane_step(p, None, "cpu") for p in self.planes},
             shapes={p: plane_shapes(SHAPES, p) for p in self.planes},
+            committed={p: self.previous.plane_reader(p, None, "cpu") for p in self.planes},
         )
         result = await self.publisher.publish_delta(step, base=self.publisher.state_digest, planes=planes)
         self.previous.commit()
@@ -285,36 +286,37 @@ class FailPlanePatch(CountingStore):
         return await super().put_if_absent(key, data)
 
 
-def test_a_plane_left_behind_by_delta_starts_a_new_chain_from_the_device(tmp_path: Path) -> None:
+def test_a_plane_left_behind_by_delta_is_stepped_as_the_full_path_steps_it(buckets: tuple[str, str]) -> None:
     """A plane whose step failed is left at the version before (the bf16 version and the other
-    plane commit); the next version's plane, one version past its step's base, starts a new chain
-    from an anchor read from the device copy one tensor at a time, and keeps no state."""
+    plane commit); before the next version it is stepped to the committed one, from its plane
+    read back from the bucket and the device copy's plane, then on: the full-state path's bytes."""
 
     async def main() -> None:
-        async with open_store(f"file://{tmp_path}") as inner:
-            store = FailPlanePatch(inner, "int4")
-            weights, gen = initial_weights(), torch.Generator().manual_seed(6)
-            trainer = Trainer(store, True, ("int8", "int4"))
-            await trainer.start(weights)
-            train_step(weights, gen, 1)
-            store.armed = True
-            first = await trainer.publish(weights)
-            assert first.version == 1 and first.planes == ("int8",)
-            int4 = trainer.publisher.planes["int4"]
-            assert int4.version == 0 and not int4.holds_state
-            train_step(weights, gen, 2)
-            second = await trainer.publish(weights)
-            assert second.version == 2 and second.planes == ("int8", "int4")
-            assert int4.version == 2 and not int4.holds_state and int4.head is not None
-            assert int4.head.anchor.version == 2 and int4.head.parent is None  # a new chain
-            assert trainer.publisher.planes["int8"].head.anchor.version == 0  # type: ignore[union-attr]
+        weights, gen = initial_weights(), torch.Generator().manual_seed(6)
+        async with open_store(buckets[0]) as full_inner, open_store(buckets[1]) as delta_inner:
+            stores = [FailPlanePatch(full_inner, "int4"), FailPlanePatch(delta_inner, "int4")]
+            trainers = [Trainer(stores[0], False, ("int8", "int4")), Trainer(stores[1], True, ("int8", "int4"))]
+            for t in trainers:
+                await t.start(weights)
+            for k in range(1, 4):
+                train_step(weights, gen, k)
+                for store in stores:
+                    store.armed = k == 1
+                results = [await t.publish(weights) for t in trainers]
+                assert [r.planes for r in results] == [("int8",) if k == 1 else ("int8", "int4")] * 2, k
+                int4 = trainers[1].publisher.planes["int4"]
+                assert int4.version == (0 if k == 1 else k) and not int4.holds_state
+            assert int4.head is not None and int4.head.anchor.version == 0  # stepped, not a new chain
             for plane in ("int8", "int4"):
-                reader = Subscriber(inner, RUN, plane=plane)  # type: ignore[arg-type]
-                assert (await reader.sync()) is not None and reader.version == 2 and reader.state is not None
+                reader = Subscriber(delta_inner, RUN, plane=plane)  # type: ignore[arg-type]
+                assert (await reader.sync()) is not None and reader.version == 3 and reader.state is not None
                 for name, bits in plane_bits(host_bits(weights), plane).items():  # type: ignore[arg-type]
                     assert np.array_equal(reader.state[name], bits), (plane, name)
 
     asyncio.run(main())
+    full_objects = asyncio.run(committed_objects(buckets[0], ("int8", "int4")))
+    assert any("/planes/int4/patches/000000000001/step-" in key for key in full_objects)  # v1's, stepped late
+    assert asyncio.run(committed_objects(buckets[1], ("int8", "int4"))) == full_objects
 
 
 class LosePlaneAnswer(CountingStore):

@@ -268,7 +268,8 @@ def test_plane_delta_equals_the_diff_of_numpy_planes(plane: str, density: float)
 def test_plane_step_is_the_numpy_planes_change_and_reads_the_new_plane(plane: str, density: float) -> None:
     """`plane_step` of a gathered version: the diff of both numpy planes, the old plane's bits at
     its indices, and every tensor of the new plane on request (after `commit` too), each bf16
-    tensor quantized once for its three arrays; `plane_shapes` gives the plane's shapes."""
+    tensor quantized once for its three arrays; `plane_reader` reads the previous version's plane;
+    `plane_shapes` gives the plane's shapes."""
     rng = np.random.default_rng(int(density * 1000) + 7 * len(plane))
     before = {k: v & np.uint16(0xBFFF) for k, v in model_state(rng).items()}  # finite values
     after = {k: changed_copy(rng, v, density) & np.uint16(0xBFFF) for k, v in before.items()}
@@ -282,6 +283,8 @@ def test_plane_step_is_the_numpy_planes_change_and_reads_the_new_plane(plane: st
     for name, tensor in torch_state(after).items():  # as a gather streams it
         previous.diff_tensor(name, tensor)
     previous.end()
+    reader = previous.plane_reader(plane, "lfm2_moe", "cpu")  # type: ignore[arg-type]
+    assert all(np.array_equal(reader(key), bits) for key, bits in old_plane.items())  # the previous version's plane
     step = previous.plane_step(plane, "lfm2_moe", "cpu")  # type: ignore[arg-type]
     theirs = diff(old_plane, new_plane)
     assert_same_delta(step.delta, theirs)

@@ -36,7 +36,7 @@ the last bit): constants are device tensors. ``torch.round`` rounds half to even
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -461,6 +461,25 @@ class PreviousState:
                 if found.numel():
                     delta[key] = _entry(found, b.reshape(-1)[found], self.transfer)
                     old[key] = _to_host(a.reshape(-1)[found], self.transfer).view(np.uint16)
+        return SparseStep(delta, old, self._plane_reader(layout, pending, device))
+
+    def plane_reader(
+        self, plane: QuantPlane, model_type: str | None, device: torch.device | str
+    ) -> Callable[[str], np.ndarray]:
+        """The previous version's plane (`plane.plane_bits` of it), one tensor at a time on the
+        host, quantized on `device` (the three arrays of a quantized weight from one
+        quantization). Valid until the next `commit`, `advance` or `reset`."""
+        group_size, bits = PLANE_PARAMS[check_plane(plane)]
+        layout = plane_layout(
+            {name: tuple(t.shape) for name, t in self._kept.items()}, group_size, bits, mlx_lm_predicate(model_type)
+        )
+        return self._plane_reader(layout, {}, torch.device(device))
+
+    def _plane_reader(
+        self, layout: Mapping[str, tuple[int, int]], pending: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+    ) -> Callable[[str], np.ndarray]:
+        """Plane tensors of the previous version with `pending`'s changes, one at a time on the host."""
         owners = {key: (name, i) for name in self._kept for i, key in enumerate(_keys(name, layout.get(name)))}
         last: list[tuple[str, tuple[np.ndarray, ...]]] = []  # the bf16 tensor quantized last, its plane arrays
         lock = threading.Lock()  # readers on several threads (the digest's) quantize one tensor at a time
@@ -480,7 +499,7 @@ class PreviousState:
                     ))]
                 return last[0][1][i]
 
-        return SparseStep(delta, old, tensor)
+        return tensor
 
     def _with_changes(
         self, name: str, pending: Mapping[str, tuple[torch.Tensor, torch.Tensor]], device: torch.device

@@ -15,10 +15,11 @@ is kept: the holder of the weights gives each plane of a new version as its chan
 of the committed bf16 state (`PlaneSteps`, computed where the weights live), published by the
 plane's `ChainPublisher.publish_delta`; a plane that is not one step behind is brought to the
 version as a new chain from an anchor read one tensor at a time (`publish_streamed`), as the host
-path brings a plane further behind. Unlike the host path, a plane left one version behind by a
-failed publish is not stepped before the next bf16 version (its bf16 state is gone): the next
-version's plane starts a new chain. A plane commit whose answer was lost is settled first, and
-when it landed the next version steps on from it, as on the host path.
+path brings a plane further behind. A plane left one version behind by a failed publish is
+stepped to the committed bf16 version before the next one, as on the host path
+(`step_planes_behind`): its committed plane read back from the bucket (one host copy of the
+plane, for that failure only) against the holder's plane of the committed bf16 state. A plane
+commit whose answer was lost is settled first, and when it landed the plane steps on from it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,11 +39,12 @@ from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, StoreError
 
 from .chain import ChainPublisher
-from .codec import Delta
+from .codec import Delta, diff
 from .manifests import Ref
 from .plane import plane_bits, updated_plane_bits
 from .publish_config import PublisherConfig
 from .publish_types import PublishError
+from .restore import version_ref
 from .step_diff import SparseStep, TensorsOnDemand
 
 log = logging.getLogger("stoa.pulse")
@@ -94,11 +96,66 @@ async def bring_planes_to(
 class PlaneSteps:
     """Each quantized plane of a bf16 version published by delta, as the holder of the weights
     gives it: `steps[plane]` is the plane's change from the plane of the bf16 state the version's
-    step goes from (`SparseStep`: its `tensor` reads one tensor of the new version's plane), and
-    `shapes[plane]` the plane's tensor shapes (`plane.plane_shapes`)."""
+    step goes from (`SparseStep`: its `tensor` reads one tensor of the new version's plane),
+    `shapes[plane]` the plane's tensor shapes (`plane.plane_shapes`), and `committed[plane]` reads
+    one tensor of the plane of that bf16 state (for a plane left behind at the version before)."""
 
     steps: Mapping[QuantPlane, SparseStep]
     shapes: Mapping[QuantPlane, Mapping[str, tuple[int, ...]]]
+    committed: Mapping[QuantPlane, Callable[[str], np.ndarray]]
+
+
+async def step_planes_behind(
+    planes: Mapping[QuantPlane, ChainPublisher], weights: ChainPublisher, base: str, given: PlaneSteps,
+) -> tuple[QuantPlane, ...]:
+    """Before the next bf16 version goes from the committed state whose digest root is `base`:
+    step every plane at the version before the committed one (its publish failed) to it, as the
+    host path does (`bring_planes_to` from the bf16 step): the plane's committed state read back
+    from the bucket (checked like any reader's, not kept) against `given.committed[plane]`, one
+    tensor at a time. Nothing when `base` is not the committed state. The planes stepped; a plane
+    that fails is logged and left to the next version."""
+    head = weights.head
+    if head is None or head.parent is None or base != weights.state_digest:
+        return ()
+    source = version_ref(weights.layout, head)
+    done = []
+    for plane, pub in planes.items():
+        try:
+            if not pub.opened:
+                await pub.open()
+            await pub.settle()
+            at = pub.head
+            if at is None or at.version != head.version - 1 or at.source is None \
+                    or at.source.state_digest != head.parent.state_digest:
+                continue
+            if pub.holds_state:
+                pub.release_baseline()
+            old = await pub.committed_state()
+            step = await asyncio.to_thread(_step_to, old, given.shapes[plane], given.committed[plane])
+            del old
+            assert pub.state_digest is not None
+            await pub.publish_delta(step, base=pub.state_digest, source=source)
+            done.append(plane)
+        except (PublishError, StoreError) as exc:
+            log.warning("run %s: plane %s of v%d not published (%s); retried before the next version",
+                        pub.layout.run, plane, source.version, exc)
+    return tuple(done)
+
+
+def _step_to(
+    old: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], np.ndarray]
+) -> SparseStep:
+    """The step from the plane state `old` to the plane `read` gives, one tensor read at a time."""
+    if old.keys() != shapes.keys():
+        raise PublishError("the committed plane does not hold the tensors of the weights' plane")
+    delta: Delta = {}
+    before: dict[str, np.ndarray] = {}
+    for name in shapes:
+        found = diff({name: old[name]}, {name: read(name)})
+        if name in found:
+            delta[name] = found[name]
+            before[name] = old[name].reshape(-1)[found[name][0]]
+    return SparseStep(delta, before, read)
 
 
 async def bring_planes_by_delta(

@@ -43,6 +43,7 @@ from .plane_siblings import (
     offered_planes,
     plane_publishers,
     release_planes,
+    step_planes_behind,
 )
 from .publish_config import PublisherConfig
 from .publish_types import PublishConflict, PublishError, PublishResult, UntrustedState
@@ -130,14 +131,23 @@ class Publisher:
         release_planes(self.planes)
         return released
 
-    async def publish_delta(self, step: SparseStep, *, base: str, planes: PlaneSteps | None = None) -> PublishResult:
+    async def publish_delta(
+        self, step: SparseStep, *, base: str, planes: PlaneSteps | None = None, step_behind: bool = True
+    ) -> PublishResult:
         """Publish the next bf16 version by its change from the committed state (digest root
         `base`), holding no copy of the state (`ChainPublisher.publish_delta`), then its quantized
         planes from `planes`, each plane's change from the plane of `base`
         (`plane_siblings.bring_planes_by_delta`); the bytes are `publish`'s for the same state.
-        ValueError when a plane's step is missing."""
+        First, with `step_behind`, a plane left one version behind the committed one is stepped to
+        it (`step_planes_behind`), as `publish` does before it settles an unanswered commit: pass
+        False when publishing the same version again after a `StaleBase` (the version that settle
+        adopted is one `publish` leaves its planes behind at). ValueError when a plane's step is
+        missing."""
         if self.planes and (planes is None or not set(self.planes) <= set(planes.steps)):
             raise ValueError(f"publishing planes {sorted(self.planes)} by delta needs each plane's step")
+        if self.planes and step_behind:
+            assert planes is not None
+            await step_planes_behind(self.planes, self.weights, base, planes)
         result = await self.weights.publish_delta(step, base=base)
         if not self.planes:
             return result

@@ -154,8 +154,9 @@ class DevicePath:
     def plane_steps(self) -> PlaneSteps | None:
         """Each plane's change from the plane of the copy to that of the version last diffed
         (`PreviousState.plane_step`, on the weights' device), its tensors in the last gather's
-        order (as `plane.plane_bits` orders the gathered state's: an anchor's shards follow it);
-        None without planes."""
+        order (as `plane.plane_bits` orders the gathered state's: an anchor's shards follow it),
+        and the copy's own plane (`plane_reader`, for a plane left one version behind); None
+        without planes."""
         if not self.planes:
             return None
         device = self._device()
@@ -164,6 +165,7 @@ class DevicePath:
         return PlaneSteps(
             steps={plane: self.previous.plane_step(plane, self.model_type, device) for plane in self.planes},
             shapes={plane: plane_shapes(shapes, plane, self.model_type) for plane in self.planes},
+            committed={plane: self.previous.plane_reader(plane, self.model_type, device) for plane in self.planes},
         )
 
     def collector(self, publisher: Opener) -> Callable[[HeadPlan], Gatherer]:

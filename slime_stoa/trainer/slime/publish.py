@@ -322,7 +322,8 @@ class SyncPublisher:
                 committed = await weights.committed_state()
                 await asyncio.to_thread(device.rebase, handed, committed, digest)
                 del committed
-            result = await publisher.publish_delta(handed.step, base=handed.base, planes=handed.planes)
+            # the planes as the host path leaves them: not stepped to the version the settle adopted
+            result = await publisher.publish_delta(handed.step, base=handed.base, planes=handed.planes, step_behind=False)
         digest = publisher.state_digest
         assert digest is not None
         device.published(handed, digest)
