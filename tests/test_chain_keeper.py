@@ -23,7 +23,7 @@ from slime_stoa.protocol.pulse.chain import ChainPublisher
 from slime_stoa.protocol.pulse.chain_keeper import keep_chains, kept_publisher_store, live_keys, publisher_chains
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper
 from slime_stoa.protocol.pulse.kept_chain import KeptChainStore, kept_chain_store
-from slime_stoa.protocol.pulse.manifests import VersionManifest
+from slime_stoa.protocol.pulse.manifests import Pointer, VersionManifest
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.restore import version_ref
 from slime_stoa.protocol.pulse.subscriber import Subscriber
@@ -416,3 +416,40 @@ async def test_no_writer_breaks_the_live_chain(name: str, store: Store, store_ur
     assert await ATTACKS[name](store, store_url, no_records, tmp_path / "trainer") == Outcome(
         stopped=False, honest_rejected=0, restored=True
     )
+
+
+async def test_the_slime_publisher_keeps_its_chain(store: Store, store_url: str, store_env: dict[str, str],
+                                                   tmp_path: Path) -> None:
+    """The slime publisher wires it: with a keep_dir its store keeps the chain, and its keeper
+    puts back a patch a writer deleted under it; a worker then joins at the head."""
+    from slime_stoa.trainer.slime.publish import SyncPublisher
+    from tests.conftest import async_wait_until
+    from tests.forged_weights import random_state, step_state
+
+    key = SigningKey.generate()
+    rng = np.random.default_rng(11)
+    config = PublisherConfig(keep_dir=str(tmp_path / "keep"))
+    pub = SyncPublisher(store_url, RUN, config, key=key, environ=store_env, refresh_s=0.01, create=True)
+    try:
+        assert await asyncio.to_thread(pub.open) is None
+        state = random_state(rng)
+        for _ in range(3):
+            await asyncio.to_thread(pub.publish, state)
+            state = step_state(state, rng)
+        assert pub.last is not None and pub.last.version == 2 and not pub.last.anchored
+        pointer = Pointer.from_bytes(await store.get_bytes(LAYOUT.pointer), LAYOUT.pointer, run=RUN,
+                                     trust=RunTrust(RUN, key.public))
+        manifest = VersionManifest.from_bytes(await store.get_bytes(pointer.manifest), pointer.manifest,
+                                              key=pointer.manifest)
+        patch = manifest.patches[0]  # the step's patch (catch-ups after it)
+        await store.delete(patch.key)
+        await async_wait_until(lambda: _present(store, patch.key), timeout=60, message="the patch put back")
+        sub = Subscriber(store, RUN, trust=RunTrust(RUN, key.public))
+        got = await sub.sync()
+        assert got is not None and got.version == 2
+    finally:
+        await asyncio.to_thread(pub.close)
+
+
+async def _present(store: Store, key: str) -> bool:
+    return not await gone(store, key)

@@ -104,6 +104,16 @@ class ChainPublisher:
         return self._opened
 
     @property
+    def anchor_forced(self) -> bool:
+        """Whether the next version is published as a fresh anchor whatever the policy says."""
+        return self._force_anchor
+
+    def force_anchor(self) -> None:
+        """Publish the next version as a fresh anchor (an object a worker needs to reach the head
+        is lost for good, e.g. an anchor shard a bucket writer deleted)."""
+        self._force_anchor = True
+
+    @property
     def baseline(self) -> Mapping[str, np.ndarray]:
         """The published state (what the next version is diffed against); not to be written."""
         return self._baseline

@@ -172,8 +172,8 @@ async def keep_chain(chain: ChainPublisher) -> ChainCheck:
             check.put_back.append(key)
         elif verdict == "lost":
             check.lost.append(key)
-    if check.lost and not chain._force_anchor:  # reported once: until the anchor lands it stays forced
-        chain._force_anchor = True
+    if check.lost and not chain.anchor_forced:  # reported once: until the anchor lands it stays forced
+        chain.force_anchor()
         check.anchor_forced = True
         on = "" if layout.plane is None else f" plane {layout.plane}"
         log.warning(

@@ -71,10 +71,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from slime_stoa.protocol.layout import QuantPlane
+from slime_stoa.protocol.pulse.chain_keeper import kept_publisher_store
 from slime_stoa.protocol.pulse.codec import Delta, check_bits
-from slime_stoa.protocol.pulse.commit import Committer
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
-from slime_stoa.protocol.pulse.keepalive import PointerKeeper, publisher_committers
+from slime_stoa.protocol.pulse.keepalive import PointerKeeper
 from slime_stoa.protocol.pulse.plane_siblings import model_type_of
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult, StaleBase
 from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
@@ -176,7 +176,8 @@ class SyncPublisher:
     ) -> None:
         if retries < 0 or backoff_s < 0:
             raise ValueError("retries and backoff_s must be >= 0")
-        self._keeper = PointerKeeper(self._committers, every_s=refresh_s)  # runs on the loop once opened
+        # re-signs the pointers and keeps the live weight chain whole, on the loop once opened
+        self._keeper = PointerKeeper.of_publisher(lambda: self._publisher, every_s=refresh_s)
         self.url, self.run, self.config = url, run, config
         self.device = device  # the device path's state (None: the numpy path)
         self.key = key  # the run key: signs every version (None: an unsigned run)
@@ -197,7 +198,10 @@ class SyncPublisher:
         _finish_at_exit(self)
 
     async def _open_store(self, environ: Mapping[str, str] | None, create: bool) -> Store:
-        return open_store(self.url, environ=environ, create=create)
+        # with a keep_dir: the chain objects it writes are kept, and what a writer spoiled while no
+        # trainer ran is put back before the publisher resumes from it
+        return await kept_publisher_store(open_store(self.url, environ=environ, create=create), self.run,
+                                          self.config.keep_dir)
 
     async def _aclose(self) -> None:
         task = self._task
@@ -251,10 +255,6 @@ class SyncPublisher:
             return
         planes = tuple(sorted(publisher.planes))
         device.adopt(publisher.release_baseline(), digest, planes=planes, model_type=model_type_of(self.config))
-
-    def _committers(self) -> list[Committer]:
-        """The committers the keeper re-signs (none before the publisher opened)."""
-        return [] if self._publisher is None else publisher_committers(self._publisher)
 
     def committed(self) -> Committed | None:
         """The last committed bf16 version of an opened publisher (None: not opened, or a new
