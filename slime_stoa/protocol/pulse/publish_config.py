@@ -50,8 +50,9 @@ class PublisherConfig:
     )
     keep_dir: Path | None = setting(
         "The trainer's own folder for its copies of each pointer and version manifest it commits "
-        "(`slime_stoa.protocol.kept`), put back when a bucket writer deletes or overwrites them. None: no "
-        "copies.",
+        "(`slime_stoa.protocol.kept`) and of its live weight chain (patches, version and anchor manifests, each "
+        "object's size and ETag: `pulse.kept_chain`), put back when a bucket writer deletes or overwrites them. "
+        "None: no copies.",
         None,
     )
     concurrency: int = setting("Uploads in flight.", 8)
