@@ -57,7 +57,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store, open_store
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.persistence import state_key
-from tests.test_consumer import RUN, Tiny, make_group
+from tests.test_consumer import ITEMS, RUN, Tiny, make_group
 from tests.test_signed_records import SignedRun, open_signed_consumer, put, setup_signed_run, signed
 
 KINDS = ("invalid", "future", "unregistered")
@@ -131,7 +131,7 @@ async def honest_wave(store: Store, run: SignedRun, tiny: Tiny, wave: int, per_w
     for i in range(per_wave):
         worker = ("mac-a", "mac-b")[i % 2]
         seq = wave * per_wave + i
-        group = make_group(tiny, worker=worker, seq=seq, prompt_index=seq % 50)
+        group = make_group(tiny, worker=worker, seq=seq, prompt_index=seq % len(ITEMS))
         await put(store, signed(group, run.workers[worker]), worker, seq, t - 200 + i)
 
 
