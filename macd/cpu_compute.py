@@ -18,7 +18,8 @@ weight of those layers, so ~6 bytes per weight on the CPU device instead of 2.
 Which layers: `nn.Linear` (and subclasses), `nn.Embedding` (its lookup widens the rows it
 gathers, no copy; `as_linear`, a tied output head, multiplies with the copy), and layers a
 `macd.cpu_fixes` fix computes in float32 (mlx-lm's `SwitchLinear` experts). Quantized layers
-are other classes and keep MLX's quantized kernels.
+are other classes: with float32 activations, and where a fast BLAS serves MLX, a float32 copy of
+their weight dequantized (the section at the end, `use_float32_activations`).
 
 Keeping a copy equal to its weight: a copy is made at the layer's first call and remembers the
 bf16 array it widened; a layer whose weight array was replaced (a load, an install of a new
@@ -179,14 +180,18 @@ def _widened_bits(bits: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
 
 
 def forget(layer: nn.Module) -> None:
-    """Drop `layer`'s copy (after its weight array was replaced: the next call widens the new
-    one, and the old copy's memory is not held until then)."""
+    """Drop `layer`'s copy, widened or dequantized (after its weight array was replaced: the next
+    call makes one of the new arrays, and the old copy's memory is not held until then)."""
     layer.__dict__.pop("_wide", None)
+    layer.__dict__.pop(_DEQUANTIZED, None)
 
 
 def copy_matches(layer: nn.Module) -> bool:
     """True unless `layer` holds a copy of its current weight that is not exactly that weight
-    widened (a write in place that was not `refresh`ed)."""
+    widened, or dequantized (a write in place that was not `refresh`ed or `redequantize`d)."""
+    dequantized = _dequantized_copy(layer)
+    if dequantized is not None:
+        return bool(mx.array_equal(_dequantize(layer, *dequantized.sources), dequantized.array).item())
     if not has_copy(layer):
         return True
     copy: _Copy = layer.__dict__["_wide"]
@@ -194,11 +199,16 @@ def copy_matches(layer: nn.Module) -> bool:
 
 
 def copies_nbytes(model: nn.Module) -> int:
-    """Bytes of the float32 copies `model`'s layers hold."""
-    return sum(m.__dict__["_wide"].array.nbytes for _, m in model.named_modules() if has_copy(m))
+    """Bytes of the float32 copies `model`'s layers hold, widened or dequantized."""
+    total = 0
+    for _, m in model.named_modules():
+        dequantized = _dequantized_copy(m)
+        total += dequantized.array.nbytes if dequantized is not None else 0
+        total += m.__dict__["_wide"].array.nbytes if has_copy(m) else 0
+    return total
 
 
-# -- quantized planes: float32 activations ------------------------------------------------------
+# -- quantized planes: float32 activations, float32 dequantized weights -----------------------------
 def float32_activations_wanted() -> bool:
     """Whether a quantized model should compute with float32 activations here (MLX's CPU
     quantized kernels accumulate bf16 input in bf16: `macd.plane_weights`' module doc): on MLX's
@@ -209,13 +219,68 @@ def float32_activations_wanted() -> bool:
     return os.environ.get(ENV, "").strip().lower() != "bfloat16"
 
 
+@dataclass(slots=True)
+class _Dequantized:
+    """A quantized layer's weight dequantized in float32, and the arrays it was made from."""
+
+    sources: tuple[mx.array, mx.array, mx.array]  # codes, scales, biases
+    array: mx.array
+
+
+_DEQUANTIZED = "_dequantized"  # the layer attribute holding its `_Dequantized` (not an mx.array: no parameter)
+
+
+def _quantized_arrays(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array]:
+    return layer["weight"], layer["scales"], layer["biases"]
+
+
+def _dequantize(layer: nn.Module, codes: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+    """w = s * q + b per element, in float32 (the bf16 scales and biases widened, exactly): the
+    values MLX's quantized kernels multiply float32 input with."""
+    return mx.dequantize(codes, scales=scales.astype(mx.float32), biases=biases.astype(mx.float32),
+                         group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+
+
+def dequantized_weight(layer: nn.Module) -> mx.array:
+    """Quantized `layer`'s weight dequantized in float32: its copy, made (or made anew, if any of
+    its codes, scales or biases arrays was replaced since) here."""
+    copy = _dequantized_copy(layer)
+    if copy is None:
+        layer.__dict__.pop(_DEQUANTIZED, None)  # a stale copy's memory goes before the new one is made
+        sources = _quantized_arrays(layer)
+        array = _dequantize(layer, *sources)
+        mx.eval(array)
+        copy = _Dequantized(sources, array)
+        object.__setattr__(layer, _DEQUANTIZED, copy)
+    return copy.array
+
+
+def _dequantized_copy(layer: nn.Module) -> _Dequantized | None:
+    """`layer`'s dequantized copy when it is of the layer's current arrays."""
+    copy: _Dequantized | None = layer.__dict__.get(_DEQUANTIZED)
+    if copy is None or "scales" not in layer:
+        return None
+    current = all(held is now for held, now in zip(copy.sources, _quantized_arrays(layer), strict=True))
+    return copy if current else None
+
+
+def redequantize(layer: nn.Module) -> int:
+    """After quantized `layer`'s arrays were written in place or replaced: its float32 copy made
+    anew now, at the caller's safe point, if the layer computes with one (a ``QuantizedEmbedding``
+    only if it held one: its copy serves only a tied head, made at its first `as_linear`); the
+    elements dequantized (0: none)."""
+    held = layer.__dict__.pop(_DEQUANTIZED, None) is not None
+    if type(layer) not in _DEQUANTIZING.values():
+        return 0
+    if isinstance(layer, nn.QuantizedEmbedding) and not held:
+        return 0  # an untied input embedding never multiplies: no copy until a tied head's first call
+    return int(dequantized_weight(layer).size)
+
+
 def _quantized_embedding_call(self: Any, x: mx.array) -> mx.array:
     """The rows of `x` dequantized in float32 (stock: in bf16, each row rounded twice), as the
     float32 kernel dequantizes them for a tied head."""
-    return mx.dequantize(
-        self["weight"][x], scales=self["scales"][x].astype(mx.float32), biases=self["biases"][x].astype(mx.float32),
-        group_size=self.group_size, bits=self.bits, mode=self.mode,
-    )
+    return _dequantize(self, self["weight"][x], self["scales"][x], self["biases"][x])
 
 
 def _quantized_embedding_as_linear(self: Any, x: mx.array) -> mx.array:
@@ -231,40 +296,90 @@ def _quantized_switch_call(self: Any, x: mx.array, indices: mx.array, sorted_ind
     return stock.__call__(self, x.astype(mx.float32), indices, sorted_indices)
 
 
+def _dequantized_embedding_as_linear(self: Any, x: mx.array) -> mx.array:
+    return x.astype(mx.float32) @ dequantized_weight(self).T
+
+
+def _dequantized_linear_call(self: Any, x: mx.array) -> mx.array:
+    w = dequantized_weight(self)
+    if "bias" in self:
+        return mx.addmm(self["bias"].astype(mx.float32), x.astype(mx.float32), w.T)
+    return x.astype(mx.float32) @ w.T
+
+
+def _dequantized_switch_call(self: Any, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    """mlx-lm's ``QuantizedSwitchLinear.__call__`` with the experts' float32 copy (`gather_mm`)."""
+    y = mx.gather_mm(x.astype(mx.float32), dequantized_weight(self).swapaxes(-1, -2), rhs_indices=indices,
+                     sorted_indices=sorted_indices)
+    if "bias" in self:
+        y = y + mx.expand_dims(self["bias"][indices].astype(mx.float32), -2)
+    return y
+
+
 _SWITCH_NAME = "QuantizedSwitchLinear"  # mlx-lm's quantized experts, known by name: only macd.generate imports mlx-lm
 
 
-def _wide_methods(cls: type) -> dict[str, Any] | None:
-    """The methods the float32-activation subclass of quantized layer class `cls` overrides
-    (None: not such a class, or one switched already)."""
+def _wide_methods(cls: type, dequantized: bool) -> dict[str, Any] | None:
+    """The methods the float32 subclass of quantized layer class `cls` overrides: with float32
+    activations through MLX's quantized kernels, or (`dequantized`) through a float32 copy of the
+    weight (None: not such a class, or one switched already)."""
     if cls is nn.QuantizedEmbedding:
-        return {"__call__": _quantized_embedding_call, "as_linear": _quantized_embedding_as_linear}
+        linear = _dequantized_embedding_as_linear if dequantized else _quantized_embedding_as_linear
+        return {"__call__": _quantized_embedding_call, "as_linear": linear}
     if cls is nn.QuantizedLinear:
-        return {"__call__": _quantized_linear_call}
+        return {"__call__": _dequantized_linear_call if dequantized else _quantized_linear_call}
     if cls.__name__ == _SWITCH_NAME and cls.__module__.startswith("mlx_lm."):
-        return {"__call__": _quantized_switch_call}
+        return {"__call__": _dequantized_switch_call if dequantized else _quantized_switch_call}
     return None
 
 
-_WIDE: dict[type, type] = {}  # quantized layer class -> its float32-activation subclass
+_ACTIVATIONS: dict[type, type] = {}  # quantized layer class -> its float32-activation subclass
+_DEQUANTIZING: dict[type, type] = {}  # quantized layer class -> its float32-copy subclass
 
 
-def use_float32_activations(model: nn.Module) -> int:
+def use_float32_activations(model: nn.Module, dequantized: bool | None = None) -> int:
     """Make `model`'s affine quantized layers (``QuantizedLinear``, ``QuantizedEmbedding``,
     mlx-lm's ``QuantizedSwitchLinear``) compute with float32 activations, in place (each layer's
     class swapped for a subclass; module doc); how many layers were switched now. Idempotent.
-    Parameters and their memory are untouched, so a state lent the model's memory stays live."""
+    Parameters and their memory are untouched, so a state lent the model's memory stays live.
+
+    `dequantized` (default: `float32_compute_wanted`, a fast BLAS on the CPU device): the layers
+    multiply with a float32 copy of their weight dequantized, ``w = s * q + b`` (`dequantized_weight`),
+    the same values MLX's quantized kernel computes from the codes for float32 input (its bf16
+    scales and biases widened, exactly), so the same function of the served plane: only the
+    summation order differs (a float32 ulp or so per output). MLX's CPU ``quantized_matmul`` and
+    ``gather_qmm`` are plain loops (~2 GFLOP/s, one thread) where the copy goes through the BLAS's
+    ``cblas_sgemm`` (measured, 576x1536 int8 or int4, MKL on one thread: 12.5 ms -> 0.45 ms at 16
+    rows, 155 -> 3.6 ms at 200; through MLX's bundled reference BLAS no faster than the loop, so
+    not there). The cost: 4 bytes per weight of those layers beside the plane's (`copies_nbytes`).
+    A copy is made at its layer's first call, or at the weights' install (`redequantize`), and
+    made anew when the layer's arrays were replaced; a write into them in place must be followed
+    by `redequantize` (`PlaneWeights.apply` does so)."""
+    if dequantized is None:
+        dequantized = float32_compute_wanted()
     switched = 0
     for _, module in model.named_modules():
         cls = type(module)
-        methods = _wide_methods(cls)
-        if methods is None or getattr(module, "mode", "affine") != "affine":
+        methods = _wide_methods(cls, dequantized)
+        if methods is None or getattr(module, "mode", "affine") != "affine" or module.get("biases") is None:
             continue  # another class (or one switched already) computes its own way
-        module.__class__ = _WIDE.setdefault(cls, type(f"Float32Activations{cls.__name__}", (cls,), methods))
+        family, prefix = (_DEQUANTIZING, "Float32Dequantized") if dequantized else (_ACTIVATIONS, "Float32Activations")
+        module.__class__ = family.setdefault(cls, type(f"{prefix}{cls.__name__}", (cls,), methods))
         switched += 1
     return switched
 
 
 def computes_float32_activations(model: nn.Module) -> bool:
     """Whether `use_float32_activations` switched any layer of `model`."""
-    return any(type(m) in _WIDE.values() for _, m in model.named_modules())
+    switched = (*_ACTIVATIONS.values(), *_DEQUANTIZING.values())
+    return any(type(m) in switched for _, m in model.named_modules())
+
+
+def computes_dequantized(model: nn.Module) -> bool:
+    """Whether `use_float32_activations` made any layer of `model` compute with a float32 copy."""
+    return any(type(m) in _DEQUANTIZING.values() for _, m in model.named_modules())
+
+
+def redequantize_all(model: nn.Module) -> int:
+    """`redequantize` every layer of `model` (after an install); the elements dequantized."""
+    return sum(redequantize(m) for _, m in model.named_modules())

@@ -30,7 +30,14 @@ computed exactly are 0.056 away. So there `from_state` makes the quantized layer
 float32 activations (`cpu_compute.use_float32_activations`: the embedding's rows dequantized in float32,
 every quantized layer's input cast to float32; MLX then dequantizes with the bf16 scales and
 biases widened, exactly, and accumulates in float32: the plane's function to float32 rounding,
-and 5-8x faster than the bf16 loop). The served bytes do not change; ``STOA_CPU_COMPUTE=bfloat16``
+and 5-8x faster than the bf16 loop). Where a fast BLAS serves MLX (`cpu_compute.float32_compute_wanted`)
+each quantized layer multiplies instead with a float32 copy of its weight dequantized, w = s * q + b:
+the same values the quantized kernel computes from the codes for float32 input, so the same
+function (only the summation order differs), through the BLAS's sgemm instead of MLX's quantized
+loop, ~35x faster per matmul (`cpu_compute.use_float32_activations` has the figures). The copies
+cost 4 bytes per quantized weight (`copy_nbytes`); they are made at the install and made anew,
+at the same safe point, for every layer whose arrays a version replaced or wrote in place
+(`apply`). The served bytes do not change; ``STOA_CPU_COMPUTE=bfloat16``
 (`cpu_compute.ENV`) keeps MLX's stock compute. A GPU device computes as mlx-lm does (Metal's
 quantized kernels accumulate in float32, by MLX's source).
 
@@ -130,7 +137,8 @@ class PlaneWeights(LiveWeights):
     ) -> PlaneWeights:
         """Quantize `model` (a bf16 mlx-lm model built from its config) as the plane `state`
         says and install the state into it, sharing its memory (module doc); on the CPU device its
-        quantized layers compute with float32 activations (`cpu_compute.float32_activations_wanted`).
+        quantized layers compute with float32 activations (`cpu_compute.float32_activations_wanted`),
+        with a fast BLAS through float32 copies of their weights dequantized.
         ValueError naming the first tensor that does not fit; the model is then left unusable."""
         layers: dict[str, int] = {}
         for path, bits in plane_structure(state).items():
@@ -142,10 +150,10 @@ class PlaneWeights(LiveWeights):
         live.slots = checkpoint_layout(live._shapes, {n: tuple(a.shape) for n, a in state.items()})
         live._validate(state, list(state), None)
         live._check_complete(state)
+        if cpu_compute.float32_activations_wanted():
+            cpu_compute.use_float32_activations(model)  # before the install, which makes the float32 copies
         live._install(state)
         live.digest = digest
-        if cpu_compute.float32_activations_wanted():
-            cpu_compute.use_float32_activations(model)
         return live
 
     def _target(self, name: str) -> str:
@@ -179,7 +187,8 @@ class PlaneWeights(LiveWeights):
     ) -> ApplyStats:
         """After a sync: tensors committed into the lent memory are live already; a parameter
         with any other touched tensor (or, with `changed` None, any at all) is installed again
-        from the state and shared."""
+        from the state and shared. Either way each layer of a touched tensor dequantizes its
+        float32 copy anew, if it computes with one (module doc)."""
         start = time.perf_counter()
         names = sorted(state) if changed is None else sorted(set(touched) | set(changed))
         self._validate(state, names, changed)
@@ -189,6 +198,10 @@ class PlaneWeights(LiveWeights):
         members = self._members(state)
         for target in stale:
             self._share(state, target, members[target])
+        modules = dict(self.model.named_modules())
+        for path in sorted({self._target(name).rpartition(".")[0] for name in names}):
+            if path in modules:  # once per layer, after all its arrays are in
+                cpu_compute.redequantize(modules[path])
         if changed is None:
             self.state = state
         return ApplyStats(len(stale), 0, changed is None, time.perf_counter() - start)
