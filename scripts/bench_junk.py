@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -51,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import Session, exit_on_signals, ratio, spread, write_json
+from benchlib import Session, exit_on_signals, on_signal_exit, ratio, spread, write_json
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import Store, open_store
@@ -274,11 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     session = Session()
     with exit_on_signals(), tempfile.TemporaryDirectory(prefix="bench-junk-") as tmp:
         root = Path(tmp)
+        on_signal_exit(lambda: shutil.rmtree(root, ignore_errors=True))  # millions of junk files
         tiny = build_tiny(root / "tiny")
         if args.s3:
             from tests.s3server import LocalS3Server
 
             with LocalS3Server() as server:
+                on_signal_exit(server.stop)
                 creds = server.credentials()  # the consumer opens its store from the URL and the environment
                 os.environ.update({"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key})
 
