@@ -138,12 +138,13 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None
     return dict(metadata)
 
 
-def _plan(
+def plan_header(
     tensors: Mapping[str, np.ndarray],
     dtypes: Mapping[str, str] | None,
     metadata: Mapping[str, str] | None,
 ) -> tuple[bytes, list[np.ndarray]]:
-    """Return the encoded header (length prefix included) and the arrays in data order."""
+    """The encoded header (length prefix included) and the arrays in data order: the plan
+    `safetensors_bytes` and `write_safetensors` write (the anchor writer builds its shards from it)."""
     dtypes = dict(dtypes or {})
     unknown = set(dtypes) - set(tensors)
     if unknown:
@@ -177,7 +178,7 @@ def _plan(
     return struct.pack("<Q", len(raw)) + raw, arrays
 
 
-def _le_bytes(arr: np.ndarray) -> np.ndarray:
+def le_bytes(arr: np.ndarray) -> np.ndarray:
     """A flat, C-ordered, little-endian uint8 view (copy only when needed) of `arr`'s data."""
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -187,7 +188,7 @@ def _le_bytes(arr: np.ndarray) -> np.ndarray:
 def _write_to(f: BinaryIO, header: bytes, arrays: list[np.ndarray]) -> None:
     f.write(header)
     for arr in arrays:
-        f.write(_le_bytes(arr).data)
+        f.write(le_bytes(arr).data)
 
 
 def safetensors_bytes(
@@ -197,8 +198,8 @@ def safetensors_bytes(
     metadata: Mapping[str, str] | None = None,
 ) -> bytes:
     """Encode `tensors` as one safetensors blob (see `write_safetensors` for the arguments)."""
-    header, arrays = _plan(tensors, dtypes, metadata)
-    parts = [header] + [_le_bytes(a).tobytes() for a in arrays]
+    header, arrays = plan_header(tensors, dtypes, metadata)
+    parts = [header] + [le_bytes(a).tobytes() for a in arrays]
     return b"".join(parts)
 
 
@@ -216,7 +217,7 @@ def write_safetensors(
     stored under ``__metadata__`` (transformers wants ``{"format": "pt"}``).
     """
     path = Path(path)
-    header, arrays = _plan(tensors, dtypes, metadata)
+    header, arrays = plan_header(tensors, dtypes, metadata)
     with atomic_file(path, mode=FILE_MODE) as f:
         _write_to(f, header, arrays)
     return path

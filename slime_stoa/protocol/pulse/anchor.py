@@ -27,7 +27,7 @@ import xxhash
 
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.hf.folders import INDEX_NAME, WEIGHTS_NAME, plan_shards, safe_child
-from slime_stoa.protocol.hf.safetensors_io import FILE_MODE, _le_bytes, _plan, parse_header, read_safetensors
+from slime_stoa.protocol.hf.safetensors_io import FILE_MODE, le_bytes, parse_header, plan_header, read_safetensors
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_trust import ContentMismatch, check_content, content_hash
 from slime_stoa.protocol.signing import SigningKey
@@ -71,9 +71,9 @@ def stand_ins(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def shard_bytes_of(state: Mapping[str, np.ndarray], names: Sequence[str], specs: Mapping[str, np.ndarray]) -> bytearray:
     """The safetensors bytes of `state`'s tensors `names` (`safetensors_bytes`' own, byte for
     byte) in one buffer of their size: the header planned from the stand-ins `specs`, then each
-    tensor read once and copied to its place, one at a time (`_plan` and `_le_bytes` are
+    tensor read once and copied to its place, one at a time (`plan_header` and `le_bytes` are
     `safetensors_bytes`' own header plan and byte view, so the bytes are its)."""
-    header, _ = _plan({name: specs[name] for name in names}, None, SHARD_METADATA)
+    header, _ = plan_header({name: specs[name] for name in names}, None, SHARD_METADATA)
     planned = parse_header(header, len(header) + sum(specs[name].nbytes for name in names))
     out = bytearray(planned.data_start + (planned.tensors[-1].end if planned.tensors else 0))
     with memoryview(out) as view:  # a slice of a memoryview never resizes: a size mismatch raises
@@ -82,7 +82,7 @@ def shard_bytes_of(state: Mapping[str, np.ndarray], names: Sequence[str], specs:
             bits = state[entry.name]
             if tuple(bits.shape) != entry.shape or bits.dtype != specs[entry.name].dtype:
                 raise ValueError(f"tensor {entry.name!r}: read as {bits.dtype}{tuple(bits.shape)}, planned otherwise")
-            view[planned.data_start + entry.begin : planned.data_start + entry.end] = _le_bytes(bits).data
+            view[planned.data_start + entry.begin : planned.data_start + entry.end] = le_bytes(bits).data
             del bits  # before the next read: one tensor read at a time
     return out
 
@@ -132,7 +132,8 @@ async def write_anchor(
 
     One file at a time: each is built, hashed, uploaded and dropped before the next is built, so
     the anchor holds one shard's bytes at most (plus the tensor being copied into it), never a
-    serialized copy of the whole state. `concurrency` is not used (callers still pass it)."""
+    serialized copy of the whole state. `concurrency` is accepted and not used: the chain's call
+    passes its config's value."""
     del concurrency
     uploaded: list[tuple[AnchorFile, bool]] = []
     for part in anchor_files(state, shard_bytes=shard_bytes, extras=extras):
