@@ -601,3 +601,41 @@ def test_the_device_budget_setting_selects_the_path(fake_slime, tmp_path: Path) 
     args.stoa_device_budget_bytes = -1
     with pytest.raises(ValueError, match="stoa_device_budget_bytes must be a finite number >= 0"):
         slime_hook.settings_from_args(args)
+
+
+@pytest.mark.parametrize("config", [BY_DELTA, CONFIG], ids=["bf16", "planes"])
+def test_a_device_path_restarted_over_a_lost_chain_sends_a_full_state(
+    fake_slime, tmp_path: Path, config: PublisherConfig  # noqa: F811
+) -> None:
+    """Every patch deleted while the trainer was down (no keep folder): the resumed publisher
+    cannot read the head back, so it releases nothing to the device path, whose next gather is a
+    full state published as a fresh anchor; the gathers after it go by delta again, and a worker
+    rebuilds each version (and its planes) bit for bit."""
+    trainer = Trainer(f"file://{tmp_path}", 1 << 30, config)
+    rng = np.random.default_rng(6)
+    for _ in range(3):  # v0 anchor, v1, v2 patches
+        trainer.publish()
+        trainer.committed()
+        step(trainer.weights, rng, list(SHAPES)[:2])
+    patches = [p for p in tmp_path.rglob("*") if p.is_file() and "/patches/" in p.as_posix()]
+    assert patches
+    for patch in patches:
+        patch.unlink()
+    trainer.restart()
+    trainer.publisher.open()
+    path, pub = trainer.publisher.device, trainer.publisher._publisher
+    assert path is not None and pub is not None and pub.weights.baseline_lost
+    assert path.released is None and path.held is None  # nothing to diff against: host copies next
+    for version in (3, 4):
+        trainer.publish()
+        result = trainer.committed()
+        assert result.version == version and result.anchored == (version == 3)
+        want = bits_of(trainer.weights)
+        got_version, got = asyncio.run(installed(f"file://{tmp_path}"))
+        assert got_version == version and got.keys() == set(PUBLISHED)
+        assert all(np.array_equal(got["model." + n], want["model." + n]) for n in SHAPES)
+        for plane in config.planes or ():
+            plane_version, held = asyncio.run(installed(f"file://{tmp_path}", plane))
+            assert plane_version == version and held  # the plane is brought to the same version
+        step(trainer.weights, rng, list(SHAPES)[:2])
+    assert trainer.handed[3:] == ["dict", "DeviceDelta"]

@@ -30,7 +30,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,7 @@ from .restore import log_restore, next_origin, version_ref
 from .retention import retain
 from .step_diff import DiffStep, SparseStep, StaleBase, TensorsOnDemand, diff_step, sparse_digest
 from .subscriber import Subscriber, WeightsRefused
+from .sync_result import SyncError
 from .unsure import UnsureCommit, settled_result
 from .version_patches import VersionPatches, encode_patches
 
@@ -114,6 +115,13 @@ class ChainPublisher:
         self._force_anchor = True
 
     @property
+    def baseline_lost(self) -> bool:
+        """Whether `open` resumed at a committed version whose state it could not read back from
+        the bucket (an object the chain needs was deleted or spoiled): the next version is a full
+        anchor of the caller's state, with no patches (`_publish_fresh_anchor`)."""
+        return self.head is not None and self._digest is None
+
+    @property
     def baseline(self) -> Mapping[str, np.ndarray]:
         """The published state (what the next version is diffed against); not to be written."""
         return self._baseline
@@ -149,7 +157,7 @@ class ChainPublisher:
             )
             await self.committer.point_back(head)
         self._union, self._catchup_bytes = {}, 0
-        if self.config.catchup and manifest.anchor.version < manifest.version:
+        if self.config.catchup and manifest.anchor.version < manifest.version and not self.baseline_lost:
             sources, self._catchup_bytes = await union_sources(self.store, manifest, trust=self.trust)
             if sources is None:
                 self._force_anchor = True
@@ -168,10 +176,22 @@ class ChainPublisher:
         sub = Subscriber(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
         try:
             manifest = head or await sub.manifest(pointer.manifest)
-            await sub.sync_to(manifest)
         except (Untrusted, WeightsRefused) as exc:
             at = head.version if head is not None else pointer.version
             raise UntrustedState(f"refusing to resume run {self.layout.run!r} from v{at}: {exc}") from None
+        try:
+            await sub.sync_to(manifest)
+        except (Untrusted, SyncError) as exc:
+            # The head verifies, the chain below it does not read back: the caller holds its own
+            # weights, so only the next version's patch needed this state; it becomes an anchor.
+            self._baseline, self._digest, self._shapes, self._force_anchor = {}, None, None, True
+            on = "" if self.layout.plane is None else f" plane {self.layout.plane}"
+            log.warning(
+                "run %s%s: the state of v%d cannot be read back from the bucket (%s); resuming at v%d without it, "
+                "v%d will be a fresh anchor", self.layout.run, on, manifest.version, exc, manifest.version,
+                manifest.version + 1,
+            )
+            return manifest
         assert sub.state is not None
         self._baseline, self._digest, self._shapes = sub.state, sub.digest, None
         return manifest
@@ -202,6 +222,8 @@ class ChainPublisher:
                     raise ValueError(f"plane {self.layout.plane} is at v{self.version} already, not below v{source.version}")
                 return await self._publish_first(state, source)  # behind by more than one: a new chain
             await self.committer.put_back_window(self.version, self.config.retain_versions)
+            if self.baseline_lost:
+                return await self._publish_fresh_anchor(state, source)
             return await self._publish_next(state, source)
 
     @contextlib.contextmanager
@@ -370,6 +392,44 @@ class ChainPublisher:
         self._resumed = False
         return PublishResult(v, True, 0, manifest.elements, 0, 0, anchor_bytes, time.perf_counter() - start)
 
+    async def _publish_fresh_anchor(self, state: dict[str, np.ndarray], source: Ref | None) -> PublishResult:
+        """The version after a head whose state `open` could not read back (`baseline_lost`): a
+        full anchor of `state` with no patches, its chain parent and lineage the head's next."""
+        assert self.head is not None
+        start = time.perf_counter()
+        prev, attempt = self.head, new_attempt()
+        v = prev.version + 1
+        digest = await asyncio.to_thread(StateDigest.of, state, threads=self.config.threads)
+        root = digest.root()
+        origin = await next_origin(
+            self.store, self.layout, prev, root, first_since_open=self._resumed, trust=self.trust
+        )
+        key, anchor_bytes = await self._write_anchor(v, attempt, state, root)
+        manifest = VersionManifest(
+            run=self.layout.run, version=v, attempt=attempt, state_digest=root, parent=version_ref(self.layout, prev),
+            anchor=Ref(version=v, manifest=key, state_digest=root), anchor_bytes=anchor_bytes, since_anchor_bytes=0,
+            patches=(), elements=_elements({n: tuple(b.shape) for n, b in state.items()}), created_at=time.time(),
+            lineage=origin, plane=self.layout.plane, source=source,
+        )
+
+        def advance() -> None:  # the state is held again: the versions after go by patch
+            self._baseline, self._shapes = {name: bits.copy() for name, bits in state.items()}, None
+            self._digest, self._union, self._catchup_bytes, self._force_anchor = digest, {}, 0, False
+            self._resumed = False
+            self.last_delta = None  # no step from the head is known
+
+        await self._commit_advancing(manifest, advance, start)
+        log_restore(v, origin)
+        if self.config.retain_anchors != 0:
+            await retain(
+                self.store, self.layout, retain_anchors=self.config.retain_anchors,
+                retain_versions=self.config.retain_versions, head=v,
+            )
+        return PublishResult(
+            v, True, 0, manifest.elements, 0, 0, anchor_bytes, time.perf_counter() - start, epoch=origin.epoch,
+            restored_from=origin.parent.version if origin.restored and origin.parent else None,
+        )
+
     async def _publish_next(self, state: dict[str, np.ndarray], source: Ref | None = None) -> PublishResult:
         """The version after the head: its patches, an anchor when due, the commit."""
         start = time.perf_counter()
@@ -448,6 +508,11 @@ class ChainPublisher:
             self._resumed = False
             self.last_delta = (manifest.version, delta)
 
+        await self._commit_advancing(manifest, advance, start)
+
+    async def _commit_advancing(self, manifest: VersionManifest, advance: Callable[[], None], start: float) -> None:
+        """Commit `manifest`, then `advance` (what the commit changes here); a pointer write
+        without an answer is kept to settle with `advance` (`_settle_unsure`) and raised."""
         try:
             await self.committer.commit(manifest, create=False)
         except PreconditionFailed:

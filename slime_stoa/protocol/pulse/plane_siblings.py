@@ -73,7 +73,8 @@ async def bring_planes_to(
                 await pub.open()
             if pub.version is not None and pub.version >= source.version:
                 continue
-            if last_delta is not None and last_delta[0] == source.version and pub.version == source.version - 1:
+            if last_delta is not None and last_delta[0] == source.version and pub.version == source.version - 1 \
+                    and not pub.baseline_lost:
                 # One step behind: re-quantize only the groups the step changed.
                 changed = {name: indices for name, (indices, _) in last_delta[1].items()}
                 bits = await asyncio.to_thread(
@@ -125,7 +126,7 @@ async def step_planes_behind(
                 await pub.open()
             await pub.settle()
             at = pub.head
-            if at is None or at.version != head.version - 1 or at.source is None \
+            if at is None or pub.baseline_lost or at.version != head.version - 1 or at.source is None \
                     or at.source.state_digest != head.parent.state_digest:
                 continue
             if pub.holds_state:
@@ -176,7 +177,7 @@ async def bring_planes_by_delta(
             step = given.steps[plane]
             head = pub.head
             if head is not None and head.version == source.version - 1 and head.source is not None \
-                    and head.source.state_digest == base:
+                    and head.source.state_digest == base and not pub.baseline_lost:
                 if pub.holds_state:  # opened since the release (a plane that failed to open before)
                     pub.release_baseline()
                 assert pub.state_digest is not None
@@ -197,7 +198,7 @@ def release_planes(planes: Mapping[QuantPlane, ChainPublisher]) -> None:
     """Drop every plane's committed state (publishing by delta: the holder of the weights
     computes the planes); a plane without a committed version holds none to drop."""
     for pub in planes.values():
-        if pub.head is not None and pub.holds_state:
+        if pub.head is not None and pub.holds_state and not pub.baseline_lost:
             pub.release_baseline()
 
 

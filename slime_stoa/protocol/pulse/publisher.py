@@ -107,7 +107,7 @@ class Publisher:
             )
         self._opened = True
         version = await self.weights.resume()
-        if version is not None:
+        if version is not None and not self.weights.baseline_lost:  # else brought with the next version
             await self._complete_planes(self.weights.baseline)
         return version
 
@@ -118,7 +118,7 @@ class Publisher:
         if not self._opened:
             await self.open()
         checked = self.weights.checked(state, source)
-        if self.planes:
+        if self.planes and not self.weights.baseline_lost:
             await self._complete_planes(self.weights.baseline)  # planes left behind the published version
         result = await self.weights.publish_checked(checked, source)
         return replace(result, planes=await self._complete_planes(checked)) if self.planes else result
