@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_check.sh: stoa's trainer on one CUDA GPU in slime's image, end to end, in 40 minutes at most
+# gpu_check.sh: stoa's trainer on one CUDA GPU in slime's image, end to end, in 46 minutes at most
 # (the checks' caps; see BUDGET).
 #
 #   scripts/gpu_check.sh [--dry-run]
@@ -24,6 +24,12 @@
 #   convert_qwen2     `scripts/run_qwen25_gsm8k.sh --convert` on the tiny Qwen2 (its model args
 #                     written from config.json as slime's scripts/models/qwen2.5-*.sh are)
 #   e2e_qwen2         the same launch with slime's own Qwen2 model (no provider)
+#   bits_lfm2_moe,    the published head equals the trainer's own weights bit for bit: the launch's
+#   bits_qwen2        last Megatron checkpoint (Megatron's save, never touched by stoa's publisher)
+#                     converted by slime's tools/convert_torch_dist_to_hf.py
+#                     (python -m slime_stoa.trainer.slime.checkpoint_to_hf), against the head
+#                     rebuilt from the bucket as a worker rebuilds it, every digest checked
+#                     (python -m slime_stoa.trainer.slime.published_bits; report bits-FAMILY.json)
 #
 # The launches are the recipes themselves, with the tiny models' settings: nothing of their flags
 # is restated here. Ray: the recipe starts a head when none answers at RAY_HEAD_IP (stopped here at
@@ -34,7 +40,7 @@
 # checkout), WORK (a new temporary folder; must be new or empty; kept, logs inside), PYTHON
 # (python3: slime's), WORKER_PYTHON (a Python with `stoa[worker]`; default: a venv made in WORK from
 # STOA_DIR, which needs PyPI), NUM_ROLLOUT (3), BUDGET (seconds for all checks; default: the checks'
-# caps added up, 2400 s with the defaults, 2040 s with WORKER_PYTHON, so that no check is cut short by
+# caps added up, 2760 s with the defaults, 2400 s with WORKER_PYTHON, so that no check is cut short by
 # the budget before its own cap; a smaller BUDGET can leave the last checks "not run"), CONVERT_TIMEOUT
 # (150 s per conversion), E2E_TIMEOUT (240 s per launch), RAY_HEAD_IP (127.0.0.1),
 # RAY_DASHBOARD_PORT (8265), SKIP_PREFLIGHT (0; 1: the launches skip the patch check and
@@ -62,7 +68,8 @@ MAX_TOKENS=32
 SETUP_TIMEOUT=120  # each command that imports the GPU stack or builds models (gpu, imports, tiny_models, ...)
 QUICK_TIMEOUT=60  # each small command (the patch, a run's set-up, the Qwen2 model args)
 VENV_TIMEOUT=60 PIP_TIMEOUT=300  # the worker venv from PyPI (without WORKER_PYTHON)
-CHECKS=(gpu imports patch tiny_models lfm2_provider worker_env convert_lfm2_moe e2e_lfm2_moe convert_qwen2 e2e_qwen2)
+CHECKS=(gpu imports patch tiny_models lfm2_provider worker_env convert_lfm2_moe e2e_lfm2_moe bits_lfm2_moe convert_qwen2
+  e2e_qwen2 bits_qwen2)
 
 DRY_RUN=0
 case "${1:-}" in
@@ -94,10 +101,12 @@ fi
 worker_env_cap=$SETUP_TIMEOUT
 if [ -z "$WORKER_PYTHON" ]; then worker_env_cap=$((VENV_TIMEOUT + PIP_TIMEOUT + SETUP_TIMEOUT)); fi
 e2e_cap=$((4 * QUICK_TIMEOUT + E2E_TIMEOUT))
+bits_cap=$((SETUP_TIMEOUT + QUICK_TIMEOUT))
 declare -A CAP=(
   [gpu]=$SETUP_TIMEOUT [imports]=$SETUP_TIMEOUT [patch]=$((2 * QUICK_TIMEOUT)) [tiny_models]=$SETUP_TIMEOUT
   [lfm2_provider]=$SETUP_TIMEOUT [worker_env]=$worker_env_cap [convert_lfm2_moe]=$CONVERT_TIMEOUT
-  [e2e_lfm2_moe]=$e2e_cap [convert_qwen2]=$((QUICK_TIMEOUT + CONVERT_TIMEOUT)) [e2e_qwen2]=$e2e_cap
+  [e2e_lfm2_moe]=$e2e_cap [bits_lfm2_moe]=$bits_cap [convert_qwen2]=$((QUICK_TIMEOUT + CONVERT_TIMEOUT))
+  [e2e_qwen2]=$e2e_cap [bits_qwen2]=$bits_cap
 )
 CAPS_TOTAL=0
 CAPS_LIST=""
@@ -295,6 +304,15 @@ e2e() {  # FAMILY: seed a run, start a worker, launch the recipe; 0 when it publ
   [ "$version" -ge "$NUM_ROLLOUT" ] || { echo "v$version < NUM_ROLLOUT=$NUM_ROLLOUT"; return 1; }
 }
 
+bits() {  # FAMILY: the launch's last Megatron checkpoint, converted by slime's converter, is the
+  # published head bit for bit (the recipe saves at its last rollout, then publishes that step)
+  local family=$1 trainer_hf="$WORK/trainer-hf-$1"
+  limited "$SETUP_TIMEOUT" "$PYTHON" -m slime_stoa.trainer.slime.checkpoint_to_hf --slime-dir "$SLIME_DIR" \
+    --checkpoint "$WORK/ckpt-$family" --hf "$WORK/$family" --out "$trainer_hf" || return 1
+  limited "$QUICK_TIMEOUT" "$PYTHON" -m slime_stoa.trainer.slime.published_bits --store "file://$WORK/bucket-$family" \
+    --run "gpucheck-$family" --trainer-hf "$trainer_hf" --json "$WORK/bits-$family.json"
+}
+
 cleanup() {
   if [ "$LAUNCHING" = 1 ]; then stop_jobs; fi
   for pid in ${WORKER_PIDS[@]+"${WORKER_PIDS[@]}"}; do
@@ -357,6 +375,7 @@ step worker_env "" "$WORK/worker_env.log" make_worker_env
 for family in lfm2_moe qwen2; do
   step "convert_$family" "gpu tiny_models" "$WORK/convert-$family.log" convert "$family"
   step "e2e_$family" "worker_env convert_$family" "$WORK/e2e-$family.log" e2e "$family"
+  step "bits_$family" "e2e_$family" "$WORK/bits-$family.log" bits "$family"
 done
 
 if [ "$DRY_RUN" = 1 ]; then exit 0; fi
