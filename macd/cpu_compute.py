@@ -264,12 +264,19 @@ def _dequantized_copy(layer: nn.Module) -> _Dequantized | None:
     return copy if current else None
 
 
-def redequantize(layer: nn.Module) -> int:
+def drop_dequantized(layer: nn.Module) -> bool:
+    """Let `layer`'s dequantized copy go, its memory and its hold on the arrays it was made from
+    (before they are replaced: the old ones are then freed as the new ones come in); whether it
+    held one (`redequantize`'s `held`)."""
+    return layer.__dict__.pop(_DEQUANTIZED, None) is not None
+
+
+def redequantize(layer: nn.Module, held: bool = False) -> int:
     """After quantized `layer`'s arrays were written in place or replaced: its float32 copy made
-    anew now, at the caller's safe point, if the layer computes with one (a ``QuantizedEmbedding``
-    only if it held one: its copy serves only a tied head, made at its first `as_linear`); the
-    elements dequantized (0: none)."""
-    held = layer.__dict__.pop(_DEQUANTIZED, None) is not None
+    anew now, at the caller's safe point, if the layer computes with one; a ``QuantizedEmbedding``
+    only if it held one (now, or `held`: before the caller dropped it), as its copy serves only a
+    tied head and is made at its first `as_linear`. The elements dequantized (0: none)."""
+    held = drop_dequantized(layer) or held
     if type(layer) not in _DEQUANTIZING.values():
         return 0
     if isinstance(layer, nn.QuantizedEmbedding) and not held:

@@ -196,12 +196,13 @@ class PlaneWeights(LiveWeights):
             self._check_complete(state)
         stale = sorted({self._target(name) for name in names if not self._is_live(state, name)})
         members = self._members(state)
+        modules = dict(self.model.named_modules())
+        paths = sorted({self._target(name).rpartition(".")[0] for name in names} & modules.keys())
+        held = {path: cpu_compute.drop_dequantized(modules[path]) for path in paths}  # old arrays go as new come in
         for target in stale:
             self._share(state, target, members[target])
-        modules = dict(self.model.named_modules())
-        for path in sorted({self._target(name).rpartition(".")[0] for name in names}):
-            if path in modules:  # once per layer, after all its arrays are in
-                cpu_compute.redequantize(modules[path])
+        for path in paths:  # once per layer, after all its arrays are in
+            cpu_compute.redequantize(modules[path], held[path])
         if changed is None:
             self.state = state
         return ApplyStats(len(stale), 0, changed is None, time.perf_counter() - start)
