@@ -403,10 +403,28 @@ def attack(spoil: Callable[[Store, Live], Awaitable[Any]]) -> Attack:
     return run
 
 
+async def _shard_deleted_while_down(store: Store, url: str, tiny: Any, keep: Path) -> Outcome:
+    """An anchor shard (no copy kept: it is large) deleted while no trainer runs: the restarted
+    publisher resumes at the signed head and publishes the next version as a fresh anchor."""
+    chain = states(5)
+    first = Live(store, keep)
+    await first.publish(chain[:4])
+    await first.round()
+    await _delete_shard(store, first)
+    try:
+        await kept_publisher_store(store, RUN, keep)  # what a restart runs first
+        again = Live(store, keep, key=first.key)
+        await again.publish(chain)
+    except Exception:
+        return Outcome(stopped=True, honest_rejected=0, restored=False)
+    return Outcome(stopped=False, honest_rejected=0, restored=await joins(store, again, chain[4], 4))
+
+
 ATTACKS: dict[str, Attack] = {
     "live_patch_deleted": attack(_delete_patch),
     "live_version_manifest_overwritten": attack(_overwrite_manifest),
     "live_anchor_shard_deleted": attack(_delete_shard),
+    "anchor_shard_deleted_while_down": _shard_deleted_while_down,
 }
 
 

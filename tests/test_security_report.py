@@ -31,8 +31,9 @@ and `crashes`, is 0.
   `honest_rejected_for_missing_object`): the run manifest, pointer, a version manifest, the
   registry, the consumer state and its heads deleted or overwritten under a trainer with its own
   copies (`test_trust_writer`), and a patch, a version manifest or an anchor shard of the live
-  weight chain spoiled under a live publisher (`test_chain_keeper`: a worker joining after one
-  keeper round and the next version must reach the head); one stops the trainer when it raises,
+  weight chain spoiled under a live publisher, or an anchor shard deleted while no trainer runs
+  (`test_chain_keeper`: a worker joining after one keeper round, or the restart, and the next
+  version must reach the head); one stops the trainer when it raises,
   does not put the object back (or, for an anchor shard, publish a fresh anchor) or admits a
   revoked worker's record.
 - delivery (`junk_list_ratio`, `junk_state_bytes`, `skew_rejected`, `slow_answer_admitted_ratio`):
