@@ -20,7 +20,11 @@
 #   e2e_lfm2_moe      `scripts/run_lfm2_search.sh` on it: the patch check, `stoa preflight`, Ray and
 #                     slime's train.py as the recipe runs them, NUM_ROLLOUT rollouts from a real
 #                     `macd run` worker on this box through a file:// bucket, a weight version
-#                     published after each (current.json reaches v>=NUM_ROLLOUT)
+#                     published after each (current.json reaches v>=NUM_ROLLOUT); slime itself
+#                     asserts at every training step that the trainer's logprobs of the worker's
+#                     tokens are within GAP_LIMIT of the worker's (`--ci-test
+#                     --ci-train-rollout-logprob-abs-diff-threshold`, on the mean |gap| per token
+#                     that stoa's loss reports as train_rollout_logprob_abs_diff)
 #   convert_qwen2     `scripts/run_qwen25_gsm8k.sh --convert` on the tiny Qwen2 (its model args
 #                     written from config.json as slime's scripts/models/qwen2.5-*.sh are)
 #   e2e_qwen2         the same launch with slime's own Qwen2 model (no provider)
@@ -43,8 +47,9 @@
 # caps added up, 2760 s with the defaults, 2400 s with WORKER_PYTHON, so that no check is cut short by
 # the budget before its own cap; a smaller BUDGET can leave the last checks "not run"), CONVERT_TIMEOUT
 # (150 s per conversion), E2E_TIMEOUT (240 s per launch), RAY_HEAD_IP (127.0.0.1),
-# RAY_DASHBOARD_PORT (8265), SKIP_PREFLIGHT (0; 1: the launches skip the patch check and
-# preflight). The recipes read their other settings (OPTIMIZER_OFFLOAD, RECOMPUTE,
+# RAY_DASHBOARD_PORT (8265), GAP_LIMIT (0.5 nats per token: the quarantine's limit for a bf16
+# worker, which the worker here serves, `--plane bf16`), SKIP_PREFLIGHT (0; 1: the launches skip
+# the patch check and preflight). The recipes read their other settings (OPTIMIZER_OFFLOAD, RECOMPUTE,
 # MAX_TOKENS_PER_GPU, LR, ...) from the environment as usual.
 set -uo pipefail
 
@@ -62,6 +67,7 @@ E2E_TIMEOUT=${E2E_TIMEOUT:-240}
 RAY_HEAD_IP=${RAY_HEAD_IP:-127.0.0.1}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
 SKIP_PREFLIGHT=${SKIP_PREFLIGHT:-0}
+GAP_LIMIT=${GAP_LIMIT:-0.5}
 GROUP_SIZE=4
 ROLLOUT_BATCH_SIZE=4
 MAX_TOKENS=32
@@ -83,6 +89,8 @@ for n in NUM_ROLLOUT BUDGET CONVERT_TIMEOUT E2E_TIMEOUT; do
   [ "$n" = BUDGET ] && [ -z "$BUDGET" ] && continue
   [[ ${!n} =~ ^[1-9][0-9]*$ ]] || { echo "$PROG: error: $n must be a positive whole number, got '${!n}'" >&2; exit 2; }
 done
+[[ $GAP_LIMIT =~ ^[0-9]*\.?[0-9]+$ && ! $GAP_LIMIT =~ ^[0.]+$ ]] \
+  || { echo "$PROG: error: GAP_LIMIT must be a positive number (nats per token), got '$GAP_LIMIT'" >&2; exit 2; }
 
 if [ -z "${WORK:-}" ]; then
   if [ "$DRY_RUN" = 1 ]; then WORK="$(mktemp -u -d -t stoa-gpu-check.XXXXXX)"; else WORK="$(mktemp -d -t stoa-gpu-check.XXXXXX)"; fi
@@ -280,19 +288,21 @@ e2e() {  # FAMILY: seed a run, start a worker, launch the recipe; 0 when it publ
   limited "$QUICK_TIMEOUT" "${stoa[@]}" weights publish-anchor --store "$url" --run "$run" "$WORK/$family" || return 1
   limited "$QUICK_TIMEOUT" "$WORKER_PYTHON" -m macd join "$url" --run "$run" --name "gpucheck-${family//_/-}" \
     --worker-id "gpucheck-${family//_/-}" --config "$WORK/worker-$family/macd.toml" --data-dir "$WORK/worker-$family/data" \
-    --batch 8 --no-check || return 1
+    --plane bf16 --batch 8 --no-check || return 1
+  # slime's own gate on the trainer-vs-worker gap (its KL check at step 0 expects no worker: off)
+  local gap=(-- --ci-test --ci-disable-kl-checker --ci-train-rollout-logprob-abs-diff-threshold "$GAP_LIMIT")
   local worker_cmd=("$WORKER_PYTHON" -m macd run --config "$WORK/worker-$family/macd.toml" --seed 1 --parent-pid $$)
   if [ "$DRY_RUN" = 1 ]; then
     printf '%q ' "${worker_cmd[@]}"
     printf '&\n'
-    recipe "$E2E_TIMEOUT" "$family"
+    recipe "$E2E_TIMEOUT" "$family" "${gap[@]}"
     return 0
   fi
   "${worker_cmd[@]}" >"$WORK/worker-$family/macd.log" 2>&1 &
   local worker=$!
   WORKER_PIDS+=("$worker")
   LAUNCHING=1
-  recipe "$E2E_TIMEOUT" "$family"
+  recipe "$E2E_TIMEOUT" "$family" "${gap[@]}"
   rc=$?
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then stop_jobs; fi
   LAUNCHING=0

@@ -93,6 +93,8 @@ def test_dry_run_prints_each_recipes_conversion_before_its_launch_and_runs_nothi
                             ("--custom-config-path", f"{work}/ckpt-{family}/stoa-config.yaml")):
             assert flags[flags.index(flag) + 1] == value, flag
         assert ("--custom-model-provider-path" in flags) is provider
+        # slime's own gate on the trainer-vs-worker logprob gap, at every training step
+        assert flags[-4:] == ["--ci-test", "--ci-disable-kl-checker", "--ci-train-rollout-logprob-abs-diff-threshold", "0.5"]
         preflight = shlex.split(next(line for line in e2e if " preflight " in line))
         assert preflight[:2] == [f"{work}/bin/stoa", "preflight"] and preflight[preflight.index("--") + 1:] == flags[2:]
         join = shlex.split(next(line for line in e2e if " macd join " in line))
@@ -132,15 +134,17 @@ def test_past_the_time_budget_no_check_runs(tmp_path: Path) -> None:
         assert results[check] == "FAIL (not run: the time budget BUDGET=1 s is spent)"
 
 
-@pytest.mark.parametrize("setting", ["WORK", "BUDGET"])
+@pytest.mark.parametrize("setting", ["WORK", "BUDGET", "GAP_LIMIT"])
 def test_bad_settings_stop_before_any_check(tmp_path: Path, setting: str) -> None:
     work = tmp_path / "work"
     work.mkdir()
     (work / "current.json").write_text("{}")  # an earlier check's folder
-    env = {"WORK": str(work)} if setting == "WORK" else {"WORK": str(tmp_path / "new"), "BUDGET": "ten"}
+    bad = {"BUDGET": "ten", "GAP_LIMIT": "0.0"}
+    env = {"WORK": str(work)} if setting == "WORK" else {"WORK": str(tmp_path / "new"), setting: bad[setting]}
     proc = _gpu_check(**env)
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
-    assert {"WORK": f"WORK={work} is not empty", "BUDGET": "BUDGET must be a positive whole number, got 'ten'"}[setting] in proc.stderr
+    assert {"WORK": f"WORK={work} is not empty", "BUDGET": "BUDGET must be a positive whole number, got 'ten'",
+            "GAP_LIMIT": "GAP_LIMIT must be a positive number (nats per token), got '0.0'"}[setting] in proc.stderr
     assert not (tmp_path / "new").exists()
 
 
