@@ -116,6 +116,15 @@ def waits_for(refused: TaskDataRefused) -> TaskNotPrepared:
     return TaskNotPrepared(f"{refused}; this worker waits for it")
 
 
+def missing_tool_data(manifest: RunManifest, store_url: str, exc: NotFound) -> str:
+    """What a tool's missing object (e.g. the search index's manifest or a chunk) means, with the
+    command that puts it back: preparing the task again uploads its index (`--key` in a signed run)."""
+    prepare = task_prepare_command(manifest.task, manifest.task_split, store_url, manifest.run)
+    if manifest.run_key:
+        prepare += " --key RUN_KEY_FILE"
+    return f"the run's {manifest.task} data is missing from the bucket ({exc}): the operator puts it back with `{prepare}`"
+
+
 def says_again(tries: int) -> bool:
     """Whether the `tries`-th try of a wait says its line again: at tries 1, 2, 4, 8, ... (a
     backoff on top of the polls' own)."""
@@ -353,7 +362,9 @@ class Worker:
                 return tool
             except StoreConfigError:
                 raise
-            except Exception as exc:  # a missing or damaged index, a store outage
+            except NotFound as exc:  # never uploaded, or deleted by a token holder: only the operator puts it back
+                self.reporter.error(f"tool: {missing_tool_data(manifest, self.config.store, exc)}; retrying in {delay:.0f} s")
+            except Exception as exc:  # a damaged index, a store outage
                 self._stop_if_permanent(exc, "tool")
                 self.reporter.error(f"tool: {describe_error(exc)}; retrying in {delay:.0f} s")
             await wait(stop, delay)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -320,3 +321,32 @@ async def test_worker_and_trainer_agree_under_the_papersearchqa_preset(
     for consumed in batch.groups:
         for f, s in zip(sample_fields(consumed), consumed.group.samples, strict=True):
             assert f["loss_mask"] == s.mask.tolist()
+
+
+async def test_a_deleted_index_names_the_command_that_puts_it_back(
+    store: Store, store_url: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index manifest deleted by a token holder: the worker waits, its heartbeat naming `stoa
+    task prepare search` with this run and store, and goes on once the index is back."""
+    await seed_search_run(store, model_dir)
+    key = RunLayout(RUN).task_index_file("search", "manifest.json")
+    genuine = await store.get_bytes(key)
+    await store.delete(key)
+    monkeypatch.setenv("STOA_SHARED_DIR", str(tmp_path / "shared"))
+    config = DaemonConfig(store=store_url, run=RUN, name="test-mac", worker_id="test-mac-5e4c11",
+                          data_dir=tmp_path / "data", batch=2)
+    worker = Worker(config, store, WorkerOptions(seed=3, heartbeat_s=0.5, max_cohorts=1, idle_poll_s=0.05,
+                                                 setup_retry_max_s=0.2))
+    run = asyncio.create_task(worker.run(asyncio.Event()))
+
+    async def said() -> str:
+        while "stoa task prepare" not in (worker.reporter.beat.last_error or ""):
+            assert not run.done(), run
+            await asyncio.sleep(0.02)
+        return worker.reporter.beat.last_error or ""
+
+    line = await asyncio.wait_for(said(), 60)
+    assert line.startswith("tool: the run's search data is missing from the bucket (")
+    assert f"`stoa task prepare search QA_FILE CORPUS_FILE --store {shlex.quote(store_url)} --run {RUN} --split train`" in line
+    await store.put(key, genuine)  # the operator puts it back
+    assert await asyncio.wait_for(run, 120) == 0 and worker.groups_recorded == 2
