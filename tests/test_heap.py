@@ -81,7 +81,7 @@ def test_the_device_path_drops_the_released_host_copy_at_its_rebuild() -> None:
     path = DevicePath(device_budget_bytes=1 << 20)
     path.adopt(released, "root-of-v0")
     del released
-    collector = DeviceCollector(path, None, HeadPlan())
+    collector = DeviceCollector(path, HeadPlan())
     assert all(ref() is not None for ref in alive)  # held until the copy is rebuilt
     collector.add(list(weights.items())[:1])  # the first tensor rebuilds the copy
     assert path.released is None and path.held == "root-of-v0"

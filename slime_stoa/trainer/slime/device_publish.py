@@ -178,7 +178,7 @@ class DevicePath:
         except Exception as exc:  # the publish itself retries and reports it
             log.warning("stoa: the publisher did not open (%s: %s)", type(exc).__name__, exc)
         if self.by_delta and (self.held is not None or self.released is not None):
-            return lambda plan: DeviceCollector(self, None, plan)
+            return lambda plan: DeviceCollector(self, plan)
         return self._host
 
     def _host(self, plan: HeadPlan) -> Gatherer:
@@ -190,11 +190,10 @@ class DevicePath:
 
 class DeviceCollector:
     """One gather's chunks diffed against `path`'s copy of the committed version; `finish` gives
-    the `DeviceDelta`. `committed` must be None: the copy is the only committed state (the
-    parameter remains for callers written when a publisher with planes kept its own)."""
+    the `DeviceDelta` (the copy is the only committed state: the publisher released its own)."""
 
-    def __init__(self, path: DevicePath, committed: None, plan: HeadPlan) -> None:
-        if committed is not None or not path.by_delta:
+    def __init__(self, path: DevicePath, plan: HeadPlan) -> None:
+        if not path.by_delta:
             raise ValueError("the device collector diffs against a committed state the publisher released")
         self.path, self.plan = path, plan
         self.order: list[str] = []  # the published names, in the chunks' order
