@@ -418,7 +418,7 @@ def plan_lines(
         f"  group size   {m.group_size} samples per prompt, temperature {m.temperature}, up to {m.max_tokens} tokens",
         f"  batch        {config.batch} prompts at once ({sequences} sequences decoding)",
     ]
-    plane_text = plane_line(config, info, memory, index)
+    plane_text = plane_line(config, info, memory, index, device=device)
     if plane_text is not None:
         lines.append(plane_text)
     elements, guessed = info.elements, False
@@ -436,7 +436,7 @@ def plan_lines(
         return lines + tail
     if _planned(plan):  # the plan counts all a rough estimate would, from the model's own config
         return lines + tail
-    served, _ = served_plane(config, info, memory, index)
+    served, _ = served_plane(config, info, memory, index, device=device)
     est = cfg.estimate_memory(
         elements=elements,
         plane=served,

@@ -8,10 +8,11 @@ Device (`DEVICES`): what a worker holds depends on where MLX computes.
   (every Linear, the experts, and a tied embedding used as the output head; not an untied input
   embedding, whose lookup widens only the rows it gathers) keep exact float32 copies of their bf16
   weights beside them, 4 more bytes per such weight (~6 in all); a quantized plane keeps its codes
-  (no copies) but computes with float32 activations. Every plane's activations are float32 from the
+  and, for the same layers, float32 copies of their dequantized weights (`macd.cpu_compute`: a
+  fast BLAS multiply instead of MLX's quantized loop), 4 more bytes per such weight too (~5 for
+  int8, ~4.6 for int4). Every plane's activations are float32 from the
   embedding on, so its KV cache, conv state and prefill logits are float32: 4 bytes per value.
-  (Without a fast BLAS the bf16 plane computes in bf16 and holds no copies: the plan is then an
-  upper bound.) Nothing is wired on the CPU: the usable memory is the machine's RAM.
+  (Without a fast BLAS no plane holds copies: the plan is then an upper bound.) Nothing is wired on the CPU: the usable memory is the machine's RAM.
 
 Terms (bytes), as on the GPU:
 
@@ -202,19 +203,21 @@ def param_count(config: Mapping[str, Any]) -> ParamCount:
 def weights_by_plane(
     counts: ParamCount, published: Sequence[str] = (), device: str = "gpu", run_plane: str = "bf16"
 ) -> dict[str, int]:
-    """Bytes of the weights of each plane a worker can serve on `device` (module doc): bf16 (on
-    the CPU with the float32 copies of its matmul weights); a quantized plane only where the run
+    """Bytes of the weights of each plane a worker can serve on `device` (module doc): bf16, and
+    a quantized plane only where the run
     manifest names it (the trainer takes records of no other plane: a claimed plane widens its
     logprob-gap bound): held alone when `published`, or, int8 as the run's own `run_plane`
-    without publishing it, quantized here beside the bf16 master."""
+    without publishing it, quantized here beside the bf16 master. On the CPU every plane adds
+    the float32 copies of its matmul weights (the served plane's: bf16 widened, or dequantized)."""
     _check_device(device)
-    out = {"bf16": 2 * counts.total + (WIDE_BYTES * counts.widened if device == "cpu" else 0)}
+    copies = WIDE_BYTES * counts.widened if device == "cpu" else 0
+    out = {"bf16": 2 * counts.total + copies}
     for plane, per in HELD_BYTES.items():
         alone = int(per * counts.quantizable + 2 * counts.other)
         if plane in published:
-            out[plane] = alone
+            out[plane] = alone + copies
         elif plane == run_plane:
-            out[plane] = 2 * counts.total + alone
+            out[plane] = 2 * counts.total + alone + copies
     return out
 
 

@@ -29,8 +29,10 @@ def test_the_cpu_plan_counts_the_float32_copies_and_a_float32_cache() -> None:
     gpu, cpu = plan(SMALL, **SHAPE), plan(SMALL, **SHAPE, device="cpu")
     assert gpu.weights["bf16"] == 2 * counts.total
     assert cpu.weights["bf16"] == 2 * counts.total + 4 * counts.widened  # ~6 bytes per matmul weight
-    published = dict(SHAPE, published=("int8", "int4"))  # a held plane computes as it is: no copies
-    assert plan(SMALL, **published, device="cpu").weights == {**plan(SMALL, **published).weights, "bf16": cpu.weights["bf16"]}
+    published = dict(SHAPE, published=("int8", "int4"))  # a held plane: its dequantized copies
+    assert plan(SMALL, **published, device="cpu").weights == {
+        plane: size + 4 * counts.widened for plane, size in plan(SMALL, **published).weights.items()
+    }
     assert gpu.kv_bytes_per_token == 2 * 2 * 2 * hd * 2 and cpu.kv_bytes_per_token == 2 * gpu.kv_bytes_per_token
     assert cpu.cache == 4 * cpu.kv_bytes_per_token * 256 == 2 * gpu.cache
     assert cpu.activations - gpu.activations == 100 * v * 2  # the prefill chunk's logits in float32
@@ -100,3 +102,15 @@ def test_the_cpu_figures_are_what_a_real_model_holds(tmp_path: Path, monkeypatch
     assert sum(a.nbytes for a in conv) == p.conv_bytes_per_sequence
     assert all(a.dtype == mx.float32 for a in conv) and (family == "lfm2") == bool(conv)
     assert logits.dtype == mx.float32
+
+    # a quantized plane's worker on the CPU: its codes, and float32 copies of the dequantized
+    # weights (the misfit layers' bf16 ones widened) for the same matmul layers
+    import mlx.nn as nn
+
+    quantized, _ = load_model(folder)
+    nn.quantize(quantized, 64, 8, class_predicate=lambda _p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0)
+    cpu_compute.use_float32_activations(quantized, dequantized=True)  # as a plane worker with a fast BLAS
+    mx.eval(quantized(mx.array([[1, 2, 3, 4, 5]]), cache=make_prompt_cache(quantized)))
+    held = plan(config, group_size=1, prompt_tokens=5, response_tokens=1, device="cpu", published=("int8",))
+    on_gpu = plan(config, group_size=1, prompt_tokens=5, response_tokens=1, published=("int8",))
+    assert cpu_compute.copies_nbytes(quantized) == 4 * counts.widened == held.weights["int8"] - on_gpu.weights["int8"]

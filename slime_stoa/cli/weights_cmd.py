@@ -28,8 +28,8 @@ from slime_stoa.protocol.pulse.history import (
 from slime_stoa.protocol.pulse.manifests import ManifestError, Pointer
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishError, publisher_trust
 from slime_stoa.protocol.pulse.rebuild import rebuild
-from slime_stoa.protocol.run_manifest import RunNotFound, read_run_manifest
-from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.run_manifest import read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust, weights_trust
 from slime_stoa.protocol.signing import PublicKey, read_key_file
 from slime_stoa.protocol.store import GetResult, NotFound, ObjectInfo, Store, StoreError, open_store
 from slime_stoa.protocol.store.base import Payload
@@ -83,16 +83,9 @@ def _add_run_key(parser: argparse.ArgumentParser) -> None:
 async def run_trust(store: Store, run: str, pinned: str | None) -> RunTrust | None:
     """The trust weights are checked against: `pinned` (which the run manifest must carry), else a
     signed run's own key; None for an unsigned run without `pinned`."""
-    try:
-        manifest = await read_run_manifest(store, run, pinned=pinned)
-    except RunNotFound:
-        if pinned is None:
-            return None
-        raise
-    text = pinned or manifest.run_key
-    if text is None:
+    trust = await weights_trust(store, run, pinned)
+    if trust is None:
         return None
-    trust = RunTrust.from_text(run, text)
     print(f"checking signatures against run key {trust.pinned.key_id} ({'given' if pinned else 'the run manifest'})")
     return trust
 

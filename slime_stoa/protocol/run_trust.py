@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .layout import RunLayout, check_name
+from .run_manifest import RunNotFound, read_run_manifest
 from .signing import (
     PublicKey,
     SignatureError,
@@ -214,3 +215,17 @@ async def load_rotations(store: Store, trust: RunTrust) -> int:
         learned += 1
     trust.loaded = True
     return learned
+
+
+async def weights_trust(store: Store, run: str, pinned: str | None) -> RunTrust | None:
+    """The trust a run's weights are checked against: `pinned` (a run key's text, which the run
+    manifest must carry), else a signed run's own key; None for an unsigned run without `pinned`.
+    RunNotFound when `pinned` is given and the run has no manifest."""
+    try:
+        manifest = await read_run_manifest(store, run, pinned=pinned)
+    except RunNotFound:
+        if pinned is None:
+            return None
+        raise
+    text = pinned or manifest.run_key
+    return None if text is None else RunTrust.from_text(run, text)

@@ -112,15 +112,17 @@ async def check(url: str, run: str, trainer_hf: Path, *, version: int | None = N
                 run_key: str | None = None) -> BitsReport:
     """Rebuild `version` (the current one by default) of `run` from the bucket at `url` and compare
     it with the weights in `trainer_hf`. Signatures are checked against `run_key`, else a signed
-    run's own key (`weights_cmd.run_trust`). HistoryError when the version cannot be rebuilt,
+    run's own key (`run_trust.weights_trust`). HistoryError when the version cannot be rebuilt,
     ValueError when the folder cannot be read."""
-    from slime_stoa.cli.weights_cmd import run_trust
     from slime_stoa.protocol.pulse.rebuild import rebuild
+    from slime_stoa.protocol.run_trust import weights_trust
     from slime_stoa.protocol.store import open_store
 
     trainer = load_hf_state(trainer_hf)
     async with open_store(url) as store:
-        trust = await run_trust(store, run, run_key)
+        trust = await weights_trust(store, run, run_key)
+        if trust is not None:
+            print(f"checking signatures against run key {trust.pinned.key_id} ({'given' if run_key else 'the run manifest'})")
         rebuilt = await rebuild(store, run, version, trust=trust)
     return compare(rebuilt.manifest.version, rebuilt.state, rebuilt.manifest.state_digest, trainer)
 
