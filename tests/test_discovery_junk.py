@@ -3,6 +3,7 @@ with it: the small form of scripts/bench_junk.py, plus the discovery rules one b
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +73,39 @@ async def test_keys_written_stamped_ahead_are_never_taken_even_when_their_time_c
 
 def _discovery(store: Store, layout: RunLayout, state: ConsumerState, clock: list[float]) -> Discovery:
     return Discovery(store, layout, state, window_ms=60_000, late_window_ms=0, future_ms=300_000, clock=lambda: clock[0])
+
+
+async def test_a_sweep_through_junk_goes_in_steps_with_the_tail_between_them(tmp_path: Path) -> None:
+    """2,500 junk keys inside the window behind the cursor: a sweep of one page per step lists
+    them in three steps (`sweeping` between them), a tail between two steps takes a new honest
+    key at once, and the last step finds a late honest key beyond the junk."""
+    root = tmp_path / "bucket"
+    root.mkdir()
+    layout = RunLayout(RUN)
+    t = int(time.time() * 1000)  # the folder store stamps what it writes with the real clock
+    async with open_store(f"file://{root}") as store:
+        await store.put_if_absent(layout.rollout("mac-a", t, 0), b"x")
+        state = ConsumerState(run=RUN)
+        clock = [t / 1000 + 1.0]
+        discovery = _discovery(store, layout, state, clock)
+        assert [n.name for n in (await discovery.tail(100)).new] == [layout.rollout("mac-a", t, 0).rsplit("/", 1)[1]]
+        write = bench.folder_writer(root)  # junk files laid directly, as the benchmark lays them
+        for i in range(2_500):  # junk stamped 20 s behind the cursor
+            await write(f"{layout.rollouts_prefix('train')}{t - 20_000:013d}-X_{i:05d}.rec", b"j")
+        late = layout.rollout("mac-b", t - 10_000, 0)  # a slow upload, stamped after the junk
+        await store.put_if_absent(late, b"x")
+
+        steps = []
+        first = await discovery.sweep(max_pages=1)
+        steps.append((first.listed, first.requests, first.late, discovery.sweeping))
+        fresh = layout.rollout("mac-a", t + 500, 1)
+        await store.put_if_absent(fresh, b"x")
+        between = await discovery.tail(100)  # the tail runs while the sweep is unfinished
+        assert [n.worker for n in between.new] == ["mac-a"] and discovery.sweeping
+        while discovery.sweeping:
+            step = await discovery.sweep(max_pages=1)
+            steps.append((step.listed, step.requests, step.late, discovery.sweeping))
+        assert steps == [(1000, 1, 0, True), (1000, 1, 0, True), (503, 1, 1, False)], steps  # the last: junk, late, cursor
+        assert late.rsplit("/", 1)[1] in state.seen
+        again = await discovery.sweep(max_pages=1)  # a new sweep starts at the window's floor
+        assert again.listed == 1000 and again.late == 0 and discovery.sweeping

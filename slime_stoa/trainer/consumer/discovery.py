@@ -16,7 +16,8 @@ Two listings, both plain `list(prefix, start_after=...)`, each ended at the hori
   landed late: often over the short skew window (a slow upload), rarely over the long late
   window (a worker that was offline with a full spool). Names already discovered in the
   longest window are in `state.seen` and skipped; older names are pruned from it, so memory
-  holds one long window of keys.
+  holds one long window of keys. A sweep is walked in steps of `SWEEP_PAGES` pages, the tail
+  and the downloads running between them, so junk inside a window delays no honest record.
 
 What a listed key must be to be taken (added to `seen` and the download queue, i.e. to the saved
 state) -- anything else is counted once, when the tail passes it (`rejected/<reason>`), and left
@@ -73,6 +74,7 @@ from slime_stoa.protocol.store import Store
 from .state import ConsumerState, name_time_ms
 
 PAGE_SIZE = 1000  # keys per LIST response (S3's maximum, and what every backend here uses)
+SWEEP_PAGES = 10  # LIST pages per sweep step: a long sweep goes on at the next call (`Discovery.sweep`)
 MAX_BAD_NAMES = 10_000  # junk key names remembered so each is counted once (then counted again)
 
 
@@ -174,6 +176,12 @@ class Discovery:
         self.clock = clock
         self.prefix = layout.rollouts_prefix("train")
         self._bad: set[str] = set()
+        self._sweep_from: str | None = None  # where the unfinished sweep goes on (start_after)
+
+    @property
+    def sweeping(self) -> bool:
+        """Whether a sweep stopped after its step's pages and goes on at the next `sweep` call."""
+        return self._sweep_from is not None
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -255,29 +263,40 @@ class Discovery:
         prune_seen(state.seen, state.cursor, self.keep_ms)
         return result
 
-    async def sweep(self, window_ms: int | None = None) -> PollResult:
+    async def sweep(self, window_ms: int | None = None, *, max_pages: int = SWEEP_PAGES) -> PollResult:
         """List `window_ms` (default: the skew window, at most the remembered one) behind the
-        cursor again and take every key not seen yet."""
+        cursor again and take every key not seen yet, `max_pages` listing pages at most per
+        call: a longer sweep stops there (`sweeping`) and the next call goes on from where it
+        stopped, whatever its `window_ms`. Why: junk stamped inside the window is listed again by
+        every sweep (millions of keys take the folder store or S3 tens of seconds to list),
+        and the tail polls and downloads that admit honest records run between the steps, not
+        after the whole sweep. A failed step is taken again from where it began."""
         result = PollResult()
         state = self.state
         if not state.cursor:
+            self._sweep_from = None
             return result  # nothing discovered yet: the tail covers everything
-        window = min(self.window_ms if window_ms is None else window_ms, self.keep_ms)
-        start = self.layout.rollout_after(window_floor_ms(state.cursor, window))
-        listing = self.store.list(self.prefix, start_after=start)
+        if self._sweep_from is None:
+            window = min(self.window_ms if window_ms is None else window_ms, self.keep_ms)
+            self._sweep_from = self.layout.rollout_after(window_floor_ms(state.cursor, window))
+        limit = max(max_pages, 1) * PAGE_SIZE
+        listing = self.store.list(self.prefix, start_after=self._sweep_from)
+        stopped_at = None
         async with contextlib.aclosing(listing):
             async for info in listing:
                 result.listed += 1
                 name = info.key[len(self.prefix) :]
                 if name > state.cursor:
                     break  # the tail's part
-                if name in state.seen:
-                    continue
-                judged = await self._judge_key(info.key, info.last_modified, result, count=False)
-                if judged is None:
-                    continue
-                self._take(name, judged[1], info.size, result)
-                result.late += 1
+                if name not in state.seen:
+                    judged = await self._judge_key(info.key, info.last_modified, result, count=False)
+                    if judged is not None:
+                        self._take(name, judged[1], info.size, result)
+                        result.late += 1
+                if result.listed >= limit:  # before the next page is asked for
+                    stopped_at = info.key
+                    break
+        self._sweep_from = stopped_at
         result.requests = pages(result.listed)
         prune_seen(state.seen, state.cursor, self.keep_ms)
         return result

@@ -83,6 +83,7 @@ class Filler:
         self._next_sweep = time.monotonic() + config.sweep_interval_s
         self._next_late_sweep = time.monotonic() + config.late_sweep_interval_s
         self._prefetch: asyncio.Task[bool] | None = None
+        self._sweep_is_late = False  # the sweep under way covers the late window
 
     # -- discovery -----------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -107,6 +108,17 @@ class Filler:
         if result.late:
             log.info("stoa: found %d late record(s) behind the cursor", result.late)
         return len(result.new)
+
+    async def _sweep_step(self, window_ms: int | None) -> None:
+        """One step of a sweep (`Discovery.sweep`); the sweeps are scheduled again once it ends."""
+        cfg = self.shared.config
+        try:
+            await self.poll_sweep(window_ms)
+        finally:
+            if not self.discovery.sweeping:
+                if self._sweep_is_late:
+                    self._next_late_sweep = time.monotonic() + cfg.late_sweep_interval_s
+                self._next_sweep = time.monotonic() + cfg.sweep_interval_s  # a late sweep covers the short window too
 
     def _count_poll(self, result: PollResult) -> None:
         self.shared.count("list_requests", result.requests)
@@ -176,18 +188,16 @@ class Filler:
                 finally:
                     self._next_tail = time.monotonic() + cfg.poll_interval_s
                 continue
+            if self.discovery.sweeping:  # the next step of a long sweep (tail polls between steps)
+                await self._sweep_step(None)
+                continue
             if cfg.late_window_ms and now >= self._next_late_sweep:
-                try:
-                    await self.poll_sweep(cfg.late_window_ms)
-                finally:
-                    self._next_late_sweep = time.monotonic() + cfg.late_sweep_interval_s
-                    self._next_sweep = time.monotonic() + cfg.sweep_interval_s  # it covers the short window too
+                self._sweep_is_late = True
+                await self._sweep_step(cfg.late_window_ms)
                 continue
             if now >= self._next_sweep:
-                try:
-                    await self.poll_sweep()
-                finally:
-                    self._next_sweep = time.monotonic() + cfg.sweep_interval_s
+                self._sweep_is_late = False
+                await self._sweep_step(None)
                 continue
             held_look = self.held.next_look()
             if now >= held_look:
