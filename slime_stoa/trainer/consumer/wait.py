@@ -9,7 +9,9 @@ Pacing: each kind of listing starts again no sooner than its interval (`poll_int
 `sweep_interval_s`, `late_sweep_interval_s`) after the previous one of its kind ENDED, so a slow
 store gets that much quiet between listings instead of back-to-back requests, and a wait of
 `timeout` seconds makes at most about `timeout / poll_interval_s` tail listings whatever the
-store's speed. The deadline is checked before every listing; a listing already under way is
+store's speed. A sweep goes in steps of `discovery.SWEEP_PAGES` pages, one after the other, with
+the tail polls (when due) and the downloads between them: a sweep through junk never holds a
+new record back for longer than one step. The deadline is checked before every listing; a listing already under way is
 not cut short (its keys are taken one by one into the state), so a wait ends at most one
 listing after its deadline. While the store is down, a listing retries until it answers (an
 outage pauses the run, it never ends it), and the wait ends after that listing.
