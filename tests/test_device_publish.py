@@ -29,7 +29,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.codec import diff
 from slime_stoa.protocol.pulse.manifests import Pointer
 from slime_stoa.protocol.pulse.plane import plane_bits
-from slime_stoa.protocol.pulse.publisher import PublisherConfig, PublishError, PublishResult
+from slime_stoa.protocol.pulse.publisher import PublisherConfig, PublishError, PublishResult, StaleBase
 from slime_stoa.protocol.pulse.quant import plane_names
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.store import Store, StoreError, open_store
@@ -639,3 +639,62 @@ def test_a_device_path_restarted_over_a_lost_chain_sends_a_full_state(
             assert plane_version == version and held  # the plane is brought to the same version
         step(trainer.weights, rng, list(SHAPES)[:2])
     assert trainer.handed[3:] == ["dict", "DeviceDelta"]
+
+
+@pytest.mark.parametrize("config", [BY_DELTA, CONFIG], ids=["bf16", "planes"])
+def test_a_stale_base_whose_committed_state_cannot_be_read_back_is_published_as_an_anchor(
+    fake_slime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,  # noqa: F811
+    config: PublisherConfig,
+) -> None:
+    """A pointer write whose answer was lost landed (`StaleBase`), its step not known here, and
+    every patch of the chain deleted (no keep folder): the committed state cannot be read back
+    from the bucket, so the version is published as a fresh anchor of the trainer's weights
+    instead of failing, and the next one goes by delta again; a worker rebuilds each bit for bit."""
+    url = f"file://{tmp_path}"
+    trainer = Trainer(url, 1 << 30, config)
+    rng = np.random.default_rng(9)
+    names = list(SHAPES)
+    for _ in range(2):  # v0 (an anchor), v1 (by delta)
+        trainer.publish()
+        trainer.committed()
+        step(trainer.weights, rng, names)
+    trainer.publisher.faults.armed.add("lose")
+    trainer.publish()  # v2: its pointer write lands, its answer is lost
+    inflight = trainer.publisher._inflight
+    assert inflight is not None
+    concurrent.futures.wait([inflight])
+    with pytest.raises(PublishError):
+        slime_hook.publish_weights(trainer.actor, trainer.args)
+    pub = trainer.publisher._publisher
+    assert pub is not None
+    real = pub.publish_delta
+
+    async def step_unknown(*args: Any, **kw: Any) -> PublishResult:
+        try:
+            return await real(*args, **kw)
+        except StaleBase:
+            pub.weights.last_delta = None  # as when the landed version is not the one after the copy's
+            raise
+
+    monkeypatch.setattr(pub, "publish_delta", step_unknown)
+    patches = [p for p in tmp_path.rglob("*") if p.is_file() and "/patches/" in p.as_posix()]
+    assert patches
+    for patch in patches:
+        patch.unlink()
+
+    caplog.set_level(logging.WARNING)
+    for version, anchored in ((3, True), (4, False)):
+        step(trainer.weights, rng, names[:2])
+        trainer.publish()
+        result = trainer.committed()
+        assert (result.version, result.anchored) == (version, anchored)
+        want = bits_of(trainer.weights)
+        got_version, got = asyncio.run(installed(url))
+        assert got_version == version and all(np.array_equal(got["model." + n], want["model." + n]) for n in SHAPES)
+        for plane in config.planes or ():
+            plane_version, held = asyncio.run(installed(url, plane))
+            assert plane_version == version and held
+        if version == 3:
+            assert any("cannot be read back from the bucket" in r.getMessage() and "fresh anchor" in r.getMessage()
+                       for r in caplog.records)
+    assert trainer.handed[-2:] == ["DeviceDelta", "DeviceDelta"]

@@ -121,6 +121,18 @@ class ChainPublisher:
         anchor of the caller's state, with no patches (`_publish_fresh_anchor`)."""
         return self.head is not None and self._digest is None
 
+    def lose_baseline(self) -> None:
+        """Forget the committed state, which cannot be read back from the bucket (an object of its
+        chain spoiled, no copy to put back): `baseline_lost` from now on, and the next version
+        is a full anchor of the state `publish` is given, its parent the head."""
+        if self.head is None:
+            raise RuntimeError("lose_baseline() needs a committed version")
+        self._forget_baseline()
+
+    def _forget_baseline(self) -> None:
+        self._baseline, self._digest, self._shapes, self._force_anchor = {}, None, None, True
+        self._union, self._catchup_bytes = {}, 0
+
     @property
     def baseline(self) -> Mapping[str, np.ndarray]:
         """The published state (what the next version is diffed against); not to be written."""
@@ -184,7 +196,7 @@ class ChainPublisher:
         except (Untrusted, SyncError) as exc:
             # The head verifies, the chain below it does not read back: the caller holds its own
             # weights, so only the next version's patch needed this state; it becomes an anchor.
-            self._baseline, self._digest, self._shapes, self._force_anchor = {}, None, None, True
+            self._forget_baseline()
             on = "" if self.layout.plane is None else f" plane {self.layout.plane}"
             log.warning(
                 "run %s%s: the state of v%d cannot be read back from the bucket (%s); resuming at v%d without it, "

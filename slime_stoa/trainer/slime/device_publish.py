@@ -129,6 +129,16 @@ class DevicePath:
         self.previous.advance(step)
         self._rediff(handed, new, digest)
 
+    def version_on_host(self, handed: DeviceDelta) -> dict[str, np.ndarray]:
+        """`handed`'s whole version on the host (one host copy of the state): for a version the
+        publisher must publish in full, its committed state lost (`SyncPublisher._publish_as_anchor`)."""
+        return self._read_version(handed)
+
+    def forget(self) -> None:
+        """The copy is no committed version any more (the publisher lost it): the next committed
+        version is handed over by `adopt`, and until then gathers are host copies."""
+        self.by_delta, self.released, self.held = False, None, None
+
     def _device(self) -> torch.device:
         return self.device if self.device is not None else torch.device("cpu")
 

@@ -76,8 +76,9 @@ from slime_stoa.protocol.pulse.codec import Delta, check_bits
 from slime_stoa.protocol.pulse.freshness import REFRESH_S
 from slime_stoa.protocol.pulse.keepalive import PointerKeeper
 from slime_stoa.protocol.pulse.plane_siblings import model_type_of
-from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult, StaleBase
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, PublishResult, StaleBase, UntrustedState
 from slime_stoa.protocol.pulse.retry import DEFAULT_BACKOFF_S, DEFAULT_RETRIES, publish_with_retries
+from slime_stoa.protocol.pulse.sync_result import SyncError
 from slime_stoa.protocol.signing import SigningKey
 from slime_stoa.protocol.store import Store, open_store
 
@@ -129,6 +130,12 @@ class DeviceHook(Protocol):
 
     def rebase_by_step(self, handed: DeviceDelta, step: Delta, digest: str) -> None:
         """Bring the copy to the committed version by its step and diff `handed`'s version again."""
+
+    def version_on_host(self, handed: DeviceDelta) -> dict[str, np.ndarray]:
+        """`handed`'s whole version on the host."""
+
+    def forget(self) -> None:
+        """The copy is no committed version any more: host copies until the next `adopt`."""
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +326,10 @@ class SyncPublisher:
             else:
                 log.warning("stoa: %s; rebuilding the device's copy from the bucket's v%s and diffing this version "
                             "again", exc, weights.version)
-                committed = await weights.committed_state()
+                try:
+                    committed = await weights.committed_state()
+                except (UntrustedState, SyncError) as lost:
+                    return await self._publish_as_anchor(publisher, handed, lost)
                 await asyncio.to_thread(device.rebase, handed, committed, digest)
                 del committed
             # the planes as the host path leaves them: not stepped to the version the settle adopted
@@ -327,6 +337,24 @@ class SyncPublisher:
         digest = publisher.state_digest
         assert digest is not None
         device.published(handed, digest)
+        return result
+
+    async def _publish_as_anchor(self, publisher: Publisher, handed: DeviceDelta, lost: Exception) -> PublishResult:
+        """After a `StaleBase` whose committed state cannot be read back from the bucket (an object
+        of its chain spoiled and not put back, e.g. an anchor shard): `handed`'s version published
+        as a fresh anchor of the trainer's own weights, read once to the host, and handed to the
+        device path as the committed state (by delta again from the next version), as after a
+        restart over a lost chain."""
+        device = self.device
+        assert device is not None
+        log.warning("stoa: the committed v%s cannot be read back from the bucket (%s); publishing this version as "
+                    "a fresh anchor of the trainer's weights", publisher.version, lost)
+        state = await asyncio.to_thread(device.version_on_host, handed)
+        publisher.weights.lose_baseline()
+        device.forget()
+        result = await publisher.publish(state)
+        del state
+        self._release()
         return result
 
     def submit(
