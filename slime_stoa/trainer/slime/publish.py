@@ -45,7 +45,8 @@ change from the device's copy, and each plane's change from the plane of that co
 the device (`device_publish.DeviceDelta`), and published by `Publisher.publish_delta`, so no host
 copy of the state or of a plane is kept per version. A `StaleBase` (the committed state is not the
 device's copy: a lost pointer answer that landed) brings the copy to the committed state and diffs
-the same version again. The published bytes are the numpy path's.
+the same version again, or, when the committed state cannot be read back from the bucket, publishes
+the version as a fresh anchor (`_publish_as_anchor`). The published bytes are the numpy path's.
 
 Only bf16 weights are published: the HF tensors are gathered without quantization, and float16 or
 float32 tensors are cast to bf16. The PPO critic path (`use_critic` with `offload_train`) never
