@@ -38,15 +38,18 @@ LAYOUT = RunLayout(RUN)
 State = dict[str, np.ndarray]
 
 
-def states(count: int) -> list[State]:
-    """A state and `count - 1` steps, each changing a few elements (sparse, as RL steps are)."""
-    rng = np.random.default_rng(7)
-    out = [{"a": rng.integers(0, 1 << 15, (16, 16), dtype=np.uint16), "b": rng.integers(0, 1 << 15, (64,), dtype=np.uint16)}]
+def states(count: int, first: State | None = None, *, changed: int = 5, seed: int = 7) -> list[State]:
+    """`first` (default: random bits) and `count - 1` steps, each flipping the low bit of `changed`
+    elements per tensor (sparse, as RL steps are)."""
+    rng = np.random.default_rng(seed)
+    if first is None:
+        first = {"a": rng.integers(0, 1 << 15, (16, 16), dtype=np.uint16), "b": rng.integers(0, 1 << 15, (64,), dtype=np.uint16)}
+    out = [first]
     for _ in range(count - 1):
         step = {name: bits.copy() for name, bits in out[-1].items()}
         for bits in step.values():
             flat = bits.reshape(-1)
-            flat[rng.choice(flat.size, 5, replace=False)] ^= 1
+            flat[rng.choice(flat.size, changed, replace=False)] ^= 1
         out.append(step)
     return out
 

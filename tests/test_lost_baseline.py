@@ -159,14 +159,8 @@ def finite_states(count: int) -> list[State]:
     rng = np.random.default_rng(9)
     floats = {"w": rng.standard_normal((32, 128), dtype=np.float32) * 0.02,
               "n": rng.standard_normal((128,), dtype=np.float32)}
-    out = [{name: (x.view(np.uint32) >> 16).astype(np.uint16) for name, x in floats.items()}]
-    for _ in range(count - 1):
-        step = {name: bits.copy() for name, bits in out[-1].items()}
-        for bits in step.values():
-            flat = bits.reshape(-1)
-            flat[rng.choice(flat.size, 7, replace=False)] ^= 1
-        out.append(step)
-    return out
+    return states(count, {name: (x.view(np.uint32) >> 16).astype(np.uint16) for name, x in floats.items()},
+                  changed=7, seed=10)
 
 
 @pytest.mark.parametrize("lost", ["weights", "int8"])
