@@ -21,7 +21,7 @@ import pytest
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest
-from slime_stoa.protocol.signing import SigningKey
+from slime_stoa.protocol.signing import SIGNATURE_FIELD, SigningKey, canonical_json, sign_document
 from slime_stoa.protocol.store import Store
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.pause import is_report_try
@@ -110,6 +110,32 @@ async def test_a_run_manifest_of_another_key_pauses_the_consumer_until_it_is_bac
         await c.close()
     with pytest.raises(RunKeyMismatch):
         await open_signed_consumer(store, tiny, store_url, run, run_key=SigningKey.generate().public.to_text())
+
+
+async def test_a_run_manifest_of_hostile_field_names_pauses_with_one_bounded_line(
+    store: Store, store_url: str, tiny: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket writer's run manifest whose field names are long, many and full of newlines and
+    escapes: the pause line quotes a few of them, cut, on one printable line."""
+    caplog.set_level(logging.INFO, logger="stoa")
+    caplog.set_level(logging.INFO, logger="slime_stoa")
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    manifest = RunLayout(RUN).run_manifest
+    genuine = await store.get_bytes(manifest)
+    forger = run.workers["mac-a"]  # signs it, so that the fields are what gets refused
+    doc = {k: v for k, v in msgspec.json.decode(genuine).items() if k != SIGNATURE_FIELD}
+    doc.update({f"\nstoa: resumed after 1 tries\x1b[2J{i}" + "x" * 3000: 1 for i in range(15)})
+    doc["run_key"] = forger.public.to_text()
+    await store.put(manifest, canonical_json(sign_document(doc, forger)))
+    opening = asyncio.ensure_future(open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key))
+    await until(lambda: len(paused_lines(caplog)) >= 2, asyncio.shield(opening))
+    for line in paused_lines(caplog):
+        assert "run.json" in line and "unknown fields" in line and "and 10 more" in line
+        assert len(line) < 1200 and line.isprintable()
+    assert resumed_tries(caplog) == []  # the forged line inside a field name is not a log line of its own
+    await store.put(manifest, genuine)
+    c = await opening
+    await c.close()
 
 
 async def test_a_spoiled_state_pauses_the_restart_until_it_is_back(

@@ -26,6 +26,7 @@ from pathlib import PurePosixPath
 from typing import Literal
 
 from .layout import RunLayout, check_name, check_worker_id
+from .printable import printable
 from .registry import Registry
 from .run_manifest import PLANES
 from .signing import SIGNATURE_FIELD, SignatureError, SigningKey, document_key_id, sign_document, verify_document
@@ -107,7 +108,7 @@ class Heartbeat:
             if kind == "str":
                 if not isinstance(value, str):
                     raise ValueError(f"heartbeat field {name} must be a string")
-                doc[name] = _printable(value, MAX_ERROR_CHARS if name == "last_error" else MAX_TEXT_CHARS)
+                doc[name] = printable(value, MAX_ERROR_CHARS if name == "last_error" else MAX_TEXT_CHARS)
             elif kind in ("count", "version"):
                 if value is None and kind == "version":
                     continue
@@ -287,12 +288,6 @@ async def read_fleet(
 
     beats = await asyncio.gather(*(read(info.key, info.size) for info in infos))
     return [b for b in beats if b is not None], sum(b is None for b in beats)
-
-
-def _printable(text: str, limit: int) -> str:
-    """`text` cut to `limit` characters, each non-printable one replaced by U+FFFD."""
-    text = text[:limit]
-    return text if text.isprintable() else "".join(c if c.isprintable() else "\ufffd" for c in text)
 
 
 MAX_HEARTBEAT_BYTES = 64 * 1024

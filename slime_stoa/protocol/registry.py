@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 from slime_stoa.protocol.layout import RunLayout, check_name, check_worker_id
+from slime_stoa.protocol.printable import names_shown
 from slime_stoa.protocol.signing import (
     SIGNATURE_FIELD,
     PublicKey,
@@ -154,7 +155,7 @@ def parse_registry(doc: Any, *, run: str) -> Registry:
         raise RegistryError(f"not a {REGISTRY_FORMAT} document")
     unknown = set(doc) - _DOC_FIELDS
     if unknown:
-        raise RegistryError(f"registry has unknown fields {sorted(unknown)}")
+        raise RegistryError(f"registry has unknown fields {names_shown(unknown)}")
     if doc.get("run") != run:
         raise RegistryError(f"registry is for run {str(doc.get('run'))[:80]!r}, not {run!r}")
     workers = doc.get("workers")

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, get_args
 
 from .layout import QUANT_PLANES, QuantPlane, RunLayout, check_name
+from .printable import names_shown
 from .signing import SIGNATURE_FIELD, PublicKey, SignatureError, SigningKey, sign_document, verify_document
 from .store import NotFound, Store
 from .store.capped import TooLarge, read_capped_bytes
@@ -170,7 +171,7 @@ class RunManifest:
         known = {f.name for f in fields(cls)}
         unknown = set(doc) - known
         if unknown:
-            raise ValueError(f"run manifest has unknown fields {sorted(unknown)} (written by a newer stoa?)")
+            raise ValueError(f"run manifest has unknown fields {names_shown(unknown)} (written by a newer stoa?)")
         for name in ("stop", "planes"):
             if isinstance(doc.get(name), list):
                 doc[name] = tuple(doc[name])

@@ -6,7 +6,8 @@ state. Without the trainer's own copies (`ConsumerConfig.keep_dir`) the trainer 
 an object itself, but stopping would hand every token holder an off switch. So the call that met
 it is tried again, with a backoff doubling from `poll_interval_s` to `store_retry_max_delay_s`,
 and reported in one line at tries 1, 2, 4, 8, ... (not at every try) naming the object and the
-repair; every try is counted (`on_try`).
+repair (the error's text cut to one bounded line: it may quote a bucket writer's object); every try
+is counted (`on_try`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from slime_stoa.protocol.printable import printable
 
 from .config import ConsumerConfig
 
@@ -56,8 +59,9 @@ async def until_repaired(
             if on_try is not None:
                 on_try(exc)
             if is_report_try(tries):
+                # The error may quote what a bucket writer wrote: one bounded line, whatever it is.
                 log.error(
-                    "stoa: paused (try %d, next in %.1f s): %s. Repair: %s", tries, delay, exc, exc.repair,
+                    "stoa: paused (try %d, next in %.1f s): %s. Repair: %s", tries, delay, printable(str(exc)), exc.repair,
                 )
             await sleep(delay)
             delay = min(delay * 2, max(config.store_retry_max_delay_s, config.poll_interval_s))
