@@ -69,13 +69,26 @@ async def test_a_refused_object_is_counted_once_and_the_run_recovers(store: Stor
         await h.victim.sync()
     assert await h.victim.sync() is None  # the same bytes: skipped until the pointer changes
     assert h.victim.refused == 1 and "not signed" in h.victim.last_refusal and h.victim.version == 1
-    # A trainer restarting now refuses to resume from that pointer.
-    with pytest.raises(UntrustedState, match="not signed"):
-        await Publisher(store, RUN, PublisherConfig(), key=h.key).open()
-    # Once the signed pointer is back, the victim follows it and the trainer resumes.
-    await store.put(RunLayout(RUN).pointer, signed)
-    assert (await h.victim.sync()) is not None and h.victim.version == 2 and h.victim.refused == 1
+    # A trainer restarting now keeps no copy of its pointer, but the bucket holds its signed
+    # manifests: it resumes at the highest (v2) and writes the pointer again, which the victim follows.
     assert await Publisher(store, RUN, PublisherConfig(), key=h.key).open() == 2
+    assert await store.get_bytes(RunLayout(RUN).pointer) != signed  # re-signed: a new updated_at
+    assert (await h.victim.sync()) is not None and h.victim.version == 2 and h.victim.refused == 1
+    # Once the old signed pointer is back, the trainer resumes from it as well.
+    await store.put(RunLayout(RUN).pointer, signed)
+    assert await Publisher(store, RUN, PublisherConfig(), key=h.key).open() == 2
+
+
+async def test_a_deleted_pointer_is_written_again_at_the_highest_signed_version(store: Store) -> None:
+    """No copy kept: the publisher does not start the run over at v0 (which its own signed v0
+    would refuse), it resumes at the highest signed version and writes the pointer again."""
+    h = await honest_run(store, RUN, np.random.default_rng(31))
+    await store.delete(RunLayout(RUN).pointer)
+    pub = Publisher(store, RUN, PublisherConfig(), key=h.key)
+    assert await pub.open() == 2
+    assert (await read_pointer(store, RUN, trust=h.trust())).version == 2
+    assert (await pub.publish(step_state(h.states[2], np.random.default_rng(32)))).version == 3
+    assert (await h.victim.sync()) is not None and h.victim.version == 3
 
 
 async def test_unsigned_runs_are_not_checked(store: Store) -> None:
@@ -168,7 +181,7 @@ async def _rotate(store: Store, run: str, old: SigningKey, new: SigningKey, seq:
     found = await read_pointer_etag(store, run)
     assert found is not None
     pointer, etag = found
-    doc = rotation_document(run, seq, new.public, pointer.version, old)
+    doc = rotation_document(run, seq, new, pointer.version, old)
     await store.put_if_absent(RunLayout(run).key_rotation(seq), canonical_json(doc))
     await store.cas(RunLayout(run).pointer, pointer.to_bytes(new), etag)
 

@@ -92,7 +92,7 @@ async def rotate_key(url: str, run: str, old: SigningKey, new: SigningKey) -> tu
             found = None
         seq = trust.rotations + 1
         version = found[0].version if found else -1
-        doc = rotation_document(run, seq, new.public, version, old)
+        doc = rotation_document(run, seq, new, version, old)  # with the new key's acceptance
         await store.put_if_absent(RunLayout(run).key_rotation(seq), rotation_bytes(doc))
         if found is not None:
             pointer, etag = found

@@ -8,6 +8,15 @@ the newest key (a rotation re-signs the current pointer with the new key). A rot
 that does not verify, skips a number or goes back in versions is refused: the reader keeps the
 keys it has.
 
+A rotation document also carries the new key's acceptance (`accepted`: a document the new key
+signs, naming the run, the rotation's number and the key before it). A reader that pinned the
+run's first key needs none of it. A trainer restarted with a later key does: it knows only its own
+key, and the first key is what run.json says, which a bucket writer can replace together with the
+rotation naming its key (a manifest of the writer's key, and a rotation from that key to the
+trainer's, which any key can sign). Following the acceptances back from its own key
+(`vouched_first_key`), each key vouches for the one before it, down to the first: a chain no one
+without those keys can forge.
+
 `RunTrust` is pure: it checks documents and learns rotation documents it is given;
 `load_rotations` reads the rotations from the bucket (the IO edge). Content hashes (`sha256`
 members of the signed manifests) are checked with `content_hash`.
@@ -24,6 +33,7 @@ from typing import Any
 from .layout import RunLayout, check_name
 from .run_manifest import RunNotFound, read_run_manifest
 from .signing import (
+    SIGNATURE_FIELD,
     PublicKey,
     SignatureError,
     SigningKey,
@@ -37,6 +47,7 @@ from .store.capped import TooLarge, read_capped_bytes
 from .strict_json import load_json
 
 ROTATION_FORMAT = "stoa.key-rotation/1"
+ACCEPTANCE_FORMAT = "stoa.key-acceptance/1"
 MAX_ROTATIONS = 1000  # a reader stops reading rotation documents after this many
 MAX_ROTATION_BYTES = 16 << 10  # a rotation document is about 400 bytes
 
@@ -73,6 +84,7 @@ def check_content(data: bytes | bytearray | memoryview, expected: str | None, ke
 class _Epoch:
     key: PublicKey
     after: int  # signs the documents of versions > after (the first key: -1, every version)
+    vouches: bool = True  # the key accepted the key before it (the first key: nothing before it)
 
 
 class RunTrust:
@@ -110,6 +122,17 @@ class RunTrust:
     def knows(self, key_id: str | None) -> bool:
         return any(e.key.key_id == key_id for e in self._epochs)
 
+    def vouched_back_from(self, key: PublicKey) -> bool:
+        """Whether `key` is one of the run's keys and it and every key before it accepted the key
+        before it (their rotations carry the new key's acceptance), so that `key` vouches for the
+        pinned first key."""
+        for epoch in self._epochs:
+            if not epoch.vouches:
+                return False
+            if epoch.key == key:
+                return True
+        return False
+
     def key_for(self, version: int | None) -> PublicKey:
         """The key that must sign a document of `version` (None: the pointer, the newest key)."""
         if version is None:
@@ -143,8 +166,27 @@ class RunTrust:
             raise Untrusted(f"{where}: {exc}", where) from None
         if self.knows(key.key_id):
             raise Untrusted(f"{where}: key {key.key_id} was already a run key", where)
-        self._epochs.append(_Epoch(key, after))
+        self._epochs.append(_Epoch(key, after, vouches=_accepts(doc, key, self.newest, self.run, seq, where)))
         return key
+
+
+def _accepts(doc: Mapping[str, Any], new: PublicKey, previous: PublicKey, run: str, seq: int, where: str) -> bool:
+    """Whether rotation `doc` carries `new`'s acceptance of rotation `seq` from `previous`; False
+    when it carries none (written by an older stoa), Untrusted when it carries another."""
+    accepted = doc.get("accepted")
+    if accepted is None:
+        return False
+    try:
+        verify_document(accepted, new, where=f"{where}: accepted")
+    except SignatureError as exc:
+        raise Untrusted(str(exc), where) from None
+    if accepted != {**_acceptance_body(run, seq, new, previous), SIGNATURE_FIELD: accepted[SIGNATURE_FIELD]}:
+        raise Untrusted(f"{where}: the new key's acceptance names another rotation", where)
+    return True
+
+
+def _acceptance_body(run: str, seq: int, new: PublicKey, previous: PublicKey) -> dict[str, Any]:
+    return {"format": ACCEPTANCE_FORMAT, "run": run, "seq": seq, "key": new.to_text(), "previous": previous.to_text()}
 
 
 def run_key_refusal(run: str, found: str | None, expected: str | None, *, holds_worker_key: bool) -> str | None:
@@ -173,12 +215,19 @@ def _key_id(text: str) -> str:
         return "(malformed)"
 
 
-def rotation_document(run: str, seq: int, new: PublicKey, from_version: int, old: SigningKey) -> dict[str, Any]:
-    """Rotation `seq` of `run`, signed by `old`: `new` signs every version after `from_version`."""
+def rotation_document(
+    run: str, seq: int, new: SigningKey | PublicKey, from_version: int, old: SigningKey
+) -> dict[str, Any]:
+    """Rotation `seq` of `run`, signed by `old`: `new` signs every version after `from_version`.
+    Given `new`'s private half, the document carries its acceptance (see the module doc); a public
+    key alone gives one without (as an older stoa wrote them)."""
     if seq < 1 or from_version < -1:
         raise ValueError("a rotation has seq >= 1 and from_version >= -1")
-    doc = {"format": ROTATION_FORMAT, "run": run, "seq": seq, "key": new.to_text(), "from_version": from_version,
-           "created_at": time.time()}
+    public = new.public if isinstance(new, SigningKey) else new
+    doc: dict[str, Any] = {"format": ROTATION_FORMAT, "run": run, "seq": seq, "key": public.to_text(),
+                           "from_version": from_version, "created_at": time.time()}
+    if isinstance(new, SigningKey):
+        doc["accepted"] = sign_document(_acceptance_body(run, seq, public, old.public), new)
     return sign_document(doc, old)
 
 
@@ -215,6 +264,61 @@ async def load_rotations(store: Store, trust: RunTrust) -> int:
         learned += 1
     trust.loaded = True
     return learned
+
+
+class Unvouched(Untrusted):
+    """A rotation names the key, but the rotations before it carry no acceptance by their new keys
+    (written by an older stoa): the key cannot vouch for the run's first key."""
+
+
+async def vouched_first_key(store: Store, run: str, key: PublicKey) -> PublicKey:
+    """The run's first key as `key` vouches for it, reading no run manifest: `key` itself when no
+    rotation names it (it is the run's first key, or none of the run's: a caller compares it with
+    what run.json names); else the first key that the acceptances of the rotations up to the one
+    naming `key` lead back to (Unvouched when one of them carries none; Untrusted when one does
+    not verify)."""
+    layout, named = RunLayout(run), None
+    docs: list[tuple[str, Any]] = []
+    while named is None and len(docs) < MAX_ROTATIONS:
+        where = layout.key_rotation(len(docs) + 1)
+        try:
+            data = await read_capped_bytes(store, where, MAX_ROTATION_BYTES)
+            doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
+        except NotFound:
+            break
+        except (TooLarge, ValueError) as exc:
+            raise Untrusted(f"{where}: not a rotation document ({exc})", where) from None
+        docs.append((where, doc))
+        if isinstance(doc, Mapping) and doc.get("key") == key.to_text():
+            named = where
+    if named is None:
+        return key
+    where, doc = docs[0]
+    accepted = doc.get("accepted") if isinstance(doc, Mapping) else None
+    previous = accepted.get("previous") if isinstance(accepted, Mapping) else None
+    try:
+        trust = RunTrust(run, PublicKey.from_text(previous if isinstance(previous, str) else ""))
+    except ValueError:
+        raise Unvouched(f"{where} carries no acceptance by its new key: key {key.key_id} cannot vouch for the "
+                        f"run's first key", where) from None
+    for where, doc in docs:
+        trust.learn(doc, where)
+    if not trust.vouched_back_from(key):
+        raise Unvouched(f"a rotation up to {named} carries no acceptance by its new key: key {key.key_id} cannot "
+                        f"vouch for the run's first key", named)
+    return trust.pinned
+
+
+async def first_run_key(store: Store, run: str, key_text: str | None) -> str | None:
+    """The run key (public text) a reader configured with `key_text` pins run.json to: the run's
+    first key as `key_text` vouches for it (`vouched_first_key`: a trainer restarted with a rotated
+    key), else `key_text` itself. None: none configured."""
+    if key_text is None:
+        return None
+    try:
+        return (await vouched_first_key(store, run, PublicKey.from_text(key_text))).to_text()
+    except Untrusted:
+        return key_text  # nothing vouched: run.json must name the configured key itself
 
 
 async def weights_trust(store: Store, run: str, pinned: str | None) -> RunTrust | None:

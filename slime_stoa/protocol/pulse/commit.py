@@ -5,7 +5,10 @@ writes, and every manifest carries the sha256 of each object it names. On `open`
 (`UntrustedState`) to resume from a pointer or manifests the run's keys did not sign, or with a
 key that is not the run's current one (the run manifest's `run_key`, or the newest key its
 rotations announce: `publisher_trust`; a run manifest a bucket writer replaced is put back from
-the trainer's copy, or outlived when the run's pointer is the publisher's own). Freshness
+the trainer's copy, or outlived when the run's pointer is the publisher's own or the publisher's
+key vouches for the run's first key through its rotations' acceptances). A pointer gone or
+refused is put back from the trainer's copy; without one, a signed run's pointer is written again
+at the highest version the bucket holds a signed manifest of (`_point_at_head`). Freshness
 (signed runs): a version number gets one signed manifest: a commit is refused
 (`PreconditionFailed`) when another signed manifest of its version exists (this publisher's own
 unanswered attempts aside: they are never referenced), and `highest_signed` finds the head an
@@ -46,7 +49,7 @@ from typing import Protocol
 
 from slime_stoa.protocol.layout import RunLayout, version_str
 from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
-from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations
+from slime_stoa.protocol.run_trust import RunTrust, Untrusted, Unvouched, load_rotations, vouched_first_key
 from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
 from slime_stoa.protocol.store.capped import TooLarge, read_capped
@@ -86,10 +89,11 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
 
     A bucket writer cannot stop the publisher by replacing or deleting run.json: with `copies`
     the trainer's own copy of the manifest it accepted is put back and the check made again (a
-    manifest accepted is kept there). Without a copy, a refused manifest is a forgery when the
-    run's pointer verifies under `key` (the publisher signed it): publishing goes on pinned to
-    `key`, with a warning naming the repair (workers and the consumer refuse the forged manifest
-    themselves). When nothing there is `key`'s, the refusal stands: the key is the operator's
+    manifest accepted is kept there). Without a copy, a manifest naming another first key than
+    the one `key`'s rotations vouch for is a forgery: publishing goes on under the vouched keys.
+    Else a refused manifest is a forgery when the run's pointer verifies under `key` (the
+    publisher signed it): publishing goes on pinned to `key`. Either way a warning names the
+    repair (workers and the consumer refuse the forged manifest themselves). When nothing there is `key`'s, the refusal stands: the key is the operator's
     mistake, which no waiting repairs."""
     manifest_key = RunLayout(run).run_manifest
     kept = None if copies is None else copies.kept(manifest_key)
@@ -111,6 +115,12 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
         except UntrustedState as exc:  # the copy is no better (a rotation refused, say): judged as without one
             refused = exc
     assert refused is not None  # a manifest gone with a copy kept returned above
+    if isinstance(refused, _ForgedManifest):
+        log.warning(
+            "run %s: %s, so the manifest is a forgery: publishing goes on under the run's keys from %s. Repair: put %s "
+            "back from `stoa run create`'s output or a kept copy", run, refused, refused.trust.pinned.key_id, manifest_key,
+        )
+        return refused.trust
     if not await _signs_pointer(store, run, key):
         raise refused  # nothing here is `key`'s: the operator's config, said at once
     log.warning(
@@ -123,17 +133,49 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
     return trust
 
 
+class _ForgedManifest(UntrustedState):
+    """The run manifest names another first key than the one the publisher's key vouches for
+    through its rotations' acceptances (`run_trust.vouched_first_key`); `trust`: the run's keys
+    as the publisher's key vouches for them."""
+
+    def __init__(self, message: str, trust: RunTrust) -> None:
+        super().__init__(message)
+        self.trust = trust
+
+
 async def _manifest_trust(store: Store, run: str, key: SigningKey) -> tuple[RunTrust, RunManifest | None]:
     """The run's keys as its manifest and rotations name them, and the manifest read (None: the
-    run has none); UntrustedState unless `key` is the newest of them."""
+    run has none); UntrustedState unless `key` is the newest of them (_ForgedManifest when `key`'s
+    rotations vouch for another first key than the manifest's)."""
     try:
         manifest: RunManifest | None = await read_run_manifest(store, run)
     except RunNotFound:
         manifest = None
     except ValueError as exc:
         raise UntrustedState(f"cannot read the run manifest to check the run key: {exc}") from None
-    pinned = PublicKey.from_text(manifest.run_key) if manifest is not None and manifest.run_key else key.public
-    trust = RunTrust(run, pinned)
+    named = PublicKey.from_text(manifest.run_key) if manifest is not None and manifest.run_key else None
+    try:
+        first = await vouched_first_key(store, run, key.public)
+    except Unvouched as exc:  # a rotation to `key` any key could have signed: the run's keys are not known
+        raise UntrustedState(f"run {run!r}: {exc} (written by an older stoa, or forged)") from None
+    except Untrusted as exc:
+        raise UntrustedState(f"a key rotation of run {run!r} does not verify: {exc}") from None
+    trust = RunTrust(run, named or key.public)
+    if first != key.public and first != named:  # a rotation names `key`, and `key` vouches for `first`
+        trust = RunTrust(run, first)
+        await _load_rotations(store, trust, key)
+        named_id = "none" if named is None else named.key_id
+        raise _ForgedManifest(
+            f"run.json names run key {named_id}, but the rotations key {key.key_id} accepted lead back to {first.key_id}",
+            trust,
+        )
+    await _load_rotations(store, trust, key)
+    return trust, manifest
+
+
+async def _load_rotations(store: Store, trust: RunTrust, key: SigningKey) -> None:
+    """Learn the run's rotations into `trust`; UntrustedState unless `key` is its newest key."""
+    run = trust.run
     try:
         await load_rotations(store, trust)
     except Untrusted as exc:
@@ -143,7 +185,6 @@ async def _manifest_trust(store: Store, run: str, key: SigningKey) -> tuple[RunT
             f"key {key.key_id} is not the current key of run {run!r} (that is {trust.newest.key_id}, "
             f"fingerprint {trust.newest.fingerprint}): publish with that key"
         )
-    return trust, manifest
 
 
 async def _keep_run_manifest(store: Store, copies: Copies, key: str, manifest: RunManifest) -> None:
@@ -193,9 +234,10 @@ class Committer:
         try:
             found = await read_pointer_etag(self.store, self.layout.run, trust=self.trust, plane=self.layout.plane)
         except NotPublished:
-            return await self._put_pointer_back(None, "is gone")
+            return await self._put_pointer_back(None, "is gone") or await self._point_at_head(None, "is gone")
         except MalformedPointer as exc:
-            if (back := await self._put_pointer_back(exc.etag, f"was refused ({exc})")) is not None:
+            why = f"was refused ({exc})"
+            if (back := await self._put_pointer_back(exc.etag, why) or await self._point_at_head(exc.etag, why)):
                 return back
             if exc.untrusted:
                 raise UntrustedState(f"refusing to resume run {self.layout.run!r}: {exc}") from None
@@ -216,6 +258,24 @@ class Committer:
         assert found is not None
         self.last = found[0]
         return found
+
+    async def _point_at_head(self, etag: str | None, why: str) -> tuple[Pointer, str] | None:
+        """Without a copy to put back, in a signed run: the pointer written again (over the bucket's,
+        at `etag`; None: gone) at the highest version the bucket holds a signed manifest of, which
+        no bucket writer can forge; None when there is none (or the run is unsigned)."""
+        if self.key is None or self.trust is None:
+            return None
+        head = await self._highest_signed_after(None)
+        if head is None:
+            return None
+        self.etag = etag
+        await self.point_back(head)
+        assert self.last is not None and self.etag is not None
+        log.warning(
+            "run %s: the pointer %s and the trainer keeps no copy; wrote it again at the highest signed version, v%d",
+            self.layout.run, why, head.version,
+        )
+        return self.last, self.etag
 
     async def landed(self, manifest: VersionManifest) -> str | None:
         """After a pointer write that got no answer: the pointer's ETag when it names `manifest`
@@ -371,13 +431,18 @@ class Committer:
         None (an unsigned run, or none above it). A publisher resumes from it: an old genuine
         pointer put back must not make it publish a version number again. Reads at most
         MAX_HEAD_CANDIDATES manifests, highest first."""
+        return await self._highest_signed_after(pointer.version)
+
+    async def _highest_signed_after(self, version: int | None) -> VersionManifest | None:
+        """`highest_signed` above `version` (None: of every version)."""
         if self.trust is None:
             return None
-        after = f"{self.layout.versions_prefix}{version_str(pointer.version)}."  # past every attempt of it
+        # past every attempt of `version`
+        after = None if version is None else f"{self.layout.versions_prefix}{version_str(version)}."
         keys = []
         async for info in self.store.list(self.layout.versions_prefix, start_after=after):
             parsed = self.layout.parse_version_manifest(info.key)
-            if parsed is not None and parsed[0] > pointer.version:
+            if parsed is not None and (version is None or parsed[0] > version):
                 keys.append((parsed[0], info.key))
         for _, key in sorted(keys, reverse=True)[:MAX_HEAD_CANDIDATES]:
             manifest = await self.verified(key)

@@ -35,7 +35,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, RunNotFound, read_run_manifest
-from slime_stoa.protocol.run_trust import RunTrust
+from slime_stoa.protocol.run_trust import RunTrust, first_run_key
 from slime_stoa.protocol.shell import task_prepare_command
 from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
@@ -114,8 +114,11 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
     copy put back when the bucket's is gone or refused, and the accepted one kept."""
     copies = TrainerCopies.at(config.keep_dir)
     key = RunLayout(config.run).run_manifest
+    # A trainer restarted with a rotated key: run.json names the run's first key, which the
+    # configured one vouches for through the rotations' acceptances.
+    pinned = await first_run_key(store, config.run, config.run_key)
     try:
-        manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+        manifest = await read_run_manifest(store, config.run, pinned=pinned)
     except (RunNotFound, ValueError) as exc:  # gone, garbage, or another key's (RunKeyMismatch)
         if copies is None or copies.kept(key) is None:
             if isinstance(exc, RunKeyMismatch) and not await run_key_vouched(store, config):
@@ -124,7 +127,7 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
                 f"the run manifest {key} in {store.url} is gone or refused", manifest_repair(config), exc
             ) from exc
         await copies.put_back(store, key, f"was refused ({exc})")
-        manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+        manifest = await read_run_manifest(store, config.run, pinned=pinned)
     if copies is not None:
         with contextlib.suppress(NotFound, ValueError):  # swapped since it was read: kept next time
             data = await store.get_bytes(key)
@@ -134,19 +137,23 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
 
 
 async def run_key_vouched(store: Store, config: ConsumerConfig) -> bool:
-    """Whether the run's weight pointer verifies under the configured `run_key` (or a rotation
-    of it): then that key is the run's and a manifest naming another one is a bucket writer's
+    """Whether the run's weight pointer verifies under the configured `run_key` (through the
+    rotations from the first key it vouches for): then that key is the run's and a manifest naming another one is a bucket writer's
     forgery, which the trainer waits out like a deleted one instead of stopping on. False when
     there is no key, no pointer yet, or the pointer is not that key's (a wrong `run_key` in
     the trainer's config: reported at once)."""
-    if config.run_key is None:
+    first = await first_run_key(store, config.run, config.run_key)
+    if first is None or config.run_key is None:
         return False
-    try:
-        trust = RunTrust.from_text(config.run, config.run_key)
-        await read_pointer(store, config.run, trust=trust)
-    except (NotPublished, ManifestError, ValueError):
-        return False
-    return True
+    alone = RunTrust.from_text(config.run, config.run_key)
+    alone.loaded = True  # the key itself signed the pointer (a trainer's current key), whatever the rotations say
+    for trust in (alone, RunTrust.from_text(config.run, first)):
+        try:
+            await read_pointer(store, config.run, trust=trust)
+        except (NotPublished, ManifestError, ValueError):
+            continue
+        return True
+    return False
 
 
 def manifest_repair(config: ConsumerConfig) -> str:

@@ -41,6 +41,7 @@ from slime_stoa.evaluation.passk import DEFAULT_PASS_THRESHOLD
 from slime_stoa.protocol.eval_request import EvalRequest
 from slime_stoa.protocol.layout import check_name
 from slime_stoa.protocol.run_manifest import read_run_manifest
+from slime_stoa.protocol.run_trust import first_run_key
 from slime_stoa.trainer.consumer import ConsumedGroup, sample_fields
 
 from .settings import StoaSettings, settings_from_args
@@ -216,7 +217,7 @@ async def _evaluate(
     version = await session._read_version()
     if version is None:
         raise ValueError(f"run {config.run!r} has published no weights yet: nothing to evaluate")
-    manifest = await read_run_manifest(store, config.run, pinned=config.run_key)
+    manifest = await read_run_manifest(store, config.run, pinned=await first_run_key(store, config.run, config.run_key))
     limit, key = settings.eval_prompts, settings.run_key
     out: dict[str, Any] = {}
     for dataset in datasets:

@@ -1,0 +1,145 @@
+"""A trainer restarted with a rotated run key (`stoa keys rotate`, then the new key file as
+`stoa_run_key`): it knows only its new key, run.json names the run's first key. Each rotation
+carries its new key's acceptance of the key before it, so the new key vouches for the first key
+(`run_trust.vouched_first_key`): the consumer pins run.json to it, and the publisher tells a
+forged run.json from the genuine one even with no copy kept and an old pointer put back."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from slime_stoa.cli.keys_cmd import rotate_key
+from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.publisher import Publisher, UntrustedState
+from slime_stoa.protocol.pulse.subscriber import Subscriber
+from slime_stoa.protocol.run_trust import (
+    RunTrust,
+    Untrusted,
+    Unvouched,
+    first_run_key,
+    rotation_document,
+    vouched_first_key,
+)
+from slime_stoa.protocol.signing import SigningKey, canonical_json, sign_document
+from slime_stoa.protocol.store import Store
+from tests.test_consumer import Tiny, now_ms, tiny
+from tests.test_signed_records import open_signed_consumer, setup_signed_run
+from tests.test_trust_publisher_manifest import RUN as PUB_RUN
+from tests.test_trust_publisher_manifest import forge_manifest, signed_run
+from tests.test_trust_writer import batches, records
+
+from .forged_weights import step_state
+
+__all__ = ["tiny"]  # the session fixture
+
+RUN = "rotated"
+
+
+def test_a_rotation_carries_the_new_keys_acceptance_of_the_key_before_it() -> None:
+    first, second, third = (SigningKey.generate() for _ in range(3))
+    trust = RunTrust(RUN, first.public)
+    trust.learn(rotation_document(RUN, 1, second, 4, first), "keys/1")
+    trust.learn(rotation_document(RUN, 2, third, 9, second), "keys/2")
+    assert trust.vouched_back_from(third.public) and trust.vouched_back_from(second.public)
+    assert not trust.vouched_back_from(SigningKey.generate().public)
+    # Without the private half of the new key, a rotation carries no acceptance: learned (readers
+    # pinned to the first key need none), but it vouches for nothing.
+    legacy = RunTrust(RUN, first.public)
+    legacy.learn(rotation_document(RUN, 1, second.public, 4, first), "keys/1")
+    assert legacy.newest == second.public and not legacy.vouched_back_from(second.public)
+    # An acceptance of another rotation (here naming another key before it) is refused.
+    forger = SigningKey.generate()
+    moved = dict(rotation_document(RUN, 1, second, 4, forger))  # `second` accepted `forger` before it
+    moved.pop("signature")
+    with pytest.raises(Untrusted, match="another rotation"):
+        RunTrust(RUN, first.public).learn(sign_document(moved, first), "keys/1")
+    tampered = rotation_document(RUN, 1, second, 4, first)
+    tampered["accepted"] = {**tampered["accepted"], "seq": 2}
+    with pytest.raises(Untrusted):
+        RunTrust(RUN, first.public).learn(sign_document({k: v for k, v in tampered.items() if k != "signature"}, first), "k")
+
+
+async def test_the_first_key_is_found_back_from_a_rotated_key(store: Store) -> None:
+    first, second, third = (SigningKey.generate() for _ in range(3))
+    layout = RunLayout(RUN)
+    assert await vouched_first_key(store, RUN, first.public) == first.public  # no rotation names it
+    await store.put(layout.key_rotation(1), canonical_json(rotation_document(RUN, 1, second, 4, first)))
+    await store.put(layout.key_rotation(2), canonical_json(rotation_document(RUN, 2, third, 9, second)))
+    assert await vouched_first_key(store, RUN, third.public) == first.public
+    assert await vouched_first_key(store, RUN, second.public) == first.public
+    assert await first_run_key(store, RUN, third.public.to_text()) == first.public.to_text()
+    # A bucket writer's rotation to the trainer's key, from a key of its own: no acceptance, so the
+    # trainer's key vouches for nothing (and the writer cannot make one without that key).
+    forger = SigningKey.generate()
+    await store.put(layout.key_rotation(1), canonical_json(rotation_document(RUN, 1, second.public, 4, forger)))
+    with pytest.raises(Unvouched):
+        await vouched_first_key(store, RUN, second.public)
+    assert await first_run_key(store, RUN, second.public.to_text()) == second.public.to_text()
+
+
+async def test_a_consumer_restarted_with_the_rotated_key_admits_records(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    """As the slime plugin configures it: run_key is the public half of the trainer's key file."""
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    new = SigningKey.generate()
+    await rotate_key(store_url, "consume", run.run_key, new)
+    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
+    c = await open_signed_consumer(store, tiny, store_url, run_key=new.public.to_text(), state_key=new)
+    try:
+        assert await batches(c, 2) == ["mac-a", "mac-a"]
+    finally:
+        await c.close()
+
+
+async def test_a_publisher_with_the_rotated_key_outlives_a_forged_manifest_and_an_old_pointer(
+    store: Store, store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No copy kept, run.json replaced by the forger's, and the pointer the old key signed put
+    back over the one the rotation re-signed: the new key's rotation vouches for the first key,
+    so the publisher goes on under the run's genuine keys, and a worker pinned to the first key
+    follows what it publishes."""
+    old, new = SigningKey.generate(), SigningKey.generate()
+    state = await signed_run(store, old, None)
+    before = await store.get_bytes(RunLayout(PUB_RUN).pointer)  # v0's pointer, signed by `old`
+    await rotate_key(store_url, PUB_RUN, old, new)
+    await forge_manifest(store)
+    await store.put(RunLayout(PUB_RUN).pointer, before)
+    pub = Publisher(store, PUB_RUN, key=new)
+    with caplog.at_level(logging.WARNING, logger="stoa.pulse"):
+        assert await pub.open() == 0
+    assert any("forgery" in r.getMessage() and old.key_id in r.getMessage() for r in caplog.records)
+    assert pub.trust is not None and pub.trust.pinned == old.public and pub.trust.newest == new.public
+    assert (await pub.publish(step_state(state, np.random.default_rng(5)))).version == 1
+    follower = Subscriber(store, PUB_RUN, trust=RunTrust(PUB_RUN, old.public))
+    assert await follower.sync() is not None and follower.version == 1
+    # The key rotated away is still refused, forged manifest or not.
+    with pytest.raises(UntrustedState):
+        await Publisher(store, PUB_RUN, key=old).open()
+
+
+async def test_a_writers_rotation_to_the_trainers_key_does_not_make_its_key_the_runs(
+    store: Store, store_url: str
+) -> None:
+    """run.json and rotation 1 replaced by a writer's (its own key first, then a rotation to the
+    trainer's new key, which any key can sign, claiming every version up to 10^9): nothing
+    vouches for the writer's key, so the publisher trusts nothing it signed. With no copy kept,
+    nothing vouches for what the old key signed either: it refuses to resume, and resumes once
+    the genuine rotation is back."""
+    old, new = SigningKey.generate(), SigningKey.generate()
+    state = await signed_run(store, old, None)
+    await rotate_key(store_url, PUB_RUN, old, new)
+    rotation = RunLayout(PUB_RUN).key_rotation(1)
+    genuine = await store.get_bytes(rotation)
+    forger = await forge_manifest(store)
+    await store.put(rotation, canonical_json(rotation_document(PUB_RUN, 1, new.public, 10**9, forger)))
+    with pytest.raises(UntrustedState, match="from v0"):
+        await Publisher(store, PUB_RUN, key=new).open()
+    await store.put(rotation, genuine)
+    pub = Publisher(store, PUB_RUN, key=new)
+    assert await pub.open() == 0
+    assert pub.trust is not None and pub.trust.pinned == old.public and not pub.trust.knows(forger.key_id)
+    assert (await pub.publish(step_state(state, np.random.default_rng(6)))).version == 1
