@@ -7,13 +7,14 @@ forged run.json from the genuine one even with no copy kept and an old pointer p
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from slime_stoa.cli.keys_cmd import rotate_key
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.publisher import Publisher, UntrustedState
+from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.run_trust import (
     RunTrust,
@@ -143,3 +144,26 @@ async def test_a_writers_rotation_to_the_trainers_key_does_not_make_its_key_the_
     assert await pub.open() == 0
     assert pub.trust is not None and pub.trust.pinned == old.public and not pub.trust.knows(forger.key_id)
     assert (await pub.publish(step_state(state, np.random.default_rng(6)))).version == 1
+
+
+async def test_a_kept_rotation_is_put_back_over_a_writers(store: Store, store_url: str, tmp_path: Path) -> None:
+    """With a keep_dir the trainer keeps each rotation it verified, and puts it back (with its
+    run manifest) when a bucket writer replaces both: the run's genuine keys are in the bucket
+    again for every reader, a worker that never ran before included."""
+    old, new, keep = SigningKey.generate(), SigningKey.generate(), tmp_path / "kept"
+    state = await signed_run(store, old, None)
+    await rotate_key(store_url, PUB_RUN, old, new)
+    assert await Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new).open() == 0  # keeps both
+    layout = RunLayout(PUB_RUN)
+    genuine = {key: await store.get_bytes(key) for key in (layout.key_rotation(1), layout.run_manifest)}
+    forger = await forge_manifest(store)
+    await store.put(layout.key_rotation(1), canonical_json(rotation_document(PUB_RUN, 1, new.public, 10**9, forger)))
+    pub = Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new)
+    assert await pub.open() == 0
+    assert {key: await store.get_bytes(key) for key in genuine} == genuine
+    assert (await pub.publish(step_state(state, np.random.default_rng(7)))).version == 1
+    newcomer = Subscriber(store, PUB_RUN, trust=RunTrust(PUB_RUN, old.public))
+    assert await newcomer.sync() is not None and newcomer.version == 1
+    await store.delete(layout.key_rotation(1))  # gone: put back as well
+    assert await Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new).open() == 1
+    assert await store.get_bytes(layout.key_rotation(1)) == genuine[layout.key_rotation(1)]

@@ -3,8 +3,9 @@ take away.
 
 In single-bucket mode every worker's token can overwrite or delete any object of the run, so the
 trainer keeps, in a folder of its own (`ConsumerConfig.keep_dir`, `PublisherConfig.keep_dir`),
-the signed bytes of the objects it depends on: the run manifest, the worker registry, its
-consumer state and that state's newest head, and each pointer and version manifest it committed.
+the signed bytes of the objects it depends on: the run manifest and its key rotations, the worker
+registry, its consumer state and that state's newest head, and each pointer and version manifest
+it committed.
 They are filed under their bucket key (`<folder>/<key>`), so the folder holds a small mirror of
 those objects. When the bucket's object is gone, garbage, or older than the trainer's copy, the
 trainer uses its copy and puts it back (`put_back`): a worker can make the trainer restore an

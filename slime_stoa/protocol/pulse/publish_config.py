@@ -49,7 +49,8 @@ class PublisherConfig:
         None,
     )
     keep_dir: Path | None = setting(
-        "The trainer's own folder for its copies of each pointer and version manifest it commits "
+        "The trainer's own folder for its copies of the run manifest, its key rotations, each pointer and version "
+        "manifest it commits "
         "(`slime_stoa.protocol.kept`) and of its live weight chain (patches, version and anchor manifests, each "
         "object's size and ETag: `pulse.kept_chain`), put back when a bucket writer deletes or overwrites them. "
         "None: no copies.",
