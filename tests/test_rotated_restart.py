@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slime_stoa.cli.keys_cmd import rotate_key
+from slime_stoa.cli.keys_cmd import rotate_in
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.subscriber import Subscriber
@@ -35,6 +35,8 @@ from tests.test_trust_writer import batches, records
 from .forged_weights import step_state
 
 __all__ = ["tiny"]  # the session fixture
+
+pytestmark = pytest.mark.both_backends
 
 RUN = "rotated"
 
@@ -87,7 +89,7 @@ async def test_a_consumer_restarted_with_the_rotated_key_admits_records(
     """As the slime plugin configures it: run_key is the public half of the trainer's key file."""
     run = await setup_signed_run(store, tiny, workers=("mac-a",))
     new = SigningKey.generate()
-    await rotate_key(store_url, "consume", run.run_key, new)
+    await rotate_in(store, "consume", run.run_key, new)
     await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
     c = await open_signed_consumer(store, tiny, store_url, run_key=new.public.to_text(), state_key=new)
     try:
@@ -97,7 +99,7 @@ async def test_a_consumer_restarted_with_the_rotated_key_admits_records(
 
 
 async def test_a_publisher_with_the_rotated_key_outlives_a_forged_manifest_and_an_old_pointer(
-    store: Store, store_url: str, caplog: pytest.LogCaptureFixture
+    store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No copy kept, run.json replaced by the forger's, and the pointer the old key signed put
     back over the one the rotation re-signed: the new key's rotation vouches for the first key,
@@ -106,7 +108,7 @@ async def test_a_publisher_with_the_rotated_key_outlives_a_forged_manifest_and_a
     old, new = SigningKey.generate(), SigningKey.generate()
     state = await signed_run(store, old, None)
     before = await store.get_bytes(RunLayout(PUB_RUN).pointer)  # v0's pointer, signed by `old`
-    await rotate_key(store_url, PUB_RUN, old, new)
+    await rotate_in(store, PUB_RUN, old, new)
     await forge_manifest(store)
     await store.put(RunLayout(PUB_RUN).pointer, before)
     pub = Publisher(store, PUB_RUN, key=new)
@@ -122,9 +124,7 @@ async def test_a_publisher_with_the_rotated_key_outlives_a_forged_manifest_and_a
         await Publisher(store, PUB_RUN, key=old).open()
 
 
-async def test_a_writers_rotation_to_the_trainers_key_does_not_make_its_key_the_runs(
-    store: Store, store_url: str
-) -> None:
+async def test_a_writers_rotation_to_the_trainers_key_does_not_make_its_key_the_runs(store: Store) -> None:
     """run.json and rotation 1 replaced by a writer's (its own key first, then a rotation to the
     trainer's new key, which any key can sign, claiming every version up to 10^9): nothing
     vouches for the writer's key, so the publisher trusts nothing it signed. With no copy kept,
@@ -132,7 +132,7 @@ async def test_a_writers_rotation_to_the_trainers_key_does_not_make_its_key_the_
     the genuine rotation is back."""
     old, new = SigningKey.generate(), SigningKey.generate()
     state = await signed_run(store, old, None)
-    await rotate_key(store_url, PUB_RUN, old, new)
+    await rotate_in(store, PUB_RUN, old, new)
     rotation = RunLayout(PUB_RUN).key_rotation(1)
     genuine = await store.get_bytes(rotation)
     forger = await forge_manifest(store)
@@ -146,13 +146,13 @@ async def test_a_writers_rotation_to_the_trainers_key_does_not_make_its_key_the_
     assert (await pub.publish(step_state(state, np.random.default_rng(6)))).version == 1
 
 
-async def test_a_kept_rotation_is_put_back_over_a_writers(store: Store, store_url: str, tmp_path: Path) -> None:
+async def test_a_kept_rotation_is_put_back_over_a_writers(store: Store, tmp_path: Path) -> None:
     """With a keep_dir the trainer keeps each rotation it verified, and puts it back (with its
     run manifest) when a bucket writer replaces both: the run's genuine keys are in the bucket
     again for every reader, a worker that never ran before included."""
     old, new, keep = SigningKey.generate(), SigningKey.generate(), tmp_path / "kept"
     state = await signed_run(store, old, None)
-    await rotate_key(store_url, PUB_RUN, old, new)
+    await rotate_in(store, PUB_RUN, old, new)
     assert await Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new).open() == 0  # keeps both
     layout = RunLayout(PUB_RUN)
     genuine = {key: await store.get_bytes(key) for key in (layout.key_rotation(1), layout.run_manifest)}

@@ -18,11 +18,13 @@ from typing import Any
 
 import pytest
 
+from slime_stoa.cli.keys_cmd import rotate_in
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
 from slime_stoa.protocol.registry import revoke_worker, update_registry
 from slime_stoa.protocol.run_manifest import RunManifest
-from slime_stoa.protocol.signing import SigningKey
+from slime_stoa.protocol.run_trust import rotation_document
+from slime_stoa.protocol.signing import SigningKey, canonical_json
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.heads import heads_prefix
@@ -262,6 +264,41 @@ async def version_manifest_deleted(store: Store, url: str, tiny: Tiny, keep: Pat
         await c.close()
 
 
+async def rotated_run_rewritten(store: Store, url: str, tiny: Tiny, keep: Path) -> Outcome:
+    """A rotated run (`stoa keys rotate`, the trainer restarted with the new key): run.json and the
+    rotation naming the trainer's key replaced by a writer's (its own key first, then a rotation
+    from it to the trainer's key, which any key can sign), and the pointer the old key signed put
+    back. The restarted trainer puts both back from its copies, publishes, and admits the honest
+    records."""
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    layout = RunLayout(RUN)
+    old_pointer = await store.get_bytes(layout.pointer)
+    new = SigningKey.generate()
+    await rotate_in(store, RUN, run.run_key, new)
+    rotated = SignedRun(new, run.workers)
+    assert await publisher(store, rotated, keep).open() == 0  # keeps run.json and rotation 1
+    genuine = {key: await store.get_bytes(key) for key in (layout.run_manifest, layout.key_rotation(1))}
+    forger = SigningKey.generate()
+    forged = replace(RunManifest.from_bytes(genuine[layout.run_manifest]), run_key=forger.public.to_text())
+    await store.put(layout.run_manifest, forged.to_bytes(forger))
+    await store.put(layout.key_rotation(1), canonical_json(rotation_document(RUN, 1, new.public, 10**9, forger)))
+    await store.put(layout.pointer, old_pointer)
+    restarted = publisher(store, rotated, keep)
+    try:
+        at = await restarted.open()
+        result = await restarted.publish(weights(1))
+    except Exception:
+        return Outcome(stopped=True, honest_rejected=0, restored=False)
+    restored = all([await present(store, key, data) for key, data in genuine.items()])
+    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
+    c = await consumer(store, url, tiny, rotated, keep)  # pinned as the slime plugin pins it: the new key
+    try:
+        halted = at != 0 or result.version != 1 or await stopped(c.next_batch(2, trainer_version=1))
+        return Outcome(stopped=halted, honest_rejected=honest_rejects(c), restored=restored)
+    finally:
+        await c.close()
+
+
 async def present(store: Store, key: str, data: bytes) -> bool:
     try:
         return await store.get_bytes(key) == data
@@ -278,6 +315,7 @@ ATTACKS: dict[str, Attack] = {
     "run_manifest_deleted": run_manifest_deleted,
     "run_manifest_forged": run_manifest_forged,
     "heads_deleted_old_registry": heads_deleted_old_registry,
+    "rotated_run_rewritten": rotated_run_rewritten,
 }
 
 

@@ -20,7 +20,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations, rotation_bytes, rotation_document
 from slime_stoa.protocol.signing import KeyFileError, PublicKey, SigningKey, read_key_file, write_key_file
-from slime_stoa.protocol.store import PreconditionFailed, StoreError, open_store
+from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError, open_store
 
 from .common import add_run_options, require_run_options
 
@@ -69,35 +69,41 @@ def _show(args: argparse.Namespace) -> int:
 
 
 async def rotate_key(url: str, run: str, old: SigningKey, new: SigningKey) -> tuple[int, int]:
+    """Announce `new` as the run key after `old` (the current one) in the bucket at `url`
+    (`rotate_in`)."""
+    async with open_store(url) as store:
+        return await rotate_in(store, run, old, new)
+
+
+async def rotate_in(store: Store, run: str, old: SigningKey, new: SigningKey) -> tuple[int, int]:
     """Announce `new` as the run key after `old` (the current one); returns (rotation number,
     from_version). ValueError when `old` is not the current key, StoreError on the bucket."""
     from slime_stoa.protocol.pulse.history import NotPublished, read_pointer_etag
 
-    async with open_store(url) as store:
-        manifest = await read_run_manifest(store, run)
-        if manifest.run_key is None:
-            raise ValueError(f"run {run!r} is unsigned (no run_key): there is no key to rotate")
-        trust = RunTrust.from_text(run, manifest.run_key)
-        try:
-            await load_rotations(store, trust)
-        except Untrusted as exc:
-            raise ValueError(f"the run's key rotations do not verify: {exc}") from None
-        if trust.newest != old.public:
-            raise ValueError(f"--old key {old.key_id} is not run {run!r}'s current key ({trust.newest.key_id})")
-        if trust.knows(new.key_id):
-            raise ValueError(f"--new key {new.key_id} is already a key of run {run!r}")
-        try:
-            found = await read_pointer_etag(store, run, trust=trust)
-        except NotPublished:
-            found = None
-        seq = trust.rotations + 1
-        version = found[0].version if found else -1
-        doc = rotation_document(run, seq, new, version, old)  # with the new key's acceptance
-        await store.put_if_absent(RunLayout(run).key_rotation(seq), rotation_bytes(doc))
-        if found is not None:
-            pointer, etag = found
-            await store.cas(RunLayout(run).pointer, pointer.to_bytes(new), etag)
-        return seq, version
+    manifest = await read_run_manifest(store, run)
+    if manifest.run_key is None:
+        raise ValueError(f"run {run!r} is unsigned (no run_key): there is no key to rotate")
+    trust = RunTrust.from_text(run, manifest.run_key)
+    try:
+        await load_rotations(store, trust)
+    except Untrusted as exc:
+        raise ValueError(f"the run's key rotations do not verify: {exc}") from None
+    if trust.newest != old.public:
+        raise ValueError(f"--old key {old.key_id} is not run {run!r}'s current key ({trust.newest.key_id})")
+    if trust.knows(new.key_id):
+        raise ValueError(f"--new key {new.key_id} is already a key of run {run!r}")
+    try:
+        found = await read_pointer_etag(store, run, trust=trust)
+    except NotPublished:
+        found = None
+    seq = trust.rotations + 1
+    version = found[0].version if found else -1
+    doc = rotation_document(run, seq, new, version, old)  # with the new key's acceptance
+    await store.put_if_absent(RunLayout(run).key_rotation(seq), rotation_bytes(doc))
+    if found is not None:
+        pointer, etag = found
+        await store.cas(RunLayout(run).pointer, pointer.to_bytes(new), etag)
+    return seq, version
 
 
 def _rotate(args: argparse.Namespace) -> int:
