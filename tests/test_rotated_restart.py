@@ -167,3 +167,29 @@ async def test_a_kept_rotation_is_put_back_over_a_writers(store: Store, tmp_path
     await store.delete(layout.key_rotation(1))  # gone: put back as well
     assert await Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new).open() == 1
     assert await store.get_bytes(layout.key_rotation(1)) == genuine[layout.key_rotation(1)]
+
+
+async def test_preflight_takes_the_rotated_key_for_the_runs(store: Store, tmp_path: Path) -> None:
+    """`stoa preflight` reads the run's rotations: the new key file is the run's, the old one is
+    named as the key a rotation replaced."""
+    import argparse
+
+    from slime_stoa.protocol.run_manifest import read_run_manifest
+    from slime_stoa.protocol.signing import write_key_file
+    from slime_stoa.trainer.slime.preflight import check_run_key, run_keys
+
+    old, new = SigningKey.generate(), SigningKey.generate()
+    await signed_run(store, old, None)
+    await rotate_in(store, PUB_RUN, old, new)
+    manifest = await read_run_manifest(store, PUB_RUN)
+    keys = await run_keys(store, PUB_RUN, manifest)
+    assert keys == (old.public.to_text(), new.public.to_text())
+
+    def finding(key: SigningKey, name: str) -> tuple[str, str]:
+        path = write_key_file(tmp_path / name, key)
+        found = check_run_key(argparse.Namespace(stoa_publish=True, stoa_run_key=str(path)), manifest, keys)
+        return found.status, found.message
+
+    assert finding(new, "new.key") == ("ok", f"stoa_run_key is the run's key {new.key_id}, rotation 1 (mode 0600)")
+    status, message = finding(old, "old.key")
+    assert status == "fix" and "rotation 1 replaced" in message and new.key_id in message

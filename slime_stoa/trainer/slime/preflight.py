@@ -13,7 +13,7 @@ the run manifest:
     config = load_custom_config(flags.custom_config_path)
     args = effective_args(flags, config)              # the YAML overrides flags, as in slime
     facts = asyncio.run(inspect_store(url, run))
-    findings = [*check_store(facts), *check_flags(args, facts.manifest, config), ...]
+    findings = [*check_store(facts), *check_flags(args, facts.manifest, config, facts.run_keys), ...]
 
 The flag rules follow slime's `slime/utils/arguments.py` (`slime_validate_args`) and its DP
 schedule (`slime/utils/dp_schedule.py`): a training step takes `--global-batch-size` samples,
@@ -24,6 +24,7 @@ n_samples_per_prompt // k`, and samples that do not fill a whole step are droppe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -39,7 +40,9 @@ from typing import Any, NoReturn, TypeGuard
 from slime_stoa.protocol.hf.architectures import unsupported_model
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations
 from slime_stoa.protocol.shell import run_create_command, shell_command, task_prepare_command
+from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import StoreError, open_store, parse_store_url
 
 from .findings import FIX, OK, STATUSES, WARN, Finding, fix, ok, warn
@@ -778,9 +781,10 @@ def check_tokenizer(args: argparse.Namespace, facts: StoreFacts) -> Finding | No
     )
 
 
-def check_run_key(args: argparse.Namespace, manifest: RunManifest) -> Finding:
-    """A publishing trainer of a signed run holds its run key: `stoa_run_key` names a 0600 key
-    file whose public half is the run manifest's `run_key`."""
+def check_run_key(args: argparse.Namespace, manifest: RunManifest, run_keys: Sequence[str] = ()) -> Finding:
+    """A publishing trainer of a signed run holds its current run key: `stoa_run_key` names a 0600
+    key file whose public half is the run manifest's `run_key`, or the newest key its rotations
+    announce (`run_keys`: the run's keys, first to newest, as read from the bucket)."""
     from .settings import read_fields
 
     try:
@@ -795,14 +799,23 @@ def check_run_key(args: argparse.Namespace, manifest: RunManifest) -> Finding:
     if key is None:
         return fix("run-key", f"run {manifest.run!r} is signed (run_key {manifest.public_key.key_id}): "  # type: ignore[union-attr]
                               "set stoa_run_key to its key file, or workers refuse every version")
-    if key.public.to_text() != manifest.run_key:
-        return fix("run-key", f"stoa_run_key {getattr(args, 'stoa_run_key', '')} holds key {key.key_id}, the run's is "
-                              f"{manifest.public_key.key_id}: use the run's key file")  # type: ignore[union-attr]
-    return ok("run-key", f"stoa_run_key is the run's key {key.key_id} (mode 0600)")
+    keys = list(run_keys) or [manifest.run_key]
+    held, path = key.public.to_text(), getattr(args, "stoa_run_key", "")
+    if held == keys[-1]:
+        rotated = f", rotation {len(keys) - 1}" if len(keys) > 1 else ""
+        return ok("run-key", f"stoa_run_key is the run's key {key.key_id}{rotated} (mode 0600)")
+    current = PublicKey.from_text(keys[-1]).key_id
+    if held in keys:
+        return fix("run-key", f"stoa_run_key {path} holds key {key.key_id}, which rotation {keys.index(held) + 1} "
+                              f"replaced: the run's current key is {current}; use its key file")
+    return fix("run-key", f"stoa_run_key {path} holds key {key.key_id}, the run's is {current}: use the run's key file")
 
 
-def check_flags(args: argparse.Namespace, manifest: RunManifest | None, config: Config = None) -> list[Finding]:
-    """Every slime-flag check; those that need the run manifest only when it was read."""
+def check_flags(
+    args: argparse.Namespace, manifest: RunManifest | None, config: Config = None, run_keys: Sequence[str] = ()
+) -> list[Finding]:
+    """Every slime-flag check; those that need the run manifest only when it was read (`run_keys`:
+    the run's keys, first to newest, when its rotations were read)."""
     out = check_rollout_gpus(args)
     if manifest is not None:
         out += [
@@ -811,7 +824,7 @@ def check_flags(args: argparse.Namespace, manifest: RunManifest | None, config: 
             check_max_response_len(args, manifest, config),
         ]
         if getattr(args, "stoa_publish", None) is True:
-            out.append(check_run_key(args, manifest))
+            out.append(check_run_key(args, manifest, run_keys))
     out.append(check_top_p(args, config))
     out.append(check_batch_sizes(args))
     out += check_schedule(args)
@@ -841,6 +854,7 @@ class StoreFacts:
     anchor_version: int | None = None
     anchor_extras: tuple[str, ...] | None = None  # file names beside the anchor's weights
     anchor_tensors: tuple[str, ...] | None = None  # the anchor's tensor names (None: not read)
+    run_keys: tuple[str, ...] = ()  # a signed run's keys, first to newest, as far as its rotations verify
 
 
 async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None = None) -> StoreFacts:
@@ -863,7 +877,7 @@ async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None
             return StoreFacts(url, run, error=str(exc))
         except ValueError as exc:
             return StoreFacts(url, run, manifest_error=str(exc))
-        facts: dict[str, Any] = {"manifest": manifest}
+        facts: dict[str, Any] = {"manifest": manifest, "run_keys": await run_keys(store, run, manifest)}
         try:
             task_key = layout.task_data(manifest.task, manifest.task_split)
             facts["task_key"] = task_key
@@ -880,6 +894,17 @@ async def inspect_store(url: str, run: str, *, environ: Mapping[str, str] | None
         except (StoreError, ManifestError, ValueError) as exc:
             facts["pointer_error"] = str(exc)
         return StoreFacts(url, run, **facts)
+
+
+async def run_keys(store: Any, run: str, manifest: RunManifest) -> tuple[str, ...]:
+    """The run's keys, first to newest: the manifest's `run_key` and each rotation after it that
+    verifies (() for an unsigned run)."""
+    if manifest.run_key is None:
+        return ()
+    trust = RunTrust.from_text(run, manifest.run_key)
+    with contextlib.suppress(Untrusted, StoreError):  # the keys learned so far stand
+        await load_rotations(store, trust)
+    return tuple(k.to_text() for k in trust.keys)
 
 
 async def anchor_tensor_names(store: Any, weights: Sequence[Any]) -> tuple[str, ...] | None:
@@ -1009,7 +1034,7 @@ def run_checks(
         except ValueError as exc:
             config_error = str(exc)
     args = effective_args(flags, config or {})
-    out = [*check_store(facts), check_flag_parser(flag_parser), *check_flags(args, facts.manifest, config)]
+    out = [*check_store(facts), check_flag_parser(flag_parser), *check_flags(args, facts.manifest, config, facts.run_keys)]
     out += check_custom_config(args, config, store_url=store_url, run=run, config_error=config_error)
     out += check_settings(args)
     tokenizer = check_tokenizer(args, facts)
