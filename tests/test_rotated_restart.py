@@ -7,6 +7,7 @@ forged run.json from the genuine one even with no copy kept and an old pointer p
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from slime_stoa.cli.keys_cmd import rotate_in
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.subscriber import Subscriber
+from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.run_trust import (
     RunTrust,
     Untrusted,
@@ -26,8 +28,8 @@ from slime_stoa.protocol.run_trust import (
 )
 from slime_stoa.protocol.signing import SigningKey, canonical_json, sign_document
 from slime_stoa.protocol.store import Store
-from tests.test_consumer import Tiny, now_ms, tiny
-from tests.test_signed_records import open_signed_consumer, setup_signed_run
+from tests.test_consumer import Tiny, make_group, now_ms, tiny, weights
+from tests.test_signed_records import open_signed_consumer, put, setup_signed_run, signed
 from tests.test_trust_publisher_manifest import RUN as PUB_RUN
 from tests.test_trust_publisher_manifest import forge_manifest, signed_run
 from tests.test_trust_writer import batches, records
@@ -193,3 +195,36 @@ async def test_preflight_takes_the_rotated_key_for_the_runs(store: Store, tmp_pa
     assert finding(new, "new.key") == ("ok", f"stoa_run_key is the run's key {new.key_id}, rotation 1 (mode 0600)")
     status, message = finding(old, "old.key")
     assert status == "fix" and "rotation 1 replaced" in message and new.key_id in message
+
+
+async def test_the_consumer_puts_back_a_kept_rotation_before_the_publisher_runs(
+    store: Store, store_url: str, tiny: Tiny, tmp_path: Path
+) -> None:
+    """The consumer keeps the rotations too (its own keep_dir): restarted before the publisher,
+    it puts back run.json and the rotation a writer replaced, and admits records drawn from a
+    version the new key signed."""
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    new = SigningKey.generate()
+    await rotate_in(store, "consume", run.run_key, new)
+    pub = Publisher(store, "consume", PublisherConfig(catchup=False), key=new)
+    await pub.open()
+    await pub.publish(weights(1))  # v1, signed by the new key
+    keep = str(tmp_path / "consumer-kept")
+    first = await open_signed_consumer(store, tiny, store_url, run_key=new.public.to_text(), state_key=new, keep_dir=keep)
+    await first.close()  # kept run.json and rotation 1
+    layout = RunLayout("consume")
+    genuine = {key: await store.get_bytes(key) for key in (layout.run_manifest, layout.key_rotation(1))}
+    forger = SigningKey.generate()
+    await store.put(layout.run_manifest, replace(RunManifest.from_bytes(genuine[layout.run_manifest]),
+                                                 run_key=forger.public.to_text()).to_bytes(forger))
+    await store.put(layout.key_rotation(1), canonical_json(rotation_document("consume", 1, new.public, 10**9, forger)))
+    base = now_ms() - 20_000
+    for seq in range(2):
+        group = make_group(tiny, worker="mac-a", seq=seq, prompt_index=seq, weight_version=1)
+        await put(store, signed(group, run.workers["mac-a"]), "mac-a", seq, base + seq)
+    c = await open_signed_consumer(store, tiny, store_url, run_key=new.public.to_text(), state_key=new, keep_dir=keep)
+    try:
+        assert {key: await store.get_bytes(key) for key in genuine} == genuine
+        assert [g.group.worker_id for g in (await c.next_batch(2, trainer_version=1)).groups] == ["mac-a", "mac-a"]
+    finally:
+        await c.close()

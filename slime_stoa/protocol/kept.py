@@ -19,11 +19,22 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Protocol
 
 from slime_stoa.protocol.fsutil import atomic_write
 from slime_stoa.protocol.store import Store
 
 log = logging.getLogger("stoa.kept")
+
+
+class Copies(Protocol):
+    """The trainer's own copies of what it signed, by bucket key (`TrainerCopies`, or a test's)."""
+
+    def keep(self, key: str, data: bytes) -> None: ...
+    def kept(self, key: str) -> bytes | None: ...
+    def forget(self, key: str) -> None: ...
+    def path(self, key: str) -> Path: ...
+    async def put_back(self, store: Store, key: str, why: str) -> bytes | None: ...
 
 
 class TrainerCopies:

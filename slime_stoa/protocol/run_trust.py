@@ -24,12 +24,14 @@ members of the signed manifests) are checked with `content_hash`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .kept import Copies
 from .layout import RunLayout, check_name
 from .run_manifest import RunNotFound, read_run_manifest
 from .signing import (
@@ -319,6 +321,40 @@ async def first_run_key(store: Store, run: str, key_text: str | None) -> str | N
         return (await vouched_first_key(store, run, PublicKey.from_text(key_text))).to_text()
     except Untrusted:
         return key_text  # nothing vouched: run.json must name the configured key itself
+
+
+async def put_back_rotations(store: Store, run: str, copies: Copies) -> None:
+    """The rotation documents the trainer keeps, put back where the bucket's are gone or differ
+    (they are written once, put-if-absent: any other bytes are a bucket writer's)."""
+    layout = RunLayout(run)
+    for seq in range(1, MAX_ROTATIONS + 1):
+        key = layout.key_rotation(seq)
+        kept = copies.kept(key)
+        if kept is None:
+            return
+        try:
+            found: bytes | None = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
+        except NotFound:
+            found = None
+        except TooLarge:
+            found = b""
+        if found != kept:
+            await copies.put_back(store, key, "is gone" if found is None else "was replaced")
+
+
+async def keep_rotations(store: Store, copies: Copies, trust: RunTrust) -> None:
+    """Keep the bucket's bytes of each rotation `trust` learned (verified from the run's first key)
+    that the trainer keeps no copy of yet: what `put_back_rotations` puts back."""
+    layout = RunLayout(trust.run)
+    for seq in range(1, trust.rotations + 1):
+        key = layout.key_rotation(seq)
+        if copies.kept(key) is None:
+            with contextlib.suppress(NotFound, TooLarge, ValueError):  # swapped since it was read: kept next time
+                data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
+                doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
+                verify_document(doc, trust.keys[seq - 1], where=key)  # the document learned, not a later swap
+                if doc.get("key") == trust.keys[seq].to_text():
+                    copies.keep(key, data)
 
 
 async def weights_trust(store: Store, run: str, pinned: str | None) -> RunTrust | None:

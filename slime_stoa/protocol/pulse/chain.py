@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from slime_stoa.protocol.hf.folders import hf_config_files
+from slime_stoa.protocol.kept import Copies
 from slime_stoa.protocol.layout import QuantPlane, RunLayout
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted
 from slime_stoa.protocol.signing import SigningKey
@@ -45,7 +46,7 @@ from .anchor import write_anchor
 from .anchor_policy import anchor_due
 from .catchup_union import merge_sources, union_sources
 from .codec import Delta, check_bits, diff
-from .commit import Committer, Copies
+from .commit import Committer
 from .digest import StateDigest
 from .manifests import Origin, Pointer, Ref, VersionManifest
 from .publish_config import PublisherConfig

@@ -44,24 +44,22 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
-from typing import Protocol
 
+from slime_stoa.protocol.kept import Copies
 from slime_stoa.protocol.layout import RunLayout, version_str
 from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import (
-    MAX_ROTATION_BYTES,
-    MAX_ROTATIONS,
     RunTrust,
     Untrusted,
     Unvouched,
+    keep_rotations,
     load_rotations,
+    put_back_rotations,
     vouched_first_key,
 )
-from slime_stoa.protocol.signing import PublicKey, SigningKey, verify_document
+from slime_stoa.protocol.signing import PublicKey, SigningKey
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreUnavailable
-from slime_stoa.protocol.store.capped import TooLarge, read_capped, read_capped_bytes
-from slime_stoa.protocol.strict_json import load_json
+from slime_stoa.protocol.store.capped import TooLarge, read_capped
 
 from .history import (
     MAX_POINTER_BYTES,
@@ -81,16 +79,6 @@ log = logging.getLogger("stoa.pulse")
 MAX_HEAD_CANDIDATES = 64
 
 
-class Copies(Protocol):
-    """The trainer's own copies of what it signed, by bucket key (`slime_stoa.protocol.kept`)."""
-
-    def keep(self, key: str, data: bytes) -> None: ...
-    def kept(self, key: str) -> bytes | None: ...
-    def forget(self, key: str) -> None: ...
-    def path(self, key: str) -> Path: ...
-    async def put_back(self, store: Store, key: str, why: str) -> bytes | None: ...
-
-
 async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copies | None = None) -> RunTrust:
     """The keys a publisher holding `key` resumes under: pinned to the run manifest's `run_key`
     (the publisher's own key for a run without one, or without a manifest), plus the run's
@@ -107,7 +95,7 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
     manifest_key = RunLayout(run).run_manifest
     kept = None if copies is None else copies.kept(manifest_key)
     if copies is not None:
-        await _put_back_rotations(store, run, copies)
+        await put_back_rotations(store, run, copies)
     try:
         trust, accepted = await _manifest_trust(store, run, key)
     except UntrustedState as exc:
@@ -117,14 +105,14 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
         if accepted is not None or kept is None:
             if accepted is not None and copies is not None:
                 await _keep_run_manifest(store, copies, manifest_key, accepted)
-                await _keep_rotations(store, copies, trust)
+                await keep_rotations(store, copies, trust)
             return trust
         refused, why = None, "is gone"
     if copies is not None and kept is not None:
         await copies.put_back(store, manifest_key, why)
         try:
             trust = (await _manifest_trust(store, run, key))[0]
-            await _keep_rotations(store, copies, trust)
+            await keep_rotations(store, copies, trust)
             return trust
         except UntrustedState as exc:  # the copy is no better (a rotation refused, say): judged as without one
             refused = exc
@@ -199,40 +187,6 @@ async def _load_rotations(store: Store, trust: RunTrust, key: SigningKey) -> Non
             f"key {key.key_id} is not the current key of run {run!r} (that is {trust.newest.key_id}, "
             f"fingerprint {trust.newest.fingerprint}): publish with that key"
         )
-
-
-async def _put_back_rotations(store: Store, run: str, copies: Copies) -> None:
-    """The rotation documents the trainer keeps, put back where the bucket's are gone or differ
-    (they are written once, put-if-absent: any other bytes are a bucket writer's)."""
-    layout = RunLayout(run)
-    for seq in range(1, MAX_ROTATIONS + 1):
-        key = layout.key_rotation(seq)
-        kept = copies.kept(key)
-        if kept is None:
-            return
-        try:
-            found: bytes | None = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
-        except NotFound:
-            found = None
-        except TooLarge:
-            found = b""
-        if found != kept:
-            await copies.put_back(store, key, "is gone" if found is None else "was replaced")
-
-
-async def _keep_rotations(store: Store, copies: Copies, trust: RunTrust) -> None:
-    """Keep the bucket's bytes of each rotation `trust` learned (verified from the run's first key,
-    which the trainer's kept run manifest names) that the trainer keeps no copy of yet."""
-    layout = RunLayout(trust.run)
-    for seq in range(1, trust.rotations + 1):
-        key = layout.key_rotation(seq)
-        if copies.kept(key) is None:
-            with contextlib.suppress(NotFound, TooLarge, ValueError):  # swapped since it was read: kept next time
-                data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
-                doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
-                verify_document(doc, trust.keys[seq - 1], where=key)  # the document learned, not a later swap
-                if doc.get("key") == trust.keys[seq].to_text():
-                    copies.keep(key, data)
 
 
 async def _keep_run_manifest(store: Store, copies: Copies, key: str, manifest: RunManifest) -> None:

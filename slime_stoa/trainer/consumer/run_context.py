@@ -35,7 +35,14 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, RunNotFound, read_run_manifest
-from slime_stoa.protocol.run_trust import RunTrust, first_run_key
+from slime_stoa.protocol.run_trust import (
+    RunTrust,
+    Untrusted,
+    first_run_key,
+    keep_rotations,
+    load_rotations,
+    put_back_rotations,
+)
 from slime_stoa.protocol.shell import task_prepare_command
 from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
@@ -110,12 +117,15 @@ def task_repair(config: ConsumerConfig, manifest: RunManifest) -> str:
 
 
 async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest:
-    """The run manifest (pinned to `config.run_key`); with `config.keep_dir`, the trainer's own
-    copy put back when the bucket's is gone or refused, and the accepted one kept."""
+    """The run manifest (pinned to `config.run_key`, or the first key it vouches for); with
+    `config.keep_dir`, the trainer's own copy put back when the bucket's is gone or refused, and
+    the accepted one kept (and so are the key rotations)."""
     copies = TrainerCopies.at(config.keep_dir)
     key = RunLayout(config.run).run_manifest
     # A trainer restarted with a rotated key: run.json names the run's first key, which the
     # configured one vouches for through the rotations' acceptances.
+    if copies is not None:
+        await put_back_rotations(store, config.run, copies)
     pinned = await first_run_key(store, config.run, config.run_key)
     try:
         manifest = await read_run_manifest(store, config.run, pinned=pinned)
@@ -133,6 +143,11 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
             data = await store.get_bytes(key)
             if RunManifest.from_bytes(data) == manifest:
                 copies.keep(key, data)
+        if manifest.run_key is not None:  # and the rotations from its key, as far as they verify
+            trust = RunTrust.from_text(config.run, manifest.run_key)
+            with contextlib.suppress(Untrusted):
+                await load_rotations(store, trust)
+            await keep_rotations(store, copies, trust)
     return manifest
 
 
