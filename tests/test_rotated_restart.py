@@ -6,6 +6,7 @@ forged run.json from the genuine one even with no copy kept and an old pointer p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 
 from slime_stoa.cli.keys_cmd import rotate_in
+from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
+from slime_stoa.protocol.pulse.history import read_pointer
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.subscriber import Subscriber
 from slime_stoa.protocol.run_manifest import RunManifest
@@ -228,3 +231,71 @@ async def test_the_consumer_puts_back_a_kept_rotation_before_the_publisher_runs(
         assert [g.group.worker_id for g in (await c.next_batch(2, trainer_version=1)).groups] == ["mac-a", "mac-a"]
     finally:
         await c.close()
+
+
+def racing_rotation(monkeypatch: pytest.MonkeyPatch, store: Store, run: str, new: SigningKey, forger: SigningKey) -> None:
+    """A writer flipping rotation 1 between the publisher's reads: gone while the acceptances are
+    followed (`vouched_first_key`), its own rotation to the trainer's key (no acceptance) when the
+    rotations are learned."""
+    from slime_stoa.protocol.pulse import commit
+
+    rotation, real = RunLayout(run).key_rotation(1), commit.vouched_first_key
+
+    async def flipped(store_: Store, run_: str, key: object) -> object:
+        await store.delete(rotation)
+        first = await real(store_, run_, key)  # type: ignore[arg-type]
+        await store.put(rotation, canonical_json(rotation_document(run, 1, new.public, 10**9, forger)))
+        return first
+
+    monkeypatch.setattr(commit, "vouched_first_key", flipped)
+
+
+async def test_a_rotation_flipped_between_reads_does_not_make_a_writers_key_the_runs(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The acceptances are judged on the rotations learned, not on an earlier read: with or
+    without a keep_dir, the writer's key is never trusted, and the kept run manifest is never
+    replaced by the writer's."""
+    old, new, keep = SigningKey.generate(), SigningKey.generate(), tmp_path / "kept"
+    await signed_run(store, old, None)
+    await rotate_in(store, PUB_RUN, old, new)
+    assert await Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new).open() == 0
+    genuine = TrainerCopies(keep).kept(RunLayout(PUB_RUN).run_manifest)
+    forger = await forge_manifest(store)
+    racing_rotation(monkeypatch, store, PUB_RUN, new, forger)
+    for config in (PublisherConfig(), PublisherConfig(keep_dir=keep)):
+        pub = Publisher(store, PUB_RUN, config, key=new)
+        with contextlib.suppress(UntrustedState):  # nothing vouches for v0 then: a refusal is fine, a forger's key is not
+            await pub.open()
+        assert pub.trust is None or not pub.trust.knows(forger.key_id)
+        assert TrainerCopies(keep).kept(RunLayout(PUB_RUN).run_manifest) == genuine
+
+
+async def test_a_legacy_rotation_is_taken_from_the_kept_run_manifest(store: Store, tmp_path: Path) -> None:
+    """A rotation written by an older stoa (no acceptance): a trainer that kept the run manifest
+    before resumes with its new key; one that kept nothing is not led by the bucket's word."""
+    old, new, keep = SigningKey.generate(), SigningKey.generate(), tmp_path / "kept"
+    await signed_run(store, old, keep)  # the old key's publisher kept run.json
+    layout = RunLayout(PUB_RUN)
+    await store.put(layout.key_rotation(1), canonical_json(rotation_document(PUB_RUN, 1, new.public, 0, old)))
+    pointer = await read_pointer(store, PUB_RUN)
+    await store.put(layout.pointer, pointer.to_bytes(new))  # a rotation re-signs the pointer
+    pub = Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new)
+    assert await pub.open() == 0
+    assert pub.trust is not None and pub.trust.pinned == old.public and pub.trust.newest == new.public
+    with pytest.raises(UntrustedState):  # nothing kept, nothing of the new key's in the bucket
+        await Publisher(store, PUB_RUN, key=new).open()
+
+
+async def test_a_kept_pointer_from_before_the_rotation_is_not_put_back(store: Store, tmp_path: Path) -> None:
+    """The trainer's copy of the pointer was signed by the key a rotation replaced: garbage over
+    the pointer is not answered with that copy (refused by every reader), the pointer is written
+    again at the highest signed version, signed by the new key."""
+    old, new, keep = SigningKey.generate(), SigningKey.generate(), tmp_path / "kept"
+    state = await signed_run(store, old, keep)  # keeps the pointer the old key signed
+    await rotate_in(store, PUB_RUN, old, new)
+    await store.put(RunLayout(PUB_RUN).pointer, b'{"format": "garbage"}')
+    pub = Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new)
+    assert await pub.open() == 0
+    assert (await read_pointer(store, PUB_RUN, trust=RunTrust(PUB_RUN, old.public))).version == 0
+    assert (await pub.publish(step_state(state, np.random.default_rng(8)))).version == 1

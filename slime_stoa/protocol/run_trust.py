@@ -353,7 +353,7 @@ async def keep_rotations(store: Store, copies: Copies, trust: RunTrust) -> None:
                 data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
                 doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
                 verify_document(doc, trust.keys[seq - 1], where=key)  # the document learned, not a later swap
-                if doc.get("key") == trust.keys[seq].to_text():
+                if doc.get("key") == trust.keys[seq].to_text() and doc.get("seq") == seq and doc.get("run") == trust.run:
                     copies.keep(key, data)
 
 

@@ -96,8 +96,9 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
     kept = None if copies is None else copies.kept(manifest_key)
     if copies is not None:
         await put_back_rotations(store, run, copies)
+    kept_first = _first_key_of(kept)
     try:
-        trust, accepted = await _manifest_trust(store, run, key)
+        trust, accepted = await _manifest_trust(store, run, key, kept_first)
     except UntrustedState as exc:
         refused: UntrustedState | None = exc
         why = f"was refused ({exc})"
@@ -111,7 +112,7 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
     if copies is not None and kept is not None:
         await copies.put_back(store, manifest_key, why)
         try:
-            trust = (await _manifest_trust(store, run, key))[0]
+            trust = (await _manifest_trust(store, run, key, kept_first))[0]
             await keep_rotations(store, copies, trust)
             return trust
         except UntrustedState as exc:  # the copy is no better (a rotation refused, say): judged as without one
@@ -126,8 +127,8 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
     if not await _signs_pointer(store, run, key):
         raise refused  # nothing here is `key`'s: the operator's config, said at once
     log.warning(
-        "run %s: %s; the run's pointer is signed by this publisher's key %s, so the manifest is a forgery: "
-        "publishing goes on under that key. Repair: put %s back from `stoa run create`'s output or a kept copy",
+        "run %s: %s; the run's pointer is signed by this publisher's key %s: publishing goes on under that key "
+        "alone. Repair: put %s back from `stoa run create`'s output or a kept copy",
         run, refused, key.key_id, manifest_key,
     )
     trust = RunTrust(run, key.public)
@@ -145,10 +146,29 @@ class _ForgedManifest(UntrustedState):
         self.trust = trust
 
 
-async def _manifest_trust(store: Store, run: str, key: SigningKey) -> tuple[RunTrust, RunManifest | None]:
+def _first_key_of(kept: bytes | None) -> PublicKey | None:
+    """The run key named by the run manifest the trainer kept (None: none kept, or unsigned)."""
+    if kept is None:
+        return None
+    try:
+        manifest = RunManifest.from_bytes(kept)
+    except ValueError:
+        return None
+    return None if manifest.run_key is None else PublicKey.from_text(manifest.run_key)
+
+
+async def _manifest_trust(
+    store: Store, run: str, key: SigningKey, kept_first: PublicKey | None = None
+) -> tuple[RunTrust, RunManifest | None]:
     """The run's keys as its manifest and rotations name them, and the manifest read (None: the
     run has none); UntrustedState unless `key` is the newest of them (_ForgedManifest when `key`'s
-    rotations vouch for another first key than the manifest's)."""
+    rotations vouch for another first key than the manifest's).
+
+    Rotations up to `key` must carry their new keys' acceptances (`RunTrust.vouched_back_from`),
+    judged on the very documents learned (the bucket may change between two reads): a rotation
+    to `key` from a bucket writer's key needs no key of the run. Rotations of an older stoa have
+    none; they are taken only from `kept_first`, the first key of the run manifest the trainer
+    kept (a first key it trusted before)."""
     try:
         manifest: RunManifest | None = await read_run_manifest(store, run)
     except RunNotFound:
@@ -157,13 +177,12 @@ async def _manifest_trust(store: Store, run: str, key: SigningKey) -> tuple[RunT
         raise UntrustedState(f"cannot read the run manifest to check the run key: {exc}") from None
     named = PublicKey.from_text(manifest.run_key) if manifest is not None and manifest.run_key else None
     try:
-        first = await vouched_first_key(store, run, key.public)
-    except Unvouched as exc:  # a rotation to `key` any key could have signed: the run's keys are not known
-        raise UntrustedState(f"run {run!r}: {exc} (written by an older stoa, or forged)") from None
+        first: PublicKey | None = await vouched_first_key(store, run, key.public)
+    except Unvouched:
+        first = None  # judged below, on the rotations learned
     except Untrusted as exc:
         raise UntrustedState(f"a key rotation of run {run!r} does not verify: {exc}") from None
-    trust = RunTrust(run, named or key.public)
-    if first != key.public and first != named:  # a rotation names `key`, and `key` vouches for `first`
+    if first is not None and first != key.public and first != named:  # `key` vouches for `first`
         trust = RunTrust(run, first)
         await _load_rotations(store, trust, key)
         named_id = "none" if named is None else named.key_id
@@ -171,7 +190,14 @@ async def _manifest_trust(store: Store, run: str, key: SigningKey) -> tuple[RunT
             f"run.json names run key {named_id}, but the rotations key {key.key_id} accepted lead back to {first.key_id}",
             trust,
         )
+    trust = RunTrust(run, named or key.public)
     await _load_rotations(store, trust, key)
+    if trust.rotations and not trust.vouched_back_from(key.public) and trust.pinned != kept_first:
+        raise UntrustedState(
+            f"run {run!r}: a rotation up to key {key.key_id} carries no acceptance by its new key (written by an "
+            f"older stoa, or forged), so nothing vouches for run.json's key {trust.pinned.key_id}; a keep_dir "
+            f"holding the run manifest the trainer accepted before vouches for it"
+        )
     return trust, manifest
 
 
@@ -253,6 +279,11 @@ class Committer:
         `etag`; None: gone) and read back; None when it keeps none."""
         kept = None if self.copies is None else self.copies.kept(self.layout.pointer)
         if kept is None:
+            return None
+        try:  # the copy may predate a key rotation (signed by a key no longer the newest)
+            Pointer.from_bytes(kept, self.layout.pointer, run=self.layout.run, trust=self.trust, plane=self.layout.plane)
+        except (UntrustedDocument, Untrusted, ManifestError) as exc:
+            log.warning("run %s: the pointer %s, and the trainer's copy is refused too (%s)", self.layout.run, why, exc)
             return None
         self.etag = await self.store.cas(self.layout.pointer, kept, etag)
         log.warning("run %s: the pointer %s; put the trainer's own copy back", self.layout.run, why)
