@@ -299,3 +299,26 @@ async def test_a_kept_pointer_from_before_the_rotation_is_not_put_back(store: St
     assert await pub.open() == 0
     assert (await read_pointer(store, PUB_RUN, trust=RunTrust(PUB_RUN, old.public))).version == 0
     assert (await pub.publish(step_state(state, np.random.default_rng(8)))).version == 1
+
+
+async def test_a_rotation_replaces_a_writers_junk_at_its_number(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Junk at keys/000001.json (readers pass it over) does not block `stoa keys rotate`; a
+    rotation the old key signed there (another rotation meanwhile) does."""
+    from slime_stoa.protocol.store import PreconditionFailed
+
+    old, new = SigningKey.generate(), SigningKey.generate()
+    await signed_run(store, old, None)
+    await store.put(RunLayout(PUB_RUN).key_rotation(1), b"junk")
+    assert await rotate_in(store, PUB_RUN, old, new) == (1, 0)
+    assert await vouched_first_key(store, PUB_RUN, new.public) == old.public
+    racing = canonical_json(rotation_document(PUB_RUN, 2, SigningKey.generate(), 0, new))
+    put_if_absent = store.put_if_absent
+
+    async def after_another(key: str, data: bytes) -> object:  # another rotation lands first
+        await store.put(key, racing)
+        return await put_if_absent(key, data)
+
+    monkeypatch.setattr(store, "put_if_absent", after_another)
+    with pytest.raises(PreconditionFailed):
+        await rotate_in(store, PUB_RUN, new, SigningKey.generate())
+    assert await store.get_bytes(RunLayout(PUB_RUN).key_rotation(2)) == racing

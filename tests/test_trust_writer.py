@@ -299,6 +299,28 @@ async def rotated_run_rewritten(store: Store, url: str, tiny: Tiny, keep: Path) 
         await c.close()
 
 
+async def rotation_junk(store: Store, url: str, tiny: Tiny, keep: Path) -> Outcome:
+    """Junk where the run's next key rotation would go: not a document the run key signed, so
+    every reader passes it over (a genuine rotation always is one), and nothing it signed is
+    lost: the restarted publisher publishes, and the honest records are admitted (the consumer
+    reads the rotations for the task manifest and each version manifest)."""
+    run = await setup_signed_run(store, tiny, workers=("mac-a",))
+    await store.put(RunLayout(RUN).key_rotation(1), GARBAGE)
+    pub = publisher(store, run, keep)
+    try:
+        at = await pub.open()
+        result = await pub.publish(weights(1))
+    except Exception:
+        return Outcome(stopped=True, honest_rejected=0, restored=False)
+    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
+    c = await consumer(store, url, tiny, run, keep)
+    try:
+        halted = at != 0 or result.version != 1 or await stopped(c.next_batch(2, trainer_version=1))
+        return Outcome(stopped=halted, honest_rejected=honest_rejects(c), restored=True)
+    finally:
+        await c.close()
+
+
 async def present(store: Store, key: str, data: bytes) -> bool:
     try:
         return await store.get_bytes(key) == data
@@ -316,6 +338,7 @@ ATTACKS: dict[str, Attack] = {
     "run_manifest_forged": run_manifest_forged,
     "heads_deleted_old_registry": heads_deleted_old_registry,
     "rotated_run_rewritten": rotated_run_rewritten,
+    "rotation_junk": rotation_junk,
 }
 
 

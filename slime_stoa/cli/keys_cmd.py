@@ -18,9 +18,25 @@ from pathlib import Path
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import read_run_manifest
-from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations, rotation_bytes, rotation_document
-from slime_stoa.protocol.signing import KeyFileError, PublicKey, SigningKey, read_key_file, write_key_file
-from slime_stoa.protocol.store import PreconditionFailed, Store, StoreError, open_store
+from slime_stoa.protocol.run_trust import (
+    MAX_ROTATION_BYTES,
+    RunTrust,
+    Untrusted,
+    load_rotations,
+    rotation_bytes,
+    rotation_document,
+)
+from slime_stoa.protocol.signing import (
+    KeyFileError,
+    PublicKey,
+    SigningKey,
+    read_key_file,
+    verify_document,
+    write_key_file,
+)
+from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreError, open_store
+from slime_stoa.protocol.store.capped import TooLarge, read_capped_bytes
+from slime_stoa.protocol.strict_json import load_json
 
 from .common import add_run_options, require_run_options
 
@@ -99,7 +115,19 @@ async def rotate_in(store: Store, run: str, old: SigningKey, new: SigningKey) ->
     seq = trust.rotations + 1
     version = found[0].version if found else -1
     doc = rotation_document(run, seq, new, version, old)  # with the new key's acceptance
-    await store.put_if_absent(RunLayout(run).key_rotation(seq), rotation_bytes(doc))
+    key = RunLayout(run).key_rotation(seq)
+    try:
+        await store.put_if_absent(key, rotation_bytes(doc))
+    except PreconditionFailed:
+        # Something is there. A rotation `old` signed (another rotation meanwhile) stands; anything
+        # else is a bucket writer's junk, which readers pass over and the run key's holder replaces.
+        try:
+            there = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
+            verify_document(load_json(there, max_bytes=MAX_ROTATION_BYTES), old.public, where=key)
+        except (NotFound, TooLarge, ValueError):
+            await store.put(key, rotation_bytes(doc))
+        else:
+            raise
     if found is not None:
         pointer, etag = found
         await store.cas(RunLayout(run).pointer, pointer.to_bytes(new), etag)

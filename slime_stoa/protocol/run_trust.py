@@ -4,9 +4,10 @@ A reader pins the run's first public key (the run manifest's `run_key`, pinned b
 `macd join`). The trainer may rotate it: `runs/<run>/keys/<seq>.json` (seq 1, 2, ...), each signed
 by the key before it, names the new key and `from_version`. The old key signs the documents of
 versions up to `from_version`, the new one every later version; the pointer is always signed by
-the newest key (a rotation re-signs the current pointer with the new key). A rotation document
-that does not verify, skips a number or goes back in versions is refused: the reader keeps the
-keys it has.
+the newest key (a rotation re-signs the current pointer with the new key). A document at the
+next rotation's key that the newest key did not sign is passed over (a bucket writer's: see
+`load_rotations`); one it signed that skips a number or goes back in versions is refused: the
+reader keeps the keys it has.
 
 A rotation document also carries the new key's acceptance (`accepted`: a document the new key
 signs, naming the run, the rotation's number and the key before it). A reader that pinned the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +49,8 @@ from .signing import (
 from .store import NotFound, Store
 from .store.capped import TooLarge, read_capped_bytes
 from .strict_json import load_json
+
+log = logging.getLogger("stoa.trust")
 
 ROTATION_FORMAT = "stoa.key-rotation/1"
 ACCEPTANCE_FORMAT = "stoa.key-acceptance/1"
@@ -96,6 +100,7 @@ class RunTrust:
         self.run = check_name("run", run)
         self._epochs = [_Epoch(pinned, -1)]
         self.loaded = False  # whether `load_rotations` has read the bucket's rotations yet
+        self.passed_over: tuple[str, str] | None = None  # the last junk rotation `load_rotations` warned about
 
     @classmethod
     def from_text(cls, run: str, key_text: str) -> RunTrust:
@@ -247,21 +252,25 @@ def signer_of(data: bytes) -> str | None:
 
 async def load_rotations(store: Store, trust: RunTrust) -> int:
     """Learn the run's rotation documents after those `trust` knows; returns how many it learned.
-    Stops at the first one missing; Untrusted (the trust keeps what it learned before) at the
-    first that does not verify or parse."""
+    Stops at the first one missing, and at the first one that is not a document the newest key
+    signed: a genuine rotation always is, so anything else there is a bucket writer's, passed
+    over with a warning (raising would let one junk object stop every reader of the run).
+    Untrusted (the trust keeps what it learned before) at one the newest key signed that is not
+    the next rotation (the key holder's own mistake)."""
     layout, learned = RunLayout(trust.run), 0
     while trust.rotations < MAX_ROTATIONS:
         key = layout.key_rotation(trust.rotations + 1)
         try:
             data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
+            doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
+            verify_document(doc, trust.newest, where=key)
         except NotFound:
             break
-        except TooLarge as exc:
-            raise Untrusted(f"{key}: not a rotation document ({exc})", key) from None
-        try:
-            doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
-        except ValueError as exc:
-            raise Untrusted(f"{key}: not a rotation document ({exc})", key) from None
+        except (TooLarge, ValueError) as exc:  # SignatureError is a ValueError
+            if trust.passed_over != (key, str(exc)):  # once, not at every read
+                trust.passed_over = (key, str(exc))
+                log.warning("run %s: %s is not a rotation of the run (%s): passed over", trust.run, key, exc)
+            break
         trust.learn(doc, key)
         learned += 1
     trust.loaded = True
