@@ -84,14 +84,14 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
     (the publisher's own key for a run without one, or without a manifest), plus the run's
     rotations; UntrustedState unless `key` is the newest of them.
 
-    A bucket writer cannot stop the publisher by replacing or deleting run.json: with `copies`
-    the trainer's own copy of the manifest it accepted is put back and the check made again (a
-    manifest accepted is kept there). Without a copy, a manifest naming another first key than
-    the one `key`'s rotations vouch for is a forgery: publishing goes on under the vouched keys.
-    Else a refused manifest is a forgery when the run's pointer verifies under `key` (the
-    publisher signed it): publishing goes on pinned to `key`. Either way a warning names the
-    repair (workers and the consumer refuse the forged manifest themselves). When nothing there is `key`'s, the refusal stands: the key is the operator's
-    mistake, which no waiting repairs."""
+    A bucket writer cannot stop the publisher by replacing or deleting run.json or a rotation:
+    with `copies` the trainer's own copies of those it accepted are put back and the check made
+    again (what is accepted is kept there). Without a copy, a manifest naming another first key
+    than the one `key`'s rotations vouch for is a forgery: publishing goes on under the vouched
+    keys. Else, when the run's pointer verifies under `key` (the publisher signed it),
+    publishing goes on pinned to `key` alone. Either way a warning names the repair (workers
+    and the consumer refuse a forged manifest themselves). When nothing there is `key`'s, the
+    refusal stands: the key is the operator's mistake, which no waiting repairs."""
     manifest_key = RunLayout(run).run_manifest
     kept = None if copies is None else copies.kept(manifest_key)
     if copies is not None:
