@@ -4,9 +4,10 @@
 - `stoa keys show PATH`: its public key text (for `stoa run create --key` / `macd join --run-key`),
   key id and fingerprint — never the private key;
 - `stoa keys rotate --store URL --run RUN --old PATH --new PATH`: announce a new run key. Writes
-  `runs/<run>/keys/<seq>.json` signed by the old key (the new key signs every version after the
-  current one) and re-signs the current pointer with the new key. Stop the trainer first, then
-  restart it with the new key.
+  `runs/<run>/keys/<seq>.json` signed by the old key, carrying the new key's signed acceptance of
+  the old one (the new key signs every version after the current one), and re-signs the current
+  pointer with the new key. Stop the trainer first, then restart it with the new key: from it,
+  the acceptances lead back to the run's first key (`run_trust.vouched_first_key`).
 """
 
 from __future__ import annotations
