@@ -224,18 +224,30 @@ async def run_manifest_forged(store: Store, url: str, tiny: Tiny, keep: Path) ->
     assert await publisher(store, run, keep).open() == 0  # the first read keeps run.json
     forger = SigningKey.generate()
     await store.put(manifest, replace(RunManifest.from_bytes(genuine), run_key=forger.public.to_text()).to_bytes(forger))
-    restarted = publisher(store, run, keep)
+    # The open was UntrustedState (not the current key) before the trainer kept its copy.
+    return await restarted_carries_on(store, url, tiny, run, keep, lambda: present(store, manifest, genuine))
+
+
+async def restarted_carries_on(
+    store: Store, url: str, tiny: Tiny, run: SignedRun, keep: Path, restored: Callable[[], Awaitable[bool]],
+    *, trainer: SignedRun | None = None,
+) -> Outcome:
+    """After the writer's move, the trainer (`trainer`'s key; default the run's) restarts: its
+    publisher opens at v0 and publishes v1 (then `restored()` is judged, before the consumer could
+    put anything back itself), and its consumer admits two honest records of mac-a."""
+    trainer = trainer or run
+    restarted = publisher(store, trainer, keep)
     try:
-        at = await restarted.open()  # was UntrustedState: not the current key
+        at = await restarted.open()
         result = await restarted.publish(weights(1))
     except Exception:
         return Outcome(stopped=True, honest_rejected=0, restored=False)
-    restored = await present(store, manifest, genuine)  # before the consumer could put it back itself
+    back = await restored()
     await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
-    c = await consumer(store, url, tiny, run, keep)
+    c = await consumer(store, url, tiny, trainer, keep)
     try:
         halted = at != 0 or result.version != 1 or await stopped(c.next_batch(2, trainer_version=1))
-        return Outcome(stopped=halted, honest_rejected=honest_rejects(c), restored=restored)
+        return Outcome(stopped=halted, honest_rejected=honest_rejects(c), restored=back)
     finally:
         await c.close()
 
@@ -283,20 +295,12 @@ async def rotated_run_rewritten(store: Store, url: str, tiny: Tiny, keep: Path) 
     await store.put(layout.run_manifest, forged.to_bytes(forger))
     await store.put(layout.key_rotation(1), canonical_json(rotation_document(RUN, 1, new.public, 10**9, forger)))
     await store.put(layout.pointer, old_pointer)
-    restarted = publisher(store, rotated, keep)
-    try:
-        at = await restarted.open()
-        result = await restarted.publish(weights(1))
-    except Exception:
-        return Outcome(stopped=True, honest_rejected=0, restored=False)
-    restored = all([await present(store, key, data) for key, data in genuine.items()])
-    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
-    c = await consumer(store, url, tiny, rotated, keep)  # pinned as the slime plugin pins it: the new key
-    try:
-        halted = at != 0 or result.version != 1 or await stopped(c.next_batch(2, trainer_version=1))
-        return Outcome(stopped=halted, honest_rejected=honest_rejects(c), restored=restored)
-    finally:
-        await c.close()
+
+    async def restored() -> bool:
+        return all([await present(store, key, data) for key, data in genuine.items()])
+
+    # The consumer pinned as the slime plugin pins it: the new key.
+    return await restarted_carries_on(store, url, tiny, run, keep, restored, trainer=rotated)
 
 
 async def rotation_junk(store: Store, url: str, tiny: Tiny, keep: Path) -> Outcome:
@@ -306,19 +310,11 @@ async def rotation_junk(store: Store, url: str, tiny: Tiny, keep: Path) -> Outco
     reads the rotations for the task manifest and each version manifest)."""
     run = await setup_signed_run(store, tiny, workers=("mac-a",))
     await store.put(RunLayout(RUN).key_rotation(1), GARBAGE)
-    pub = publisher(store, run, keep)
-    try:
-        at = await pub.open()
-        result = await pub.publish(weights(1))
-    except Exception:
-        return Outcome(stopped=True, honest_rejected=0, restored=False)
-    await records(store, tiny, run, "mac-a", range(2), now_ms() - 20_000)
-    c = await consumer(store, url, tiny, run, keep)
-    try:
-        halted = at != 0 or result.version != 1 or await stopped(c.next_batch(2, trainer_version=1))
-        return Outcome(stopped=halted, honest_rejected=honest_rejects(c), restored=True)
-    finally:
-        await c.close()
+
+    async def nothing_lost() -> bool:  # the junk is passed over, not replaced: nothing signed was lost
+        return True
+
+    return await restarted_carries_on(store, url, tiny, run, keep, nothing_lost)
 
 
 async def present(store: Store, key: str, data: bytes) -> bool:
