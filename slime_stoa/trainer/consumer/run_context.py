@@ -122,10 +122,10 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
     the accepted one kept (and so are the key rotations)."""
     copies = TrainerCopies.at(config.keep_dir)
     key = RunLayout(config.run).run_manifest
-    # A trainer restarted with a rotated key: run.json names the run's first key, which the
-    # configured one vouches for through the rotations' acceptances.
     if copies is not None:
         await put_back_rotations(store, config.run, copies)
+    # A trainer restarted with a rotated key: run.json names the run's first key, which the
+    # configured one vouches for through the rotations' acceptances.
     pinned = await first_run_key(store, config.run, config.run_key)
     try:
         manifest = await read_run_manifest(store, config.run, pinned=pinned)
@@ -152,11 +152,11 @@ async def kept_run_manifest(store: Store, config: ConsumerConfig) -> RunManifest
 
 
 async def run_key_vouched(store: Store, config: ConsumerConfig) -> bool:
-    """Whether the run's weight pointer verifies under the configured `run_key` (through the
-    rotations from the first key it vouches for): then that key is the run's and a manifest naming another one is a bucket writer's
-    forgery, which the trainer waits out like a deleted one instead of stopping on. False when
-    there is no key, no pointer yet, or the pointer is not that key's (a wrong `run_key` in
-    the trainer's config: reported at once)."""
+    """Whether the run's weight pointer verifies under the configured `run_key` (alone, or
+    through the rotations from the first key it vouches for): then that key is the run's and a
+    manifest naming another one is a bucket writer's forgery, which the trainer waits out like a
+    deleted one instead of stopping on. False when there is no key, no pointer yet, or the
+    pointer is not that key's (a wrong `run_key` in the trainer's config: reported at once)."""
     first = await first_run_key(store, config.run, config.run_key)
     if first is None or config.run_key is None:
         return False
