@@ -20,10 +20,10 @@ from pathlib import Path
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.run_manifest import read_run_manifest
 from slime_stoa.protocol.run_trust import (
-    MAX_ROTATION_BYTES,
     RunTrust,
     Untrusted,
     load_rotations,
+    read_rotation,
     rotation_bytes,
     rotation_document,
 )
@@ -36,8 +36,7 @@ from slime_stoa.protocol.signing import (
     write_key_file,
 )
 from slime_stoa.protocol.store import NotFound, PreconditionFailed, Store, StoreError, open_store
-from slime_stoa.protocol.store.capped import TooLarge, read_capped_bytes
-from slime_stoa.protocol.strict_json import load_json
+from slime_stoa.protocol.store.capped import TooLarge
 
 from .common import add_run_options, require_run_options
 
@@ -123,8 +122,7 @@ async def rotate_in(store: Store, run: str, old: SigningKey, new: SigningKey) ->
         # Something is there. A rotation `old` signed (another rotation meanwhile) stands; anything
         # else is a bucket writer's junk, which readers pass over and the run key's holder replaces.
         try:
-            there = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
-            verify_document(load_json(there, max_bytes=MAX_ROTATION_BYTES), old.public, where=key)
+            verify_document((await read_rotation(store, key))[1], old.public, where=key)
         except (NotFound, TooLarge, ValueError):
             await store.put(key, rotation_bytes(doc))
         else:

@@ -250,6 +250,13 @@ def signer_of(data: bytes) -> str | None:
         return None
 
 
+async def read_rotation(store: Store, key: str) -> tuple[bytes, Any]:
+    """The bytes of the rotation document at `key` and its parsed JSON, read no further than
+    MAX_ROTATION_BYTES; NotFound, TooLarge, or ValueError when it is not JSON. Nothing checked."""
+    data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
+    return data, load_json(data, max_bytes=MAX_ROTATION_BYTES)
+
+
 async def load_rotations(store: Store, trust: RunTrust) -> int:
     """Learn the run's rotation documents after those `trust` knows; returns how many it learned.
     Stops at the first one missing, and at the first one that is not a document the newest key
@@ -261,8 +268,7 @@ async def load_rotations(store: Store, trust: RunTrust) -> int:
     while trust.rotations < MAX_ROTATIONS:
         key = layout.key_rotation(trust.rotations + 1)
         try:
-            data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
-            doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
+            _, doc = await read_rotation(store, key)
             verify_document(doc, trust.newest, where=key)
         except NotFound:
             break
@@ -293,8 +299,7 @@ async def vouched_first_key(store: Store, run: str, key: PublicKey) -> PublicKey
     while named is None and len(docs) < MAX_ROTATIONS:
         where = layout.key_rotation(len(docs) + 1)
         try:
-            data = await read_capped_bytes(store, where, MAX_ROTATION_BYTES)
-            doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
+            _, doc = await read_rotation(store, where)
         except NotFound:
             break
         except (TooLarge, ValueError) as exc:
@@ -359,8 +364,7 @@ async def keep_rotations(store: Store, copies: Copies, trust: RunTrust) -> None:
         key = layout.key_rotation(seq)
         if copies.kept(key) is None:
             with contextlib.suppress(NotFound, TooLarge, ValueError):  # swapped since it was read: kept next time
-                data = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
-                doc = load_json(data, max_bytes=MAX_ROTATION_BYTES)
+                data, doc = await read_rotation(store, key)
                 verify_document(doc, trust.keys[seq - 1], where=key)  # the document learned, not a later swap
                 if doc.get("key") == trust.keys[seq].to_text() and doc.get("seq") == seq and doc.get("run") == trust.run:
                     copies.keep(key, data)
