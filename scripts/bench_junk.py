@@ -23,8 +23,8 @@ Reported per case (junk, control) and as ratios (junk / control):
                         windows again, the residual cost the discovery module's docstring states;
                         reported as `sweep_ratio`)
   wave_s                wall seconds from a wave's first PUT to its batch, min/median/max (no
-                        target: a sweep through the junk runs in the same loop as the tail, so
-                        a wave can wait for it; reported as `wave_s_ratio`, of the medians)
+                        target: the sweeps through the junk run beside the tail, on the same
+                        event loop and cores; reported as `wave_s_ratio`, of the medians)
 
 Progress lines go to stderr: every 100,000 junk keys written, and after each phase.
 

@@ -15,7 +15,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import ObjectInfo, Store
 from slime_stoa.trainer.consumer import ConsumerTimeout
 from slime_stoa.trainer.consumer.counting import CountingStore
-from tests.test_consumer import RUN, Tiny, open_consumer, setup_run, tiny
+from tests.test_consumer import RUN, Tiny, make_group, now_ms, open_consumer, setup_run, tiny, upload
 
 __all__ = ["tiny"]  # the session fixture
 
@@ -91,3 +91,48 @@ async def test_a_listing_slower_than_the_whole_wait_ends_it_after_that_listing(
     waited = await _timed_out_batch(slow, tiny, store_url, poll_interval_s=0.01, wait_timeout_s=0.1)
     assert len(slow.spans) == 1  # the deadline passed during the first listing: no second one
     assert waited >= 0.5
+
+
+class HeldSweeps(CountingStore):
+    """A real store whose listings of the rollouts starting before `before` (a sweep lists
+    behind the cursor; the tail lists after it) wait until `release` is set; `held` counts them."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.before = ""
+        self.release = asyncio.Event()
+        self.held = 0
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncGenerator[ObjectInfo, None]:
+        if prefix.startswith(ROLLOUTS) and start_after is not None and start_after < self.before:
+            self.held += 1
+            await self.release.wait()
+        listing = super().list(prefix, start_after=start_after)
+        async with contextlib.aclosing(listing):
+            async for info in listing:
+                yield info
+
+
+async def test_a_record_landing_during_a_sweep_step_is_admitted_without_waiting_for_it(
+    store: Store, store_url: str, tiny: Tiny
+) -> None:
+    """A sweep step stuck in its listing (millions of junk keys behind the cursor, a slow store)
+    holds no new record back: the step is a task beside the tail and the downloads, and the
+    consumer's close cancels it."""
+    await setup_run(store, tiny)
+    held = HeldSweeps(store)
+    first = now_ms() - 1000
+    await upload(store, make_group(tiny, worker="a", seq=0), first)
+    consumer = await open_consumer(held, tiny, store_url, poll_interval_s=0.01, sweep_interval_s=0.01, late_sweep_interval_s=3600.0)
+    try:
+        assert [g.worker for g in (await consumer.next_batch(1, trainer_version=0)).groups] == ["a"]
+        held.before = RunLayout(RUN).rollout_after(first)  # sweeps list from before the cursor, the tail after it
+        waiting = asyncio.create_task(consumer.next_batch(1, trainer_version=0))
+        while not held.held:  # a sweep step is under way, and stuck
+            await asyncio.sleep(0.01)
+        assert not waiting.done()
+        await upload(store, make_group(tiny, worker="b", seq=0), now_ms())
+        got = await asyncio.wait_for(waiting, timeout=10.0)
+        assert [g.worker for g in got.groups] == ["b"] and held.held == 1 and not held.release.is_set()
+    finally:
+        await asyncio.wait_for(consumer.close(), timeout=10.0)  # cancels the held step

@@ -109,3 +109,32 @@ async def test_a_sweep_through_junk_goes_in_steps_with_the_tail_between_them(tmp
         assert late.rsplit("/", 1)[1] in state.seen
         again = await discovery.sweep(max_pages=1)  # a new sweep starts at the window's floor
         assert again.listed == 1000 and again.late == 0 and discovery.sweeping
+
+
+async def test_a_sweep_never_takes_again_a_name_the_tail_forgot_between_its_steps(tmp_path: Path) -> None:
+    """A sweep over the whole remembered window, stopped inside it: the tail moves the cursor on
+    and forgets the names that left the window; the sweep's next step lists from the new floor,
+    not from where it stopped, so a forgotten name is not taken (and downloaded) a second time."""
+    root = tmp_path / "bucket"
+    root.mkdir()
+    layout = RunLayout(RUN)
+    t = int(time.time() * 1000)
+    async with open_store(f"file://{root}") as store:
+        old = layout.rollout("mac-a", t - 50_000, 0)
+        await store.put_if_absent(old, b"x")
+        await store.put_if_absent(layout.rollout("mac-a", t, 1), b"x")
+        state = ConsumerState(run=RUN)
+        clock = [t / 1000 + 1.0]
+        discovery = _discovery(store, layout, state, clock)
+        assert len((await discovery.tail(100)).new) == 2
+        write = bench.folder_writer(root)
+        for i in range(1_500):  # junk before the old record, inside the window
+            await write(f"{layout.rollouts_prefix('train')}{t - 55_000:013d}-X_{i:05d}.rec", b"j")
+        first = await discovery.sweep(max_pages=1)
+        assert first.late == 0 and discovery.sweeping
+        clock[0] += 20.0  # the old record leaves the 60 s window behind the next cursor
+        await store.put_if_absent(layout.rollout("mac-b", t + 20_000, 0), b"x")
+        assert [n.worker for n in (await discovery.tail(100)).new] == ["mac-b"]
+        assert old.rsplit("/", 1)[1] not in state.seen  # forgotten: no listing from the floor returns it
+        rest = await discovery.sweep(max_pages=1)
+        assert rest.new == [] and not discovery.sweeping

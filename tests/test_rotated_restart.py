@@ -20,6 +20,7 @@ from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.pulse.history import read_pointer
 from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig, UntrustedState
 from slime_stoa.protocol.pulse.subscriber import Subscriber
+from slime_stoa.protocol.pulse.sync_result import WeightsRefused
 from slime_stoa.protocol.run_manifest import RunManifest
 from slime_stoa.protocol.run_trust import (
     RunTrust,
@@ -172,6 +173,35 @@ async def test_a_kept_rotation_is_put_back_over_a_writers(store: Store, tmp_path
     await store.delete(layout.key_rotation(1))  # gone: put back as well
     assert await Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new).open() == 1
     assert await store.get_bytes(layout.key_rotation(1)) == genuine[layout.key_rotation(1)]
+
+
+async def test_a_running_publisher_puts_back_the_run_documents_at_its_next_version(store: Store, tmp_path: Path) -> None:
+    """Mid-run, no restart: a writer replaces rotation 1 and run.json (or deletes them); the
+    publisher's next version puts its kept copies back, so a worker that joins after it finds
+    the run's genuine keys."""
+    old, new, keep = SigningKey.generate(), SigningKey.generate(), tmp_path / "kept"
+    state = await signed_run(store, old, None)
+    await rotate_in(store, PUB_RUN, old, new)
+    pub = Publisher(store, PUB_RUN, PublisherConfig(keep_dir=keep), key=new)
+    assert await pub.open() == 0
+    layout = RunLayout(PUB_RUN)
+    genuine = {key: await store.get_bytes(key) for key in (layout.key_rotation(1), layout.run_manifest)}
+    rng = np.random.default_rng(8)
+    for spoil in ("replace", "delete"):
+        if spoil == "replace":
+            forger = await forge_manifest(store)
+            await store.put(layout.key_rotation(1), canonical_json(rotation_document(PUB_RUN, 1, new.public, 10**9, forger)))
+        else:
+            for key in genuine:
+                await store.delete(key)
+        newcomer = Subscriber(store, PUB_RUN, trust=RunTrust(PUB_RUN, old.public))
+        with pytest.raises(WeightsRefused):  # the pointer is signed by a key nothing vouches for now
+            await newcomer.sync()
+        state = step_state(state, rng)
+        await pub.publish(state)
+        assert {key: await store.get_bytes(key) for key in genuine} == genuine, spoil
+        newcomer = Subscriber(store, PUB_RUN, trust=RunTrust(PUB_RUN, old.public))
+        assert await newcomer.sync() is not None and newcomer.version == pub.version
 
 
 async def test_preflight_takes_the_rotated_key_for_the_runs(store: Store, tmp_path: Path) -> None:

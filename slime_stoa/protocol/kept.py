@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Protocol
 
 from slime_stoa.protocol.fsutil import atomic_write
-from slime_stoa.protocol.store import Store
+from slime_stoa.protocol.store import NotFound, Store
+from slime_stoa.protocol.store.capped import TooLarge, read_capped_bytes
 
 log = logging.getLogger("stoa.kept")
 
@@ -84,3 +85,23 @@ class TrainerCopies:
         log.warning("stoa: %s %s; put the trainer's own copy back", key, why)
         return data
 
+
+
+async def put_back_changed(store: Store, copies: Copies, key: str, limit: int) -> bool:
+    """Put the copy of `key` back where the bucket's object is gone or holds other bytes (True
+    when it did): for objects written once (put-if-absent: the run manifest, a key rotation),
+    whose any other bytes are a bucket writer's. One GET of at most `limit` bytes; nothing
+    without a copy."""
+    kept = copies.kept(key)
+    if kept is None:
+        return False
+    try:
+        found: bytes | None = await read_capped_bytes(store, key, limit)
+    except NotFound:
+        found = None
+    except TooLarge:
+        found = b""
+    if found == kept:
+        return False
+    await copies.put_back(store, key, "is gone" if found is None else "was replaced")
+    return True

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .kept import Copies
+from .kept import Copies, put_back_changed
 from .layout import RunLayout, check_name
 from .run_manifest import RunNotFound, read_run_manifest
 from .signing import (
@@ -343,17 +343,9 @@ async def put_back_rotations(store: Store, run: str, copies: Copies) -> None:
     layout = RunLayout(run)
     for seq in range(1, MAX_ROTATIONS + 1):
         key = layout.key_rotation(seq)
-        kept = copies.kept(key)
-        if kept is None:
+        if copies.kept(key) is None:
             return
-        try:
-            found: bytes | None = await read_capped_bytes(store, key, MAX_ROTATION_BYTES)
-        except NotFound:
-            found = None
-        except TooLarge:
-            found = b""
-        if found != kept:
-            await copies.put_back(store, key, "is gone" if found is None else "was replaced")
+        await put_back_changed(store, copies, key, MAX_ROTATION_BYTES)
 
 
 async def keep_rotations(store: Store, copies: Copies, trust: RunTrust) -> None:

@@ -21,8 +21,8 @@ to an older pointer put back, or finds the pointer gone, writes over it: only a 
 at this version or above is another publisher's (`PublishConflict`). With `copies` (the
 trainer's own folder, `PublisherConfig.keep_dir`), the committer keeps each pointer and version
 manifest it commits; `open` puts the pointer back when it is gone or refused, and each commit
-puts back the manifests of the versions a reader still checks records against
-(`put_back_window`).
+puts back the manifests of the versions a reader still checks records against, the run manifest
+and the key rotations (`put_back_window`).
 
 Freshness in time (`freshness.REFRESH_S`): `refresh` re-signs the pointer the publisher last
 wrote or resumed from with a new `updated_at` (same version), by CAS on its ETag, so a
@@ -45,9 +45,9 @@ import logging
 import time
 from dataclasses import replace
 
-from slime_stoa.protocol.kept import Copies
+from slime_stoa.protocol.kept import Copies, put_back_changed
 from slime_stoa.protocol.layout import RunLayout, version_str
-from slime_stoa.protocol.run_manifest import RunManifest, RunNotFound, read_run_manifest
+from slime_stoa.protocol.run_manifest import MAX_RUN_MANIFEST_BYTES, RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import (
     RunTrust,
     Untrusted,
@@ -66,8 +66,8 @@ from .history import (
     MalformedPointer,
     NotPublished,
     read_manifest,
-    read_pointer,
     read_pointer_etag,
+    signs_pointer,
 )
 from .manifests import ManifestError, Pointer, UntrustedDocument, VersionManifest
 from .publish_types import UntrustedState
@@ -124,7 +124,7 @@ async def publisher_trust(store: Store, run: str, key: SigningKey, copies: Copie
             "back from `stoa run create`'s output or a kept copy", run, refused, refused.trust.pinned.key_id, manifest_key,
         )
         return refused.trust
-    if not await _signs_pointer(store, run, key):
+    if not await signs_pointer(store, run, key.public):
         raise refused  # nothing here is `key`'s: the operator's config, said at once
     log.warning(
         "run %s: %s; the run's pointer is signed by this publisher's key %s: publishing goes on under that key "
@@ -223,17 +223,6 @@ async def _keep_run_manifest(store: Store, copies: Copies, key: str, manifest: R
         if copies.kept(key) != data and RunManifest.from_bytes(data) == manifest:
             copies.keep(key, data)
             log.info("run %s: kept a copy of %s in %s", manifest.run, key, copies.path(key))
-
-
-async def _signs_pointer(store: Store, run: str, key: SigningKey) -> bool:
-    """Whether the run's weight pointer verifies under `key` alone (the publisher signed it)."""
-    trust = RunTrust(run, key.public)
-    trust.loaded = True  # `key` alone: no rotation read from the bucket can vouch for it
-    try:
-        await read_pointer(store, run, trust=trust)
-    except (NotPublished, ManifestError):
-        return False
-    return trust.rotations == 0  # signed by a key `key` rotated to: `key` is no longer the run's
 
 
 class Committer:
@@ -389,10 +378,14 @@ class Committer:
         return True
 
     async def put_back_window(self, head: int, window: int) -> None:
-        """Put back the kept manifests of versions head-window+1..head that the bucket lacks
-        (deleted by a bucket writer); forget the copies older than that."""
+        """Before each version: put back the kept run manifest and key rotations where a bucket
+        writer deleted or replaced them (a worker joining mid-run needs them; one GET each), and
+        the kept manifests of versions head-window+1..head that the bucket lacks; forget the
+        copies older than that."""
         if self.copies is None:
             return
+        await put_back_changed(self.store, self.copies, self.layout.run_manifest, MAX_RUN_MANIFEST_BYTES)
+        await put_back_rotations(self.store, self.layout.run, self.copies)
         low = max(0, head - window + 1)
         prefix = self.layout.versions_prefix
         folder = self.copies.path(prefix.rstrip("/"))

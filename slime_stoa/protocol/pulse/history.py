@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from slime_stoa.protocol.layout import QuantPlane, RunLayout
 from slime_stoa.protocol.run_trust import RunTrust, Untrusted, load_rotations, signer_of
+from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import NotFound, Store
 from slime_stoa.protocol.store.capped import TooLarge, read_capped, read_capped_bytes
 
@@ -93,6 +94,19 @@ async def read_pointer(
     found = await read_pointer_etag(store, run, trust=trust, plane=plane)
     assert found is not None  # an unconditional read always returns the object
     return found[0]
+
+
+async def signs_pointer(store: Store, run: str, key: PublicKey) -> bool:
+    """Whether the run's weight pointer verifies under `key` itself (the trainer holding it
+    signed it). False when there is none, when it does not verify, and when its signer is a key
+    the rotations moved to after `key` (`key` is no longer the run's)."""
+    trust = RunTrust(run, key)
+    trust.loaded = True  # `key` alone: no rotation read from the bucket can vouch for it
+    try:
+        await read_pointer(store, run, trust=trust)
+    except (NotPublished, ManifestError):
+        return False
+    return trust.rotations == 0
 
 
 async def read_manifest(store: Store, key: str, *, trust: RunTrust | None = None) -> VersionManifest:

@@ -23,6 +23,7 @@ from aiobotocore.httpsession import AIOHTTPSession
 from aiobotocore.session import get_session
 from botocore.exceptions import ClientError, SSLError
 
+from . import s3_list
 from .base import NotFound, PreconditionFailed, ServerDate, StoreConfigError, StoreError
 from .credentials import Credentials, default_env_file
 from .retry import RetryPolicy, describe_error, with_retries
@@ -199,6 +200,7 @@ class S3Connection:
             await stack.aclose()
             raise
         client.meta.events.register("after-call.s3", self._saw_answer)
+        client.meta.events.register(s3_list.EVENT, s3_list.read_list_answer)  # LIST pages read in one C pass
         self._client, self._stack = client, stack
 
     def _saw_answer(self, http_response: Any = None, **_: Any) -> None:

@@ -207,7 +207,7 @@ class RolloutConsumer:
 
     def load_state_dict(self, doc: dict[str, Any]) -> None:
         """Resume from `state_dict()` output. Only before the first batch (nothing in flight)."""
-        if self._downloads.inflight or self._pool or self._filler.prefetching:
+        if self._downloads.inflight or self._pool or self._filler.prefetching or self._filler.discovering:
             raise RuntimeError("load_state_dict must be called before the consumer's first batch")
         state = ConsumerState.from_json(doc)
         if state.run != self.config.run:
@@ -385,8 +385,9 @@ class RolloutConsumer:
         return out
 
     async def close(self) -> None:
-        """Stop background work (the prefetch and downloads in flight). The store stays open."""
+        """Stop background work (the prefetch, a sweep step and downloads in flight). The store stays open."""
         await self._filler.stop_prefetch()
+        await self._filler.stop_sweep()
         tasks = self._downloads.take_tasks()
         refresh = self._versions.take_task()
         if refresh is not None:

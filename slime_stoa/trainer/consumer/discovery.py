@@ -16,8 +16,11 @@ Two listings, both plain `list(prefix, start_after=...)`, each ended at the hori
   landed late: often over the short skew window (a slow upload), rarely over the long late
   window (a worker that was offline with a full spool). Names already discovered in the
   longest window are in `state.seen` and skipped; older names are pruned from it, so memory
-  holds one long window of keys. A sweep is walked in steps of `SWEEP_PAGES` pages, the tail
-  and the downloads running between them, so junk inside a window delays no honest record.
+  holds one long window of keys. A sweep is walked in steps of `SWEEP_PAGES` pages, and the
+  consumer runs each step as a task of its own beside the tail and the downloads (they share
+  this state: a key judged by both is taken once, and a sweep never lists names older than the
+  remembered window, which the tail may forget during a step), so junk inside a window delays
+  no honest record.
 
 What a listed key must be to be taken (added to `seen` and the download queue, i.e. to the saved
 state) -- anything else is counted once, when the tail passes it (`rejected/<reason>`), and left
@@ -74,9 +77,9 @@ from slime_stoa.protocol.store import Store
 from .state import ConsumerState, name_time_ms
 
 PAGE_SIZE = 1000  # keys per LIST response (S3's maximum, and what every backend here uses)
-# LIST pages per sweep step: a long sweep goes on at the next call (`Discovery.sweep`). A new record
-# landing during a step waits for it: 2 pages through junk cost a wave 0.18 s on the tests' S3 server
-# where 10 cost 0.77 s (README); fewer pages only mean more turns of the consumer's loop.
+# LIST pages per sweep step: a long sweep goes on at the next call (`Discovery.sweep`). A step runs
+# beside the tail, so its length delays no new record; shorter steps lose less work when the
+# consumer closes during one (a cancelled step is listed again) and leave the store quieter gaps.
 SWEEP_PAGES = 2
 MAX_BAD_NAMES = 10_000  # junk key names remembered so each is counted once (then counted again)
 
@@ -272,8 +275,9 @@ class Discovery:
         call: a longer sweep stops there (`sweeping`) and the next call goes on from where it
         stopped, whatever its `window_ms`. Why: junk stamped inside the window is listed again by
         every sweep (millions of keys take the folder store or S3 tens of seconds to list),
-        and the tail polls and downloads that admit honest records run between the steps, not
-        after the whole sweep. A failed step is taken again from where it began."""
+        and a step is a unit of work the consumer can run beside the tail (which may move the
+        cursor and forget old names during it) and cancel. A failed or cancelled step is taken
+        again from where it began."""
         result = PollResult()
         state = self.state
         if not state.cursor:
@@ -282,6 +286,10 @@ class Discovery:
         if self._sweep_from is None:
             window = min(self.window_ms if window_ms is None else window_ms, self.keep_ms)
             self._sweep_from = self.layout.rollout_after(window_floor_ms(state.cursor, window))
+        # Names older than the remembered window may be forgotten already: the tail prunes `seen`
+        # as the cursor moves, between a sweep's steps and during one. A sweep never takes them
+        # (it would take them a second time).
+        self._sweep_from = max(self._sweep_from, self.layout.rollout_after(window_floor_ms(state.cursor, self.keep_ms)))
         limit = max(max_pages, 1) * PAGE_SIZE
         listing = self.store.list(self.prefix, start_after=self._sweep_from)
         stopped_at = None
@@ -291,9 +299,9 @@ class Discovery:
                 name = info.key[len(self.prefix) :]
                 if name > state.cursor:
                     break  # the tail's part
-                if name not in state.seen:
+                if name not in state.seen and name >= cursor_cap(window_floor_ms(state.cursor, self.keep_ms)):
                     judged = await self._judge_key(info.key, info.last_modified, result, count=False)
-                    if judged is not None:
+                    if judged is not None and name not in state.seen:  # a tail may take it while it is judged
                         self._take(name, judged[1], info.size, result)
                         result.late += 1
                 if result.listed >= limit:  # before the next page is asked for

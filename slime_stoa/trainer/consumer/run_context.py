@@ -32,7 +32,7 @@ from slime_stoa.judging.run_data import load_decoding, read_task
 from slime_stoa.judging.scoring import Decode, PromptOf, Rescorer
 from slime_stoa.protocol.kept import TrainerCopies
 from slime_stoa.protocol.layout import RunLayout
-from slime_stoa.protocol.pulse.history import NotPublished, read_pointer
+from slime_stoa.protocol.pulse.history import NotPublished, read_pointer, signs_pointer
 from slime_stoa.protocol.pulse.manifests import ManifestError
 from slime_stoa.protocol.run_manifest import RunKeyMismatch, RunManifest, RunNotFound, read_run_manifest
 from slime_stoa.protocol.run_trust import (
@@ -160,15 +160,13 @@ async def run_key_vouched(store: Store, config: ConsumerConfig) -> bool:
     first = await first_run_key(store, config.run, config.run_key)
     if first is None or config.run_key is None:
         return False
-    alone = RunTrust.from_text(config.run, config.run_key)
-    alone.loaded = True  # the key itself signed the pointer (a trainer's current key), whatever the rotations say
-    for trust in (alone, RunTrust.from_text(config.run, first)):
-        try:
-            await read_pointer(store, config.run, trust=trust)
-        except (NotPublished, ManifestError, ValueError):
-            continue
-        return True
-    return False
+    if await signs_pointer(store, config.run, PublicKey.from_text(config.run_key)):
+        return True  # the key itself signed it (a trainer's current key), whatever the rotations say
+    try:
+        await read_pointer(store, config.run, trust=RunTrust.from_text(config.run, first))
+    except (NotPublished, ManifestError, ValueError):
+        return False
+    return True
 
 
 def manifest_repair(config: ConsumerConfig) -> str:

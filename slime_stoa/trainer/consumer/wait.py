@@ -9,12 +9,14 @@ Pacing: each kind of listing starts again no sooner than its interval (`poll_int
 `sweep_interval_s`, `late_sweep_interval_s`) after the previous one of its kind ENDED, so a slow
 store gets that much quiet between listings instead of back-to-back requests, and a wait of
 `timeout` seconds makes at most about `timeout / poll_interval_s` tail listings whatever the
-store's speed. A sweep goes in steps of `discovery.SWEEP_PAGES` pages, one after the other, with
-the tail polls (when due) and the downloads between them: a sweep through junk never holds a
-new record back for longer than one step. The deadline is checked before every listing; a listing already under way is
-not cut short (its keys are taken one by one into the state), so a wait ends at most one
-listing after its deadline. While the store is down, a listing retries until it answers (an
-outage pauses the run, it never ends it), and the wait ends after that listing.
+store's speed. A sweep goes in steps of `discovery.SWEEP_PAGES` pages, one step at a time, each
+a task of its own beside the tail polls and the downloads: a sweep through junk (a writer can
+put millions of keys inside the windows behind the cursor) never holds a new record back, and a
+step outlives the wait that started it (the next wait takes it up). The deadline is checked
+before every tail listing; one already under way is not cut short (its keys are taken one by
+one into the state), so a wait ends at most one listing after its deadline. While the store is
+down, a listing retries until it answers (an outage pauses the run, it never ends it), and the
+wait ends after that listing.
 
 Who was last heard from, for the message of a wait in vain: the newest record key discovered
 from each worker, and the heartbeat objects under `runs/<run>/workers/` (their modification
@@ -31,6 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from slime_stoa.protocol.heartbeat import Heartbeat, read_heartbeat
 from slime_stoa.protocol.layout import RunLayout
@@ -85,6 +88,7 @@ class Filler:
         self._next_sweep = time.monotonic() + config.sweep_interval_s
         self._next_late_sweep = time.monotonic() + config.late_sweep_interval_s
         self._prefetch: asyncio.Task[bool] | None = None
+        self._sweep: asyncio.Task[None] | None = None  # the sweep step under way
         self._sweep_is_late = False  # the sweep under way covers the late window
 
     # -- discovery -----------------------------------------------------------------------------
@@ -121,6 +125,46 @@ class Filler:
                 if self._sweep_is_late:
                     self._next_late_sweep = time.monotonic() + cfg.late_sweep_interval_s
                 self._next_sweep = time.monotonic() + cfg.sweep_interval_s  # a late sweep covers the short window too
+
+    @property
+    def discovering(self) -> bool:
+        """Whether a sweep step is under way (it writes into the state)."""
+        return self._sweep is not None
+
+    def _start_sweep_step(self, now: float) -> bool:
+        """Start the next sweep step as a task, when one is due and none is under way (True)."""
+        cfg = self.shared.config
+        if self._sweep is not None:
+            return False
+        if self.discovery.sweeping:  # the next step of a long sweep
+            window = None
+        elif cfg.late_window_ms and now >= self._next_late_sweep:
+            self._sweep_is_late, window = True, cfg.late_window_ms
+        elif now >= self._next_sweep:
+            self._sweep_is_late, window = False, None
+        else:
+            return False
+        self._sweep = asyncio.create_task(self._sweep_step(window))
+        return True
+
+    def _reap_sweep(self) -> None:
+        """Forget a finished sweep step; raises what it raised (an outage it waits out: a
+        failure here is the consumer's fatal error, or a bug)."""
+        task = self._sweep
+        if task is not None and task.done():
+            self._sweep = None
+            task.result()
+
+    async def stop_sweep(self) -> None:
+        """Cancel the sweep step under way: its keys taken so far stay taken, the step is
+        listed again from where it began by the next one (`Discovery.sweep`)."""
+        task, self._sweep = self._sweep, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled() and (exc := task.exception()) is not None:  # ended before the cancel: said, not lost
+            log.warning("stoa: a sweep for late records failed: %s: %s", type(exc).__name__, exc)
 
     def _count_poll(self, result: PollResult) -> None:
         self.shared.count("list_requests", result.requests)
@@ -171,6 +215,7 @@ class Filler:
         while True:
             if shared.fatal is not None:
                 raise shared.fatal
+            self._reap_sweep()
             self.expire()
             need = target - len(self.pool)
             if need <= 0:
@@ -190,33 +235,28 @@ class Filler:
                 finally:
                     self._next_tail = time.monotonic() + cfg.poll_interval_s
                 continue
-            if self.discovery.sweeping:  # the next step of a long sweep (tail polls between steps)
-                await self._sweep_step(None)
-                continue
-            if cfg.late_window_ms and now >= self._next_late_sweep:
-                self._sweep_is_late = True
-                await self._sweep_step(cfg.late_window_ms)
-                continue
-            if now >= self._next_sweep:
-                self._sweep_is_late = False
-                await self._sweep_step(None)
+            if self._start_sweep_step(now):
                 continue
             held_look = self.held.next_look()
             if now >= held_look:
                 await self.held.look()
                 continue
+            sweep_waits = self._sweep is None  # else the step's end wakes the loop
             wake = min(
                 self._next_tail if listing_helps else math.inf,
-                self._next_sweep,
-                self._next_late_sweep if cfg.late_window_ms else math.inf,
+                self._next_sweep if sweep_waits else math.inf,
+                self._next_late_sweep if cfg.late_window_ms and sweep_waits else math.inf,
                 math.inf if deadline is None else deadline,
                 next_log,
                 downloads.next_cut(),  # a GET past its deadline frees its slot for another record
                 held_look,
             )
             timeout = max(wake - now, 0.0)
-            if downloads.inflight:
-                await asyncio.wait(set(downloads.inflight.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            running: set[asyncio.Future[Any]] = set(downloads.inflight.values())
+            if self._sweep is not None:
+                running.add(self._sweep)
+            if running:
+                await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             else:
                 await asyncio.sleep(timeout)
             if time.monotonic() >= next_log:
