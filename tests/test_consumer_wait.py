@@ -136,3 +136,29 @@ async def test_a_record_landing_during_a_sweep_step_is_admitted_without_waiting_
         assert [g.worker for g in got.groups] == ["b"] and held.held == 1 and not held.release.is_set()
     finally:
         await asyncio.wait_for(consumer.close(), timeout=10.0)  # cancels the held step
+
+
+async def test_a_state_loads_after_a_wait_in_vain_once_its_sweep_step_ended(store: Store, store_url: str, tiny: Tiny) -> None:
+    """A wait that times out leaves its sweep step running: a state is loaded only once that
+    step ended (it writes into the state)."""
+    await setup_run(store, tiny)
+    held = HeldSweeps(store)
+    first = now_ms() - 1000
+    await upload(store, make_group(tiny, worker="a", seq=0), first)
+    consumer = await open_consumer(held, tiny, store_url, poll_interval_s=0.01, sweep_interval_s=0.01, late_sweep_interval_s=3600.0)
+    try:
+        await consumer.next_batch(1, trainer_version=0)
+        saved = consumer.state_dict()
+        held.before = RunLayout(RUN).rollout_after(first)
+        with pytest.raises(ConsumerTimeout):
+            await consumer.next_batch(1, trainer_version=0, timeout_s=0.2)
+        assert held.held == 1 and consumer._discovery.sweeping
+        with pytest.raises(RuntimeError, match="before the consumer's first batch"):
+            consumer.load_state_dict(saved)  # the step is still under way
+        held.release.set()
+        while consumer._filler.discovering:
+            await asyncio.sleep(0.01)
+        consumer.load_state_dict(saved)
+        assert consumer._discovery.state.cursor == saved["cursor"]
+    finally:
+        await asyncio.wait_for(consumer.close(), timeout=10.0)

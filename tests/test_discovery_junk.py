@@ -109,6 +109,10 @@ async def test_a_sweep_through_junk_goes_in_steps_with_the_tail_between_them(tmp
         assert late.rsplit("/", 1)[1] in state.seen
         again = await discovery.sweep(max_pages=1)  # a new sweep starts at the window's floor
         assert again.listed == 1000 and again.late == 0 and discovery.sweeping
+        stopped_at = discovery._sweep_from
+        discovery.forget_sweep()  # a state loaded in place of this one: its sweeps start afresh
+        assert not discovery.sweeping
+        assert (await discovery.sweep(max_pages=1)).listed == 1000 and discovery._sweep_from == stopped_at  # from the floor
 
 
 async def test_a_sweep_never_takes_again_a_name_the_tail_forgot_between_its_steps(tmp_path: Path) -> None:

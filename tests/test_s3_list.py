@@ -73,10 +73,20 @@ def test_an_empty_page_and_one_without_a_namespace() -> None:
     assert fields(parse_list_page(bare) or {}) == fields(botocore_reads(bare))
 
 
+def test_a_declared_encoding_is_read_as_botocore_reads_it() -> None:
+    body = page_xml(keys=["p/\u00fc"], truncated=False, encoded=False).replace(b"UTF-8", b"ISO-8859-1")
+    ours = parse_list_page(body)
+    assert ours is not None and fields(ours) == fields(botocore_reads(body))
+    assert ours["Contents"][0]["Key"] == "p/\u00fc"
+
+
 @pytest.mark.parametrize(
     "body",
     [
         b"not xml <",
+        # children outside the root's namespace: botocore reads them, this pass would not
+        b'<s:ListBucketResult xmlns:s="urn:x"><IsTruncated>true</IsTruncated><Contents><Key>k</Key><Size>1</Size>'
+        b"</Contents></s:ListBucketResult>",
         b"<Error><Code>SlowDown</Code></Error>",
         page_xml(keys=["k"], truncated=False).replace(b"<Size>0</Size>", b""),  # no size
         page_xml(keys=["k"], truncated=False).replace(b"<Size>0</Size>", b"<Size>zero</Size>"),

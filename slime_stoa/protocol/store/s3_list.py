@@ -27,12 +27,14 @@ def parse_list_page(body: bytes) -> dict[str, Any] | None:
     """The fields of a ListObjectsV2 answer's XML that listing uses, as botocore names and types
     them; None when `body` is not such an answer in every part (botocore then parses it)."""
     try:
-        root = ET.fromstring(body)
+        parser = ET.XMLParser(encoding="utf-8")  # as botocore reads it, whatever the declaration says
+        parser.feed(body)
+        root = parser.close()
     except ET.ParseError:
         return None
-    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-    if root.tag != f"{ns}ListBucketResult":
-        return None
+    ns = _namespace(root.tag)
+    if root.tag != f"{ns}ListBucketResult" or any(_namespace(e.tag) != ns for e in root.iter()):
+        return None  # botocore reads every element whatever its namespace; this pass, the root's
     contents = []
     try:
         for item in root.iterfind(f"{ns}Contents"):
@@ -54,6 +56,10 @@ def parse_list_page(body: bytes) -> dict[str, Any] | None:
         if value is not None:
             page[field] = value
     return page
+
+
+def _namespace(tag: str) -> str:
+    return tag[: tag.index("}") + 1] if tag.startswith("{") else ""
 
 
 def read_list_answer(response_dict: dict[str, Any], customized_response_dict: dict[str, Any], **_: Any) -> None:

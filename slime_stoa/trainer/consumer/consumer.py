@@ -219,6 +219,7 @@ class RolloutConsumer:
             signers.floor = max(signers.floor, state.registry_serial)
         self._shared.state = state
         self._discovery.state = state
+        self._discovery.forget_sweep()
         self._trust.quarantine.records = state.quarantine
         self._batch_counters = dict(state.counters)
 

@@ -269,6 +269,17 @@ class Discovery:
         prune_seen(state.seen, state.cursor, self.keep_ms)
         return result
 
+    def _new_behind(self, name: str) -> bool:
+        """Whether a sweep may take `name`: not seen, and inside the remembered window (older
+        names may be forgotten already: taking one would take it a second time)."""
+        state = self.state
+        return name not in state.seen and name >= cursor_cap(window_floor_ms(state.cursor, self.keep_ms))
+
+    def forget_sweep(self) -> None:
+        """Drop the unfinished sweep and the junk names counted (a state loaded in place of this one)."""
+        self._sweep_from = None
+        self._bad.clear()
+
     async def sweep(self, window_ms: int | None = None, *, max_pages: int = SWEEP_PAGES) -> PollResult:
         """List `window_ms` (default: the skew window, at most the remembered one) behind the
         cursor again and take every key not seen yet, `max_pages` listing pages at most per
@@ -299,9 +310,9 @@ class Discovery:
                 name = info.key[len(self.prefix) :]
                 if name > state.cursor:
                     break  # the tail's part
-                if name not in state.seen and name >= cursor_cap(window_floor_ms(state.cursor, self.keep_ms)):
+                if self._new_behind(name):
                     judged = await self._judge_key(info.key, info.last_modified, result, count=False)
-                    if judged is not None and name not in state.seen:  # a tail may take it while it is judged
+                    if judged is not None and self._new_behind(name):  # the tail may take (and forget) it meanwhile
                         self._take(name, judged[1], info.size, result)
                         result.late += 1
                 if result.listed >= limit:  # before the next page is asked for

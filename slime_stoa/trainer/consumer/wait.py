@@ -128,7 +128,13 @@ class Filler:
 
     @property
     def discovering(self) -> bool:
-        """Whether a sweep step is under way (it writes into the state)."""
+        """Whether a sweep step is under way (it writes into the state); a finished one is
+        forgotten here, its failure logged (no wait takes it up any more)."""
+        task = self._sweep
+        if task is not None and task.done():
+            self._sweep = None
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                log.warning("stoa: a sweep for late records failed: %s: %s", type(exc).__name__, exc)
         return self._sweep is not None
 
     def _start_sweep_step(self, now: float) -> bool:
