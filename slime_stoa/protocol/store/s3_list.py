@@ -1,8 +1,9 @@
 """ListObjectsV2 pages read in one pass of the C XML parser, not botocore's generic one.
 
 Why: botocore's response parser walks a page's XML through the service model in Python and
-parses every LastModified with dateutil: a page of 1,000 keys holds the event loop for tens of
-milliseconds (about 10x this module's pass). A consumer's sweep behind its cursor lists again
+parses every LastModified with dateutil: a LIST of 1,000 keys took ~60 ms of the client's CPU,
+event loop held, against ~20 ms with this module's pass (the tests' S3 server, 2 cores; the
+rest is the request's own signing and hooks). A consumer's sweep behind its cursor lists again
 every key stamped inside its window, and a bucket writer can put millions there: each of those
 pages would hold the loop, and with it the tail and the downloads that admit honest records.
 
