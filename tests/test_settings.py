@@ -141,6 +141,21 @@ def test_defaults_derived_from_slime_flags(tmp_path: Path) -> None:
     assert got.publisher.extras_dir is None and got.worker_metrics is False
 
 
+def test_the_trainers_copies_default_to_beside_slimes_checkpoints(tmp_path: Path) -> None:
+    """Both the rollout's consumer and rank 0's publisher keep their copies under `--save`
+    unless told otherwise; a YAML null means the same to both, `""` means no copies."""
+    base = {"stoa_bucket": "file:///b", "stoa_run": "r"}
+    got = StoaSettings.from_args(Namespace(**base, save=str(tmp_path)))
+    assert got.consumer.keep_dir == str(tmp_path / "stoa-kept") and got.publisher.keep_dir == tmp_path / "stoa-kept"
+    got = StoaSettings.from_args(Namespace(**base, save=str(tmp_path), stoa_keep_dir=None))
+    assert got.consumer.keep_dir == str(tmp_path / "stoa-kept") and got.publisher.keep_dir == tmp_path / "stoa-kept"
+    got = StoaSettings.from_args(Namespace(**base, save=str(tmp_path), stoa_keep_dir="/mine"))
+    assert got.consumer.keep_dir == "/mine" and got.publisher.keep_dir == Path("/mine")
+    for args in (Namespace(**base, save=str(tmp_path), stoa_keep_dir=""), Namespace(**base)):
+        got = StoaSettings.from_args(args)
+        assert got.consumer.keep_dir is None and got.publisher.keep_dir is None
+
+
 def test_parsed_once_while_the_settings_stay_the_same() -> None:
     args = Namespace(stoa_bucket="file:///b", stoa_run="r", calculate_per_token_loss=True)
     first = settings_from_args(args)

@@ -419,7 +419,9 @@ def check_schedule(args: argparse.Namespace) -> list[Finding]:
             )
         )
     if not getattr(args, "save", None):
-        out.append(warn("save", "--save is not set: no checkpoints, so a restart starts over from the initial weights"))
+        out.append(warn("save", "--save is not set: no checkpoints, so a restart starts over from the initial weights"
+                        + ("" if getattr(args, "stoa_keep_dir", None) else
+                           ", and the trainer keeps no copies of what it signed (set stoa_keep_dir)")))
     return out
 
 

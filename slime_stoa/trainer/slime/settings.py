@@ -68,6 +68,22 @@ def _extras_default(args: Any, _read: Mapping[str, Any]) -> Path | None:
     return Path(hf) if isinstance(hf, str) and hf and Path(hf).is_dir() else None
 
 
+KEPT_FOLDER = "stoa-kept"  # under slime's --save: the trainer's own copies of what it signed
+KEEP_SHOWN = f"<--save>/{KEPT_FOLDER}, if --save is set"
+
+
+def _keep_default(args: Any, _read: Mapping[str, Any]) -> Path | None:
+    # Beside slime's checkpoints: a trainer that can resume has copies to put back what a bucket
+    # writer deleted or replaced while it ran or was down (single-bucket mode: any worker token).
+    save = getattr(args, "save", None)
+    return Path(save) / KEPT_FOLDER if isinstance(save, str) and save else None
+
+
+def _consumer_keep_default(args: Any, read: Mapping[str, Any]) -> str | None:
+    folder = _keep_default(args, read)
+    return None if folder is None else str(folder)
+
+
 def _reduction_default(args: Any, _read: Mapping[str, Any]) -> str:
     return "token_mean" if getattr(args, "calculate_per_token_loss", False) else "seq_mean"
 
@@ -81,7 +97,9 @@ def _worker_metrics_default(args: Any, _read: Mapping[str, Any]) -> bool:
 
 
 # slime's own flags some default is derived from (part of the cache key of `settings_from_args`).
-SLIME_FLAGS_READ = ("hf_checkpoint", "calculate_per_token_loss", "rollout_max_response_len", "use_wandb", "use_tensorboard")
+SLIME_FLAGS_READ = (
+    "hf_checkpoint", "calculate_per_token_loss", "rollout_max_response_len", "use_wandb", "use_tensorboard", "save",
+)
 
 _CONSUMER = Section(
     prefix=PREFIX,
@@ -96,14 +114,17 @@ _CONSUMER = Section(
         "rollouts_url": {DERIVED: lambda top: top.get("rollouts_bucket")},
         # the trainer's own run key: the run manifest must name its public half
         "run_key": {DERIVED: lambda top: top["run_key"].public.to_text() if top.get("run_key") else None},
+        "keep_dir": {DEFAULT_FROM: _consumer_keep_default, SHOWN_DEFAULT: KEEP_SHOWN},
     },
 )
 _PUBLISHER = Section(
     prefix=PREFIX,
+    null_is_default=True,  # as the rollout's: `stoa_keep_dir: null` means the same to both ("" means none)
     part="publisher",
     what="stoa publisher",
     fields={
         "extras_dir": {DEFAULT_FROM: _extras_default, SHOWN_DEFAULT: "--hf-checkpoint, if a local folder"},
+        "keep_dir": {DEFAULT_FROM: _keep_default, SHOWN_DEFAULT: KEEP_SHOWN},
     },
 )
 _DPPO = Section(
