@@ -144,8 +144,8 @@ def _run_create(args: argparse.Namespace) -> int:
 SINGLE_BUCKET_NOTE = (
     "single-bucket mode (workers write to this same bucket): a worker's token can overwrite or delete ANY key of "
     "this run (weights, pointer, registry, trainer state, other workers' records), though it cannot forge them; "
-    "the trainer puts back what it signed from its own copies (set keep_dir), and a separate rollouts bucket "
-    "(rollouts_url) confines workers to their records"
+    "the trainer puts back what it signed from its own copies (stoa_keep_dir: by default under slime's --save), "
+    "and a separate rollouts bucket (rollouts_url) confines workers to their records"
 )
 
 
