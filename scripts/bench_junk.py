@@ -7,6 +7,9 @@ prefix:
                 not starting with a timestamp (`zz-junk-<i>`);
   future        valid names of a registered worker stamped a day or more ahead;
   unregistered  valid names of 997 made-up worker ids, stamped within the last 30 s.
+"Now" is when each batch of 4,096 is written (the kinds interleaved): an attacker who keeps
+writing, whose junk stamped inside the sweeps' windows is what the last window's writing put
+there. (The runs in docs/runs up to 2026-12-06 stamped every key when the writing began.)
 Then honest signed records land in waves (`--per-wave` per wave, stamped now) and the consumer
 (`RolloutConsumer`, the run's defaults for the windows) takes one batch per wave. The same waves
 run against a control bucket with no junk. A first wave warms both up (the tail lists the junk
@@ -83,16 +86,15 @@ def say(what: str) -> None:
     print(f"bench_junk [{time.monotonic() - _STARTED:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def junk_keys(n: int, t_ms: int) -> dict[str, list[str]]:
-    """N keys of each junk kind (see the module doc), stamped around `t_ms`."""
+def junk_key(kind: str, i: int, t_ms: int) -> str:
+    """Junk key number `i` of `kind` (see the module doc), written at `t_ms`."""
     layout = RunLayout(RUN)
-    prefix = layout.rollouts_prefix()
-    invalid = [
-        f"{prefix}{t_ms - 1_000 + i % 1_000:013d}-X_{i}.rec" if i % 2 else f"{prefix}zz-junk-{i}" for i in range(n)
-    ]
-    future = [layout.rollout("mac-a", t_ms + DAY_MS + i, 1_000_000 + i) for i in range(n)]
-    unregistered = [layout.rollout(f"ghost-{i % 997}", t_ms - 30_000 + i % 30_000, i) for i in range(n)]
-    return {"invalid": invalid, "future": future, "unregistered": unregistered}
+    if kind == "invalid":
+        prefix = layout.rollouts_prefix()
+        return f"{prefix}{t_ms - 1_000 + i % 1_000:013d}-X_{i}.rec" if i % 2 else f"{prefix}zz-junk-{i}"
+    if kind == "future":
+        return layout.rollout("mac-a", t_ms + DAY_MS + i, 1_000_000 + i)
+    return layout.rollout(f"ghost-{i % 997}", t_ms - 30_000 + i % 30_000, i)
 
 
 def folder_writer(root: Path) -> Writer:
@@ -116,14 +118,18 @@ def store_writer(store: Store, concurrency: int = 32) -> Writer:
     return write
 
 
-async def lay_junk(write: Writer, n: int, t_ms: int) -> None:
-    keys = [k for ks in junk_keys(n, t_ms).values() for k in ks]
+async def lay_junk(write: Writer, n: int) -> None:
+    """`n` keys of each kind, the kinds interleaved, each batch stamped as it is written: an
+    attacker who keeps writing, so the junk inside the windows behind the cursor when the waves
+    come is what was written during the last window (writing millions takes longer than one)."""
+    order = [(kind, i) for i in range(n) for kind in KINDS]
     reported = 0
-    for at in range(0, len(keys), 4096):
-        await asyncio.gather(*(write(k, b"junk") for k in keys[at : at + 4096]))
-        done = min(at + 4096, len(keys))
-        if done - reported >= PROGRESS_EVERY or done == len(keys):
-            say(f"junk keys written: {done:,} of {len(keys):,}")
+    for at in range(0, len(order), 4096):
+        t_ms = now_ms()
+        await asyncio.gather(*(write(junk_key(kind, i, t_ms), b"junk") for kind, i in order[at : at + 4096]))
+        done = min(at + 4096, len(order))
+        if done - reported >= PROGRESS_EVERY or done == len(order):
+            say(f"junk keys written: {done:,} of {len(order):,}")
             reported = done
 
 
@@ -152,7 +158,7 @@ async def run_case(
     say(f"{name}: signed run set up")
     if junk:
         assert write is not None
-        await lay_junk(write, junk, now_ms())
+        await lay_junk(write, junk)
     kw = dict(FAST, wait_timeout_s=wait_s, registry_refresh_s=3600.0)
     consumer = await open_signed_consumer(store, tiny, store_url, run, state_key=run.run_key, **kw)
     await honest_wave(store, run, tiny, 0, per_wave)
