@@ -86,7 +86,6 @@ class TrainerCopies:
         return data
 
 
-
 async def put_back_changed(store: Store, copies: Copies, key: str, limit: int) -> bool:
     """Put the copy of `key` back where the bucket's object is gone or holds other bytes (True
     when it did): for objects written once (put-if-absent: the run manifest, a key rotation),
