@@ -13,7 +13,7 @@ import pytest
 
 from slime_stoa.protocol.layout import RunLayout
 from slime_stoa.protocol.store import ObjectInfo, Store
-from slime_stoa.trainer.consumer import ConsumerTimeout
+from slime_stoa.trainer.consumer import ConsumerTimeout, RolloutConsumer
 from slime_stoa.trainer.consumer.counting import CountingStore
 from tests.test_consumer import RUN, Tiny, make_group, now_ms, open_consumer, setup_run, tiny, upload
 
@@ -113,20 +113,27 @@ class HeldSweeps(CountingStore):
                 yield info
 
 
+async def consumer_past_one_record(store: Store, store_url: str, tiny: Tiny) -> tuple[HeldSweeps, RolloutConsumer]:
+    """A consumer (sweeps due at once) that took one record, on a store holding every sweep
+    from now on (sweeps list from before the cursor, the tail after it)."""
+    await setup_run(store, tiny)
+    held = HeldSweeps(store)
+    first = now_ms() - 1000
+    await upload(store, make_group(tiny, worker="a", seq=0), first)
+    consumer = await open_consumer(held, tiny, store_url, poll_interval_s=0.01, sweep_interval_s=0.01, late_sweep_interval_s=3600.0)
+    assert [g.worker for g in (await consumer.next_batch(1, trainer_version=0)).groups] == ["a"]
+    held.before = RunLayout(RUN).rollout_after(first)
+    return held, consumer
+
+
 async def test_a_record_landing_during_a_sweep_step_is_admitted_without_waiting_for_it(
     store: Store, store_url: str, tiny: Tiny
 ) -> None:
     """A sweep step stuck in its listing (millions of junk keys behind the cursor, a slow store)
     holds no new record back: the step is a task beside the tail and the downloads, and the
     consumer's close cancels it."""
-    await setup_run(store, tiny)
-    held = HeldSweeps(store)
-    first = now_ms() - 1000
-    await upload(store, make_group(tiny, worker="a", seq=0), first)
-    consumer = await open_consumer(held, tiny, store_url, poll_interval_s=0.01, sweep_interval_s=0.01, late_sweep_interval_s=3600.0)
+    held, consumer = await consumer_past_one_record(store, store_url, tiny)
     try:
-        assert [g.worker for g in (await consumer.next_batch(1, trainer_version=0)).groups] == ["a"]
-        held.before = RunLayout(RUN).rollout_after(first)  # sweeps list from before the cursor, the tail after it
         waiting = asyncio.create_task(consumer.next_batch(1, trainer_version=0))
         while not held.held:  # a sweep step is under way, and stuck
             await asyncio.sleep(0.01)
@@ -141,15 +148,9 @@ async def test_a_record_landing_during_a_sweep_step_is_admitted_without_waiting_
 async def test_a_state_loads_after_a_wait_in_vain_once_its_sweep_step_ended(store: Store, store_url: str, tiny: Tiny) -> None:
     """A wait that times out leaves its sweep step running: a state is loaded only once that
     step ended (it writes into the state)."""
-    await setup_run(store, tiny)
-    held = HeldSweeps(store)
-    first = now_ms() - 1000
-    await upload(store, make_group(tiny, worker="a", seq=0), first)
-    consumer = await open_consumer(held, tiny, store_url, poll_interval_s=0.01, sweep_interval_s=0.01, late_sweep_interval_s=3600.0)
+    held, consumer = await consumer_past_one_record(store, store_url, tiny)
     try:
-        await consumer.next_batch(1, trainer_version=0)
         saved = consumer.state_dict()
-        held.before = RunLayout(RUN).rollout_after(first)
         with pytest.raises(ConsumerTimeout):
             await consumer.next_batch(1, trainer_version=0, timeout_s=0.2)
         assert held.held == 1 and consumer._discovery.sweeping
