@@ -130,11 +130,8 @@ class Filler:
     def discovering(self) -> bool:
         """Whether a sweep step is under way (it writes into the state); a finished one is
         forgotten here, its failure logged (no wait takes it up any more)."""
-        task = self._sweep
-        if task is not None and task.done():
-            self._sweep = None
-            if not task.cancelled() and (exc := task.exception()) is not None:
-                log.warning("stoa: a sweep for late records failed: %s: %s", type(exc).__name__, exc)
+        if (task := self._finished_sweep()) is not None:
+            _say_sweep_failure(task)
         return self._sweep is not None
 
     def _start_sweep_step(self, now: float) -> bool:
@@ -153,12 +150,18 @@ class Filler:
         self._sweep = asyncio.create_task(self._sweep_step(window))
         return True
 
+    def _finished_sweep(self) -> asyncio.Task[None] | None:
+        """The sweep step when it has finished, forgotten (None while one runs, or none)."""
+        task = self._sweep
+        if task is None or not task.done():
+            return None
+        self._sweep = None
+        return task
+
     def _reap_sweep(self) -> None:
         """Forget a finished sweep step; raises what it raised (an outage it waits out: a
         failure here is the consumer's fatal error, or a bug)."""
-        task = self._sweep
-        if task is not None and task.done():
-            self._sweep = None
+        if (task := self._finished_sweep()) is not None:
             task.result()
 
     async def stop_sweep(self) -> None:
@@ -169,8 +172,7 @@ class Filler:
             return
         task.cancel()
         await asyncio.wait([task])
-        if not task.cancelled() and (exc := task.exception()) is not None:  # ended before the cancel: said, not lost
-            log.warning("stoa: a sweep for late records failed: %s: %s", type(exc).__name__, exc)
+        _say_sweep_failure(task)  # one that ended before the cancel: said, not lost
 
     def _count_poll(self, result: PollResult) -> None:
         self.shared.count("list_requests", result.requests)
@@ -326,6 +328,12 @@ class Filler:
         if not task.cancelled() and task.exception() is not None:  # the next batch tries again
             exc = task.exception()
             log.warning("stoa: background prefetch failed: %s: %s", type(exc).__name__, exc)
+
+
+def _say_sweep_failure(task: asyncio.Task[None]) -> None:
+    """Log the failure of a sweep step no wait will take up (nothing when it ended well or was cancelled)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("stoa: a sweep for late records failed: %s: %s", type(exc).__name__, exc)
 
 
 # -- who was last heard from -----------------------------------------------------------------
