@@ -8,7 +8,8 @@ Needs torch (and numpy); no slime, no Megatron-LM checkout, no TransformerEngine
 check, PASS / FAIL / SKIP with why, and writes every figure to the JSON (default gpu-day.json):
 
   wheels          with --wheels DIR: every *.whl in DIR installed by `pip install --no-index --no-deps`
-                  before the checks (SKIP without --wheels)
+                  before the checks (SKIP without --wheels); scripts/gpu_day_wheels.txt and
+                  gpu_day_wheels_transformers.txt list what a box with only torch and numpy needs
   cuda            torch sees a CUDA device (SKIP without one, FAIL with --device cuda)
   device_delta    `trainer.device_delta` (the torch diff, int8/int4 plane quantization and plane delta,
                   where the weights live) bit for bit the numpy path's (`codec.diff`,
@@ -84,9 +85,13 @@ DEFAULT_BUDGET = 480.0
 #: What the checks import besides the standard library (module -> the package to put in --wheels).
 PACKAGES = {
     "numpy": "numpy", "torch": "torch", "xxhash": "xxhash", "zstandard": "zstandard", "msgspec": "msgspec",
-    "cryptography": "cryptography", "transformers": "transformers", "tokenizers": "tokenizers",
-    "safetensors": "safetensors", "megatron.core": "megatron-core",
+    "cryptography": "cryptography", "_cffi_backend": "cffi", "transformers": "transformers",
+    "tokenizers": "tokenizers", "safetensors": "safetensors", "megatron.core": "megatron-core",
 }
+#: The wheel sets for a box with only torch and numpy (docs/gpu-day.md): what every run needs, and
+#: transformers with its own for a box without it. Pinned requirements, one `pip download -r` each.
+WHEEL_LISTS = (REPO / "scripts" / "gpu_day_wheels.txt", REPO / "scripts" / "gpu_day_wheels_transformers.txt")
+WHEEL_HINT = "scripts/gpu_day_wheels*.txt list them"
 MODEL_TYPE = "lfm2_moe"
 QUANT: tuple[Literal["int8", "int4"], ...] = ("int8", "int4")  # the quantized planes
 PLANES = ("bf16", *QUANT)
@@ -156,6 +161,7 @@ def environment() -> dict[str, Any]:
             versions[dist] = "unknown"
     return {"python": sys.version.split()[0], "executable": sys.executable, "packages": versions,
             "missing": sorted(d for d, v in versions.items() if v is None)}
+
 
 
 def wheels_in(folder: Path) -> list[Path]:
@@ -665,7 +671,7 @@ def run_check(name: str, fn: Callable[[Deadline], Result], run_end: float, budge
         if top in ("slime_stoa", "macd", "bench_stream8b", "benchlib") or not top:
             result = Result("FAIL", f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()})
         else:
-            result = Result("SKIP", f"missing package {exc.name} (put its wheel in --wheels DIR)")
+            result = Result("SKIP", f"missing package {exc.name} (put its wheel in --wheels DIR; {WHEEL_HINT})")
     except OutOfTime as exc:
         result = Result("FAIL", str(exc))
     except Exception as exc:  # a broken check is reported, never hides the others

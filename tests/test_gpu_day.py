@@ -5,6 +5,7 @@ with a non-zero exit. The script's main() runs in-process; one test runs it as a
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -134,7 +135,8 @@ def test_missing_packages_are_skips_with_the_reason(tmp_path: Path, monkeypatch:
     rc, doc = run(tmp_path, "--only", "dppo_step,megatron_local")
     checks = doc["checks"]
     assert rc == 0 and [c["status"] for c in checks.values()] == ["SKIP", "SKIP"]
-    assert checks["dppo_step"]["detail"] == "missing package transformers (put its wheel in --wheels DIR)"
+    assert checks["dppo_step"]["detail"] == (
+        "missing package transformers (put its wheel in --wheels DIR; scripts/gpu_day_wheels*.txt list them)")
     assert checks["megatron_local"]["detail"].startswith("megatron-core not importable (")
     assert "pip install --no-deps megatron_core-0.16.1-cp311-" in checks["megatron_local"]["detail"]
     assert "traceback" not in checks["dppo_step"]
@@ -217,6 +219,64 @@ def test_the_command_prints_one_line_per_check(tmp_path: Path) -> None:
     results = [line.split()[:2] for line in proc.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")]
     assert results == [["SKIP", "cuda"], ["PASS", "device_delta"]]
     assert json.loads(out.read_text())["checks"]["device_delta"]["deltas_mismatched"] == 0
+
+
+#: Run in a fresh interpreter: gpu_day's checks with every installed module hidden whose package is
+#: none of `allowed` (a box with only torch, numpy and the listed wheels; stoa's own modules come
+#: from the checkout). Optional imports then fail as they would there and take their fallbacks.
+BARE_BOX = """
+import importlib.metadata, json, sys
+allowed = set(json.loads(sys.argv[1]))
+for top, dists in importlib.metadata.packages_distributions().items():
+    if top not in sys.modules and not {d.lower().replace("_", "-") for d in dists} & allowed:
+        sys.modules[top] = None  # import raises ModuleNotFoundError, find_spec says None: as if not installed
+sys.path.insert(0, sys.argv[2])
+import gpu_day
+sys.exit(gpu_day.main(sys.argv[3:]))
+"""
+
+
+def _normal(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def _with_requirements(names: set[str]) -> set[str]:
+    """`names` and every distribution they require, as installed here (markers evaluated, no extras)."""
+    from packaging.requirements import Requirement
+
+    found, todo = set(), [*names]
+    while todo:
+        name = _normal(todo.pop())
+        if name in found:
+            continue
+        found.add(name)
+        for line in importlib.metadata.requires(name) or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return found
+
+
+def test_the_listed_wheels_are_all_a_bare_box_needs(tmp_path: Path) -> None:
+    """Every check runs as on the CPU with only torch, numpy, the listed wheels and the checkout:
+    no check is a SKIP for a missing package (a cryptography without its cffi was one)."""
+    pytest.importorskip("megatron.core")
+    listed = {_normal(line.split("==")[0]) for path in gpu_day.WHEEL_LISTS for line in path.read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    allowed = _with_requirements({"torch", "numpy"}) | listed | {"slime-stoa"}
+    out = tmp_path / "day.json"
+    proc = subprocess.run([sys.executable, "-c", BARE_BOX, json.dumps(sorted(allowed)), str(SCRIPTS), *TINY,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["environment"]["missing"] == []
+    assert {n: c["status"] for n, c in doc["checks"].items()} == {
+        "wheels": "SKIP", "cuda": "SKIP", "device_delta": "PASS", "dppo_step": "SKIP", "published_bits": "SKIP",
+        "megatron_local": "SKIP"}
+    for name in ("dppo_step", "published_bits", "megatron_local"):
+        assert doc["checks"][name]["detail"].startswith("no CUDA device (CPU rehearsal: "), doc["checks"][name]
+    assert len(listed) == sum(1 for path in gpu_day.WHEEL_LISTS for line in path.read_text().splitlines()
+                              if line.strip() and not line.startswith("#"))  # no name listed twice
 
 
 @pytest.mark.slow
