@@ -13,10 +13,11 @@ import contextlib
 import sys
 
 from slime_stoa.protocol.cli_fields import field_values
+from slime_stoa.protocol.extras import missing_line
 
 from . import doctor as doctor_cmd
 from . import join_cmd, run_cmd, service_cmd
-from .cmdline import add_config_option, config_path
+from .cmdline import add_config_option, config_path, error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:  # Ctrl-C at any point (a prompt, start-up): one line, no traceback
         return interrupted()
+    except ModuleNotFoundError as exc:  # a command reached without the worker extra (mlx, ...): how to add it
+        if (line := missing_line(exc)) is None:
+            raise
+        return error(line)
 
 
 def interrupted() -> int:

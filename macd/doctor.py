@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from slime_stoa.protocol.cli_fields import Flag, add_field_options, option_name, setting
+from slime_stoa.protocol.shell import extra_install_command
 
 from .config import default_data_dir
 from .machine import memory_bytes, tier_for
@@ -45,7 +46,7 @@ def report(data_dir: Path) -> list[tuple[str, str, bool]]:
     )
     for pkg in ("mlx", "mlx-lm"):
         version = package_version(pkg)
-        fix = "install the worker extra: pip install 'stoa[worker]'"
+        fix = f"install the worker extra: {extra_install_command('worker')}"
         rows.append((pkg, version or f"missing: {fix}", version is not None))
     probe = data_dir if data_dir.exists() else Path.home()
     free = shutil.disk_usage(probe).free

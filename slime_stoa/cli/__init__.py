@@ -13,6 +13,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from slime_stoa.protocol.extras import missing_line
+
 from .common import StoaParser, os_error_text
 
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
@@ -84,6 +86,12 @@ def _run(argv: list[str] | None) -> int:
     except BrokenPipeError:  # `stoa ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except ModuleNotFoundError as exc:  # a command reached without its extra (torch, mlx, ...): how to add it
+        if (line := missing_line(exc)) is None:
+            raise
+        logging.getLogger("stoa").debug("the command failed", exc_info=True)
+        print(f"error: {line}", file=sys.stderr)
+        return 1
     except OSError as exc:  # a full disk, a path: the message says what to fix (the trace, with -v)
         logging.getLogger("stoa").debug("the command failed", exc_info=True)
         print(f"error: {os_error_text(exc)}", file=sys.stderr)

@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 
-__all__ = ["TASK_SOURCES", "run_create_command", "shell_command", "task_prepare_command"]
+__all__ = ["TASK_SOURCES", "extra_install_command", "run_create_command", "shell_command", "task_prepare_command"]
 
 
 def shell_command(*argv: str | os.PathLike[str]) -> str:
     """`argv` as one line a person can paste into bash or zsh and get exactly these arguments back:
     every word that needs it is quoted (`shlex.join`)."""
     return shlex.join(os.fspath(a) for a in argv)
+
+
+def extra_install_command(extra: str) -> str:
+    """The command that adds stoa's optional `extra` (pyproject.toml) to the environment running
+    this process: its own interpreter's pip, so the packages land where stoa runs, with the
+    installed stoa (from a checkout or a wheel) satisfying the requirement; no index is asked for
+    stoa itself ("stoa" there is another project, and stoa is not published)."""
+    return shell_command(sys.executable, "-m", "pip", "install", f"slime-stoa[{extra}]")
 
 
 def run_create_command(store: str, run: str, *, model: str = "MODEL", task: str = "TASK") -> str:
