@@ -9,7 +9,7 @@ check, PASS / FAIL / SKIP with why, and writes every figure to the JSON (default
 
   wheels          with --wheels DIR: every *.whl in DIR installed by `pip install --no-index --no-deps`
                   before the checks (SKIP without --wheels); scripts/gpu_day_wheels.txt and
-                  gpu_day_wheels_transformers.txt list what a box with only torch and numpy needs
+                  gpu_day_wheels_transformers.txt list what a box with only torch needs
   cuda            torch sees a CUDA device (SKIP without one, FAIL with --device cuda)
   device_delta    `trainer.device_delta` (the torch diff, int8/int4 plane quantization and plane delta,
                   where the weights live) bit for bit the numpy path's (`codec.diff`,

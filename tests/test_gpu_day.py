@@ -222,7 +222,7 @@ def test_the_command_prints_one_line_per_check(tmp_path: Path) -> None:
 
 
 #: Run in a fresh interpreter: gpu_day's checks with every installed module hidden whose package is
-#: none of `allowed` (a box with only torch, numpy and the listed wheels; stoa's own modules come
+#: none of `allowed` (a box with only torch and the listed wheels; stoa's own modules come
 #: from the checkout). Optional imports then fail as they would there and take their fallbacks.
 BARE_BOX = """
 import importlib.metadata, json, sys
@@ -258,12 +258,12 @@ def _with_requirements(names: set[str]) -> set[str]:
 
 
 def test_the_listed_wheels_are_all_a_bare_box_needs(tmp_path: Path) -> None:
-    """Every check runs as on the CPU with only torch, numpy, the listed wheels and the checkout:
+    """Every check runs as on the CPU with only torch, the listed wheels and the checkout:
     no check is a SKIP for a missing package (a cryptography without its cffi was one)."""
     pytest.importorskip("megatron.core")
     listed = {_normal(line.split("==")[0]) for path in gpu_day.WHEEL_LISTS for line in path.read_text().splitlines()
               if line.strip() and not line.startswith("#")}
-    allowed = _with_requirements({"torch", "numpy"}) | listed | {"slime-stoa"}
+    allowed = _with_requirements({"torch"}) | listed | {"slime-stoa"}
     out = tmp_path / "day.json"
     proc = subprocess.run([sys.executable, "-c", BARE_BOX, json.dumps(sorted(allowed)), str(SCRIPTS), *TINY,
                            "--json", str(out)], capture_output=True, text=True, timeout=600)
