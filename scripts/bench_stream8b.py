@@ -23,14 +23,16 @@ RL step's Adam update does: ~1-3% of bf16 weights change per step). Then, timed:
              the first round) is checked bit for bit against a full `plane.plane_bits`, untimed.
   device, per thread count, in the same rounds right after the numpy contenders (the numpy path
     is the baseline): the torch path (`trainer.device_delta`) on `--device` (the CPU here, CUDA on
-    a GPU box), which keeps the previous version beside the weights and hands the host only the
-    patches: bf16 "diff" (`PreviousState.diff`), int8/int4 "quantize" (`PreviousState.plane_delta`:
-    both versions' planes of the changed tensors quantized on the device, compared there), then on
-    the host "mirror" (the delta applied to the host's copy, `apply_delta`) and the same digest
-    update, encode and sha256 as the numpy path. The first round checks every delta bit for bit
-    against the numpy path's. Reported: its wall and CPU seconds per version, and the bytes each
-    path moves from the device to the host per version (numpy: the whole bf16 state, as
-    `publish.gather_state` copies it; torch: the bf16 and plane patches' indices and values).
+    a GPU box) as the slime publisher runs it by delta, keeping the previous version beside the
+    weights and no host copy: bf16 "diff" (`PreviousState.diff` and `sparse_step`: the patch and
+    its old bits), int8/int4 "quantize" (`PreviousState.plane_step`: both versions' planes of the
+    changed tensors quantized on the device, compared there), then "digest" (each changed tensor,
+    or its plane arrays, read from the device once and hashed on the host: xxh3 has no parallel
+    form a device could run), encode from the old bits and sha256. The first round checks every
+    delta bit for bit against the numpy path's. Reported: its wall and CPU seconds per version,
+    and the bytes each path moves from the device to the host per version (numpy: the whole bf16
+    state, as `publish.gather_state` copies it; torch: the patches, their old bits, and every
+    changed tensor and its plane arrays for the digests).
   Not timed: catch-up patches (merge and encode at the distances the schedule picks), uploads,
   anchors, the state digest's root.
   worker, per thread count: `apply.apply_patch` (verify, decode, scatter) of the step patch into
@@ -99,9 +101,10 @@ from slime_stoa.protocol.pulse.plane import (
     plane_bits,
     updated_plane_bits,
 )
+from slime_stoa.protocol.pulse.step_diff import sparse_digest
 from slime_stoa.protocol.run_trust import content_hash
 from slime_stoa.quickstart.tiny_model import lfm2_param_shapes
-from slime_stoa.trainer.device_delta import PreviousState, apply_delta
+from slime_stoa.trainer.device_delta import PreviousState
 
 Shape = Literal["published", "defaults"]
 SHAPES: tuple[Shape, ...] = ("published", "defaults")
@@ -338,27 +341,30 @@ def same_delta(a: Delta, b: Delta) -> bool:
 def device_step(
     previous: PreviousState, state: Mapping[str, Any], held: Mapping[str, dict[str, np.ndarray]],
     digests_of: Mapping[str, StateDigest], threads: int, device: str,
-) -> dict[str, tuple[Delta, Clock]]:
-    """The torch path's per-version work on one batch, per plane: the device diff (bf16) or plane
-    delta, then on the host the mirror, digest update, encode and sha256. Returns each plane's
-    delta and the clock that timed it."""
+) -> dict[str, tuple[Delta, StateDigest, Clock]]:
+    """The torch path's per-version work on one batch, per plane, as the slime publisher runs it by
+    delta (`ChainPublisher.publish_delta`, no host copy of the state): the device diff and its
+    old bits (bf16, `PreviousState.sparse_step`) or the plane's step (`PreviousState.plane_step`),
+    then the digest over each changed tensor read from the device (`sparse_digest`), encode from
+    the old bits, and sha256. Returns each plane's delta, new digest and the clock that timed it."""
     import torch
 
     torch.set_num_threads(threads)
-    out: dict[str, tuple[Delta, Clock]] = {}
+    out: dict[str, tuple[Delta, StateDigest, Clock]] = {}
     for p in PLANES:
         clock = Clock()
         if p == "bf16":
-            delta = clock.time("diff", partial(previous.diff, state))
+            step = clock.time("diff", lambda: previous.sparse_step(previous.diff(state)))
         else:
-            delta = clock.time("quantize", partial(previous.plane_delta, state, out["bf16"][0].keys(), p, MODEL_TYPE))
+            step = clock.time("quantize", partial(previous.plane_step, p, MODEL_TYPE, device))
         if device != "cpu":
             torch.cuda.synchronize()
-        target = clock.time("mirror", partial(apply_delta, held[p], delta))
-        clock.time("digest", partial(digests_of[p].update, target, delta.keys(), threads=threads))
-        _, body = clock.time("encode", partial(encode_delta, delta, shapes_of(target), base=held[p], mode="rel", threads=threads))
+        digest = clock.time("digest", partial(sparse_digest, digests_of[p], step, threads=threads))
+        _, body = clock.time(
+            "encode", partial(encode_delta, step.delta, shapes_of(held[p]), old=step.old, mode="rel", threads=threads)
+        )
         clock.time("sha256", partial(content_hash, body))
-        out[p] = (delta, clock)
+        out[p] = (step.delta, digest, clock)
     return out
 
 
@@ -407,12 +413,15 @@ def measure_unit(
         for t in threads:  # the torch path, in the same round
             handed = previous.transfer.device_to_host
             done = device_step(previous, device_state, held, digests_of, t, args.device)
-            for p, (_, clock) in done.items():
+            for p, (_, _, clock) in done.items():
                 totals.add_clock(("device", str(t), p), r, clock, w)
             if r == 0 and t == threads[0]:
                 sizes["to_host_torch"] += w * (previous.transfer.device_to_host - handed)
                 check["device_deltas"] += len(PLANES)
-                check["device_mismatched"] += sum(not same_delta(done[p][0], diff(held[p], targets[p])) for p in PLANES)
+                check["device_mismatched"] += sum(
+                    not same_delta(done[p][0], delta := diff(held[p], targets[p]))
+                    or done[p][1].root() != digests_of[p].update(targets[p], delta.keys()).root() for p in PLANES
+                )
         for t in threads:
             for p in PLANES:
                 clock = Clock()
@@ -538,7 +547,7 @@ def print_report(doc: dict[str, Any]) -> None:
                           f"{base[p]['median']:.2f})" for p in PLANES)
         print(f"  threads {t}:  {cells}")
     print(f"  device -> host per version: numpy {moved['numpy'] / 1e9:.3f} GB (the bf16 state), "
-          f"torch {moved['torch'] / 1e9:.3f} GB (bf16 and plane patches); deltas checked bit for bit: "
+          f"torch {moved['torch'] / 1e9:.3f} GB (the patches, their old bits, each changed tensor and its plane arrays for the digests); deltas checked bit for bit: "
           f"{doc['device_check']['mismatched']} of {doc['device_check']['deltas']} differ")
     for q, u in doc["plane_update"].items():
         print(f"  {q} plane update: {u['groups_touched_fraction'] * 100:.1f}% of groups touched, "

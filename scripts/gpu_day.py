@@ -11,9 +11,11 @@ check, PASS / FAIL / SKIP with why, and writes every figure to the JSON (default
                   before the checks (SKIP without --wheels); scripts/gpu_day_wheels.txt and
                   gpu_day_wheels_transformers.txt list what a box with only torch needs
   cuda            torch sees a CUDA device (SKIP without one, FAIL with --device cuda)
-  device_delta    `trainer.device_delta` (the torch diff, int8/int4 plane quantization and plane delta,
-                  where the weights live) bit for bit the numpy path's (`codec.diff`,
-                  `plane.updated_plane_bits`, the digest of the host's mirror) at the LFM2.5-8B-A1B
+  device_delta    `trainer.device_delta` as the slime publisher runs it by delta (the torch diff and
+                  its old bits, each int8/int4 plane's step quantized where the weights live, the
+                  new digests from each changed tensor read once; the previous version about half
+                  on the device and half in pinned host memory) bit for bit the numpy path's
+                  (`codec.diff`, `plane.updated_plane_bits`, `StateDigest.update`) at the LFM2.5-8B-A1B
                   shape (`macd.memory_plan.LFM2_5_8B_A1B`; `--delta-shape smoke`: a tiny width),
                   streamed tensor by tensor (host memory: one tensor's versions and planes), random
                   bf16 weights and `--delta-versions` sparse updates (`--delta-density` of the elements
@@ -250,9 +252,10 @@ def check_device_delta(args: argparse.Namespace, device: str, deadline: Deadline
 
     from macd.memory_plan import LFM2_5_8B_A1B
     from slime_stoa.protocol.pulse.codec import diff
-    from slime_stoa.protocol.pulse.digest import tensor_digest
+    from slime_stoa.protocol.pulse.digest import StateDigest
     from slime_stoa.protocol.pulse.plane import plane_bits, updated_plane_bits
-    from slime_stoa.trainer.device_delta import DeviceDeltaConfig, PreviousState, apply_delta
+    from slime_stoa.protocol.pulse.step_diff import sparse_digest
+    from slime_stoa.trainer.device_delta import DeviceDeltaConfig, PreviousState
 
     config = dict(LFM2_5_8B_A1B if args.delta_shape == "published" else SMOKE)
     shapes = param_shapes(config)
@@ -262,7 +265,7 @@ def check_device_delta(args: argparse.Namespace, device: str, deadline: Deadline
     versions, threads = args.delta_versions, args.threads
     seconds = {"device": [0.0] * versions, "numpy": [0.0] * versions}
     to_host = {"device": [0] * versions, "numpy": [0] * versions}
-    elements = changed = compared = mismatched = digests_off = streamed = 0
+    elements = changed = compared = mismatched = digests_off = streamed = on_device = kept_bytes = 0
     mismatched_names: list[str] = []
 
     def on_host(state: dict[str, Any]) -> dict[str, Any]:
@@ -275,46 +278,56 @@ def check_device_delta(args: argparse.Namespace, device: str, deadline: Deadline
         state = {n: first_version(n, shapes[n], gens[n], device) for n in unit.names}
         # the publisher's baseline on the host: the anchor's bf16 bits and planes (not timed)
         host = on_host(state)
-        planes = {q: plane_bits(host, q, MODEL_TYPE, threads=threads) for q in QUANT}
-        previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=2 * size))  # all of it beside the weights
+        planes = {"bf16": host, **{q: plane_bits(host, q, MODEL_TYPE, threads=threads) for q in QUANT}}
+        digests = {p: StateDigest.of(planes[p], threads=threads) for p in PLANES}  # the committed version's
+        # about half of the batch kept beside the weights and the rest in pinned host memory (on a
+        # GPU): the two places `stoa_device_budget_bytes` splits the previous version between
+        previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=size))
         previous.reset(state)
+        on_device += weight * previous.device_bytes()
+        kept_bytes += weight * 2 * size
         elements += weight * size
         streamed += len(unit.names)
         for v in range(versions):
             state = {n: next_version(t, args.delta_density, gens[n]) for n, t in state.items()}
-            # the device path: diff and both planes' deltas where the weights live; only patches cross
+            # the device path as the slime publisher runs it by delta: the diff, each plane's step
+            # (both versions' planes quantized where the weights live), the old bits at the changed
+            # indices, and each changed tensor (and plane tensor) read once for the new digest
             _sync(device)
             handed, started = previous.transfer.device_to_host, time.perf_counter()
-            ours = {"bf16": previous.diff(state)}
+            steps = {"bf16": previous.sparse_step(previous.diff(state))}
             for q in QUANT:
-                ours[q] = previous.plane_delta(state, ours["bf16"].keys(), q, MODEL_TYPE)
+                steps[q] = previous.plane_step(q, MODEL_TYPE, device)
+            ours = {p: sparse_digest(digests[p], steps[p], threads=threads) for p in PLANES}
             previous.commit()
             _sync(device)
             seconds["device"][v] += weight * (time.perf_counter() - started)
             to_host["device"][v] += weight * (previous.transfer.device_to_host - handed)
-            # the numpy path: every bf16 weight to the host, then the diff and the planes' updates there
+            # the numpy path: every bf16 weight to the host, then the diff, the planes' updates and
+            # the digests there (`step_diff.diff_step`)
             started = time.perf_counter()
-            new = on_host(state)
-            theirs = {"bf16": diff(host, new, threads=threads)}
+            new = {"bf16": on_host(state)}
+            theirs = {"bf16": diff(host, new["bf16"], threads=threads)}
             touched = {n: indices for n, (indices, _) in theirs["bf16"].items()}
-            new_planes = {}
             for q in QUANT:
-                new_planes[q] = updated_plane_bits(planes[q], new, touched, q, MODEL_TYPE, threads=threads)
-                theirs[q] = diff(planes[q], new_planes[q], threads=threads)
+                new[q] = updated_plane_bits(planes[q], new["bf16"], touched, q, MODEL_TYPE, threads=threads)
+                theirs[q] = diff(planes[q], new[q], threads=threads)
+            expected = {p: digests[p].update(new[p], theirs[p].keys(), threads=threads) for p in PLANES}
             seconds["numpy"][v] += weight * (time.perf_counter() - started)
             to_host["numpy"][v] += weight * 2 * size
-            # bit for bit, and the host's mirror of the device delta hashes as the new version
+            # bit for bit: each plane's delta, the old bits at its indices, and the new digest
             for p in PLANES:
                 compared += 1
-                if not same_delta(ours[p], theirs[p]):
+                step, delta = steps[p], theirs[p]
+                if not same_delta(step.delta, delta) or step.old.keys() != delta.keys() or any(
+                        not np.array_equal(step.old[n], planes[p][n].reshape(-1)[delta[n][0]]) for n in delta):
                     mismatched += 1
-                    names = sorted(set(ours[p]) ^ set(theirs[p]) | {n for n in set(ours[p]) & set(theirs[p])
-                                                                   if not same_delta({n: ours[p][n]}, {n: theirs[p][n]})})
-                    mismatched_names.append(f"v{v + 1} {p}: {', '.join(names[:3])}")
-            mirror = apply_delta(host, ours["bf16"])
-            digests_off += sum(tensor_digest(n, mirror[n]) != tensor_digest(n, new[n]) for n in new)
+                    names = sorted(set(step.delta) ^ set(delta) | {n for n in set(step.delta) & set(delta)
+                                                                   if not same_delta({n: step.delta[n]}, {n: delta[n]})})
+                    mismatched_names.append(f"v{v + 1} {p}: {', '.join(names[:3]) or 'old bits'}")
+                digests_off += sum(ours[p].digests[n] != expected[p].digests[n] for n in expected[p].digests)
             changed += weight * sum(indices.size for indices, _ in theirs["bf16"].values())
-            host, planes = new, new_planes
+            host, planes, digests = new["bf16"], new, expected
         del previous, state
     figures: dict[str, Any] = {
         "device": device, "shape": args.delta_shape, "sample": args.delta_sample, "layers_streamed": layers,
@@ -323,6 +336,7 @@ def check_device_delta(args: argparse.Namespace, device: str, deadline: Deadline
         "changed_fraction": changed / max(1, elements * versions), "threads": threads,
         "deltas_compared": compared, "deltas_mismatched": mismatched, "mismatched": mismatched_names[:20],
         "digests_mismatched": digests_off, "seconds_per_version": seconds, "bytes_device_to_host_per_version": to_host,
+        "previous_on_device_fraction": on_device / max(1, kept_bytes),
         "scaling": "per version of the whole model: a sampled layer counts for every layer of its kind"
                    if args.delta_sample == "quick" else "every tensor streamed",
     }

@@ -85,11 +85,13 @@ def test_smoke_run_reports_bytes_times_and_memory(tmp_path: Path) -> None:
             for plane in ("bf16", "int8", "int4"):
                 check_spread(row[plane])
                 assert row[plane]["n"] == 2
-    assert set(dev["parts_wall_median"]["1"]["int4"]) == {"quantize", "mirror", "digest", "encode", "sha256"}
+    assert set(dev["parts_wall_median"]["1"]["int4"]) == {"quantize", "digest", "encode", "sha256"}
     moved = dev["bytes_to_host_per_version"]
     assert moved["numpy"] == b["anchor_bf16"]  # every bf16 weight gathered to the host
-    # the torch path hands over the patches alone: 6 bytes (int32 index, bf16 value) per change
-    assert 0 < moved["torch"] < 0.5 * moved["numpy"]
+    # the torch path hands over the patches and their old bits, and each changed tensor and its
+    # plane arrays once for the digests (at 2% of the elements every tensor changes): more than
+    # the bf16 state, less than it with both planes' arrays
+    assert moved["numpy"] < moved["torch"] < 3 * moved["numpy"], moved
 
 
 def test_plane_update_is_the_publishers_and_its_check_catches_a_wrong_array() -> None:

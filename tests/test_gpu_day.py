@@ -51,7 +51,10 @@ def test_device_delta_is_bit_exact_and_dppo_is_rehearsed_cpu_against_cpu(tmp_pat
         assert len(delta["seconds_per_version"][path]) == 2
     device_bytes, numpy_bytes = (delta["bytes_device_to_host_per_version"][p] for p in ("device", "numpy"))
     assert numpy_bytes == [2 * delta["model_elements"]] * 2  # the numpy path moves every bf16 weight
-    assert all(0 < d < n / 4 for d, n in zip(device_bytes, numpy_bytes, strict=True))  # the device path: patches
+    # the device path: the patches and old bits, and each changed tensor and its plane arrays read
+    # once for the digests (at 1.5% of the elements every tensor changes): more than the bf16
+    # state, less than it with both planes' arrays
+    assert all(n < d < 3 * n for d, n in zip(device_bytes, numpy_bytes, strict=True)), (device_bytes, numpy_bytes)
 
     dppo = checks["dppo_step"]
     assert dppo["cpu_terms_are_the_learner_step"] and dppo["same_gradients"]

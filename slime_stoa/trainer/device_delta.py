@@ -19,9 +19,11 @@ quantizes and hashes it there. Here the previous published version is kept besid
   one bf16 tensor at a time (a plane published by delta).
 - The state digest (`digest.StateDigest`) is xxh3-128 over each tensor's bytes. xxh3 scrambles
   its accumulators after every 1 KiB block, in order, so it has no parallel form a device could
-  run; the digest stays on the host, over the host's copy of the state with the delta applied
-  (`apply_delta`; the publisher holds that copy as its baseline anyway), so computing it moves
-  nothing from the device either.
+  run; the digest stays on the host. A publisher that keeps no host copy of the state
+  (`sparse_step`, `plane_step`: the slime publisher by delta) reads each changed tensor, or its
+  plane arrays, from here once, one at a time, for it: with every tensor changing in an RL step,
+  about the bf16 state's bytes (and each plane's) cross per version, streamed, with no host copy
+  kept. A host that does keep its copy (`apply_delta` of the delta into it) moves nothing more.
 
 Where the previous version lives (`DeviceDeltaConfig.device_budget_bytes`): tensors are kept on
 their device while the running total fits the budget, the rest in pinned host memory (plain host
@@ -106,6 +108,15 @@ def _to_host(tensor: torch.Tensor, transfer: Transfer | None) -> np.ndarray:
     if transfer is not None:
         transfer.device_to_host += tensor.numel() * tensor.element_size()
     return tensor.cpu().numpy()
+
+
+def _device_of(device: torch.device | str) -> torch.device:
+    """`device` with its index (``cuda`` is the current CUDA device): compared with a tensor's
+    device, an index-less one would never be equal, and every tensor would seem to cross."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def changed_indices(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -258,7 +269,26 @@ class PreviousState:
 
     def previous_bits(self, name: str) -> np.ndarray:
         """The previous version's tensor `name` as a new host array of uint16 bf16 bits (counted)."""
-        return np.array(_to_host(self._kept[name], self.transfer), copy=True).view(np.uint16)
+        kept = self._kept[name]
+        return np.array(self._host_bits(kept, kept), copy=True).view(np.uint16)
+
+    def _host_bits(self, tensor: torch.Tensor, kept: torch.Tensor) -> np.ndarray:
+        """`tensor`, made from the kept tensor `kept` where that lives, on the host: counted as
+        handed from the weights' device unless `kept` is a pinned host copy (the previous
+        version's share kept in host memory beside an accelerator's weights), where it already is."""
+        if kept.device.type == "cpu" and kept.is_pinned():
+            return tensor.numpy()
+        return _to_host(tensor, self.transfer)
+
+    def _moved(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`tensor` on `device`, its bytes counted when it crosses between an accelerator and the host."""
+        if tensor.device.type != device.type:
+            nbytes = tensor.numel() * tensor.element_size()
+            if device.type == "cpu":
+                self.transfer.device_to_host += nbytes
+            else:
+                self.transfer.host_to_device += nbytes
+        return tensor.to(device)
 
     def device_bytes(self) -> int:
         """Bytes of the previous version kept on an accelerator."""
@@ -288,7 +318,7 @@ class PreviousState:
         baseline) as the previous version, for weights on `device`: as `reset` places them, the
         tensors that fit the budget copied to `device` (counted host to device), the rest in pinned
         host memory. Nothing crosses from the device."""
-        device = torch.device(device)
+        device = _device_of(device)
         kept: dict[str, torch.Tensor] = {}
         used = 0
         for name in sorted(state):
@@ -394,7 +424,7 @@ class PreviousState:
             raise RuntimeError("commit() without a diff() since the last reset or commit")
         for name, (found, values) in self._pending.items():
             kept = self._kept[name].reshape(-1)
-            kept[found.to(kept.device).long()] = values.to(kept.device)
+            kept[self._moved(found, kept.device).long()] = self._moved(values, kept.device)
         self._pending = None
 
     def advance(self, delta: Delta) -> None:
@@ -402,8 +432,8 @@ class PreviousState:
         version, forgetting any pending diff: the copy follows a version another call published."""
         for name, (indices, values) in delta.items():
             kept = self._kept[name].reshape(-1)
-            kept[torch.from_numpy(np.asarray(indices, np.int64)).to(kept.device)] = (
-                torch.from_numpy(np.ascontiguousarray(values, np.uint16).view(np.int16)).to(kept.device)
+            kept[self._moved(torch.from_numpy(np.asarray(indices, np.int64)), kept.device)] = self._moved(
+                torch.from_numpy(np.ascontiguousarray(values, np.uint16).view(np.int16)), kept.device
             )
         self._pending = None
 
@@ -422,18 +452,19 @@ class PreviousState:
         old: dict[str, np.ndarray] = {}
         for name, (found, _) in pending.items():
             kept = self._kept[name].reshape(-1)
-            old[name] = _to_host(kept[found.to(kept.device).long()], self.transfer).view(np.uint16)
+            old[name] = self._host_bits(kept[self._moved(found, kept.device).long()], kept).view(np.uint16)
         return SparseStep(delta, old, lambda name: self._new_bits(name, pending))
 
     def _new_bits(self, name: str, pending: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
         """Tensor `name` of the previous version with `pending`'s changes, on the host."""
         if name not in self._kept:
             raise KeyError(name)
-        bits = self._kept[name].clone()
+        kept = self._kept[name]
+        bits = kept.clone()
         if name in pending:
             found, values = pending[name]
-            bits.reshape(-1)[found.to(bits.device).long()] = values.to(bits.device)
-        return _to_host(bits, self.transfer).view(np.uint16)
+            bits.reshape(-1)[self._moved(found, bits.device).long()] = self._moved(values, bits.device)
+        return self._host_bits(bits, kept).view(np.uint16)
 
     def plane_step(self, plane: QuantPlane, model_type: str | None, device: torch.device | str) -> SparseStep:
         """The plane of the version `diff` (or `begin` ... `end`) last gave, as its change from
@@ -446,7 +477,7 @@ class PreviousState:
         if self._pending is None:
             raise RuntimeError("plane_step() without a diff() since the last reset or commit")
         pending = dict(self._pending)
-        device = torch.device(device)
+        device = _device_of(device)
         group_size, bits = PLANE_PARAMS[check_plane(plane)]
         layout = plane_layout(
             {name: tuple(t.shape) for name, t in self._kept.items()}, group_size, bits, mlx_lm_predicate(model_type)
@@ -473,7 +504,7 @@ class PreviousState:
         layout = plane_layout(
             {name: tuple(t.shape) for name, t in self._kept.items()}, group_size, bits, mlx_lm_predicate(model_type)
         )
-        return self._plane_reader(layout, {}, torch.device(device))
+        return self._plane_reader(layout, {}, _device_of(device))
 
     def _plane_reader(
         self, layout: Mapping[str, tuple[int, int]], pending: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
@@ -511,7 +542,7 @@ class PreviousState:
             self.transfer.host_to_device += kept.numel() * 2
         if name in pending:
             found, values = pending[name]
-            bits.reshape(-1)[found.to(device).long()] = values.to(device)
+            bits.reshape(-1)[self._moved(found, device).long()] = self._moved(values, device)
         return bits
 
     def plane_delta(

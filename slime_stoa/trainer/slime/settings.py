@@ -209,9 +209,10 @@ class StoaSettings:
         True, part="publisher",
     )
     device_budget_bytes: int | None = setting(
-        "The device path: diff the weights where they live against a copy of the last published version "
-        "kept beside them (this many bytes of it on the GPU, the rest in pinned host memory) and move "
-        "only the patch to the host. null: copy every weight to the host and diff there.",
+        "The device path: diff and quantize the weights where they live against a copy of the last "
+        "published version kept beside them (this many bytes of it on the GPU, the rest in pinned host "
+        "memory); the host keeps no copy of the state and gets the patches, plus each changed tensor "
+        "once for the digest. null: copy every weight to the host and diff there.",
         None, parse=optional(at_least(as_int, 0)), shown_default="null (diff on the host)", part="publisher",
     )
     publisher: PublisherConfig = setting("The weight publisher's settings.", PublisherConfig(), section=_PUBLISHER)
