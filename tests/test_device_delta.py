@@ -311,3 +311,31 @@ def test_device_budget_places_tensors_in_order_and_config_is_checked() -> None:
     previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=1 << 30))
     previous.reset(torch_state({"a": np.zeros(4, np.uint16)}))
     assert previous.device_bytes() == 0  # CPU tensors are host memory, whatever the budget
+
+
+def test_a_plane_step_read_by_many_threads_quantizes_each_tensor_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publisher's digest reads a plane step's changed keys on its threads (`sparse_digest`,
+    eight by default), so reads of several quantized weights' arrays interleave: each bf16 tensor
+    is still quantized, and its plane arrays copied to the host, once."""
+    rng = np.random.default_rng(11)
+    before = {k: v & np.uint16(0xBFFF) for k, v in model_state(rng).items()}
+    after = {k: changed_copy(rng, v, 1.0) & np.uint16(0xBFFF) for k, v in before.items()}
+    new_plane = plane_bits(after, "int8", "lfm2_moe")
+    previous = PreviousState()
+    previous.reset(torch_state(before))
+    previous.diff(torch_state(after))
+    step = previous.plane_step("int8", "lfm2_moe", "cpu")
+    quantized: list[str] = []
+    real = device_delta._plane_of
+    monkeypatch.setattr(device_delta, "_plane_of", lambda name, *a: (quantized.append(name), real(name, *a))[1])
+    moved = previous.transfer.device_to_host
+    keys = sorted(step.delta)
+    # eight readers each taking the next key in turn, as a thread pool over the sorted names does,
+    # and finishing out of order: the first halves of the keys, then the second halves, interleaved
+    order = [k for pair in itertools.zip_longest(keys[: len(keys) // 2], keys[len(keys) // 2 :]) for k in pair if k]
+    for key in order:
+        assert np.array_equal(step.tensor(key), new_plane[key]), key
+    owners = {name for name in after if any(k.startswith(name.removesuffix("weight")) for k in keys)}
+    assert sorted(quantized) == sorted(owners) and len(quantized) == len(set(quantized)), quantized
+    arrays = {k for name in owners for k in new_plane if k.rsplit(".", 1)[0] == name.rsplit(".", 1)[0]}
+    assert previous.transfer.device_to_host - moved == sum(new_plane[k].nbytes for k in arrays)

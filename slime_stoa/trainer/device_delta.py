@@ -38,6 +38,7 @@ the last bit): constants are device tensors. ``torch.round`` rounds half to even
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ __all__ = [
 #: operator who knows the headroom sets the budget (the bf16 bytes of the model keep all of it).
 DEFAULT_DEVICE_BUDGET_BYTES = 0
 _FLOAT_TYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: Quantized tensors whose plane arrays a plane reader holds while some are unread: twice the
+#: publisher's default threads (`parallel.MAX_DEFAULT_THREADS`), whose reads of neighbouring keys
+#: interleave; host memory of that many tensors' plane arrays at most.
+PLANE_READS_HELD = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -510,25 +515,37 @@ class PreviousState:
         self, layout: Mapping[str, tuple[int, int]], pending: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         device: torch.device,
     ) -> Callable[[str], np.ndarray]:
-        """Plane tensors of the previous version with `pending`'s changes, one at a time on the host."""
+        """Plane tensors of the previous version with `pending`'s changes, one at a time on the host.
+
+        A quantized weight's codes, scales and biases come from one quantization: its arrays are
+        held until each was read, or until `PLANE_READS_HELD` newer tensors pushed them out (a
+        reader that asks for only some of them), so the digest's threads, reading neighbouring
+        keys out of order, quantize and copy each tensor once."""
         owners = {key: (name, i) for name in self._kept for i, key in enumerate(_keys(name, layout.get(name)))}
-        last: list[tuple[str, tuple[np.ndarray, ...]]] = []  # the bf16 tensor quantized last, its plane arrays
-        lock = threading.Lock()  # readers on several threads (the digest's) quantize one tensor at a time
+        held: OrderedDict[str, tuple[tuple[np.ndarray, ...], set[int]]] = OrderedDict()  # name -> arrays, unread
+        lock = threading.Lock()  # readers on several threads quantize one tensor at a time
 
         def tensor(key: str) -> np.ndarray:
             if key not in owners:
                 raise KeyError(key)
             name, i = owners[key]
             with lock:
-                if not last or last[0][0] != name:  # a quantized weight's codes, scales and biases: one quantization
+                if name not in held:
                     new = self._with_changes(name, pending, device)
                     params = layout.get(name)
                     shapes = _plane_shapes(tuple(new.shape), params)
-                    last[:] = [(name, tuple(
+                    arrays = tuple(
                         _to_host(a, self.transfer).view(np.uint16).reshape(shape)
                         for a, shape in zip(_plane_of(name, new, params), shapes, strict=True)
-                    ))]
-                return last[0][1][i]
+                    )
+                    held[name] = (arrays, set(range(len(arrays))))
+                    while len(held) > PLANE_READS_HELD:
+                        held.popitem(last=False)
+                arrays, unread = held[name]
+                unread.discard(i)
+                if not unread:
+                    del held[name]
+                return arrays[i]
 
         return tensor
 
