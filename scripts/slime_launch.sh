@@ -11,6 +11,10 @@
 # REF_LOAD stops before anything runs and says to convert.
 # shellcheck shell=bash
 
+# The slime commit stoa is tested against (SLIME_COMMIT in slime_stoa/trainer/slime/preflight_slime_api.py;
+# docs/slime.md): a checkout elsewhere gets a warning here, and preflight checks every slime name stoa uses.
+SLIME_COMMIT=624b824a898ab0ec1fcb4d373004c7f3852bf515
+
 # stoa's rollouts from the bucket (no SGLang engines) and its DPPO loss.
 ROLLOUT_ARGS=(
   --rollout-num-gpus 0
@@ -158,6 +162,7 @@ fi
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# dry run: nothing is run or written"
+  echo "# slime: stoa is tested against commit ${SLIME_COMMIT} (git -C ${SLIME_DIR} checkout ${SLIME_COMMIT})"
   echo "# custom config (written to ${CONFIG_PATH}):"
   custom_config
   echo "# commands:"
@@ -169,6 +174,11 @@ if [ "$DRY_RUN" = 1 ]; then
 fi
 
 [ -f "${SLIME_DIR}/train.py" ] || fail "no train.py in SLIME_DIR=${SLIME_DIR}: set SLIME_DIR to the slime checkout"
+SLIME_HEAD=$(git -C "$SLIME_DIR" rev-parse HEAD 2>/dev/null || true)
+if [ -n "$SLIME_HEAD" ] && [ "$SLIME_HEAD" != "$SLIME_COMMIT" ]; then
+  echo "$PROG: warning: slime in ${SLIME_DIR} is at ${SLIME_HEAD:0:12}, stoa is tested against ${SLIME_COMMIT:0:12}" \
+    "(\`git -C ${SLIME_DIR} checkout ${SLIME_COMMIT}\`); preflight checks the slime names stoa uses" >&2
+fi
 # A fresh start reads --ref-load, a resume SAVE_DIR: one of them must be a Megatron checkpoint.
 [ -f "${SAVE_DIR}/latest_checkpointed_iteration.txt" ] || [ -f "${REF_LOAD}/latest_checkpointed_iteration.txt" ] \
   || fail "no Megatron checkpoint in REF_LOAD=${REF_LOAD} (nor in SAVE_DIR): convert ${MODEL_DIR} first: \`${PROG} --convert\` runs slime's tools/convert_hf_to_torch_dist.py (\`${PROG} --convert --dry-run\` prints it)"

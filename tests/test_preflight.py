@@ -550,3 +550,25 @@ def test_a_bad_key_of_a_piece_not_in_use_is_reported_as_it_fails_the_piece_in_us
     assert_fix(check_settings(publisher_only), "rollout-settings", "admission_order", "read by the publisher too")
     clean = argparse.Namespace(**base, stoa_publish=True, rollout_function_path="slime_stoa.generate_rollout")
     assert all(f.status == "ok" for f in check_settings(clean) if f.check.endswith("-settings")), check_settings(clean)
+
+
+def test_the_launch_names_the_slime_commit_and_warns_on_another(tmp_path: Path) -> None:
+    """The launch scripts name the slime commit stoa is tested against (preflight's own), print it
+    in a dry run, and warn before launching from a slime checkout at another commit."""
+    from slime_stoa.trainer.slime.preflight_slime_api import SLIME_COMMIT
+
+    out, _, _ = dry_run(tmp_path)
+    assert f"# slime: stoa is tested against commit {SLIME_COMMIT} " in out
+    slime = tmp_path / "slime"
+    (slime / "scripts" / "models").mkdir(parents=True)
+    (slime / "scripts" / "models" / "qwen2.5-1.5B.sh").write_text("MODEL_ARGS=(--num-layers 28)\n")
+    (slime / "train.py").write_text("# not slime\n")
+    git = ["git", "-C", str(slime), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    result = run_script(env={"SLIME_DIR": str(slime), "SAVE_DIR": str(tmp_path / "ckpt")})
+    assert result.returncode != 0  # no Megatron checkpoint: it stops before anything runs
+    warning = next(line for line in result.stderr.splitlines() if "warning: slime" in line)
+    assert f"is at {head[:12]}, stoa is tested against {SLIME_COMMIT[:12]}" in warning
+    assert f"git -C {slime} checkout {SLIME_COMMIT}" in warning
