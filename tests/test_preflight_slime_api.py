@@ -5,6 +5,7 @@ of the table; then a slime without `slime.utils.accelerator` and one whose weigh
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -13,7 +14,14 @@ from typing import Any
 import pytest
 
 from slime_stoa.trainer.slime import preflight
-from slime_stoa.trainer.slime.preflight_slime_api import SLIME_COMMIT, SLIME_NAMES, check_slime_api, row_problem
+from slime_stoa.trainer.slime.preflight_slime_api import (
+    HOOK_MARKER,
+    SLIME_COMMIT,
+    SLIME_NAMES,
+    check_hook,
+    check_slime_api,
+    row_problem,
+)
 from tests import slime_standins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +100,24 @@ def standins(*, accelerator: bool = True, ue8m0: bool = True) -> dict[str, types
         get_rollout_top_p_logprob_kwargs=get_rollout_top_p_logprob_kwargs,
     )
     out["slime.backends.megatron_utils.hf_to_megatron"] = module("slime.backends.megatron_utils.hf_to_megatron", _LOADERS={})
+
+    class TensorBackuper:
+        def get(self, tag: str) -> dict:
+            return {}
+
+    def get_slime_extra_args_provider(add_custom_arguments=None):
+        return None
+
+    def convert_to_hf(args, model_name, name, param, quantization_config=None, transform_ue8m0=True):
+        return []
+
+    out["slime.utils.tensor_backper"] = module("slime.utils.tensor_backper", TensorBackuper=TensorBackuper)
+    out["slime.utils.arguments"] = module(
+        "slime.utils.arguments", get_slime_extra_args_provider=get_slime_extra_args_provider
+    )
+    out["slime.backends.megatron_utils.megatron_to_hf"] = module(
+        "slime.backends.megatron_utils.megatron_to_hf", convert_to_hf=convert_to_hf
+    )
     return out
 
 
@@ -155,3 +181,78 @@ def test_the_pinned_commit_is_the_stand_ins_and_the_docs() -> None:
     assert SLIME_COMMIT == slime_standins.SLIME_COMMIT
     docs = (ROOT / "docs" / "slime.md").read_text()
     assert SLIME_COMMIT in docs and "slime-api" in docs
+
+
+# -- the hook: in the weight update the importable slime runs ------------------------------------------
+ACTOR = """
+from functools import wraps
+
+
+def timer(func):  # as slime.observability.timer decorates update_weights
+    @wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+class MegatronTrainRayActor:
+    @timer
+    def update_weights(self):
+        rollout_engines = []
+{early}        if not rollout_engines:
+{hook}            return
+"""
+HOOK_LINES = """            if getattr(self.args, "stoa_publish", False):  # {marker} v2
+                from slime_stoa import publish_weights
+
+                publish_weights(self, self.args)
+                return
+"""
+
+
+def actor_module(tmp_path: Path, *, hook: bool = True, early: bool = False) -> types.ModuleType:
+    """slime's actor module as a real file (its source is what the check reads)."""
+    path = tmp_path / "actor.py"
+    path.write_text(ACTOR.format(early="        return\n" if early else "",
+                                 hook=HOOK_LINES.format(marker=HOOK_MARKER) if hook else ""))
+    spec = importlib.util.spec_from_file_location("slime.backends.megatron_utils.actor", path)
+    assert spec is not None and spec.loader is not None
+    out = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(out)
+    return out
+
+
+def test_the_hook_is_checked_in_the_weight_update_python_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    modules = standins()
+    for case, kw in (("patched", {}), ("unpatched", {"hook": False}), ("early", {"early": True})):
+        (tmp_path / case).mkdir()
+        modules["slime.backends.megatron_utils.actor"] = actor_module(tmp_path / case, **kw)
+        install(monkeypatch, modules)
+        found = check_hook()
+        assert found is not None and found.check == "slime-hook" and "\n" not in found.message
+        if case == "patched":
+            assert found.status == preflight.OK and str(tmp_path / case / "actor.py") in found.message
+        elif case == "unpatched":
+            assert found.status == preflight.FIX and f"has no stoa hook ({HOOK_MARKER!r})" in found.message
+            assert "apply_slime_patches.py" in found.message
+        else:
+            assert found.status == preflight.FIX and "returns (line 4 of the method) before stoa's hook" in found.message
+            assert SLIME_COMMIT in found.message
+
+
+def test_the_patch_file_carries_the_hooks_marker() -> None:
+    from slime_stoa.trainer.slime import patching
+
+    patches = patching.load_patches(sorted(patching.PATCH_DIR.glob(patching.PATCH_GLOB)))
+    assert [p.marker for p in patches] == [HOOK_MARKER]
+
+
+def test_an_actor_that_does_not_import_is_a_warning_and_no_slime_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    modules = standins()
+    install(monkeypatch, modules)  # no actor module among them: importing it fails
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not Path(p, "slime").is_dir()])
+    found = check_hook()
+    assert found is not None and found.status == preflight.WARN and "the hook was not checked" in found.message
+    install(monkeypatch, {})
+    assert check_hook() is None

@@ -46,7 +46,7 @@ from slime_stoa.protocol.signing import PublicKey
 from slime_stoa.protocol.store import StoreError, open_store, parse_store_url
 
 from .findings import FIX, OK, STATUSES, WARN, Finding, fix, ok, warn
-from .preflight_slime_api import SLIME_COMMIT, check_slime_api
+from .preflight_slime_api import SLIME_COMMIT, check_hook, check_slime_api
 
 Config = Mapping[str, Any] | None  # the custom-config YAML, if read
 
@@ -1045,9 +1045,9 @@ def run_checks(
     out += check_hf_names(args, facts)
     out.append(check_patch(slime_dir))
 
-    api = check_slime_api()  # None where slime is not importable
-    if api is not None:
-        out.append(api)
+    for found in (check_slime_api(), check_hook()):  # None where slime is not importable
+        if found is not None:
+            out.append(found)
     return out
 
 

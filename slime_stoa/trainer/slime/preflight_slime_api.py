@@ -8,22 +8,34 @@ loaded. `check_slime_api` finds that before launch: each row of `SLIME_NAMES` is
 its parameters read with ``inspect.signature``; the first row that does not hold is one FIX line
 naming the commit to check out. Where slime is not importable (preflight run away from the
 trainer's environment) nothing is checked and no line is printed.
+
+`check_hook` reads the weight update slime will run, as Python imports it (the file the trainer's
+workers load, which need not be the checkout `--slime-dir` names): stoa's patch marker must be in
+``MegatronTrainRayActor.update_weights`` with no ``return`` at the top of that method before it
+(an upstream early return would skip the hook while the patch's context lines still match).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from .findings import Finding, fix, ok
+from .findings import Finding, fix, ok, warn
 
 #: The slime commit stoa's plugin and patches are tested against (`git -C SLIME_DIR checkout` it).
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 CHECK = "slime-api"
+HOOK_CHECK = "slime-hook"
+HOOK_MODULE = "slime.backends.megatron_utils.actor"
+HOOK_METHOD = "MegatronTrainRayActor.update_weights"
+#: The marker stoa's patch puts on the line of the hook (`patching`: "stoa-patch: <name>").
+HOOK_MARKER = "stoa-patch: publish_weights"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +55,13 @@ _ITERATOR = "slime.backends.megatron_utils.update_weight.hf_weight_iterator_dire
 #: Every slime name the plugin uses (module, name, the parameters stoa passes).
 SLIME_NAMES: tuple[SlimeName, ...] = (
     SlimeName("slime.utils.accelerator", "empty_cache", (), used_by="publish.gather_state"),
+    SlimeName("slime.utils.tensor_backper", "TensorBackuper.get", ("tag",),
+              used_by="publish.gather_state (actor.weights_backuper)"),
+    SlimeName("slime.utils.arguments", "get_slime_extra_args_provider", (), used_by="preflight.slime_own_parser"),
+    SlimeName(
+        "slime.backends.megatron_utils.megatron_to_hf", "convert_to_hf", ("args", "model_name", "name", "param"),
+        used_by="checkpoint_to_hf (LFM2's names for slime's converter)",
+    ),
     SlimeName("slime.utils.distributed_utils", "get_gloo_group", (), used_by="publish.publish_weights"),
     SlimeName("slime.utils.reloadable_process_group", "reload_process_groups", (), used_by="publish.gather_state"),
     SlimeName("slime.utils.reloadable_process_group", "destroy_process_groups", (), used_by="publish.gather_state"),
@@ -148,3 +167,33 @@ def check_slime_api(import_module: Callable[[str], ModuleType] = importlib.impor
             f"{SLIME_COMMIT} (git -C SLIME_DIR checkout {SLIME_COMMIT}) and apply stoa's patches",
         )
     return ok(CHECK, f"the {len(SLIME_NAMES)} slime names stoa uses are there, with the parameters it passes")
+
+
+def check_hook(import_module: Callable[[str], ModuleType] = importlib.import_module) -> Finding | None:
+    """stoa's publish hook is in the weight update the importable slime runs (module doc); None
+    where slime is not importable."""
+    try:
+        import_module("slime")
+    except ImportError:
+        return None
+    apply = "apply stoa's patch to the slime Python imports (python scripts/apply_slime_patches.py SLIME_DIR)"
+    try:
+        method: Any = import_module(HOOK_MODULE)
+        for part in HOOK_METHOD.split("."):
+            method = getattr(method, part)
+        source = textwrap.dedent(inspect.getsource(method))
+        where = inspect.getsourcefile(method) or HOOK_MODULE
+    except Exception as exc:  # a module that does not import here (no Ray, no GPU) says why
+        return warn(HOOK_CHECK, f"{HOOK_MODULE}.{HOOK_METHOD} could not be read here ({type(exc).__name__}: {exc}): "
+                                "the hook was not checked")
+    lines = source.splitlines()
+    marked = [i + 1 for i, line in enumerate(lines) if HOOK_MARKER in line]
+    if not marked:
+        return fix(HOOK_CHECK, f"{HOOK_METHOD} in {where} has no stoa hook ({HOOK_MARKER!r}): {apply}")
+    tree = ast.parse(source)
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+    early = [node.lineno for node in body if isinstance(node, ast.Return) and node.lineno < marked[0]]
+    if early:
+        return fix(HOOK_CHECK, f"{HOOK_METHOD} in {where} returns (line {early[0]} of the method) before stoa's hook: "
+                               f"this slime is not the one stoa is tested with; check out slime commit {SLIME_COMMIT}")
+    return ok(HOOK_CHECK, f"{HOOK_METHOD} in {where} reaches stoa's publish hook")
