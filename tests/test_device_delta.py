@@ -19,6 +19,8 @@ from slime_stoa.protocol.pulse.plane import plane_bits, plane_shapes
 from slime_stoa.protocol.pulse.quant import quantize as numpy_quantize
 from slime_stoa.trainer import device_delta
 from slime_stoa.trainer.device_delta import DeviceDeltaConfig, PreviousState, apply_delta, quantize
+from slime_stoa.trainer.slime.gathered import tensor_bits
+from tests.quant_cases import hostile_rows
 
 PARAMS = [(64, 8), (64, 4), (32, 4), (128, 4), (32, 8), (128, 8), (64, 2), (32, 2)]
 # bf16 bit patterns a bit compare must tell apart: +-0, +-inf, NaNs with other payloads and signs,
@@ -183,6 +185,26 @@ def test_quantize_equals_numpy_quantize(group_size: int, bits: int) -> None:
     assert_same_quantized(quantize(torch_bits(stacked), group_size, bits), numpy_quantize(stacked, group_size, bits))
 
 
+@pytest.mark.parametrize(("group_size", "bits"), PARAMS)
+def test_the_groups_numpy_is_held_to_mlx_on_are_the_numpy_quantizers(group_size: int, bits: int) -> None:
+    """The hostile groups the numpy quantizer is checked against ``mx.quantize`` on (all equal,
+    subnormal, huge, around eps / 2, ranges near eps, exact halves, random bit patterns over
+    every exponent range), one group per row and side by side."""
+    rows = hostile_rows(group_size, np.random.default_rng(7 + bits))
+    assert_same_quantized(quantize(torch_bits(rows), group_size, bits), numpy_quantize(rows, group_size, bits))
+    wide = rows[: rows.shape[0] // 4 * 4].reshape(-1, 4 * group_size)
+    assert_same_quantized(quantize(torch_bits(wide), group_size, bits), numpy_quantize(wide, group_size, bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_other_float_weights_quantize_as_their_bf16_rounding(dtype: torch.dtype) -> None:
+    """A float16/32/64 weight is rounded to bf16 first, as the publisher's host path rounds it."""
+    values = np.random.default_rng(3).normal(0, 0.5, (4, 128))
+    weight = torch.from_numpy(values).to(dtype)
+    bits = tensor_bits("w", weight)  # the host path's gather
+    assert_same_quantized(quantize(weight, 64, 4), numpy_quantize(bits, 64, 4))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 9), groups=st.integers(1, 4),
@@ -200,7 +222,8 @@ def test_quantize_random_weights_equals_numpy(seed: int, rows: int, groups: int,
     [
         ({5: np.inf}, "non-finite value at flat index 69"),
         ({7: np.nan}, "non-finite value at flat index 71"),
-        ({0: -2e38, 1: 2e38}, "group 1: MLX's scale"),
+        ({0: -2e38, 1: 2e38}, "group 1: MLX's scale for it would be inf"),
+        (dict.fromkeys(range(64), 3e38), "group 1: MLX's scale for it would be 0"),
     ],
 )
 def test_refusals_are_the_numpy_quantizers(values: dict[int, float], match: str) -> None:
