@@ -362,3 +362,24 @@ def test_a_plane_step_read_by_many_threads_quantizes_each_tensor_once(monkeypatc
     assert sorted(quantized) == sorted(owners) and len(quantized) == len(set(quantized)), quantized
     arrays = {k for name in owners for k in new_plane if k.rsplit(".", 1)[0] == name.rsplit(".", 1)[0]}
     assert previous.transfer.device_to_host - moved == sum(new_plane[k].nbytes for k in arrays)
+
+
+def test_a_copy_from_a_handed_over_host_state_consumes_it() -> None:
+    """`reset_from_host(consume=True)`: each tensor leaves the handed-over dict once copied (one
+    host copy of the model at a time, not two); the copy is the state; a read-only mapping is
+    refused, and without `consume` the state is left as it was."""
+    from types import MappingProxyType
+
+    rng = np.random.default_rng(5)
+    state = {f"t{i}": random_bits(rng, (8, 16)) for i in range(4)}
+    want = {k: v.copy() for k, v in state.items()}
+    kept = PreviousState()
+    kept.reset_from_host(state, "cpu")
+    assert state.keys() == want.keys()
+    handed = dict(state)
+    kept.reset_from_host(handed, "cpu", consume=True)
+    assert handed == {} and kept.names == frozenset(want)
+    for name, bits in want.items():
+        assert np.array_equal(kept.previous_bits(name), bits), name
+    with pytest.raises(TypeError, match="mutable mapping"):
+        kept.reset_from_host(MappingProxyType(want), "cpu", consume=True)

@@ -490,11 +490,14 @@ def test_a_restarted_publisher_by_delta_rebuilds_the_copy_from_what_it_resumed(
     path = trainer.publisher.device
     assert path is not None and path.released is not None and path.held is None
     assert trainer.publisher._publisher is not None and not trainer.publisher._publisher.weights.holds_state
+    released = path.released[1]
+    assert isinstance(released, dict) and released.keys() == set(PUBLISHED)
     for _ in range(2):
         step(trainer.weights, rng, list(SHAPES)[:2])
         trainer.publish()
         result = trainer.committed()
         assert path.released is None and path.held == trainer.publisher._publisher.state_digest
+        assert released == {}  # each tensor left the released state as the copy took it
         copy = {name: path.previous.previous_bits(name) for name in path.previous.names}
         assert copy.keys() == set(PUBLISHED)
         for name, bits in bits_of(trainer.weights).items():  # the copy is the committed version

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -318,11 +319,19 @@ class PreviousState:
                 kept[name] = view.clone()
         self._kept, self._pending = kept, None
 
-    def reset_from_host(self, state: Mapping[str, np.ndarray], device: torch.device | str) -> None:
+    def reset_from_host(
+        self, state: Mapping[str, np.ndarray], device: torch.device | str, *, consume: bool = False
+    ) -> None:
         """Keep a copy of the host state `state` (name -> uint16 bf16 bits, the publisher's
         baseline) as the previous version, for weights on `device`: as `reset` places them, the
         tensors that fit the budget copied to `device` (counted host to device), the rest in pinned
-        host memory. Nothing crosses from the device."""
+        host memory. Nothing crosses from the device. `consume`: `state` is a dict handed over (the
+        publisher's released baseline, a state read back from the bucket) and each tensor leaves it
+        once copied, so the host holds one copy of the model and a tensor while the copy is made,
+        not two (a tensor too large for malloc's heap goes back to the OS as it leaves)."""
+        if consume and not isinstance(state, MutableMapping):
+            raise TypeError("consume=True needs a mutable mapping (a dict handed over)")
+        owned = cast(MutableMapping[str, np.ndarray], state) if consume else None
         device = _device_of(device)
         kept: dict[str, torch.Tensor] = {}
         used = 0
@@ -342,6 +351,8 @@ class PreviousState:
                 kept[name] = pinned
             else:
                 kept[name] = host.clone()
+            if owned is not None:
+                del owned[name]
         self._kept, self._pending = kept, None
 
     def _previous_on(self, name: str, device: torch.device) -> torch.Tensor:

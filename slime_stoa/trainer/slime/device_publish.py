@@ -118,7 +118,7 @@ class DevicePath:
         again, replacing its base and steps. Two host copies of the state, for this call only: the
         bucket's and the version's (`_rediff`)."""
         new = self._read_version(handed)
-        self.previous.reset_from_host(committed, self._device())
+        self.previous.reset_from_host(committed, self._device(), consume=isinstance(committed, dict))
         self._rediff(handed, new, digest)
 
     def rebase_by_step(self, handed: DeviceDelta, step: Delta, digest: str) -> None:
@@ -238,8 +238,9 @@ class DeviceCollector:
         path = self.path
         assert path.released is not None
         (digest, baseline), path.released = path.released, None
-        path.previous.reset_from_host(baseline, device)
-        del baseline  # the released state's last reference: one bf16 copy of the model freed
+        # each tensor leaves the released state once copied: one host copy of the model, not two
+        path.previous.reset_from_host(baseline, device, consume=isinstance(baseline, dict))
+        del baseline
         return_freed_heap()  # else glibc keeps it resident (`heap`)
         path.held = digest
         path.previous.begin()
