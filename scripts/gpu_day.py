@@ -28,6 +28,12 @@ check, PASS / FAIL / SKIP with why, and writes every figure to the JSON (default
                   forward, token-mean DPPO loss and backward on the device vs on the CPU (loss, logprobs,
                   every gradient, the loss metrics), after proving the CPU computation equals
                   `Learner.step`'s own loss and gradient norm. Needs transformers.
+  published_bits  the weight path end to end through the code the slime hook runs: the tiny Qwen2
+                  learner steps on the device, a `DeviceCollector` diffs each version against the
+                  `DevicePath`'s copy (half on the device, half pinned), `Publisher.publish_delta`
+                  publishes it with its int8 and int4 planes to a local bucket; real Subscribers
+                  install bf16 and each plane: bit for bit the learner's weights and `plane_bits` of
+                  them, and a CPU reader of the installed bits gives the learner's logprobs.
   megatron_local  the LFM2 and LFM2-MoE Megatron providers (`trainer.slime.lfm2.spec`, Megatron's local
                   layer spec: no TransformerEngine) on tiny random models, float32: logits vs
                   transformers' on the same device, then one backward on both and every gradient mapped
@@ -488,26 +494,32 @@ def _device_logprobs(learner: Any, seqs: Sequence[Any], device: str) -> list[Any
 
 def check_published_bits(args: argparse.Namespace, device: str, why_not_cuda: str | None, deadline: Deadline,
                          workdir: Path) -> Result:
-    """The weight path end to end on the device: the tiny Qwen2 learner steps on `device`; each
-    version is diffed there against the device's copy of the published one (`PreviousState`) and
-    published by delta (`Publisher.publish_delta`, no host copy of the state) to a local bucket; a
-    real Subscriber installs it, and its state must equal the learner's bf16 weights bit for bit; a
-    reader model on the CPU loaded with the installed bits must give the learner's logprobs within
-    `PUBLISHED_LOGPROB_BOUND`."""
+    """The weight path end to end on the device, through the code the slime hook runs: the tiny
+    Qwen2 learner steps on `device`; each version is gathered by a `DeviceCollector` (diffed there
+    against the `DevicePath`'s copy of the published one, half of it kept on the device and half
+    in pinned host memory) and published by delta with its int8 and int4 planes
+    (`Publisher.publish_delta`, no host copy of the state or of a plane) to a local bucket. Real
+    Subscribers install the bf16 weights and each plane: the bf16 state must equal the learner's
+    weights bit for bit, each plane `plane.plane_bits` of them; a reader model on the CPU loaded
+    with the installed bits must give the learner's logprobs within `PUBLISHED_LOGPROB_BOUND`."""
     import asyncio
 
     import numpy as np
     import torch
 
+    from slime_stoa.protocol.pulse.plane import plane_bits
     from slime_stoa.protocol.pulse.publisher import Publisher, PublisherConfig
     from slime_stoa.protocol.pulse.subscriber import Subscriber
     from slime_stoa.protocol.store import open_store
     from slime_stoa.quickstart.tiny_model import build_tiny_model
-    from slime_stoa.trainer.device_delta import DeviceDeltaConfig, PreviousState, bf16_view
+    from slime_stoa.trainer.device_delta import bf16_view
     from slime_stoa.trainer.learner import Learner, LearnerConfig
+    from slime_stoa.trainer.slime.device_publish import DeviceCollector, DevicePath
+    from slime_stoa.trainer.slime.hf_names import HeadPlan
 
     folder = build_tiny_model(workdir / "qwen2-published")
-    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    config_json = json.loads((folder / "config.json").read_text())
+    vocab, model_type = int(config_json["vocab_size"]), str(config_json["model_type"])
     learner = Learner(folder, LearnerConfig())
     groups = dppo_groups(learner, vocab, args.seed)
     seqs = [s for g in groups for s in g]
@@ -516,7 +528,8 @@ def check_published_bits(args: argparse.Namespace, device: str, why_not_cuda: st
     reader = Learner(folder, LearnerConfig())  # a worker's model, on the CPU
     (workdir / "bucket").mkdir()
     figures: dict[str, Any] = {"device": device, "versions": args.delta_versions, "bound_nats": PUBLISHED_LOGPROB_BOUND,
-                               "bits_mismatched": [], "max_logprob_gap": [], "changed": [], "anchored": []}
+                               "planes": list(QUANT), "bits_mismatched": [], "planes_mismatched": [],
+                               "max_logprob_gap": [], "changed": [], "anchored": []}
 
     def weights() -> dict[str, Any]:
         return {n: p.detach() for n, p in model.named_parameters()}
@@ -524,45 +537,61 @@ def check_published_bits(args: argparse.Namespace, device: str, why_not_cuda: st
     def trainer_bits() -> dict[str, Any]:
         return {n: bf16_view(n, t).cpu().numpy().view(np.uint16) for n, t in weights().items()}
 
+    def mismatched(installed: dict[str, Any] | None, expected: dict[str, Any]) -> list[str]:
+        got = installed or {}
+        off = sorted(n for n, b in expected.items() if not np.array_equal(got.get(n), b))
+        return (off + sorted(set(got) - set(expected)))[:5]
+
     async def run() -> None:
         async with open_store(f"file://{workdir / 'bucket'}") as store:
-            publisher = Publisher(store, "gpu-day", PublisherConfig(anchor_every=2, planes=()))
+            publisher = Publisher(store, "gpu-day", PublisherConfig(anchor_every=2, planes=QUANT, model_type=model_type))
             await publisher.publish(trainer_bits())  # the first version: an anchor from a host copy
             size = sum(t.numel() * 2 for t in weights().values())
-            previous = PreviousState(DeviceDeltaConfig(device_budget_bytes=size))  # all of it beside the weights
-            previous.reset_from_host(publisher.release_baseline(), device)
-            subscriber = Subscriber(store, "gpu-day")
+            path = DevicePath(device_budget_bytes=size // 2)  # half on the device, half pinned
+            assert publisher.state_digest is not None
+            path.adopt(publisher.release_baseline(), publisher.state_digest, planes=QUANT, model_type=model_type)
+            subscribers = {"bf16": Subscriber(store, "gpu-day"),
+                           **{q: Subscriber(store, "gpu-day", plane=q) for q in QUANT}}
             for v in range(1, args.delta_versions + 1):
                 deadline.check(f"after {v - 1} versions")
                 step_terms(learner, groups, device)  # the DPPO gradients, on the device
                 learner.optimizer.step()
-                step = previous.sparse_step(previous.diff(weights()))
+                collector = DeviceCollector(path, HeadPlan())
+                collector.add(list(weights().items()))  # one chunk, as slime's iterator yields them
+                handed = collector.finish()
+                result = await publisher.publish_delta(handed.step, base=handed.base, planes=handed.planes)
                 assert publisher.state_digest is not None
-                result = await publisher.publish_delta(step, base=publisher.state_digest)
-                previous.commit()
-                if await subscriber.sync() is None or subscriber.state is None or subscriber.version != v:
-                    raise AssertionError(f"the subscriber did not install v{v}")
+                path.published(handed, publisher.state_digest)
+                for p, subscriber in subscribers.items():
+                    if await subscriber.sync() is None or subscriber.state is None or subscriber.version != v:
+                        raise AssertionError(f"the {p} subscriber did not install v{v}")
                 expected = trainer_bits()
-                off = sorted(n for n, b in expected.items() if not np.array_equal(subscriber.state.get(n), b))
-                off += sorted(set(subscriber.state) - set(expected))
-                figures["bits_mismatched"].append(off[:5])
+                figures["bits_mismatched"].append(mismatched(subscribers["bf16"].state, expected))
+                figures["planes_mismatched"].append(
+                    {q: mismatched(subscribers[q].state, plane_bits(expected, q, model_type)) for q in QUANT})
                 figures["changed"].append(result.changed)
                 figures["anchored"].append(result.anchored)
+                installed_state = subscribers["bf16"].state
+                assert installed_state is not None
                 for name, p in reader.model.named_parameters():
-                    installed = torch.from_numpy(subscriber.state[name].view(np.int16)).view(torch.bfloat16)
+                    installed = torch.from_numpy(installed_state[name].view(np.int16)).view(torch.bfloat16)
                     p.data.copy_(installed.to(torch.float32).reshape(p.shape))
                 ours, theirs = _device_logprobs(learner, seqs, device), reader.logprobs(seqs)
                 figures["max_logprob_gap"].append(
                     max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs, strict=True)))
-            figures["bytes_device_to_host"] = previous.transfer.device_to_host
+            figures["bytes_device_to_host"] = path.transfer.device_to_host
+            figures["previous_on_device_bytes"] = path.previous.device_bytes()
 
     asyncio.run(run())
     gap = max(figures["max_logprob_gap"])
     bits_ok = not any(figures["bits_mismatched"])
-    ok = bits_ok and gap <= PUBLISHED_LOGPROB_BOUND and all(figures["changed"]) and any(figures["anchored"])
-    detail = (f"{device}: {args.delta_versions} versions published by delta, installed state "
-              f"{'==' if bits_ok else '!='} the learner's bf16 weights bit for bit; logprob gap learner vs "
-              f"CPU reader {gap:.1e} nats (bound {PUBLISHED_LOGPROB_BOUND:g})")
+    planes_ok = not any(off for by_plane in figures["planes_mismatched"] for off in by_plane.values())
+    ok = bits_ok and planes_ok and gap <= PUBLISHED_LOGPROB_BOUND and all(figures["changed"]) \
+        and any(figures["anchored"])
+    detail = (f"{device}: {args.delta_versions} versions published by delta through the device path, installed "
+              f"state {'==' if bits_ok else '!='} the learner's bf16 weights bit for bit, int8 and int4 planes "
+              f"{'==' if planes_ok else '!='} plane_bits of them; logprob gap learner vs CPU reader {gap:.1e} nats "
+              f"(bound {PUBLISHED_LOGPROB_BOUND:g})")
     return verdict(ok, detail, figures, why_not_cuda)
 
 

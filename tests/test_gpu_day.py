@@ -88,29 +88,32 @@ def test_published_bits_are_the_learners_rehearsed_on_the_cpu(tmp_path: Path) ->
     got = doc["checks"]["published_bits"]
     assert got["status"] == "SKIP" and got["detail"].startswith("no CUDA device (CPU rehearsal: cpu: 2 versions")
     assert got["bits_mismatched"] == [[], []] and got["max_logprob_gap"] == [0.0, 0.0]
+    assert got["planes_mismatched"] == [{"int8": [], "int4": []}] * 2  # both planes, installed by their readers
     assert all(c > 0 for c in got["changed"]) and got["anchored"] == [False, True]
 
 
 def test_a_published_bit_off_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device diff gets one element's new bits wrong (consistently: the patch, the digest and
-    the device's copy agree): readers install a state that is not the learner's, and the check
-    fails even as a rehearsal."""
+    """The device diff gets one element's new bits wrong in each changed tensor (consistently: the
+    patch, the digest, the planes and the device's copy agree): readers install a state that is
+    not the learner's, and the check fails even as a rehearsal."""
     from slime_stoa.trainer.device_delta import PreviousState
 
-    real = PreviousState.diff
+    real = PreviousState.diff_tensor
 
-    def flipped(self: Any, state: Any) -> Any:
-        delta = real(self, state)
-        name = sorted(delta)[0]
+    def flipped(self: Any, name: str, tensor: Any) -> Any:
+        entry = real(self, name, tensor)
+        if entry is None:
+            return None
         found, values = self._pending[name]
         self._pending[name] = (found, values ^ 1)
-        indices, bits = delta[name]
-        return {**delta, name: (indices, bits ^ np.uint16(1))}
+        indices, bits = entry
+        return indices, bits ^ np.uint16(1)
 
-    monkeypatch.setattr(PreviousState, "diff", flipped)
+    monkeypatch.setattr(PreviousState, "diff_tensor", flipped)
     rc, doc = run(tmp_path, "--only", "published_bits")
     got = doc["checks"]["published_bits"]
     assert rc == 1 and got["status"] == "FAIL" and all(got["bits_mismatched"]), got
+    assert all(off for by_plane in got["planes_mismatched"] for off in by_plane.values())
 
 
 def test_a_dppo_mismatch_fails_even_as_a_rehearsal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
