@@ -301,3 +301,14 @@ def test_every_check_megatron_rehearsed_against_transformers(tmp_path: Path) -> 
         assert got["max_logit_diff"] < 1e-4 and got["max_rel_grad_diff"] < 1e-4 and got["tensors_compared"] > 10
     assert megatron["lfm2_moe"]["expert_biases"] > 0 and megatron["lfm2"]["expert_biases"] == 0
     assert np.isfinite(doc["seconds"])
+
+
+def test_loss_metrics_agree_within_one_token_or_the_logprob_tolerance() -> None:
+    """A fraction of tokens may move by one token crossing a threshold, a ratio statistic by the
+    logprob tolerance (relative), the loss by its own; a count must be equal."""
+    excess = gpu_day.metric_excess
+    assert excess("gate_frac", 0.25 + 1 / 40, 0.25, 40.0) == pytest.approx(1.0)
+    assert excess("gate_frac", 0.25 + 2 / 40, 0.25, 40.0) > 1
+    assert excess("ratio_max", 2.0001, 2.0, 40.0) <= 1 < excess("ratio_max", 2.001, 2.0, 40.0)
+    assert excess("loss", 0.5 + 5e-6, 0.5, 40.0) <= 1 < excess("loss", 0.5 + 5e-5, 0.5, 40.0)
+    assert excess("tokens", 40.0, 40.0, 40.0) == 0 and excess("tokens", 41.0, 40.0, 40.0) > 1

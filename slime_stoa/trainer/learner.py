@@ -157,7 +157,7 @@ class Learner:
         params = {k: v.detach() for k, v in self._acting_params().items()}
         out: list[np.ndarray] = []
         for start in range(0, len(seqs), self.config.micro_batch):
-            out += [t.numpy() for t in self._response_logprobs(seqs[start : start + self.config.micro_batch], params)]
+            out += [t.cpu().numpy() for t in self._response_logprobs(seqs[start : start + self.config.micro_batch], params)]
         return out
 
     # -- training ----------------------------------------------------------------------------
@@ -176,11 +176,12 @@ class Learner:
             logps = self._response_logprobs(chunk, self._acting_params())
             lengths = [len(s.response) for s in chunk]
             logp = torch.cat(logps)
-            worker = torch.from_numpy(np.concatenate([s.worker_logprobs for s in chunk]).astype(np.float32))
+            here = logp.device  # the model's (the CPU; a GPU where a check moved it there)
+            worker = torch.from_numpy(np.concatenate([s.worker_logprobs for s in chunk]).astype(np.float32)).to(here)
             adv = torch.from_numpy(
                 np.repeat(advantages[start : start + len(chunk)], lengths).astype(np.float32)
-            )
-            mask = torch.from_numpy(np.concatenate(masks[start : start + len(chunk)]))
+            ).to(here)
+            mask = torch.from_numpy(np.concatenate(masks[start : start + len(chunk)])).to(here)
             per_token, metrics = dppo_policy_loss(logp, worker, adv, mask, cfg.dppo)
             # token_mean over the whole batch: scale each chunk's sum by the batch's token count
             if cfg.dppo.reduction == "token_mean":
