@@ -36,7 +36,7 @@ results are checked equal, and ms/query projected linearly to 16M passages.
 Beside generation (`--beside-generation`): queries/s of `Retriever.search` on the real corpus
 alone and while a tiny MLX model generates on another thread of the same process (a worker's
 layout: episodes generate while their tool answers), and the generation's tokens/s alone and
-beside the queries.
+beside the queries, over `--tokens` tokens each time; `--rounds` interleaved rounds.
 
 Usage: python scripts/bench_retriever.py [--quick] [--json PATH] [--passages N] [--queries N]
        [--rounds N] [--build-scale N,M,...] [--query-scale N,...] [--beside-generation]
@@ -635,7 +635,10 @@ def project_pubmed(rows: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_beside_generation(args: argparse.Namespace) -> dict[str, Any]:
-    """Queries/s alone and while an MLX model generates on another thread, and tokens/s both ways."""
+    """Queries/s alone and while an MLX model generates on another thread, and tokens/s alone and
+    beside the queries. Bounded by work: the `--queries` searches alone, and `--tokens` generated
+    tokens alone and beside the queries (which cycle until the generation is done); `--rounds`
+    rounds, the three measurements interleaved in each, reported as min / median / max."""
     import threading
 
     import mlx_lm
@@ -653,43 +656,56 @@ def bench_beside_generation(args: argparse.Namespace) -> dict[str, Any]:
         model, tokenizer = loaded[0], loaded[1]
         prompt = tokenizer.encode(passages[0][:200])
 
-        def generate_tokens(stop: threading.Event, counts: list[int]) -> None:
-            while not stop.is_set():
+        def generate(counts: list[int], stop: threading.Event | None, limit: int | None) -> None:
+            """Tokens (64 a call) until `stop` is set or `limit` tokens are made."""
+            while not (stop is not None and stop.is_set()) and (limit is None or counts[0] < limit):
                 for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=64):
                     counts[0] += 1
-                    if stop.is_set():
+                    if (stop is not None and stop.is_set()) or (limit is not None and counts[0] >= limit):
                         break
 
-        def query_rate(seconds: float) -> float:
-            done, t = 0, time.perf_counter()
-            while time.perf_counter() - t < seconds:
+        def search_all() -> float:
+            """Queries/s over every query."""
+            t = time.perf_counter()
+            for query in queries:
+                retriever.search(query, 3)
+            return len(queries) / (time.perf_counter() - t)
+
+        def tokens_alone() -> float:
+            counts, t = [0], time.perf_counter()
+            generate(counts, None, args.tokens)
+            return counts[0] / (time.perf_counter() - t)
+
+        beside_tokens: list[float] = []
+
+        def queries_beside() -> float:
+            """Queries/s while the model makes `--tokens` tokens on another thread (the queries
+            cycle until it is done); the tokens/s it made meanwhile."""
+            counts, done = [0], 0
+            thread = threading.Thread(target=generate, args=(counts, None, args.tokens))
+            t = time.perf_counter()
+            thread.start()
+            while thread.is_alive() or not done:
                 retriever.search(queries[done % len(queries)], 3)
                 done += 1
-            return done / (time.perf_counter() - t)
-
-        def token_rate(seconds: float, with_queries: bool) -> tuple[float, float]:
-            stop, counts = threading.Event(), [0]
-            thread = threading.Thread(target=generate_tokens, args=(stop, counts))
-            thread.start()
-            t = time.perf_counter()
-            qps = 0.0
-            if with_queries:
-                qps = query_rate(seconds)
-            else:
-                time.sleep(seconds)
-            stop.set()
             thread.join()
-            return counts[0] / (time.perf_counter() - t), qps
+            elapsed = time.perf_counter() - t
+            beside_tokens.append(counts[0] / elapsed)
+            return done / elapsed
 
-        alone_qps = query_rate(args.seconds)
-        alone_tps, _ = token_rate(args.seconds, with_queries=False)
-        beside_tps, beside_qps = token_rate(args.seconds, with_queries=True)
-    row = {"passages": len(passages), "seconds": args.seconds, "queries_per_s_alone": alone_qps,
-           "queries_per_s_beside_generation": beside_qps, "tokens_per_s_alone": alone_tps,
-           "tokens_per_s_beside_queries": beside_tps}
-    print(f"\nqueries/s alone {alone_qps:.0f}, beside generation {beside_qps:.0f}; "
-          f"generation tokens/s alone {alone_tps:.0f}, beside the queries {beside_tps:.0f} "
-          f"({len(passages):,} passages, {args.seconds:g} s each)")
+        measured = benchlib.rounds(
+            {"queries_alone": search_all, "tokens_alone": tokens_alone, "queries_beside": queries_beside}, args.rounds
+        )
+    row = {"passages": len(passages), "queries": len(queries), "tokens_alone": args.tokens, "rounds": args.rounds,
+           "queries_per_s_alone": benchlib.spread(measured["queries_alone"]),
+           "queries_per_s_beside_generation": benchlib.spread(measured["queries_beside"]),
+           "tokens_per_s_alone": benchlib.spread(measured["tokens_alone"]),
+           "tokens_per_s_beside_queries": benchlib.spread(beside_tokens)}
+    med = {k: v["median"] for k, v in row.items() if isinstance(v, dict)}
+    print(f"\nqueries/s alone {med['queries_per_s_alone']:.0f}, beside generation "
+          f"{med['queries_per_s_beside_generation']:.0f}; generation tokens/s alone {med['tokens_per_s_alone']:.0f}, "
+          f"beside the queries {med['tokens_per_s_beside_queries']:.0f} (medians of {args.rounds} rounds; "
+          f"{len(passages):,} passages, {len(queries)} queries, {args.tokens} tokens)")
     return row
 
 
@@ -703,7 +719,8 @@ def main() -> None:
     parser.add_argument("--query-scale", default="", help="only time one query at these corpus sizes (e.g. 1000000)")
     parser.add_argument("--beside-generation", action="store_true",
                         help="only measure queries/s beside a tiny MLX model generating in the same process")
-    parser.add_argument("--seconds", type=float, default=10.0, help="--beside-generation: seconds per measurement")
+    parser.add_argument("--tokens", type=int, default=512,
+                        help="--beside-generation: tokens generated per measurement, alone and beside the queries")
     parser.add_argument("--pubmed-scale", type=int, default=None,
                         help="only compare the compact index with the bm25s arrays on this many PubMed-like passages")
     parser.add_argument("--arrays-up-to", type=int, default=300_000, help="--pubmed-scale: build the bm25s arrays up to this size")

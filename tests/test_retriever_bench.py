@@ -55,3 +55,21 @@ def test_bench_retriever_pubmed_scale_tiny(tmp_path: Path) -> None:
         assert row["peak_rss_mb"] >= row["rss_before_mb"] > 0
     assert doc["compact_quarter"]["passages"] == 1000 and doc["rank_bm25"]["passages"] == 300
     assert doc["projected_16m"]["passages"] == 16_000_000 and doc["projected_16m"]["download_bytes"] > 0
+
+
+@pytest.mark.slow  # ~20 s on two cores: a tiny MLX model generating beside the queries
+def test_beside_generation_is_bounded_by_work_with_spreads(tmp_path: Path) -> None:
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "beside.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["--beside-generation", "--passages", "300", "--queries", "30", "--rounds", "2", "--tokens", "32",
+            "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_retriever.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.loads(out.read_text())["beside_generation"]
+    assert row["queries"] == 30 and row["tokens_alone"] == 32 and row["rounds"] == 2
+    for key in ("queries_per_s_alone", "queries_per_s_beside_generation", "tokens_per_s_alone",
+                "tokens_per_s_beside_queries"):
+        assert row[key]["n"] == 2 and 0 < row[key]["min"] <= row[key]["median"] <= row[key]["max"], key
+    assert "medians of 2 rounds" in proc.stdout
