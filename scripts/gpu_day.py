@@ -96,7 +96,7 @@ PACKAGES = {
     "cryptography": "cryptography", "_cffi_backend": "cffi", "transformers": "transformers",
     "tokenizers": "tokenizers", "safetensors": "safetensors", "megatron.core": "megatron-core",
 }
-#: The wheel sets for a box with only torch and numpy (docs/gpu-day.md): what every run needs, and
+#: The wheel sets for a box with only torch (docs/gpu-day.md): what every run needs (numpy included), and
 #: transformers with its own for a box without it. Pinned requirements, one `pip download -r` each.
 WHEEL_LISTS = (REPO / "scripts" / "gpu_day_wheels.txt", REPO / "scripts" / "gpu_day_wheels_transformers.txt")
 WHEEL_HINT = "scripts/gpu_day_wheels*.txt list them"
