@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 from .shell import extra_install_command
 
-__all__ = ["OPTIONAL", "Optional", "missing_line"]
+__all__ = ["OPTIONAL", "FromExtra", "missing_line"]
 
 
 @dataclass(frozen=True, slots=True)
-class Optional:
+class FromExtra:
     """A module that only an extra installs: the package pip knows it by, and the extras with it."""
 
     package: str
@@ -26,18 +26,18 @@ class Optional:
 
 
 #: Top-level module -> where it comes from (pyproject.toml's optional dependencies).
-OPTIONAL: dict[str, Optional] = {
-    "torch": Optional("torch", ("trainer",)),
-    "transformers": Optional("transformers", ("trainer",)),
-    "matplotlib": Optional("matplotlib", ("trainer",)),
-    "yaml": Optional("pyyaml", ("trainer",)),
-    "mlx": Optional("mlx", ("worker",)),  # with mlx-lm
-    "mlx_lm": Optional("mlx-lm", ("worker",)),
-    "tomli_w": Optional("tomli-w", ("worker",)),
-    "bm25s": Optional("bm25s", ("worker", "trainer")),
-    "Stemmer": Optional("PyStemmer", ("worker", "trainer")),
-    "math_verify": Optional("math-verify", ("worker", "trainer")),
-    "wandb": Optional("wandb", ("wandb",)),
+OPTIONAL: dict[str, FromExtra] = {
+    "torch": FromExtra("torch", ("trainer",)),
+    "transformers": FromExtra("transformers", ("trainer",)),
+    "matplotlib": FromExtra("matplotlib", ("trainer",)),
+    "yaml": FromExtra("pyyaml", ("trainer",)),
+    "mlx": FromExtra("mlx", ("worker",)),  # with mlx-lm
+    "mlx_lm": FromExtra("mlx-lm", ("worker",)),
+    "tomli_w": FromExtra("tomli-w", ("worker",)),
+    "bm25s": FromExtra("bm25s", ("worker", "trainer")),
+    "Stemmer": FromExtra("PyStemmer", ("worker", "trainer")),
+    "math_verify": FromExtra("math-verify", ("worker", "trainer")),
+    "wandb": FromExtra("wandb", ("wandb",)),
 }
 
 
