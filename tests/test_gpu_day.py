@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.hidden_modules import run_hiding
 from tests.scripts_loader import SCRIPTS, load_script
 
 gpu_day = load_script("gpu_day")
@@ -227,21 +228,6 @@ def test_the_command_prints_one_line_per_check(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["checks"]["device_delta"]["deltas_mismatched"] == 0
 
 
-#: Run in a fresh interpreter: gpu_day's checks with every installed module hidden whose package is
-#: none of `allowed` (a box with only torch and the listed wheels; stoa's own modules come
-#: from the checkout). Optional imports then fail as they would there and take their fallbacks.
-BARE_BOX = """
-import importlib.metadata, json, sys
-allowed = set(json.loads(sys.argv[1]))
-for top, dists in importlib.metadata.packages_distributions().items():
-    if top not in sys.modules and not {d.lower().replace("_", "-") for d in dists} & allowed:
-        sys.modules[top] = None  # import raises ModuleNotFoundError, find_spec says None: as if not installed
-sys.path.insert(0, sys.argv[2])
-import gpu_day
-sys.exit(gpu_day.main(sys.argv[3:]))
-"""
-
-
 def _normal(name: str) -> str:
     return name.lower().replace("_", "-")
 
@@ -270,9 +256,8 @@ def test_the_listed_wheels_are_all_a_bare_box_needs(tmp_path: Path) -> None:
     listed = {_normal(line.split("==")[0]) for path in gpu_day.WHEEL_LISTS for line in path.read_text().splitlines()
               if line.strip() and not line.startswith("#")}
     allowed = _with_requirements({"torch"}) | listed | {"slime-stoa"}
-    out = tmp_path / "day.json"
-    proc = subprocess.run([sys.executable, "-c", BARE_BOX, json.dumps(sorted(allowed)), str(SCRIPTS), *TINY,
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    out = tmp_path / "day.json"  # a box with only torch and the listed wheels, stoa from the checkout
+    proc = run_hiding("gpu_day:main", [*TINY, "--json", str(out)], only=allowed, path=[str(SCRIPTS)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["environment"]["missing"] == []

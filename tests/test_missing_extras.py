@@ -16,25 +16,14 @@ from packaging.requirements import Requirement
 from slime_stoa.cli import main as stoa_main
 from slime_stoa.protocol.extras import OPTIONAL, missing_line
 from slime_stoa.protocol.shell import extra_install_command
-
-#: Run in a fresh interpreter: `stoa` or `macd` with the modules named in argv[1] hidden, as when
-#: their packages are not installed.
-WITHOUT = """
-import sys
-for name in sys.argv[1].split(","):
-    sys.modules[name] = None
-if sys.argv[2] == "stoa":
-    from slime_stoa.cli import main
-else:
-    from macd.cli import main
-sys.exit(main(sys.argv[3:]))
-"""
+from tests.hidden_modules import run_hiding
 
 
 def run_without(hidden: str, program: str, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    """`stoa` or `macd` with the modules named in `hidden` (comma-separated) not installed."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
-    return subprocess.run([sys.executable, "-c", WITHOUT, hidden, program, *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    entry = "slime_stoa.cli:main" if program == "stoa" else "macd.cli:main"
+    return run_hiding(entry, args, hidden=hidden.split(","), env=env, timeout=300)
 
 
 def test_the_line_names_the_package_and_the_extra() -> None:
