@@ -24,7 +24,9 @@
 #                     asserts at every training step that the trainer's logprobs of the worker's
 #                     tokens are within GAP_LIMIT of the worker's (`--ci-test
 #                     --ci-train-rollout-logprob-abs-diff-threshold`, on the mean |gap| per token
-#                     that stoa's loss reports as train_rollout_logprob_abs_diff)
+#                     that stoa's loss reports as train_rollout_logprob_abs_diff); the metric must
+#                     be in the launch's tensorboard log (`--use-tensorboard`, TENSORBOARD_DIR), or
+#                     the gate never ran and the check fails
 #   convert_qwen2     `scripts/run_qwen25_gsm8k.sh --convert` on the tiny Qwen2 (its model args
 #                     written from config.json as slime's scripts/models/qwen2.5-*.sh are)
 #   e2e_qwen2         the same launch with slime's own Qwen2 model (no provider)
@@ -68,6 +70,7 @@ RAY_HEAD_IP=${RAY_HEAD_IP:-127.0.0.1}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
 SKIP_PREFLIGHT=${SKIP_PREFLIGHT:-0}
 GAP_LIMIT=${GAP_LIMIT:-0.5}
+GAP_METRIC=train/train_rollout_logprob_abs_diff  # stoa's loss reports it; slime's --ci-test gate asserts on it
 GROUP_SIZE=4
 ROLLOUT_BATCH_SIZE=4
 MAX_TOKENS=32
@@ -217,7 +220,7 @@ recipe() {  # CAP FAMILY ARGS...: the family's recipe with this check's settings
     REF_LOAD="$WORK/${family}_torch_dist" SAVE_DIR="$WORK/ckpt-$family" CONFIG_PATH="$WORK/ckpt-$family/stoa-config.yaml"
     NUM_GPUS=1 NUM_ROLLOUT="$NUM_ROLLOUT" ROLLOUT_BATCH_SIZE="$ROLLOUT_BATCH_SIZE" GROUP_SIZE="$GROUP_SIZE"
     GLOBAL_BATCH_SIZE=$((ROLLOUT_BATCH_SIZE * GROUP_SIZE)) TEMPERATURE=1.0 MAX_RESPONSE_LEN="$MAX_TOKENS"
-    STALENESS_LIMIT= REUSE_LIMIT= WANDB_PROJECT= SKIP_PREFLIGHT="$SKIP_PREFLIGHT"
+    STALENESS_LIMIT= REUSE_LIMIT= WANDB_PROJECT= SKIP_PREFLIGHT="$SKIP_PREFLIGHT" TENSORBOARD_DIR="$WORK/tb-$family"
     RAY_HEAD_IP="$RAY_HEAD_IP" RAY_DASHBOARD_PORT="$RAY_DASHBOARD_PORT"
   )
   if [ "$family" = qwen2 ]; then
@@ -289,8 +292,11 @@ e2e() {  # FAMILY: seed a run, start a worker, launch the recipe; 0 when it publ
   limited "$QUICK_TIMEOUT" "$WORKER_PYTHON" -m macd join "$url" --run "$run" --name "gpucheck-${family//_/-}" \
     --worker-id "gpucheck-${family//_/-}" --config "$WORK/worker-$family/macd.toml" --data-dir "$WORK/worker-$family/data" \
     --plane bf16 --batch 8 --no-check || return 1
-  # slime's own gate on the trainer-vs-worker gap (its KL check at step 0 expects no worker: off)
-  local gap=(-- --ci-test --ci-disable-kl-checker --ci-train-rollout-logprob-abs-diff-threshold "$GAP_LIMIT")
+  # slime's own gate on the trainer-vs-worker gap (its KL check at step 0 expects no worker: off); it
+  # asserts only when the metric reaches slime's log, so the metric is also written to tensorboard
+  # (TENSORBOARD_DIR, set by `recipe`) and looked for there after the launch
+  local gap=(-- --ci-test --ci-disable-kl-checker --ci-train-rollout-logprob-abs-diff-threshold "$GAP_LIMIT"
+    --use-tensorboard)
   local worker_cmd=("$WORKER_PYTHON" -m macd run --config "$WORK/worker-$family/macd.toml" --seed 1 --parent-pid $$)
   if [ "$DRY_RUN" = 1 ]; then
     printf '%q ' "${worker_cmd[@]}"
@@ -312,6 +318,9 @@ e2e() {  # FAMILY: seed a run, start a worker, launch the recipe; 0 when it publ
     || { echo "no weight version published in $bucket"; return 1; }
   echo "published weight version: v$version (worker log: $WORK/worker-$family/macd.log)"
   [ "$version" -ge "$NUM_ROLLOUT" ] || { echo "v$version < NUM_ROLLOUT=$NUM_ROLLOUT"; return 1; }
+  grep -a -q -r -- "$GAP_METRIC" "$WORK/tb-$family" 2>/dev/null \
+    || { echo "slime logged no $GAP_METRIC (tensorboard: $WORK/tb-$family): its gap gate (--ci-test) never ran"; return 1; }
+  echo "slime's gap gate ran: $GAP_METRIC within GAP_LIMIT=$GAP_LIMIT at every step (tensorboard: $WORK/tb-$family)"
 }
 
 bits() {  # FAMILY: the launch's last Megatron checkpoint, converted by slime's converter, is the

@@ -118,6 +118,9 @@ ENV_VARS="\"PYTHONPATH\": $(json_str "$WORKER_PYTHONPATH"), \"CUDA_DEVICE_MAX_CO
 if [ -n "${STOA_ENV_FILE:-}" ]; then
   ENV_VARS="${ENV_VARS}, \"STOA_ENV_FILE\": $(json_str "$STOA_ENV_FILE")"
 fi
+if [ -n "${TENSORBOARD_DIR:-}" ]; then  # where slime's --use-tensorboard writes (its own variable)
+  ENV_VARS="${ENV_VARS}, \"TENSORBOARD_DIR\": $(json_str "$TENSORBOARD_DIR")"
+fi
 RUNTIME_ENV_JSON="{\"env_vars\": {${ENV_VARS}}}"
 
 PATCH_CMD=("$PYTHON" "${STOA_DIR}/scripts/apply_slime_patches.py" "$SLIME_DIR" --check)

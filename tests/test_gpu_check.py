@@ -94,7 +94,8 @@ def test_dry_run_prints_each_recipes_conversion_before_its_launch_and_runs_nothi
             assert flags[flags.index(flag) + 1] == value, flag
         assert ("--custom-model-provider-path" in flags) is provider
         # slime's own gate on the trainer-vs-worker logprob gap, at every training step
-        assert flags[-4:] == ["--ci-test", "--ci-disable-kl-checker", "--ci-train-rollout-logprob-abs-diff-threshold", "0.5"]
+        assert flags[-5:] == ["--ci-test", "--ci-disable-kl-checker", "--ci-train-rollout-logprob-abs-diff-threshold", "0.5",
+                              "--use-tensorboard"]
         preflight = shlex.split(next(line for line in e2e if " preflight " in line))
         assert preflight[:2] == [f"{work}/bin/stoa", "preflight"] and preflight[preflight.index("--") + 1:] == flags[2:]
         join = shlex.split(next(line for line in e2e if " macd join " in line))
@@ -157,6 +158,10 @@ ref = flag("--ref-load")
 record = {"argv": args, "converted": os.path.exists(os.path.join(ref, "latest_checkpointed_iteration.txt"))}
 with open(os.path.join(os.path.dirname(ref), "train-" + os.path.basename(flag("--hf-checkpoint")) + ".json"), "w") as f:
     json.dump(record, f)
+if "--use-tensorboard" in args and os.environ.get("STAND_IN_LOGS_GAP", "1") == "1":  # slime's tensorboard scalars
+    os.makedirs(os.environ["TENSORBOARD_DIR"], exist_ok=True)
+    with open(os.path.join(os.environ["TENSORBOARD_DIR"], "events.out.tfevents.stand-in"), "wb") as f:
+        f.write(b"train/train_rollout_logprob_abs_diff")  # a scalar tag, as it sits in an event file
 if "lfm2" in ref:  # publishes the versions a trainer would (the pointer only); the Qwen2 one publishes none
     lines = open(flag("--custom-config-path")).read().splitlines()
     config = dict(line.split(": ", 1) for line in lines if not line.startswith("#"))
@@ -176,13 +181,10 @@ save.mkdir(parents=True)
 """
 
 
-@pytest.mark.slow
-def test_on_the_cpu_the_recipes_convert_then_launch_and_only_a_published_version_passes(tmp_path: Path) -> None:
-    """A stand-in GPU (`torch.cuda` answers), slime (its converter and train.py) and Ray (`ray job
-    submit` runs the entrypoint); the tiny models, the run, the worker and the recipes are real.
-    The LFM2 launch publishes v3 and passes; the Qwen2 launch exits 0 but publishes nothing: FAIL."""
-    from slime_stoa.trainer.slime.lfm2.flags import slime_model_args
-
+def _stand_in_box(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """gpu_check.sh with a stand-in GPU (`torch.cuda` answers), slime (its converter and train.py)
+    and Ray (`ray job submit` runs the entrypoint); the tiny models, the run, the worker and the
+    recipes are real. Its work folder is tmp_path / "work"."""
     slime = tmp_path / "slime"
     _executable(slime / "train.py", STAND_IN_TRAIN)
     _executable(slime / "tools" / "convert_hf_to_torch_dist.py", STAND_IN_CONVERTER)
@@ -202,14 +204,25 @@ case "$1 $2" in
   "job submit") while [ "$1" != -- ]; do shift; done; shift; exec "$@" ;;
 esac
 """)
+    return _gpu_check(path=f"{bin_dir}:{os.environ['PATH']}", WORK=str(tmp_path / "work"), PYTHON=str(python),
+                      WORKER_PYTHON=sys.executable, SLIME_DIR=str(slime), SKIP_PREFLIGHT="1", E2E_TIMEOUT="120", **env)
+
+
+@pytest.mark.slow
+def test_on_the_cpu_the_recipes_convert_then_launch_and_only_a_published_version_passes(tmp_path: Path) -> None:
+    """The LFM2 launch publishes v3, logs the gap metric and passes; the Qwen2 launch exits 0 but
+    publishes nothing: FAIL."""
+    from slime_stoa.trainer.slime.lfm2.flags import slime_model_args
+
     work = tmp_path / "work"
-    proc = _gpu_check(path=f"{bin_dir}:{os.environ['PATH']}", WORK=str(work), PYTHON=str(python),
-                      WORKER_PYTHON=sys.executable, SLIME_DIR=str(slime), SKIP_PREFLIGHT="1", E2E_TIMEOUT="120")
+    proc = _stand_in_box(tmp_path)
     results = _results(proc.stdout)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert [c for c, r in results.items() if r.startswith("PASS")] == [
         "gpu", "tiny_models", "worker_env", "convert_lfm2_moe", "e2e_lfm2_moe", "convert_qwen2"], proc.stdout
     assert "v0 < NUM_ROLLOUT=3" in (work / "e2e-qwen2.log").read_text()
+    assert f"slime's gap gate ran: train/train_rollout_logprob_abs_diff within GAP_LIMIT=0.5 at every step " \
+           f"(tensorboard: {work / 'tb-lfm2_moe'})" in (work / "e2e-lfm2_moe.log").read_text()
     # the bits check ran after the passed launch (the stand-in slime has no checkpoint converter)
     assert results["bits_lfm2_moe"].startswith("FAIL (") and results["bits_qwen2"] == "FAIL (not run: e2e_qwen2 did not pass)"
     assert "convert_torch_dist_to_hf.py does not exist" in (work / "bits-lfm2_moe.log").read_text()
@@ -227,7 +240,21 @@ esac
         launched = json.loads((work / f"train-{family}.json").read_text())
         assert launched["converted"]  # the launch came after its conversion, from its checkpoint
         assert launched["argv"][launched["argv"].index("--ref-load") + 1] == str(work / f"{family}_torch_dist")
+        assert "--use-tensorboard" in launched["argv"]
     assert "ray start --head" in (tmp_path / "ray.log").read_text()
+    assert '"TENSORBOARD_DIR": ' in (tmp_path / "ray.log").read_text()  # the Ray job gets it
+
+
+@pytest.mark.slow
+def test_a_launch_whose_gap_metric_never_reached_slimes_log_fails(tmp_path: Path) -> None:
+    """slime's --ci-test asserts on the gap only when the metric is in its log: a launch that
+    publishes every version but logged no gap metric is a FAIL, not a pass."""
+    proc = _stand_in_box(tmp_path, STAND_IN_LOGS_GAP="0")
+    results = _results(proc.stdout)
+    assert results["e2e_lfm2_moe"].startswith("FAIL ("), proc.stdout
+    log = (tmp_path / "work" / "e2e-lfm2_moe.log").read_text()
+    assert "published weight version: v3" in log
+    assert "slime logged no train/train_rollout_logprob_abs_diff" in log and "its gap gate (--ci-test) never ran" in log
 
 
 # -- the time budget ----------------------------------------------------------------------------------
