@@ -656,12 +656,12 @@ def bench_beside_generation(args: argparse.Namespace) -> dict[str, Any]:
         model, tokenizer = loaded[0], loaded[1]
         prompt = tokenizer.encode(passages[0][:200])
 
-        def generate(counts: list[int], stop: threading.Event | None, limit: int | None) -> None:
-            """Tokens (64 a call) until `stop` is set or `limit` tokens are made."""
-            while not (stop is not None and stop.is_set()) and (limit is None or counts[0] < limit):
+        def generate(counts: list[int], limit: int) -> None:
+            """`limit` tokens (64 a call), counted in `counts[0]` as they come."""
+            while counts[0] < limit:
                 for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=64):
                     counts[0] += 1
-                    if (stop is not None and stop.is_set()) or (limit is not None and counts[0] >= limit):
+                    if counts[0] >= limit:
                         break
 
         def search_all() -> float:
@@ -673,7 +673,7 @@ def bench_beside_generation(args: argparse.Namespace) -> dict[str, Any]:
 
         def tokens_alone() -> float:
             counts, t = [0], time.perf_counter()
-            generate(counts, None, args.tokens)
+            generate(counts, args.tokens)
             return counts[0] / (time.perf_counter() - t)
 
         beside_tokens: list[float] = []
@@ -682,7 +682,7 @@ def bench_beside_generation(args: argparse.Namespace) -> dict[str, Any]:
             """Queries/s while the model makes `--tokens` tokens on another thread (the queries
             cycle until it is done); the tokens/s it made meanwhile."""
             counts, done = [0], 0
-            thread = threading.Thread(target=generate, args=(counts, None, args.tokens))
+            thread = threading.Thread(target=generate, args=(counts, args.tokens))
             t = time.perf_counter()
             thread.start()
             while thread.is_alive() or not done:
